@@ -1,0 +1,82 @@
+//! The one encoding of filter ↔ sidecar bodies: bincode 2 (standard config) over serde.
+//!
+//! Everything goes through [`encode`] and [`decode`], so the codec can be swapped here alone.
+//!
+//! ```
+//! use kvgate_shared::{codec, wire::LifecycleBatch};
+//! let bytes = codec::encode(&LifecycleBatch::default()).unwrap();
+//! let back: LifecycleBatch = codec::decode(&bytes).unwrap();
+//! assert_eq!(back, LifecycleBatch::default());
+//! ```
+
+use serde::{de::DeserializeOwned, Serialize};
+
+/// The largest body [`decode`] accepts (a tokenizer bundle is ~12 MB).
+pub const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// Why a body could not be encoded or decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    /// The value could not be encoded.
+    #[error("encode: {0}")]
+    Encode(#[from] bincode::error::EncodeError),
+    /// The bytes are not a valid encoding of the expected type.
+    #[error("decode: {0}")]
+    Decode(#[from] bincode::error::DecodeError),
+    /// The body decoded, but bytes were left over.
+    #[error("decode: {0} trailing bytes")]
+    Trailing(usize),
+}
+
+fn config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<MAX_BODY_BYTES>()
+}
+
+/// Encodes a wire value.
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
+    Ok(bincode::serde::encode_to_vec(value, config())?)
+}
+
+/// Decodes a wire value; the whole input must be consumed.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    let (value, used) = bincode::serde::decode_from_slice(bytes, config())?;
+    if used != bytes.len() {
+        return Err(CodecError::Trailing(bytes.len() - used));
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{RouteRequest, RouteResponse};
+
+    #[test]
+    fn round_trips_route_messages() {
+        let req = RouteRequest {
+            request_id: "r1".into(),
+            model: "m".into(),
+            prompt_tokens: 42,
+            block_hashes: vec![u64::MAX, 0, 7],
+            block_size: 16,
+        };
+        assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
+        let resp = RouteResponse { endpoint: Some("127.0.0.1:1".into()), replica: None, overlap_blocks: 3 };
+        assert_eq!(decode::<RouteResponse>(&encode(&resp).unwrap()).unwrap(), resp);
+    }
+
+    #[test]
+    fn rejects_garbage_and_trailing_bytes() {
+        assert!(decode::<RouteRequest>(&[0xff; 3]).is_err());
+        let mut bytes = encode(&RouteResponse { endpoint: None, replica: None, overlap_blocks: 0 }).unwrap();
+        bytes.push(0);
+        assert!(matches!(decode::<RouteResponse>(&bytes), Err(CodecError::Trailing(1))));
+    }
+
+    #[test]
+    fn huge_declared_lengths_fail_instead_of_allocating() {
+        // A Vec<u64> claiming 2^60 elements.
+        let bytes = [0u8, 0, 0, 0, 0, 0xff, 0, 0, 0, 0, 0, 0, 0, 0x10];
+        assert!(decode::<RouteRequest>(&bytes).is_err());
+    }
+}

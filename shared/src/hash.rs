@@ -1,0 +1,130 @@
+//! Block hashing, compatible with NVIDIA Dynamo's KV router.
+//!
+//! A prompt is cut into blocks of `block_size` tokens; only full blocks are hashed.
+//!
+//! - The **local** hash of a block is `xxh3_64` over its `u32` tokens as little-endian bytes,
+//!   seeded with [`SEED`] (plus a LoRA salt, see [`Salt`]).
+//! - The **sequence** hash chains them: `seq[0] = local[0]` and
+//!   `seq[i] = xxh3_64(le(seq[i-1]) ‖ le(local[i]), SEED)`. A sequence hash therefore names a
+//!   whole prefix, which is what the index is keyed by.
+//!
+//! ```
+//! use kvgate_shared::hash::{local_block_hashes, sequence_hashes, Salt};
+//! let local = local_block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, Salt::NONE);
+//! assert_eq!(local, vec![14643705804678351452, 16777012769546811212]); // the 9th token is partial
+//! assert_eq!(sequence_hashes(&local)[1], 4945711292740353085);
+//! ```
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Dynamo's `XXH3_SEED`, used for local and chained hashes.
+pub const SEED: u64 = 1337;
+
+/// The seed adjustment that separates one namespace of blocks (a LoRA adapter) from another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Salt(u64);
+
+impl Salt {
+    /// No salt: the base model.
+    pub const NONE: Salt = Salt(0);
+
+    /// The salt for blocks computed under a LoRA adapter: `xxh3_64(lora_name, 0)`.
+    /// An empty or absent name is the base model.
+    pub fn for_lora(lora_name: Option<&str>) -> Salt {
+        match lora_name {
+            Some(name) if !name.is_empty() => Salt(xxh3_64_with_seed(name.as_bytes(), 0)),
+            _ => Salt::NONE,
+        }
+    }
+
+    /// The seed used for local block hashes under this salt.
+    pub fn seed(self) -> u64 {
+        SEED.wrapping_add(self.0)
+    }
+}
+
+/// The local hash of one block's tokens.
+pub fn local_block_hash(tokens: &[u32], salt: Salt) -> u64 {
+    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes, salt.seed())
+}
+
+/// Local hashes of every full block of `tokens`. A trailing partial block is ignored.
+///
+/// # Panics
+/// If `block_size` is 0.
+pub fn local_block_hashes(tokens: &[u32], block_size: usize, salt: Salt) -> Vec<u64> {
+    assert!(block_size > 0, "block_size must be positive");
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| local_block_hash(block, salt))
+        .collect()
+}
+
+/// The next sequence hash after `parent` (None for the first block).
+pub fn next_sequence_hash(parent: Option<u64>, local: u64) -> u64 {
+    match parent {
+        None => local,
+        Some(parent) => {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&parent.to_le_bytes());
+            bytes[8..].copy_from_slice(&local.to_le_bytes());
+            xxh3_64_with_seed(&bytes, SEED)
+        }
+    }
+}
+
+/// Chains local hashes into sequence hashes, starting from the root.
+pub fn sequence_hashes(local: &[u64]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(local.len());
+    let mut parent = None;
+    for &l in local {
+        let h = next_sequence_hash(parent, l);
+        out.push(h);
+        parent = Some(h);
+    }
+    out
+}
+
+/// Sequence hashes of every full block of `tokens`: what the filter sends and the index keys by.
+pub fn prompt_block_hashes(tokens: &[u32], block_size: usize, salt: Salt) -> Vec<u64> {
+    sequence_hashes(&local_block_hashes(tokens, block_size, salt))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dynamo_test_vectors() {
+        assert_eq!(local_block_hash(&[1, 2, 3, 4], Salt::NONE), 14643705804678351452);
+        assert_eq!(local_block_hash(&[5, 6, 7, 8], Salt::NONE), 16777012769546811212);
+        let seq = prompt_block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, Salt::NONE);
+        assert_eq!(seq, vec![14643705804678351452, 4945711292740353085]);
+    }
+
+    #[test]
+    fn lora_salt_matches_dynamo() {
+        let salt = Salt::for_lora(Some("my-lora"));
+        assert_eq!(salt.seed(), 12827409268353072861);
+        assert_eq!(local_block_hash(&[1, 2, 3, 4], salt), 15671544057904749233);
+        assert_eq!(Salt::for_lora(Some("")), Salt::NONE);
+        assert_eq!(Salt::for_lora(None), Salt::NONE);
+    }
+
+    #[test]
+    fn only_full_blocks_are_hashed() {
+        assert!(prompt_block_hashes(&[1, 2, 3], 4, Salt::NONE).is_empty());
+        assert_eq!(prompt_block_hashes(&[1, 2, 3, 4, 5], 4, Salt::NONE).len(), 1);
+    }
+
+    #[test]
+    fn sequence_hash_names_the_whole_prefix() {
+        let a = prompt_block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, Salt::NONE);
+        let b = prompt_block_hashes(&[9, 2, 3, 4, 5, 6, 7, 8], 4, Salt::NONE);
+        assert_ne!(a[1], b[1], "same second block under a different prefix must differ");
+    }
+}

@@ -1,0 +1,313 @@
+//! Chat requests: the conversation, tools and template kwargs exactly as vLLM hands them to
+//! the chat template (`renderers/chat_utils.py`, `renderers/params.py` in vLLM 0.32).
+//!
+//! The rules implemented here, each visible in the prompt ids:
+//! - list content (OpenAI content parts) becomes its non-empty text parts joined with `"\n"`;
+//!   `null` content becomes `""`;
+//! - only `role`, `content`, `name`, and per role `tool_calls`/`reasoning`/`tool_call_id` survive;
+//! - tool-call `arguments` strings are parsed into objects (invalid or non-object → `{}`), so
+//!   the template re-serialises them;
+//! - tools are re-serialised in OpenAI's canonical key order, `description`/`parameters`
+//!   always present;
+//! - `add_generation_prompt`/`continue_final_message` top-level fields beat
+//!   `chat_template_kwargs`; `null` and `"auto"` kwargs are dropped; `reasoning_effort` implies
+//!   `enable_thinking`.
+
+use serde_json::{json, Map, Value};
+
+use super::PromptError;
+
+/// A chat request, normalised and ready for [`super::template::ChatTemplate::render`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatInput {
+    /// Normalised messages.
+    pub messages: Vec<Value>,
+    /// Normalised tools, if the request has any.
+    pub tools: Option<Vec<Value>>,
+    /// Whether to append the assistant header (vLLM default `true`).
+    pub add_generation_prompt: bool,
+    /// Whether to leave the last message open (vLLM default `false`).
+    pub continue_final_message: bool,
+    /// Whether the tokenizer adds special tokens to the rendered text (chat default `false`).
+    pub add_special_tokens: bool,
+    /// Every other template variable (`enable_thinking`, `documents`, …).
+    pub kwargs: Map<String, Value>,
+}
+
+impl ChatInput {
+    /// Reads and normalises the chat part of a `/v1/chat/completions` body.
+    pub fn from_request(obj: &Map<String, Value>) -> Result<ChatInput, PromptError> {
+        let messages = match obj.get("messages") {
+            Some(Value::Array(ms)) if !ms.is_empty() => {
+                ms.iter().map(normalize_message).collect::<Result<Vec<_>, _>>()?
+            }
+            _ => return Err(PromptError::Invalid("`messages` must be a non-empty array".into())),
+        };
+        let tools = match obj.get("tools") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(ts)) if ts.is_empty() => {
+                return Err(PromptError::Invalid("`tools` must not be empty".into()))
+            }
+            Some(Value::Array(ts)) => Some(ts.iter().map(normalize_tool).collect::<Result<_, _>>()?),
+            Some(_) => return Err(PromptError::Invalid("`tools` must be an array".into())),
+        };
+        let flag = |key: &str, default: bool| -> Result<bool, PromptError> {
+            match obj.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(_) => Err(PromptError::Invalid(format!("`{key}` must be a boolean"))),
+            }
+        };
+        let add_generation_prompt = flag("add_generation_prompt", true)?;
+        let continue_final_message = flag("continue_final_message", false)?;
+        if add_generation_prompt && continue_final_message {
+            return Err(PromptError::Invalid(
+                "cannot set both `continue_final_message` and `add_generation_prompt`".into(),
+            ));
+        }
+        let add_special_tokens = flag("add_special_tokens", false)?;
+
+        let mut kwargs = Map::new();
+        match obj.get("chat_template_kwargs") {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(kw)) => {
+                for (k, v) in kw {
+                    if !is_dropped_kwarg(v) {
+                        kwargs.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+            Some(_) => return Err(PromptError::Invalid("`chat_template_kwargs` must be an object".into())),
+        }
+        for key in ["documents", "reasoning_effort"] {
+            if let Some(v) = obj.get(key).filter(|v| !is_dropped_kwarg(v)) {
+                kwargs.insert(key.to_owned(), v.clone());
+            }
+        }
+        if let Some(effort) = obj.get("reasoning_effort").and_then(Value::as_str) {
+            if !kwargs.contains_key("enable_thinking") {
+                kwargs.insert("enable_thinking".into(), Value::Bool(effort != "none"));
+            }
+        }
+        Ok(ChatInput { messages, tools, add_generation_prompt, continue_final_message, add_special_tokens, kwargs })
+    }
+}
+
+fn is_dropped_kwarg(v: &Value) -> bool {
+    v.is_null() || v.as_str() == Some("auto")
+}
+
+/// The text of a message's `content` for a string-format template.
+fn text_content(content: Option<&Value>) -> Result<String, PromptError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::new();
+            for part in parts {
+                let text = match part {
+                    Value::String(s) => Some(s.as_str()),
+                    Value::Object(p) => match p.get("type").and_then(Value::as_str) {
+                        Some(kind @ ("text" | "input_text" | "output_text" | "refusal" | "thinking")) => {
+                            p.get(kind_field(kind)).and_then(Value::as_str)
+                        }
+                        Some(other) => {
+                            return Err(PromptError::Invalid(format!("content part `{other}` is not supported by a text-only model")))
+                        }
+                        None => return Err(PromptError::Invalid("content part without `type`".into())),
+                    },
+                    _ => return Err(PromptError::Invalid("content part must be an object or string".into())),
+                };
+                if let Some(t) = text.filter(|t| !t.is_empty()) {
+                    texts.push(t);
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        Some(_) => Err(PromptError::Invalid("`content` must be a string, a list or null".into())),
+    }
+}
+
+fn kind_field(kind: &str) -> &str {
+    match kind {
+        "refusal" => "refusal",
+        "thinking" => "thinking",
+        _ => "text",
+    }
+}
+
+fn normalize_message(message: &Value) -> Result<Value, PromptError> {
+    let Value::Object(m) = message else {
+        return Err(PromptError::Invalid("each message must be an object".into()));
+    };
+    let role = m
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or_else(|| PromptError::Invalid("message `role` must be a string".into()))?;
+    let mut out = Map::new();
+    out.insert("role".into(), Value::String(role.to_owned()));
+    out.insert("content".into(), Value::String(text_content(m.get("content"))?));
+    if let Some(Value::String(name)) = m.get("name") {
+        out.insert("name".into(), Value::String(name.clone()));
+    }
+    match role {
+        "assistant" => {
+            if let Some(Value::Array(calls)) = m.get("tool_calls") {
+                if !calls.is_empty() {
+                    let calls = calls.iter().map(normalize_tool_call).collect::<Result<Vec<_>, _>>()?;
+                    out.insert("tool_calls".into(), Value::Array(calls));
+                }
+            }
+            let reasoning = m.get("reasoning").or_else(|| m.get("reasoning_content"));
+            if let Some(Value::String(r)) = reasoning {
+                out.insert("reasoning".into(), Value::String(r.clone()));
+                out.insert("reasoning_content".into(), Value::String(r.clone()));
+            }
+        }
+        "tool" => {
+            if let Some(Value::String(id)) = m.get("tool_call_id") {
+                out.insert("tool_call_id".into(), Value::String(id.clone()));
+            }
+        }
+        _ => {}
+    }
+    Ok(Value::Object(out))
+}
+
+fn normalize_tool_call(call: &Value) -> Result<Value, PromptError> {
+    let invalid = |why: &str| PromptError::Invalid(format!("tool call: {why}"));
+    let Value::Object(c) = call else { return Err(invalid("must be an object")) };
+    if c.get("type").and_then(Value::as_str).unwrap_or("function") != "function" {
+        return Err(invalid("`type` must be \"function\""));
+    }
+    let Some(Value::Object(f)) = c.get("function") else { return Err(invalid("`function` must be an object")) };
+    let Some(Value::String(arguments)) = f.get("arguments") else {
+        return Err(invalid("`function.arguments` must be a string"));
+    };
+    let arguments = match serde_json::from_str::<Value>(arguments) {
+        Ok(Value::Object(args)) => Value::Object(args),
+        _ => Value::Object(Map::new()),
+    };
+    let mut out = c.clone();
+    let mut function = f.clone();
+    function.insert("arguments".into(), arguments);
+    out.insert("function".into(), Value::Object(function));
+    Ok(Value::Object(out))
+}
+
+fn normalize_tool(tool: &Value) -> Result<Value, PromptError> {
+    let invalid = |why: &str| PromptError::Invalid(format!("tool: {why}"));
+    let Value::Object(t) = tool else { return Err(invalid("must be an object")) };
+    let Some(Value::Object(f)) = t.get("function") else { return Err(invalid("`function` must be an object")) };
+    let Some(Value::String(name)) = f.get("name") else { return Err(invalid("`function.name` must be a string")) };
+    let mut function = Map::new();
+    function.insert("name".into(), Value::String(name.clone()));
+    function.insert("description".into(), f.get("description").cloned().unwrap_or(Value::Null));
+    function.insert("parameters".into(), f.get("parameters").cloned().unwrap_or(Value::Null));
+    for optional in ["strict", "defer_loading"] {
+        if let Some(v) = f.get(optional).filter(|v| !v.is_null()) {
+            function.insert(optional.into(), v.clone());
+        }
+    }
+    Ok(json!({"type": "function", "function": Value::Object(function)}))
+}
+
+/// vLLM's last step before rendering: `developer` messages become `system` unless the template
+/// knows the role, then all system messages merge into one at position 0 (texts joined `"\n\n"`).
+pub fn consolidate_system_messages(messages: &[Value], template_knows_developer: bool) -> Vec<Value> {
+    let role_of = |m: &Value| m.get("role").and_then(Value::as_str).unwrap_or("").to_owned();
+    let mut system_texts = Vec::new();
+    let mut rest = Vec::with_capacity(messages.len());
+    for m in messages {
+        let role = role_of(m);
+        if role == "system" || (role == "developer" && !template_knows_developer) {
+            system_texts.push(m.get("content").and_then(Value::as_str).unwrap_or("").to_owned());
+        } else {
+            rest.push(m.clone());
+        }
+    }
+    if system_texts.is_empty() {
+        return rest;
+    }
+    let mut out = Vec::with_capacity(rest.len() + 1);
+    out.push(json!({"role": "system", "content": system_texts.join("\n\n")}));
+    out.extend(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: Value) -> Result<ChatInput, PromptError> {
+        ChatInput::from_request(body.as_object().unwrap())
+    }
+
+    #[test]
+    fn content_parts_join_with_newline_and_drop_empty() {
+        let c = chat(json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "text", "text": ""}, {"type": "text", "text": "b"}]}]}))
+        .unwrap();
+        assert_eq!(c.messages[0]["content"], "a\nb");
+        let c = chat(json!({"messages": [{"role": "user", "content": null, "extra": 1}]})).unwrap();
+        assert_eq!(c.messages[0], json!({"role": "user", "content": ""}));
+    }
+
+    #[test]
+    fn tool_call_arguments_are_parsed() {
+        let c = chat(json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}},
+            {"id": "2", "type": "function", "function": {"name": "g", "arguments": "[1,2]"}}]}]}))
+        .unwrap();
+        assert_eq!(c.messages[0]["tool_calls"][0]["function"]["arguments"], json!({"a": 1}));
+        assert_eq!(c.messages[0]["tool_calls"][1]["function"]["arguments"], json!({}));
+    }
+
+    #[test]
+    fn kwargs_precedence() {
+        let c = chat(json!({"messages": [{"role": "user", "content": "x"}],
+            "chat_template_kwargs": {"add_generation_prompt": false, "enable_thinking": false, "x": "auto"},
+            "reasoning_effort": "none"}))
+        .unwrap();
+        assert!(c.add_generation_prompt, "top-level default wins over kwargs");
+        assert_eq!(c.kwargs.get("enable_thinking"), Some(&Value::Bool(false)));
+        assert!(!c.kwargs.contains_key("x"));
+        let c = chat(json!({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"})).unwrap();
+        assert_eq!(c.kwargs.get("enable_thinking"), Some(&Value::Bool(true)));
+    }
+
+    #[test]
+    fn invalid_chats_are_rejected() {
+        for body in [
+            json!({"messages": []}),
+            json!({"messages": [{"content": "x"}]}),
+            json!({"messages": [{"role": "user", "content": "x"}], "tools": []}),
+            json!({"messages": [{"role": "user", "content": "x"}], "continue_final_message": true}),
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]}),
+        ] {
+            assert!(chat(body.clone()).is_err(), "{body} should be rejected");
+        }
+    }
+
+    #[test]
+    fn tools_get_canonical_shape() {
+        let c = chat(json!({"messages": [{"role": "user", "content": "x"}],
+            "tools": [{"function": {"parameters": {"b": 1, "a": 2}, "name": "f", "junk": 1}, "type": "function"}]}))
+        .unwrap();
+        let t = serde_json::to_string(&c.tools.unwrap()[0]).unwrap();
+        assert_eq!(t, r#"{"type":"function","function":{"name":"f","description":null,"parameters":{"b":1,"a":2}}}"#);
+    }
+
+    #[test]
+    fn system_and_developer_messages_merge_first() {
+        let ms = vec![
+            json!({"role": "user", "content": "u"}),
+            json!({"role": "system", "content": "s1"}),
+            json!({"role": "developer", "content": "d"}),
+        ];
+        let out = consolidate_system_messages(&ms, false);
+        assert_eq!(out, vec![json!({"role": "system", "content": "s1\n\nd"}), json!({"role": "user", "content": "u"})]);
+        assert_eq!(consolidate_system_messages(&ms, true).len(), 3);
+    }
+}

@@ -1,0 +1,36 @@
+//! Request → prompt token ids, the way vLLM does it (see `docs/` and
+//! `../shared/docs/vllm-chat-rendering.md` for the rules this follows).
+//!
+//! The pipeline is pure: bytes in, token ids out, no I/O. The filter runs it inside Envoy, the
+//! simulator runs it to count `usage.prompt_tokens`, and the CLI runs it for debugging, so all
+//! three always agree.
+//!
+//! 1. [`openai::parse`] reads the OpenAI body into a [`openai::ParsedRequest`].
+//! 2. [`chat`] normalises chat messages and tools as vLLM's renderer does.
+//! 3. [`template::ChatTemplate`] renders them with the model's Jinja template.
+//! 4. [`tokenizer::ModelTokenizer`] encodes the text (or passes token ids through).
+
+pub mod chat;
+pub mod openai;
+pub mod template;
+pub mod tokenizer;
+
+/// Why a request could not be turned into tokens. The filter fails open on every one of them.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    /// The body is not JSON, or not an object.
+    #[error("body is not a JSON object: {0}")]
+    Json(String),
+    /// A field has the wrong type or value (what vLLM answers 400 for).
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// The chat template failed to compile or render.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// The model has no chat template but a chat request arrived.
+    #[error("model has no chat template")]
+    NoTemplate,
+    /// The tokenizer failed to load or encode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+}

@@ -1,0 +1,174 @@
+//! Reading an OpenAI `/v1/completions` or `/v1/chat/completions` body.
+//!
+//! Unknown fields are ignored, as vLLM does; only what decides the prompt tokens is read.
+
+use serde_json::{Map, Value};
+
+use super::{chat, PromptError};
+
+/// Which OpenAI endpoint a body was sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/completions`
+    Completions,
+    /// `POST /v1/chat/completions`
+    ChatCompletions,
+}
+
+impl Endpoint {
+    /// The endpoint for a request path (query string allowed), or `None` if kvgate does not route it.
+    ///
+    /// ```
+    /// use kvgate_shared::prompt::openai::Endpoint;
+    /// assert_eq!(Endpoint::from_path("/v1/chat/completions?x=1"), Some(Endpoint::ChatCompletions));
+    /// assert_eq!(Endpoint::from_path("/v1/models"), None);
+    /// ```
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        match path.split('?').next().unwrap_or("") {
+            "/v1/completions" => Some(Endpoint::Completions),
+            "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
+            _ => None,
+        }
+    }
+}
+
+/// What the prompt is, before tokenization.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// A completions string prompt.
+    Text {
+        /// The prompt text.
+        text: String,
+        /// vLLM's default for completions is `true`.
+        add_special_tokens: bool,
+    },
+    /// A completions prompt given as token ids: used verbatim.
+    Tokens(Vec<u32>),
+    /// A chat conversation, already normalised as vLLM does.
+    Chat(chat::ChatInput),
+}
+
+/// The parts of an OpenAI request that routing needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedRequest {
+    /// The `model` field.
+    pub model: String,
+    /// The prompt to tokenize. For a list of prompts, the first one (see `prompt_count`).
+    pub prompt: Prompt,
+    /// How many prompts the request carries (a completions list gives one engine request each).
+    pub prompt_count: usize,
+    /// `max_completion_tokens`, else `max_tokens`.
+    pub max_tokens: Option<u32>,
+    /// Whether the response streams (SSE).
+    pub stream: bool,
+}
+
+/// Parses a request body for `endpoint`.
+///
+/// ```
+/// use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
+/// let req = parse(Endpoint::Completions, br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+/// assert_eq!(req.prompt, Prompt::Tokens(vec![1, 2, 3]));
+/// assert!(parse(Endpoint::Completions, b"{not json").is_err());
+/// ```
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| PromptError::Json(e.to_string()))?;
+    let Value::Object(obj) = value else {
+        return Err(PromptError::Json("top level is not an object".into()));
+    };
+    let model = match obj.get("model") {
+        Some(Value::String(m)) => m.clone(),
+        _ => return Err(PromptError::Invalid("`model` must be a string".into())),
+    };
+    let max_tokens = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| obj.get(*k).and_then(Value::as_u64))
+        .map(|n| n.min(u32::MAX as u64) as u32);
+    let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let (prompt, prompt_count) = match endpoint {
+        Endpoint::Completions => completion_prompt(&obj)?,
+        Endpoint::ChatCompletions => (Prompt::Chat(chat::ChatInput::from_request(&obj)?), 1),
+    };
+    Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream })
+}
+
+fn completion_prompt(obj: &Map<String, Value>) -> Result<(Prompt, usize), PromptError> {
+    let add_special_tokens = obj.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true);
+    let text = |s: &str| {
+        if s.is_empty() {
+            Err(PromptError::Invalid("`prompt` must not be empty".into()))
+        } else {
+            Ok(Prompt::Text { text: s.to_owned(), add_special_tokens })
+        }
+    };
+    match obj.get("prompt") {
+        Some(Value::String(s)) => Ok((text(s)?, 1)),
+        Some(Value::Array(items)) if items.is_empty() => {
+            Err(PromptError::Invalid("you must pass at least one prompt".into()))
+        }
+        Some(Value::Array(items)) => match &items[0] {
+            Value::String(_) | Value::Array(_) => {
+                let first = match &items[0] {
+                    Value::String(s) => text(s)?,
+                    Value::Array(ids) => Prompt::Tokens(token_ids(ids)?),
+                    _ => unreachable!("matched above"),
+                };
+                Ok((first, items.len()))
+            }
+            _ => Ok((Prompt::Tokens(token_ids(items)?), 1)),
+        },
+        _ => Err(PromptError::Invalid("`prompt` must be a string, token ids or a list of them".into())),
+    }
+}
+
+fn token_ids(items: &[Value]) -> Result<Vec<u32>, PromptError> {
+    if items.is_empty() {
+        return Err(PromptError::Invalid("token prompt must not be empty".into()));
+    }
+    items
+        .iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| PromptError::Invalid(format!("token id {v} is not a u32")))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completion(body: &str) -> Result<ParsedRequest, PromptError> {
+        parse(Endpoint::Completions, body.as_bytes())
+    }
+
+    #[test]
+    fn completions_prompt_shapes() {
+        let r = completion(r#"{"model":"m","prompt":"hi","max_tokens":5,"stream":true}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Text { text: "hi".into(), add_special_tokens: true });
+        assert_eq!((r.max_tokens, r.stream, r.prompt_count), (Some(5), true, 1));
+        let r = completion(r#"{"model":"m","prompt":["a","b","c"]}"#).unwrap();
+        assert_eq!((r.prompt_count, r.prompt), (3, Prompt::Text { text: "a".into(), add_special_tokens: true }));
+        let r = completion(r#"{"model":"m","prompt":[[7,8],[9]]}"#).unwrap();
+        assert_eq!((r.prompt_count, r.prompt), (2, Prompt::Tokens(vec![7, 8])));
+        let r = completion(r#"{"model":"m","prompt":"x","add_special_tokens":false,"unknown":{"a":1}}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Text { text: "x".into(), add_special_tokens: false });
+    }
+
+    #[test]
+    fn bad_bodies_are_errors() {
+        for body in [
+            "",
+            "[]",
+            r#"{"prompt":"x"}"#,
+            r#"{"model":"m","prompt":""}"#,
+            r#"{"model":"m","prompt":[]}"#,
+            r#"{"model":"m","prompt":[-1]}"#,
+            r#"{"model":"m","prompt":[1.5]}"#,
+            r#"{"model":"m","prompt":{"a":1}}"#,
+        ] {
+            assert!(completion(body).is_err(), "{body} should be rejected");
+        }
+    }
+}

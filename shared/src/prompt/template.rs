@@ -1,0 +1,180 @@
+//! Rendering a chat template the way transformers' `apply_chat_template` does.
+//!
+//! transformers renders with a Jinja2 sandbox configured with `trim_blocks` and `lstrip_blocks`,
+//! adds `raise_exception`, `strftime_now` and a `tojson` that is Python's
+//! `json.dumps(ensure_ascii=False)` (`", "` and `": "` separators, keys in insertion order).
+//! minijinja plus its Python-compatibility methods (`.startswith`, `.strip`, …) gives the same
+//! text; the few differences that matter are implemented here.
+
+use minijinja::value::Kwargs;
+use minijinja::{Environment, Error, ErrorKind, Value};
+use serde::Serialize;
+use serde_json::{Map, Value as Json};
+
+use super::chat::{consolidate_system_messages, ChatInput};
+use super::PromptError;
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// A compiled chat template. Compile once per model, render per request.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    knows_developer_role: bool,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").finish_non_exhaustive()
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `source` with the model's special tokens.
+    pub fn new(source: &str, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self, PromptError> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| PromptError::Template(e.to_string()))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+            .map_err(|e| PromptError::Template(e.to_string()))?;
+        let knows_developer_role = source.contains("\"developer\"") || source.contains("'developer'");
+        Ok(ChatTemplate { env, knows_developer_role, bos_token, eos_token })
+    }
+
+    /// Renders a normalised chat into the prompt text.
+    pub fn render(&self, chat: &ChatInput) -> Result<String, PromptError> {
+        let messages = consolidate_system_messages(&chat.messages, self.knows_developer_role);
+        let mut ctx: Map<String, Json> = Map::new();
+        for (k, v) in &chat.kwargs {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert("messages".into(), Json::Array(messages.clone()));
+        if let Some(tools) = &chat.tools {
+            ctx.insert("tools".into(), Json::Array(tools.clone()));
+        }
+        ctx.insert("add_generation_prompt".into(), Json::Bool(chat.add_generation_prompt));
+        ctx.insert("continue_final_message".into(), Json::Bool(chat.continue_final_message));
+        for (key, token) in [("bos_token", &self.bos_token), ("eos_token", &self.eos_token)] {
+            if let Some(t) = token {
+                ctx.insert(key.into(), Json::String(t.clone()));
+            }
+        }
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| PromptError::Template(e.to_string()))?;
+        let rendered = template
+            .render(Value::from(minijinja::value::Serde(&ctx)))
+            .map_err(|e| PromptError::Template(format!("{e:#}")))?;
+        if chat.continue_final_message {
+            continue_final(rendered, &messages)
+        } else {
+            Ok(rendered)
+        }
+    }
+}
+
+/// transformers' `continue_final_message`: cut the text right after the final message's content.
+fn continue_final(rendered: String, messages: &[Json]) -> Result<String, PromptError> {
+    let last = messages
+        .last()
+        .and_then(|m| m.get("content"))
+        .and_then(Json::as_str)
+        .unwrap_or("")
+        .trim();
+    match rendered.rfind(last) {
+        Some(at) => Ok(rendered[..at + last.len()].to_owned()),
+        None => Err(PromptError::Template(
+            "continue_final_message: the final message does not appear in the rendered chat".into(),
+        )),
+    }
+}
+
+fn raise_exception(message: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// Python's `json.dumps(value, ensure_ascii=False)` formatting: `", "` and `": "`.
+struct PythonFormatter;
+
+impl serde_json::ser::Formatter for PythonFormatter {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if first { Ok(()) } else { w.write_all(b", ") }
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+}
+
+/// The `tojson` filter of transformers' environment (optional `indent=N`).
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = Vec::new();
+    let result = match indent {
+        None => value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter)),
+        Some(n) => {
+            let pad = vec![b' '; n];
+            let formatter = serde_json::ser::PrettyFormatter::with_indent(&pad);
+            value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, formatter))
+        }
+    };
+    result.map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let text = String::from_utf8(out).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(Value::from_safe_string(text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn render(source: &str, body: Json) -> Result<String, PromptError> {
+        let chat = ChatInput::from_request(body.as_object().unwrap()).unwrap();
+        ChatTemplate::new(source, Some("<s>".into()), Some("</s>".into()))?.render(&chat)
+    }
+
+    #[test]
+    fn tojson_is_pythons_json_dumps() {
+        let out = render(
+            "{{ messages[0].tool_calls[0].function.arguments | tojson }}",
+            json!({"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                "function": {"name": "f", "arguments": "{\"b\":[1,2],\"a\":\"ü<\"}"}}]}]}),
+        )
+        .unwrap();
+        assert_eq!(out, r#"{"b": [1, 2], "a": "ü<"}"#);
+    }
+
+    #[test]
+    fn trims_blocks_and_knows_special_tokens() {
+        let src = "{{ bos_token }}{% for m in messages %}\n  {% if true %}{{ m.role }}:{{ m.content.strip() }}{% endif %}\n{% endfor %}{{ eos_token }}";
+        let out = render(src, json!({"messages": [{"role": "user", "content": "  hi  "}]})).unwrap();
+        assert_eq!(out, "<s>user:hi</s>"); // what Jinja2 gives
+    }
+
+    #[test]
+    fn raise_exception_is_an_error() {
+        let err = render("{{ raise_exception('nope') }}", json!({"messages": [{"role": "user", "content": "x"}]}));
+        assert!(matches!(err, Err(PromptError::Template(m)) if m.contains("nope")));
+    }
+
+    #[test]
+    fn continue_final_message_cuts_after_last_content() {
+        let src = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}";
+        let out = render(
+            src,
+            json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "partial "}],
+                   "continue_final_message": true, "add_generation_prompt": false}),
+        )
+        .unwrap();
+        assert_eq!(out, "<user>q</user><assistant>partial");
+    }
+}

@@ -1,0 +1,117 @@
+//! A model's tokenizer plus chat template: turns a parsed request into prompt token ids.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::openai::{ParsedRequest, Prompt};
+use super::template::ChatTemplate;
+use super::PromptError;
+use crate::wire::ModelBundle;
+
+/// The model's `tokenizer.json` and chat template, loaded and compiled.
+pub struct ModelTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for ModelTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelTokenizer").field("has_template", &self.template.is_some()).finish()
+    }
+}
+
+impl ModelTokenizer {
+    /// Loads from a bundle as served by the sidecar.
+    pub fn from_bundle(bundle: &ModelBundle) -> Result<Self, PromptError> {
+        let tokenizer = tokenizers::Tokenizer::from_bytes(bundle.tokenizer_json.as_bytes())
+            .map_err(|e| PromptError::Tokenizer(e.to_string()))?;
+        let template = bundle
+            .chat_template
+            .as_deref()
+            .map(|src| ChatTemplate::new(src, bundle.bos_token.clone(), bundle.eos_token.clone()))
+            .transpose()?;
+        Ok(ModelTokenizer { tokenizer, template })
+    }
+
+    /// The prompt token ids vLLM would compute for this request.
+    pub fn prompt_tokens(&self, request: &ParsedRequest) -> Result<Vec<u32>, PromptError> {
+        match &request.prompt {
+            Prompt::Tokens(ids) => Ok(ids.clone()),
+            Prompt::Text { text, add_special_tokens } => self.encode(text, *add_special_tokens),
+            Prompt::Chat(chat) => {
+                let template = self.template.as_ref().ok_or(PromptError::NoTemplate)?;
+                let text = template.render(chat)?;
+                self.encode(&text, chat.add_special_tokens)
+            }
+        }
+    }
+
+    /// Encodes text with the model's tokenizer.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
+        let encoding = self
+            .tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| PromptError::Tokenizer(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Decodes token ids to text (used by the simulator to produce output text).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, PromptError> {
+        self.tokenizer.decode(ids, true).map_err(|e| PromptError::Tokenizer(e.to_string()))
+    }
+
+    /// The vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+}
+
+impl ModelBundle {
+    /// Reads a Hugging Face model directory: `tokenizer.json` and, if present,
+    /// `tokenizer_config.json` (for `chat_template`, `bos_token`, `eos_token`).
+    pub fn from_dir(model: &str, dir: &Path, block_size: u32) -> Result<ModelBundle, PromptError> {
+        let read = |name: &str| {
+            std::fs::read_to_string(dir.join(name))
+                .map_err(|e| PromptError::Tokenizer(format!("{}: {e}", dir.join(name).display())))
+        };
+        let tokenizer_json = read("tokenizer.json")?;
+        let config: Value = if dir.join("tokenizer_config.json").exists() {
+            serde_json::from_str(&read("tokenizer_config.json")?)
+                .map_err(|e| PromptError::Tokenizer(format!("tokenizer_config.json: {e}")))?
+        } else {
+            Value::Null
+        };
+        Ok(ModelBundle {
+            model: model.to_owned(),
+            block_size,
+            tokenizer_json,
+            chat_template: chat_template_of(&config),
+            bos_token: special_token(&config, "bos_token"),
+            eos_token: special_token(&config, "eos_token"),
+        })
+    }
+}
+
+/// `chat_template` is a string, or a list of `{name, template}` (the `default` one is used).
+fn chat_template_of(config: &Value) -> Option<String> {
+    match config.get("chat_template")? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(named) => named
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// A special token is a string or an AddedToken object `{"content": …}`.
+fn special_token(config: &Value, key: &str) -> Option<String> {
+    match config.get(key)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
+        _ => None,
+    }
+}

@@ -1,0 +1,95 @@
+//! The messages between the filter (inside Envoy) and the sidecar, over loopback HTTP.
+//!
+//! Every body is encoded with [`crate::codec`]. The endpoints are:
+//!
+//! | endpoint | request body | response body |
+//! |---|---|---|
+//! | `POST /v1/route` | [`RouteRequest`] | [`RouteResponse`] |
+//! | `POST /v1/lifecycle` | [`LifecycleBatch`] | empty (204) |
+//! | `GET /v1/models` | — | [`ModelList`] |
+//! | `GET /v1/models/{model}/tokenizer` | — | [`ModelBundle`] |
+
+use serde::{Deserialize, Serialize};
+
+/// Content type of every codec-encoded body.
+pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
+
+/// The request header Envoy's `override_host` load-balancing policy reads: `ip:port`.
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+
+/// Asks the sidecar where one LLM request should go.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteRequest {
+    /// Envoy's `x-request-id`: the key of later [`LifecycleEvent`]s.
+    pub request_id: String,
+    /// The `model` field of the OpenAI body.
+    pub model: String,
+    /// Number of prompt tokens (ISL). When the prompt could not be tokenized this is an
+    /// estimate and `block_hashes` is empty: the sidecar then routes on load alone.
+    pub prompt_tokens: u32,
+    /// Sequence hashes ([`crate::hash::prompt_block_hashes`]) of the prompt's full blocks.
+    pub block_hashes: Vec<u64>,
+    /// The block size the hashes were computed with. The sidecar ignores hashes whose block
+    /// size differs from the pool's rather than mis-scoring them.
+    pub block_size: u32,
+}
+
+/// The sidecar's decision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteResponse {
+    /// `ip:port` to put in [`DESTINATION_HEADER`]; `None` lets Envoy's fallback LB pick.
+    pub endpoint: Option<String>,
+    /// The chosen replica's id (for logs and debug headers).
+    pub replica: Option<String>,
+    /// Prompt blocks already cached on the chosen replica's device tier.
+    pub overlap_blocks: u32,
+}
+
+/// A point in a routed request's life, reported by the filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LifecycleKind {
+    /// The first response body byte arrived: prefill is done.
+    FirstToken,
+    /// The response ended (or the request was abandoned): the replica's load is released.
+    Done,
+}
+
+/// One lifecycle report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LifecycleEvent {
+    /// The `request_id` of the matching [`RouteRequest`].
+    pub request_id: String,
+    /// What happened.
+    pub kind: LifecycleKind,
+}
+
+/// Lifecycle reports, batched by the filter's root context.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LifecycleBatch {
+    /// In the order they happened.
+    pub events: Vec<LifecycleEvent>,
+}
+
+/// The models the sidecar routes for.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ModelList {
+    /// Model names, as clients put them in the OpenAI `model` field.
+    pub models: Vec<String>,
+}
+
+/// Everything the filter needs to turn a request for `model` into block hashes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelBundle {
+    /// The model name.
+    pub model: String,
+    /// The pool's KV block size in tokens.
+    pub block_size: u32,
+    /// The model's `tokenizer.json`, verbatim.
+    pub tokenizer_json: String,
+    /// The Jinja chat template from `tokenizer_config.json`, if the model has one.
+    pub chat_template: Option<String>,
+    /// `bos_token` as the template sees it.
+    pub bos_token: Option<String>,
+    /// `eos_token` as the template sees it.
+    pub eos_token: Option<String>,
+}
