@@ -1,0 +1,113 @@
+//! The HTTP API the filter (and operators) call. Bodies of the `/v1` endpoints are
+//! [`kvgate_shared::codec`]-encoded; see [`kvgate_shared::wire`] for the table of endpoints.
+//!
+//! Operator endpoints: `GET /metrics` (Prometheus), `GET /healthz`, `GET /debug/state` (JSON).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvgate_shared::codec;
+use kvgate_shared::wire::{LifecycleBatch, LifecycleKind, ModelList, RouteRequest, CONTENT_TYPE};
+
+use crate::metrics::{FallbackLabels, Metrics, ReasonLabels};
+use crate::pool::Pool;
+use crate::score::ScoringConfig;
+
+/// What every handler shares.
+pub struct AppState {
+    /// Pools by model name.
+    pub pools: HashMap<String, Arc<Pool>>,
+    /// Cost-function knobs.
+    pub scoring: ScoringConfig,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// The API's routes.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/route", post(route))
+        .route("/v1/lifecycle", post(lifecycle))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{model}/tokenizer", get(tokenizer))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/debug/state", get(debug_state))
+        .with_state(state)
+}
+
+fn encoded<T: serde::Serialize>(value: &T) -> Response {
+    match codec::encode(value) {
+        Ok(bytes) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], bytes).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+fn fallback(state: &AppState, reason: &str, status: StatusCode, message: String) -> Response {
+    state.metrics.route_fallbacks.get_or_create(&FallbackLabels { reason: reason.to_owned() }).inc();
+    (status, message).into_response()
+}
+
+async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let req: RouteRequest = match codec::decode(&body) {
+        Ok(r) => r,
+        Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    let Some(pool) = state.pools.get(&req.model) else {
+        return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, format!("no pool for model {:?}", req.model));
+    };
+    let decision = pool.route(&req, &state.scoring);
+    state.metrics.route_seconds.observe(started.elapsed().as_secs_f64());
+    encoded(&decision)
+}
+
+async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let batch: LifecycleBatch = match codec::decode(&body) {
+        Ok(b) => b,
+        Err(e) => return (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+    };
+    for event in &batch.events {
+        let first_token = event.kind == LifecycleKind::FirstToken;
+        let known = state.pools.values().any(|p| p.lifecycle(&event.request_id, first_token));
+        let kind = if first_token { "first_token" } else { "done" };
+        let reason = format!("{kind}/{}", if known { "known" } else { "unknown" });
+        let labels = ReasonLabels { model: String::new(), replica: String::new(), reason };
+        state.metrics.lifecycle_events.get_or_create(&labels).inc();
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let mut models: Vec<String> = state.pools.keys().cloned().collect();
+    models.sort();
+    encoded(&ModelList { models })
+}
+
+async fn tokenizer(State(state): State<Arc<AppState>>, Path(model): Path<String>) -> Response {
+    match state.pools.get(&model) {
+        Some(pool) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], pool.bundle.clone()).into_response(),
+        None => (StatusCode::NOT_FOUND, format!("no pool for model {model:?}")).into_response(),
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn debug_state(State(state): State<Arc<AppState>>) -> Response {
+    let mut pools: Vec<_> = state.pools.values().map(|p| p.state()).collect();
+    pools.sort_by(|a, b| a.model.cmp(&b.model));
+    Json(serde_json::json!({ "pools": pools })).into_response()
+}

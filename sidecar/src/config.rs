@@ -1,0 +1,241 @@
+//! The sidecar's configuration: a TOML file, then `KVGATE_*` environment overrides.
+//!
+//! ```toml
+//! listen = "127.0.0.1:9911"        # loopback by default: only the local Envoy may call us
+//! request_expiry_secs = 300         # bookings whose end is never reported are dropped after this
+//!
+//! [scoring]                         # see score::ScoringConfig; Dynamo's defaults
+//! prefill_load_scale = 1.0
+//!
+//! [[pools]]
+//! model = "qwen3"                   # the OpenAI `model` field
+//! tokenizer = "models/qwen3-0.6b"   # dir with tokenizer.json (+ tokenizer_config.json),
+//!                                   # relative to this file
+//! block_size = 16                   # must equal the engines' --block-size
+//!
+//! [[pools.replicas]]
+//! id = "a"
+//! endpoint = "10.0.0.5:8000"        # ip:port as Envoy's cluster knows the host
+//! kv_events = "tcp://10.0.0.5:5557" # the engine's KV-events PUB socket
+//! ```
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+use crate::score::ScoringConfig;
+
+/// The whole sidecar configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Where the HTTP API listens. Default `127.0.0.1:9911`.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Seconds after which a booking with no reported end is released. Default 300 (Dynamo's).
+    #[serde(default = "default_expiry")]
+    pub request_expiry_secs: u64,
+    /// Cost-function knobs.
+    #[serde(default)]
+    pub scoring: ScoringConfig,
+    /// One pool per model.
+    pub pools: Vec<PoolConfig>,
+}
+
+/// A model served by a set of interchangeable replicas.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The OpenAI `model` name clients send.
+    pub model: String,
+    /// Directory holding `tokenizer.json` and optionally `tokenizer_config.json`.
+    pub tokenizer: PathBuf,
+    /// KV block size in tokens; must match the engines'.
+    pub block_size: u32,
+    /// The replicas.
+    pub replicas: Vec<ReplicaConfig>,
+}
+
+/// One engine replica.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaConfig {
+    /// A stable, unique name.
+    pub id: String,
+    /// `ip:port` exactly as the Envoy cluster has the host (what override_host matches).
+    pub endpoint: SocketAddr,
+    /// The engine's KV-events ZMQ endpoint, e.g. `tcp://10.0.0.5:5557`.
+    pub kv_events: String,
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9911))
+}
+
+fn default_expiry() -> u64 {
+    300
+}
+
+/// A source of environment variables (so tests need not touch the process environment).
+pub trait Env {
+    /// The variable's value, if set.
+    fn var(&self, key: &str) -> Option<String>;
+}
+
+/// The process environment.
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn var(&self, key: &str) -> Option<String> {
+        std::env::var(key).ok()
+    }
+}
+
+impl Config {
+    /// Loads `path`, resolves relative tokenizer paths against its directory, applies
+    /// environment overrides and validates.
+    pub fn load(path: &Path, env: &dyn Env) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let mut config: Config = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for pool in &mut config.pools {
+            if pool.tokenizer.is_relative() {
+                pool.tokenizer = base.join(&pool.tokenizer);
+            }
+        }
+        config.apply_env(env)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// `KVGATE_LISTEN` and the scoring knobs, under kvgate's names or Dynamo's.
+    fn apply_env(&mut self, env: &dyn Env) -> anyhow::Result<()> {
+        if let Some(v) = env.var("KVGATE_LISTEN") {
+            self.listen = v.parse().with_context(|| format!("KVGATE_LISTEN={v}"))?;
+        }
+        let s = &mut self.scoring;
+        let knobs: [(&str, &str, &mut f64); 4] = [
+            ("KVGATE_PREFILL_LOAD_SCALE", "DYN_ROUTER_PREFILL_LOAD_SCALE", &mut s.prefill_load_scale),
+            ("KVGATE_KV_OVERLAP_CREDIT", "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", &mut s.kv_overlap_credit),
+            ("KVGATE_KV_OVERLAP_CREDIT_DECAY", "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY", &mut s.kv_overlap_credit_decay),
+            ("KVGATE_ACTIVE_REQUEST_WEIGHT", "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT", &mut s.active_request_weight),
+        ];
+        for (ours, dynamo, slot) in knobs {
+            if let Some((key, v)) = env.var(ours).map(|v| (ours, v)).or_else(|| env.var(dynamo).map(|v| (dynamo, v))) {
+                *slot = v.parse().with_context(|| format!("{key}={v}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Rejects configurations that cannot route correctly.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.pools.is_empty() {
+            bail!("no pools configured");
+        }
+        let s = &self.scoring;
+        for (name, v) in [
+            ("prefill_load_scale", s.prefill_load_scale),
+            ("kv_overlap_credit", s.kv_overlap_credit),
+            ("kv_overlap_credit_decay", s.kv_overlap_credit_decay),
+            ("active_request_weight", s.active_request_weight),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                bail!("scoring.{name} must be a finite number >= 0, got {v}");
+            }
+        }
+        let mut models = HashSet::new();
+        for pool in &self.pools {
+            if !models.insert(pool.model.as_str()) {
+                bail!("model {:?} is configured twice", pool.model);
+            }
+            if pool.block_size == 0 {
+                bail!("pool {:?}: block_size must be positive", pool.model);
+            }
+            if pool.replicas.is_empty() {
+                bail!("pool {:?}: no replicas", pool.model);
+            }
+            let mut ids = HashSet::new();
+            let mut endpoints = HashSet::new();
+            for r in &pool.replicas {
+                if !ids.insert(r.id.as_str()) {
+                    bail!("pool {:?}: replica id {:?} is used twice", pool.model, r.id);
+                }
+                if !endpoints.insert(r.endpoint) {
+                    bail!("pool {:?}: endpoint {} is used twice", pool.model, r.endpoint);
+                }
+                if !(r.kv_events.starts_with("tcp://") || r.kv_events.starts_with("ipc://")) {
+                    bail!("replica {:?}: kv_events must be a tcp:// or ipc:// endpoint", r.id);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    struct MapEnv(HashMap<&'static str, &'static str>);
+    impl Env for MapEnv {
+        fn var(&self, key: &str) -> Option<String> {
+            self.0.get(key).map(|v| v.to_string())
+        }
+    }
+
+    const BASE: &str = r#"
+        [[pools]]
+        model = "m"
+        tokenizer = "tok"
+        block_size = 16
+        [[pools.replicas]]
+        id = "a"
+        endpoint = "127.0.0.1:8001"
+        kv_events = "tcp://127.0.0.1:5557"
+    "#;
+
+    fn load(text: &str, env: &[(&'static str, &'static str)]) -> anyhow::Result<Config> {
+        let dir = std::env::temp_dir().join(format!("kvgate-config-{}-{}", std::process::id(), rand::random::<u64>()));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("kvgate.toml");
+        std::fs::write(&path, text)?;
+        let result = Config::load(&path, &MapEnv(env.iter().copied().collect()));
+        std::fs::remove_dir_all(&dir)?;
+        result
+    }
+
+    #[test]
+    fn defaults_are_loopback_and_dynamos() {
+        let c = load(BASE, &[]).unwrap();
+        assert_eq!(c.listen, "127.0.0.1:9911".parse().unwrap());
+        assert_eq!(c.scoring, ScoringConfig::default());
+        assert!(c.pools[0].tokenizer.ends_with("tok"));
+        assert_ne!(c.pools[0].tokenizer, PathBuf::from("tok"), "resolved against the config's directory");
+    }
+
+    #[test]
+    fn env_overrides_with_both_names() {
+        let c = load(BASE, &[("KVGATE_LISTEN", "127.0.0.1:1"), ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2.5"), ("KVGATE_ACTIVE_REQUEST_WEIGHT", "1")]).unwrap();
+        assert_eq!(c.listen.port(), 1);
+        assert_eq!((c.scoring.prefill_load_scale, c.scoring.active_request_weight), (2.5, 1.0));
+        let ours_wins = load(BASE, &[("KVGATE_PREFILL_LOAD_SCALE", "3"), ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2")]).unwrap();
+        assert_eq!(ours_wins.scoring.prefill_load_scale, 3.0);
+        assert!(load(BASE, &[("KVGATE_KV_OVERLAP_CREDIT", "x")]).is_err());
+        assert!(load(BASE, &[("KVGATE_KV_OVERLAP_CREDIT", "-1")]).is_err());
+    }
+
+    #[test]
+    fn invalid_configs_are_rejected() {
+        assert!(load("pools = []", &[]).is_err());
+        assert!(load(&BASE.replace("block_size = 16", "block_size = 0"), &[]).is_err());
+        assert!(load(&format!("{BASE}\n[[pools.replicas]]\nid = \"a\"\nendpoint = \"127.0.0.1:8002\"\nkv_events = \"tcp://x:1\""), &[]).is_err());
+        assert!(load(&BASE.replace("tcp://", "http://"), &[]).is_err());
+        assert!(load(&format!("bogus = 1\n{BASE}"), &[]).is_err(), "unknown keys are errors");
+        assert!(load(&BASE.replace("127.0.0.1:8001", "not-an-address"), &[]).is_err());
+    }
+}

@@ -1,0 +1,22 @@
+//! kvgate's sidecar as a library: the binary (`main.rs`) wires these modules together, and
+//! tests and benchmarks use them directly.
+//!
+//! | module | responsibility |
+//! |---|---|
+//! | [`config`] | the TOML file + `KVGATE_*` environment, validated |
+//! | [`events`] | ZMQ subscription and vLLM KV-event decoding |
+//! | [`index`] | which replica holds which prefix blocks |
+//! | [`load`] | per-replica token load from route decisions and lifecycle reports |
+//! | [`score`] | Dynamo's cost function and the argmin |
+//! | [`pool`] | one model's replicas: index + load + the routing decision |
+//! | [`api`] | the HTTP API for the filter and operators |
+//! | [`metrics`] | Prometheus metrics |
+
+pub mod api;
+pub mod config;
+pub mod events;
+pub mod index;
+pub mod load;
+pub mod metrics;
+pub mod pool;
+pub mod score;

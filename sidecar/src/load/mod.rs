@@ -1,0 +1,205 @@
+//! Per-replica token load: what each replica is busy with, from kvgate's own decisions.
+//!
+//! Every routed request is booked on its replica with its prefill tokens left after cache
+//! overlap and its prompt blocks. The filter reports the first token (prefill done: the
+//! prefill tokens are released) and the end of the response (everything is released). A
+//! request whose end is never reported expires after [`LoadTable::expire`]'s age.
+//!
+//! Decode load is counted in blocks, deduplicated across requests sharing a prompt prefix on
+//! the same replica (Dynamo's `active_decode_blocks`).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::index::ReplicaIdx;
+
+/// What a replica is busy with, as the scorer sees it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReplicaLoad {
+    /// Booked prefill tokens of requests that have not produced a first token (`P_i`).
+    pub prefill_tokens: u64,
+    /// Unique blocks of the active requests (`active_decode_blocks`).
+    pub active_blocks: u64,
+    /// Active requests (`R_i`).
+    pub requests: u64,
+}
+
+#[derive(Debug)]
+struct Booking {
+    replica: ReplicaIdx,
+    prefill_tokens: u64,
+    prefill_done: bool,
+    hashes: Vec<u64>,
+    /// Blocks of the prompt beyond its full hashed blocks (the partial tail): never shared.
+    private_blocks: u64,
+    booked_at: Instant,
+}
+
+#[derive(Debug, Default)]
+struct Replica {
+    prefill_tokens: u64,
+    private_blocks: u64,
+    requests: u64,
+    /// Sequence hash → how many active requests on this replica include it.
+    shared_blocks: HashMap<u64, u32>,
+}
+
+/// The load table of one pool.
+#[derive(Debug)]
+pub struct LoadTable {
+    replicas: Vec<Replica>,
+    bookings: HashMap<String, Booking>,
+}
+
+/// A request to book on a replica.
+#[derive(Debug, Clone)]
+pub struct NewBooking<'a> {
+    /// The request id (Envoy's `x-request-id`).
+    pub request_id: &'a str,
+    /// Prefill tokens left after the replica's cache overlap.
+    pub prefill_tokens: u64,
+    /// The prompt's sequence hashes.
+    pub hashes: &'a [u64],
+    /// All blocks the prompt occupies, `ceil(ISL / block_size)`.
+    pub total_blocks: u64,
+}
+
+impl LoadTable {
+    /// An idle table for `replicas` replicas.
+    pub fn new(replicas: usize) -> Self {
+        LoadTable { replicas: (0..replicas).map(|_| Replica::default()).collect(), bookings: HashMap::new() }
+    }
+
+    /// The replica's current load.
+    pub fn load(&self, replica: ReplicaIdx) -> ReplicaLoad {
+        let r = &self.replicas[replica];
+        ReplicaLoad {
+            prefill_tokens: r.prefill_tokens,
+            active_blocks: r.shared_blocks.len() as u64 + r.private_blocks,
+            requests: r.requests,
+        }
+    }
+
+    /// How many of the prompt's blocks would be new on this replica's active set: Dynamo's
+    /// `additional_active_blocks` (the prompt's total minus its leading blocks already active).
+    pub fn additional_blocks(&self, replica: ReplicaIdx, hashes: &[u64], total_blocks: u64) -> u64 {
+        let shared = &self.replicas[replica].shared_blocks;
+        let overlap = hashes.iter().take_while(|h| shared.contains_key(h)).count() as u64;
+        total_blocks.saturating_sub(overlap)
+    }
+
+    /// Books a request on a replica. Booking an id again first releases the old booking.
+    pub fn book(&mut self, replica: ReplicaIdx, booking: NewBooking<'_>, now: Instant) {
+        self.finish(booking.request_id);
+        let r = &mut self.replicas[replica];
+        r.prefill_tokens += booking.prefill_tokens;
+        r.requests += 1;
+        for h in booking.hashes {
+            *r.shared_blocks.entry(*h).or_default() += 1;
+        }
+        let private_blocks = booking.total_blocks.saturating_sub(booking.hashes.len() as u64);
+        r.private_blocks += private_blocks;
+        self.bookings.insert(
+            booking.request_id.to_owned(),
+            Booking {
+                replica,
+                prefill_tokens: booking.prefill_tokens,
+                prefill_done: false,
+                hashes: booking.hashes.to_vec(),
+                private_blocks,
+                booked_at: now,
+            },
+        );
+    }
+
+    /// The request produced its first token. Returns false if the id is unknown.
+    pub fn prefill_done(&mut self, request_id: &str) -> bool {
+        let Some(b) = self.bookings.get_mut(request_id) else { return false };
+        if !b.prefill_done {
+            b.prefill_done = true;
+            self.replicas[b.replica].prefill_tokens -= b.prefill_tokens;
+        }
+        true
+    }
+
+    /// The request ended: release everything it holds. Returns false if the id is unknown.
+    pub fn finish(&mut self, request_id: &str) -> bool {
+        let Some(b) = self.bookings.remove(request_id) else { return false };
+        let r = &mut self.replicas[b.replica];
+        if !b.prefill_done {
+            r.prefill_tokens -= b.prefill_tokens;
+        }
+        r.requests -= 1;
+        r.private_blocks -= b.private_blocks;
+        for h in &b.hashes {
+            if let Some(n) = r.shared_blocks.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    r.shared_blocks.remove(h);
+                }
+            }
+        }
+        true
+    }
+
+    /// Releases bookings older than `max_age` (their end was never reported). Returns how many.
+    pub fn expire(&mut self, now: Instant, max_age: Duration) -> usize {
+        let stale: Vec<String> = self
+            .bookings
+            .iter()
+            .filter(|(_, b)| now.saturating_duration_since(b.booked_at) > max_age)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &stale {
+            self.finish(id);
+        }
+        stale.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn booking<'a>(id: &'a str, prefill: u64, hashes: &'a [u64], total: u64) -> NewBooking<'a> {
+        NewBooking { request_id: id, prefill_tokens: prefill, hashes, total_blocks: total }
+    }
+
+    #[test]
+    fn lifecycle_releases_load() {
+        let mut t = LoadTable::new(2);
+        let now = Instant::now();
+        t.book(1, booking("a", 100, &[1, 2], 3), now);
+        assert_eq!(t.load(1), ReplicaLoad { prefill_tokens: 100, active_blocks: 3, requests: 1 });
+        assert!(t.prefill_done("a"));
+        assert_eq!(t.load(1).prefill_tokens, 0);
+        assert!(t.finish("a"));
+        assert_eq!(t.load(1), ReplicaLoad::default());
+        assert!(!t.finish("a"), "a second end is ignored");
+        assert!(!t.prefill_done("unknown"));
+    }
+
+    #[test]
+    fn shared_prefixes_count_once() {
+        let mut t = LoadTable::new(1);
+        let now = Instant::now();
+        t.book(0, booking("a", 10, &[1, 2], 2), now);
+        assert_eq!(t.additional_blocks(0, &[1, 2, 3], 4), 2);
+        t.book(0, booking("b", 10, &[1, 2, 3], 4), now);
+        assert_eq!(t.load(0).active_blocks, 4, "blocks 1,2 shared, 3 and b's tail new");
+        t.finish("a");
+        assert_eq!(t.load(0).active_blocks, 4);
+    }
+
+    #[test]
+    fn rebooking_and_expiry() {
+        let mut t = LoadTable::new(2);
+        let now = Instant::now();
+        t.book(0, booking("a", 10, &[], 1), now);
+        t.book(1, booking("a", 20, &[], 1), now);
+        assert_eq!((t.load(0).requests, t.load(1).requests), (0, 1));
+        assert_eq!(t.expire(now + Duration::from_secs(10), Duration::from_secs(60)), 0);
+        assert_eq!(t.expire(now + Duration::from_secs(61), Duration::from_secs(60)), 1);
+        assert_eq!(t.load(1), ReplicaLoad::default());
+    }
+}

@@ -1,0 +1,109 @@
+//! Prometheus metrics, served at `GET /metrics`.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Labels naming one replica.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaLabels {
+    /// The pool's model.
+    pub model: String,
+    /// The replica id.
+    pub replica: String,
+}
+
+/// Labels naming a replica and a reason.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// The pool's model.
+    pub model: String,
+    /// The replica id.
+    pub replica: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Labels for requests that could not be scored.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FallbackLabels {
+    /// Why routing fell back to Envoy's load balancer.
+    pub reason: String,
+}
+
+/// Every metric the sidecar exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Route decisions, per chosen replica.
+    pub route_decisions: Family<ReplicaLabels, Counter>,
+    /// Route calls answered without a replica.
+    pub route_fallbacks: Family<FallbackLabels, Counter>,
+    /// Time to score and book one request.
+    pub route_seconds: Histogram,
+    /// KV events applied to the index.
+    pub events_applied: Family<ReplicaLabels, Counter>,
+    /// KV events or messages dropped, by reason.
+    pub events_dropped: Family<ReasonLabels, Counter>,
+    /// Sequence-number gaps seen (messages lost between the engine and us).
+    pub seq_gaps: Family<ReplicaLabels, Counter>,
+    /// Blocks indexed per replica.
+    pub index_blocks: Family<ReplicaLabels, Gauge>,
+    /// Active (booked, not finished) requests per replica.
+    pub active_requests: Family<ReplicaLabels, Gauge>,
+    /// Booked prefill tokens per replica.
+    pub prefill_tokens: Family<ReplicaLabels, Gauge>,
+    /// Lifecycle reports received, by kind and whether the request was known.
+    pub lifecycle_events: Family<ReasonLabels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("kvgate");
+        let route_decisions = Family::default();
+        let route_fallbacks = Family::default();
+        let route_seconds = Histogram::new(exponential_buckets(5e-6, 2.0, 16));
+        let events_applied = Family::default();
+        let events_dropped = Family::default();
+        let seq_gaps = Family::default();
+        let index_blocks = Family::default();
+        let active_requests = Family::default();
+        let prefill_tokens = Family::default();
+        let lifecycle_events = Family::default();
+        registry.register("route_decisions", "Route decisions per chosen replica", route_decisions.clone());
+        registry.register("route_fallbacks", "Route calls answered without a replica", route_fallbacks.clone());
+        registry.register("route_seconds", "Time to score and book one request", route_seconds.clone());
+        registry.register("kv_events_applied", "KV events applied to the index", events_applied.clone());
+        registry.register("kv_events_dropped", "KV events or messages dropped, by reason", events_dropped.clone());
+        registry.register("kv_seq_gaps", "Sequence gaps (lost event messages)", seq_gaps.clone());
+        registry.register("index_blocks", "Blocks indexed per replica", index_blocks.clone());
+        registry.register("active_requests", "Booked, unfinished requests per replica", active_requests.clone());
+        registry.register("prefill_tokens", "Booked prefill tokens per replica", prefill_tokens.clone());
+        registry.register("lifecycle_events", "Lifecycle reports (reason = kind/known|unknown)", lifecycle_events.clone());
+        Metrics {
+            registry,
+            route_decisions,
+            route_fallbacks,
+            route_seconds,
+            events_applied,
+            events_dropped,
+            seq_gaps,
+            index_blocks,
+            active_requests,
+            prefill_tokens,
+            lifecycle_events,
+        }
+    }
+}
+
+impl Metrics {
+    /// The OpenMetrics text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
