@@ -1,0 +1,86 @@
+//! The filter's configuration: the plugin configuration JSON (a `StringValue` in Envoy,
+//! `pluginConfig` in an Istio WasmPlugin). Every key is optional.
+//!
+//! ```json
+//! {
+//!   "sidecar_cluster": "kvgate-sidecar",
+//!   "route_timeout_ms": 200,
+//!   "fetch_timeout_ms": 10000,
+//!   "retry_ms": 1000,
+//!   "max_tokenize_bytes": 1048576,
+//!   "debug_headers": false
+//! }
+//! ```
+
+use serde::Deserialize;
+
+/// Validated filter settings.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterConfig {
+    /// The Envoy cluster of the sidecar (loopback).
+    pub sidecar_cluster: String,
+    /// `:authority` of calls to the sidecar.
+    pub sidecar_authority: String,
+    /// How long a request waits for a routing decision before failing open.
+    pub route_timeout_ms: u64,
+    /// Timeout of tokenizer and lifecycle calls.
+    pub fetch_timeout_ms: u64,
+    /// Tick period: tokenizer fetch retries and lifecycle flushes.
+    pub retry_ms: u64,
+    /// Bodies larger than this are routed on load only (tokenizing blocks the Envoy worker,
+    /// about 0.5 s per MiB).
+    pub max_tokenize_bytes: usize,
+    /// Add `x-kvgate-*` response headers describing the decision (for tests and debugging).
+    pub debug_headers: bool,
+}
+
+impl Default for FilterConfig {
+    fn default() -> Self {
+        FilterConfig {
+            sidecar_cluster: "kvgate-sidecar".into(),
+            sidecar_authority: "kvgate-sidecar".into(),
+            route_timeout_ms: 200,
+            fetch_timeout_ms: 10_000,
+            retry_ms: 1000,
+            max_tokenize_bytes: 1 << 20,
+            debug_headers: false,
+        }
+    }
+}
+
+impl FilterConfig {
+    /// Parses the plugin configuration; empty means all defaults.
+    pub fn parse(bytes: &[u8]) -> Result<FilterConfig, String> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(FilterConfig::default());
+        }
+        let config: FilterConfig = serde_json::from_slice(bytes).map_err(|e| format!("kvgate filter configuration: {e}"))?;
+        if config.sidecar_cluster.is_empty() {
+            return Err("kvgate filter configuration: sidecar_cluster must not be empty".into());
+        }
+        if config.route_timeout_ms == 0 || config.fetch_timeout_ms == 0 || config.retry_ms == 0 {
+            return Err("kvgate filter configuration: timeouts and retry_ms must be positive".into());
+        }
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_overrides() {
+        assert_eq!(FilterConfig::parse(b"").unwrap(), FilterConfig::default());
+        let c = FilterConfig::parse(br#"{"route_timeout_ms": 50, "debug_headers": true}"#).unwrap();
+        assert_eq!((c.route_timeout_ms, c.debug_headers, c.retry_ms), (50, true, 1000));
+    }
+
+    #[test]
+    fn rejects_bad_configs() {
+        for bad in [&b"{"[..], br#"{"unknown": 1}"#, br#"{"route_timeout_ms": 0}"#, br#"{"sidecar_cluster": ""}"#] {
+            assert!(FilterConfig::parse(bad).is_err());
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! The per-request context.
+//!
+//! 1. Request headers: strip any client-sent destination header (always, on every request);
+//!    on `POST /v1/completions` or `/v1/chat/completions`, pause to buffer the body.
+//! 2. Request body (complete): plan the route ([`crate::plan`]), call the sidecar, pause.
+//! 3. Sidecar answer: set the destination header and resume. On *any* failure (bad body,
+//!    sidecar down, timeout, bad answer) resume without it: Envoy's fallback LB routes.
+//! 4. Response: report the first body byte (prefill done) and the end of the exchange to the
+//!    root context's lifecycle queue.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use kvgate_shared::codec;
+use kvgate_shared::prompt::openai::Endpoint;
+use kvgate_shared::wire::{LifecycleEvent, LifecycleKind, RouteResponse, CONTENT_TYPE, DESTINATION_HEADER};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, BufferType, MapType};
+
+use crate::host;
+use crate::plan::{plan, Skip};
+use crate::root::Shared;
+
+/// What the filter did with a request, for debug headers and lifecycle reports.
+#[derive(Debug, Default)]
+struct Decision {
+    replica: Option<String>,
+    prompt_tokens: Option<u32>,
+    overlap_blocks: u32,
+    micros: u128,
+}
+
+/// One HTTP exchange.
+pub struct RequestContext {
+    shared: Rc<RefCell<Shared>>,
+    context_id: u32,
+    endpoint: Option<Endpoint>,
+    request_id: String,
+    /// The sidecar was asked, so it may have booked load: report the end either way.
+    booked: bool,
+    first_token_reported: bool,
+    body_done_at: Option<Instant>,
+    decision: Decision,
+}
+
+impl RequestContext {
+    /// A context for a new stream.
+    pub fn new(shared: Rc<RefCell<Shared>>, context_id: u32) -> Self {
+        RequestContext {
+            shared,
+            context_id,
+            endpoint: None,
+            request_id: String::new(),
+            booked: false,
+            first_token_reported: false,
+            body_done_at: None,
+            decision: Decision::default(),
+        }
+    }
+
+    fn request_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+    }
+
+    fn report(&self, kind: LifecycleKind) {
+        let Some(queue) = self.shared.borrow().queue else { return };
+        let event = LifecycleEvent { request_id: self.request_id.clone(), kind };
+        if let Ok(bytes) = codec::encode(&event) {
+            if let Err(status) = hostcalls::enqueue_shared_queue(queue, Some(&bytes)) {
+                log::warn!("kvgate: lifecycle report lost: {status:?}");
+            }
+        }
+    }
+
+    /// Resumes the paused request, routed or not.
+    fn resume(&self) {
+        if let Err(status) = hostcalls::resume_http_request() {
+            log::warn!("kvgate: resume failed: {status:?}");
+        }
+    }
+
+    /// Asks the sidecar; returns true if a call is in flight (the request stays paused).
+    fn ask_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> bool {
+        let shared = self.shared.borrow();
+        let planned = plan(endpoint, body, &self.request_id, &shared.models, shared.config.max_tokenize_bytes);
+        let planned = match planned {
+            Ok(p) => p,
+            Err(Skip::Unroutable(why)) => {
+                log::debug!("kvgate: not routing request {}: {why}", self.request_id);
+                return false;
+            }
+        };
+        if planned.tokenized {
+            self.decision.prompt_tokens = Some(planned.request.prompt_tokens);
+        }
+        let Ok(encoded) = codec::encode(&planned.request) else { return false };
+        let headers = vec![
+            (":method", "POST"),
+            (":path", "/v1/route"),
+            (":authority", shared.config.sidecar_authority.as_str()),
+            ("content-type", CONTENT_TYPE),
+        ];
+        let timeout = Duration::from_millis(shared.config.route_timeout_ms);
+        match hostcalls::dispatch_http_call(&shared.config.sidecar_cluster, headers, Some(&encoded), vec![], timeout) {
+            Ok(_) => true,
+            Err(status) => {
+                log::warn!("kvgate: sidecar call failed to dispatch: {status:?}");
+                false
+            }
+        }
+    }
+
+    fn apply_decision(&mut self, body_size: usize) {
+        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten();
+        if status.as_deref() != Some("200") {
+            log::debug!("kvgate: sidecar answered {status:?}; falling back");
+            return;
+        }
+        let Some(body) = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten() else { return };
+        let Ok(answer) = codec::decode::<RouteResponse>(&body) else {
+            log::warn!("kvgate: undecodable sidecar answer; falling back");
+            return;
+        };
+        if let Some(endpoint) = &answer.endpoint {
+            match host::set_request_header(DESTINATION_HEADER, endpoint) {
+                Ok(()) => {
+                    self.decision.replica = answer.replica.clone();
+                    self.decision.overlap_blocks = answer.overlap_blocks;
+                }
+                Err(status) => log::warn!("kvgate: cannot set the destination header: {status:?}"),
+            }
+        }
+    }
+}
+
+impl Context for RequestContext {
+    fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        self.apply_decision(body_size);
+        if let Some(t) = self.body_done_at {
+            self.decision.micros = t.elapsed().as_micros();
+        }
+        self.resume();
+    }
+}
+
+impl HttpContext for RequestContext {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        // Never let a client pick the upstream, whatever happens next.
+        if let Err(status) = host::remove_request_header(DESTINATION_HEADER) {
+            log::warn!("kvgate: cannot strip {DESTINATION_HEADER}: {status:?}");
+        }
+        let method = self.request_header(":method");
+        let path = self.request_header(":path").unwrap_or_default();
+        self.endpoint = match method.as_deref() {
+            Some("POST") => Endpoint::from_path(&path),
+            _ => None,
+        };
+        if self.endpoint.is_none() || end_of_stream {
+            self.endpoint = None;
+            return Action::Continue;
+        }
+        self.request_id = self
+            .request_header("x-request-id")
+            .unwrap_or_else(|| format!("kvgate-{}-{}", self.context_id, hostcalls::get_current_time().map(|t| t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)).unwrap_or(0)));
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(endpoint) = self.endpoint else { return Action::Continue };
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.body_done_at = Some(Instant::now());
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
+        if self.ask_sidecar(endpoint, &body) {
+            self.booked = true;
+            Action::Pause
+        } else {
+            Action::Continue
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if self.endpoint.is_some() && self.shared.borrow().config.debug_headers {
+            let d = &self.decision;
+            let headers = [
+                ("x-kvgate-routed-to", d.replica.clone().unwrap_or_else(|| "fallback".into())),
+                ("x-kvgate-prompt-tokens", d.prompt_tokens.map(|n| n.to_string()).unwrap_or_default()),
+                ("x-kvgate-overlap-blocks", d.overlap_blocks.to_string()),
+                ("x-kvgate-decision-us", d.micros.to_string()),
+            ];
+            for (name, value) in headers {
+                if let Err(status) = host::set_response_header(name, &value) {
+                    log::debug!("kvgate: cannot set {name}: {status:?}");
+                }
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        if self.booked && !self.first_token_reported && body_size > 0 {
+            self.first_token_reported = true;
+            self.report(LifecycleKind::FirstToken);
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        if self.booked {
+            self.report(LifecycleKind::Done);
+        }
+    }
+}

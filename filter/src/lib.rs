@@ -1,0 +1,26 @@
+//! kvgate's proxy-wasm HTTP filter for Envoy (`wasm32-wasip1`).
+//!
+//! It buffers OpenAI request bodies, computes the prompt's token ids exactly as vLLM would
+//! (chat template + the model's `tokenizer.json`), hashes the full blocks, asks the sidecar
+//! which replica to use, and sets `x-gateway-destination-endpoint` for Envoy's
+//! `override_host` load-balancing policy. It fails open: whatever goes wrong, the request
+//! continues without the header and Envoy's fallback LB picks a host.
+//!
+//! | module | responsibility |
+//! |---|---|
+//! | [`config`] | the plugin configuration |
+//! | [`plan`] | body → route request (pure, natively testable) |
+//! | [`root`] | tokenizer loading, lifecycle batching (one per VM) |
+//! | [`http`] | the per-request state machine |
+//! | [`host`] | header hostcalls that return errors instead of panicking |
+
+pub mod config;
+pub mod host;
+pub mod http;
+pub mod plan;
+pub mod root;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+    proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> { Box::new(root::Root::new()) });
+}}

@@ -1,0 +1,229 @@
+//! The root context (one per Envoy worker VM): loads tokenizers from the sidecar and sends
+//! lifecycle reports in batches.
+//!
+//! - **Tokenizers.** On configure and on every tick until all are loaded, it asks the sidecar
+//!   for its models (`GET /v1/models`) and fetches each missing bundle
+//!   (`GET /v1/models/{model}/tokenizer`). Until a model is loaded its requests are routed on
+//!   load alone; they are never held back.
+//! - **Lifecycle.** HTTP contexts push reports onto a shared queue; the root drains it when
+//!   Envoy signals the queue and on every tick, and POSTs one batch. (Calls made from a dying
+//!   HTTP context are cancelled by Envoy, so they must not send them themselves.)
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
+use std::time::Duration;
+
+use kvgate_shared::codec;
+use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::wire::{LifecycleBatch, LifecycleEvent, ModelBundle, ModelList, CONTENT_TYPE};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{BufferType, ContextType, MapType};
+
+use crate::config::FilterConfig;
+use crate::http::RequestContext;
+use crate::plan::LoadedModel;
+
+/// Name of the shared queue carrying encoded [`LifecycleEvent`]s.
+pub const LIFECYCLE_QUEUE: &str = "kvgate_lifecycle";
+
+/// State shared by the root and the HTTP contexts of one VM (one thread).
+pub struct Shared {
+    /// Settings.
+    pub config: FilterConfig,
+    /// Loaded models by name.
+    pub models: HashMap<String, LoadedModel>,
+    /// The lifecycle queue id, once registered.
+    pub queue: Option<u32>,
+}
+
+enum Call {
+    Models,
+    Tokenizer(String),
+    Lifecycle,
+}
+
+/// The root context.
+pub struct Root {
+    shared: Rc<RefCell<Shared>>,
+    calls: HashMap<u32, Call>,
+    fetching: HashSet<String>,
+    models_listed: bool,
+}
+
+impl Root {
+    /// A root with default settings until `on_configure`.
+    pub fn new() -> Root {
+        Root {
+            shared: Rc::new(RefCell::new(Shared { config: FilterConfig::default(), models: HashMap::new(), queue: None })),
+            calls: HashMap::new(),
+            fetching: HashSet::new(),
+            models_listed: false,
+        }
+    }
+
+    fn get(&mut self, path: &str, call: Call) {
+        let (cluster, authority, timeout) = {
+            let s = self.shared.borrow();
+            (s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
+        };
+        let headers = vec![(":method", "GET"), (":path", path), (":authority", authority.as_str())];
+        match hostcalls::dispatch_http_call(&cluster, headers, None, vec![], Duration::from_millis(timeout)) {
+            Ok(token) => {
+                self.calls.insert(token, call);
+            }
+            Err(status) => {
+                log::warn!("kvgate: GET {path} to {cluster} failed to dispatch: {status:?}");
+                if let Call::Tokenizer(model) = call {
+                    self.fetching.remove(&model);
+                }
+            }
+        }
+    }
+
+    fn refresh_models(&mut self) {
+        if !self.models_listed && !self.calls.values().any(|c| matches!(c, Call::Models)) {
+            self.get("/v1/models", Call::Models);
+        }
+    }
+
+    fn flush_lifecycle(&mut self) {
+        let (queue, cluster, authority, timeout) = {
+            let s = self.shared.borrow();
+            let Some(q) = s.queue else { return };
+            (q, s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
+        };
+        let mut batch = LifecycleBatch::default();
+        while let Ok(Some(item)) = hostcalls::dequeue_shared_queue(queue) {
+            if let Ok(event) = codec::decode::<LifecycleEvent>(&item) {
+                batch.events.push(event);
+            }
+        }
+        if batch.events.is_empty() {
+            return;
+        }
+        let Ok(body) = codec::encode(&batch) else { return };
+        let headers = vec![
+            (":method", "POST"),
+            (":path", "/v1/lifecycle"),
+            (":authority", authority.as_str()),
+            ("content-type", CONTENT_TYPE),
+        ];
+        match hostcalls::dispatch_http_call(&cluster, headers, Some(&body), vec![], Duration::from_millis(timeout)) {
+            Ok(token) => {
+                self.calls.insert(token, Call::Lifecycle);
+            }
+            Err(status) => log::warn!("kvgate: dropped {} lifecycle reports: {status:?}", batch.events.len()),
+        }
+    }
+
+    fn on_models(&mut self, body: &[u8]) {
+        let Ok(list) = codec::decode::<ModelList>(body) else {
+            log::warn!("kvgate: undecodable model list from the sidecar");
+            return;
+        };
+        self.models_listed = true;
+        for model in list.models {
+            let loaded = self.shared.borrow().models.contains_key(&model);
+            if !loaded && self.fetching.insert(model.clone()) {
+                self.get(&format!("/v1/models/{model}/tokenizer"), Call::Tokenizer(model));
+            }
+        }
+    }
+
+    fn on_tokenizer(&mut self, model: String, body: &[u8]) {
+        let loaded = codec::decode::<ModelBundle>(body)
+            .map_err(|e| e.to_string())
+            .and_then(|bundle| Ok((bundle.block_size, ModelTokenizer::from_bundle(&bundle).map_err(|e| e.to_string())?)));
+        match loaded {
+            Ok((block_size, tokenizer)) if block_size > 0 => {
+                log::info!("kvgate: tokenizer for {model:?} loaded (block size {block_size})");
+                self.shared.borrow_mut().models.insert(model, LoadedModel { tokenizer, block_size });
+            }
+            Ok(_) => log::warn!("kvgate: bundle for {model:?} has block size 0"),
+            Err(e) => {
+                log::warn!("kvgate: tokenizer for {model:?} unusable: {e}");
+                // Retried on the next model listing.
+                self.models_listed = false;
+            }
+        }
+    }
+}
+
+impl Default for Root {
+    fn default() -> Self {
+        Root::new()
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        let Some(call) = self.calls.remove(&token) else { return };
+        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten();
+        let body = match status.as_deref() {
+            Some("200") => hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten(),
+            _ => None,
+        };
+        match (call, body) {
+            (Call::Models, Some(body)) => self.on_models(&body),
+            (Call::Tokenizer(model), Some(body)) => {
+                self.fetching.remove(&model);
+                self.on_tokenizer(model, &body);
+            }
+            (Call::Tokenizer(model), None) => {
+                self.fetching.remove(&model);
+                self.models_listed = false;
+            }
+            (Call::Lifecycle, _) if status.as_deref() != Some("204") => {
+                log::warn!("kvgate: lifecycle batch answered {status:?}");
+            }
+            _ => {}
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, size: usize) -> bool {
+        let bytes = if size == 0 {
+            Vec::new()
+        } else {
+            hostcalls::get_buffer(BufferType::PluginConfiguration, 0, size).ok().flatten().unwrap_or_default()
+        };
+        let config = match FilterConfig::parse(&bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                log::error!("{e}");
+                return false;
+            }
+        };
+        let retry = Duration::from_millis(config.retry_ms);
+        {
+            let mut s = self.shared.borrow_mut();
+            s.config = config;
+            s.queue = hostcalls::register_shared_queue(LIFECYCLE_QUEUE).ok();
+        }
+        if hostcalls::set_tick_period(retry).is_err() {
+            log::warn!("kvgate: cannot set the tick period; tokenizers load on first configure only");
+        }
+        self.refresh_models();
+        true
+    }
+
+    fn on_tick(&mut self) {
+        self.refresh_models();
+        self.flush_lifecycle();
+    }
+
+    fn on_queue_ready(&mut self, _queue_id: u32) {
+        self.flush_lifecycle();
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(RequestContext::new(self.shared.clone(), context_id)))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}

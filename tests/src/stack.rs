@@ -1,0 +1,231 @@
+//! Starting and stopping a whole kvgate deployment on loopback.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::client;
+use crate::envoy::{self, EnvoyParams};
+use crate::process::{free_port, wait_for, Proc};
+use crate::{repo_root, Artifacts};
+
+/// How the gateway routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// The kvgate filter and sidecar.
+    Kvgate,
+    /// Plain Envoy round robin (no filter, no sidecar): the baseline.
+    RoundRobin,
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct StackOptions {
+    /// A name for the log directory.
+    pub name: String,
+    /// Number of simulated engines.
+    pub replicas: usize,
+    /// KV block size (engines and pool).
+    pub block_size: u32,
+    /// Routing mode.
+    pub routing: Routing,
+    /// Simulator prefill cost per uncached token.
+    pub prefill_us_per_token: u64,
+    /// Simulator decode cost per token.
+    pub decode_us_per_token: u64,
+    /// Filter decision timeout.
+    pub route_timeout_ms: u64,
+}
+
+impl Default for StackOptions {
+    fn default() -> Self {
+        StackOptions {
+            name: "stack".into(),
+            replicas: 3,
+            block_size: 16,
+            routing: Routing::Kvgate,
+            prefill_us_per_token: 100,
+            decode_us_per_token: 2000,
+            route_timeout_ms: 500,
+        }
+    }
+}
+
+/// One simulated engine.
+pub struct SimHandle {
+    /// Replica id (`x-kvgate-replica`).
+    pub id: String,
+    /// HTTP port on 127.0.0.1.
+    pub port: u16,
+    _proc: Proc,
+}
+
+impl SimHandle {
+    /// `http://127.0.0.1:port{path}`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+}
+
+/// A running deployment; dropping it stops everything.
+pub struct Stack {
+    /// The engines, in pool order.
+    pub sims: Vec<SimHandle>,
+    sidecar: Option<Proc>,
+    sidecar_port: u16,
+    envoy: Proc,
+    gateway_port: u16,
+    /// Where logs and generated configs are.
+    pub dir: PathBuf,
+}
+
+static STACKS: AtomicUsize = AtomicUsize::new(0);
+
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn http_ok(url: &str) -> bool {
+    client::client().get(url).timeout(Duration::from_secs(2)).send().is_ok_and(|r| r.status().is_success())
+}
+
+impl Stack {
+    /// Starts engines, sidecar (kvgate mode) and Envoy, and waits until the gateway routes
+    /// with a loaded tokenizer.
+    pub fn start(opts: &StackOptions, artifacts: &Artifacts) -> anyhow::Result<Stack> {
+        artifacts.check()?;
+        let n = STACKS.fetch_add(1, Ordering::Relaxed);
+        let dir = repo_root().join("target/e2e-logs").join(format!("{}-{}-{n}", opts.name, std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+
+        let mut sims = Vec::new();
+        let mut replicas_toml = String::new();
+        for i in 0..opts.replicas {
+            let id = ((b'a' + i as u8) as char).to_string();
+            let (port, events_port) = (free_port()?, free_port()?);
+            let mut cmd = Command::new(&artifacts.sim);
+            cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--replica", &id, "--model", "qwen3"])
+                .arg("--tokenizer")
+                .arg(&artifacts.model_dir)
+                .args(["--block-size", &opts.block_size.to_string(), "--kv-events", &format!("tcp://127.0.0.1:{events_port}")])
+                .args(["--prefill-us-per-token", &opts.prefill_us_per_token.to_string()])
+                .args(["--decode-us-per-token", &opts.decode_us_per_token.to_string(), "--enable-prompt-tokens-details"]);
+            let proc = Proc::spawn(&format!("sim {id}"), cmd, &dir.join(format!("sim-{id}.log")))?;
+            replicas_toml.push_str(&format!(
+                "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\n"
+            ));
+            sims.push(SimHandle { id, port, _proc: proc });
+        }
+        for sim in &sims {
+            wait_for(&format!("sim {} health", sim.id), START_TIMEOUT, || http_ok(&sim.url("/health")).then_some(()))?;
+        }
+
+        let sidecar_port = free_port()?;
+        let sidecar = match opts.routing {
+            Routing::RoundRobin => None,
+            Routing::Kvgate => {
+                let config = format!(
+                    "listen = \"127.0.0.1:{sidecar_port}\"\n\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = \"{}\"\nblock_size = {}\n{replicas_toml}",
+                    artifacts.model_dir.display(),
+                    opts.block_size
+                );
+                let config_path = dir.join("kvgate.toml");
+                std::fs::write(&config_path, config)?;
+                let mut cmd = Command::new(&artifacts.sidecar);
+                cmd.arg("--config").arg(&config_path);
+                let proc = Proc::spawn("sidecar", cmd, &dir.join("sidecar.log"))?;
+                let url = format!("http://127.0.0.1:{sidecar_port}/healthz");
+                wait_for("sidecar health", START_TIMEOUT, || http_ok(&url).then_some(()))?;
+                Some(proc)
+            }
+        };
+
+        let (admin_port, gateway_port) = (free_port()?, free_port()?);
+        let filter_config = json!({"route_timeout_ms": opts.route_timeout_ms, "retry_ms": 200, "debug_headers": true}).to_string();
+        let template = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl"))?;
+        let ports: Vec<u16> = sims.iter().map(|s| s.port).collect();
+        let yaml = envoy::render(
+            &template,
+            &EnvoyParams {
+                admin_port,
+                listen_port: gateway_port,
+                sidecar_port,
+                wasm: &artifacts.wasm,
+                filter_config: &filter_config,
+                pool_ports: &ports,
+                with_filter: opts.routing == Routing::Kvgate,
+            },
+        );
+        let envoy_config = dir.join("envoy.yaml");
+        std::fs::write(&envoy_config, yaml)?;
+        let mut cmd = Command::new(&artifacts.envoy);
+        cmd.arg("-c").arg(&envoy_config).args(["--concurrency", "1", "--disable-hot-restart", "--log-level", "warn"]);
+        let mut envoy_proc = Proc::spawn("envoy", cmd, &dir.join("envoy.log"))?;
+        let ready = format!("http://127.0.0.1:{admin_port}/ready");
+        wait_for("envoy ready", START_TIMEOUT, || {
+            if envoy_proc.check_alive().is_err() {
+                return Some(false);
+            }
+            http_ok(&ready).then_some(true)
+        })
+        .and_then(|alive| if alive { Ok(()) } else { anyhow::bail!("envoy exited; see {}", dir.join("envoy.log").display()) })?;
+
+        let stack = Stack { sims, sidecar, sidecar_port, envoy: envoy_proc, gateway_port, dir };
+        if opts.routing == Routing::Kvgate {
+            stack.wait_tokenizer_loaded()?;
+        }
+        Ok(stack)
+    }
+
+    /// Waits until a request through the gateway reports a tokenized prompt.
+    fn wait_tokenizer_loaded(&self) -> anyhow::Result<()> {
+        let probe = json!({"model": "qwen3", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}).to_string();
+        let url = self.gateway("/v1/chat/completions");
+        wait_for("the filter's tokenizer", START_TIMEOUT, || {
+            let reply = client::post(&url, probe.clone(), &[]).ok()?;
+            (!reply.header("x-kvgate-prompt-tokens").is_empty()).then_some(())
+        })
+    }
+
+    /// `http://127.0.0.1:<gateway>{path}`.
+    pub fn gateway(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.gateway_port)
+    }
+
+    /// The engine with this replica id.
+    pub fn sim(&self, id: &str) -> &SimHandle {
+        self.sims.iter().find(|s| s.id == id).unwrap_or_else(|| panic!("no replica {id}"))
+    }
+
+    /// The sidecar's `/debug/state`.
+    pub fn sidecar_state(&self) -> anyhow::Result<Value> {
+        Ok(client::client().get(format!("http://127.0.0.1:{}/debug/state", self.sidecar_port)).send()?.json()?)
+    }
+
+    /// Blocks the sidecar has indexed for a replica.
+    pub fn indexed_blocks(&self, replica: &str) -> anyhow::Result<u64> {
+        let state = self.sidecar_state()?;
+        let replicas = state["pools"][0]["replicas"].as_array().cloned().unwrap_or_default();
+        Ok(replicas.iter().find(|r| r["id"] == replica).and_then(|r| r["blocks_indexed"].as_u64()).unwrap_or(0))
+    }
+
+    /// Waits until the sidecar has indexed at least `blocks` blocks for `replica`.
+    pub fn wait_indexed(&self, replica: &str, blocks: u64) -> anyhow::Result<()> {
+        wait_for(&format!("{blocks} blocks indexed on {replica}"), Duration::from_secs(10), || {
+            (self.indexed_blocks(replica).ok()? >= blocks).then_some(())
+        })
+    }
+
+    /// Kills the sidecar (the filter must fail open).
+    pub fn kill_sidecar(&mut self) {
+        if let Some(mut p) = self.sidecar.take() {
+            p.kill();
+        }
+    }
+
+    /// Fails if Envoy died.
+    pub fn check_envoy(&mut self) -> anyhow::Result<()> {
+        self.envoy.check_alive()
+    }
+}

@@ -1,0 +1,129 @@
+//! End-to-end: real Envoy + the wasm filter + the sidecar + simulated engines.
+//!
+//! These need the built wasm, binaries and Envoy, so they are `#[ignore]`d in a plain
+//! `cargo test`; `cargo xtask test` builds and installs everything and runs them.
+
+use std::collections::HashMap;
+
+use kvgate_e2e::client::{post, stream};
+use kvgate_e2e::{Artifacts, Stack, StackOptions};
+use serde_json::{json, Value};
+
+
+fn start(name: &str) -> Stack {
+    let opts = StackOptions { name: name.into(), ..Default::default() };
+    Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts")
+}
+
+/// A long, deterministic document: the shared prefix of a test.
+fn document(seed: u32, words: usize) -> String {
+    let vocab = ["kernel", "router", "cache", "block", "prefix", "tensor", "replica", "envoy", "token", "latency", "decode", "prefill"];
+    (0..words).map(|i| vocab[(i * 7 + seed as usize * 13 + i / 5) % vocab.len()]).collect::<Vec<_>>().join(" ")
+}
+
+fn chat(system: &str, question: &str) -> Value {
+    json!({"model": "qwen3", "max_tokens": 2, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": question}]})
+}
+
+/// 1. A prefix warmed directly on one replica pulls later requests with that prefix to it.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn warmed_prefix_attracts_requests() {
+    let stack = start("affinity");
+    for (seed, target) in [(1, "b"), (2, "c")] {
+        let doc = document(seed, 600);
+        let warm = post(&stack.sim(target).url("/v1/chat/completions"), chat(&doc, "first question").to_string(), &[]).unwrap();
+        assert_eq!(warm.status, 200);
+        let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        stack.wait_indexed(target, prompt_tokens / 16).unwrap();
+        for i in 0..3 {
+            let reply = stream(&stack.gateway("/v1/chat/completions"), chat(&doc, &format!("follow-up number {i}"))).unwrap();
+            assert_eq!(reply.status, 200);
+            assert_eq!(reply.header("x-kvgate-replica"), target, "request {i} for the prefix warmed on {target}");
+            assert!(reply.cached_tokens() >= 16 * 30, "served from cache: {:?}", reply.usage);
+        }
+    }
+}
+
+/// 2. A client-sent destination header never decides the route.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn client_destination_header_is_ignored() {
+    let mut stack = start("spoof");
+    let doc = document(3, 600);
+    let warm = post(&stack.sim("b").url("/v1/chat/completions"), chat(&doc, "q").to_string(), &[]).unwrap();
+    stack.wait_indexed("b", warm.json()["usage"]["prompt_tokens"].as_u64().unwrap() / 16).unwrap();
+    let spoof = format!("127.0.0.1:{}", stack.sim("c").port);
+    for i in 0..3 {
+        let body = chat(&doc, &format!("spoofed {i}")).to_string();
+        let reply = post(&stack.gateway("/v1/chat/completions"), body, &[("x-gateway-destination-endpoint", &spoof)]).unwrap();
+        assert_eq!(reply.header("x-kvgate-replica"), "b", "the cache, not the client, decides");
+    }
+    // Fail-open path: with no decision, the header is still stripped and round robin spreads.
+    stack.kill_sidecar();
+    let mut served: HashMap<String, usize> = HashMap::new();
+    for i in 0..6 {
+        let body = chat("short", &format!("spoofed without sidecar {i}")).to_string();
+        let reply = post(&stack.gateway("/v1/chat/completions"), body, &[("x-gateway-destination-endpoint", &spoof)]).unwrap();
+        assert_eq!(reply.status, 200);
+        *served.entry(reply.header("x-kvgate-replica").to_owned()).or_default() += 1;
+    }
+    assert!(served.get("c").copied().unwrap_or(0) < 6, "spoofed header must not pin traffic: {served:?}");
+    assert!(served.len() >= 2, "fallback LB spreads requests: {served:?}");
+}
+
+/// 3. With the sidecar dead, every request still succeeds through the fallback LB.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn sidecar_down_fails_open() {
+    let mut stack = start("failopen");
+    stack.kill_sidecar();
+    for i in 0..10 {
+        let body = chat(&document(4, 100), &format!("question {i}"));
+        let reply = stream(&stack.gateway("/v1/chat/completions"), body).unwrap();
+        assert_eq!(reply.status, 200, "request {i}");
+        assert!(!reply.header("x-kvgate-replica").is_empty());
+        assert_eq!(reply.header("x-kvgate-routed-to"), "fallback");
+    }
+    let completion = post(&stack.gateway("/v1/completions"), json!({"model": "qwen3", "prompt": "hello", "max_tokens": 1}).to_string(), &[]).unwrap();
+    assert_eq!(completion.status, 200);
+    stack.check_envoy().unwrap();
+}
+
+/// 4. The filter's token count equals the engine's `usage.prompt_tokens`.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn filter_token_count_matches_engine() {
+    let stack = start("tokens");
+    let bodies = [
+        chat("You are a helpful assistant.", "What is the capital of France? 请用中文回答。"),
+        json!({"model": "qwen3", "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]},
+            {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nanswer"},
+            {"role": "user", "content": "and then? 🚀"}], "chat_template_kwargs": {"enable_thinking": false}}),
+        json!({"model": "qwen3", "max_tokens": 1, "prompt": document(5, 300)}),
+    ];
+    for body in bodies {
+        let path = if body.get("prompt").is_some() { "/v1/completions" } else { "/v1/chat/completions" };
+        let reply = post(&stack.gateway(path), body.to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let engine = reply.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        let filter: u64 = reply.header("x-kvgate-prompt-tokens").parse().unwrap();
+        assert_eq!(filter, engine, "filter and engine disagree for {body}");
+    }
+}
+
+/// 5. Malformed JSON passes through untouched and the engine answers 400.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn malformed_json_reaches_the_engine() {
+    let stack = start("malformed");
+    for body in ["{not json", "[1,2,3]", r#"{"model":"qwen3","messages":"nope"}"#, ""] {
+        let reply = post(&stack.gateway("/v1/chat/completions"), body.to_owned(), &[]).unwrap();
+        assert_eq!(reply.status, 400, "body {body:?}: {}", reply.body);
+        assert!(!reply.header("x-kvgate-replica").is_empty(), "answered by an engine, not by kvgate");
+        assert_eq!(reply.json()["object"], "error");
+    }
+}
