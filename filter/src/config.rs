@@ -55,7 +55,8 @@ impl FilterConfig {
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(FilterConfig::default());
         }
-        let config: FilterConfig = serde_json::from_slice(bytes).map_err(|e| format!("kvgate filter configuration: {e}"))?;
+        let config: FilterConfig =
+            serde_json::from_slice(bytes).map_err(|e| format!("kvgate filter configuration: {e}"))?;
         if config.sidecar_cluster.is_empty() {
             return Err("kvgate filter configuration: sidecar_cluster must not be empty".into());
         }

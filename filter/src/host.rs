@@ -12,7 +12,13 @@ use proxy_wasm::types::MapType;
 #[allow(clashing_extern_declarations)]
 #[link(wasm_import_module = "env")]
 extern "C" {
-    fn proxy_replace_header_map_value(map: MapType, key: *const u8, key_len: usize, value: *const u8, value_len: usize) -> u32;
+    fn proxy_replace_header_map_value(
+        map: MapType,
+        key: *const u8,
+        key_len: usize,
+        value: *const u8,
+        value_len: usize,
+    ) -> u32;
     fn proxy_remove_header_map_value(map: MapType, key: *const u8, key_len: usize) -> u32;
 }
 
@@ -21,13 +27,25 @@ extern "C" {
 pub struct HostStatus(pub u32);
 
 fn check(status: u32) -> Result<(), HostStatus> {
-    if status == 0 { Ok(()) } else { Err(HostStatus(status)) }
+    if status == 0 {
+        Ok(())
+    } else {
+        Err(HostStatus(status))
+    }
 }
 
 /// Sets (replaces) a request header.
 pub fn set_request_header(name: &str, value: &str) -> Result<(), HostStatus> {
     // SAFETY: pointers and lengths come from live &str values for the duration of the call.
-    check(unsafe { proxy_replace_header_map_value(MapType::HttpRequestHeaders, name.as_ptr(), name.len(), value.as_ptr(), value.len()) })
+    check(unsafe {
+        proxy_replace_header_map_value(
+            MapType::HttpRequestHeaders,
+            name.as_ptr(),
+            name.len(),
+            value.as_ptr(),
+            value.len(),
+        )
+    })
 }
 
 /// Removes a request header (absent is fine).
@@ -39,5 +57,13 @@ pub fn remove_request_header(name: &str) -> Result<(), HostStatus> {
 /// Adds a response header (debug headers only).
 pub fn set_response_header(name: &str, value: &str) -> Result<(), HostStatus> {
     // SAFETY: as above.
-    check(unsafe { proxy_replace_header_map_value(MapType::HttpResponseHeaders, name.as_ptr(), name.len(), value.as_ptr(), value.len()) })
+    check(unsafe {
+        proxy_replace_header_map_value(
+            MapType::HttpResponseHeaders,
+            name.as_ptr(),
+            name.len(),
+            value.as_ptr(),
+            value.len(),
+        )
+    })
 }

@@ -118,7 +118,9 @@ impl RequestContext {
             log::debug!("kvgate: sidecar answered {status:?}; falling back");
             return;
         }
-        let Some(body) = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten() else { return };
+        let Some(body) = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten() else {
+            return;
+        };
         let Ok(answer) = codec::decode::<RouteResponse>(&body) else {
             log::warn!("kvgate: undecodable sidecar answer; falling back");
             return;
@@ -161,9 +163,15 @@ impl HttpContext for RequestContext {
             self.endpoint = None;
             return Action::Continue;
         }
-        self.request_id = self
-            .request_header("x-request-id")
-            .unwrap_or_else(|| format!("kvgate-{}-{}", self.context_id, hostcalls::get_current_time().map(|t| t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0)).unwrap_or(0)));
+        self.request_id = self.request_header("x-request-id").unwrap_or_else(|| {
+            format!(
+                "kvgate-{}-{}",
+                self.context_id,
+                hostcalls::get_current_time()
+                    .map(|t| t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0))
+                    .unwrap_or(0)
+            )
+        });
         Action::Pause
     }
 

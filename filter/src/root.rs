@@ -56,7 +56,11 @@ impl Root {
     /// A root with default settings until `on_configure`.
     pub fn new() -> Root {
         Root {
-            shared: Rc::new(RefCell::new(Shared { config: FilterConfig::default(), models: HashMap::new(), queue: None })),
+            shared: Rc::new(RefCell::new(Shared {
+                config: FilterConfig::default(),
+                models: HashMap::new(),
+                queue: None,
+            })),
             calls: HashMap::new(),
             fetching: HashSet::new(),
             models_listed: false,
@@ -133,9 +137,9 @@ impl Root {
     }
 
     fn on_tokenizer(&mut self, model: String, body: &[u8]) {
-        let loaded = codec::decode::<ModelBundle>(body)
-            .map_err(|e| e.to_string())
-            .and_then(|bundle| Ok((bundle.block_size, ModelTokenizer::from_bundle(&bundle).map_err(|e| e.to_string())?)));
+        let loaded = codec::decode::<ModelBundle>(body).map_err(|e| e.to_string()).and_then(|bundle| {
+            Ok((bundle.block_size, ModelTokenizer::from_bundle(&bundle).map_err(|e| e.to_string())?))
+        });
         match loaded {
             Ok((block_size, tokenizer)) if block_size > 0 => {
                 log::info!("kvgate: tokenizer for {model:?} loaded (block size {block_size})");

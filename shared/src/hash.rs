@@ -58,10 +58,7 @@ pub fn local_block_hash(tokens: &[u32], salt: Salt) -> u64 {
 /// If `block_size` is 0.
 pub fn local_block_hashes(tokens: &[u32], block_size: usize, salt: Salt) -> Vec<u64> {
     assert!(block_size > 0, "block_size must be positive");
-    tokens
-        .chunks_exact(block_size)
-        .map(|block| local_block_hash(block, salt))
-        .collect()
+    tokens.chunks_exact(block_size).map(|block| local_block_hash(block, salt)).collect()
 }
 
 /// The next sequence hash after `parent` (None for the first block).

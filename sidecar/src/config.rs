@@ -120,7 +120,11 @@ impl Config {
         let knobs: [(&str, &str, &mut f64); 4] = [
             ("KVGATE_PREFILL_LOAD_SCALE", "DYN_ROUTER_PREFILL_LOAD_SCALE", &mut s.prefill_load_scale),
             ("KVGATE_KV_OVERLAP_CREDIT", "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", &mut s.kv_overlap_credit),
-            ("KVGATE_KV_OVERLAP_CREDIT_DECAY", "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY", &mut s.kv_overlap_credit_decay),
+            (
+                "KVGATE_KV_OVERLAP_CREDIT_DECAY",
+                "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",
+                &mut s.kv_overlap_credit_decay,
+            ),
             ("KVGATE_ACTIVE_REQUEST_WEIGHT", "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT", &mut s.active_request_weight),
         ];
         for (ours, dynamo, slot) in knobs {
@@ -220,10 +224,19 @@ mod tests {
 
     #[test]
     fn env_overrides_with_both_names() {
-        let c = load(BASE, &[("KVGATE_LISTEN", "127.0.0.1:1"), ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2.5"), ("KVGATE_ACTIVE_REQUEST_WEIGHT", "1")]).unwrap();
+        let c = load(
+            BASE,
+            &[
+                ("KVGATE_LISTEN", "127.0.0.1:1"),
+                ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2.5"),
+                ("KVGATE_ACTIVE_REQUEST_WEIGHT", "1"),
+            ],
+        )
+        .unwrap();
         assert_eq!(c.listen.port(), 1);
         assert_eq!((c.scoring.prefill_load_scale, c.scoring.active_request_weight), (2.5, 1.0));
-        let ours_wins = load(BASE, &[("KVGATE_PREFILL_LOAD_SCALE", "3"), ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2")]).unwrap();
+        let ours_wins =
+            load(BASE, &[("KVGATE_PREFILL_LOAD_SCALE", "3"), ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2")]).unwrap();
         assert_eq!(ours_wins.scoring.prefill_load_scale, 3.0);
         assert!(load(BASE, &[("KVGATE_KV_OVERLAP_CREDIT", "x")]).is_err());
         assert!(load(BASE, &[("KVGATE_KV_OVERLAP_CREDIT", "-1")]).is_err());
@@ -233,7 +246,13 @@ mod tests {
     fn invalid_configs_are_rejected() {
         assert!(load("pools = []", &[]).is_err());
         assert!(load(&BASE.replace("block_size = 16", "block_size = 0"), &[]).is_err());
-        assert!(load(&format!("{BASE}\n[[pools.replicas]]\nid = \"a\"\nendpoint = \"127.0.0.1:8002\"\nkv_events = \"tcp://x:1\""), &[]).is_err());
+        assert!(load(
+            &format!(
+                "{BASE}\n[[pools.replicas]]\nid = \"a\"\nendpoint = \"127.0.0.1:8002\"\nkv_events = \"tcp://x:1\""
+            ),
+            &[]
+        )
+        .is_err());
         assert!(load(&BASE.replace("tcp://", "http://"), &[]).is_err());
         assert!(load(&format!("bogus = 1\n{BASE}"), &[]).is_err(), "unknown keys are errors");
         assert!(load(&BASE.replace("127.0.0.1:8001", "not-an-address"), &[]).is_err());

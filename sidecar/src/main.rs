@@ -5,7 +5,6 @@
 //! kvgate-sidecar --config kvgate.toml
 //! ```
 
-
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use axum::serve::ListenerExt;
 use clap::Parser;
 use kvgate_shared::codec;
 use kvgate_shared::wire::ModelBundle;
@@ -54,7 +54,13 @@ async fn main() -> anyhow::Result<()> {
     let mut subscribers = Vec::new();
     for pool in pools.values() {
         for replica in 0..pool.config.replicas.len() {
-            subscribers.push(events::subscriber::spawn(zmq_ctx.clone(), pool.clone(), replica, metrics.clone(), stop.clone())?);
+            subscribers.push(events::subscriber::spawn(
+                zmq_ctx.clone(),
+                pool.clone(),
+                replica,
+                metrics.clone(),
+                stop.clone(),
+            )?);
         }
     }
 
@@ -74,13 +80,10 @@ async fn main() -> anyhow::Result<()> {
     });
 
     let state = Arc::new(api::AppState { pools, scoring: config.scoring.clone(), metrics });
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .with_context(|| format!("binding {}", config.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     tracing::info!(listen = %config.listen, "kvgate-sidecar ready");
-    axum::serve(listener, api::router(state))
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    axum::serve(listener.tap_io(no_delay), api::router(state)).with_graceful_shutdown(shutdown_signal()).await?;
 
     stop.store(true, Ordering::Relaxed);
     for s in subscribers {
@@ -98,5 +101,12 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {}
         _ = term.recv() => {}
+    }
+}
+
+/// Small writes (a routing answer, an SSE chunk) must not wait for Nagle + delayed ACK (~40 ms).
+fn no_delay(stream: &mut tokio::net::TcpStream) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::warn!(error = %e, "cannot set TCP_NODELAY");
     }
 }

@@ -81,7 +81,11 @@ impl Default for Metrics {
         registry.register("index_blocks", "Blocks indexed per replica", index_blocks.clone());
         registry.register("active_requests", "Booked, unfinished requests per replica", active_requests.clone());
         registry.register("prefill_tokens", "Booked prefill tokens per replica", prefill_tokens.clone());
-        registry.register("lifecycle_events", "Lifecycle reports (reason = kind/known|unknown)", lifecycle_events.clone());
+        registry.register(
+            "lifecycle_events",
+            "Lifecycle reports (reason = kind/known|unknown)",
+            lifecycle_events.clone(),
+        );
         Metrics {
             registry,
             route_decisions,

@@ -129,13 +129,22 @@ impl Pool {
         let cached_tokens = (u64::from(overlap) * bs).min(prompt_tokens);
         load.book(
             best,
-            NewBooking { request_id: &req.request_id, prefill_tokens: prompt_tokens - cached_tokens, hashes, total_blocks },
+            NewBooking {
+                request_id: &req.request_id,
+                prefill_tokens: prompt_tokens - cached_tokens,
+                hashes,
+                total_blocks,
+            },
             Instant::now(),
         );
         self.publish_load(&load, best);
         let replica = &self.config.replicas[best];
         self.metrics.route_decisions.get_or_create(&self.labels(best)).inc();
-        RouteResponse { endpoint: Some(replica.endpoint.to_string()), replica: Some(replica.id.clone()), overlap_blocks: overlap }
+        RouteResponse {
+            endpoint: Some(replica.endpoint.to_string()),
+            replica: Some(replica.id.clone()),
+            overlap_blocks: overlap,
+        }
     }
 
     /// Applies a lifecycle report. Returns false if the request is not booked in this pool.

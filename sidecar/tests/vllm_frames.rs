@@ -25,7 +25,16 @@ fn assert_same(ours: &KvEvent, theirs: &Value) {
             "block_size": a[4], "medium": a.get(6).cloned().unwrap_or(Value::Null)}),
         other => other.clone(),
     };
-    for key in ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "group_idx", "kv_cache_spec_kind"] {
+    for key in [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "medium",
+        "group_idx",
+        "kv_cache_spec_kind",
+    ] {
         if let Some(expected) = theirs.get(key) {
             assert_eq!(ours.get(key).unwrap_or(&Value::Null), expected, "field {key}");
         }

@@ -108,8 +108,14 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Respons
     let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     let mut rng = rand::rngs::StdRng::seed_from_u64(state.seed ^ xxh3_64(&body));
     let output: Vec<u32> = (0..max_tokens).map(|_| rng.random_range(1000..9000)).collect();
-    let usage = Usage { prompt: tokens.len(), completion: output.len(), cached: running.cached_tokens, details: state.prompt_tokens_details };
-    let id = format!("{}-{:016x}", if endpoint == Endpoint::Completions { "cmpl" } else { "chatcmpl" }, rng.random::<u64>());
+    let usage = Usage {
+        prompt: tokens.len(),
+        completion: output.len(),
+        cached: running.cached_tokens,
+        details: state.prompt_tokens_details,
+    };
+    let id =
+        format!("{}-{:016x}", if endpoint == Endpoint::Completions { "cmpl" } else { "chatcmpl" }, rng.random::<u64>());
     if request.stream {
         stream(state, endpoint, request, id, output, usage, stream_usage, running)
     } else {
@@ -119,8 +125,12 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Respons
         drop(running);
         let text = state.tokenizer.decode(&output).unwrap_or_default();
         let choice = match endpoint {
-            Endpoint::Completions => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null}),
-            Endpoint::ChatCompletions => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length", "stop_reason": null}),
+            Endpoint::Completions => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null})
+            }
+            Endpoint::ChatCompletions => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length", "stop_reason": null})
+            }
         };
         let object = if endpoint == Endpoint::Completions { "text_completion" } else { "chat.completion" };
         let body = json!({"id": id, "object": object, "created": unix_now(), "model": request.model,
@@ -173,12 +183,17 @@ fn stream(
         let created = unix_now();
         let object = if endpoint == Endpoint::Completions { "text_completion" } else { "chat.completion.chunk" };
         let chunk = |choices: Value| -> Bytes {
-            let body = json!({"id": id, "object": object, "created": created, "model": request.model, "choices": choices});
+            let body =
+                json!({"id": id, "object": object, "created": created, "model": request.model, "choices": choices});
             Bytes::from(format!("data: {body}\n\n"))
         };
         let piece = |delta: &str, finish: Value| match endpoint {
-            Endpoint::Completions => json!([{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish, "stop_reason": null}]),
-            Endpoint::ChatCompletions => json!([{"index": 0, "delta": {"content": delta}, "logprobs": null, "finish_reason": finish}]),
+            Endpoint::Completions => {
+                json!([{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish, "stop_reason": null}])
+            }
+            Endpoint::ChatCompletions => {
+                json!([{"index": 0, "delta": {"content": delta}, "logprobs": null, "finish_reason": finish}])
+            }
         };
         if endpoint == Endpoint::ChatCompletions {
             let first = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
@@ -197,7 +212,8 @@ fn stream(
             }
         }
         if include_usage {
-            let mut body = json!({"id": id, "object": object, "created": created, "model": request.model, "choices": []});
+            let mut body =
+                json!({"id": id, "object": object, "created": created, "model": request.model, "choices": []});
             body["usage"] = usage.json();
             if tx.send(Bytes::from(format!("data: {body}\n\n"))).await.is_err() {
                 return;

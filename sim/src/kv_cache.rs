@@ -91,11 +91,7 @@ impl KvCache {
     pub fn allocate(&mut self, tokens: &[u32], events: &mut Vec<Event>) -> Result<Allocation, OutOfBlocks> {
         let hashes = self.hashes(tokens);
         let max_hit_blocks = tokens.len().saturating_sub(1) / self.block_size;
-        let hits: Vec<usize> = hashes
-            .iter()
-            .take(max_hit_blocks)
-            .map_while(|h| self.cached.get(h).copied())
-            .collect();
+        let hits: Vec<usize> = hashes.iter().take(max_hit_blocks).map_while(|h| self.cached.get(h).copied()).collect();
         let needed = tokens.len().div_ceil(self.block_size) - hits.len();
         let reusable_hits = hits.iter().filter(|b| self.blocks[**b].refs == 0).count();
         if self.free.len() - reusable_hits < needed {

@@ -22,6 +22,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
+use axum::serve::ListenerExt;
 use clap::Parser;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::ModelBundle;
@@ -97,8 +98,16 @@ async fn main() -> anyhow::Result<()> {
         seed: cli.seed,
         prompt_tokens_details: cli.enable_prompt_tokens_details,
     });
-    let listener = tokio::net::TcpListener::bind(cli.listen).await.with_context(|| format!("binding {}", cli.listen))?;
+    let listener =
+        tokio::net::TcpListener::bind(cli.listen).await.with_context(|| format!("binding {}", cli.listen))?;
     tracing::info!(replica = %cli.replica, listen = %cli.listen, "kvgate-sim ready");
-    axum::serve(listener, api::router(state)).await?;
+    axum::serve(listener.tap_io(no_delay), api::router(state)).await?;
     Ok(())
+}
+
+/// Small writes (a routing answer, an SSE chunk) must not wait for Nagle + delayed ACK (~40 ms).
+fn no_delay(stream: &mut tokio::net::TcpStream) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::warn!(error = %e, "cannot set TCP_NODELAY");
+    }
 }

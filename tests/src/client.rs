@@ -98,7 +98,10 @@ pub fn stream(url: &str, mut body: Value) -> anyhow::Result<Streamed> {
             }
             let chunk: Value = serde_json::from_str(data)?;
             let has_content = chunk["choices"].as_array().is_some_and(|cs| {
-                cs.iter().any(|c| c["text"].as_str().is_some_and(|t| !t.is_empty()) || c["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()))
+                cs.iter().any(|c| {
+                    c["text"].as_str().is_some_and(|t| !t.is_empty())
+                        || c["delta"]["content"].as_str().is_some_and(|t| !t.is_empty())
+                })
             });
             if has_content && ttft.is_none() {
                 ttft = Some(started.elapsed());

@@ -25,7 +25,12 @@ pub fn venv_binary(venv: &Path) -> PathBuf {
     let lib = venv.join("lib");
     let python = std::fs::read_dir(&lib)
         .ok()
-        .and_then(|entries| entries.flatten().map(|e| e.path()).find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python"))))
+        .and_then(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python")))
+        })
         .unwrap_or_else(|| lib.join("python3"));
     python.join("site-packages/envoy/_bin/envoy")
 }
@@ -53,7 +58,9 @@ pub fn render(template: &str, p: &EnvoyParams<'_>) -> String {
     let endpoints: Vec<String> = p
         .pool_ports
         .iter()
-        .map(|port| format!("{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}}}"))
+        .map(|port| {
+            format!("{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}}}")
+        })
         .collect();
     let mut out = String::new();
     let mut skipping = false;

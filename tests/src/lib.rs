@@ -12,6 +12,7 @@ pub mod client;
 pub mod envoy;
 pub mod process;
 pub mod stack;
+pub mod workload;
 
 pub use stack::{Routing, Stack, StackOptions};
 
@@ -55,7 +56,9 @@ impl Artifacts {
 
     /// Fails with a clear message if anything is missing.
     pub fn check(&self) -> anyhow::Result<()> {
-        for (what, path) in [("wasm filter", &self.wasm), ("sidecar", &self.sidecar), ("simulator", &self.sim), ("envoy", &self.envoy)] {
+        for (what, path) in
+            [("wasm filter", &self.wasm), ("sidecar", &self.sidecar), ("simulator", &self.sim), ("envoy", &self.envoy)]
+        {
             anyhow::ensure!(path.exists(), "{what} not found at {} (run `cargo xtask test` or `cargo xtask demo`, which build and install everything)", path.display());
         }
         Ok(())

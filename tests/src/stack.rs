@@ -108,9 +108,18 @@ impl Stack {
             cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--replica", &id, "--model", "qwen3"])
                 .arg("--tokenizer")
                 .arg(&artifacts.model_dir)
-                .args(["--block-size", &opts.block_size.to_string(), "--kv-events", &format!("tcp://127.0.0.1:{events_port}")])
+                .args([
+                    "--block-size",
+                    &opts.block_size.to_string(),
+                    "--kv-events",
+                    &format!("tcp://127.0.0.1:{events_port}"),
+                ])
                 .args(["--prefill-us-per-token", &opts.prefill_us_per_token.to_string()])
-                .args(["--decode-us-per-token", &opts.decode_us_per_token.to_string(), "--enable-prompt-tokens-details"]);
+                .args([
+                    "--decode-us-per-token",
+                    &opts.decode_us_per_token.to_string(),
+                    "--enable-prompt-tokens-details",
+                ]);
             let proc = Proc::spawn(&format!("sim {id}"), cmd, &dir.join(format!("sim-{id}.log")))?;
             replicas_toml.push_str(&format!(
                 "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\n"
@@ -142,7 +151,8 @@ impl Stack {
         };
 
         let (admin_port, gateway_port) = (free_port()?, free_port()?);
-        let filter_config = json!({"route_timeout_ms": opts.route_timeout_ms, "retry_ms": 200, "debug_headers": true}).to_string();
+        let filter_config =
+            json!({"route_timeout_ms": opts.route_timeout_ms, "retry_ms": 200, "debug_headers": true}).to_string();
         let template = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl"))?;
         let ports: Vec<u16> = sims.iter().map(|s| s.port).collect();
         let yaml = envoy::render(
@@ -169,7 +179,13 @@ impl Stack {
             }
             http_ok(&ready).then_some(true)
         })
-        .and_then(|alive| if alive { Ok(()) } else { anyhow::bail!("envoy exited; see {}", dir.join("envoy.log").display()) })?;
+        .and_then(|alive| {
+            if alive {
+                Ok(())
+            } else {
+                anyhow::bail!("envoy exited; see {}", dir.join("envoy.log").display())
+            }
+        })?;
 
         let stack = Stack { sims, sidecar, sidecar_port, envoy: envoy_proc, gateway_port, dir };
         if opts.routing == Routing::Kvgate {
@@ -180,7 +196,8 @@ impl Stack {
 
     /// Waits until a request through the gateway reports a tokenized prompt.
     fn wait_tokenizer_loaded(&self) -> anyhow::Result<()> {
-        let probe = json!({"model": "qwen3", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}).to_string();
+        let probe =
+            json!({"model": "qwen3", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}).to_string();
         let url = self.gateway("/v1/chat/completions");
         wait_for("the filter's tokenizer", START_TIMEOUT, || {
             let reply = client::post(&url, probe.clone(), &[]).ok()?;

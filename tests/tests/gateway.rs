@@ -6,19 +6,13 @@
 use std::collections::HashMap;
 
 use kvgate_e2e::client::{post, stream};
+use kvgate_e2e::workload::document;
 use kvgate_e2e::{Artifacts, Stack, StackOptions};
 use serde_json::{json, Value};
-
 
 fn start(name: &str) -> Stack {
     let opts = StackOptions { name: name.into(), ..Default::default() };
     Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts")
-}
-
-/// A long, deterministic document: the shared prefix of a test.
-fn document(seed: u32, words: usize) -> String {
-    let vocab = ["kernel", "router", "cache", "block", "prefix", "tensor", "replica", "envoy", "token", "latency", "decode", "prefill"];
-    (0..words).map(|i| vocab[(i * 7 + seed as usize * 13 + i / 5) % vocab.len()]).collect::<Vec<_>>().join(" ")
 }
 
 fn chat(system: &str, question: &str) -> Value {
@@ -34,12 +28,14 @@ fn warmed_prefix_attracts_requests() {
     let stack = start("affinity");
     for (seed, target) in [(1, "b"), (2, "c")] {
         let doc = document(seed, 600);
-        let warm = post(&stack.sim(target).url("/v1/chat/completions"), chat(&doc, "first question").to_string(), &[]).unwrap();
+        let warm = post(&stack.sim(target).url("/v1/chat/completions"), chat(&doc, "first question").to_string(), &[])
+            .unwrap();
         assert_eq!(warm.status, 200);
         let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
         stack.wait_indexed(target, prompt_tokens / 16).unwrap();
         for i in 0..3 {
-            let reply = stream(&stack.gateway("/v1/chat/completions"), chat(&doc, &format!("follow-up number {i}"))).unwrap();
+            let reply =
+                stream(&stack.gateway("/v1/chat/completions"), chat(&doc, &format!("follow-up number {i}"))).unwrap();
             assert_eq!(reply.status, 200);
             assert_eq!(reply.header("x-kvgate-replica"), target, "request {i} for the prefix warmed on {target}");
             assert!(reply.cached_tokens() >= 16 * 30, "served from cache: {:?}", reply.usage);
@@ -58,7 +54,8 @@ fn client_destination_header_is_ignored() {
     let spoof = format!("127.0.0.1:{}", stack.sim("c").port);
     for i in 0..3 {
         let body = chat(&doc, &format!("spoofed {i}")).to_string();
-        let reply = post(&stack.gateway("/v1/chat/completions"), body, &[("x-gateway-destination-endpoint", &spoof)]).unwrap();
+        let reply =
+            post(&stack.gateway("/v1/chat/completions"), body, &[("x-gateway-destination-endpoint", &spoof)]).unwrap();
         assert_eq!(reply.header("x-kvgate-replica"), "b", "the cache, not the client, decides");
     }
     // Fail-open path: with no decision, the header is still stripped and round robin spreads.
@@ -66,7 +63,8 @@ fn client_destination_header_is_ignored() {
     let mut served: HashMap<String, usize> = HashMap::new();
     for i in 0..6 {
         let body = chat("short", &format!("spoofed without sidecar {i}")).to_string();
-        let reply = post(&stack.gateway("/v1/chat/completions"), body, &[("x-gateway-destination-endpoint", &spoof)]).unwrap();
+        let reply =
+            post(&stack.gateway("/v1/chat/completions"), body, &[("x-gateway-destination-endpoint", &spoof)]).unwrap();
         assert_eq!(reply.status, 200);
         *served.entry(reply.header("x-kvgate-replica").to_owned()).or_default() += 1;
     }
@@ -87,7 +85,12 @@ fn sidecar_down_fails_open() {
         assert!(!reply.header("x-kvgate-replica").is_empty());
         assert_eq!(reply.header("x-kvgate-routed-to"), "fallback");
     }
-    let completion = post(&stack.gateway("/v1/completions"), json!({"model": "qwen3", "prompt": "hello", "max_tokens": 1}).to_string(), &[]).unwrap();
+    let completion = post(
+        &stack.gateway("/v1/completions"),
+        json!({"model": "qwen3", "prompt": "hello", "max_tokens": 1}).to_string(),
+        &[],
+    )
+    .unwrap();
     assert_eq!(completion.status, 200);
     stack.check_envoy().unwrap();
 }

@@ -112,7 +112,9 @@ fn text_content(content: Option<&Value>) -> Result<String, PromptError> {
                             p.get(kind_field(kind)).and_then(Value::as_str)
                         }
                         Some(other) => {
-                            return Err(PromptError::Invalid(format!("content part `{other}` is not supported by a text-only model")))
+                            return Err(PromptError::Invalid(format!(
+                                "content part `{other}` is not supported by a text-only model"
+                            )))
                         }
                         None => return Err(PromptError::Invalid("content part without `type`".into())),
                     },

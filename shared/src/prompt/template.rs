@@ -43,8 +43,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
-        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
-            .map_err(|e| PromptError::Template(e.to_string()))?;
+        env.add_template_owned(TEMPLATE_NAME, source.to_owned()).map_err(|e| PromptError::Template(e.to_string()))?;
         let knows_developer_role = source.contains("\"developer\"") || source.contains("'developer'");
         Ok(ChatTemplate { env, knows_developer_role, bos_token, eos_token })
     }
@@ -81,12 +80,7 @@ impl ChatTemplate {
 
 /// transformers' `continue_final_message`: cut the text right after the final message's content.
 fn continue_final(rendered: String, messages: &[Json]) -> Result<String, PromptError> {
-    let last = messages
-        .last()
-        .and_then(|m| m.get("content"))
-        .and_then(Json::as_str)
-        .unwrap_or("")
-        .trim();
+    let last = messages.last().and_then(|m| m.get("content")).and_then(Json::as_str).unwrap_or("").trim();
     match rendered.rfind(last) {
         Some(at) => Ok(rendered[..at + last.len()].to_owned()),
         None => Err(PromptError::Template(
@@ -104,10 +98,18 @@ struct PythonFormatter;
 
 impl serde_json::ser::Formatter for PythonFormatter {
     fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
     }
     fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
-        if first { Ok(()) } else { w.write_all(b", ") }
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
     }
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         w.write_all(b": ")

@@ -49,10 +49,8 @@ impl ModelTokenizer {
 
     /// Encodes text with the model's tokenizer.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
-        let encoding = self
-            .tokenizer
-            .encode_fast(text, add_special_tokens)
-            .map_err(|e| PromptError::Tokenizer(e.to_string()))?;
+        let encoding =
+            self.tokenizer.encode_fast(text, add_special_tokens).map_err(|e| PromptError::Tokenizer(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
     }
 

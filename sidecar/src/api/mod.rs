@@ -99,10 +99,7 @@ async fn tokenizer(State(state): State<Arc<AppState>>, Path(model): Path<String>
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
-        state.metrics.render(),
-    )
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.render())
         .into_response()
 }
 

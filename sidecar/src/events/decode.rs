@@ -239,23 +239,44 @@ mod tests {
     #[test]
     fn decodes_map_spec_example() {
         let payload = hex(concat!(
-            "93", "cb41d954fc40200000", "93",
+            "93",
+            "cb41d954fc40200000",
+            "93",
             "de000b",
-            "a474797065", "ab426c6f636b53746f726564",
-            "ac626c6f636b5f686173686573", "92cf84b146b151d55111cfd43b57df56b58fb1",
-            "b1706172656e745f626c6f636b5f68617368", "c0",
-            "a9746f6b656e5f696473", "980102030405060708",
-            "aa626c6f636b5f73697a65", "04",
-            "a76c6f72615f6964", "c0",
-            "a66d656469756d", "a3475055",
-            "a96c6f72615f6e616d65", "c0",
-            "aa65787472615f6b657973", "92c0c0",
-            "a967726f75705f696478", "00",
-            "b26b765f63616368655f737065635f6b696e64", "ae66756c6c5f617474656e74696f6e",
-            "84", "a474797065", "ac426c6f636b52656d6f766564",
-            "ac626c6f636b5f686173686573", "91cf84b146b151d55111",
-            "a66d656469756d", "a3475055", "a967726f75705f696478", "00",
-            "81", "a474797065", "b0416c6c426c6f636b73436c6561726564",
+            "a474797065",
+            "ab426c6f636b53746f726564",
+            "ac626c6f636b5f686173686573",
+            "92cf84b146b151d55111cfd43b57df56b58fb1",
+            "b1706172656e745f626c6f636b5f68617368",
+            "c0",
+            "a9746f6b656e5f696473",
+            "980102030405060708",
+            "aa626c6f636b5f73697a65",
+            "04",
+            "a76c6f72615f6964",
+            "c0",
+            "a66d656469756d",
+            "a3475055",
+            "a96c6f72615f6e616d65",
+            "c0",
+            "aa65787472615f6b657973",
+            "92c0c0",
+            "a967726f75705f696478",
+            "00",
+            "b26b765f63616368655f737065635f6b696e64",
+            "ae66756c6c5f617474656e74696f6e",
+            "84",
+            "a474797065",
+            "ac426c6f636b52656d6f766564",
+            "ac626c6f636b5f686173686573",
+            "91cf84b146b151d55111",
+            "a66d656469756d",
+            "a3475055",
+            "a967726f75705f696478",
+            "00",
+            "81",
+            "a474797065",
+            "b0416c6c426c6f636b73436c6561726564",
             "00",
         ));
         assert_eq!(decode_batch(&payload).unwrap(), expected(0));
@@ -264,7 +285,8 @@ mod tests {
     #[test]
     fn short_arrays_signed_and_binary_hashes() {
         // vLLM 0.9: [ts, [["BlockStored", [-1], nil, [1,2], 2, nil]]] — 2-element batch, 6-element event.
-        let payload = hex("92cb3ff000000000000091 96ab426c6f636b53746f72656491ffc0920102 02c0".replace(' ', "").as_str());
+        let payload =
+            hex("92cb3ff000000000000091 96ab426c6f636b53746f72656491ffc0920102 02c0".replace(' ', "").as_str());
         let batch = decode_batch(&payload).unwrap();
         let KvEvent::BlockStored(s) = &batch.events[0] else { panic!() };
         assert_eq!((s.block_hashes[0], s.medium.as_deref(), batch.data_parallel_rank), (u64::MAX, None, None));
@@ -276,7 +298,13 @@ mod tests {
 
     #[test]
     fn garbage_is_an_error_not_a_panic() {
-        for bad in [&b""[..], b"\xc1", b"\x93\x01", b"\x92\xcb\0\0\0\0\0\0\0\0\x91\x81\xa4type\xa3Foo", b"\xdd\xff\xff\xff\xff"] {
+        for bad in [
+            &b""[..],
+            b"\xc1",
+            b"\x93\x01",
+            b"\x92\xcb\0\0\0\0\0\0\0\0\x91\x81\xa4type\xa3Foo",
+            b"\xdd\xff\xff\xff\xff",
+        ] {
             assert!(decode_batch(bad).is_err(), "{bad:?}");
         }
     }

