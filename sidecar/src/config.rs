@@ -243,6 +243,14 @@ mod tests {
     }
 
     #[test]
+    fn shipped_example_is_valid() {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("kvgate.example.toml");
+        let c = Config::load(&path, &MapEnv(HashMap::new())).unwrap();
+        assert_eq!(c.pools[0].replicas.len(), 2);
+        assert!(c.pools[0].tokenizer.join("tokenizer.json").exists(), "the example points at the vendored model");
+    }
+
+    #[test]
     fn invalid_configs_are_rejected() {
         assert!(load("pools = []", &[]).is_err());
         assert!(load(&BASE.replace("block_size = 16", "block_size = 0"), &[]).is_err());
