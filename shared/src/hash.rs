@@ -37,9 +37,86 @@ impl Salt {
         }
     }
 
+    /// The salt of per-request extra keys (a `cache_salt`, multimodal identities): a single
+    /// string is Dynamo's cache-namespace salt, `xxh3_64(s, 1)`; anything else hashes a tagged
+    /// encoding of the keys. No keys is no salt.
+    ///
+    /// ```
+    /// use kvgate_shared::hash::{ExtraKey, Salt};
+    /// assert_eq!(Salt::for_extra_keys(&[]), Salt::NONE);
+    /// assert_ne!(Salt::for_extra_keys(&["a".into()]), Salt::for_extra_keys(&["b".into()]));
+    /// ```
+    pub fn for_extra_keys(keys: &[ExtraKey]) -> Salt {
+        match keys {
+            [] => Salt::NONE,
+            [ExtraKey::Str(s)] => Salt(xxh3_64_with_seed(s.as_bytes(), 1)),
+            keys => {
+                let mut bytes = Vec::new();
+                for k in keys {
+                    k.encode(&mut bytes);
+                }
+                Salt(xxh3_64_with_seed(&bytes, 1))
+            }
+        }
+    }
+
+    /// Both salts at once.
+    pub fn combine(self, other: Salt) -> Salt {
+        Salt(self.0.wrapping_add(other.0))
+    }
+
     /// The seed used for local block hashes under this salt.
     pub fn seed(self) -> u64 {
         SEED.wrapping_add(self.0)
+    }
+}
+
+/// One item of a block's extra keys (vLLM `extra_keys`, SGLang `cache_salt`): what makes the
+/// same tokens different content (a tenant's cache salt, an image's identity).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(untagged)]
+pub enum ExtraKey {
+    /// A string (a cache salt, a multimodal identifier).
+    Str(String),
+    /// An integer (an offset).
+    Int(i64),
+    /// Bytes (a prompt-embeds digest).
+    Bytes(Vec<u8>),
+    /// A tuple.
+    List(Vec<ExtraKey>),
+}
+
+impl From<&str> for ExtraKey {
+    fn from(s: &str) -> Self {
+        ExtraKey::Str(s.to_owned())
+    }
+}
+
+impl ExtraKey {
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            ExtraKey::Str(s) => {
+                out.push(b's');
+                out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+                out.extend_from_slice(s.as_bytes());
+            }
+            ExtraKey::Int(i) => {
+                out.push(b'i');
+                out.extend_from_slice(&i.to_le_bytes());
+            }
+            ExtraKey::Bytes(b) => {
+                out.push(b'b');
+                out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+                out.extend_from_slice(b);
+            }
+            ExtraKey::List(items) => {
+                out.push(b'l');
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for item in items {
+                    item.encode(out);
+                }
+            }
+        }
     }
 }
 

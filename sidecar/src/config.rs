@@ -3,6 +3,7 @@
 //! ```toml
 //! listen = "127.0.0.1:9911"        # loopback by default: only the local Envoy may call us
 //! request_expiry_secs = 300         # bookings whose end is never reported are dropped after this
+//! stall_timeout_secs = 30           # no events while blocks are expected: no cache credit
 //!
 //! [scoring]                         # see score::ScoringConfig; Dynamo's defaults
 //! prefill_load_scale = 1.0
@@ -17,6 +18,9 @@
 //! id = "a"
 //! endpoint = "10.0.0.5:8000"        # ip:port as Envoy's cluster knows the host
 //! kv_events = "tcp://10.0.0.5:5557" # the engine's KV-events PUB socket
+//! kv_replay = "tcp://10.0.0.5:5558" # optional: its replay ROUTER (closes gaps)
+//! kv_events_mode = "connect"        # or "bind" when the engine connects to us
+//! kv_events_topic = ""              # topic prefix filter
 //! ```
 
 use std::collections::HashSet;
@@ -38,6 +42,11 @@ pub struct Config {
     /// Seconds after which a booking with no reported end is released. Default 300 (Dynamo's).
     #[serde(default = "default_expiry")]
     pub request_expiry_secs: u64,
+    /// Seconds a replica may go without any KV event while requests that must create blocks
+    /// are routed to it; past that its publisher counts as stalled and its blocks earn no
+    /// credit (routing on load continues). Default 30.
+    #[serde(default = "default_stall")]
+    pub stall_timeout_secs: u64,
     /// Cost-function knobs.
     #[serde(default)]
     pub scoring: ScoringConfig,
@@ -69,6 +78,28 @@ pub struct ReplicaConfig {
     pub endpoint: SocketAddr,
     /// The engine's KV-events ZMQ endpoint, e.g. `tcp://10.0.0.5:5557`.
     pub kv_events: String,
+    /// `connect` (default: the engine binds its PUB, as vLLM does with `tcp://*:5557`) or
+    /// `bind` (the engine is configured to connect to us).
+    #[serde(default)]
+    pub kv_events_mode: EventsMode,
+    /// Only messages whose topic starts with this are read (vLLM's `topic`; default all).
+    #[serde(default)]
+    pub kv_events_topic: String,
+    /// The engine's replay ROUTER (vLLM's `replay_endpoint`), e.g. `tcp://10.0.0.5:5558`.
+    /// Without it, lost messages leave the replica degraded until its cache is cleared.
+    #[serde(default)]
+    pub kv_replay: Option<String>,
+}
+
+/// Who binds the KV-event socket.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventsMode {
+    /// We connect a SUB to the engine's bound PUB.
+    #[default]
+    Connect,
+    /// We bind the SUB; the engine's PUB connects to us.
+    Bind,
 }
 
 fn default_listen() -> SocketAddr {
@@ -77,6 +108,10 @@ fn default_listen() -> SocketAddr {
 
 fn default_expiry() -> u64 {
     300
+}
+
+fn default_stall() -> u64 {
+    30
 }
 
 /// A source of environment variables (so tests need not touch the process environment).
@@ -117,7 +152,7 @@ impl Config {
             self.listen = v.parse().with_context(|| format!("KVGATE_LISTEN={v}"))?;
         }
         let s = &mut self.scoring;
-        let knobs: [(&str, &str, &mut f64); 4] = [
+        let knobs: [(&str, &str, &mut f64); 6] = [
             ("KVGATE_PREFILL_LOAD_SCALE", "DYN_ROUTER_PREFILL_LOAD_SCALE", &mut s.prefill_load_scale),
             ("KVGATE_KV_OVERLAP_CREDIT", "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", &mut s.kv_overlap_credit),
             (
@@ -126,6 +161,8 @@ impl Config {
                 &mut s.kv_overlap_credit_decay,
             ),
             ("KVGATE_ACTIVE_REQUEST_WEIGHT", "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT", &mut s.active_request_weight),
+            ("KVGATE_HOST_CACHE_HIT_WEIGHT", "DYN_ROUTER_HOST_CACHE_HIT_WEIGHT", &mut s.host_cache_hit_weight),
+            ("KVGATE_DISK_CACHE_HIT_WEIGHT", "DYN_ROUTER_DISK_CACHE_HIT_WEIGHT", &mut s.disk_cache_hit_weight),
         ];
         for (ours, dynamo, slot) in knobs {
             if let Some((key, v)) = env.var(ours).map(|v| (ours, v)).or_else(|| env.var(dynamo).map(|v| (dynamo, v))) {
@@ -146,6 +183,8 @@ impl Config {
             ("kv_overlap_credit", s.kv_overlap_credit),
             ("kv_overlap_credit_decay", s.kv_overlap_credit_decay),
             ("active_request_weight", s.active_request_weight),
+            ("host_cache_hit_weight", s.host_cache_hit_weight),
+            ("disk_cache_hit_weight", s.disk_cache_hit_weight),
         ] {
             if !v.is_finite() || v < 0.0 {
                 bail!("scoring.{name} must be a finite number >= 0, got {v}");
@@ -171,8 +210,12 @@ impl Config {
                 if !endpoints.insert(r.endpoint) {
                     bail!("pool {:?}: endpoint {} is used twice", pool.model, r.endpoint);
                 }
-                if !(r.kv_events.starts_with("tcp://") || r.kv_events.starts_with("ipc://")) {
-                    bail!("replica {:?}: kv_events must be a tcp:// or ipc:// endpoint", r.id);
+                for (key, endpoint) in [("kv_events", Some(&r.kv_events)), ("kv_replay", r.kv_replay.as_ref())] {
+                    if let Some(e) = endpoint {
+                        if !(e.starts_with("tcp://") || e.starts_with("ipc://")) {
+                            bail!("replica {:?}: {key} must be a tcp:// or ipc:// endpoint, got {e:?}", r.id);
+                        }
+                    }
                 }
             }
         }

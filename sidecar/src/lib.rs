@@ -11,6 +11,7 @@
 //! | [`pool`] | one model's replicas: index + load + the routing decision |
 //! | [`api`] | the HTTP API for the filter and operators |
 //! | [`metrics`] | Prometheus metrics |
+//! | [`tools`] | operator CLI tools (`events decode`, `events tap`) |
 
 pub mod api;
 pub mod config;
@@ -20,3 +21,4 @@ pub mod load;
 pub mod metrics;
 pub mod pool;
 pub mod score;
+pub mod tools;

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use axum::serve::ListenerExt;
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use kvgate_shared::codec;
 use kvgate_shared::wire::ModelBundle;
 
@@ -26,18 +26,83 @@ use kvgate_sidecar::{api, events};
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Cli {
-    /// The TOML configuration file.
+    /// The TOML configuration file (for serving, the default command).
     #[arg(long, short, env = "KVGATE_CONFIG", default_value = "kvgate.toml")]
     config: PathBuf,
+    #[command(subcommand)]
+    command: Option<Command>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve the filter's API (the default).
+    Serve,
+    /// Validate a configuration file and exit.
+    CheckConfig {
+        /// The file.
+        file: PathBuf,
+    },
+    /// Inspect KV events with the sidecar's own decoder.
+    #[command(subcommand)]
+    Events(EventsCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum EventsCommand {
+    /// Decode msgpack payload files (one payload per file), one JSON line each.
+    Decode {
+        /// Payload files.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+    /// Subscribe to an engine and print every batch as a JSON line, flagging gaps.
+    Tap {
+        /// The engine's KV-events endpoint, e.g. tcp://127.0.0.1:5557.
+        endpoint: String,
+        /// The engine's replay endpoint: gaps are replayed and printed.
+        #[arg(long)]
+        replay: Option<String>,
+        /// Topic prefix.
+        #[arg(long, default_value = "")]
+        topic: String,
+        /// Stop after this many messages.
+        #[arg(long)]
+        count: Option<u64>,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let cli = Cli::parse();
-    let config = Config::load(&cli.config, &ProcessEnv)?;
+    let stdout = &mut std::io::stdout();
+    match cli.command.unwrap_or(Command::Serve) {
+        Command::Serve => tokio::runtime::Runtime::new()?.block_on(serve(Config::load(&cli.config, &ProcessEnv)?)),
+        Command::CheckConfig { file } => {
+            let config = Config::load(&file, &ProcessEnv)?;
+            for pool in &config.pools {
+                ModelBundle::from_dir(&pool.model, &pool.tokenizer, pool.block_size)
+                    .with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
+            }
+            println!("{}: ok ({} pools)", file.display(), config.pools.len());
+            Ok(())
+        }
+        Command::Events(EventsCommand::Decode { files }) => {
+            if kvgate_sidecar::tools::decode_files(&files, stdout)? {
+                Ok(())
+            } else {
+                anyhow::bail!("some payloads did not decode")
+            }
+        }
+        Command::Events(EventsCommand::Tap { endpoint, replay, topic, count }) => {
+            kvgate_sidecar::tools::tap(&endpoint, replay.as_deref(), &topic, count, stdout)
+        }
+    }
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::default());
 
     let mut pools = HashMap::new();
@@ -54,7 +119,7 @@ async fn main() -> anyhow::Result<()> {
     let mut subscribers = Vec::new();
     for pool in pools.values() {
         for replica in 0..pool.config.replicas.len() {
-            subscribers.push(events::subscriber::spawn(
+            subscribers.extend(events::transport::spawn(
                 zmq_ctx.clone(),
                 pool.clone(),
                 replica,
@@ -65,12 +130,14 @@ async fn main() -> anyhow::Result<()> {
     }
 
     let expiry = Duration::from_secs(config.request_expiry_secs);
+    let stall = Duration::from_secs(config.stall_timeout_secs);
     let expiring: Vec<Arc<Pool>> = pools.values().cloned().collect();
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tick.tick().await;
             for pool in &expiring {
+                pool.check_stalls(stall);
                 let n = pool.expire(expiry);
                 if n > 0 {
                     tracing::warn!(model = %pool.config.model, n, "released bookings whose end was never reported");

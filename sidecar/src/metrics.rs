@@ -47,8 +47,12 @@ pub struct Metrics {
     pub events_applied: Family<ReplicaLabels, Counter>,
     /// KV events or messages dropped, by reason.
     pub events_dropped: Family<ReasonLabels, Counter>,
-    /// Sequence-number gaps seen (messages lost between the engine and us).
-    pub seq_gaps: Family<ReplicaLabels, Counter>,
+    /// Sequence gaps closed by replay.
+    pub gaps_replayed: Family<ReplicaLabels, Counter>,
+    /// Sequence gaps that could not be closed (the replica became degraded).
+    pub gaps_lost: Family<ReplicaLabels, Counter>,
+    /// 1 while a replica's blocks earn no credit (degraded or its publisher stalled).
+    pub degraded: Family<ReasonLabels, Gauge>,
     /// Blocks indexed per replica.
     pub index_blocks: Family<ReplicaLabels, Gauge>,
     /// Active (booked, not finished) requests per replica.
@@ -67,7 +71,9 @@ impl Default for Metrics {
         let route_seconds = Histogram::new(exponential_buckets(5e-6, 2.0, 16));
         let events_applied = Family::default();
         let events_dropped = Family::default();
-        let seq_gaps = Family::default();
+        let gaps_replayed = Family::default();
+        let gaps_lost = Family::default();
+        let degraded = Family::default();
         let index_blocks = Family::default();
         let active_requests = Family::default();
         let prefill_tokens = Family::default();
@@ -77,7 +83,13 @@ impl Default for Metrics {
         registry.register("route_seconds", "Time to score and book one request", route_seconds.clone());
         registry.register("kv_events_applied", "KV events applied to the index", events_applied.clone());
         registry.register("kv_events_dropped", "KV events or messages dropped, by reason", events_dropped.clone());
-        registry.register("kv_seq_gaps", "Sequence gaps (lost event messages)", seq_gaps.clone());
+        registry.register("kv_gaps_replayed", "Event sequence gaps closed by replay", gaps_replayed.clone());
+        registry.register("kv_gaps_lost", "Event sequence gaps that could not be replayed", gaps_lost.clone());
+        registry.register(
+            "replica_degraded",
+            "1 while a replica earns no cache credit (reason: lost_events or stalled)",
+            degraded.clone(),
+        );
         registry.register("index_blocks", "Blocks indexed per replica", index_blocks.clone());
         registry.register("active_requests", "Booked, unfinished requests per replica", active_requests.clone());
         registry.register("prefill_tokens", "Booked prefill tokens per replica", prefill_tokens.clone());
@@ -93,7 +105,9 @@ impl Default for Metrics {
             route_seconds,
             events_applied,
             events_dropped,
-            seq_gaps,
+            gaps_replayed,
+            gaps_lost,
+            degraded,
             index_blocks,
             active_requests,
             prefill_tokens,
@@ -103,6 +117,14 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Counts a dropped event or message of a replica.
+    pub fn dropped(&self, pool: &crate::pool::Pool, replica: usize, reason: &str) {
+        let l = pool.labels(replica);
+        self.events_dropped
+            .get_or_create(&ReasonLabels { model: l.model, replica: l.replica, reason: reason.to_owned() })
+            .inc();
+    }
+
     /// The OpenMetrics text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();

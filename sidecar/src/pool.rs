@@ -1,25 +1,57 @@
-//! One pool: a model's replicas, its KV index and load table, and the routing decision.
+//! One pool: a model's replicas, its KV index and load table, their health, and the routing
+//! decision.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvgate_shared::wire::{RouteRequest, RouteResponse};
 use serde::Serialize;
 
 use crate::config::PoolConfig;
-use crate::index::{KvIndex, ReplicaIdx};
+use crate::events::ingest::{Ingest, Outcome};
+use crate::index::{KvIndex, Overlap, ReplicaIdx, Tier};
 use crate::load::{LoadTable, NewBooking};
-use crate::metrics::{Metrics, ReplicaLabels};
+use crate::metrics::{Metrics, ReasonLabels, ReplicaLabels};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 
-/// Per-replica ingestion counters, shown in `/debug/state`.
-#[derive(Debug, Default)]
-pub struct ReplicaStats {
+/// No value yet, in the atomics below.
+const NONE: u64 = u64::MAX;
+
+/// Per-replica ingestion state visible to routing and `/debug/state`.
+#[derive(Debug)]
+pub struct ReplicaHealth {
     /// Events applied to the index.
     pub events_applied: AtomicU64,
-    /// The last sequence number received plus one (0: nothing yet).
-    pub next_seq: AtomicU64,
+    /// The last sequence number applied.
+    pub last_seq: AtomicU64,
+    /// Messages were lost and could not be replayed (the blocks indexed before were dropped).
+    pub degraded: AtomicBool,
+    /// Requests that must create blocks were routed here, but no event came.
+    pub stalled: AtomicBool,
+    /// Since when (ms since the pool started) events are expected; `NONE` if not.
+    awaiting_events_since: AtomicU64,
+}
+
+impl Default for ReplicaHealth {
+    fn default() -> Self {
+        ReplicaHealth {
+            events_applied: AtomicU64::new(0),
+            last_seq: AtomicU64::new(NONE),
+            degraded: AtomicBool::new(false),
+            stalled: AtomicBool::new(false),
+            awaiting_events_since: AtomicU64::new(NONE),
+        }
+    }
+}
+
+impl ReplicaHealth {
+    /// Whether the replica's index entries may be trusted for cache credit: not while its
+    /// publisher is stalled (its removals may be pending). A degraded replica's possibly
+    /// stale blocks were already dropped, so what remains is trusted.
+    pub fn trusted(&self) -> bool {
+        !self.stalled.load(Ordering::Relaxed)
+    }
 }
 
 /// A model's pool of replicas.
@@ -30,11 +62,12 @@ pub struct Pool {
     pub index: RwLock<KvIndex>,
     /// What each replica is busy with.
     pub load: Mutex<LoadTable>,
-    /// Ingestion counters, by replica index.
-    pub stats: Vec<ReplicaStats>,
+    /// Ingestion health, by replica index.
+    pub health: Vec<ReplicaHealth>,
     /// The encoded [`kvgate_shared::wire::ModelBundle`] served to filters.
     pub bundle: Vec<u8>,
     metrics: Arc<Metrics>,
+    started: Instant,
 }
 
 /// One replica in `/debug/state`.
@@ -44,8 +77,12 @@ pub struct ReplicaState {
     pub id: String,
     /// `ip:port`.
     pub endpoint: String,
-    /// Blocks indexed.
+    /// Blocks indexed, all tiers.
     pub blocks_indexed: usize,
+    /// Blocks indexed on host memory.
+    pub host_blocks: usize,
+    /// Blocks indexed on disk/external storage.
+    pub disk_blocks: usize,
     /// Booked, unfinished requests.
     pub active_requests: u64,
     /// Booked prefill tokens.
@@ -54,6 +91,13 @@ pub struct ReplicaState {
     pub active_blocks: u64,
     /// KV events applied.
     pub events_applied: u64,
+    /// The last event sequence number applied.
+    pub last_seq: Option<u64>,
+    /// Events were lost since the engine's cache was last cleared (blocks indexed before the
+    /// loss were dropped).
+    pub degraded: bool,
+    /// Its publisher went quiet while serving: no cache credit until events resume.
+    pub stalled: bool,
 }
 
 /// One pool in `/debug/state`.
@@ -79,11 +123,16 @@ impl Pool {
         Pool {
             index: RwLock::new(KvIndex::new(config.block_size as usize, n)),
             load: Mutex::new(LoadTable::new(n)),
-            stats: (0..n).map(|_| ReplicaStats::default()).collect(),
+            health: (0..n).map(|_| ReplicaHealth::default()).collect(),
             config,
             bundle,
             metrics,
+            started: Instant::now(),
         }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
     }
 
     /// Metric labels for a replica.
@@ -91,7 +140,7 @@ impl Pool {
         ReplicaLabels { model: self.config.model.clone(), replica: self.config.replicas[replica].id.clone() }
     }
 
-    /// Exclusive access to the index (for the event subscribers).
+    /// Exclusive access to the index (for the event appliers).
     pub fn index_mut(&self) -> std::sync::RwLockWriteGuard<'_, KvIndex> {
         self.index.write().unwrap_or_else(|e| e.into_inner())
     }
@@ -100,13 +149,56 @@ impl Pool {
         self.load.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Records what one ingested message did to a replica's health.
+    pub fn after_ingest(&self, replica: ReplicaIdx, ingest: &Ingest, outcome: &Outcome) {
+        let h = &self.health[replica];
+        h.events_applied.fetch_add(outcome.applied, Ordering::Relaxed);
+        h.last_seq.store(ingest.last_seq().unwrap_or(NONE), Ordering::Relaxed);
+        h.degraded.store(ingest.degraded(), Ordering::Relaxed);
+        h.awaiting_events_since.store(NONE, Ordering::Relaxed);
+        h.stalled.store(false, Ordering::Relaxed);
+        let blocks = read(&self.index).replica_blocks(replica);
+        self.metrics.index_blocks.get_or_create(&self.labels(replica)).set(blocks as i64);
+        self.publish_health(replica);
+    }
+
+    /// Flags replicas whose publisher has been silent for `timeout` while they were expected
+    /// to store blocks.
+    pub fn check_stalls(&self, timeout: Duration) {
+        let now = self.now_ms();
+        for (i, h) in self.health.iter().enumerate() {
+            let since = h.awaiting_events_since.load(Ordering::Relaxed);
+            if since != NONE
+                && now.saturating_sub(since) > timeout.as_millis() as u64
+                && !h.stalled.swap(true, Ordering::Relaxed)
+            {
+                tracing::warn!(replica = %self.config.replicas[i].id, "KV-event publisher stalled; routing on load only");
+                self.publish_health(i);
+            }
+        }
+    }
+
+    fn publish_health(&self, replica: ReplicaIdx) {
+        let h = &self.health[replica];
+        let l = self.labels(replica);
+        for (reason, flag) in [("lost_events", &h.degraded), ("stalled", &h.stalled)] {
+            let labels = ReasonLabels { model: l.model.clone(), replica: l.replica.clone(), reason: reason.into() };
+            self.metrics.degraded.get_or_create(&labels).set(i64::from(flag.load(Ordering::Relaxed)));
+        }
+    }
+
     /// Scores every replica and books the request on the cheapest, atomically (no herding:
     /// concurrent requests see each other's bookings).
     pub fn route(&self, req: &RouteRequest, scoring: &ScoringConfig) -> RouteResponse {
         let bs = u64::from(self.config.block_size);
         // Hashes computed with another block size would match nothing correctly: drop them.
         let hashes: &[u64] = if req.block_size == self.config.block_size { &req.block_hashes } else { &[] };
-        let overlaps = read(&self.index).find_matches(hashes);
+        let mut overlaps = read(&self.index).find_matches(hashes);
+        for (o, h) in overlaps.iter_mut().zip(&self.health) {
+            if !h.trusted() {
+                *o = Overlap::default();
+            }
+        }
         let prompt_tokens = u64::from(req.prompt_tokens);
         let total_blocks = prompt_tokens.div_ceil(bs);
         let mut load = self.load_table();
@@ -114,7 +206,7 @@ impl Pool {
             .map(|i| {
                 let l = load.load(i);
                 Candidate {
-                    overlap_blocks: overlaps[i],
+                    overlap: overlaps[i],
                     prefill_tokens: l.prefill_tokens,
                     decode_blocks: l.active_blocks + load.additional_blocks(i, hashes, total_blocks),
                     requests: l.requests,
@@ -126,24 +218,29 @@ impl Pool {
             return RouteResponse { endpoint: None, replica: None, overlap_blocks: 0 };
         };
         let overlap = overlaps[best];
-        let cached_tokens = (u64::from(overlap) * bs).min(prompt_tokens);
+        let prefill_tokens = scoring.prefill_tokens(prompt_tokens, bs, overlap);
         load.book(
             best,
-            NewBooking {
-                request_id: &req.request_id,
-                prefill_tokens: prompt_tokens - cached_tokens,
-                hashes,
-                total_blocks,
-            },
+            NewBooking { request_id: &req.request_id, prefill_tokens, hashes, total_blocks },
             Instant::now(),
         );
         self.publish_load(&load, best);
+        drop(load);
+        if prefill_tokens >= bs {
+            // The engine must store at least one new block: an event is now expected.
+            let _ = self.health[best].awaiting_events_since.compare_exchange(
+                NONE,
+                self.now_ms(),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
         let replica = &self.config.replicas[best];
         self.metrics.route_decisions.get_or_create(&self.labels(best)).inc();
         RouteResponse {
             endpoint: Some(replica.endpoint.to_string()),
             replica: Some(replica.id.clone()),
-            overlap_blocks: overlap,
+            overlap_blocks: overlap.device,
         }
     }
 
@@ -158,7 +255,7 @@ impl Pool {
     }
 
     /// Releases bookings older than `max_age`.
-    pub fn expire(&self, max_age: std::time::Duration) -> usize {
+    pub fn expire(&self, max_age: Duration) -> usize {
         let mut load = self.load_table();
         let n = load.expire(Instant::now(), max_age);
         for i in 0..self.config.replicas.len() {
@@ -185,17 +282,110 @@ impl Pool {
             .enumerate()
             .map(|(i, r)| {
                 let l = load.load(i);
+                let h = &self.health[i];
+                let last_seq = h.last_seq.load(Ordering::Relaxed);
                 ReplicaState {
                     id: r.id.clone(),
                     endpoint: r.endpoint.to_string(),
                     blocks_indexed: index.replica_blocks(i),
+                    host_blocks: index.replica_tier_blocks(i, Tier::Host),
+                    disk_blocks: index.replica_tier_blocks(i, Tier::Disk),
                     active_requests: l.requests,
                     prefill_tokens: l.prefill_tokens,
                     active_blocks: l.active_blocks,
-                    events_applied: self.stats[i].events_applied.load(Ordering::Relaxed),
+                    events_applied: h.events_applied.load(Ordering::Relaxed),
+                    last_seq: (last_seq != NONE).then_some(last_seq),
+                    degraded: h.degraded.load(Ordering::Relaxed),
+                    stalled: h.stalled.load(Ordering::Relaxed),
                 }
             })
             .collect();
         PoolState { model: self.config.model.clone(), block_size: self.config.block_size, replicas }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{EventsMode, ReplicaConfig};
+    use crate::index::Store;
+    use kvgate_shared::hash::{prompt_block_hashes, Salt};
+
+    fn pool(replicas: usize) -> Pool {
+        let config = PoolConfig {
+            model: "m".into(),
+            tokenizer: "unused".into(),
+            block_size: 4,
+            replicas: (0..replicas)
+                .map(|i| ReplicaConfig {
+                    id: format!("r{i}"),
+                    endpoint: format!("127.0.0.1:{}", 8000 + i).parse().unwrap(),
+                    kv_events: "tcp://127.0.0.1:1".into(),
+                    kv_events_mode: EventsMode::Connect,
+                    kv_events_topic: String::new(),
+                    kv_replay: None,
+                })
+                .collect(),
+        };
+        Pool::new(config, Vec::new(), Arc::new(Metrics::default()))
+    }
+
+    fn request(id: &str, tokens: &[u32]) -> RouteRequest {
+        RouteRequest {
+            request_id: id.into(),
+            model: "m".into(),
+            prompt_tokens: tokens.len() as u32,
+            block_hashes: prompt_block_hashes(tokens, 4, Salt::NONE),
+            block_size: 4,
+        }
+    }
+
+    #[test]
+    fn cache_hits_win_and_concurrent_misses_spread() {
+        let p = pool(3);
+        let cached: Vec<u32> = (0..64).collect();
+        p.index_mut()
+            .store(
+                2,
+                Store {
+                    parent: None,
+                    engine_hashes: &(0..16).collect::<Vec<u64>>(),
+                    token_ids: &cached,
+                    block_size: 4,
+                    salt: Salt::NONE,
+                    extra: &[],
+                    tier: Tier::Device,
+                },
+            )
+            .unwrap();
+        let cfg = ScoringConfig::default();
+        let hit = p.route(&request("hit", &cached), &cfg);
+        assert_eq!((hit.replica.as_deref(), hit.overlap_blocks), (Some("r2"), 16));
+        // Six distinct uncached prompts in a row, none finished: bookings spread them.
+        let mut per_replica = [0; 3];
+        for i in 0..6u32 {
+            let tokens: Vec<u32> = (0..64).map(|t| 10_000 + i * 100 + t).collect();
+            let r = p.route(&request(&format!("miss{i}"), &tokens), &cfg);
+            per_replica[r.replica.unwrap()[1..].parse::<usize>().unwrap()] += 1;
+        }
+        assert!(per_replica.iter().all(|n| *n >= 1), "no herding onto one replica: {per_replica:?}");
+    }
+
+    #[test]
+    fn a_silent_publisher_is_flagged_stalled_and_earns_no_credit() {
+        let p = pool(1);
+        let tokens: Vec<u32> = (0..64).collect();
+        p.route(&request("a", &tokens), &ScoringConfig::default());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !p.state().replicas[0].stalled {
+            assert!(Instant::now() < deadline, "never flagged");
+            p.check_stalls(Duration::ZERO);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!p.health[0].trusted());
+        // Any event brings it back.
+        let ingest = Ingest::new(0, 4);
+        p.after_ingest(0, &ingest, &Outcome::default());
+        assert!(!p.state().replicas[0].stalled);
     }
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_sidecar::events::decode::{decode_batch, KvEvent};
-use kvgate_sidecar::index::KvIndex;
+use kvgate_sidecar::index::{KvIndex, Store, Tier};
 use serde_json::Value;
 
 fn frames_dir() -> PathBuf {
@@ -59,7 +59,16 @@ fn real_vllm_032_frames_decode_and_index() {
         for (ours, theirs) in batch.events.iter().zip(events) {
             assert_same(ours, theirs);
             if let KvEvent::BlockStored(s) = ours {
-                index.store(0, s.parent_block_hash, &s.block_hashes, &s.token_ids, 32, None).unwrap();
+                let store = Store {
+                    parent: s.parent_block_hash,
+                    engine_hashes: &s.block_hashes,
+                    token_ids: &s.token_ids,
+                    block_size: 32,
+                    salt: Salt::NONE,
+                    extra: &[],
+                    tier: Tier::Device,
+                };
+                index.store(0, store).unwrap();
                 if s.parent_block_hash.is_none() {
                     stored_tokens.push(s.token_ids.clone());
                 }
@@ -69,7 +78,7 @@ fn real_vllm_032_frames_decode_and_index() {
     assert!(!stored_tokens.is_empty());
     for tokens in stored_tokens {
         let hashes = prompt_block_hashes(&tokens, 32, Salt::NONE);
-        assert!(index.find_matches(&hashes)[0] >= hashes.len() as u32, "the stored prompt is found");
+        assert!(index.find_matches(&hashes)[0].device >= hashes.len() as u32, "the stored prompt is found");
     }
 }
 

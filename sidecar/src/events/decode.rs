@@ -5,6 +5,7 @@
 //! tails may be short (missing trailing fields are `None`); map keys may come in any order and
 //! unknown keys are ignored. Hashes may be u64, i64 or bin (last 8 bytes, big-endian).
 
+use kvgate_shared::hash::ExtraKey;
 use rmpv::Value;
 use serde::Serialize;
 
@@ -63,6 +64,13 @@ pub struct BlockStored {
     pub medium: Option<String>,
     /// The LoRA adapter's name; salts the hash.
     pub lora_name: Option<String>,
+    /// Per block: the extra keys that make its content distinct (LoRA name, multimodal
+    /// identities, cache salt, prompt-embeds digest), or `None`.
+    pub extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
+    /// SGLang's per-request cache salt.
+    pub cache_salt: Option<String>,
+    /// `LOCAL` or `REMOTE` (vLLM 0.26+); remote copies are not this replica's.
+    pub locality: Option<String>,
     /// KV-cache group (hybrid models).
     pub group_idx: Option<i64>,
     /// The group's attention kind (`full_attention`, …).
@@ -117,6 +125,14 @@ impl<'a> Fields<'a> {
         };
         v.filter(|v| !v.is_nil())
     }
+
+    /// A field that only exists in the map layout (SGLang's `cache_salt`, vLLM's `locality`).
+    fn named(&self, name: &str) -> Option<&'a Value> {
+        match self {
+            Fields::Positional(_) => None,
+            Fields::Named(_) => self.get(usize::MAX, name),
+        }
+    }
 }
 
 fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
@@ -148,6 +164,9 @@ fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
             lora_id: fields.get(5, "lora_id").and_then(Value::as_i64),
             medium: string(fields.get(6, "medium")),
             lora_name: string(fields.get(7, "lora_name")),
+            extra_keys: fields.get(8, "extra_keys").map(extra_keys).transpose()?,
+            cache_salt: fields.named("cache_salt").and_then(Value::as_str).map(str::to_owned),
+            locality: fields.named("locality").and_then(Value::as_str).map(str::to_owned),
             group_idx: fields.get(9, "group_idx").and_then(Value::as_i64),
             kv_cache_spec_kind: string(fields.get(10, "kv_cache_spec_kind")),
         })),
@@ -158,6 +177,29 @@ fn decode_event(value: &Value) -> Result<KvEvent, DecodeError> {
         })),
         "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
         other => Err(shape(format!("unknown event type {other:?}"))),
+    }
+}
+
+/// `extra_keys`: one entry per block, each `nil` or a list of items.
+fn extra_keys(v: &Value) -> Result<Vec<Option<Vec<ExtraKey>>>, DecodeError> {
+    let Value::Array(per_block) = v else { return Err(shape("extra_keys is not an array")) };
+    Ok(per_block
+        .iter()
+        .map(|entry| match entry {
+            Value::Nil => None,
+            Value::Array(items) => Some(items.iter().map(extra_key).collect()),
+            other => Some(vec![extra_key(other)]),
+        })
+        .collect())
+}
+
+fn extra_key(v: &Value) -> ExtraKey {
+    match v {
+        Value::String(s) => ExtraKey::Str(s.as_str().map(str::to_owned).unwrap_or_default()),
+        Value::Integer(i) => ExtraKey::Int(i.as_i64().unwrap_or_else(|| i.as_u64().map(|u| u as i64).unwrap_or(0))),
+        Value::Binary(b) => ExtraKey::Bytes(b.clone()),
+        Value::Array(items) => ExtraKey::List(items.iter().map(extra_key).collect()),
+        other => ExtraKey::Str(other.to_string()),
     }
 }
 
@@ -214,6 +256,9 @@ mod tests {
                     lora_id: None,
                     medium: Some("GPU".into()),
                     lora_name: None,
+                    extra_keys: Some(vec![None, None]),
+                    cache_salt: None,
+                    locality: None,
                     group_idx: Some(0),
                     kv_cache_spec_kind: Some("full_attention".into()),
                 }),

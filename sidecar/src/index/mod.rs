@@ -1,24 +1,80 @@
-//! The KV index: which replica of a pool holds which prefix blocks.
+//! The KV index: which replica of a pool holds which prefix blocks, on which storage tier.
 //!
 //! Blocks are keyed by the **sequence hash** of [`kvgate_shared::hash`], recomputed from the
 //! `token_ids` of every `BlockStored` event. A sequence hash names a whole prefix, so "replica
 //! r holds block i of this prompt" implies it holds blocks `0..i` too, and a lookup is a walk
-//! down the prompt's hashes that keeps the replicas still matching.
+//! down the prompt's hashes that keeps the replicas still matching. See `README.md` beside
+//! this file for the design and its measurements.
 //!
 //! The engine's own block hash is opaque to us: each replica keeps a map from engine hash to
 //! sequence hash, used to find a stored block's parent and to apply removals. Engines may store
 //! the same block twice (two requests computing it concurrently) and then remove it twice, so
-//! each (replica, block) pair is reference-counted.
+//! each (replica, tier, block) is reference-counted.
 //!
 //! Cost: `store`/`remove` are O(blocks in the event); [`KvIndex::find_matches`] is
-//! O(matched depth × replicas holding it); clearing a replica is O(its blocks).
+//! O(matched depth × replicas still matching); clearing a replica is O(its blocks).
 
 use std::collections::HashMap;
 
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, Salt};
+use serde::Serialize;
 
 /// A replica's position in its pool (the order of the config).
 pub type ReplicaIdx = usize;
+
+/// Where a cached block lives. Overlap on a lower tier is worth less (it must be loaded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum Tier {
+    /// GPU memory: a hit costs nothing.
+    Device,
+    /// Host (CPU, pinned) memory.
+    Host,
+    /// Disk, storage, or an external/remote store.
+    Disk,
+}
+
+impl Tier {
+    /// All tiers, best first.
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    /// The tier of a vLLM/SGLang/LMCache `medium` string (any case). `None` is the device.
+    /// Unknown media give `None` (the event is dropped and counted).
+    ///
+    /// ```
+    /// use kvgate_sidecar::index::Tier;
+    /// assert_eq!(Tier::from_medium(None), Some(Tier::Device));
+    /// assert_eq!(Tier::from_medium(Some("cpu_pinned")), Some(Tier::Host));
+    /// assert_eq!(Tier::from_medium(Some("NVME")), Some(Tier::Disk));
+    /// assert_eq!(Tier::from_medium(Some("tape")), None);
+    /// ```
+    pub fn from_medium(medium: Option<&str>) -> Option<Tier> {
+        let Some(m) = medium else { return Some(Tier::Device) };
+        match m.to_ascii_uppercase().as_str() {
+            "GPU" | "DEVICE" => Some(Tier::Device),
+            "CPU" | "CPU_PINNED" | "CPU_TIER1" => Some(Tier::Host),
+            "DISK" | "STORAGE" | "NVME" | "CPU_TIER2" | "FS" | "OBJ" | "EXTERNAL" | "REMOTE" | "SHARED" | "NETWORK" => {
+                Some(Tier::Disk)
+            }
+            _ => None,
+        }
+    }
+
+    fn idx(self) -> usize {
+        self as usize
+    }
+}
+
+/// A replica's overlap with a prompt, in blocks, per tier. Lower tiers count only blocks that
+/// continue past the better tiers' match (as Dynamo's lower-tier indexers do).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Overlap {
+    /// Leading prompt blocks on the device.
+    pub device: u32,
+    /// Following blocks in host memory.
+    pub host: u32,
+    /// Following blocks on disk or external storage.
+    pub disk: u32,
+}
 
 /// Why an event was not applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -45,18 +101,38 @@ impl ApplyError {
     }
 }
 
+/// A `BlockStored`, as the index needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct Store<'a> {
+    /// Engine hash of the block before the first new one (`None`: the prompt's start).
+    pub parent: Option<u64>,
+    /// Engine hashes of the new blocks.
+    pub engine_hashes: &'a [u64],
+    /// Their tokens, concatenated.
+    pub token_ids: &'a [u32],
+    /// The event's block size.
+    pub block_size: usize,
+    /// The salt of these blocks (LoRA adapter).
+    pub salt: Salt,
+    /// Per-block extra salts (cache salt, multimodal identity), aligned with the blocks;
+    /// empty when there are none.
+    pub extra: &'a [Salt],
+    /// The storage tier.
+    pub tier: Tier,
+}
+
 #[derive(Debug, Default)]
 struct ReplicaBlocks {
-    /// engine hash → (sequence hash, how many times stored).
-    by_engine: HashMap<u64, (u64, u32)>,
+    /// Per tier: engine hash → (sequence hash, how many times stored).
+    by_engine: [HashMap<u64, (u64, u32)>; 3],
 }
 
 /// The index of one pool (one model, one block size).
 #[derive(Debug)]
 pub struct KvIndex {
     block_size: usize,
-    /// sequence hash → replicas holding it, each with a reference count.
-    blocks: HashMap<u64, Vec<(ReplicaIdx, u32)>>,
+    /// Per tier: sequence hash → replicas holding it, each with a reference count.
+    blocks: [HashMap<u64, Vec<(ReplicaIdx, u32)>>; 3],
     replicas: Vec<ReplicaBlocks>,
 }
 
@@ -65,39 +141,49 @@ impl KvIndex {
     pub fn new(block_size: usize, replicas: usize) -> Self {
         KvIndex {
             block_size,
-            blocks: HashMap::new(),
+            blocks: Default::default(),
             replicas: (0..replicas).map(|_| ReplicaBlocks::default()).collect(),
         }
     }
 
+    /// The number of replicas.
+    pub fn replica_count(&self) -> usize {
+        self.replicas.len()
+    }
+
+    /// Makes room for one more replica (appended at the end).
+    pub fn add_replica(&mut self) -> ReplicaIdx {
+        self.replicas.push(ReplicaBlocks::default());
+        self.replicas.len() - 1
+    }
+
+    /// The sequence hash of a replica's engine block, on any tier.
+    fn lookup(&self, replica: ReplicaIdx, engine_hash: u64) -> Option<u64> {
+        self.replicas[replica].by_engine.iter().find_map(|m| m.get(&engine_hash)).map(|(seq, _)| *seq)
+    }
+
     /// Applies a `BlockStored`: `engine_hashes[i]` names the block of
-    /// `token_ids[i*bs..(i+1)*bs]`, chained after `parent` (an engine hash).
-    pub fn store(
-        &mut self,
-        replica: ReplicaIdx,
-        parent: Option<u64>,
-        engine_hashes: &[u64],
-        token_ids: &[u32],
-        block_size: usize,
-        lora_name: Option<&str>,
-    ) -> Result<(), ApplyError> {
-        if block_size != self.block_size {
+    /// `token_ids[i*bs..(i+1)*bs]`, chained after `parent`.
+    pub fn store(&mut self, replica: ReplicaIdx, s: Store<'_>) -> Result<(), ApplyError> {
+        if s.block_size != self.block_size {
             return Err(ApplyError::BlockSizeMismatch);
         }
-        if token_ids.len() != engine_hashes.len() * block_size {
+        if s.token_ids.len() != s.engine_hashes.len() * s.block_size {
             return Err(ApplyError::TokenCountMismatch);
         }
-        let mut parent_seq = match parent {
+        let mut parent_seq = match s.parent {
             None => None,
-            Some(p) => Some(self.replicas[replica].by_engine.get(&p).ok_or(ApplyError::ParentUnknown)?.0),
+            Some(p) => Some(self.lookup(replica, p).ok_or(ApplyError::ParentUnknown)?),
         };
-        let salt = Salt::for_lora(lora_name);
-        for (engine_hash, tokens) in engine_hashes.iter().zip(token_ids.chunks_exact(block_size)) {
+        let t = s.tier.idx();
+        for (i, (engine_hash, tokens)) in s.engine_hashes.iter().zip(s.token_ids.chunks_exact(s.block_size)).enumerate()
+        {
+            let salt = s.salt.combine(s.extra.get(i).copied().unwrap_or(Salt::NONE));
             let seq = next_sequence_hash(parent_seq, local_block_hash(tokens, salt));
-            let entry = self.replicas[replica].by_engine.entry(*engine_hash).or_insert((seq, 0));
+            let entry = self.replicas[replica].by_engine[t].entry(*engine_hash).or_insert((seq, 0));
             entry.1 += 1;
             if entry.1 == 1 {
-                let holders = self.blocks.entry(seq).or_default();
+                let holders = self.blocks[t].entry(seq).or_default();
                 match holders.iter_mut().find(|(r, _)| *r == replica) {
                     Some((_, n)) => *n += 1,
                     None => holders.push((replica, 1)),
@@ -109,9 +195,10 @@ impl KvIndex {
     }
 
     /// Applies a `BlockRemoved`. Unknown hashes are ignored (they may predate us).
-    pub fn remove(&mut self, replica: ReplicaIdx, engine_hashes: &[u64]) {
+    pub fn remove(&mut self, replica: ReplicaIdx, tier: Tier, engine_hashes: &[u64]) {
+        let t = tier.idx();
         for engine_hash in engine_hashes {
-            let by_engine = &mut self.replicas[replica].by_engine;
+            let by_engine = &mut self.replicas[replica].by_engine[t];
             let Some(entry) = by_engine.get_mut(engine_hash) else { continue };
             entry.1 -= 1;
             if entry.1 > 0 {
@@ -119,12 +206,12 @@ impl KvIndex {
             }
             let seq = entry.0;
             by_engine.remove(engine_hash);
-            self.release(replica, seq);
+            Self::release(&mut self.blocks[t], replica, seq);
         }
     }
 
-    fn release(&mut self, replica: ReplicaIdx, seq: u64) {
-        if let Some(holders) = self.blocks.get_mut(&seq) {
+    fn release(blocks: &mut HashMap<u64, Vec<(ReplicaIdx, u32)>>, replica: ReplicaIdx, seq: u64) {
+        if let Some(holders) = blocks.get_mut(&seq) {
             if let Some(pos) = holders.iter().position(|(r, _)| *r == replica) {
                 holders[pos].1 -= 1;
                 if holders[pos].1 == 0 {
@@ -132,7 +219,7 @@ impl KvIndex {
                 }
             }
             if holders.is_empty() {
-                self.blocks.remove(&seq);
+                blocks.remove(&seq);
             }
         }
     }
@@ -140,36 +227,60 @@ impl KvIndex {
     /// Forgets everything a replica holds (`AllBlocksCleared`, restart, removal).
     pub fn clear_replica(&mut self, replica: ReplicaIdx) {
         let by_engine = std::mem::take(&mut self.replicas[replica].by_engine);
-        for (seq, _) in by_engine.into_values() {
-            self.release(replica, seq);
+        for (t, map) in by_engine.into_iter().enumerate() {
+            for (seq, _) in map.into_values() {
+                Self::release(&mut self.blocks[t], replica, seq);
+            }
         }
     }
 
-    /// For each replica, how many leading blocks of the prompt (given as sequence hashes) it
-    /// holds. Stops as soon as no replica matches further.
-    pub fn find_matches(&self, hashes: &[u64]) -> Vec<u32> {
-        let mut depth = vec![0u32; self.replicas.len()];
-        let Some(first) = hashes.first().and_then(|h| self.blocks.get(h)) else { return depth };
-        let mut active: Vec<ReplicaIdx> = first.iter().map(|(r, _)| *r).collect();
-        for r in &active {
-            depth[*r] = 1;
-        }
-        for (i, h) in hashes.iter().enumerate().skip(1) {
-            let Some(holders) = self.blocks.get(h) else { break };
-            active.retain(|r| holders.iter().any(|(hr, _)| hr == r));
-            if active.is_empty() {
-                break;
-            }
+    /// Whether `replica` holds `seq` on tier `t`.
+    fn holds(&self, t: usize, seq: u64, replica: ReplicaIdx) -> bool {
+        self.blocks[t].get(&seq).is_some_and(|h| h.iter().any(|(r, _)| *r == replica))
+    }
+
+    /// For each replica, its [`Overlap`] with the prompt (given as sequence hashes). The
+    /// device walk stops as soon as no replica matches further.
+    pub fn find_matches(&self, hashes: &[u64]) -> Vec<Overlap> {
+        let mut out = vec![Overlap::default(); self.replicas.len()];
+        if let Some(first) = hashes.first().and_then(|h| self.blocks[0].get(h)) {
+            let mut active: Vec<ReplicaIdx> = first.iter().map(|(r, _)| *r).collect();
             for r in &active {
-                depth[*r] = i as u32 + 1;
+                out[*r].device = 1;
+            }
+            for (i, h) in hashes.iter().enumerate().skip(1) {
+                let Some(holders) = self.blocks[0].get(h) else { break };
+                active.retain(|r| holders.iter().any(|(hr, _)| hr == r));
+                if active.is_empty() {
+                    break;
+                }
+                for r in &active {
+                    out[*r].device = i as u32 + 1;
+                }
             }
         }
-        depth
+        if self.blocks[1].is_empty() && self.blocks[2].is_empty() {
+            return out;
+        }
+        for (r, overlap) in out.iter_mut().enumerate() {
+            let mut pos = overlap.device as usize;
+            let host = hashes[pos..].iter().take_while(|h| self.holds(1, **h, r)).count();
+            pos += host;
+            let disk = hashes[pos..].iter().take_while(|h| self.holds(2, **h, r)).count();
+            overlap.host = host as u32;
+            overlap.disk = disk as u32;
+        }
+        out
     }
 
-    /// Blocks indexed for a replica.
+    /// Blocks indexed for a replica, on all tiers.
     pub fn replica_blocks(&self, replica: ReplicaIdx) -> usize {
-        self.replicas[replica].by_engine.len()
+        self.replicas[replica].by_engine.iter().map(HashMap::len).sum()
+    }
+
+    /// Blocks indexed for a replica on one tier.
+    pub fn replica_tier_blocks(&self, replica: ReplicaIdx, tier: Tier) -> usize {
+        self.replicas[replica].by_engine[tier.idx()].len()
     }
 }
 
@@ -182,26 +293,41 @@ mod tests {
         (100..100 + n).collect()
     }
 
+    fn store<'a>(parent: Option<u64>, hashes: &'a [u64], tokens: &'a [u32], bs: usize) -> Store<'a> {
+        Store {
+            parent,
+            engine_hashes: hashes,
+            token_ids: tokens,
+            block_size: bs,
+            salt: Salt::NONE,
+            extra: &[],
+            tier: Tier::Device,
+        }
+    }
+
+    fn devices(o: &[Overlap]) -> Vec<u32> {
+        o.iter().map(|o| o.device).collect()
+    }
+
     #[test]
     fn stored_chain_matches_prompt_hashes() {
         let mut idx = KvIndex::new(4, 2);
         let t = tokens(12);
-        idx.store(1, None, &[11, 12], &t[..8], 4, None).unwrap();
-        idx.store(1, Some(12), &[13], &t[8..12], 4, None).unwrap();
+        idx.store(1, store(None, &[11, 12], &t[..8], 4)).unwrap();
+        idx.store(1, store(Some(12), &[13], &t[8..12], 4)).unwrap();
         let prompt = prompt_block_hashes(&t, 4, Salt::NONE);
-        assert_eq!(idx.find_matches(&prompt), vec![0, 3]);
-        // A prompt sharing only the first block.
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![0, 3]);
         let mut other = t.clone();
         other[5] = 1;
-        assert_eq!(idx.find_matches(&prompt_block_hashes(&other, 4, Salt::NONE)), vec![0, 1]);
+        assert_eq!(devices(&idx.find_matches(&prompt_block_hashes(&other, 4, Salt::NONE))), vec![0, 1]);
     }
 
     #[test]
     fn rejects_what_would_be_misplaced() {
         let mut idx = KvIndex::new(4, 1);
-        assert_eq!(idx.store(0, Some(99), &[1], &tokens(4), 4, None), Err(ApplyError::ParentUnknown));
-        assert_eq!(idx.store(0, None, &[1], &tokens(8), 8, None), Err(ApplyError::BlockSizeMismatch));
-        assert_eq!(idx.store(0, None, &[1, 2], &tokens(4), 4, None), Err(ApplyError::TokenCountMismatch));
+        assert_eq!(idx.store(0, store(Some(99), &[1], &tokens(4), 4)), Err(ApplyError::ParentUnknown));
+        assert_eq!(idx.store(0, store(None, &[1], &tokens(8), 8)), Err(ApplyError::BlockSizeMismatch));
+        assert_eq!(idx.store(0, store(None, &[1, 2], &tokens(4), 4)), Err(ApplyError::TokenCountMismatch));
         assert_eq!(idx.replica_blocks(0), 0);
     }
 
@@ -209,24 +335,45 @@ mod tests {
     fn duplicate_stores_need_matching_removes() {
         let mut idx = KvIndex::new(4, 1);
         let prompt = prompt_block_hashes(&tokens(4), 4, Salt::NONE);
-        idx.store(0, None, &[7], &tokens(4), 4, None).unwrap();
-        idx.store(0, None, &[7], &tokens(4), 4, None).unwrap();
-        idx.remove(0, &[7]);
-        assert_eq!(idx.find_matches(&prompt), vec![1]);
-        idx.remove(0, &[7]);
-        idx.remove(0, &[7, 12345]);
-        assert_eq!(idx.find_matches(&prompt), vec![0]);
+        idx.store(0, store(None, &[7], &tokens(4), 4)).unwrap();
+        idx.store(0, store(None, &[7], &tokens(4), 4)).unwrap();
+        idx.remove(0, Tier::Device, &[7]);
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![1]);
+        idx.remove(0, Tier::Device, &[7]);
+        idx.remove(0, Tier::Device, &[7, 12345]);
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![0]);
     }
 
     #[test]
-    fn clear_and_lora_isolation() {
-        let mut idx = KvIndex::new(4, 2);
-        idx.store(0, None, &[1], &tokens(4), 4, None).unwrap();
-        idx.store(1, None, &[1], &tokens(4), 4, Some("adapter")).unwrap();
-        let base = prompt_block_hashes(&tokens(4), 4, Salt::NONE);
-        assert_eq!(idx.find_matches(&base), vec![1, 0], "a LoRA block never matches the base model");
+    fn clear_and_salt_isolation() {
+        let mut idx = KvIndex::new(4, 3);
+        let t = tokens(4);
+        idx.store(0, store(None, &[1], &t, 4)).unwrap();
+        idx.store(1, Store { salt: Salt::for_lora(Some("adapter")), ..store(None, &[1], &t, 4) }).unwrap();
+        let tenant = [Salt::for_extra_keys(&["tenant-a".into()])];
+        idx.store(2, Store { extra: &tenant, ..store(None, &[1], &t, 4) }).unwrap();
+        let base = prompt_block_hashes(&t, 4, Salt::NONE);
+        assert_eq!(devices(&idx.find_matches(&base)), vec![1, 0, 0], "salted blocks never match plain ones");
         idx.clear_replica(0);
-        assert_eq!(idx.find_matches(&base), vec![0, 0]);
+        assert_eq!(devices(&idx.find_matches(&base)), vec![0, 0, 0]);
         assert_eq!(idx.replica_blocks(1), 1);
+    }
+
+    #[test]
+    fn lower_tiers_continue_past_the_device_match() {
+        let mut idx = KvIndex::new(4, 2);
+        let t = tokens(16);
+        let prompt = prompt_block_hashes(&t, 4, Salt::NONE);
+        // Replica 0: blocks 0-1 on GPU, 2 on CPU, 3 on disk. Replica 1: block 0-3 on CPU only.
+        idx.store(0, store(None, &[1, 2], &t[..8], 4)).unwrap();
+        idx.store(0, Store { tier: Tier::Host, ..store(Some(2), &[3], &t[8..12], 4) }).unwrap();
+        idx.store(0, Store { tier: Tier::Disk, ..store(Some(3), &[4], &t[12..16], 4) }).unwrap();
+        idx.store(1, Store { tier: Tier::Host, ..store(None, &[1, 2, 3, 4], &t, 4) }).unwrap();
+        let o = idx.find_matches(&prompt);
+        assert_eq!(o[0], Overlap { device: 2, host: 1, disk: 1 });
+        assert_eq!(o[1], Overlap { device: 0, host: 4, disk: 0 });
+        idx.remove(0, Tier::Host, &[3]);
+        assert_eq!(idx.find_matches(&prompt)[0], Overlap { device: 2, host: 0, disk: 0 }, "a hole stops the walk");
+        assert_eq!(idx.replica_tier_blocks(0, Tier::Disk), 1);
     }
 }

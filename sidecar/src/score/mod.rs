@@ -4,17 +4,20 @@
 //! For each candidate replica `i`, with `bs` the block size and `ISL` the prompt tokens:
 //!
 //! ```text
-//! credit_i = CREDIT · decay_i · dev_i
+//! credit_i = CREDIT · decay_i · dev_i + W_HOST · host_i + W_DISK · disk_i
 //! decay_i  = 1 / (1 + DECAY · ((P_i − min_j P_j) / bs) / max(1, Q))
 //! logit_i  = SCALE · max(0, (P_i + ISL)/bs − credit_i) + D_i + W_REQ · R_i
 //! ```
 //!
-//! `dev_i` is the device-tier overlap in blocks, `P_i` the booked prefill tokens, `D_i` the
+//! `dev_i` is the device-tier overlap in blocks, `host_i`/`disk_i` the blocks continuing it
+//! on lower tiers, `P_i` the booked prefill tokens, `D_i` the
 //! active blocks plus this request's new ones, `R_i` the active requests. The lowest logit wins;
 //! ties are broken uniformly at random.
 
 use rand::Rng;
 use serde::Deserialize;
+
+use crate::index::Overlap;
 
 /// Scoring knobs, named after what they do; each maps one-to-one to a Dynamo variable.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -28,6 +31,10 @@ pub struct ScoringConfig {
     pub kv_overlap_credit_decay: f64,
     /// `DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT`.
     pub active_request_weight: f64,
+    /// Credit per host-memory (CPU offload) block (`DYN_ROUTER_HOST_CACHE_HIT_WEIGHT`).
+    pub host_cache_hit_weight: f64,
+    /// Credit per disk/external block (`DYN_ROUTER_DISK_CACHE_HIT_WEIGHT`).
+    pub disk_cache_hit_weight: f64,
 }
 
 impl Default for ScoringConfig {
@@ -37,15 +44,33 @@ impl Default for ScoringConfig {
             kv_overlap_credit: 1.0,
             kv_overlap_credit_decay: 0.0,
             active_request_weight: 0.0,
+            host_cache_hit_weight: 0.75,
+            disk_cache_hit_weight: 0.25,
         }
+    }
+}
+
+impl ScoringConfig {
+    /// Overlap in blocks, lower tiers discounted: `dev + W_HOST·host + W_DISK·disk`.
+    pub fn effective_overlap(&self, o: Overlap) -> f64 {
+        f64::from(o.device)
+            + self.host_cache_hit_weight * f64::from(o.host)
+            + self.disk_cache_hit_weight * f64::from(o.disk)
+    }
+
+    /// Prefill tokens a request will cost on a replica with this overlap (Dynamo's
+    /// `effective_prefill_tokens`, independent of the credit knobs).
+    pub fn prefill_tokens(&self, prompt_tokens: u64, block_size: u64, o: Overlap) -> u64 {
+        let cached = (self.effective_overlap(o) * block_size as f64).round() as u64;
+        prompt_tokens - cached.min(prompt_tokens)
     }
 }
 
 /// One replica's inputs to the cost function.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Candidate {
-    /// Device-tier overlap, in blocks (`dev_i`).
-    pub overlap_blocks: u32,
+    /// Overlap in blocks per tier (`dev_i`, `host_i`, `disk_i`).
+    pub overlap: Overlap,
     /// Booked prefill tokens (`P_i`).
     pub prefill_tokens: u64,
     /// Active blocks plus this request's new blocks (`D_i`).
@@ -74,7 +99,9 @@ pub fn logits(cfg: &ScoringConfig, req: RequestShape, candidates: &[Candidate]) 
         .map(|c| {
             let p = c.prefill_tokens as f64;
             let decay = 1.0 / (1.0 + cfg.kv_overlap_credit_decay * ((p - min_prefill) / bs) / q);
-            let credit = cfg.kv_overlap_credit * decay * f64::from(c.overlap_blocks);
+            let credit = cfg.kv_overlap_credit * decay * f64::from(c.overlap.device)
+                + cfg.host_cache_hit_weight * f64::from(c.overlap.host)
+                + cfg.disk_cache_hit_weight * f64::from(c.overlap.disk);
             let raw = (p + isl) / bs;
             cfg.prefill_load_scale * (raw - credit).max(0.0)
                 + c.decode_blocks as f64
@@ -103,16 +130,20 @@ mod tests {
     fn matches_dynamos_logged_logits() {
         let cfg = ScoringConfig::default();
         let req = RequestShape { prompt_tokens: 1024, block_size: 16 };
-        let c = |overlap, prefill, decode| Candidate {
-            overlap_blocks: overlap,
+        let c = |device, host, prefill, decode| Candidate {
+            overlap: Overlap { device, host, disk: 0 },
             prefill_tokens: prefill,
             decode_blocks: decode,
             requests: 0,
         };
-        let l = logits(&cfg, req, &[c(48, 0, 64), c(0, 0, 64)]);
-        assert_eq!(l, vec![80.0, 128.0]);
+        // w0: 48 GPU blocks; w1: 16 GPU + 32 CPU blocks; w2: nothing cached.
+        let l = logits(&cfg, req, &[c(48, 0, 0, 64), c(16, 32, 0, 64), c(0, 0, 0, 64)]);
+        assert_eq!(l, vec![80.0, 88.0, 128.0]);
         // After a pinned 2048-token reservation on w0: 3072/16 − 48 + (128 + 64) = 336.
-        assert_eq!(logits(&cfg, req, &[c(48, 2048, 192)])[0], 336.0);
+        assert_eq!(logits(&cfg, req, &[c(48, 0, 2048, 192)])[0], 336.0);
+        // Booked prefill: Dynamo logged potential_prefill_tokens 256 and 384.
+        assert_eq!(cfg.prefill_tokens(1024, 16, Overlap { device: 48, host: 0, disk: 0 }), 256);
+        assert_eq!(cfg.prefill_tokens(1024, 16, Overlap { device: 16, host: 32, disk: 0 }), 384);
     }
 
     #[test]
@@ -123,8 +154,18 @@ mod tests {
             &cfg,
             req,
             &[
-                Candidate { overlap_blocks: 4, prefill_tokens: 0, decode_blocks: 0, requests: 1 },
-                Candidate { overlap_blocks: 4, prefill_tokens: 64, decode_blocks: 0, requests: 0 },
+                Candidate {
+                    overlap: Overlap { device: 4, host: 0, disk: 0 },
+                    prefill_tokens: 0,
+                    decode_blocks: 0,
+                    requests: 1,
+                },
+                Candidate {
+                    overlap: Overlap { device: 4, host: 0, disk: 0 },
+                    prefill_tokens: 64,
+                    decode_blocks: 0,
+                    requests: 0,
+                },
             ],
         );
         // w0: 4 − 4 + 2 = 2. w1: decay = 1/(1 + 4/4) = 0.5 → 8 − 2 = 6.

@@ -1,0 +1,125 @@
+//! Operator tools on the same decoder the sidecar runs: `kvgate-sidecar events decode` and
+//! `kvgate-sidecar events tap`. Output is one JSON object per line, with vLLM's field names
+//! (`seq`, `ts`, `dp_rank`, `events[].type`, `block_hashes`, `parent_block_hash`, `token_ids`,
+//! `block_size`, `medium`, `lora_name`, `group_idx`, …).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::{json, Value};
+
+use crate::events::decode::decode_batch;
+use crate::events::transport::replay;
+
+/// One decoded payload as a JSON line.
+fn batch_json(payload: &[u8]) -> Value {
+    match decode_batch(payload) {
+        Ok(b) => json!({"ts": b.ts, "dp_rank": b.data_parallel_rank, "events": b.events}),
+        Err(e) => json!({"error": e.to_string(), "bytes": payload.len()}),
+    }
+}
+
+/// Decodes msgpack payload files (one payload per file), printing one JSON line each.
+/// Undecodable files print an `error` line; the exit status is non-zero if any failed.
+pub fn decode_files(files: &[PathBuf], out: &mut dyn Write) -> anyhow::Result<bool> {
+    let mut all_ok = true;
+    for file in files {
+        let payload = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+        let mut line = batch_json(&payload);
+        all_ok &= line.get("error").is_none();
+        line["file"] = json!(file.display().to_string());
+        writeln!(out, "{line}")?;
+    }
+    Ok(all_ok)
+}
+
+/// Subscribes to a publisher and prints every batch; flags gaps, and replays them when a
+/// replay endpoint is given. Stops after `count` messages if set.
+pub fn tap(
+    endpoint: &str,
+    replay_endpoint: Option<&str>,
+    topic: &str,
+    count: Option<u64>,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    let ctx = zmq::Context::new();
+    let sub = ctx.socket(zmq::SUB)?;
+    sub.set_subscribe(topic.as_bytes())?;
+    sub.set_rcvtimeo(Duration::from_secs(1).as_millis() as i32)?;
+    sub.connect(endpoint).with_context(|| format!("connecting to {endpoint}"))?;
+    let mut last: Option<u64> = None;
+    let mut seen = 0u64;
+    while count.is_none_or(|c| seen < c) {
+        let frames = match sub.recv_multipart(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        seen += 1;
+        let [topic, seq, payload] =
+            <[Vec<u8>; 3]>::try_from(frames).map_err(|f| anyhow::anyhow!("message with {} frames", f.len()))?;
+        let seq = <[u8; 8]>::try_from(seq.as_slice())
+            .map(u64::from_be_bytes)
+            .map_err(|_| anyhow::anyhow!("seq frame is not 8 bytes"))?;
+        if let Some(l) = last {
+            if seq <= l {
+                writeln!(out, "{}", json!({"restart": {"last_seq": l, "seq": seq}}))?;
+            } else if seq > l + 1 {
+                let mut note = json!({"gap": {"from": l + 1, "to": seq - 1}});
+                if let Some(r) = replay_endpoint {
+                    match replay(&ctx, r, l + 1) {
+                        Ok(messages) => {
+                            note["gap"]["replayed"] = json!(messages.iter().filter(|(s, _)| *s < seq).count());
+                            writeln!(out, "{note}")?;
+                            for (s, p) in messages.into_iter().filter(|(s, _)| *s < seq) {
+                                let mut line = batch_json(&p);
+                                line["seq"] = json!(s);
+                                line["replayed"] = json!(true);
+                                writeln!(out, "{line}")?;
+                            }
+                            note = Value::Null;
+                        }
+                        Err(e) => note["gap"]["replay_error"] = json!(e.to_string()),
+                    }
+                }
+                if !note.is_null() {
+                    writeln!(out, "{note}")?;
+                }
+            }
+        }
+        last = Some(seq);
+        let mut line = batch_json(&payload);
+        line["seq"] = json!(seq);
+        line["topic"] = json!(String::from_utf8_lossy(&topic));
+        writeln!(out, "{line}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_files_prints_json_lines_and_flags_bad_files() {
+        let dir = std::env::temp_dir().join(format!("kvgate-decode-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.bin");
+        // [1.0, [{"type": "AllBlocksCleared"}], 0]
+        std::fs::write(&good, b"\x93\xcb\x3f\xf0\0\0\0\0\0\0\x91\x81\xa4type\xb0AllBlocksCleared\x00").unwrap();
+        let bad = dir.join("bad.bin");
+        std::fs::write(&bad, b"\xc1").unwrap();
+        let mut out = Vec::new();
+        let ok = decode_files(&[good, bad], &mut out).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(!ok);
+        let lines: Vec<Value> =
+            String::from_utf8(out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines[0]["events"][0]["type"], "AllBlocksCleared");
+        assert_eq!(lines[0]["dp_rank"], 0);
+        assert!(lines[1]["error"].is_string());
+    }
+}

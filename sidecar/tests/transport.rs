@@ -1,0 +1,233 @@
+//! The ZMQ transport against a publisher in the test: gaps are replayed from a ROUTER, a
+//! publisher restart clears the replica, garbage is counted and survived, and without replay
+//! a gap leaves the replica degraded.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_sidecar::config::{EventsMode, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::events::transport;
+use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::pool::Pool;
+use rmp::encode as mp;
+
+const BS: usize = 4;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Tokens of block `b` of a conversation `conv`.
+fn block(conv: u32, b: u32) -> Vec<u32> {
+    (0..BS as u32).map(|i| conv * 1000 + b * 10 + i).collect()
+}
+
+/// A vLLM map-format batch storing block `b` of `conv` (engine hash = conv*100 + b).
+fn store(conv: u32, b: u32) -> Vec<u8> {
+    let mut buf = Vec::new();
+    mp::write_array_len(&mut buf, 3).unwrap();
+    mp::write_f64(&mut buf, 1.0).unwrap();
+    mp::write_array_len(&mut buf, 1).unwrap();
+    mp::write_map_len(&mut buf, 6).unwrap();
+    mp::write_str(&mut buf, "type").unwrap();
+    mp::write_str(&mut buf, "BlockStored").unwrap();
+    mp::write_str(&mut buf, "block_hashes").unwrap();
+    mp::write_array_len(&mut buf, 1).unwrap();
+    mp::write_uint(&mut buf, u64::from(conv * 100 + b)).unwrap();
+    mp::write_str(&mut buf, "parent_block_hash").unwrap();
+    if b == 0 {
+        mp::write_nil(&mut buf).unwrap();
+    } else {
+        mp::write_uint(&mut buf, u64::from(conv * 100 + b - 1)).unwrap();
+    }
+    mp::write_str(&mut buf, "token_ids").unwrap();
+    mp::write_array_len(&mut buf, BS as u32).unwrap();
+    for t in block(conv, b) {
+        mp::write_uint(&mut buf, u64::from(t)).unwrap();
+    }
+    mp::write_str(&mut buf, "block_size").unwrap();
+    mp::write_uint(&mut buf, BS as u64).unwrap();
+    mp::write_str(&mut buf, "medium").unwrap();
+    mp::write_str(&mut buf, "GPU").unwrap();
+    mp::write_uint(&mut buf, 0).unwrap();
+    buf
+}
+
+/// Published messages kept for replay: `(seq, payload)`.
+type Buffer = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
+
+/// A fake engine: PUB for live events, ROUTER answering replay requests from its buffer with
+/// vLLM 0.26+'s reply layout.
+struct Engine {
+    publisher: zmq::Socket,
+    buffer: Buffer,
+    stop: Arc<AtomicBool>,
+}
+
+impl Engine {
+    fn start(ctx: &zmq::Context, pub_port: u16, replay_port: Option<u16>) -> Engine {
+        let publisher = ctx.socket(zmq::PUB).unwrap();
+        publisher.bind(&format!("tcp://127.0.0.1:{pub_port}")).unwrap();
+        let buffer: Buffer = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        if let Some(port) = replay_port {
+            let router = ctx.socket(zmq::ROUTER).unwrap();
+            router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+            router.set_rcvtimeo(100).unwrap();
+            let (buffer, stop) = (buffer.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(frames) = router.recv_multipart(0) else { continue };
+                    let [identity, _empty, start] = <[Vec<u8>; 3]>::try_from(frames).unwrap();
+                    let start = u64::from_be_bytes(start.try_into().unwrap());
+                    for (seq, payload) in buffer.lock().unwrap().iter().filter(|(s, _)| *s >= start) {
+                        router.send_multipart([&identity[..], b"", b"topic", &seq.to_be_bytes(), payload], 0).unwrap();
+                    }
+                    router.send_multipart([&identity[..], b"", b"", &[0xff; 8], b""], 0).unwrap();
+                }
+            });
+        }
+        Engine { publisher, buffer, stop }
+    }
+
+    /// Records the message for replay and, unless `drop`, publishes it.
+    fn send(&self, seq: u64, payload: &[u8], drop: bool) {
+        self.buffer.lock().unwrap().push((seq, payload.to_vec()));
+        if !drop {
+            self.publisher.send_multipart([&b"topic"[..], &seq.to_be_bytes(), payload], 0).unwrap();
+        }
+    }
+
+    fn restart(&self) {
+        self.buffer.lock().unwrap().clear();
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+struct Rig {
+    pool: Arc<Pool>,
+    metrics: Arc<Metrics>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Rig {
+    fn start(ctx: &zmq::Context, pub_port: u16, replay_port: Option<u16>) -> Rig {
+        let config = PoolConfig {
+            model: "m".into(),
+            tokenizer: "unused".into(),
+            block_size: BS as u32,
+            replicas: vec![ReplicaConfig {
+                id: "a".into(),
+                endpoint: "127.0.0.1:1".parse().unwrap(),
+                kv_events: format!("tcp://127.0.0.1:{pub_port}"),
+                kv_events_mode: EventsMode::Connect,
+                kv_events_topic: "topic".into(),
+                kv_replay: replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
+            }],
+        };
+        let metrics = Arc::new(Metrics::default());
+        let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
+        let stop = Arc::new(AtomicBool::new(false));
+        transport::spawn(ctx.clone(), pool.clone(), 0, metrics.clone(), stop.clone()).unwrap();
+        Rig { pool, metrics, stop }
+    }
+
+    fn depth(&self, conv: u32, blocks: u32) -> u32 {
+        let tokens: Vec<u32> = (0..blocks).flat_map(|b| block(conv, b)).collect();
+        self.pool.index.read().unwrap().find_matches(&prompt_block_hashes(&tokens, BS, Salt::NONE))[0].device
+    }
+
+    fn last_seq(&self) -> Option<u64> {
+        self.pool.state().replicas[0].last_seq
+    }
+
+    /// Sends seq 0 until the subscriber has it (ZMQ's slow joiner drops early messages).
+    fn handshake(&self, engine: &Engine, payload: &[u8]) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.last_seq() != Some(0) {
+            assert!(Instant::now() < deadline, "subscriber never connected");
+            engine.restart();
+            engine.send(0, payload, false);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[test]
+fn gaps_are_replayed_restarts_clear_and_garbage_is_survived() {
+    let ctx = zmq::Context::new();
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let engine = Engine::start(&ctx, pub_port, Some(replay_port));
+    let rig = Rig::start(&ctx, pub_port, Some(replay_port));
+    rig.handshake(&engine, &store(1, 0));
+
+    // Messages 1..=3 are lost on the way; 4 arrives: the gap is replayed.
+    for b in 1..=3 {
+        engine.send(u64::from(b), &store(1, b), true);
+    }
+    engine.send(4, &store(1, 4), false);
+    wait_for("seq 4", || rig.last_seq() == Some(4));
+    assert_eq!(rig.depth(1, 5), 5, "the replayed blocks are indexed");
+    assert!(!rig.pool.state().replicas[0].degraded);
+    assert!(rig.metrics.render().contains("kvgate_kv_gaps_replayed_total{model=\"m\",replica=\"a\"} 1"));
+
+    // Garbage: a bad payload and a bad seq frame are counted; the stream goes on.
+    engine.send(5, b"\xc1 not msgpack", false);
+    engine.publisher.send_multipart([&b"topic"[..], b"short", b"x"], 0).unwrap();
+    engine.send(6, &store(1, 5), false);
+    wait_for("seq 6", || rig.last_seq() == Some(6));
+    let metrics = rig.metrics.render();
+    assert!(metrics.contains("reason=\"decode\"} 1"), "{metrics}");
+    assert!(metrics.contains("reason=\"bad_frames\"} 1"), "{metrics}");
+    assert!(rig.pool.state().replicas[0].degraded, "an undecodable batch may have held a removal");
+    assert_eq!(rig.depth(1, 1), 0, "so the possibly stale blocks were dropped");
+    engine.send(7, &store(5, 0), false);
+    wait_for("seq 7", || rig.last_seq() == Some(7));
+    assert_eq!(rig.depth(5, 1), 1, "the stream goes on after the garbage");
+
+    // The engine restarts: seq back to 0 with an empty cache.
+    engine.restart();
+    engine.send(0, &store(2, 0), false);
+    wait_for("restart seen", || rig.last_seq() == Some(0));
+    assert_eq!(rig.depth(5, 1), 0, "the old blocks are gone before the next decision");
+    assert_eq!(rig.depth(2, 1), 1);
+    assert!(!rig.pool.state().replicas[0].degraded, "a restart starts clean");
+}
+
+#[test]
+fn without_replay_a_gap_degrades_the_replica() {
+    let ctx = zmq::Context::new();
+    let pub_port = free_port();
+    let engine = Engine::start(&ctx, pub_port, None);
+    let rig = Rig::start(&ctx, pub_port, None);
+    rig.handshake(&engine, &store(3, 0));
+    engine.send(7, &store(4, 0), false);
+    wait_for("degraded", || rig.pool.state().replicas[0].degraded);
+    assert!(rig
+        .metrics
+        .render()
+        .contains("kvgate_replica_degraded{model=\"m\",replica=\"a\",reason=\"lost_events\"} 1"));
+    assert_eq!(rig.depth(3, 1), 0, "blocks from before the loss earn no credit");
+    assert_eq!(rig.depth(4, 1), 1, "new events still apply");
+}
