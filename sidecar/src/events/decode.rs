@@ -88,10 +88,16 @@ pub struct BlockRemoved {
     pub group_idx: Option<i64>,
 }
 
+/// Deepest nesting accepted. A real batch nests about 7 levels (batch, events, event,
+/// extra_keys, per-block keys, tuple, item); the decoder recurses per level, so hostile input
+/// must not be allowed to nest deeply (it would overflow the thread's stack).
+const MAX_DEPTH: usize = 32;
+
 /// Decodes one msgpack payload.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     let mut reader = payload;
-    let value = rmpv::decode::read_value(&mut reader).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+    let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH)
+        .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
     if !reader.is_empty() {
         return Err(shape(format!("{} trailing bytes after the batch", reader.len())));
     }
@@ -339,6 +345,50 @@ mod tests {
         let payload = hex("92cb3ff00000000000009192ac426c6f636b52656d6f76656491c40a0000000000000000002a");
         let KvEvent::BlockRemoved(r) = &decode_batch(&payload).unwrap().events[0] else { panic!() };
         assert_eq!(r.block_hashes, vec![42]);
+    }
+
+    /// SGLang 0.5.23: map events with `cache_salt`, signed hashes, one event per page.
+    #[test]
+    fn decodes_sglang_maps() {
+        let mut b = Vec::new();
+        let w = &mut b;
+        rmp::encode::write_array_len(w, 3).unwrap();
+        rmp::encode::write_f64(w, 2.0).unwrap();
+        rmp::encode::write_array_len(w, 1).unwrap();
+        rmp::encode::write_map_len(w, 7).unwrap();
+        for (k, v) in [("type", "BlockStored"), ("medium", "CPU_PINNED"), ("cache_salt", "tenant-7")] {
+            rmp::encode::write_str(w, k).unwrap();
+            rmp::encode::write_str(w, v).unwrap();
+        }
+        rmp::encode::write_str(w, "block_hashes").unwrap();
+        rmp::encode::write_array_len(w, 1).unwrap();
+        rmp::encode::write_sint(w, -5).unwrap();
+        rmp::encode::write_str(w, "parent_block_hash").unwrap();
+        rmp::encode::write_sint(w, -6).unwrap();
+        rmp::encode::write_str(w, "token_ids").unwrap();
+        rmp::encode::write_array_len(w, 1).unwrap();
+        rmp::encode::write_uint(w, 42).unwrap();
+        rmp::encode::write_str(w, "block_size").unwrap();
+        rmp::encode::write_uint(w, 1).unwrap();
+        rmp::encode::write_sint(w, 3).unwrap(); // attn_dp_rank
+        let batch = decode_batch(&b).unwrap();
+        let KvEvent::BlockStored(s) = &batch.events[0] else { panic!("{batch:?}") };
+        assert_eq!(s.block_hashes, vec![-5i64 as u64]);
+        assert_eq!(s.parent_block_hash, Some(-6i64 as u64));
+        assert_eq!((s.cache_salt.as_deref(), s.medium.as_deref()), (Some("tenant-7"), Some("CPU_PINNED")));
+        assert_eq!(batch.data_parallel_rank, Some(3));
+    }
+
+    #[test]
+    fn hostile_sizes_and_depths_fail_fast() {
+        // An array declaring 2^32-1 events, with nothing behind it.
+        assert!(decode_batch(b"\x92\xcb\0\0\0\0\0\0\0\0\xdd\xff\xff\xff\xff").is_err());
+        // A string declaring 4 GiB.
+        assert!(decode_batch(b"\x92\xcb\0\0\0\0\0\0\0\0\x91\x92\xdb\xff\xff\xff\xff").is_err());
+        // 100k nested arrays.
+        let mut deep = vec![0x92, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0];
+        deep.extend(std::iter::repeat_n(0x91, 100_000));
+        assert!(decode_batch(&deep).is_err());
     }
 
     #[test]

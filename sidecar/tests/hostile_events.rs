@@ -1,0 +1,41 @@
+//! Never-panic checks on the event path, run on every CI run (the `fuzz/` targets go deeper):
+//! arbitrary bytes, and valid vLLM payloads with random bytes overwritten, through the decoder
+//! and the per-replica state machine.
+
+use kvgate_sidecar::events::decode::decode_batch;
+use kvgate_sidecar::events::ingest::{Ingest, NoReplay};
+use kvgate_sidecar::index::KvIndex;
+use proptest::prelude::*;
+
+/// The vLLM 0.22 (positional) example batch from the spec.
+const POSITIONAL: &str = "93cb41d954fc40200000939cab426c6f636b53746f72656492cf84b146b151d55111cfd43b57df56b58fb1c098010203040506070804c0a3475055c092c0c000ae66756c6c5f617474656e74696f6ec094ac426c6f636b52656d6f76656491cf84b146b151d55111a34750550091b0416c6c426c6f636b73436c656172656400";
+
+fn hex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        let _ = decode_batch(&bytes);
+        let mut index = KvIndex::new(4, 1);
+        Ingest::new(0, 4).on_message(0, &bytes, &mut index, &mut NoReplay);
+    }
+
+    #[test]
+    fn corrupted_real_payloads_never_panic(edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6), seq in 0u64..4) {
+        let mut payload = hex(POSITIONAL);
+        for (at, byte) in edits {
+            let i = at.index(payload.len());
+            payload[i] = byte;
+        }
+        let _ = decode_batch(&payload);
+        let mut index = KvIndex::new(4, 1);
+        let mut ingest = Ingest::new(0, 4);
+        ingest.on_message(seq, &hex(POSITIONAL), &mut index, &mut NoReplay);
+        ingest.on_message(seq + 1, &payload, &mut index, &mut NoReplay);
+        let _ = index.find_matches(&[1, 2]);
+    }
+}

@@ -1,0 +1,142 @@
+//! Property test: random stores, removes, clears and replica removals, applied to the index
+//! and to a naive reference model, give identical `find_matches` for every query.
+
+use std::collections::HashMap;
+
+use kvgate_shared::hash::{local_block_hash, next_sequence_hash, prompt_block_hashes, Salt};
+use kvgate_sidecar::index::{KvIndex, Overlap, Store, Tier};
+use proptest::prelude::*;
+
+const BS: usize = 2;
+const REPLICAS: usize = 3;
+
+/// Chains over a tiny alphabet so prompts share prefixes a lot.
+fn block_tokens(symbol: u8) -> Vec<u32> {
+    vec![u32::from(symbol); BS]
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Store the chain `path` on a replica: the first `skip` blocks are assumed present
+    /// (parent link), the rest are new.
+    Store {
+        replica: usize,
+        tier: usize,
+        path: Vec<u8>,
+        skip: usize,
+    },
+    /// Remove one block (by the engine hash of the chain `path`).
+    Remove {
+        replica: usize,
+        tier: usize,
+        path: Vec<u8>,
+    },
+    Clear {
+        replica: usize,
+    },
+}
+
+fn seq_of(path: &[u8]) -> u64 {
+    path.iter()
+        .fold(None, |parent, s| Some(next_sequence_hash(parent, local_block_hash(&block_tokens(*s), Salt::NONE))))
+        .unwrap()
+}
+
+/// Engines hash content too, just differently: engine hash = f(seq).
+fn engine_of(path: &[u8]) -> u64 {
+    seq_of(path).rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15
+}
+
+fn tier(i: usize) -> Tier {
+    Tier::ALL[i]
+}
+
+/// The reference: a flat multiset of (replica, tier, engine hash, seq hash).
+#[derive(Default)]
+struct Model {
+    entries: HashMap<(usize, usize, u64), (u64, u32)>,
+}
+
+impl Model {
+    fn lookup(&self, replica: usize, engine: u64) -> Option<u64> {
+        (0..3).find_map(|t| self.entries.get(&(replica, t, engine)).map(|(s, _)| *s))
+    }
+
+    fn holds(&self, replica: usize, t: usize, seq: u64) -> bool {
+        self.entries.iter().any(|((r, tt, _), (s, _))| *r == replica && *tt == t && *s == seq)
+    }
+
+    fn matches(&self, hashes: &[u64]) -> Vec<Overlap> {
+        (0..REPLICAS)
+            .map(|r| {
+                let device = hashes.iter().take_while(|h| self.holds(r, 0, **h)).count();
+                let host = hashes[device..].iter().take_while(|h| self.holds(r, 1, **h)).count();
+                let disk = hashes[device + host..].iter().take_while(|h| self.holds(r, 2, **h)).count();
+                Overlap { device: device as u32, host: host as u32, disk: disk as u32 }
+            })
+            .collect()
+    }
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let path = prop::collection::vec(0u8..3, 1..6);
+    prop_oneof![
+        6 => (0..REPLICAS, 0usize..3, path.clone(), 0usize..6).prop_map(|(replica, tier, path, skip)| {
+            let skip = skip.min(path.len() - 1);
+            Op::Store { replica, tier, path, skip }
+        }),
+        3 => (0..REPLICAS, 0usize..3, path).prop_map(|(replica, tier, path)| Op::Remove { replica, tier, path }),
+        1 => (0..REPLICAS).prop_map(|replica| Op::Clear { replica }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn index_agrees_with_the_reference(ops in prop::collection::vec(op(), 1..60), queries in prop::collection::vec(prop::collection::vec(0u8..3, 1..7), 1..8)) {
+        let mut index = KvIndex::new(BS, REPLICAS);
+        let mut model = Model::default();
+        for op in ops {
+            match op {
+                Op::Store { replica, tier: t, path, skip } => {
+                    let parent = (skip > 0).then(|| engine_of(&path[..skip]));
+                    let new = &path[skip..];
+                    let engine_hashes: Vec<u64> = (skip..path.len()).map(|i| engine_of(&path[..=i])).collect();
+                    let tokens: Vec<u32> = new.iter().flat_map(|s| block_tokens(*s)).collect();
+                    let store = Store { parent, engine_hashes: &engine_hashes, token_ids: &tokens, block_size: BS, salt: Salt::NONE, extra: &[], tier: tier(t) };
+                    let parent_known = parent.is_none_or(|p| model.lookup(replica, p).is_some());
+                    let result = index.store(replica, store);
+                    prop_assert_eq!(result.is_ok(), parent_known);
+                    if parent_known {
+                        for i in skip..path.len() {
+                            let e = model.entries.entry((replica, t, engine_of(&path[..=i]))).or_insert((seq_of(&path[..=i]), 0));
+                            e.1 += 1;
+                        }
+                    }
+                }
+                Op::Remove { replica, tier: t, path } => {
+                    let engine = engine_of(&path);
+                    index.remove(replica, tier(t), &[engine]);
+                    if let Some(e) = model.entries.get_mut(&(replica, t, engine)) {
+                        e.1 -= 1;
+                        if e.1 == 0 {
+                            model.entries.remove(&(replica, t, engine));
+                        }
+                    }
+                }
+                Op::Clear { replica } => {
+                    index.clear_replica(replica);
+                    model.entries.retain(|(r, _, _), _| *r != replica);
+                }
+            }
+        }
+        for q in queries {
+            let tokens: Vec<u32> = q.iter().flat_map(|s| block_tokens(*s)).collect();
+            let hashes = prompt_block_hashes(&tokens, BS, Salt::NONE);
+            prop_assert_eq!(index.find_matches(&hashes), model.matches(&hashes), "query {:?}", q);
+        }
+        for r in 0..REPLICAS {
+            prop_assert_eq!(index.replica_blocks(r), model.entries.keys().filter(|(rr, _, _)| *rr == r).count());
+        }
+    }
+}
