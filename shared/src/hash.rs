@@ -122,11 +122,18 @@ impl ExtraKey {
 
 /// The local hash of one block's tokens.
 pub fn local_block_hash(tokens: &[u32], salt: Salt) -> u64 {
-    let mut bytes = Vec::with_capacity(tokens.len() * 4);
-    for t in tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
-    }
-    xxh3_64_with_seed(&bytes, salt.seed())
+    xxh3_64_with_seed(&le_bytes(tokens), salt.seed())
+}
+
+/// The tokens as little-endian bytes: a free view on little-endian machines (x86, ARM, wasm).
+#[cfg(target_endian = "little")]
+fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    std::borrow::Cow::Borrowed(bytemuck::cast_slice(tokens))
+}
+
+#[cfg(not(target_endian = "little"))]
+fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
+    std::borrow::Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
 }
 
 /// Local hashes of every full block of `tokens`. A trailing partial block is ignored.

@@ -45,6 +45,27 @@ enum Command {
     /// Inspect KV events with the sidecar's own decoder.
     #[command(subcommand)]
     Events(EventsCommand),
+    /// Print the token ids and block hashes the filter computes for a request body (stdin).
+    Tokenize {
+        /// Directory with tokenizer.json and tokenizer_config.json.
+        #[arg(long)]
+        model_dir: PathBuf,
+        /// The pool's block size.
+        #[arg(long, default_value_t = 16)]
+        block_size: u32,
+        /// Which endpoint the body is for.
+        #[arg(long, value_enum, default_value_t = Api::Chat)]
+        endpoint: Api,
+    },
+}
+
+/// The OpenAI endpoint of a body.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum Api {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Completions,
 }
 
 #[derive(Subcommand, Debug)]
@@ -98,6 +119,16 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Events(EventsCommand::Tap { endpoint, replay, topic, count }) => {
             kvgate_sidecar::tools::tap(&endpoint, replay.as_deref(), &topic, count, stdout)
+        }
+        Command::Tokenize { model_dir, block_size, endpoint } => {
+            let mut body = Vec::new();
+            std::io::Read::read_to_end(&mut std::io::stdin(), &mut body)?;
+            let endpoint = match endpoint {
+                Api::Chat => kvgate_shared::prompt::openai::Endpoint::ChatCompletions,
+                Api::Completions => kvgate_shared::prompt::openai::Endpoint::Completions,
+            };
+            println!("{}", kvgate_sidecar::tools::tokenize(&model_dir, block_size, endpoint, &body)?);
+            Ok(())
         }
     }
 }

@@ -1,7 +1,10 @@
-//! Operator tools on the same decoder the sidecar runs: `kvgate-sidecar events decode` and
-//! `kvgate-sidecar events tap`. Output is one JSON object per line, with vLLM's field names
-//! (`seq`, `ts`, `dp_rank`, `events[].type`, `block_hashes`, `parent_block_hash`, `token_ids`,
-//! `block_size`, `medium`, `lora_name`, `group_idx`, …).
+//! Operator tools that run the same code as the product:
+//!
+//! - `kvgate-sidecar events decode` / `events tap`: the sidecar's KV-event decoder. Output is
+//!   one JSON object per line, with vLLM's field names (`seq`, `ts`, `dp_rank`,
+//!   `events[].type`, `block_hashes`, `parent_block_hash`, `token_ids`, `block_size`,
+//!   `medium`, `lora_name`, `group_idx`, …).
+//! - `kvgate-sidecar tokenize`: the filter's request → tokens → block hashes pipeline.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -9,6 +12,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use serde_json::{json, Value};
+
+use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::prompt::openai::{parse, Endpoint};
+use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::wire::ModelBundle;
 
 use crate::events::decode::decode_batch;
 use crate::events::transport::replay;
@@ -99,9 +107,40 @@ pub fn tap(
     Ok(())
 }
 
+/// Tokenizes an OpenAI request body exactly as the filter does and returns
+/// `{"num_tokens", "token_ids", "block_hashes"}` (block hashes as decimal strings: u64 values
+/// exceed JSON's safe integers).
+pub fn tokenize(
+    model_dir: &std::path::Path,
+    block_size: u32,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> anyhow::Result<Value> {
+    anyhow::ensure!(block_size > 0, "block size must be positive");
+    let bundle = ModelBundle::from_dir("cli", model_dir, block_size)?;
+    let tokenizer = ModelTokenizer::from_bundle(&bundle)?;
+    let request = parse(endpoint, body)?;
+    let ids = tokenizer.prompt_tokens(&request)?;
+    let hashes: Vec<String> =
+        prompt_block_hashes(&ids, block_size as usize, Salt::NONE).iter().map(u64::to_string).collect();
+    Ok(json!({"num_tokens": ids.len(), "token_ids": ids, "block_hashes": hashes}))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokenize_matches_the_shared_pipeline() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3-0.6b");
+        let body = br#"{"model":"x","messages":[{"role":"user","content":"hello there, how are you doing today?"}]}"#;
+        let out = tokenize(&dir, 4, Endpoint::ChatCompletions, body).unwrap();
+        let n = out["num_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(out["token_ids"].as_array().unwrap().len(), n);
+        assert_eq!(out["token_ids"][0], 151644, "<|im_start|> opens the Qwen3 chat");
+        assert_eq!(out["block_hashes"].as_array().unwrap().len(), n / 4);
+        assert!(tokenize(&dir, 4, Endpoint::Completions, b"{bad").is_err());
+    }
 
     #[test]
     fn decode_files_prints_json_lines_and_flags_bad_files() {

@@ -91,7 +91,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(300))]
+    #![proptest_config(ProptestConfig::with_cases(1000))]
     #[test]
     fn index_agrees_with_the_reference(ops in prop::collection::vec(op(), 1..60), queries in prop::collection::vec(prop::collection::vec(0u8..3, 1..7), 1..8)) {
         let mut index = KvIndex::new(BS, REPLICAS);

@@ -14,9 +14,11 @@
 //! Cost: `store`/`remove` are O(blocks in the event); [`KvIndex::find_matches`] is
 //! O(matched depth × replicas still matching); clearing a replica is O(its blocks).
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, Salt};
+use nohash_hasher::BuildNoHashHasher;
 use serde::Serialize;
 
 /// A replica's position in its pool (the order of the config).
@@ -121,27 +123,126 @@ pub struct Store<'a> {
     pub tier: Tier,
 }
 
+type NoHash = BuildNoHashHasher<u64>;
+/// Keys are xxh3 or engine (SHA-256-derived) hashes: already uniform, so hashing them again
+/// would only cost time.
+type Map<V> = HashMap<u64, V, NoHash>;
+
+/// High bit of a holder word: the rest indexes [`Tables::spill`] instead of naming a replica.
+const SPILLED: u32 = 1 << 31;
+
+/// One tier's tables.
+#[derive(Debug, Default)]
+struct Tables {
+    /// Sequence hash → its holders: a replica index, or (with [`SPILLED`]) a slot of
+    /// `spill`. Most blocks have one holder, so the entry stays 16 bytes.
+    blocks: Map<u32>,
+    /// Holder lists of blocks held more than once, sorted; duplicates allowed (two engine
+    /// hashes of one replica may name the same content).
+    spill: Vec<Vec<u32>>,
+    /// Free slots of `spill`.
+    spill_free: Vec<u32>,
+}
+
+impl Tables {
+    fn add_holder(&mut self, seq: u64, replica: u32) {
+        let mut entry = match self.blocks.entry(seq) {
+            Entry::Vacant(v) => {
+                v.insert(replica);
+                return;
+            }
+            Entry::Occupied(o) => o,
+        };
+        let word = *entry.get();
+        if word & SPILLED == 0 {
+            let list = if word < replica { vec![word, replica] } else { vec![replica, word] };
+            let slot = match self.spill_free.pop() {
+                Some(slot) => {
+                    self.spill[slot as usize] = list;
+                    slot
+                }
+                None => {
+                    self.spill.push(list);
+                    (self.spill.len() - 1) as u32
+                }
+            };
+            entry.insert(slot | SPILLED);
+        } else {
+            let list = &mut self.spill[(word & !SPILLED) as usize];
+            let at = list.partition_point(|r| *r < replica);
+            list.insert(at, replica);
+        }
+    }
+
+    fn remove_holder(&mut self, seq: u64, replica: u32) {
+        let Some(word) = self.blocks.get(&seq).copied() else { return };
+        if word & SPILLED == 0 {
+            if word == replica {
+                self.blocks.remove(&seq);
+            }
+            return;
+        }
+        let slot = word & !SPILLED;
+        let list = &mut self.spill[slot as usize];
+        if let Ok(at) = list.binary_search(&replica) {
+            list.remove(at);
+        }
+        match list.as_slice() {
+            [] => {
+                self.blocks.remove(&seq);
+            }
+            [only] => {
+                let only = *only;
+                self.blocks.insert(seq, only);
+            }
+            _ => return,
+        }
+        self.spill[slot as usize] = Vec::new();
+        self.spill_free.push(slot);
+    }
+
+    /// The holders of a block, sorted (a one-element slice for a single holder).
+    fn holders<'a>(&'a self, word: &'a u32) -> &'a [u32] {
+        if word & SPILLED == 0 {
+            std::slice::from_ref(word)
+        } else {
+            &self.spill[(word & !SPILLED) as usize]
+        }
+    }
+}
+
+/// One replica's engine-hash bookkeeping on one tier.
+#[derive(Debug, Default)]
+struct EngineBlocks {
+    /// Engine hash → sequence hash.
+    seq: Map<u64>,
+    /// Engine hashes stored more than once (reported twice, removed twice): extra count.
+    extra_refs: Map<u32>,
+}
+
 #[derive(Debug, Default)]
 struct ReplicaBlocks {
-    /// Per tier: engine hash → (sequence hash, how many times stored).
-    by_engine: [HashMap<u64, (u64, u32)>; 3],
+    tiers: [EngineBlocks; 3],
 }
 
 /// The index of one pool (one model, one block size).
 #[derive(Debug)]
 pub struct KvIndex {
     block_size: usize,
-    /// Per tier: sequence hash → replicas holding it, each with a reference count.
-    blocks: [HashMap<u64, Vec<(ReplicaIdx, u32)>>; 3],
+    tiers: [Tables; 3],
     replicas: Vec<ReplicaBlocks>,
 }
+
+/// How many prompt blocks are looked up together: independent lookups let the CPU overlap
+/// their cache misses.
+const LOOKUP_BATCH: usize = 8;
 
 impl KvIndex {
     /// An empty index for `replicas` replicas with the pool's `block_size`.
     pub fn new(block_size: usize, replicas: usize) -> Self {
         KvIndex {
             block_size,
-            blocks: Default::default(),
+            tiers: Default::default(),
             replicas: (0..replicas).map(|_| ReplicaBlocks::default()).collect(),
         }
     }
@@ -151,15 +252,9 @@ impl KvIndex {
         self.replicas.len()
     }
 
-    /// Makes room for one more replica (appended at the end).
-    pub fn add_replica(&mut self) -> ReplicaIdx {
-        self.replicas.push(ReplicaBlocks::default());
-        self.replicas.len() - 1
-    }
-
     /// The sequence hash of a replica's engine block, on any tier.
     fn lookup(&self, replica: ReplicaIdx, engine_hash: u64) -> Option<u64> {
-        self.replicas[replica].by_engine.iter().find_map(|m| m.get(&engine_hash)).map(|(seq, _)| *seq)
+        self.replicas[replica].tiers.iter().find_map(|t| t.seq.get(&engine_hash)).copied()
     }
 
     /// Applies a `BlockStored`: `engine_hashes[i]` names the block of
@@ -176,17 +271,17 @@ impl KvIndex {
             Some(p) => Some(self.lookup(replica, p).ok_or(ApplyError::ParentUnknown)?),
         };
         let t = s.tier.idx();
+        let engine = &mut self.replicas[replica].tiers[t];
+        let tables = &mut self.tiers[t];
         for (i, (engine_hash, tokens)) in s.engine_hashes.iter().zip(s.token_ids.chunks_exact(s.block_size)).enumerate()
         {
             let salt = s.salt.combine(s.extra.get(i).copied().unwrap_or(Salt::NONE));
             let seq = next_sequence_hash(parent_seq, local_block_hash(tokens, salt));
-            let entry = self.replicas[replica].by_engine[t].entry(*engine_hash).or_insert((seq, 0));
-            entry.1 += 1;
-            if entry.1 == 1 {
-                let holders = self.blocks[t].entry(seq).or_default();
-                match holders.iter_mut().find(|(r, _)| *r == replica) {
-                    Some((_, n)) => *n += 1,
-                    None => holders.push((replica, 1)),
+            match engine.seq.entry(*engine_hash) {
+                Entry::Occupied(_) => *engine.extra_refs.entry(*engine_hash).or_default() += 1,
+                Entry::Vacant(v) => {
+                    v.insert(seq);
+                    tables.add_holder(seq, replica as u32);
                 }
             }
             parent_seq = Some(seq);
@@ -197,72 +292,94 @@ impl KvIndex {
     /// Applies a `BlockRemoved`. Unknown hashes are ignored (they may predate us).
     pub fn remove(&mut self, replica: ReplicaIdx, tier: Tier, engine_hashes: &[u64]) {
         let t = tier.idx();
+        let engine = &mut self.replicas[replica].tiers[t];
         for engine_hash in engine_hashes {
-            let by_engine = &mut self.replicas[replica].by_engine[t];
-            let Some(entry) = by_engine.get_mut(engine_hash) else { continue };
-            entry.1 -= 1;
-            if entry.1 > 0 {
+            if let Some(extra) = engine.extra_refs.get_mut(engine_hash) {
+                *extra -= 1;
+                if *extra == 0 {
+                    engine.extra_refs.remove(engine_hash);
+                }
                 continue;
             }
-            let seq = entry.0;
-            by_engine.remove(engine_hash);
-            Self::release(&mut self.blocks[t], replica, seq);
-        }
-    }
-
-    fn release(blocks: &mut HashMap<u64, Vec<(ReplicaIdx, u32)>>, replica: ReplicaIdx, seq: u64) {
-        if let Some(holders) = blocks.get_mut(&seq) {
-            if let Some(pos) = holders.iter().position(|(r, _)| *r == replica) {
-                holders[pos].1 -= 1;
-                if holders[pos].1 == 0 {
-                    holders.swap_remove(pos);
-                }
-            }
-            if holders.is_empty() {
-                blocks.remove(&seq);
+            if let Some(seq) = engine.seq.remove(engine_hash) {
+                self.tiers[t].remove_holder(seq, replica as u32);
             }
         }
     }
 
     /// Forgets everything a replica holds (`AllBlocksCleared`, restart, removal).
     pub fn clear_replica(&mut self, replica: ReplicaIdx) {
-        let by_engine = std::mem::take(&mut self.replicas[replica].by_engine);
-        for (t, map) in by_engine.into_iter().enumerate() {
-            for (seq, _) in map.into_values() {
-                Self::release(&mut self.blocks[t], replica, seq);
+        let tiers = std::mem::take(&mut self.replicas[replica].tiers);
+        for (t, engine) in tiers.into_iter().enumerate() {
+            for seq in engine.seq.into_values() {
+                self.tiers[t].remove_holder(seq, replica as u32);
             }
         }
     }
 
     /// Whether `replica` holds `seq` on tier `t`.
     fn holds(&self, t: usize, seq: u64, replica: ReplicaIdx) -> bool {
-        self.blocks[t].get(&seq).is_some_and(|h| h.iter().any(|(r, _)| *r == replica))
+        let tables = &self.tiers[t];
+        tables.blocks.get(&seq).is_some_and(|w| tables.holders(w).binary_search(&(replica as u32)).is_ok())
     }
 
-    /// For each replica, its [`Overlap`] with the prompt (given as sequence hashes). The
-    /// device walk stops as soon as no replica matches further.
+    /// Each replica's [`Overlap`] with the prompt (given as sequence hashes), in replica order.
     pub fn find_matches(&self, hashes: &[u64]) -> Vec<Overlap> {
         let mut out = vec![Overlap::default(); self.replicas.len()];
-        if let Some(first) = hashes.first().and_then(|h| self.blocks[0].get(h)) {
-            let mut active: Vec<ReplicaIdx> = first.iter().map(|(r, _)| *r).collect();
-            for r in &active {
-                out[*r].device = 1;
+        for (r, o) in self.find_overlaps(hashes) {
+            out[r as usize] = o;
+        }
+        out
+    }
+
+    /// The replicas with a non-zero [`Overlap`] with the prompt, with it (no allocation for a
+    /// miss). The device walk keeps the replicas holding every block so far and stops as soon
+    /// as none is left.
+    pub fn find_overlaps(&self, hashes: &[u64]) -> Vec<(u32, Overlap)> {
+        let mut out: Vec<(u32, Overlap)> = Vec::new();
+        let device = &self.tiers[0];
+        // The first block decides the candidates; most misses end here.
+        let mut active: Vec<u32> = match hashes.first().and_then(|h| device.blocks.get(h)) {
+            Some(word) => device.holders(word).to_vec(),
+            None => Vec::new(),
+        };
+        active.dedup();
+        let mut depth = usize::from(!active.is_empty());
+        'walk: for chunk in hashes[depth.min(hashes.len())..].chunks(LOOKUP_BATCH) {
+            if active.is_empty() {
+                break;
             }
-            for (i, h) in hashes.iter().enumerate().skip(1) {
-                let Some(holders) = self.blocks[0].get(h) else { break };
-                active.retain(|r| holders.iter().any(|(hr, _)| hr == r));
-                if active.is_empty() {
-                    break;
+            let mut found = [None; LOOKUP_BATCH];
+            for (slot, h) in found.iter_mut().zip(chunk) {
+                *slot = device.blocks.get(h);
+            }
+            for word in &found[..chunk.len()] {
+                let Some(word) = word else { break 'walk };
+                let holders = device.holders(word);
+                if holders != active.as_slice() {
+                    active.retain(|r| {
+                        let keep = holders.binary_search(r).is_ok();
+                        if !keep {
+                            out.push((*r, Overlap { device: depth as u32, host: 0, disk: 0 }));
+                        }
+                        keep
+                    });
+                    if active.is_empty() {
+                        break 'walk;
+                    }
                 }
-                for r in &active {
-                    out[*r].device = i as u32 + 1;
-                }
+                depth += 1;
             }
         }
-        if self.blocks[1].is_empty() && self.blocks[2].is_empty() {
+        out.extend(active.iter().map(|r| (*r, Overlap { device: depth as u32, host: 0, disk: 0 })));
+        if self.tiers[1].blocks.is_empty() && self.tiers[2].blocks.is_empty() {
             return out;
         }
-        for (r, overlap) in out.iter_mut().enumerate() {
+        let mut dense = vec![Overlap::default(); self.replicas.len()];
+        for (r, o) in out {
+            dense[r as usize] = o;
+        }
+        for (r, overlap) in dense.iter_mut().enumerate() {
             let mut pos = overlap.device as usize;
             let host = hashes[pos..].iter().take_while(|h| self.holds(1, **h, r)).count();
             pos += host;
@@ -270,17 +387,17 @@ impl KvIndex {
             overlap.host = host as u32;
             overlap.disk = disk as u32;
         }
-        out
+        dense.into_iter().enumerate().filter(|(_, o)| *o != Overlap::default()).map(|(r, o)| (r as u32, o)).collect()
     }
 
     /// Blocks indexed for a replica, on all tiers.
     pub fn replica_blocks(&self, replica: ReplicaIdx) -> usize {
-        self.replicas[replica].by_engine.iter().map(HashMap::len).sum()
+        self.replicas[replica].tiers.iter().map(|t| t.seq.len()).sum()
     }
 
     /// Blocks indexed for a replica on one tier.
     pub fn replica_tier_blocks(&self, replica: ReplicaIdx, tier: Tier) -> usize {
-        self.replicas[replica].by_engine[tier.idx()].len()
+        self.replicas[replica].tiers[tier.idx()].seq.len()
     }
 }
 
