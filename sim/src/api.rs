@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::engine::Engine;
+use crate::kv_events::Chaos;
 
 /// The header naming the replica that served a response.
 pub const REPLICA_HEADER: &str = "x-kvgate-replica";
@@ -53,6 +54,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/_chaos/events", post(chaos_events))
+        .route("/_chaos/restart_publisher", post(restart_publisher))
         .with_state(state)
 }
 
@@ -98,7 +101,7 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Respons
         Err(e) => return error(&state, StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", e.to_string()),
     };
     let stream_usage = body_flag(&body, &["stream_options", "include_usage"]);
-    let running = match state.engine.prefill(&tokens).await {
+    let mut running = match state.engine.prefill(&tokens).await {
         Ok(r) => r,
         Err(_) => {
             let msg = "not enough free KV cache blocks".to_owned();
@@ -119,8 +122,8 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Respons
     if request.stream {
         stream(state, endpoint, request, id, output, usage, stream_usage, running)
     } else {
-        for _ in &output {
-            state.engine.decode_step().await;
+        for token in &output {
+            running.decode(*token).await;
         }
         drop(running);
         let text = state.tokenizer.decode(&output).unwrap_or_default();
@@ -179,7 +182,7 @@ fn stream(
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
     let worker = state.clone();
     tokio::spawn(async move {
-        let _running = running; // blocks are freed when this task ends, even on disconnect
+        let mut running = running; // blocks are freed when this task ends, even on disconnect
         let created = unix_now();
         let object = if endpoint == Endpoint::Completions { "text_completion" } else { "chat.completion.chunk" };
         let chunk = |choices: Value| -> Bytes {
@@ -203,7 +206,7 @@ fn stream(
         }
         for (i, token) in output.iter().enumerate() {
             if i > 0 {
-                worker.engine.decode_step().await;
+                running.decode(*token).await;
             }
             let text = worker.tokenizer.decode(&[*token]).unwrap_or_default();
             let finish = if i + 1 == output.len() { json!("length") } else { Value::Null };
@@ -254,4 +257,21 @@ async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Response {
     } else {
         error(&state, StatusCode::CONFLICT, "ConflictError", "requests are running".into())
     }
+}
+
+/// Fault injection for reliability tests: `{"drop_fraction": 0.05, "stall": false, "delay_ms": 0}`.
+async fn chaos_events(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    match serde_json::from_slice::<Chaos>(&body) {
+        Ok(chaos) => {
+            state.engine.publisher().set_chaos(chaos);
+            tagged(&state, Json(chaos).into_response())
+        }
+        Err(e) => error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()),
+    }
+}
+
+/// Restarts the event publisher: seq back to 0, replay buffer emptied.
+async fn restart_publisher(State(state): State<Arc<AppState>>) -> Response {
+    state.engine.publisher().restart();
+    tagged(&state, StatusCode::OK.into_response())
 }

@@ -53,8 +53,29 @@ pub struct Engine {
 pub struct Running {
     engine: Arc<Engine>,
     alloc: Option<Allocation>,
+    /// Prompt and output tokens so far.
+    tokens: Vec<u32>,
     /// Prompt tokens that were served from the cache.
     pub cached_tokens: usize,
+}
+
+impl Running {
+    /// Produces one output token: waits one decode step, then appends it. A block the token
+    /// completes is committed and published (`BlockStored`), as vLLM does during decode.
+    pub async fn decode(&mut self, token: u32) {
+        tokio::time::sleep(Duration::from_micros(self.engine.config.decode_us_per_token)).await;
+        self.tokens.push(token);
+        let Some(alloc) = self.alloc.as_mut() else { return };
+        let mut events = Vec::new();
+        {
+            let mut cache = self.engine.cache();
+            // Out of blocks: vLLM would preempt; the simulator just stops caching the output.
+            if self.tokens.len() <= cache.capacity(alloc) || cache.grow(alloc, &mut events).is_ok() {
+                cache.commit(alloc, &self.tokens, &mut events);
+            }
+        }
+        self.engine.publisher.publish(events);
+    }
 }
 
 impl Drop for Running {
@@ -97,7 +118,7 @@ impl Engine {
         let cached_tokens = alloc.cached_tokens;
         self.stats.prefix_queries.fetch_add(tokens.len() as u64, Ordering::Relaxed);
         self.stats.prefix_hits.fetch_add(cached_tokens as u64, Ordering::Relaxed);
-        let mut running = Running { engine: self.clone(), alloc: Some(alloc), cached_tokens };
+        let mut running = Running { engine: self.clone(), alloc: Some(alloc), tokens: tokens.to_vec(), cached_tokens };
         let uncached = (tokens.len() - cached_tokens) as u64;
         tokio::time::sleep(Duration::from_micros(uncached * self.config.prefill_us_per_token)).await;
         drop(lane);
@@ -108,9 +129,9 @@ impl Engine {
         Ok(running)
     }
 
-    /// Waits for one output token.
-    pub async fn decode_step(&self) {
-        tokio::time::sleep(Duration::from_micros(self.config.decode_us_per_token)).await;
+    /// The event publisher (for fault injection).
+    pub fn publisher(&self) -> &Publisher {
+        &self.publisher
     }
 
     /// Resets the prefix cache (`AllBlocksCleared`). Fails while requests hold blocks.

@@ -119,6 +119,24 @@ impl KvCache {
         Ok(Allocation { cached_tokens: hits.len() * self.block_size, committed: hits.len(), blocks })
     }
 
+    /// Adds one block to a running request (its next decode token starts a new block),
+    /// evicting a cached block if needed.
+    pub fn grow(&mut self, alloc: &mut Allocation, events: &mut Vec<Event>) -> Result<(), OutOfBlocks> {
+        let b = self.free.pop_front().ok_or(OutOfBlocks)?;
+        if let Some(h) = self.blocks[b].hash.take() {
+            self.cached.remove(&h);
+            events.push(Event::BlockRemoved { block_hashes: vec![h] });
+        }
+        self.blocks[b].refs = 1;
+        alloc.blocks.push(b);
+        Ok(())
+    }
+
+    /// Tokens the allocation has room for.
+    pub fn capacity(&self, alloc: &Allocation) -> usize {
+        alloc.blocks.len() * self.block_size
+    }
+
     /// Commits the allocation's full blocks covering `tokens` (after a step computed them):
     /// hashes them, makes them findable, and emits one `BlockStored` for the new ones.
     pub fn commit(&mut self, alloc: &mut Allocation, tokens: &[u32], events: &mut Vec<Event>) {
@@ -210,6 +228,27 @@ mod tests {
         let Event::BlockStored { parent_block_hash, block_hashes, .. } = &ev[0] else { panic!() };
         assert_eq!(block_hashes.len(), 1);
         assert!(parent_block_hash.is_some());
+    }
+
+    #[test]
+    fn decode_fills_and_commits_new_blocks() {
+        let mut c = KvCache::new(4, 8);
+        let mut ev = Vec::new();
+        let mut t = toks(6, 2);
+        let mut a = c.allocate(&t, &mut ev).unwrap();
+        c.commit(&mut a, &t, &mut ev);
+        ev.clear();
+        for token in [100, 101, 102] {
+            t.push(token);
+            if t.len() > c.capacity(&a) {
+                c.grow(&mut a, &mut ev).unwrap();
+            }
+            c.commit(&mut a, &t, &mut ev);
+        }
+        // Block 1 (tokens 4..8) completed during decode: one store, parented on block 0.
+        assert!(matches!(&ev[..], [Event::BlockStored { block_hashes, parent_block_hash: Some(_), token_ids, .. }]
+            if block_hashes.len() == 1 && token_ids[2..] == [100, 101]));
+        assert_eq!(a.blocks.len(), 3);
     }
 
     #[test]

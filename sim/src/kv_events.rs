@@ -1,9 +1,11 @@
 //! vLLM's KV-event wire format, as published by vLLM 0.32: `[topic, seq_be8, msgpack]` on a
 //! ZMQ PUB socket, the payload `[ts, [event…], dp_rank]` with events as tagged maps.
 
+use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use rand::{Rng, SeedableRng};
 use rmp::encode as mp;
 
 /// A KV-cache event, in vLLM's terms.
@@ -104,28 +106,115 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32) -> Vec<u8> {
     buf
 }
 
+/// vLLM's `--kv-events-config` (the keys the simulator honours; others are ignored).
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[serde(default)]
+pub struct KvEventsConfig {
+    /// PUB endpoint. Bound if it contains `*` or `::` or is `ipc://`/`inproc://`; otherwise
+    /// connected (vLLM's rule: `tcp://0.0.0.0:5557` connects!).
+    pub endpoint: String,
+    /// Replay ROUTER endpoint (always bound); none disables replay.
+    pub replay_endpoint: Option<String>,
+    /// Topic frame.
+    pub topic: String,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// PUB high-water mark.
+    pub hwm: i32,
+}
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        KvEventsConfig {
+            endpoint: "tcp://*:5557".into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            buffer_steps: 10_000,
+            hwm: 100_000,
+        }
+    }
+}
+
+/// vLLM's bind-or-connect heuristic for the PUB socket.
+pub fn binds(endpoint: &str) -> bool {
+    endpoint.contains('*')
+        || endpoint.contains("::")
+        || endpoint.starts_with("ipc://")
+        || endpoint.starts_with("inproc://")
+}
+
+/// Faults to inject into the event stream, for reliability tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(default)]
+pub struct Chaos {
+    /// Fraction of batches not sent on the PUB socket (still numbered and kept for replay).
+    pub drop_fraction: f64,
+    /// Publish nothing (batches are numbered and buffered, not sent) while true.
+    pub stall: bool,
+    /// Delay before each batch is sent, in milliseconds.
+    pub delay_ms: u64,
+}
+
+enum Command {
+    Publish(Vec<Event>),
+    Chaos(Chaos),
+    /// Start again at seq 0 with an empty replay buffer (a publisher restart).
+    Restart,
+}
+
 /// A handle to the publisher thread. Each `publish` is one batch with the next seq.
 #[derive(Clone)]
 pub struct Publisher {
-    tx: mpsc::Sender<Vec<Event>>,
+    tx: mpsc::Sender<Command>,
 }
 
+/// How often the publisher thread checks its replay socket when idle.
+const REPLAY_POLL: std::time::Duration = std::time::Duration::from_millis(5);
+
 impl Publisher {
-    /// Binds a PUB socket at `endpoint` and starts the publishing thread.
-    pub fn bind(endpoint: &str, topic: String) -> anyhow::Result<Publisher> {
+    /// Opens the sockets and starts the publishing thread.
+    pub fn start(config: KvEventsConfig, chaos: Chaos, seed: u64) -> anyhow::Result<Publisher> {
         let ctx = zmq::Context::new();
-        let socket = ctx.socket(zmq::PUB)?;
-        socket.set_sndhwm(100_000)?;
-        socket.bind(endpoint)?;
-        let (tx, rx) = mpsc::channel::<Vec<Event>>();
+        let publisher = ctx.socket(zmq::PUB)?;
+        publisher.set_sndhwm(config.hwm)?;
+        if binds(&config.endpoint) {
+            publisher.bind(&config.endpoint)?;
+        } else {
+            publisher.connect(&config.endpoint)?;
+        }
+        let replay = match &config.replay_endpoint {
+            Some(endpoint) => {
+                let router = ctx.socket(zmq::ROUTER)?;
+                // vLLM 0.33: room for a whole replay.
+                router.set_sndhwm(i32::try_from(2 * (config.buffer_steps + 1)).unwrap_or(i32::MAX))?;
+                router.bind(endpoint)?;
+                Some(router)
+            }
+            None => None,
+        };
+        let (tx, rx) = mpsc::channel::<Command>();
         std::thread::Builder::new().name("kv-pub".into()).spawn(move || {
             let _ctx = ctx;
-            for (seq, events) in (0u64..).zip(rx) {
-                let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-                let payload = encode_batch(ts, &events, 0);
-                let frames: [&[u8]; 3] = [topic.as_bytes(), &seq.to_be_bytes(), &payload];
-                if let Err(e) = socket.send_multipart(frames, 0) {
-                    tracing::warn!(error = %e, "KV-event publish failed");
+            let mut state = PublisherState {
+                config,
+                chaos,
+                seq: 0,
+                buffer: VecDeque::new(),
+                rng: rand::rngs::StdRng::seed_from_u64(seed),
+            };
+            loop {
+                match rx.recv_timeout(REPLAY_POLL) {
+                    Ok(Command::Publish(events)) => state.publish(&publisher, &events),
+                    Ok(Command::Chaos(c)) => state.chaos = c,
+                    Ok(Command::Restart) => {
+                        state.seq = 0;
+                        state.buffer.clear();
+                    }
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+                if let Some(router) = &replay {
+                    state.serve_replays(router);
                 }
             }
         })?;
@@ -135,7 +224,74 @@ impl Publisher {
     /// Queues a batch (dropped if empty, as vLLM publishes only steps with events).
     pub fn publish(&self, events: Vec<Event>) {
         if !events.is_empty() {
-            let _ = self.tx.send(events);
+            let _ = self.tx.send(Command::Publish(events));
+        }
+    }
+
+    /// Changes the injected faults.
+    pub fn set_chaos(&self, chaos: Chaos) {
+        let _ = self.tx.send(Command::Chaos(chaos));
+    }
+
+    /// Restarts the sequence at 0 with an empty replay buffer.
+    pub fn restart(&self) {
+        let _ = self.tx.send(Command::Restart);
+    }
+}
+
+struct PublisherState {
+    config: KvEventsConfig,
+    chaos: Chaos,
+    seq: u64,
+    buffer: VecDeque<(u64, Vec<u8>)>,
+    rng: rand::rngs::StdRng,
+}
+
+impl PublisherState {
+    fn publish(&mut self, socket: &zmq::Socket, events: &[Event]) {
+        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        let payload = encode_batch(ts, events, 0);
+        let seq = self.seq;
+        self.seq += 1;
+        let dropped = self.chaos.stall
+            || (self.chaos.drop_fraction > 0.0 && self.rng.random_bool(self.chaos.drop_fraction.min(1.0)));
+        if !dropped {
+            if self.chaos.delay_ms > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(self.chaos.delay_ms));
+            }
+            let frames: [&[u8]; 3] = [self.config.topic.as_bytes(), &seq.to_be_bytes(), &payload];
+            if let Err(e) = socket.send_multipart(frames, 0) {
+                tracing::warn!(error = %e, "KV-event publish failed");
+            }
+        }
+        if self.config.buffer_steps > 0 {
+            if self.buffer.len() == self.config.buffer_steps {
+                self.buffer.pop_front();
+            }
+            self.buffer.push_back((seq, payload));
+        }
+    }
+
+    /// Answers pending replay requests: `[identity, "", start_seq]` gets every buffered batch
+    /// with `seq >= start` as `[identity, "", topic, seq, payload]`, then the end marker
+    /// `[identity, "", "", ff×8, ""]` (vLLM 0.26+). Malformed requests are ignored, as vLLM does.
+    fn serve_replays(&self, router: &zmq::Socket) {
+        while let Ok(frames) = router.recv_multipart(zmq::DONTWAIT) {
+            let [identity, empty, start] = match <[Vec<u8>; 3]>::try_from(frames) {
+                Ok(f) => f,
+                Err(_) => continue,
+            };
+            if !empty.is_empty() || start.is_empty() || start.len() > 8 {
+                continue;
+            }
+            let start = start.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b));
+            for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
+                let frames: [&[u8]; 5] = [&identity, b"", self.config.topic.as_bytes(), &seq.to_be_bytes(), payload];
+                if router.send_multipart(frames, 0).is_err() {
+                    return;
+                }
+            }
+            let _ = router.send_multipart([&identity[..], b"", b"", &[0xff; 8], b""], 0);
         }
     }
 }
@@ -204,5 +360,68 @@ mod tests {
         ));
         assert_eq!(encode_batch(1700000000.5, &events, 0), expected);
         assert!(rmpv::decode::read_value(&mut expected.as_slice()).is_ok());
+    }
+
+    #[test]
+    fn vllm_bind_or_connect_rule() {
+        assert!(binds("tcp://*:5557"));
+        assert!(binds("tcp://[::]:5557"));
+        assert!(binds("ipc:///tmp/kv"));
+        assert!(!binds("tcp://0.0.0.0:5557"), "vLLM connects here");
+        assert!(!binds("tcp://127.0.0.1:5557"));
+    }
+
+    #[test]
+    fn config_takes_vllm_json() {
+        let c: KvEventsConfig = serde_json::from_str(r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:6000","replay_endpoint":"tcp://*:6001","topic":"kv"}"#).unwrap();
+        assert_eq!(
+            (c.endpoint.as_str(), c.replay_endpoint.as_deref(), c.topic.as_str(), c.buffer_steps),
+            ("tcp://*:6000", Some("tcp://*:6001"), "kv", 10_000)
+        );
+    }
+
+    /// Drops happen, are numbered, and are replayable with vLLM 0.26+'s layout.
+    #[test]
+    fn replay_serves_dropped_batches() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let replay_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let config = KvEventsConfig {
+            endpoint: format!("tcp://127.0.0.1:{port}").replace("127.0.0.1", "*"),
+            replay_endpoint: Some(format!("tcp://*:{replay_port}")),
+            topic: "t".into(),
+            buffer_steps: 3,
+            hwm: 1000,
+        };
+        let p = Publisher::start(config, Chaos { stall: true, ..Chaos::default() }, 0).unwrap();
+        for _ in 0..5 {
+            p.publish(vec![Event::AllBlocksCleared]);
+        }
+        let ctx = zmq::Context::new();
+        let dealer = ctx.socket(zmq::DEALER).unwrap();
+        dealer.set_rcvtimeo(5000).unwrap();
+        dealer.connect(&format!("tcp://127.0.0.1:{replay_port}")).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let replies = loop {
+            dealer.send_multipart([&b""[..], &0u64.to_be_bytes()], 0).unwrap();
+            let mut replies = Vec::new();
+            loop {
+                let frames = dealer.recv_multipart(0).unwrap();
+                // As a DEALER sees them: ["", topic, seq, payload].
+                let end = frames[2] == [0xff; 8];
+                replies.push(frames);
+                if end {
+                    break;
+                }
+            }
+            if replies.len() == 4 || std::time::Instant::now() > deadline {
+                break replies;
+            }
+        };
+        // buffer_steps = 3: seqs 2, 3, 4, then the end marker.
+        let seqs: Vec<u64> =
+            replies[..3].iter().map(|f| u64::from_be_bytes(f[2].clone().try_into().unwrap())).collect();
+        assert_eq!(seqs, vec![2, 3, 4]);
+        assert_eq!(replies[0][1], b"t");
+        assert_eq!(replies[3], vec![vec![], vec![], vec![0xff; 8], vec![]]);
     }
 }

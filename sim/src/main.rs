@@ -1,8 +1,8 @@
 //! `kvgate-sim`: a vLLM-like engine for tests, the demo and benchmarks, without a GPU.
 //!
 //! ```text
-//! kvgate-sim --listen 127.0.0.1:8001 --replica a --kv-events tcp://127.0.0.1:5557 \
-//!            --model qwen3 --tokenizer models/qwen3-0.6b --block-size 16
+//! kvgate-sim --listen 127.0.0.1:8001 --replica a --model qwen3 --tokenizer models/qwen3-0.6b \
+//!            --block-size 16 --kv-events-config '{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}'
 //! ```
 //!
 //! | module | responsibility |
@@ -49,12 +49,13 @@ struct Cli {
     /// KV cache size in blocks (vLLM `--num-gpu-blocks-override`).
     #[arg(long, default_value_t = 8192)]
     num_gpu_blocks: usize,
-    /// ZMQ endpoint the KV-event PUB socket binds.
-    #[arg(long, default_value = "tcp://127.0.0.1:5557")]
-    kv_events: String,
-    /// Topic frame of every KV-event message.
-    #[arg(long, default_value = "")]
-    topic: String,
+    /// vLLM's KV-events configuration JSON: `endpoint`, `replay_endpoint`, `topic`,
+    /// `buffer_steps`, `hwm` (other keys are accepted and ignored).
+    #[arg(long, default_value = r#"{"endpoint":"tcp://*:5557"}"#)]
+    kv_events_config: String,
+    /// Fault injection on the event stream at start (JSON, see `POST /_chaos/events`).
+    #[arg(long, default_value = "{}")]
+    chaos: String,
     /// Prefill time per uncached prompt token, in microseconds.
     #[arg(long, default_value_t = 100)]
     prefill_us_per_token: u64,
@@ -79,8 +80,11 @@ async fn main() -> anyhow::Result<()> {
     let bundle = ModelBundle::from_dir(&cli.model, &cli.tokenizer, cli.block_size as u32)
         .with_context(|| format!("loading the tokenizer from {}", cli.tokenizer.display()))?;
     let tokenizer = ModelTokenizer::from_bundle(&bundle)?;
-    let publisher = kv_events::Publisher::bind(&cli.kv_events, cli.topic.clone())
-        .with_context(|| format!("binding KV events at {}", cli.kv_events))?;
+    let events_config: kv_events::KvEventsConfig =
+        serde_json::from_str(&cli.kv_events_config).context("--kv-events-config is not valid JSON")?;
+    let chaos: kv_events::Chaos = serde_json::from_str(&cli.chaos).context("--chaos is not valid JSON")?;
+    let publisher = kv_events::Publisher::start(events_config.clone(), chaos, cli.seed)
+        .with_context(|| format!("opening KV events at {}", events_config.endpoint))?;
     let engine = Arc::new(engine::Engine::new(
         engine::EngineConfig {
             block_size: cli.block_size,

@@ -103,17 +103,13 @@ impl Stack {
         let mut replicas_toml = String::new();
         for i in 0..opts.replicas {
             let id = ((b'a' + i as u8) as char).to_string();
-            let (port, events_port) = (free_port()?, free_port()?);
+            let (port, events_port, replay_port) = (free_port()?, free_port()?, free_port()?);
+            let events_config = json!({"endpoint": format!("tcp://*:{events_port}"), "replay_endpoint": format!("tcp://*:{replay_port}")});
             let mut cmd = Command::new(&artifacts.sim);
             cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--replica", &id, "--model", "qwen3"])
                 .arg("--tokenizer")
                 .arg(&artifacts.model_dir)
-                .args([
-                    "--block-size",
-                    &opts.block_size.to_string(),
-                    "--kv-events",
-                    &format!("tcp://127.0.0.1:{events_port}"),
-                ])
+                .args(["--block-size", &opts.block_size.to_string(), "--kv-events-config", &events_config.to_string()])
                 .args(["--prefill-us-per-token", &opts.prefill_us_per_token.to_string()])
                 .args([
                     "--decode-us-per-token",
@@ -122,7 +118,7 @@ impl Stack {
                 ]);
             let proc = Proc::spawn(&format!("sim {id}"), cmd, &dir.join(format!("sim-{id}.log")))?;
             replicas_toml.push_str(&format!(
-                "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\n"
+                "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\nkv_replay = \"tcp://127.0.0.1:{replay_port}\"\n"
             ));
             sims.push(SimHandle { id, port, _proc: proc });
         }
@@ -215,9 +211,14 @@ impl Stack {
         self.sims.iter().find(|s| s.id == id).unwrap_or_else(|| panic!("no replica {id}"))
     }
 
+    /// `http://127.0.0.1:<sidecar>{path}`.
+    pub fn sidecar_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.sidecar_port)
+    }
+
     /// The sidecar's `/debug/state`.
     pub fn sidecar_state(&self) -> anyhow::Result<Value> {
-        Ok(client::client().get(format!("http://127.0.0.1:{}/debug/state", self.sidecar_port)).send()?.json()?)
+        Ok(client::client().get(self.sidecar_url("/debug/state")).send()?.json()?)
     }
 
     /// Blocks the sidecar has indexed for a replica.

@@ -130,3 +130,59 @@ fn malformed_json_reaches_the_engine() {
         assert_eq!(reply.json()["object"], "error");
     }
 }
+
+fn replica_state(stack: &Stack, id: &str) -> Value {
+    let state = stack.sidecar_state().unwrap();
+    state["pools"][0]["replicas"].as_array().unwrap().iter().find(|r| r["id"] == id).unwrap().clone()
+}
+
+/// 6. Half of an engine's event messages are lost: the sidecar replays the gaps from the
+///    engine's replay socket, stays healthy, and routes to the blocks it learned that way.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn lost_events_are_replayed() {
+    let stack = start("replay");
+    let b = stack.sim("b");
+    let chaos = post(&b.url("/_chaos/events"), json!({"drop_fraction": 0.5}).to_string(), &[]).unwrap();
+    assert_eq!(chaos.status, 200);
+    let docs: Vec<String> = (0..6).map(|i| document(20 + i, 300)).collect();
+    for doc in &docs {
+        assert_eq!(post(&b.url("/v1/chat/completions"), chat(doc, "warm").to_string(), &[]).unwrap().status, 200);
+    }
+    // A last lossless message makes any trailing gap visible.
+    post(&b.url("/_chaos/events"), json!({"drop_fraction": 0.0}).to_string(), &[]).unwrap();
+    post(&b.url("/v1/chat/completions"), chat(&document(99, 300), "flush").to_string(), &[]).unwrap();
+    kvgate_e2e::process::wait_for("gaps replayed", std::time::Duration::from_secs(10), || {
+        let metrics = kvgate_e2e::client::client().get(stack.sidecar_url("/metrics")).send().ok()?.text().ok()?;
+        metrics.contains("kvgate_kv_gaps_replayed_total{model=\"qwen3\",replica=\"b\"}").then_some(())
+    })
+    .unwrap();
+    assert_eq!(replica_state(&stack, "b")["degraded"], false);
+    for doc in &docs {
+        let reply = stream(&stack.gateway("/v1/chat/completions"), chat(doc, "and now?")).unwrap();
+        assert_eq!(reply.header("x-kvgate-replica"), "b", "every warmed prefix is known, dropped events included");
+        assert!(reply.cached_tokens() > 0);
+    }
+}
+
+/// 7. An engine's publisher restarts (seq back to 0): its old blocks leave the index before
+///    the next decision.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn publisher_restart_clears_the_replica() {
+    let stack = start("restart");
+    let c = stack.sim("c");
+    let doc = document(30, 600);
+    let warm = post(&c.url("/v1/chat/completions"), chat(&doc, "warm").to_string(), &[]).unwrap();
+    stack.wait_indexed("c", warm.json()["usage"]["prompt_tokens"].as_u64().unwrap() / 16).unwrap();
+    assert_eq!(post(&c.url("/_chaos/restart_publisher"), String::new(), &[]).unwrap().status, 200);
+    let fresh = post(&c.url("/v1/chat/completions"), chat(&document(31, 40), "new").to_string(), &[]).unwrap();
+    assert_eq!(fresh.status, 200);
+    kvgate_e2e::process::wait_for("the restart seen", std::time::Duration::from_secs(10), || {
+        (replica_state(&stack, "c")["last_seq"] == 0).then_some(())
+    })
+    .unwrap();
+    let fresh_blocks = fresh.json()["usage"]["prompt_tokens"].as_u64().unwrap() / 16;
+    let indexed = replica_state(&stack, "c")["blocks_indexed"].as_u64().unwrap();
+    assert!(indexed <= fresh_blocks + 1, "only blocks stored after the restart remain: {indexed} > {fresh_blocks}");
+}
