@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use crate::kv_cache::{Allocation, KvCache, OutOfBlocks};
 use crate::kv_events::Publisher;
+use crate::vllm_hash::VllmHasher;
 
 /// Engine settings.
 #[derive(Debug, Clone)]
@@ -24,6 +25,8 @@ pub struct EngineConfig {
     pub prefill_us_per_token: u64,
     /// Decode cost per output token.
     pub decode_us_per_token: u64,
+    /// vLLM's block hasher.
+    pub hasher: VllmHasher,
 }
 
 /// Counters in vLLM's terms.
@@ -93,7 +96,7 @@ impl Engine {
     /// A new engine publishing on `publisher`.
     pub fn new(config: EngineConfig, publisher: Publisher) -> Engine {
         Engine {
-            cache: Mutex::new(KvCache::new(config.block_size, config.num_blocks)),
+            cache: Mutex::new(KvCache::new(config.block_size, config.num_blocks, config.hasher.clone())),
             config,
             prefill_lane: tokio::sync::Mutex::new(()),
             publisher,

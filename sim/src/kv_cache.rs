@@ -8,30 +8,17 @@
 //!   before its earlier ones (children before parents).
 //! - Committing newly full blocks emits one `BlockStored` per request step.
 //!
-//! The engine hash is deliberately *not* kvgate's hash: consumers must treat it as opaque.
+//! Block hashes are vLLM's own ([`crate::vllm_hash`]), so consumers that rely on vLLM's hash
+//! values work against the simulator too; kvgate treats them as opaque.
 
 use std::collections::{HashMap, VecDeque};
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
-
 use crate::kv_events::Event;
-
-/// Seed of the simulated engine's own block hash (anything but kvgate's 1337).
-const ENGINE_SEED: u64 = 0x05EE_D0FE_461E;
-
-/// The engine's hash of a block: chained, content-derived, opaque to consumers.
-pub fn engine_block_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    let mut bytes = Vec::with_capacity(8 + tokens.len() * 4);
-    bytes.extend_from_slice(&parent.unwrap_or(0).to_le_bytes());
-    for t in tokens {
-        bytes.extend_from_slice(&t.to_le_bytes());
-    }
-    xxh3_64_with_seed(&bytes, ENGINE_SEED)
-}
+use crate::vllm_hash::{event_value, Digest, VllmHasher};
 
 #[derive(Debug, Default, Clone)]
 struct Block {
-    hash: Option<u64>,
+    hash: Option<Digest>,
     refs: u32,
 }
 
@@ -54,31 +41,33 @@ pub struct OutOfBlocks;
 #[derive(Debug)]
 pub struct KvCache {
     block_size: usize,
+    hasher: VllmHasher,
     blocks: Vec<Block>,
     /// Free blocks, least recently used first.
     free: VecDeque<usize>,
     /// hash → block id of committed blocks.
-    cached: HashMap<u64, usize>,
+    cached: HashMap<Digest, usize>,
 }
 
 impl KvCache {
     /// An empty cache of `num_blocks` blocks.
-    pub fn new(block_size: usize, num_blocks: usize) -> KvCache {
+    pub fn new(block_size: usize, num_blocks: usize, hasher: VllmHasher) -> KvCache {
         KvCache {
             block_size,
+            hasher,
             blocks: vec![Block::default(); num_blocks],
             free: (0..num_blocks).collect(),
             cached: HashMap::new(),
         }
     }
 
-    /// Engine hashes of the prompt's full blocks.
-    fn hashes(&self, tokens: &[u32]) -> Vec<u64> {
-        let mut parent = None;
+    /// Digests of the prompt's full blocks.
+    fn hashes(&self, tokens: &[u32]) -> Vec<Digest> {
+        let mut parent: Option<Digest> = None;
         tokens
             .chunks_exact(self.block_size)
             .map(|b| {
-                let h = engine_block_hash(parent, b);
+                let h = self.hasher.block(parent.as_ref(), b);
                 parent = Some(h);
                 h
             })
@@ -115,7 +104,7 @@ impl KvCache {
             blocks.push(b);
         }
         // vLLM emits one single-hash BlockRemoved per evicted block.
-        events.extend(removed.into_iter().map(|h| Event::BlockRemoved { block_hashes: vec![h] }));
+        events.extend(removed.into_iter().map(|h| Event::BlockRemoved { block_hashes: vec![event_value(&h)] }));
         Ok(Allocation { cached_tokens: hits.len() * self.block_size, committed: hits.len(), blocks })
     }
 
@@ -125,7 +114,7 @@ impl KvCache {
         let b = self.free.pop_front().ok_or(OutOfBlocks)?;
         if let Some(h) = self.blocks[b].hash.take() {
             self.cached.remove(&h);
-            events.push(Event::BlockRemoved { block_hashes: vec![h] });
+            events.push(Event::BlockRemoved { block_hashes: vec![event_value(&h)] });
         }
         self.blocks[b].refs = 1;
         alloc.blocks.push(b);
@@ -154,8 +143,8 @@ impl KvCache {
             self.blocks[b].hash = Some(h);
         }
         events.push(Event::BlockStored {
-            block_hashes: hashes[start..].to_vec(),
-            parent_block_hash: start.checked_sub(1).map(|p| hashes[p]),
+            block_hashes: hashes[start..].iter().map(event_value).collect(),
+            parent_block_hash: start.checked_sub(1).map(|p| event_value(&hashes[p])),
             token_ids: tokens[start * self.block_size..full * self.block_size].to_vec(),
             block_size: self.block_size as u32,
         });
@@ -173,7 +162,7 @@ impl KvCache {
                     // a concurrent request): nothing can find it, so it is dropped, and its
                     // store is balanced by a removal.
                     block.hash = None;
-                    events.push(Event::BlockRemoved { block_hashes: vec![h] });
+                    events.push(Event::BlockRemoved { block_hashes: vec![event_value(&h)] });
                 }
                 self.free.push_back(b);
             }
@@ -203,13 +192,17 @@ impl KvCache {
 mod tests {
     use super::*;
 
+    fn hasher() -> VllmHasher {
+        VllmHasher::new(crate::vllm_hash::HashAlgo::Sha256, None)
+    }
+
     fn toks(n: u32, salt: u32) -> Vec<u32> {
         (0..n).map(|i| i * 7 + salt).collect()
     }
 
     #[test]
     fn prefix_hits_and_store_events() {
-        let mut c = KvCache::new(4, 16);
+        let mut c = KvCache::new(4, 16, hasher());
         let mut ev = Vec::new();
         let t = toks(10, 1);
         let mut a = c.allocate(&t, &mut ev).unwrap();
@@ -232,7 +225,7 @@ mod tests {
 
     #[test]
     fn decode_fills_and_commits_new_blocks() {
-        let mut c = KvCache::new(4, 8);
+        let mut c = KvCache::new(4, 8, hasher());
         let mut ev = Vec::new();
         let mut t = toks(6, 2);
         let mut a = c.allocate(&t, &mut ev).unwrap();
@@ -253,7 +246,7 @@ mod tests {
 
     #[test]
     fn at_least_one_token_is_computed() {
-        let mut c = KvCache::new(4, 8);
+        let mut c = KvCache::new(4, 8, hasher());
         let mut ev = Vec::new();
         let t = toks(8, 3);
         let mut a = c.allocate(&t, &mut ev).unwrap();
@@ -264,7 +257,7 @@ mod tests {
 
     #[test]
     fn eviction_is_lru_tail_first_with_removed_events() {
-        let mut c = KvCache::new(4, 2);
+        let mut c = KvCache::new(4, 2, hasher());
         let mut ev = Vec::new();
         let t = toks(8, 5);
         let mut a = c.allocate(&t, &mut ev).unwrap();
@@ -279,7 +272,7 @@ mod tests {
 
     #[test]
     fn reset_clears_only_when_idle() {
-        let mut c = KvCache::new(4, 4);
+        let mut c = KvCache::new(4, 4, hasher());
         let mut ev = Vec::new();
         let a = c.allocate(&toks(4, 1), &mut ev).unwrap();
         assert!(!c.reset(&mut ev));

@@ -43,14 +43,29 @@ fn write_u64s(buf: &mut Vec<u8>, values: impl ExactSizeIterator<Item = u64>) {
     }
 }
 
-/// Encodes one batch exactly as vLLM 0.32's msgspec does (map events, map16 header for
-/// `BlockStored`, `group_idx: 0`, `kv_cache_spec_kind: "full_attention"`).
-pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32) -> Vec<u8> {
+/// The event layout on the wire.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Encoding {
+    /// Tagged maps, vLLM 0.24+ (what 0.32/0.33 publish).
+    #[default]
+    Map,
+    /// Positional arrays, vLLM 0.22/0.23's 12-element layout, for consumers pinned to it.
+    LegacyArray,
+}
+
+/// Encodes one batch exactly as vLLM's msgspec does: for [`Encoding::Map`] as 0.32/0.33
+/// (map16 header for `BlockStored`, `group_idx: 0`, `kv_cache_spec_kind:
+/// "full_attention"`), for [`Encoding::LegacyArray`] as 0.22 (every field, trailing nils kept).
+pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding) -> Vec<u8> {
     let mut buf = Vec::new();
     let _ = mp::write_array_len(&mut buf, 3);
     let _ = mp::write_f64(&mut buf, ts);
     let _ = mp::write_array_len(&mut buf, events.len() as u32);
     for event in events {
+        if encoding == Encoding::LegacyArray {
+            encode_positional(&mut buf, event);
+            continue;
+        }
         match event {
             Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size } => {
                 // msgspec sizes the header by the struct's field count: map16.
@@ -104,6 +119,44 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32) -> Vec<u8> {
     }
     let _ = mp::write_uint(&mut buf, u64::from(dp_rank));
     buf
+}
+
+/// vLLM 0.22's positional events: `BlockStored` has 12 elements, `BlockRemoved` 4.
+fn encode_positional(buf: &mut Vec<u8>, event: &Event) {
+    match event {
+        Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size } => {
+            let _ = mp::write_array_len(buf, 12);
+            write_str(buf, "BlockStored");
+            write_u64s(buf, block_hashes.iter().copied());
+            match parent_block_hash {
+                Some(h) => drop(mp::write_uint(buf, *h)),
+                None => drop(mp::write_nil(buf)),
+            }
+            write_u64s(buf, token_ids.iter().map(|t| u64::from(*t)));
+            let _ = mp::write_uint(buf, u64::from(*block_size));
+            let _ = mp::write_nil(buf); // lora_id
+            write_str(buf, "GPU");
+            let _ = mp::write_nil(buf); // lora_name
+            let _ = mp::write_array_len(buf, block_hashes.len() as u32);
+            for _ in block_hashes {
+                let _ = mp::write_nil(buf);
+            }
+            let _ = mp::write_uint(buf, 0); // group_idx
+            write_str(buf, "full_attention");
+            let _ = mp::write_nil(buf); // kv_cache_spec_sliding_window
+        }
+        Event::BlockRemoved { block_hashes } => {
+            let _ = mp::write_array_len(buf, 4);
+            write_str(buf, "BlockRemoved");
+            write_u64s(buf, block_hashes.iter().copied());
+            write_str(buf, "GPU");
+            let _ = mp::write_uint(buf, 0);
+        }
+        Event::AllBlocksCleared => {
+            let _ = mp::write_array_len(buf, 1);
+            write_str(buf, "AllBlocksCleared");
+        }
+    }
 }
 
 /// vLLM's `--kv-events-config` (the keys the simulator honours; others are ignored).
@@ -173,7 +226,7 @@ const REPLAY_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 
 impl Publisher {
     /// Opens the sockets and starts the publishing thread.
-    pub fn start(config: KvEventsConfig, chaos: Chaos, seed: u64) -> anyhow::Result<Publisher> {
+    pub fn start(config: KvEventsConfig, encoding: Encoding, chaos: Chaos, seed: u64) -> anyhow::Result<Publisher> {
         let ctx = zmq::Context::new();
         let publisher = ctx.socket(zmq::PUB)?;
         publisher.set_sndhwm(config.hwm)?;
@@ -197,6 +250,7 @@ impl Publisher {
             let _ctx = ctx;
             let mut state = PublisherState {
                 config,
+                encoding,
                 chaos,
                 seq: 0,
                 buffer: VecDeque::new(),
@@ -241,6 +295,7 @@ impl Publisher {
 
 struct PublisherState {
     config: KvEventsConfig,
+    encoding: Encoding,
     chaos: Chaos,
     seq: u64,
     buffer: VecDeque<(u64, Vec<u8>)>,
@@ -250,7 +305,7 @@ struct PublisherState {
 impl PublisherState {
     fn publish(&mut self, socket: &zmq::Socket, events: &[Event]) {
         let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-        let payload = encode_batch(ts, events, 0);
+        let payload = encode_batch(ts, events, 0, self.encoding);
         let seq = self.seq;
         self.seq += 1;
         let dropped = self.chaos.stall
@@ -358,7 +413,9 @@ mod tests {
             "b0416c6c426c6f636b73436c6561726564",
             "00",
         ));
-        assert_eq!(encode_batch(1700000000.5, &events, 0), expected);
+        assert_eq!(encode_batch(1700000000.5, &events, 0, Encoding::Map), expected);
+        let legacy = hex("93cb41d954fc40200000939cab426c6f636b53746f72656492cf84b146b151d55111cfd43b57df56b58fb1c098010203040506070804c0a3475055c092c0c000ae66756c6c5f617474656e74696f6ec094ac426c6f636b52656d6f76656491cf84b146b151d55111a34750550091b0416c6c426c6f636b73436c656172656400");
+        assert_eq!(encode_batch(1700000000.5, &events, 0, Encoding::LegacyArray), legacy, "vLLM 0.22's bytes");
         assert!(rmpv::decode::read_value(&mut expected.as_slice()).is_ok());
     }
 
@@ -392,7 +449,7 @@ mod tests {
             buffer_steps: 3,
             hwm: 1000,
         };
-        let p = Publisher::start(config, Chaos { stall: true, ..Chaos::default() }, 0).unwrap();
+        let p = Publisher::start(config, Encoding::Map, Chaos { stall: true, ..Chaos::default() }, 0).unwrap();
         for _ in 0..5 {
             p.publish(vec![Event::AllBlocksCleared]);
         }

@@ -16,6 +16,7 @@ mod api;
 mod engine;
 mod kv_cache;
 mod kv_events;
+mod vllm_hash;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -53,6 +54,9 @@ struct Cli {
     /// `buffer_steps`, `hwm` (other keys are accepted and ignored).
     #[arg(long, default_value = r#"{"endpoint":"tcp://*:5557"}"#)]
     kv_events_config: String,
+    /// Event layout: `map` (vLLM 0.24+) or `legacy-array` (vLLM 0.22/0.23 positional).
+    #[arg(long, value_enum, default_value_t = kv_events::Encoding::Map)]
+    kv_events_encoding: kv_events::Encoding,
     /// Fault injection on the event stream at start (JSON, see `POST /_chaos/events`).
     #[arg(long, default_value = "{}")]
     chaos: String,
@@ -62,6 +66,10 @@ struct Cli {
     /// Decode time per output token, in microseconds.
     #[arg(long, default_value_t = 5000)]
     decode_us_per_token: u64,
+    /// vLLM's `--prefix-caching-hash-algo`; the seed is `PYTHONHASHSEED` if set, else
+    /// "vllm-none-hash", as in vLLM 0.29+.
+    #[arg(long, value_enum, default_value_t = vllm_hash::HashAlgo::Sha256)]
+    prefix_caching_hash_algo: vllm_hash::HashAlgo,
     /// Seed of the output tokens.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -83,7 +91,7 @@ async fn main() -> anyhow::Result<()> {
     let events_config: kv_events::KvEventsConfig =
         serde_json::from_str(&cli.kv_events_config).context("--kv-events-config is not valid JSON")?;
     let chaos: kv_events::Chaos = serde_json::from_str(&cli.chaos).context("--chaos is not valid JSON")?;
-    let publisher = kv_events::Publisher::start(events_config.clone(), chaos, cli.seed)
+    let publisher = kv_events::Publisher::start(events_config.clone(), cli.kv_events_encoding, chaos, cli.seed)
         .with_context(|| format!("opening KV events at {}", events_config.endpoint))?;
     let engine = Arc::new(engine::Engine::new(
         engine::EngineConfig {
@@ -91,6 +99,10 @@ async fn main() -> anyhow::Result<()> {
             num_blocks: cli.num_gpu_blocks,
             prefill_us_per_token: cli.prefill_us_per_token,
             decode_us_per_token: cli.decode_us_per_token,
+            hasher: vllm_hash::VllmHasher::new(
+                cli.prefix_caching_hash_algo,
+                std::env::var("PYTHONHASHSEED").ok().as_deref(),
+            ),
         },
         publisher,
     ));
