@@ -14,13 +14,15 @@ use std::time::{Duration, Instant};
 
 use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::Endpoint;
-use kvgate_shared::wire::{LifecycleEvent, LifecycleKind, RouteResponse, CONTENT_TYPE, DESTINATION_HEADER};
+use kvgate_shared::wire::{
+    LifecycleEvent, LifecycleKind, RouteResponse, CONTENT_TYPE, DESTINATION_HEADER, OVERRIDES_HEADER, SESSION_HEADER,
+};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::host;
-use crate::plan::{plan, Skip};
+use crate::plan::{plan, HeaderHints, Skip};
 use crate::root::Shared;
 
 /// What the filter did with a request, for debug headers and lifecycle reports.
@@ -37,7 +39,7 @@ pub struct RequestContext {
     shared: Rc<RefCell<Shared>>,
     context_id: u32,
     endpoint: Option<Endpoint>,
-    request_id: String,
+    hints: HeaderHints,
     /// The sidecar was asked, so it may have booked load: report the end either way.
     booked: bool,
     first_token_reported: bool,
@@ -52,7 +54,7 @@ impl RequestContext {
             shared,
             context_id,
             endpoint: None,
-            request_id: String::new(),
+            hints: HeaderHints::default(),
             booked: false,
             first_token_reported: false,
             body_done_at: None,
@@ -66,7 +68,7 @@ impl RequestContext {
 
     fn report(&self, kind: LifecycleKind) {
         let Some(queue) = self.shared.borrow().queue else { return };
-        let event = LifecycleEvent { request_id: self.request_id.clone(), kind };
+        let event = LifecycleEvent { request_id: self.hints.request_id.clone(), kind };
         if let Ok(bytes) = codec::encode(&event) {
             if let Err(status) = hostcalls::enqueue_shared_queue(queue, Some(&bytes)) {
                 log::warn!("kvgate: lifecycle report lost: {status:?}");
@@ -84,11 +86,11 @@ impl RequestContext {
     /// Asks the sidecar; returns true if a call is in flight (the request stays paused).
     fn ask_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> bool {
         let shared = self.shared.borrow();
-        let planned = plan(endpoint, body, &self.request_id, &shared.models, shared.config.max_tokenize_bytes);
+        let planned = plan(endpoint, body, &self.hints, &shared.models, shared.config.max_tokenize_bytes);
         let planned = match planned {
             Ok(p) => p,
             Err(Skip::Unroutable(why)) => {
-                log::debug!("kvgate: not routing request {}: {why}", self.request_id);
+                log::debug!("kvgate: not routing request {}: {why}", self.hints.request_id);
                 return false;
             }
         };
@@ -163,15 +165,18 @@ impl HttpContext for RequestContext {
             self.endpoint = None;
             return Action::Continue;
         }
-        self.request_id = self.request_header("x-request-id").unwrap_or_else(|| {
-            format!(
-                "kvgate-{}-{}",
-                self.context_id,
-                hostcalls::get_current_time()
-                    .map(|t| t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0))
-                    .unwrap_or(0)
-            )
+        let request_id = self.request_header("x-request-id").unwrap_or_else(|| {
+            let nanos = hostcalls::get_current_time()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            format!("kvgate-{}-{nanos}", self.context_id)
         });
+        self.hints = HeaderHints {
+            request_id,
+            session: self.request_header(SESSION_HEADER),
+            overrides: HeaderHints::parse_overrides(self.request_header(OVERRIDES_HEADER).as_deref()),
+        };
         Action::Pause
     }
 

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::prompt::openai::{parse, Endpoint};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
-use kvgate_shared::wire::RouteRequest;
+use kvgate_shared::wire::{RouteRequest, ScoringOverrides};
 
 /// A model the filter can tokenize for.
 pub struct LoadedModel {
@@ -24,7 +24,7 @@ pub enum Skip {
 }
 
 /// The decision request, plus what the filter reports about it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     /// What to send to the sidecar.
     pub request: RouteRequest,
@@ -41,21 +41,42 @@ fn estimate_tokens(body_len: usize) -> u32 {
 ///
 /// Without a loaded tokenizer for the model, or for a body above `max_tokenize_bytes`, the
 /// plan routes on load alone with an estimated prompt size; requests are never held back.
+/// What the request's headers contribute.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HeaderHints {
+    /// `x-request-id`.
+    pub request_id: String,
+    /// `x-session-id`.
+    pub session: Option<String>,
+    /// `x-kvgate-scoring`, parsed (an invalid value is ignored).
+    pub overrides: Option<ScoringOverrides>,
+}
+
+impl HeaderHints {
+    /// Parses the `x-kvgate-scoring` header value; anything invalid is dropped.
+    pub fn parse_overrides(value: Option<&str>) -> Option<ScoringOverrides> {
+        value.and_then(|v| serde_json::from_str(v).ok())
+    }
+}
+
 pub fn plan(
     endpoint: Endpoint,
     body: &[u8],
-    request_id: &str,
+    hints: &HeaderHints,
     models: &HashMap<String, LoadedModel>,
     max_tokenize_bytes: usize,
 ) -> Result<Plan, Skip> {
     let parsed = parse(endpoint, body).map_err(|e| Skip::Unroutable(e.to_string()))?;
+    let session = hints.session.clone().or_else(|| parsed.session.clone());
     let load_only = |block_size: u32| Plan {
         request: RouteRequest {
-            request_id: request_id.to_owned(),
+            request_id: hints.request_id.clone(),
             model: parsed.model.clone(),
             prompt_tokens: estimate_tokens(body.len()),
             block_hashes: Vec::new(),
             block_size,
+            session: session.clone(),
+            overrides: hints.overrides,
         },
         tokenized: false,
     };
@@ -66,11 +87,13 @@ pub fn plan(
     let tokens = model.tokenizer.prompt_tokens(&parsed).map_err(|e| Skip::Unroutable(e.to_string()))?;
     Ok(Plan {
         request: RouteRequest {
-            request_id: request_id.to_owned(),
+            request_id: hints.request_id.clone(),
             model: parsed.model.clone(),
             prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
             block_hashes: prompt_block_hashes(&tokens, model.block_size as usize, Salt::NONE),
             block_size: model.block_size,
+            session,
+            overrides: hints.overrides,
         },
         tokenized: true,
     })
@@ -89,11 +112,30 @@ mod tests {
         HashMap::from([("qwen3".to_owned(), LoadedModel { tokenizer, block_size: 4 })])
     }
 
+    fn hints() -> HeaderHints {
+        HeaderHints { request_id: "r".into(), ..Default::default() }
+    }
+
+    #[test]
+    fn session_comes_from_the_header_else_the_body() {
+        let m = models();
+        let body = br#"{"model":"qwen3","prompt":"hi","user":"alice"}"#;
+        assert_eq!(
+            plan(Endpoint::Completions, body, &hints(), &m, 1 << 20).unwrap().request.session.as_deref(),
+            Some("alice")
+        );
+        let h = HeaderHints { session: Some("s-1".into()), ..hints() };
+        assert_eq!(plan(Endpoint::Completions, body, &h, &m, 1 << 20).unwrap().request.session.as_deref(), Some("s-1"));
+        assert_eq!(HeaderHints::parse_overrides(Some(r#"{"temperature": 0.5}"#)).unwrap().temperature, Some(0.5));
+        assert_eq!(HeaderHints::parse_overrides(Some(r#"{"nope": 1}"#)), None);
+        assert_eq!(HeaderHints::parse_overrides(Some("garbage")), None);
+    }
+
     #[test]
     fn tokenizes_and_hashes_full_blocks() {
         let m = models();
         let body = br#"{"model":"qwen3","messages":[{"role":"user","content":"What is the capital of France?"}]}"#;
-        let p = plan(Endpoint::ChatCompletions, body, "r", &m, 1 << 20).unwrap();
+        let p = plan(Endpoint::ChatCompletions, body, &hints(), &m, 1 << 20).unwrap();
         assert!(p.tokenized);
         let n = p.request.prompt_tokens as usize;
         assert!(n > 8);
@@ -105,17 +147,17 @@ mod tests {
     fn unknown_model_or_big_body_routes_on_load_only() {
         let m = models();
         let body = br#"{"model":"other","prompt":"hello"}"#;
-        let p = plan(Endpoint::Completions, body, "r", &m, 1 << 20).unwrap();
+        let p = plan(Endpoint::Completions, body, &hints(), &m, 1 << 20).unwrap();
         assert!(!p.tokenized && p.request.block_hashes.is_empty());
         let body = br#"{"model":"qwen3","prompt":"hello hello hello hello hello hello"}"#;
-        let p = plan(Endpoint::Completions, body, "r", &m, 10).unwrap();
+        let p = plan(Endpoint::Completions, body, &hints(), &m, 10).unwrap();
         assert_eq!((p.tokenized, p.request.prompt_tokens, p.request.block_size), (false, body.len() as u32 / 4, 4));
     }
 
     #[test]
     fn malformed_bodies_are_skipped() {
         let m = models();
-        assert!(matches!(plan(Endpoint::Completions, b"{oops", "r", &m, 1 << 20), Err(Skip::Unroutable(_))));
-        assert!(plan(Endpoint::ChatCompletions, br#"{"model":"qwen3","messages":"x"}"#, "r", &m, 1 << 20).is_err());
+        assert!(matches!(plan(Endpoint::Completions, b"{oops", &hints(), &m, 1 << 20), Err(Skip::Unroutable(_))));
+        assert!(plan(Endpoint::ChatCompletions, br#"{"model":"qwen3","messages":"x"}"#, &hints(), &m, 1 << 20).is_err());
     }
 }

@@ -59,6 +59,8 @@ mod tests {
             prompt_tokens: 42,
             block_hashes: vec![u64::MAX, 0, 7],
             block_size: 16,
+            session: Some("s".into()),
+            overrides: Some(crate::wire::ScoringOverrides { temperature: Some(0.5), ..Default::default() }),
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
         let resp = RouteResponse { endpoint: Some("127.0.0.1:1".into()), replica: None, overlap_blocks: 3 };

@@ -18,7 +18,7 @@ pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 
 /// Asks the sidecar where one LLM request should go.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {
     /// Envoy's `x-request-id`: the key of later [`LifecycleEvent`]s.
     pub request_id: String,
@@ -32,7 +32,31 @@ pub struct RouteRequest {
     /// The block size the hashes were computed with. The sidecar ignores hashes whose block
     /// size differs from the pool's rather than mis-scoring them.
     pub block_size: u32,
+    /// A session key for the `consistent_hash` policy: the `x-session-id` header, else the
+    /// body's `session_id` or `user`.
+    pub session: Option<String>,
+    /// Per-request scoring overrides (the `x-kvgate-scoring` header), applied only where the
+    /// sidecar's configuration allows them.
+    pub overrides: Option<ScoringOverrides>,
 }
+
+/// Scoring knobs a request may override (Dynamo's `router_config_override`).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScoringOverrides {
+    /// Overrides `kv_overlap_credit`.
+    pub kv_overlap_credit: Option<f64>,
+    /// Overrides `prefill_load_scale`.
+    pub prefill_load_scale: Option<f64>,
+    /// Overrides `temperature`.
+    pub temperature: Option<f64>,
+}
+
+/// The request header carrying [`ScoringOverrides`] as JSON.
+pub const OVERRIDES_HEADER: &str = "x-kvgate-scoring";
+
+/// The request header carrying a session key.
+pub const SESSION_HEADER: &str = "x-session-id";
 
 /// The sidecar's decision.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -10,6 +10,7 @@
 //!
 //! [[pools]]
 //! model = "qwen3"                   # the OpenAI `model` field
+//! policy = "kv_aware"               # or least_load, round_robin, consistent_hash
 //! tokenizer = "models/qwen3-0.6b"   # dir with tokenizer.json (+ tokenizer_config.json),
 //!                                   # relative to this file
 //! block_size = 16                   # must equal the engines' --block-size
@@ -50,6 +51,10 @@ pub struct Config {
     /// Cost-function knobs.
     #[serde(default)]
     pub scoring: ScoringConfig,
+    /// Honour per-request `x-kvgate-scoring` overrides (credit, prefill scale, temperature).
+    /// Off by default: clients should not tune the fleet's routing.
+    #[serde(default)]
+    pub allow_request_overrides: bool,
     /// One pool per model.
     pub pools: Vec<PoolConfig>,
 }
@@ -64,6 +69,9 @@ pub struct PoolConfig {
     pub tokenizer: PathBuf,
     /// KV block size in tokens; must match the engines'.
     pub block_size: u32,
+    /// How replicas are chosen (default `kv_aware`).
+    #[serde(default)]
+    pub policy: Policy,
     /// The replicas.
     pub replicas: Vec<ReplicaConfig>,
 }
@@ -89,6 +97,22 @@ pub struct ReplicaConfig {
     /// Without it, lost messages leave the replica degraded until its cache is cleared.
     #[serde(default)]
     pub kv_replay: Option<String>,
+}
+
+/// A pool's routing policy. Every policy books load, so switching keeps load tracking.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// Lowest token load after KV-cache credit (Dynamo's cost).
+    #[default]
+    KvAware,
+    /// The same token-load cost without any cache credit.
+    LeastLoad,
+    /// In turn.
+    RoundRobin,
+    /// Rendezvous hashing of the session key (`x-session-id`, else the body's `session_id` or
+    /// `user`); requests without one are routed `kv_aware`.
+    ConsistentHash,
 }
 
 /// Who binds the KV-event socket.
@@ -152,7 +176,7 @@ impl Config {
             self.listen = v.parse().with_context(|| format!("KVGATE_LISTEN={v}"))?;
         }
         let s = &mut self.scoring;
-        let knobs: [(&str, &str, &mut f64); 6] = [
+        let knobs: [(&str, &str, &mut f64); 7] = [
             ("KVGATE_PREFILL_LOAD_SCALE", "DYN_ROUTER_PREFILL_LOAD_SCALE", &mut s.prefill_load_scale),
             ("KVGATE_KV_OVERLAP_CREDIT", "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", &mut s.kv_overlap_credit),
             (
@@ -163,6 +187,7 @@ impl Config {
             ("KVGATE_ACTIVE_REQUEST_WEIGHT", "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT", &mut s.active_request_weight),
             ("KVGATE_HOST_CACHE_HIT_WEIGHT", "DYN_ROUTER_HOST_CACHE_HIT_WEIGHT", &mut s.host_cache_hit_weight),
             ("KVGATE_DISK_CACHE_HIT_WEIGHT", "DYN_ROUTER_DISK_CACHE_HIT_WEIGHT", &mut s.disk_cache_hit_weight),
+            ("KVGATE_TEMPERATURE", "DYN_ROUTER_TEMPERATURE", &mut s.temperature),
         ];
         for (ours, dynamo, slot) in knobs {
             if let Some((key, v)) = env.var(ours).map(|v| (ours, v)).or_else(|| env.var(dynamo).map(|v| (dynamo, v))) {
@@ -185,6 +210,7 @@ impl Config {
             ("active_request_weight", s.active_request_weight),
             ("host_cache_hit_weight", s.host_cache_hit_weight),
             ("disk_cache_hit_weight", s.disk_cache_hit_weight),
+            ("temperature", s.temperature),
         ] {
             if !v.is_finite() || v < 0.0 {
                 bail!("scoring.{name} must be a finite number >= 0, got {v}");

@@ -177,7 +177,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }
     });
 
-    let state = Arc::new(api::AppState { pools, scoring: config.scoring.clone(), metrics });
+    let state = Arc::new(api::AppState {
+        pools,
+        scoring: config.scoring.clone(),
+        allow_request_overrides: config.allow_request_overrides,
+        metrics,
+    });
     let listener =
         tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     tracing::info!(listen = %config.listen, "kvgate-sidecar ready");

@@ -27,6 +27,17 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
+/// Labels of a decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// The pool's model.
+    pub model: String,
+    /// The policy that decided.
+    pub policy: String,
+    /// `hit` if the chosen replica held part of the prompt, else `miss`.
+    pub outcome: String,
+}
+
 /// Labels for requests that could not be scored.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FallbackLabels {
@@ -39,6 +50,10 @@ pub struct Metrics {
     registry: Registry,
     /// Route decisions, per chosen replica.
     pub route_decisions: Family<ReplicaLabels, Counter>,
+    /// Decisions by policy and outcome.
+    pub decisions: Family<DecisionLabels, Counter>,
+    /// Device-tier overlap of the chosen replica, in blocks.
+    pub chosen_overlap_blocks: Histogram,
     /// Route calls answered without a replica.
     pub route_fallbacks: Family<FallbackLabels, Counter>,
     /// Time to score and book one request.
@@ -68,6 +83,8 @@ impl Default for Metrics {
         let mut registry = Registry::with_prefix("kvgate");
         let route_decisions = Family::default();
         let route_fallbacks = Family::default();
+        let decisions = Family::default();
+        let chosen_overlap_blocks = Histogram::new([0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0]);
         let route_seconds = Histogram::new(exponential_buckets(5e-6, 2.0, 16));
         let events_applied = Family::default();
         let events_dropped = Family::default();
@@ -80,6 +97,16 @@ impl Default for Metrics {
         let lifecycle_events = Family::default();
         registry.register("route_decisions", "Route decisions per chosen replica", route_decisions.clone());
         registry.register("route_fallbacks", "Route calls answered without a replica", route_fallbacks.clone());
+        registry.register(
+            "decisions",
+            "Decisions by policy and outcome (hit: the chosen replica held part of the prompt)",
+            decisions.clone(),
+        );
+        registry.register(
+            "chosen_overlap_blocks",
+            "Device-tier overlap of the chosen replica, in blocks",
+            chosen_overlap_blocks.clone(),
+        );
         registry.register("route_seconds", "Time to score and book one request", route_seconds.clone());
         registry.register("kv_events_applied", "KV events applied to the index", events_applied.clone());
         registry.register("kv_events_dropped", "KV events or messages dropped, by reason", events_dropped.clone());
@@ -102,6 +129,8 @@ impl Default for Metrics {
             registry,
             route_decisions,
             route_fallbacks,
+            decisions,
+            chosen_overlap_blocks,
             route_seconds,
             events_applied,
             events_dropped,

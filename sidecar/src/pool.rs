@@ -1,18 +1,19 @@
 //! One pool: a model's replicas, its KV index and load table, their health, and the routing
 //! decision.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use kvgate_shared::wire::{RouteRequest, RouteResponse};
 use serde::Serialize;
 
-use crate::config::PoolConfig;
+use crate::config::{Policy, PoolConfig};
 use crate::events::ingest::{Ingest, Outcome};
 use crate::index::{KvIndex, Overlap, ReplicaIdx, Tier};
 use crate::load::{LoadTable, NewBooking};
-use crate::metrics::{Metrics, ReasonLabels, ReplicaLabels};
+use crate::metrics::{DecisionLabels, Metrics, ReasonLabels, ReplicaLabels};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 
 /// No value yet, in the atomics below.
@@ -68,6 +69,47 @@ pub struct Pool {
     pub bundle: Vec<u8>,
     metrics: Arc<Metrics>,
     started: Instant,
+    /// The last decisions with every candidate's cost terms (`/debug/explain`).
+    explanations: Mutex<VecDeque<Explanation>>,
+    /// The `round_robin` cursor.
+    next: AtomicUsize,
+}
+
+/// Decisions kept for `/debug/explain`.
+const EXPLANATIONS: usize = 256;
+
+/// One candidate's cost terms in a decision.
+#[derive(Debug, Clone, Serialize)]
+pub struct CandidateTerms {
+    /// Replica id.
+    pub replica: String,
+    /// Whether its cache credit counted (false while its publisher is stalled).
+    pub trusted: bool,
+    /// Overlap in blocks per tier.
+    pub overlap: Overlap,
+    /// Booked prefill tokens before this request (`P_i`).
+    pub prefill_tokens: u64,
+    /// Active blocks plus this request's new ones (`D_i`).
+    pub decode_blocks: u64,
+    /// Active requests (`R_i`).
+    pub requests: u64,
+    /// The cost; lowest wins under `kv_aware` and `least_load`.
+    pub logit: f64,
+}
+
+/// Why a request went where it went.
+#[derive(Debug, Clone, Serialize)]
+pub struct Explanation {
+    /// The request id.
+    pub request_id: String,
+    /// The policy that decided.
+    pub policy: Policy,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// The chosen replica.
+    pub chosen: Option<String>,
+    /// Every candidate, in pool order.
+    pub candidates: Vec<CandidateTerms>,
 }
 
 /// One replica in `/debug/state`.
@@ -128,7 +170,15 @@ impl Pool {
             bundle,
             metrics,
             started: Instant::now(),
+            explanations: Mutex::new(VecDeque::with_capacity(EXPLANATIONS)),
+            next: AtomicUsize::new(0),
         }
+    }
+
+    /// The kept decision for `request_id`, or the most recent `last` decisions (newest first).
+    pub fn explain(&self, request_id: Option<&str>, last: usize) -> Vec<Explanation> {
+        let kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
+        kept.iter().rev().filter(|e| request_id.is_none_or(|id| e.request_id == id)).take(last).cloned().collect()
     }
 
     fn now_ms(&self) -> u64 {
@@ -187,8 +237,8 @@ impl Pool {
         }
     }
 
-    /// Scores every replica and books the request on the cheapest, atomically (no herding:
-    /// concurrent requests see each other's bookings).
+    /// Scores every replica, picks one by the pool's policy, and books the request there,
+    /// atomically (no herding: concurrent requests see each other's bookings).
     pub fn route(&self, req: &RouteRequest, scoring: &ScoringConfig) -> RouteResponse {
         let bs = u64::from(self.config.block_size);
         // Hashes computed with another block size would match nothing correctly: drop them.
@@ -201,6 +251,19 @@ impl Pool {
         }
         let prompt_tokens = u64::from(req.prompt_tokens);
         let total_blocks = prompt_tokens.div_ceil(bs);
+        let policy = match (self.config.policy, &req.session) {
+            (Policy::ConsistentHash, None) => Policy::KvAware,
+            (p, _) => p,
+        };
+        let cost_config = match policy {
+            Policy::LeastLoad => ScoringConfig {
+                kv_overlap_credit: 0.0,
+                host_cache_hit_weight: 0.0,
+                disk_cache_hit_weight: 0.0,
+                ..scoring.clone()
+            },
+            _ => scoring.clone(),
+        };
         let mut load = self.load_table();
         let candidates: Vec<Candidate> = (0..self.config.replicas.len())
             .map(|i| {
@@ -213,20 +276,25 @@ impl Pool {
                 }
             })
             .collect();
-        let logits = score::logits(scoring, RequestShape { prompt_tokens, block_size: bs }, &candidates);
-        let Some(best) = score::argmin(&logits, &mut rand::rng()) else {
+        let logits = score::logits(&cost_config, RequestShape { prompt_tokens, block_size: bs }, &candidates);
+        let choice = match policy {
+            Policy::KvAware | Policy::LeastLoad => score::select(&logits, cost_config.temperature, &mut rand::rng()),
+            Policy::RoundRobin => Some(self.next.fetch_add(1, Ordering::Relaxed) % self.config.replicas.len()),
+            Policy::ConsistentHash => req.session.as_deref().map(|key| self.rendezvous(key)),
+        };
+        let Some(best) = choice else {
             return RouteResponse { endpoint: None, replica: None, overlap_blocks: 0 };
         };
         let overlap = overlaps[best];
         let prefill_tokens = scoring.prefill_tokens(prompt_tokens, bs, overlap);
-        load.book(
+        let booked = load.book(
             best,
             NewBooking { request_id: &req.request_id, prefill_tokens, hashes, total_blocks },
             Instant::now(),
         );
         self.publish_load(&load, best);
         drop(load);
-        if prefill_tokens >= bs {
+        if booked && prefill_tokens >= bs {
             // The engine must store at least one new block: an event is now expected.
             let _ = self.health[best].awaiting_events_since.compare_exchange(
                 NONE,
@@ -235,13 +303,61 @@ impl Pool {
                 Ordering::Relaxed,
             );
         }
+        self.record(req, policy, &candidates, &logits, best);
         let replica = &self.config.replicas[best];
-        self.metrics.route_decisions.get_or_create(&self.labels(best)).inc();
         RouteResponse {
             endpoint: Some(replica.endpoint.to_string()),
             replica: Some(replica.id.clone()),
             overlap_blocks: overlap.device,
         }
+    }
+
+    /// Rendezvous (highest-random-weight) hashing: a session keeps its replica, and only the
+    /// sessions of a replica that leaves move.
+    fn rendezvous(&self, key: &str) -> ReplicaIdx {
+        let weight = |id: &str| {
+            let mut bytes = key.as_bytes().to_vec();
+            bytes.push(0);
+            bytes.extend_from_slice(id.as_bytes());
+            xxhash_rust::xxh3::xxh3_64(&bytes)
+        };
+        (0..self.config.replicas.len()).max_by_key(|i| weight(&self.config.replicas[*i].id)).unwrap_or(0)
+    }
+
+    fn record(&self, req: &RouteRequest, policy: Policy, candidates: &[Candidate], logits: &[f64], best: ReplicaIdx) {
+        let labels = self.labels(best);
+        self.metrics.route_decisions.get_or_create(&labels).inc();
+        let outcome = if candidates[best].overlap.device > 0 { "hit" } else { "miss" };
+        let policy_name =
+            serde_json::to_value(policy).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+        let decision = DecisionLabels { model: labels.model, policy: policy_name, outcome: outcome.to_owned() };
+        self.metrics.decisions.get_or_create(&decision).inc();
+        self.metrics.chosen_overlap_blocks.observe(f64::from(candidates[best].overlap.device));
+        let explanation = Explanation {
+            request_id: req.request_id.clone(),
+            policy,
+            prompt_tokens: u64::from(req.prompt_tokens),
+            chosen: Some(self.config.replicas[best].id.clone()),
+            candidates: candidates
+                .iter()
+                .zip(logits)
+                .enumerate()
+                .map(|(i, (c, logit))| CandidateTerms {
+                    replica: self.config.replicas[i].id.clone(),
+                    trusted: self.health[i].trusted(),
+                    overlap: c.overlap,
+                    prefill_tokens: c.prefill_tokens,
+                    decode_blocks: c.decode_blocks,
+                    requests: c.requests,
+                    logit: *logit,
+                })
+                .collect(),
+        };
+        let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() == EXPLANATIONS {
+            kept.pop_front();
+        }
+        kept.push_back(explanation);
     }
 
     /// Applies a lifecycle report. Returns false if the request is not booked in this pool.
@@ -312,10 +428,15 @@ mod tests {
     use kvgate_shared::hash::{prompt_block_hashes, Salt};
 
     fn pool(replicas: usize) -> Pool {
+        pool_with(replicas, Policy::KvAware)
+    }
+
+    fn pool_with(replicas: usize, policy: Policy) -> Pool {
         let config = PoolConfig {
             model: "m".into(),
             tokenizer: "unused".into(),
             block_size: 4,
+            policy,
             replicas: (0..replicas)
                 .map(|i| ReplicaConfig {
                     id: format!("r{i}"),
@@ -337,6 +458,8 @@ mod tests {
             prompt_tokens: tokens.len() as u32,
             block_hashes: prompt_block_hashes(tokens, 4, Salt::NONE),
             block_size: 4,
+            session: None,
+            overrides: None,
         }
     }
 
@@ -369,6 +492,83 @@ mod tests {
             per_replica[r.replica.unwrap()[1..].parse::<usize>().unwrap()] += 1;
         }
         assert!(per_replica.iter().all(|n| *n >= 1), "no herding onto one replica: {per_replica:?}");
+    }
+
+    fn cache_on(p: &Pool, replica: ReplicaIdx, tokens: &[u32]) {
+        let engine: Vec<u64> = (0..(tokens.len() / 4) as u64).map(|i| i + 1000 * replica as u64).collect();
+        let store = Store {
+            parent: None,
+            engine_hashes: &engine,
+            token_ids: tokens,
+            block_size: 4,
+            salt: Salt::NONE,
+            extra: &[],
+            tier: Tier::Device,
+        };
+        p.index_mut().store(replica, store).unwrap();
+    }
+
+    fn chosen(r: &RouteResponse) -> usize {
+        r.replica.as_deref().unwrap()[1..].parse().unwrap()
+    }
+
+    #[test]
+    fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
+        let cached: Vec<u32> = (0..256).collect();
+        for (policy, expected) in [(Policy::KvAware, 0), (Policy::LeastLoad, 1)] {
+            let p = pool_with(2, policy);
+            cache_on(&p, 0, &cached);
+            // r0 is a little busy; its cache saves far more than that.
+            p.load_table().book(
+                0,
+                NewBooking { request_id: "busy", prefill_tokens: 40, hashes: &[], total_blocks: 10 },
+                Instant::now(),
+            );
+            let r = p.route(&request("q", &cached), &ScoringConfig::default());
+            assert_eq!(chosen(&r), expected, "{policy:?}");
+        }
+    }
+
+    #[test]
+    fn round_robin_cycles_and_still_books_load() {
+        let p = pool_with(3, Policy::RoundRobin);
+        let picks: Vec<usize> = (0..6)
+            .map(|i| chosen(&p.route(&request(&format!("r{i}"), &[1, 2, 3, 4]), &ScoringConfig::default())))
+            .collect();
+        assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+        assert_eq!(p.state().replicas.iter().map(|r| r.active_requests).sum::<u64>(), 6);
+    }
+
+    #[test]
+    fn consistent_hash_keeps_sessions_and_falls_back_without_one() {
+        let p = pool_with(4, Policy::ConsistentHash);
+        let cfg = ScoringConfig::default();
+        let with_session = |id: &str, s: &str| RouteRequest { session: Some(s.into()), ..request(id, &[1, 2, 3, 4]) };
+        let first = chosen(&p.route(&with_session("a0", "alice"), &cfg));
+        for i in 1..10 {
+            assert_eq!(chosen(&p.route(&with_session(&format!("a{i}"), "alice"), &cfg)), first, "sticky");
+        }
+        let spread: std::collections::HashSet<usize> =
+            (0..40).map(|i| chosen(&p.route(&with_session(&format!("u{i}"), &format!("user-{i}")), &cfg))).collect();
+        assert!(spread.len() >= 3, "sessions spread over replicas: {spread:?}");
+        let cached: Vec<u32> = (0..64).collect();
+        cache_on(&p, 2, &cached);
+        let r = p.route(&request("no-session", &cached), &cfg);
+        assert_eq!(chosen(&r), 2, "no session: kv_aware");
+        assert_eq!(p.explain(Some("no-session"), 1)[0].policy, Policy::KvAware);
+    }
+
+    #[test]
+    fn decisions_are_explained() {
+        let p = pool(2);
+        let cached: Vec<u32> = (0..64).collect();
+        cache_on(&p, 1, &cached);
+        p.route(&request("why", &cached), &ScoringConfig::default());
+        let e = &p.explain(Some("why"), 10)[0];
+        assert_eq!(e.chosen.as_deref(), Some("r1"));
+        assert_eq!(e.candidates[1].overlap.device, 16);
+        assert!(e.candidates[1].logit < e.candidates[0].logit);
+        assert!(p.explain(Some("unknown"), 10).is_empty());
     }
 
     #[test]

@@ -131,6 +131,7 @@ impl Rig {
             model: "m".into(),
             tokenizer: "unused".into(),
             block_size: BS as u32,
+            policy: Default::default(),
             replicas: vec![ReplicaConfig {
                 id: "a".into(),
                 endpoint: "127.0.0.1:1".parse().unwrap(),

@@ -1,14 +1,15 @@
 //! The HTTP API the filter (and operators) call. Bodies of the `/v1` endpoints are
 //! [`kvgate_shared::codec`]-encoded; see [`kvgate_shared::wire`] for the table of endpoints.
 //!
-//! Operator endpoints: `GET /metrics` (Prometheus), `GET /healthz`, `GET /debug/state` (JSON).
+//! Operator endpoints: `GET /metrics` (Prometheus), `GET /healthz`, `GET /debug/state` (JSON),
+//! `GET /debug/explain[?request=ID][&last=N]` (every candidate's cost terms per decision).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -26,6 +27,8 @@ pub struct AppState {
     pub pools: HashMap<String, Arc<Pool>>,
     /// Cost-function knobs.
     pub scoring: ScoringConfig,
+    /// Whether requests may override scoring knobs.
+    pub allow_request_overrides: bool,
     /// Metrics.
     pub metrics: Arc<Metrics>,
 }
@@ -40,6 +43,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/debug/state", get(debug_state))
+        .route("/debug/explain", get(debug_explain))
         .with_state(state)
 }
 
@@ -64,7 +68,10 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let Some(pool) = state.pools.get(&req.model) else {
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, format!("no pool for model {:?}", req.model));
     };
-    let decision = pool.route(&req, &state.scoring);
+    let decision = match (&req.overrides, state.allow_request_overrides) {
+        (Some(o), true) => pool.route(&req, &state.scoring.with_overrides(o)),
+        _ => pool.route(&req, &state.scoring),
+    };
     state.metrics.route_seconds.observe(started.elapsed().as_secs_f64());
     encoded(&decision)
 }
@@ -107,4 +114,23 @@ async fn debug_state(State(state): State<Arc<AppState>>) -> Response {
     let mut pools: Vec<_> = state.pools.values().map(|p| p.state()).collect();
     pools.sort_by(|a, b| a.model.cmp(&b.model));
     Json(serde_json::json!({ "pools": pools })).into_response()
+}
+
+/// Query of `/debug/explain`.
+#[derive(Debug, serde::Deserialize)]
+struct ExplainQuery {
+    /// One request's decision.
+    request: Option<String>,
+    /// How many recent decisions (default 20).
+    last: Option<usize>,
+}
+
+/// Every candidate's cost terms for recent decisions (kept per pool, the last 256).
+async fn debug_explain(State(state): State<Arc<AppState>>, Query(q): Query<ExplainQuery>) -> Response {
+    let last = q.last.unwrap_or(20);
+    let decisions: Vec<_> = state.pools.values().flat_map(|p| p.explain(q.request.as_deref(), last)).collect();
+    if q.request.is_some() && decisions.is_empty() {
+        return (StatusCode::NOT_FOUND, "no such decision kept").into_response();
+    }
+    Json(serde_json::json!({ "decisions": decisions })).into_response()
 }

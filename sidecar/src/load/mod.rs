@@ -8,7 +8,7 @@
 //! Decode load is counted in blocks, deduplicated across requests sharing a prompt prefix on
 //! the same replica (Dynamo's `active_decode_blocks`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::index::ReplicaIdx;
@@ -49,7 +49,13 @@ struct Replica {
 pub struct LoadTable {
     replicas: Vec<Replica>,
     bookings: HashMap<String, Booking>,
+    /// Requests whose end was reported before they were booked (a lifecycle batch can
+    /// overtake a slow decision): booking them later must not leak load. Oldest first.
+    ended_early: VecDeque<String>,
 }
+
+/// How many early ends are remembered.
+const ENDED_EARLY: usize = 4096;
 
 /// A request to book on a replica.
 #[derive(Debug, Clone)]
@@ -67,7 +73,11 @@ pub struct NewBooking<'a> {
 impl LoadTable {
     /// An idle table for `replicas` replicas.
     pub fn new(replicas: usize) -> Self {
-        LoadTable { replicas: (0..replicas).map(|_| Replica::default()).collect(), bookings: HashMap::new() }
+        LoadTable {
+            replicas: (0..replicas).map(|_| Replica::default()).collect(),
+            bookings: HashMap::new(),
+            ended_early: VecDeque::new(),
+        }
     }
 
     /// The replica's current load.
@@ -89,8 +99,13 @@ impl LoadTable {
     }
 
     /// Books a request on a replica. Booking an id again first releases the old booking.
-    pub fn book(&mut self, replica: ReplicaIdx, booking: NewBooking<'_>, now: Instant) {
-        self.finish(booking.request_id);
+    /// Returns false (and books nothing) if the request already ended.
+    pub fn book(&mut self, replica: ReplicaIdx, booking: NewBooking<'_>, now: Instant) -> bool {
+        if let Some(at) = self.ended_early.iter().position(|id| id == booking.request_id) {
+            self.ended_early.remove(at);
+            return false;
+        }
+        self.release(booking.request_id);
         let r = &mut self.replicas[replica];
         r.prefill_tokens += booking.prefill_tokens;
         r.requests += 1;
@@ -110,6 +125,7 @@ impl LoadTable {
                 booked_at: now,
             },
         );
+        true
     }
 
     /// The request produced its first token. Returns false if the id is unknown.
@@ -122,8 +138,20 @@ impl LoadTable {
         true
     }
 
-    /// The request ended: release everything it holds. Returns false if the id is unknown.
+    /// The request ended: release everything it holds. Returns false if the id is unknown
+    /// (it is then remembered, in case its booking is still on its way).
     pub fn finish(&mut self, request_id: &str) -> bool {
+        if self.release(request_id) {
+            return true;
+        }
+        if self.ended_early.len() == ENDED_EARLY {
+            self.ended_early.pop_front();
+        }
+        self.ended_early.push_back(request_id.to_owned());
+        false
+    }
+
+    fn release(&mut self, request_id: &str) -> bool {
         let Some(b) = self.bookings.remove(request_id) else { return false };
         let r = &mut self.replicas[b.replica];
         if !b.prefill_done {
@@ -151,7 +179,7 @@ impl LoadTable {
             .map(|(id, _)| id.clone())
             .collect();
         for id in &stale {
-            self.finish(id);
+            self.release(id);
         }
         stale.len()
     }
@@ -189,6 +217,15 @@ mod tests {
         assert_eq!(t.load(0).active_blocks, 4, "blocks 1,2 shared, 3 and b's tail new");
         t.finish("a");
         assert_eq!(t.load(0).active_blocks, 4);
+    }
+
+    #[test]
+    fn an_end_that_overtakes_its_booking_leaks_nothing() {
+        let mut t = LoadTable::new(1);
+        assert!(!t.finish("late"));
+        assert!(!t.book(0, booking("late", 100, &[1], 1), Instant::now()));
+        assert_eq!(t.load(0), ReplicaLoad::default());
+        assert!(t.book(0, booking("late", 100, &[1], 1), Instant::now()), "only once");
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub struct ScoringConfig {
     pub host_cache_hit_weight: f64,
     /// Credit per disk/external block (`DYN_ROUTER_DISK_CACHE_HIT_WEIGHT`).
     pub disk_cache_hit_weight: f64,
+    /// `DYN_ROUTER_TEMPERATURE`: 0 picks the cheapest (ties at random); above 0, a softmax
+    /// over min-max-normalised costs spreads load across near-equal replicas.
+    pub temperature: f64,
 }
 
 impl Default for ScoringConfig {
@@ -46,11 +49,23 @@ impl Default for ScoringConfig {
             active_request_weight: 0.0,
             host_cache_hit_weight: 0.75,
             disk_cache_hit_weight: 0.25,
+            temperature: 0.0,
         }
     }
 }
 
 impl ScoringConfig {
+    /// This configuration with a request's overrides applied.
+    pub fn with_overrides(&self, o: &kvgate_shared::wire::ScoringOverrides) -> ScoringConfig {
+        let finite = |v: Option<f64>| v.filter(|v| v.is_finite() && *v >= 0.0);
+        ScoringConfig {
+            kv_overlap_credit: finite(o.kv_overlap_credit).unwrap_or(self.kv_overlap_credit),
+            prefill_load_scale: finite(o.prefill_load_scale).unwrap_or(self.prefill_load_scale),
+            temperature: finite(o.temperature).unwrap_or(self.temperature),
+            ..self.clone()
+        }
+    }
+
     /// Overlap in blocks, lower tiers discounted: `dev + W_HOST·host + W_DISK·disk`.
     pub fn effective_overlap(&self, o: Overlap) -> f64 {
         f64::from(o.device)
@@ -108,6 +123,27 @@ pub fn logits(cfg: &ScoringConfig, req: RequestShape, candidates: &[Candidate]) 
                 + cfg.active_request_weight * c.requests as f64
         })
         .collect()
+}
+
+/// Picks a candidate: the argmin at temperature 0, else a draw with
+/// `p_i ∝ exp(−(c_i − c_min) / ((c_max − c_min) · T))` (uniform when all costs are equal).
+pub fn select<R: Rng>(logits: &[f64], temperature: f64, rng: &mut R) -> Option<usize> {
+    if temperature <= 0.0 || logits.len() < 2 {
+        return argmin(logits, rng);
+    }
+    let min = logits.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let range = max - min;
+    let weights: Vec<f64> =
+        logits.iter().map(|c| if range > 0.0 { (-(c - min) / (range * temperature)).exp() } else { 1.0 }).collect();
+    let mut draw = rng.random::<f64>() * weights.iter().sum::<f64>();
+    for (i, w) in weights.iter().enumerate() {
+        if draw < *w {
+            return Some(i);
+        }
+        draw -= w;
+    }
+    Some(weights.len() - 1)
 }
 
 /// The index of the lowest logit, ties broken uniformly at random. `None` if empty.
@@ -170,6 +206,26 @@ mod tests {
         );
         // w0: 4 − 4 + 2 = 2. w1: decay = 1/(1 + 4/4) = 0.5 → 8 − 2 = 6.
         assert_eq!(l, vec![2.0, 6.0]);
+    }
+
+    #[test]
+    fn temperature_spreads_by_cost() {
+        let mut rng = rand::rng();
+        let mut seen = [0u32; 3];
+        for _ in 0..3000 {
+            seen[select(&[0.0, 5.0, 10.0], 1.0, &mut rng).unwrap()] += 1;
+        }
+        // p ∝ exp(0), exp(-0.5), exp(-1): 0.51, 0.31, 0.19.
+        assert!(seen[0] > seen[1] && seen[1] > seen[2] && seen[2] > 300, "{seen:?}");
+        assert_eq!(select(&[3.0, 1.0], 0.0, &mut rng), Some(1));
+        let cfg = ScoringConfig::default();
+        let o = kvgate_shared::wire::ScoringOverrides {
+            temperature: Some(2.0),
+            kv_overlap_credit: Some(-1.0),
+            prefill_load_scale: None,
+        };
+        let c = cfg.with_overrides(&o);
+        assert_eq!((c.temperature, c.kv_overlap_credit), (2.0, 1.0), "invalid values are ignored");
     }
 
     #[test]
