@@ -8,7 +8,8 @@
 //!   "fetch_timeout_ms": 10000,
 //!   "retry_ms": 1000,
 //!   "max_tokenize_bytes": 1048576,
-//!   "debug_headers": false
+//!   "debug_headers": false,
+//!   "segment_cache_bytes": 16777216
 //! }
 //! ```
 
@@ -33,6 +34,9 @@ pub struct FilterConfig {
     pub max_tokenize_bytes: usize,
     /// Add `x-kvgate-*` response headers describing the decision (for tests and debugging).
     pub debug_headers: bool,
+    /// Bytes of tokenized chat segments kept per VM (earlier turns are not re-tokenized);
+    /// 0 disables the cache.
+    pub segment_cache_bytes: usize,
 }
 
 impl Default for FilterConfig {
@@ -45,6 +49,7 @@ impl Default for FilterConfig {
             retry_ms: 1000,
             max_tokenize_bytes: 1 << 20,
             debug_headers: false,
+            segment_cache_bytes: kvgate_shared::prompt::segments::DEFAULT_BUDGET,
         }
     }
 }

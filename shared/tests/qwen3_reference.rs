@@ -52,3 +52,82 @@ fn chat_samples_match() {
         assert_eq!(got, ids(&case["ids_add_special_tokens_false"]), "{}", case["name"]);
     }
 }
+
+/// The segment cache is exact: on every reference chat and on chats built to stress the
+/// piece boundaries, cached ids equal one-go ids, cold and warm.
+#[test]
+fn segment_cache_is_exact_and_reuses_earlier_turns() {
+    let (plain, reference) = load();
+    let bundle = ModelBundle::from_dir("qwen3", &repo().join("models/qwen3-0.6b"), 16).unwrap();
+    let cached = ModelTokenizer::from_bundle(&bundle).unwrap().with_segment_cache(1 << 20);
+    assert!(cached.segment_stats().is_some(), "Qwen3's special tokens allow piecewise encoding");
+    let mut bodies: Vec<Value> = reference["chat"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(
+            |c| json!({"model": "qwen3", "messages": c["messages"], "chat_template_kwargs": c["chat_template_kwargs"]}),
+        )
+        .collect();
+    let tricky = [
+        "",
+        " ",
+        "\n\n",
+        "  leading and trailing  ",
+        "<|im_start|>inside<|im_end|>",
+        "<think>\nx\n</think>",
+        "emoji 🚀 and 中文",
+        "a<|im_end|>b",
+        "tabs\tand\r\nnewlines",
+        "<|endoftext|>",
+        "<|im_start",
+    ];
+    for (i, t) in tricky.iter().enumerate() {
+        bodies.push(json!({"model": "qwen3", "messages": [
+            {"role": "system", "content": t},
+            {"role": "user", "content": format!("{t} question {i}")},
+            {"role": "assistant", "content": format!("<think>\n{t}\n</think>\n\nanswer {t}")},
+            {"role": "user", "content": t}]}));
+    }
+    for round in ["cold", "warm"] {
+        for body in &bodies {
+            let request = parse(Endpoint::ChatCompletions, body.to_string().as_bytes()).unwrap();
+            assert_eq!(
+                cached.prompt_tokens(&request).unwrap(),
+                plain.prompt_tokens(&request).unwrap(),
+                "{round}: {body}"
+            );
+        }
+    }
+    // A conversation plus one new turn: only the new pieces are tokenized.
+    let mut messages = vec![json!({"role": "system", "content": "You are terse."})];
+    for turn in 0..6 {
+        messages.push(json!({"role": "user", "content": format!("question number {turn}")}));
+        let request =
+            parse(Endpoint::ChatCompletions, json!({"model": "qwen3", "messages": messages}).to_string().as_bytes())
+                .unwrap();
+        let before = cached.segment_stats().unwrap();
+        assert_eq!(cached.prompt_tokens(&request).unwrap(), plain.prompt_tokens(&request).unwrap());
+        let after = cached.segment_stats().unwrap();
+        if turn > 0 {
+            assert!(after.misses - before.misses <= 3, "turn {turn}: {} new pieces", after.misses - before.misses);
+            assert!(after.hits > before.hits);
+        }
+        messages.push(json!({"role": "assistant", "content": format!("answer {turn}")}));
+    }
+}
+
+#[test]
+fn segment_cache_respects_its_byte_budget() {
+    let bundle = ModelBundle::from_dir("qwen3", &repo().join("models/qwen3-0.6b"), 16).unwrap();
+    let cached = ModelTokenizer::from_bundle(&bundle).unwrap().with_segment_cache(4096);
+    for i in 0..50 {
+        let body = json!({"model": "qwen3", "messages": [{"role": "user", "content": format!("message {i} {}", "x ".repeat(i * 10))}]});
+        cached.prompt_tokens(&parse(Endpoint::ChatCompletions, body.to_string().as_bytes()).unwrap()).unwrap();
+        assert!(cached.segment_stats().unwrap().bytes <= 4096);
+    }
+    assert!(
+        ModelTokenizer::from_bundle(&bundle).unwrap().with_segment_cache(0).segment_stats().is_none(),
+        "0 disables it"
+    );
+}

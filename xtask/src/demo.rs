@@ -151,5 +151,32 @@ fn decision_latency(stack: &Stack) -> anyhow::Result<()> {
             samples.len()
         );
     }
+    // The same 8k-token conversation again with one new turn: the filter's segment cache
+    // tokenizes only the new turn.
+    let mut messages = vec![json!({"role": "user", "content": document(7000, 8000)})];
+    let decide = |messages: &[Value]| -> anyhow::Result<(u64, u64)> {
+        let body = json!({"model": "qwen3", "max_tokens": 1, "messages": messages});
+        let reply = post(&stack.gateway("/v1/chat/completions"), body.to_string(), &[])?;
+        Ok((
+            reply.header("x-kvgate-decision-us").parse().unwrap_or(0),
+            reply.header("x-kvgate-prompt-tokens").parse().unwrap_or(0),
+        ))
+    };
+    let (cold, tokens) = decide(&messages)?;
+    let mut warm = Vec::new();
+    for turn in 0..7 {
+        messages.push(json!({"role": "assistant", "content": format!("Answer {turn}.")}));
+        messages.push(json!({"role": "user", "content": format!("Follow-up {turn}?")}));
+        warm.push(decide(&messages)?.0);
+    }
+    warm.sort_unstable();
+    let warm_median = warm[warm.len() / 2];
+    println!(
+        "  {tokens}-token conversation + one new turn: {:.2} ms warm (median of {}) vs {:.2} ms cold: {:.1}x faster",
+        warm_median as f64 / 1000.0,
+        warm.len(),
+        cold as f64 / 1000.0,
+        cold as f64 / warm_median.max(1) as f64
+    );
     Ok(())
 }

@@ -8,10 +8,12 @@
 //! 1. [`openai::parse`] reads the OpenAI body into a [`openai::ParsedRequest`].
 //! 2. [`chat`] normalises chat messages and tools as vLLM's renderer does.
 //! 3. [`template::ChatTemplate`] renders them with the model's Jinja template.
-//! 4. [`tokenizer::ModelTokenizer`] encodes the text (or passes token ids through).
+//! 4. [`tokenizer::ModelTokenizer`] encodes the text (or passes token ids through), through an
+//!    exact [`segments::SegmentCache`] when enabled, so repeated turns are not re-tokenized.
 
 pub mod chat;
 pub mod openai;
+pub mod segments;
 pub mod template;
 pub mod tokenizer;
 

@@ -1,10 +1,12 @@
 //! A model's tokenizer plus chat template: turns a parsed request into prompt token ids.
 
 use std::path::Path;
+use std::sync::Mutex;
 
 use serde_json::Value;
 
 use super::openai::{ParsedRequest, Prompt};
+use super::segments::{SegmentCache, SegmentStats};
 use super::template::ChatTemplate;
 use super::PromptError;
 use crate::wire::ModelBundle;
@@ -13,6 +15,7 @@ use crate::wire::ModelBundle;
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
     template: Option<ChatTemplate>,
+    segments: Option<Mutex<SegmentCache>>,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -31,7 +34,19 @@ impl ModelTokenizer {
             .as_deref()
             .map(|src| ChatTemplate::new(src, bundle.bos_token.clone(), bundle.eos_token.clone()))
             .transpose()?;
-        Ok(ModelTokenizer { tokenizer, template })
+        Ok(ModelTokenizer { tokenizer, template, segments: None })
+    }
+
+    /// Caches tokenized chat segments, up to `budget` bytes (see [`SegmentCache`]). A
+    /// tokenizer whose special tokens make that inexact keeps encoding in one go.
+    pub fn with_segment_cache(mut self, budget: usize) -> Self {
+        self.segments = SegmentCache::for_tokenizer(&self.tokenizer, budget).map(Mutex::new);
+        self
+    }
+
+    /// The segment cache's counters, if it is on.
+    pub fn segment_stats(&self) -> Option<SegmentStats> {
+        self.segments.as_ref().map(|c| c.lock().unwrap_or_else(|e| e.into_inner()).stats())
     }
 
     /// The prompt token ids vLLM would compute for this request.
@@ -42,7 +57,13 @@ impl ModelTokenizer {
             Prompt::Chat(chat) => {
                 let template = self.template.as_ref().ok_or(PromptError::NoTemplate)?;
                 let text = template.render(chat)?;
-                self.encode(&text, chat.add_special_tokens)
+                match (&self.segments, chat.add_special_tokens) {
+                    (Some(cache), false) => {
+                        let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+                        cache.encode(&text, |piece| self.encode(piece, false))
+                    }
+                    _ => self.encode(&text, chat.add_special_tokens),
+                }
             }
         }
     }
