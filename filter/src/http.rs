@@ -32,6 +32,10 @@ struct Decision {
     prompt_tokens: Option<u32>,
     overlap_blocks: u32,
     micros: u128,
+    /// Of which parsing, templating, tokenizing and hashing.
+    plan_micros: u128,
+    /// Prompt pieces served by the segment cache.
+    segment_hits: u64,
 }
 
 /// One HTTP exchange.
@@ -86,7 +90,12 @@ impl RequestContext {
     /// Asks the sidecar; returns true if a call is in flight (the request stays paused).
     fn ask_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> bool {
         let shared = self.shared.borrow();
+        let hits = || shared.models.values().filter_map(|m| m.tokenizer.segment_stats()).map(|s| s.hits).sum::<u64>();
+        let (started, hits_before) = (Instant::now(), hits());
         let planned = plan(endpoint, body, &self.hints, &shared.models, shared.config.max_tokenize_bytes);
+        self.decision.plan_micros = started.elapsed().as_micros();
+        self.decision.segment_hits = hits() - hits_before;
+
         let planned = match planned {
             Ok(p) => p,
             Err(Skip::Unroutable(why)) => {
@@ -203,6 +212,8 @@ impl HttpContext for RequestContext {
                 ("x-kvgate-prompt-tokens", d.prompt_tokens.map(|n| n.to_string()).unwrap_or_default()),
                 ("x-kvgate-overlap-blocks", d.overlap_blocks.to_string()),
                 ("x-kvgate-decision-us", d.micros.to_string()),
+                ("x-kvgate-tokenize-us", d.plan_micros.to_string()),
+                ("x-kvgate-segment-hits", d.segment_hits.to_string()),
             ];
             for (name, value) in headers {
                 if let Err(status) = host::set_response_header(name, &value) {

@@ -137,8 +137,10 @@ impl Root {
     }
 
     fn on_tokenizer(&mut self, model: String, body: &[u8]) {
+        let budget = self.shared.borrow().config.segment_cache_bytes;
         let loaded = codec::decode::<ModelBundle>(body).map_err(|e| e.to_string()).and_then(|bundle| {
-            Ok((bundle.block_size, ModelTokenizer::from_bundle(&bundle).map_err(|e| e.to_string())?))
+            let tokenizer = ModelTokenizer::from_bundle(&bundle).map_err(|e| e.to_string())?;
+            Ok((bundle.block_size, tokenizer.with_segment_cache(budget)))
         });
         match loaded {
             Ok((block_size, tokenizer)) if block_size > 0 => {

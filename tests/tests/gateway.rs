@@ -186,3 +186,25 @@ fn publisher_restart_clears_the_replica() {
     let indexed = replica_state(&stack, "c")["blocks_indexed"].as_u64().unwrap();
     assert!(indexed <= fresh_blocks + 1, "only blocks stored after the restart remain: {indexed} > {fresh_blocks}");
 }
+
+/// 8. Inside Envoy, a conversation's earlier turns come from the filter's segment cache, and
+///    the token count still equals the engine's.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn repeated_turns_use_the_segment_cache() {
+    let stack = start("segments");
+    let mut messages = vec![json!({"role": "system", "content": document(40, 400)})];
+    for turn in 0..4 {
+        messages.push(json!({"role": "user", "content": format!("question {turn}")}));
+        let body = json!({"model": "qwen3", "max_tokens": 1, "messages": messages});
+        let reply = post(&stack.gateway("/v1/chat/completions"), body.to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200);
+        let engine = reply.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(reply.header("x-kvgate-prompt-tokens").parse::<u64>().unwrap(), engine, "turn {turn}");
+        let hits: u64 = reply.header("x-kvgate-segment-hits").parse().unwrap();
+        if turn > 0 {
+            assert!(hits >= 2 * turn as u64, "turn {turn}: earlier turns come from the cache ({hits} hits)");
+        }
+        messages.push(json!({"role": "assistant", "content": format!("answer {turn}")}));
+    }
+}
