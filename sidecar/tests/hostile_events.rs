@@ -8,9 +8,10 @@ use kvgate_sidecar::index::KvIndex;
 use proptest::prelude::*;
 
 /// The vLLM 0.22 (positional) example batch from the spec.
-const POSITIONAL: &str = "93cb41d954fc40200000939cab426c6f636b53746f72656492cf84b146b151d55111cfd43b57df56b58fb1c098010203040506070804c0a3475055c092c0c000ae66756c6c5f617474656e74696f6ec094ac426c6f636b52656d6f76656491cf84b146b151d55111a34750550091b0416c6c426c6f636b73436c656172656400";
+const POSITIONAL: &str = include_str!("../../testdata/kv-events/vllm-0.22-positional.hex");
 
 fn hex(s: &str) -> Vec<u8> {
+    let s = s.trim();
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
 }
 

@@ -356,6 +356,7 @@ mod tests {
     use super::*;
 
     fn hex(s: &str) -> Vec<u8> {
+        let s = s.trim();
         (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
     }
 
@@ -372,49 +373,9 @@ mod tests {
             Event::BlockRemoved { block_hashes: vec![9561501211280363793] },
             Event::AllBlocksCleared,
         ];
-        let expected = hex(concat!(
-            "93",
-            "cb41d954fc40200000",
-            "93",
-            "de000b",
-            "a474797065",
-            "ab426c6f636b53746f726564",
-            "ac626c6f636b5f686173686573",
-            "92cf84b146b151d55111cfd43b57df56b58fb1",
-            "b1706172656e745f626c6f636b5f68617368",
-            "c0",
-            "a9746f6b656e5f696473",
-            "980102030405060708",
-            "aa626c6f636b5f73697a65",
-            "04",
-            "a76c6f72615f6964",
-            "c0",
-            "a66d656469756d",
-            "a3475055",
-            "a96c6f72615f6e616d65",
-            "c0",
-            "aa65787472615f6b657973",
-            "92c0c0",
-            "a967726f75705f696478",
-            "00",
-            "b26b765f63616368655f737065635f6b696e64",
-            "ae66756c6c5f617474656e74696f6e",
-            "84",
-            "a474797065",
-            "ac426c6f636b52656d6f766564",
-            "ac626c6f636b5f686173686573",
-            "91cf84b146b151d55111",
-            "a66d656469756d",
-            "a3475055",
-            "a967726f75705f696478",
-            "00",
-            "81",
-            "a474797065",
-            "b0416c6c426c6f636b73436c6561726564",
-            "00",
-        ));
+        let expected = hex(include_str!("../../testdata/kv-events/vllm-0.33-map.hex"));
         assert_eq!(encode_batch(1700000000.5, &events, 0, Encoding::Map), expected);
-        let legacy = hex("93cb41d954fc40200000939cab426c6f636b53746f72656492cf84b146b151d55111cfd43b57df56b58fb1c098010203040506070804c0a3475055c092c0c000ae66756c6c5f617474656e74696f6ec094ac426c6f636b52656d6f76656491cf84b146b151d55111a34750550091b0416c6c426c6f636b73436c656172656400");
+        let legacy = hex(include_str!("../../testdata/kv-events/vllm-0.22-positional.hex"));
         assert_eq!(encode_batch(1700000000.5, &events, 0, Encoding::LegacyArray), legacy, "vLLM 0.22's bytes");
         assert!(rmpv::decode::read_value(&mut expected.as_slice()).is_ok());
     }
