@@ -29,8 +29,8 @@ pub struct FilterConfig {
     pub fetch_timeout_ms: u64,
     /// Tick period: tokenizer fetch retries and lifecycle flushes.
     pub retry_ms: u64,
-    /// Bodies larger than this are routed on load only (tokenizing blocks the Envoy worker,
-    /// about 0.5 s per MiB).
+    /// At most this many bytes of a prompt's text are tokenized; longer prompts are routed on
+    /// their head (tokenizing blocks the Envoy worker, about 0.5 s per MiB).
     pub max_tokenize_bytes: usize,
     /// Add `x-kvgate-*` response headers describing the decision (for tests and debugging).
     pub debug_headers: bool,

@@ -36,6 +36,8 @@ struct Decision {
     plan_micros: u128,
     /// Prompt pieces served by the segment cache.
     segment_hits: u64,
+    /// Only the prompt's head was tokenized.
+    truncated: bool,
 }
 
 /// One HTTP exchange.
@@ -106,6 +108,7 @@ impl RequestContext {
         if planned.tokenized {
             self.decision.prompt_tokens = Some(planned.request.prompt_tokens);
         }
+        self.decision.truncated = planned.truncated;
         let Ok(encoded) = codec::encode(&planned.request) else { return false };
         let headers = vec![
             (":method", "POST"),
@@ -214,6 +217,7 @@ impl HttpContext for RequestContext {
                 ("x-kvgate-decision-us", d.micros.to_string()),
                 ("x-kvgate-tokenize-us", d.plan_micros.to_string()),
                 ("x-kvgate-segment-hits", d.segment_hits.to_string()),
+                ("x-kvgate-truncated", d.truncated.to_string()),
             ];
             for (name, value) in headers {
                 if let Err(status) = host::set_response_header(name, &value) {

@@ -30,6 +30,9 @@ pub struct Plan {
     pub request: RouteRequest,
     /// True when the prompt was tokenized (false: load-only routing on an estimate).
     pub tokenized: bool,
+    /// True when only the prompt's head was tokenized (`max_tokenize_bytes`): the hashes
+    /// cover the head, the token count is extrapolated.
+    pub truncated: bool,
 }
 
 /// A rough token count for prompts we cannot tokenize: ~4 bytes per token.
@@ -39,8 +42,10 @@ fn estimate_tokens(body_len: usize) -> u32 {
 
 /// Plans the routing call for one request body.
 ///
-/// Without a loaded tokenizer for the model, or for a body above `max_tokenize_bytes`, the
-/// plan routes on load alone with an estimated prompt size; requests are never held back.
+/// Without a loaded tokenizer for the model the plan routes on load alone with an estimated
+/// prompt size; requests are never held back. A prompt longer than `max_tokenize_bytes` is
+/// routed on its head (exactly its first tokens) with an extrapolated size, which bounds the
+/// time an Envoy worker spends tokenizing.
 /// What the request's headers contribute.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HeaderHints {
@@ -79,18 +84,20 @@ pub fn plan(
             overrides: hints.overrides,
         },
         tokenized: false,
+        truncated: false,
     };
     let Some(model) = models.get(&parsed.model) else { return Ok(load_only(0)) };
-    if body.len() > max_tokenize_bytes {
+    let head = model.tokenizer.prompt_head(&parsed, max_tokenize_bytes).map_err(|e| Skip::Unroutable(e.to_string()))?;
+    if head.tokens.is_empty() && head.truncated {
         return Ok(load_only(model.block_size));
     }
-    let tokens = model.tokenizer.prompt_tokens(&parsed).map_err(|e| Skip::Unroutable(e.to_string()))?;
     Ok(Plan {
+        truncated: head.truncated,
         request: RouteRequest {
             request_id: hints.request_id.clone(),
             model: parsed.model.clone(),
-            prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
-            block_hashes: prompt_block_hashes(&tokens, model.block_size as usize, Salt::NONE),
+            prompt_tokens: u32::try_from(head.estimated_total).unwrap_or(u32::MAX),
+            block_hashes: prompt_block_hashes(&head.tokens, model.block_size as usize, Salt::NONE),
             block_size: model.block_size,
             session,
             overrides: hints.overrides,
@@ -144,14 +151,21 @@ mod tests {
     }
 
     #[test]
-    fn unknown_model_or_big_body_routes_on_load_only() {
+    fn unknown_model_routes_on_load_only_and_long_prompts_on_their_head() {
         let m = models();
         let body = br#"{"model":"other","prompt":"hello"}"#;
         let p = plan(Endpoint::Completions, body, &hints(), &m, 1 << 20).unwrap();
         assert!(!p.tokenized && p.request.block_hashes.is_empty());
-        let body = br#"{"model":"qwen3","prompt":"hello hello hello hello hello hello"}"#;
-        let p = plan(Endpoint::Completions, body, &hints(), &m, 10).unwrap();
-        assert_eq!((p.tokenized, p.request.prompt_tokens, p.request.block_size), (false, body.len() as u32 / 4, 4));
+        // A long prompt is routed on its head: the hashes are exactly the full prompt's first.
+        let text = "The quick brown fox jumps over the lazy dog. ".repeat(40);
+        let body = serde_json::json!({"model": "qwen3", "prompt": text}).to_string();
+        let full = plan(Endpoint::Completions, body.as_bytes(), &hints(), &m, 1 << 20).unwrap();
+        let head = plan(Endpoint::Completions, body.as_bytes(), &hints(), &m, 300).unwrap();
+        assert!(head.truncated && !full.truncated);
+        assert!(!head.request.block_hashes.is_empty());
+        assert_eq!(head.request.block_hashes[..], full.request.block_hashes[..head.request.block_hashes.len()]);
+        let (est, exact) = (head.request.prompt_tokens as f64, full.request.prompt_tokens as f64);
+        assert!((est - exact).abs() / exact < 0.1, "extrapolated {est} vs {exact}");
     }
 
     #[test]

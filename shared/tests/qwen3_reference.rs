@@ -131,3 +131,23 @@ fn segment_cache_respects_its_byte_budget() {
         "0 disables it"
     );
 }
+
+/// A prompt's head, cut where no pre-tokenizer split crosses, tokenizes to exactly the
+/// prompt's first tokens, whatever the cut (ASCII, CJK, emoji, chat markup).
+#[test]
+fn prompt_heads_are_exact_prefixes() {
+    let (tok, reference) = load();
+    let mut texts: Vec<String> =
+        reference["samples"].as_object().unwrap().values().map(|s| s["text"].as_str().unwrap().repeat(20)).collect();
+    texts.push("<|im_start|>user\nhello   there\n\n\tfriend 你好 🚀🚀 end<|im_end|>\n".repeat(30));
+    for text in texts {
+        let body = json!({"model": "qwen3", "prompt": text});
+        let request = parse(Endpoint::Completions, body.to_string().as_bytes()).unwrap();
+        let full = tok.prompt_tokens(&request).unwrap();
+        for max in [1, 7, 50, 123, 400, 999, 2048] {
+            let head = tok.prompt_head(&request, max).unwrap();
+            assert_eq!(head.tokens[..], full[..head.tokens.len()], "cut at {max}");
+            assert_eq!(head.truncated, max < text.len());
+        }
+    }
+}

@@ -51,21 +51,42 @@ impl ModelTokenizer {
 
     /// The prompt token ids vLLM would compute for this request.
     pub fn prompt_tokens(&self, request: &ParsedRequest) -> Result<Vec<u32>, PromptError> {
-        match &request.prompt {
-            Prompt::Tokens(ids) => Ok(ids.clone()),
-            Prompt::Text { text, add_special_tokens } => self.encode(text, *add_special_tokens),
+        Ok(self.prompt_head(request, usize::MAX)?.tokens)
+    }
+
+    /// The first tokens of the prompt, tokenizing at most about `max_bytes` of its text: the
+    /// text is cut just before a whitespace character that follows a non-whitespace one, a
+    /// point no pre-tokenizer split crosses, so the tokens are exactly the prompt's first
+    /// tokens. Token-id prompts are never cut.
+    pub fn prompt_head(&self, request: &ParsedRequest, max_bytes: usize) -> Result<PromptHead, PromptError> {
+        let (text, add_special_tokens) = match &request.prompt {
+            Prompt::Tokens(ids) => {
+                return Ok(PromptHead { tokens: ids.clone(), estimated_total: ids.len(), truncated: false })
+            }
+            Prompt::Text { text, add_special_tokens } => {
+                (std::borrow::Cow::Borrowed(text.as_str()), *add_special_tokens)
+            }
             Prompt::Chat(chat) => {
                 let template = self.template.as_ref().ok_or(PromptError::NoTemplate)?;
-                let text = template.render(chat)?;
-                match (&self.segments, chat.add_special_tokens) {
-                    (Some(cache), false) => {
-                        let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
-                        cache.encode(&text, |piece| self.encode(piece, false))
-                    }
-                    _ => self.encode(&text, chat.add_special_tokens),
-                }
+                (std::borrow::Cow::Owned(template.render(chat)?), chat.add_special_tokens)
             }
-        }
+        };
+        let head = &text[..safe_cut(&text, max_bytes)];
+        let tokens = match (&self.segments, add_special_tokens) {
+            (Some(cache), false) => {
+                let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+                cache.encode(head, |piece| self.encode(piece, false))?
+            }
+            _ => self.encode(head, add_special_tokens)?,
+        };
+        let truncated = head.len() < text.len();
+        let estimated_total = match (truncated, head.is_empty()) {
+            (false, _) => tokens.len(),
+            // Nothing could be cut off safely: about 4 bytes per token.
+            (true, true) => text.len().div_ceil(4),
+            (true, false) => (tokens.len() as f64 * text.len() as f64 / head.len() as f64).ceil() as usize,
+        };
+        Ok(PromptHead { tokens, estimated_total, truncated })
     }
 
     /// Encodes text with the model's tokenizer.
@@ -84,6 +105,37 @@ impl ModelTokenizer {
     pub fn vocab_size(&self) -> usize {
         self.tokenizer.get_vocab_size(true)
     }
+}
+
+/// The head of a prompt, tokenized.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptHead {
+    /// The prompt's first tokens (all of them if it was not cut).
+    pub tokens: Vec<u32>,
+    /// The whole prompt's token count: exact when not cut, else extrapolated by bytes.
+    pub estimated_total: usize,
+    /// Whether the prompt was cut.
+    pub truncated: bool,
+}
+
+/// The largest `n <= max` such that `text[..n]` is the whole text, or ends just before a
+/// whitespace character preceded by a non-whitespace one (0 if there is none).
+fn safe_cut(text: &str, max: usize) -> usize {
+    if text.len() <= max {
+        return text.len();
+    }
+    let mut cut = 0;
+    let mut prev_is_space = true;
+    for (i, c) in text.char_indices() {
+        if i > max {
+            break;
+        }
+        if c.is_whitespace() && !prev_is_space {
+            cut = i;
+        }
+        prev_is_space = c.is_whitespace();
+    }
+    cut
 }
 
 impl ModelBundle {
