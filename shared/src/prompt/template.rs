@@ -50,7 +50,14 @@ impl ChatTemplate {
 
     /// Renders a normalised chat into the prompt text.
     pub fn render(&self, chat: &ChatInput) -> Result<String, PromptError> {
-        let messages = consolidate_system_messages(&chat.messages, self.knows_developer_role);
+        let mut messages = consolidate_system_messages(&chat.messages, self.knows_developer_role);
+        if chat.continue_final_message {
+            // transformers 5: mark where the final message ends, render, cut there.
+            match messages.last_mut().and_then(|m| m.get_mut("content")) {
+                Some(Json::String(content)) => content.push_str(CONTINUE_TAG),
+                _ => return Err(PromptError::Template("continue_final_message: the final message has no text".into())),
+            }
+        }
         let mut ctx: Map<String, Json> = Map::new();
         for (k, v) in &chat.kwargs {
             ctx.insert(k.clone(), v.clone());
@@ -71,21 +78,30 @@ impl ChatTemplate {
             .render(Value::from(minijinja::value::Serde(&ctx)))
             .map_err(|e| PromptError::Template(format!("{e:#}")))?;
         if chat.continue_final_message {
-            continue_final(rendered, &messages)
+            continue_final(rendered)
         } else {
             Ok(rendered)
         }
     }
 }
 
-/// transformers' `continue_final_message`: cut the text right after the final message's content.
-fn continue_final(rendered: String, messages: &[Json]) -> Result<String, PromptError> {
-    let last = messages.last().and_then(|m| m.get("content")).and_then(Json::as_str).unwrap_or("").trim();
-    match rendered.rfind(last) {
-        Some(at) => Ok(rendered[..at + last.len()].to_owned()),
-        None => Err(PromptError::Template(
+/// The marker transformers appends to the final message for `continue_final_message`.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// transformers' `continue_final_message` cut: at the marker if the template kept its
+/// trailing space (the message's own trailing whitespace survives), else at the marker with
+/// trailing whitespace trimmed.
+fn continue_final(rendered: String) -> Result<String, PromptError> {
+    let tag = CONTINUE_TAG.trim_end();
+    let Some(at) = rendered.rfind(tag) else {
+        return Err(PromptError::Template(
             "continue_final_message: the final message does not appear in the rendered chat".into(),
-        )),
+        ));
+    };
+    if rendered[at..].starts_with(CONTINUE_TAG) {
+        Ok(rendered[..at].to_owned())
+    } else {
+        Ok(rendered[..at].trim_end().to_owned())
     }
 }
 
@@ -168,15 +184,17 @@ mod tests {
         assert!(matches!(err, Err(PromptError::Template(m)) if m.contains("nope")));
     }
 
+    /// transformers 5's rule: the message's trailing whitespace is kept if the template kept
+    /// it, trimmed if the template trimmed it.
     #[test]
     fn continue_final_message_cuts_after_last_content() {
-        let src = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}";
-        let out = render(
-            src,
-            json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "partial "}],
-                   "continue_final_message": true, "add_generation_prompt": false}),
-        )
-        .unwrap();
-        assert_eq!(out, "<user>q</user><assistant>partial");
+        let body = json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "partial "}],
+                          "continue_final_message": true, "add_generation_prompt": false});
+        let keeps = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}";
+        assert_eq!(render(keeps, body.clone()).unwrap(), "<user>q</user><assistant>partial ");
+        let trims = "{% for m in messages %}<{{ m.role }}>{{ m.content.strip() }}</{{ m.role }}>{% endfor %}";
+        assert_eq!(render(trims, body.clone()).unwrap(), "<user>q</user><assistant>partial");
+        let drops = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}";
+        assert!(render(drops, body).is_err(), "a template that drops the final message cannot continue it");
     }
 }
