@@ -22,6 +22,7 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::host;
+use crate::metrics::Outcome;
 use crate::plan::{plan, HeaderHints, Skip};
 use crate::root::Shared;
 
@@ -92,24 +93,42 @@ impl RequestContext {
     /// Asks the sidecar; returns true if a call is in flight (the request stays paused).
     fn ask_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> bool {
         let shared = self.shared.borrow();
-        let hits = || shared.models.values().filter_map(|m| m.tokenizer.segment_stats()).map(|s| s.hits).sum::<u64>();
-        let (started, hits_before) = (Instant::now(), hits());
+        let stats = || {
+            shared
+                .models
+                .values()
+                .filter_map(|m| m.tokenizer.segment_stats())
+                .fold((0, 0), |(h, m), s| (h + s.hits, m + s.misses))
+        };
+        let (started, before) = (Instant::now(), stats());
         let planned = plan(endpoint, body, &self.hints, &shared.models, shared.config.max_tokenize_bytes);
         self.decision.plan_micros = started.elapsed().as_micros();
-        self.decision.segment_hits = hits() - hits_before;
+        let after = stats();
+        self.decision.segment_hits = after.0 - before.0;
 
         let planned = match planned {
             Ok(p) => p,
             Err(Skip::Unroutable(why)) => {
                 log::debug!("kvgate: not routing request {}: {why}", self.hints.request_id);
+                if let Some(m) = &shared.metrics {
+                    m.outcome(Outcome::Passthrough);
+                }
                 return false;
             }
         };
+        if let Some(m) = &shared.metrics {
+            m.planned(self.decision.plan_micros as u64, planned.truncated, after.0 - before.0, after.1 - before.1);
+        }
         if planned.tokenized {
             self.decision.prompt_tokens = Some(planned.request.prompt_tokens);
         }
         self.decision.truncated = planned.truncated;
-        let Ok(encoded) = codec::encode(&planned.request) else { return false };
+        let Ok(encoded) = codec::encode(&planned.request) else {
+            if let Some(m) = &shared.metrics {
+                m.outcome(Outcome::FallbackError);
+            }
+            return false;
+        };
         let headers = vec![
             (":method", "POST"),
             (":path", "/v1/route"),
@@ -121,41 +140,55 @@ impl RequestContext {
             Ok(_) => true,
             Err(status) => {
                 log::warn!("kvgate: sidecar call failed to dispatch: {status:?}");
+                if let Some(m) = &shared.metrics {
+                    m.outcome(Outcome::FallbackError);
+                }
                 false
             }
         }
     }
 
-    fn apply_decision(&mut self, body_size: usize) {
+    fn apply_decision(&mut self, num_headers: usize, body_size: usize) -> Outcome {
+        if num_headers == 0 {
+            log::debug!("kvgate: sidecar timed out; falling back");
+            return Outcome::FallbackTimeout;
+        }
         let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten();
         if status.as_deref() != Some("200") {
             log::debug!("kvgate: sidecar answered {status:?}; falling back");
-            return;
+            return Outcome::FallbackError;
         }
         let Some(body) = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten() else {
-            return;
+            return Outcome::FallbackError;
         };
         let Ok(answer) = codec::decode::<RouteResponse>(&body) else {
             log::warn!("kvgate: undecodable sidecar answer; falling back");
-            return;
+            return Outcome::FallbackError;
         };
-        if let Some(endpoint) = &answer.endpoint {
-            match host::set_request_header(DESTINATION_HEADER, endpoint) {
-                Ok(()) => {
-                    self.decision.replica = answer.replica.clone();
-                    self.decision.overlap_blocks = answer.overlap_blocks;
-                }
-                Err(status) => log::warn!("kvgate: cannot set the destination header: {status:?}"),
+        let Some(endpoint) = &answer.endpoint else { return Outcome::FallbackError };
+        match host::set_request_header(DESTINATION_HEADER, endpoint) {
+            Ok(()) => {
+                self.decision.replica = answer.replica.clone();
+                self.decision.overlap_blocks = answer.overlap_blocks;
+                Outcome::Routed
+            }
+            Err(status) => {
+                log::warn!("kvgate: cannot set the destination header: {status:?}");
+                Outcome::FallbackError
             }
         }
     }
 }
 
 impl Context for RequestContext {
-    fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
-        self.apply_decision(body_size);
+    fn on_http_call_response(&mut self, _token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        let outcome = self.apply_decision(num_headers, body_size);
         if let Some(t) = self.body_done_at {
             self.decision.micros = t.elapsed().as_micros();
+        }
+        if let Some(m) = &self.shared.borrow().metrics {
+            m.outcome(outcome);
+            m.sidecar(self.decision.micros.saturating_sub(self.decision.plan_micros) as u64);
         }
         self.resume();
     }

@@ -13,10 +13,12 @@
 //! | [`root`] | tokenizer loading, lifecycle batching (one per VM) |
 //! | [`http`] | the per-request state machine |
 //! | [`host`] | header hostcalls that return errors instead of panicking |
+//! | [`metrics`] | the filter's counters and histograms in Envoy's stats |
 
 pub mod config;
 pub mod host;
 pub mod http;
+pub mod metrics;
 pub mod plan;
 pub mod root;
 

@@ -23,6 +23,7 @@ use proxy_wasm::types::{BufferType, ContextType, MapType};
 
 use crate::config::FilterConfig;
 use crate::http::RequestContext;
+use crate::metrics::FilterMetrics;
 use crate::plan::LoadedModel;
 
 /// Name of the shared queue carrying encoded [`LifecycleEvent`]s.
@@ -36,6 +37,8 @@ pub struct Shared {
     pub models: HashMap<String, LoadedModel>,
     /// The lifecycle queue id, once registered.
     pub queue: Option<u32>,
+    /// Metric ids, once defined.
+    pub metrics: Option<FilterMetrics>,
 }
 
 enum Call {
@@ -60,6 +63,7 @@ impl Root {
                 config: FilterConfig::default(),
                 models: HashMap::new(),
                 queue: None,
+                metrics: None,
             })),
             calls: HashMap::new(),
             fetching: HashSet::new(),
@@ -208,6 +212,7 @@ impl RootContext for Root {
             let mut s = self.shared.borrow_mut();
             s.config = config;
             s.queue = hostcalls::register_shared_queue(LIFECYCLE_QUEUE).ok();
+            s.metrics = FilterMetrics::define();
         }
         if hostcalls::set_tick_period(retry).is_err() {
             log::warn!("kvgate: cannot set the tick period; tokenizers load on first configure only");

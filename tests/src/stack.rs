@@ -78,6 +78,7 @@ pub struct Stack {
     sidecar_port: u16,
     envoy: Proc,
     gateway_port: u16,
+    admin_port: u16,
     /// Where logs and generated configs are.
     pub dir: PathBuf,
 }
@@ -183,7 +184,7 @@ impl Stack {
             }
         })?;
 
-        let stack = Stack { sims, sidecar, sidecar_port, envoy: envoy_proc, gateway_port, dir };
+        let stack = Stack { sims, sidecar, sidecar_port, envoy: envoy_proc, gateway_port, admin_port, dir };
         if opts.routing == Routing::Kvgate {
             stack.wait_tokenizer_loaded()?;
         }
@@ -240,6 +241,18 @@ impl Stack {
         if let Some(mut p) = self.sidecar.take() {
             p.kill();
         }
+    }
+
+    /// An Envoy counter or gauge by its full name (0 if absent), from the admin `/stats`.
+    pub fn envoy_stat(&self, name: &str) -> anyhow::Result<u64> {
+        let url = format!("http://127.0.0.1:{}/stats?filter={name}", self.admin_port);
+        let text = client::client().get(url).send()?.text()?;
+        Ok(text
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .find(|(k, _)| *k == name)
+            .and_then(|(_, v)| v.trim().parse().ok())
+            .unwrap_or(0))
     }
 
     /// Fails if Envoy died.

@@ -41,6 +41,7 @@ fn warmed_prefix_attracts_requests() {
             assert!(reply.cached_tokens() >= 16 * 30, "served from cache: {:?}", reply.usage);
         }
     }
+    assert!(stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap() >= 6, "the filter counts its decisions");
 }
 
 /// 2. A client-sent destination header never decides the route.
@@ -77,6 +78,7 @@ fn client_destination_header_is_ignored() {
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn sidecar_down_fails_open() {
     let mut stack = start("failopen");
+    let routed_before = stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap();
     stack.kill_sidecar();
     for i in 0..10 {
         let body = chat(&document(4, 100), &format!("question {i}"));
@@ -93,6 +95,10 @@ fn sidecar_down_fails_open() {
     .unwrap();
     assert_eq!(completion.status, 200);
     stack.check_envoy().unwrap();
+    let fallbacks = stack.envoy_stat("wasmcustom.kvgate.requests.fallback_error").unwrap()
+        + stack.envoy_stat("wasmcustom.kvgate.requests.fallback_timeout").unwrap();
+    assert!(fallbacks >= 11, "every request fell back, and was counted: {fallbacks}");
+    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap(), routed_before);
 }
 
 /// 4. The filter's token count equals the engine's `usage.prompt_tokens`.
@@ -129,6 +135,7 @@ fn malformed_json_reaches_the_engine() {
         assert!(!reply.header("x-kvgate-replica").is_empty(), "answered by an engine, not by kvgate");
         assert_eq!(reply.json()["object"], "error");
     }
+    assert!(stack.envoy_stat("wasmcustom.kvgate.requests.passthrough").unwrap() >= 3, "unroutable bodies are counted");
 }
 
 fn replica_state(stack: &Stack, id: &str) -> Value {

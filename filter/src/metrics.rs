@@ -1,0 +1,91 @@
+//! The filter's own metrics, in Envoy's stats as `wasmcustom.kvgate.*` (Prometheus:
+//! `envoy_wasmcustom_kvgate_*`), per Envoy process.
+//!
+//! | metric | kind | meaning |
+//! |---|---|---|
+//! | `kvgate.requests.routed` | counter | the sidecar's choice was applied |
+//! | `kvgate.requests.passthrough` | counter | not routable (bad body…): the engine answers |
+//! | `kvgate.requests.fallback_timeout` | counter | the sidecar did not answer in time |
+//! | `kvgate.requests.fallback_error` | counter | the sidecar failed or answered nonsense |
+//! | `kvgate.requests.truncated` | counter | routed on the prompt's head (`max_tokenize_bytes`) |
+//! | `kvgate.tokenize_us` | histogram | parse + template + tokenize + hash, µs |
+//! | `kvgate.sidecar_us` | histogram | the sidecar round trip, µs |
+//! | `kvgate.segment_cache.hits` / `.misses` | counter | prompt pieces served / tokenized |
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+
+/// Metric ids, defined once per VM.
+#[derive(Debug, Clone, Copy)]
+pub struct FilterMetrics {
+    routed: u32,
+    passthrough: u32,
+    fallback_timeout: u32,
+    fallback_error: u32,
+    truncated: u32,
+    tokenize_us: u32,
+    sidecar_us: u32,
+    segment_hits: u32,
+    segment_misses: u32,
+}
+
+/// How a request left the filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Routed where the sidecar said.
+    Routed,
+    /// Not routable; passed through untouched.
+    Passthrough,
+    /// The sidecar timed out: fallback LB.
+    FallbackTimeout,
+    /// The sidecar failed: fallback LB.
+    FallbackError,
+}
+
+impl FilterMetrics {
+    /// Defines the metrics; `None` if the host refuses (metrics are then skipped).
+    pub fn define() -> Option<FilterMetrics> {
+        let counter = |name: &str| hostcalls::define_metric(MetricType::Counter, name).ok();
+        let histogram = |name: &str| hostcalls::define_metric(MetricType::Histogram, name).ok();
+        Some(FilterMetrics {
+            routed: counter("kvgate.requests.routed")?,
+            passthrough: counter("kvgate.requests.passthrough")?,
+            fallback_timeout: counter("kvgate.requests.fallback_timeout")?,
+            fallback_error: counter("kvgate.requests.fallback_error")?,
+            truncated: counter("kvgate.requests.truncated")?,
+            tokenize_us: histogram("kvgate.tokenize_us")?,
+            sidecar_us: histogram("kvgate.sidecar_us")?,
+            segment_hits: counter("kvgate.segment_cache.hits")?,
+            segment_misses: counter("kvgate.segment_cache.misses")?,
+        })
+    }
+
+    /// Counts a request's outcome.
+    pub fn outcome(&self, outcome: Outcome) {
+        let id = match outcome {
+            Outcome::Routed => self.routed,
+            Outcome::Passthrough => self.passthrough,
+            Outcome::FallbackTimeout => self.fallback_timeout,
+            Outcome::FallbackError => self.fallback_error,
+        };
+        let _ = hostcalls::increment_metric(id, 1);
+    }
+
+    /// Records the planning step.
+    pub fn planned(&self, tokenize_us: u64, truncated: bool, hits: u64, misses: u64) {
+        let _ = hostcalls::record_metric(self.tokenize_us, tokenize_us);
+        if truncated {
+            let _ = hostcalls::increment_metric(self.truncated, 1);
+        }
+        for (id, n) in [(self.segment_hits, hits), (self.segment_misses, misses)] {
+            if n > 0 {
+                let _ = hostcalls::increment_metric(id, n as i64);
+            }
+        }
+    }
+
+    /// Records the sidecar round trip.
+    pub fn sidecar(&self, micros: u64) {
+        let _ = hostcalls::record_metric(self.sidecar_us, micros);
+    }
+}
