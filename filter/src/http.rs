@@ -101,7 +101,8 @@ impl RequestContext {
                 .fold((0, 0), |(h, m), s| (h + s.hits, m + s.misses))
         };
         let (started, before) = (Instant::now(), stats());
-        let planned = plan(endpoint, body, &self.hints, &shared.models, shared.config.max_tokenize_bytes);
+        let planned =
+            plan(endpoint, body, &self.hints, &shared.models, shared.listed.as_ref(), shared.config.max_tokenize_bytes);
         self.decision.plan_micros = started.elapsed().as_micros();
         let after = stats();
         self.decision.segment_hits = after.0 - before.0;

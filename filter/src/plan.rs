@@ -1,19 +1,22 @@
 //! The pure part of the filter: from a request body to the [`RouteRequest`] for the sidecar.
 //! No hostcalls here, so it runs (and is tested) natively too.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::prompt::openai::{parse, Endpoint};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{RouteRequest, ScoringOverrides};
 
-/// A model the filter can tokenize for.
+/// A model (or LoRA adapter) the filter can tokenize for.
 pub struct LoadedModel {
-    /// Its tokenizer and chat template.
-    pub tokenizer: ModelTokenizer,
+    /// Its tokenizer and chat template (an adapter shares its base model's).
+    pub tokenizer: Rc<ModelTokenizer>,
     /// The pool's block size.
     pub block_size: u32,
+    /// The hash salt: the adapter's for a LoRA adapter, none for a base model.
+    pub salt: Salt,
 }
 
 /// Why a request is passed through without asking the sidecar (Envoy's LB decides).
@@ -40,7 +43,8 @@ fn estimate_tokens(body_len: usize) -> u32 {
     u32::try_from(body_len / 4).unwrap_or(u32::MAX)
 }
 
-/// Plans the routing call for one request body.
+/// Plans the routing call for one request body. `listed` is the sidecar's model list once
+/// known: a request for any other model passes through to Envoy's own routing.
 ///
 /// Without a loaded tokenizer for the model the plan routes on load alone with an estimated
 /// prompt size; requests are never held back. A prompt longer than `max_tokenize_bytes` is
@@ -69,9 +73,13 @@ pub fn plan(
     body: &[u8],
     hints: &HeaderHints,
     models: &HashMap<String, LoadedModel>,
+    listed: Option<&HashSet<String>>,
     max_tokenize_bytes: usize,
 ) -> Result<Plan, Skip> {
     let parsed = parse(endpoint, body).map_err(|e| Skip::Unroutable(e.to_string()))?;
+    if listed.is_some_and(|names| !names.contains(&parsed.model)) {
+        return Err(Skip::Unroutable(format!("model {:?} is not routed by kvgate", parsed.model)));
+    }
     let session = hints.session.clone().or_else(|| parsed.session.clone());
     let load_only = |block_size: u32| Plan {
         request: RouteRequest {
@@ -97,7 +105,7 @@ pub fn plan(
             request_id: hints.request_id.clone(),
             model: parsed.model.clone(),
             prompt_tokens: u32::try_from(head.estimated_total).unwrap_or(u32::MAX),
-            block_hashes: prompt_block_hashes(&head.tokens, model.block_size as usize, Salt::NONE),
+            block_hashes: prompt_block_hashes(&head.tokens, model.block_size as usize, model.salt),
             block_size: model.block_size,
             session,
             overrides: hints.overrides,
@@ -115,8 +123,13 @@ mod tests {
     fn models() -> HashMap<String, LoadedModel> {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3-0.6b");
         let bundle = ModelBundle::from_dir("qwen3", &dir, 4).unwrap();
-        let tokenizer = ModelTokenizer::from_bundle(&bundle).unwrap();
-        HashMap::from([("qwen3".to_owned(), LoadedModel { tokenizer, block_size: 4 })])
+        let tokenizer = Rc::new(ModelTokenizer::from_bundle(&bundle).unwrap());
+        let adapter =
+            LoadedModel { tokenizer: tokenizer.clone(), block_size: 4, salt: Salt::for_lora(Some("my-lora")) };
+        HashMap::from([
+            ("qwen3".to_owned(), LoadedModel { tokenizer, block_size: 4, salt: Salt::NONE }),
+            ("my-lora".to_owned(), adapter),
+        ])
     }
 
     fn hints() -> HeaderHints {
@@ -124,15 +137,47 @@ mod tests {
     }
 
     #[test]
+    fn adapters_salt_their_hashes() {
+        let m = models();
+        let base = plan(
+            Endpoint::Completions,
+            br#"{"model":"qwen3","prompt":"one two three four five six seven eight"}"#,
+            &hints(),
+            &m,
+            None,
+            1 << 20,
+        )
+        .unwrap();
+        let lora = plan(
+            Endpoint::Completions,
+            br#"{"model":"my-lora","prompt":"one two three four five six seven eight"}"#,
+            &hints(),
+            &m,
+            None,
+            1 << 20,
+        )
+        .unwrap();
+        assert_eq!(base.request.prompt_tokens, lora.request.prompt_tokens, "same tokenizer");
+        assert!(!lora.request.block_hashes.is_empty());
+        assert!(
+            base.request.block_hashes.iter().all(|h| !lora.request.block_hashes.contains(h)),
+            "an adapter's blocks never match the base model's"
+        );
+    }
+
+    #[test]
     fn session_comes_from_the_header_else_the_body() {
         let m = models();
         let body = br#"{"model":"qwen3","prompt":"hi","user":"alice"}"#;
         assert_eq!(
-            plan(Endpoint::Completions, body, &hints(), &m, 1 << 20).unwrap().request.session.as_deref(),
+            plan(Endpoint::Completions, body, &hints(), &m, None, 1 << 20).unwrap().request.session.as_deref(),
             Some("alice")
         );
         let h = HeaderHints { session: Some("s-1".into()), ..hints() };
-        assert_eq!(plan(Endpoint::Completions, body, &h, &m, 1 << 20).unwrap().request.session.as_deref(), Some("s-1"));
+        assert_eq!(
+            plan(Endpoint::Completions, body, &h, &m, None, 1 << 20).unwrap().request.session.as_deref(),
+            Some("s-1")
+        );
         assert_eq!(HeaderHints::parse_overrides(Some(r#"{"temperature": 0.5}"#)).unwrap().temperature, Some(0.5));
         assert_eq!(HeaderHints::parse_overrides(Some(r#"{"nope": 1}"#)), None);
         assert_eq!(HeaderHints::parse_overrides(Some("garbage")), None);
@@ -142,7 +187,7 @@ mod tests {
     fn tokenizes_and_hashes_full_blocks() {
         let m = models();
         let body = br#"{"model":"qwen3","messages":[{"role":"user","content":"What is the capital of France?"}]}"#;
-        let p = plan(Endpoint::ChatCompletions, body, &hints(), &m, 1 << 20).unwrap();
+        let p = plan(Endpoint::ChatCompletions, body, &hints(), &m, None, 1 << 20).unwrap();
         assert!(p.tokenized);
         let n = p.request.prompt_tokens as usize;
         assert!(n > 8);
@@ -154,13 +199,13 @@ mod tests {
     fn unknown_model_routes_on_load_only_and_long_prompts_on_their_head() {
         let m = models();
         let body = br#"{"model":"other","prompt":"hello"}"#;
-        let p = plan(Endpoint::Completions, body, &hints(), &m, 1 << 20).unwrap();
+        let p = plan(Endpoint::Completions, body, &hints(), &m, None, 1 << 20).unwrap();
         assert!(!p.tokenized && p.request.block_hashes.is_empty());
         // A long prompt is routed on its head: the hashes are exactly the full prompt's first.
         let text = "The quick brown fox jumps over the lazy dog. ".repeat(40);
         let body = serde_json::json!({"model": "qwen3", "prompt": text}).to_string();
-        let full = plan(Endpoint::Completions, body.as_bytes(), &hints(), &m, 1 << 20).unwrap();
-        let head = plan(Endpoint::Completions, body.as_bytes(), &hints(), &m, 300).unwrap();
+        let full = plan(Endpoint::Completions, body.as_bytes(), &hints(), &m, None, 1 << 20).unwrap();
+        let head = plan(Endpoint::Completions, body.as_bytes(), &hints(), &m, None, 300).unwrap();
         assert!(head.truncated && !full.truncated);
         assert!(!head.request.block_hashes.is_empty());
         assert_eq!(head.request.block_hashes[..], full.request.block_hashes[..head.request.block_hashes.len()]);
@@ -169,9 +214,23 @@ mod tests {
     }
 
     #[test]
+    fn models_kvgate_does_not_route_pass_through() {
+        let m = models();
+        let listed: HashSet<String> = ["qwen3".to_owned(), "my-lora".to_owned()].into();
+        let body = br#"{"model":"other","prompt":"hello"}"#;
+        assert!(matches!(
+            plan(Endpoint::Completions, body, &hints(), &m, Some(&listed), 1 << 20),
+            Err(Skip::Unroutable(_))
+        ));
+        let body = br#"{"model":"my-lora","prompt":"hello"}"#;
+        assert!(plan(Endpoint::Completions, body, &hints(), &m, Some(&listed), 1 << 20).is_ok());
+    }
+
+    #[test]
     fn malformed_bodies_are_skipped() {
         let m = models();
-        assert!(matches!(plan(Endpoint::Completions, b"{oops", &hints(), &m, 1 << 20), Err(Skip::Unroutable(_))));
-        assert!(plan(Endpoint::ChatCompletions, br#"{"model":"qwen3","messages":"x"}"#, &hints(), &m, 1 << 20).is_err());
+        assert!(matches!(plan(Endpoint::Completions, b"{oops", &hints(), &m, None, 1 << 20), Err(Skip::Unroutable(_))));
+        assert!(plan(Endpoint::ChatCompletions, br#"{"model":"qwen3","messages":"x"}"#, &hints(), &m, None, 1 << 20)
+            .is_err());
     }
 }

@@ -15,8 +15,9 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use kvgate_shared::codec;
+use kvgate_shared::hash::Salt;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
-use kvgate_shared::wire::{LifecycleBatch, LifecycleEvent, ModelBundle, ModelList, CONTENT_TYPE};
+use kvgate_shared::wire::{Adapter, LifecycleBatch, LifecycleEvent, ModelBundle, ModelList, CONTENT_TYPE};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, MapType};
@@ -35,6 +36,8 @@ pub struct Shared {
     pub config: FilterConfig,
     /// Loaded models by name.
     pub models: HashMap<String, LoadedModel>,
+    /// Every model and adapter the sidecar routes, once listed.
+    pub listed: Option<HashSet<String>>,
     /// The lifecycle queue id, once registered.
     pub queue: Option<u32>,
     /// Metric ids, once defined.
@@ -53,6 +56,7 @@ pub struct Root {
     calls: HashMap<u32, Call>,
     fetching: HashSet<String>,
     models_listed: bool,
+    adapters: Vec<Adapter>,
 }
 
 impl Root {
@@ -62,12 +66,14 @@ impl Root {
             shared: Rc::new(RefCell::new(Shared {
                 config: FilterConfig::default(),
                 models: HashMap::new(),
+                listed: None,
                 queue: None,
                 metrics: None,
             })),
             calls: HashMap::new(),
             fetching: HashSet::new(),
             models_listed: false,
+            adapters: Vec::new(),
         }
     }
 
@@ -132,6 +138,10 @@ impl Root {
             return;
         };
         self.models_listed = true;
+        let names = list.models.iter().cloned().chain(list.adapters.iter().map(|a| a.name.clone())).collect();
+        self.shared.borrow_mut().listed = Some(names);
+        self.adapters = list.adapters;
+        self.link_adapters();
         for model in list.models {
             let loaded = self.shared.borrow().models.contains_key(&model);
             if !loaded && self.fetching.insert(model.clone()) {
@@ -149,7 +159,9 @@ impl Root {
         match loaded {
             Ok((block_size, tokenizer)) if block_size > 0 => {
                 log::info!("kvgate: tokenizer for {model:?} loaded (block size {block_size})");
-                self.shared.borrow_mut().models.insert(model, LoadedModel { tokenizer, block_size });
+                let loaded = LoadedModel { tokenizer: Rc::new(tokenizer), block_size, salt: Salt::NONE };
+                self.shared.borrow_mut().models.insert(model, loaded);
+                self.link_adapters();
             }
             Ok(_) => log::warn!("kvgate: bundle for {model:?} has block size 0"),
             Err(e) => {
@@ -157,6 +169,25 @@ impl Root {
                 // Retried on the next model listing.
                 self.models_listed = false;
             }
+        }
+    }
+}
+
+impl Root {
+    /// Makes every adapter whose base model is loaded routable: same tokenizer, salted hashes.
+    fn link_adapters(&mut self) {
+        let mut shared = self.shared.borrow_mut();
+        for adapter in &self.adapters {
+            if shared.models.contains_key(&adapter.name) {
+                continue;
+            }
+            let Some(base) = shared.models.get(&adapter.base) else { continue };
+            let loaded = LoadedModel {
+                tokenizer: base.tokenizer.clone(),
+                block_size: base.block_size,
+                salt: Salt::for_lora(Some(&adapter.name)),
+            };
+            shared.models.insert(adapter.name.clone(), loaded);
         }
     }
 }

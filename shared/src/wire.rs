@@ -97,8 +97,20 @@ pub struct LifecycleBatch {
 /// The models the sidecar routes for.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ModelList {
-    /// Model names, as clients put them in the OpenAI `model` field.
+    /// Base model names, as clients put them in the OpenAI `model` field.
     pub models: Vec<String>,
+    /// LoRA adapters: requested by name like a model, served by their base model's pool,
+    /// with block hashes salted by the adapter name (never matching the base model's).
+    pub adapters: Vec<Adapter>,
+}
+
+/// A LoRA adapter served by a base model's replicas.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Adapter {
+    /// The adapter's name (the request's `model`, and vLLM's `lora_name` in KV events).
+    pub name: String,
+    /// Its base model.
+    pub base: String,
 }
 
 /// Everything the filter needs to turn a request for `model` into block hashes.

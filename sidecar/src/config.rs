@@ -72,6 +72,11 @@ pub struct PoolConfig {
     /// How replicas are chosen (default `kv_aware`).
     #[serde(default)]
     pub policy: Policy,
+    /// LoRA adapters these replicas serve. A request for an adapter routes in this pool, and
+    /// its blocks (salted by the adapter name, as vLLM's `lora_name` salts stored events)
+    /// never match the base model's.
+    #[serde(default)]
+    pub adapters: Vec<String>,
     /// The replicas.
     pub replicas: Vec<ReplicaConfig>,
 }
@@ -218,8 +223,10 @@ impl Config {
         }
         let mut models = HashSet::new();
         for pool in &self.pools {
-            if !models.insert(pool.model.as_str()) {
-                bail!("model {:?} is configured twice", pool.model);
+            for name in std::iter::once(&pool.model).chain(&pool.adapters) {
+                if name.is_empty() || !models.insert(name.as_str()) {
+                    bail!("model or adapter name {name:?} is empty or configured twice");
+                }
             }
             if pool.block_size == 0 {
                 bail!("pool {:?}: block_size must be positive", pool.model);
@@ -332,6 +339,12 @@ mod tests {
         .is_err());
         assert!(load(&BASE.replace("tcp://", "http://"), &[]).is_err());
         assert!(load(&format!("bogus = 1\n{BASE}"), &[]).is_err(), "unknown keys are errors");
+        assert!(
+            load(&BASE.replace("block_size = 16", "block_size = 16\nadapters = [\"m\"]"), &[]).is_err(),
+            "adapter named like a model"
+        );
+        assert!(load(&BASE.replace("block_size = 16", "block_size = 16\nadapters = [\"a\", \"a\"]"), &[]).is_err());
+        assert!(load(&BASE.replace("block_size = 16", "block_size = 16\nadapters = [\"a\"]"), &[]).is_ok());
         assert!(load(&BASE.replace("127.0.0.1:8001", "not-an-address"), &[]).is_err());
     }
 }

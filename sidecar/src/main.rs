@@ -144,6 +144,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let pool = Arc::new(Pool::new(pool_config.clone(), bundle, metrics.clone()));
         pools.insert(pool_config.model.clone(), pool);
     }
+    let mut routes = pools.clone();
+    for pool in pools.values() {
+        for adapter in &pool.config.adapters {
+            routes.insert(adapter.clone(), pool.clone());
+        }
+    }
 
     let stop = Arc::new(AtomicBool::new(false));
     let zmq_ctx = zmq::Context::new();
@@ -179,6 +185,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 
     let state = Arc::new(api::AppState {
         pools,
+        routes,
         scoring: config.scoring.clone(),
         allow_request_overrides: config.allow_request_overrides,
         metrics,

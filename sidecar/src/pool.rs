@@ -437,6 +437,7 @@ mod tests {
             tokenizer: "unused".into(),
             block_size: 4,
             policy,
+            adapters: Vec::new(),
             replicas: (0..replicas)
                 .map(|i| ReplicaConfig {
                     id: format!("r{i}"),

@@ -132,6 +132,7 @@ impl Rig {
             tokenizer: "unused".into(),
             block_size: BS as u32,
             policy: Default::default(),
+            adapters: Vec::new(),
             replicas: vec![ReplicaConfig {
                 id: "a".into(),
                 endpoint: "127.0.0.1:1".parse().unwrap(),

@@ -136,6 +136,13 @@ fn malformed_json_reaches_the_engine() {
         assert_eq!(reply.json()["object"], "error");
     }
     assert!(stack.envoy_stat("wasmcustom.kvgate.requests.passthrough").unwrap() >= 3, "unroutable bodies are counted");
+    // A model kvgate does not route passes through untouched: the engine answers for it.
+    let before = stack.envoy_stat("wasmcustom.kvgate.requests.passthrough").unwrap();
+    let other = json!({"model": "someone-elses-model", "prompt": "hello", "max_tokens": 1}).to_string();
+    let reply = post(&stack.gateway("/v1/completions"), other, &[]).unwrap();
+    assert_eq!(reply.status, 404, "{}", reply.body);
+    assert_eq!(reply.header("x-kvgate-routed-to"), "fallback");
+    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.passthrough").unwrap(), before + 1);
 }
 
 fn replica_state(stack: &Stack, id: &str) -> Value {

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvgate_shared::codec;
-use kvgate_shared::wire::{LifecycleBatch, LifecycleKind, ModelList, RouteRequest, CONTENT_TYPE};
+use kvgate_shared::wire::{Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteRequest, CONTENT_TYPE};
 
 use crate::metrics::{FallbackLabels, Metrics, ReasonLabels};
 use crate::pool::Pool;
@@ -23,8 +23,10 @@ use crate::score::ScoringConfig;
 
 /// What every handler shares.
 pub struct AppState {
-    /// Pools by model name.
+    /// Pools by base model name.
     pub pools: HashMap<String, Arc<Pool>>,
+    /// Pools by every name a request may carry: base models and their LoRA adapters.
+    pub routes: HashMap<String, Arc<Pool>>,
     /// Cost-function knobs.
     pub scoring: ScoringConfig,
     /// Whether requests may override scoring knobs.
@@ -65,7 +67,7 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
-    let Some(pool) = state.pools.get(&req.model) else {
+    let Some(pool) = state.routes.get(&req.model) else {
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, format!("no pool for model {:?}", req.model));
     };
     let decision = match (&req.overrides, state.allow_request_overrides) {
@@ -95,7 +97,13 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let mut models: Vec<String> = state.pools.keys().cloned().collect();
     models.sort();
-    encoded(&ModelList { models })
+    let mut adapters: Vec<Adapter> = state
+        .pools
+        .values()
+        .flat_map(|p| p.config.adapters.iter().map(|a| Adapter { name: a.clone(), base: p.config.model.clone() }))
+        .collect();
+    adapters.sort_by(|a, b| a.name.cmp(&b.name));
+    encoded(&ModelList { models, adapters })
 }
 
 async fn tokenizer(State(state): State<Arc<AppState>>, Path(model): Path<String>) -> Response {
