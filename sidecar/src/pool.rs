@@ -69,14 +69,26 @@ pub struct Pool {
     pub bundle: Vec<u8>,
     metrics: Arc<Metrics>,
     started: Instant,
-    /// The last decisions with every candidate's cost terms (`/debug/explain`).
-    explanations: Mutex<VecDeque<Explanation>>,
+    /// The last decisions with every candidate's cost terms (`/debug/explain`), kept compact
+    /// (indices, not names) so that recording costs no allocation per candidate.
+    explanations: Mutex<VecDeque<Kept>>,
     /// The `round_robin` cursor.
     next: AtomicUsize,
 }
 
 /// Decisions kept for `/debug/explain`.
 const EXPLANATIONS: usize = 256;
+
+/// A kept decision, before names are attached.
+#[derive(Debug)]
+struct Kept {
+    request_id: String,
+    policy: Policy,
+    prompt_tokens: u64,
+    chosen: ReplicaIdx,
+    /// (cost inputs, logit, trusted) per replica.
+    candidates: Vec<(Candidate, f64, bool)>,
+}
 
 /// One candidate's cost terms in a decision.
 #[derive(Debug, Clone, Serialize)]
@@ -178,7 +190,32 @@ impl Pool {
     /// The kept decision for `request_id`, or the most recent `last` decisions (newest first).
     pub fn explain(&self, request_id: Option<&str>, last: usize) -> Vec<Explanation> {
         let kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
-        kept.iter().rev().filter(|e| request_id.is_none_or(|id| e.request_id == id)).take(last).cloned().collect()
+        let name = |i: ReplicaIdx| self.config.replicas[i].id.clone();
+        kept.iter()
+            .rev()
+            .filter(|e| request_id.is_none_or(|id| e.request_id == id))
+            .take(last)
+            .map(|k| Explanation {
+                request_id: k.request_id.clone(),
+                policy: k.policy,
+                prompt_tokens: k.prompt_tokens,
+                chosen: Some(name(k.chosen)),
+                candidates: k
+                    .candidates
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (c, logit, trusted))| CandidateTerms {
+                        replica: name(i),
+                        trusted: *trusted,
+                        overlap: c.overlap,
+                        prefill_tokens: c.prefill_tokens,
+                        decode_blocks: c.decode_blocks,
+                        requests: c.requests,
+                        logit: *logit,
+                    })
+                    .collect(),
+            })
+            .collect()
     }
 
     fn now_ms(&self) -> u64 {
@@ -333,24 +370,16 @@ impl Pool {
         let decision = DecisionLabels { model: labels.model, policy: policy_name, outcome: outcome.to_owned() };
         self.metrics.decisions.get_or_create(&decision).inc();
         self.metrics.chosen_overlap_blocks.observe(f64::from(candidates[best].overlap.device));
-        let explanation = Explanation {
+        let explanation = Kept {
             request_id: req.request_id.clone(),
             policy,
             prompt_tokens: u64::from(req.prompt_tokens),
-            chosen: Some(self.config.replicas[best].id.clone()),
+            chosen: best,
             candidates: candidates
                 .iter()
                 .zip(logits)
-                .enumerate()
-                .map(|(i, (c, logit))| CandidateTerms {
-                    replica: self.config.replicas[i].id.clone(),
-                    trusted: self.health[i].trusted(),
-                    overlap: c.overlap,
-                    prefill_tokens: c.prefill_tokens,
-                    decode_blocks: c.decode_blocks,
-                    requests: c.requests,
-                    logit: *logit,
-                })
+                .zip(&self.health)
+                .map(|((c, logit), h)| (*c, *logit, h.trusted()))
                 .collect(),
         };
         let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
@@ -363,9 +392,10 @@ impl Pool {
     /// Applies a lifecycle report. Returns false if the request is not booked in this pool.
     pub fn lifecycle(&self, request_id: &str, first_token: bool) -> bool {
         let mut load = self.load_table();
+        let replica = load.replica_of(request_id);
         let known = if first_token { load.prefill_done(request_id) } else { load.finish(request_id) };
-        for i in 0..self.config.replicas.len() {
-            self.publish_load(&load, i);
+        if let Some(r) = replica {
+            self.publish_load(&load, r);
         }
         known
     }

@@ -128,6 +128,11 @@ impl LoadTable {
         true
     }
 
+    /// The replica a request is booked on, if it is.
+    pub fn replica_of(&self, request_id: &str) -> Option<ReplicaIdx> {
+        self.bookings.get(request_id).map(|b| b.replica)
+    }
+
     /// The request produced its first token. Returns false if the id is unknown.
     pub fn prefill_done(&mut self, request_id: &str) -> bool {
         let Some(b) = self.bookings.get_mut(request_id) else { return false };

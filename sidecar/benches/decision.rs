@@ -1,0 +1,98 @@
+//! The full routing decision — hashes in, endpoint out, reservation made — at 8, 64 and 512
+//! replicas for 1k- and 8k-token prompts, against an index holding a realistic mix: every
+//! replica caches 64 prompts of the size measured, sharing 16-block group prefixes. Each
+//! decision's request ends right after, so load stays steady.
+//! Run: `cargo bench -p kvgate-sidecar --bench decision`.
+
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::wire::RouteRequest;
+use kvgate_sidecar::config::{EventsMode, Policy, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::index::{Store, Tier};
+use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::score::ScoringConfig;
+
+const BS: usize = 16;
+
+fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    (0..n as u64).map(|i| (seed.wrapping_mul(0x9e37_79b9).wrapping_add(i * 7919) % 150_000) as u32).collect()
+}
+
+fn pool(replicas: usize, prompt_tokens: usize) -> Pool {
+    let config = PoolConfig {
+        model: "m".into(),
+        tokenizer: "unused".into(),
+        block_size: BS as u32,
+        policy: Policy::KvAware,
+        adapters: Vec::new(),
+        replicas: (0..replicas)
+            .map(|i| ReplicaConfig {
+                id: format!("r{i}"),
+                endpoint: format!("10.0.{}.{}:8000", i / 250, i % 250 + 1).parse().expect("valid address"),
+                kv_events: "tcp://127.0.0.1:1".into(),
+                kv_events_mode: EventsMode::Connect,
+                kv_events_topic: String::new(),
+                kv_replay: None,
+            })
+            .collect(),
+    };
+    let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
+    {
+        let mut index = p.index_mut();
+        for r in 0..replicas {
+            for q in 0..64u64 {
+                let mut t = tokens(q % 8, 16 * BS);
+                t.extend(tokens(1_000_000 + r as u64 * 1000 + q, prompt_tokens - 16 * BS));
+                let engine: Vec<u64> = (0..t.len() / BS).map(|b| (r as u64) << 40 | q << 20 | b as u64).collect();
+                let store = Store {
+                    parent: None,
+                    engine_hashes: &engine,
+                    token_ids: &t[..engine.len() * BS],
+                    block_size: BS,
+                    salt: Salt::NONE,
+                    extra: &[],
+                    tier: Tier::Device,
+                };
+                index.store(r, store).expect("consistent");
+            }
+        }
+    }
+    p
+}
+
+fn bench(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decision");
+    group.sample_size(20);
+    let scoring = ScoringConfig::default();
+    for prompt_tokens in [1024usize, 8192] {
+        for replicas in [8usize, 64, 512] {
+            let p = pool(replicas, prompt_tokens);
+            // A prompt sharing a group prefix with every replica, then new content.
+            let mut t = tokens(3, 16 * BS);
+            t.extend(tokens(42, prompt_tokens - 16 * BS));
+            let request = RouteRequest {
+                request_id: "bench".into(),
+                model: "m".into(),
+                prompt_tokens: prompt_tokens as u32,
+                block_hashes: prompt_block_hashes(&t, BS, Salt::NONE),
+                block_size: BS as u32,
+                session: None,
+                overrides: None,
+            };
+            group.bench_function(BenchmarkId::new(format!("{prompt_tokens}_tokens"), replicas), |b| {
+                b.iter(|| {
+                    let decision = p.route(&request, &scoring);
+                    p.lifecycle("bench", false);
+                    decision
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
