@@ -100,11 +100,6 @@ impl ModelTokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String, PromptError> {
         self.tokenizer.decode(ids, true).map_err(|e| PromptError::Tokenizer(e.to_string()))
     }
-
-    /// The vocabulary size including added tokens.
-    pub fn vocab_size(&self) -> usize {
-        self.tokenizer.get_vocab_size(true)
-    }
 }
 
 /// The head of a prompt, tokenized.

@@ -247,11 +247,6 @@ impl KvIndex {
         }
     }
 
-    /// The number of replicas.
-    pub fn replica_count(&self) -> usize {
-        self.replicas.len()
-    }
-
     /// The sequence hash of a replica's engine block, on any tier.
     fn lookup(&self, replica: ReplicaIdx, engine_hash: u64) -> Option<u64> {
         self.replicas[replica].tiers.iter().find_map(|t| t.seq.get(&engine_hash)).copied()
