@@ -100,7 +100,6 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Respons
         }
         Err(e) => return error(&state, StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", e.to_string()),
     };
-    let stream_usage = body_flag(&body, &["stream_options", "include_usage"]);
     let mut running = match state.engine.prefill(&tokens).await {
         Ok(r) => r,
         Err(_) => {
@@ -120,7 +119,8 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Respons
     let id =
         format!("{}-{:016x}", if endpoint == Endpoint::Completions { "cmpl" } else { "chatcmpl" }, rng.random::<u64>());
     if request.stream {
-        stream(state, endpoint, request, id, output, usage, stream_usage, running)
+        let include_usage = request.include_usage;
+        stream(state, endpoint, request, id, output, usage, include_usage, running)
     } else {
         for token in &output {
             running.decode(*token).await;
@@ -158,14 +158,6 @@ impl Usage {
         }
         u
     }
-}
-
-fn body_flag(body: &[u8], path: &[&str]) -> bool {
-    let Ok(mut v) = serde_json::from_slice::<Value>(body) else { return false };
-    for key in path {
-        v = v.get(*key).cloned().unwrap_or(Value::Null);
-    }
-    v.as_bool().unwrap_or(false)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -61,6 +61,8 @@ pub struct ParsedRequest {
     pub max_tokens: Option<u32>,
     /// Whether the response streams (SSE).
     pub stream: bool,
+    /// `stream_options.include_usage`: a final SSE chunk carries `usage`.
+    pub include_usage: bool,
     /// The body's `session_id`, else `user`: a session key for sticky policies.
     pub session: Option<String>,
 }
@@ -87,12 +89,14 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
         .find_map(|k| obj.get(*k).and_then(Value::as_u64))
         .map(|n| n.min(u32::MAX as u64) as u32);
     let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage =
+        obj.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
     let session = ["session_id", "user"].iter().find_map(|k| obj.get(*k).and_then(Value::as_str)).map(str::to_owned);
     let (prompt, prompt_count) = match endpoint {
         Endpoint::Completions => completion_prompt(&obj)?,
         Endpoint::ChatCompletions => (Prompt::Chat(chat::ChatInput::from_request(&obj)?), 1),
     };
-    Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, session })
+    Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, include_usage, session })
 }
 
 fn completion_prompt(obj: &Map<String, Value>) -> Result<(Prompt, usize), PromptError> {
@@ -155,7 +159,11 @@ mod tests {
         assert_eq!((r.prompt_count, r.prompt), (3, Prompt::Text { text: "a".into(), add_special_tokens: true }));
         let r = completion(r#"{"model":"m","prompt":[[7,8],[9]]}"#).unwrap();
         assert_eq!((r.prompt_count, r.prompt), (2, Prompt::Tokens(vec![7, 8])));
+        let r =
+            completion(r#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#).unwrap();
+        assert!(r.include_usage);
         let r = completion(r#"{"model":"m","prompt":"x","user":"u1"}"#).unwrap();
+        assert!(!r.include_usage);
         assert_eq!(r.session.as_deref(), Some("u1"));
         let r = completion(r#"{"model":"m","prompt":"x","add_special_tokens":false,"unknown":{"a":1}}"#).unwrap();
         assert_eq!(r.prompt, Prompt::Text { text: "x".into(), add_special_tokens: false });
