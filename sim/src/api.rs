@@ -1,16 +1,19 @@
 //! vLLM's OpenAI-compatible API, as far as kvgate needs it: completions and chat completions
-//! (streaming or not, with `usage`), `/v1/models`, `/health`, `/metrics`, `/reset_prefix_cache`.
+//! (streaming or not, with `usage`), `/v1/models`, `/health`, `/tokenize`, `/metrics`,
+//! `/reset_prefix_cache`.
 //!
-//! Every response carries `x-kvgate-replica: <id>` so tests can see who served it.
+//! Every response carries `x-kvgate-replica: <id>` so tests can see who served it. A request
+//! goes to the data-parallel rank named by `X-data-parallel-rank`, else to the next in turn.
+//! Output tokens are seeded by `--seed` and the request body, and there are always exactly
+//! `max_tokens` of them (the simulator never samples EOS, as with `ignore_eos`).
 
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -21,13 +24,16 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::engine::Engine;
+use crate::engine::{Engine, SubmitError};
 use crate::kv_events::Chaos;
+use crate::scheduler::Emitted;
 
 /// The header naming the replica that served a response.
 pub const REPLICA_HEADER: &str = "x-kvgate-replica";
 /// vLLM's default `max_tokens` for completions (used for chat too).
 const DEFAULT_MAX_TOKENS: u32 = 16;
+/// The header that picks a data-parallel rank (vLLM's).
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 /// What the handlers share.
 pub struct AppState {
@@ -43,6 +49,8 @@ pub struct AppState {
     pub seed: u64,
     /// Whether `usage.prompt_tokens_details.cached_tokens` is reported.
     pub prompt_tokens_details: bool,
+    /// The longest sequence the cache can hold (reported by `/tokenize`).
+    pub max_model_len: usize,
 }
 
 /// The routes.
@@ -52,6 +60,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
+        .route("/tokenize", post(tokenize))
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/_chaos/events", post(chaos_events))
@@ -72,74 +81,97 @@ fn error(state: &AppState, status: StatusCode, kind: &str, message: String) -> R
     tagged(state, (status, Json(body)).into_response())
 }
 
-async fn completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    serve(state, Endpoint::Completions, body).await
+async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(state, Endpoint::Completions, &headers, body).await
 }
 
-async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    serve(state, Endpoint::ChatCompletions, body).await
+async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(state, Endpoint::ChatCompletions, &headers, body).await
 }
 
 fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-async fn serve(state: Arc<AppState>, endpoint: Endpoint, body: Bytes) -> Response {
-    let request = match parse(endpoint, &body) {
-        Ok(r) => r,
-        Err(e) => return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()),
-    };
+/// Parses, checks the model and tokenizes a request the way vLLM's server does.
+fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<(ParsedRequest, Vec<u32>), Response> {
+    let request =
+        parse(endpoint, body).map_err(|e| error(state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()))?;
     if request.model != state.model {
         let msg = format!("The model `{}` does not exist.", request.model);
-        return error(&state, StatusCode::NOT_FOUND, "NotFoundError", msg);
+        return Err(error(state, StatusCode::NOT_FOUND, "NotFoundError", msg));
     }
     let tokens = match state.tokenizer.prompt_tokens(&request) {
+        Ok(t) if t.is_empty() => {
+            return Err(error(state, StatusCode::BAD_REQUEST, "BadRequestError", "the prompt is empty".into()))
+        }
         Ok(t) => t,
         Err(e @ (PromptError::Invalid(_) | PromptError::Template(_) | PromptError::NoTemplate)) => {
-            return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string())
+            return Err(error(state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()))
         }
-        Err(e) => return error(&state, StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", e.to_string()),
+        Err(e) => return Err(error(state, StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", e.to_string())),
     };
-    let mut running = match state.engine.prefill(&tokens).await {
+    Ok((request, tokens))
+}
+
+async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Bytes) -> Response {
+    let (request, tokens) = match prompt_tokens(&state, endpoint, &body) {
         Ok(r) => r,
-        Err(_) => {
-            let msg = "not enough free KV cache blocks".to_owned();
-            return error(&state, StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError", msg);
+        Err(response) => return response,
+    };
+    let requested = match headers.get(DP_RANK_HEADER).map(|v| v.to_str().ok().and_then(|v| v.trim().parse().ok())) {
+        None => None,
+        Some(Some(rank)) => Some(rank),
+        Some(None) => {
+            let msg = format!("{DP_RANK_HEADER} must be a rank number");
+            return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", msg);
         }
     };
-    let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    let Some(rank) = state.engine.pick(requested) else {
+        let msg = format!("data-parallel rank {requested:?} out of range (size {})", state.engine.ranks().len());
+        return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", msg);
+    };
+    let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS).max(1);
     let mut rng = rand::rngs::StdRng::seed_from_u64(state.seed ^ xxh3_64(&body));
     let output: Vec<u32> = (0..max_tokens).map(|_| rng.random_range(1000..9000)).collect();
-    let usage = Usage {
-        prompt: tokens.len(),
-        completion: output.len(),
-        cached: running.cached_tokens,
-        details: state.prompt_tokens_details,
+    let prompt_len = tokens.len();
+    let mut tokens_rx = match state.engine.submit(rank, tokens, output) {
+        Ok(rx) => rx,
+        Err(e @ SubmitError::TooLong { .. }) => {
+            return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string())
+        }
+        Err(e @ SubmitError::Stopped) => {
+            return error(&state, StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError", e.to_string())
+        }
     };
     let id =
         format!("{}-{:016x}", if endpoint == Endpoint::Completions { "cmpl" } else { "chatcmpl" }, rng.random::<u64>());
     if request.stream {
-        let include_usage = request.include_usage;
-        stream(state, endpoint, request, id, output, usage, include_usage, running)
-    } else {
-        for token in &output {
-            running.decode(*token).await;
-        }
-        drop(running);
-        let text = state.tokenizer.decode(&output).unwrap_or_default();
-        let choice = match endpoint {
-            Endpoint::Completions => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null})
-            }
-            Endpoint::ChatCompletions => {
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length", "stop_reason": null})
-            }
-        };
-        let object = if endpoint == Endpoint::Completions { "text_completion" } else { "chat.completion" };
-        let body = json!({"id": id, "object": object, "created": unix_now(), "model": request.model,
-            "choices": [choice], "usage": usage.json()});
-        tagged(&state, Json(body).into_response())
+        return stream(state, endpoint, request, id, prompt_len, tokens_rx);
     }
+    let mut output = Vec::new();
+    let mut cached = 0;
+    while let Some(e) = tokens_rx.recv().await {
+        output.push(e.token);
+        cached = e.cached_tokens;
+        if e.finished {
+            break;
+        }
+    }
+    let usage = Usage { prompt: prompt_len, completion: output.len(), cached, details: state.prompt_tokens_details };
+    let text = state.tokenizer.decode(&output).unwrap_or_default();
+    let choice = match endpoint {
+        Endpoint::Completions => {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null})
+        }
+        Endpoint::ChatCompletions => {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length", "stop_reason": null})
+        }
+    };
+    let object = if endpoint == Endpoint::Completions { "text_completion" } else { "chat.completion" };
+    let body = json!({"id": id, "object": object, "created": unix_now(), "model": request.model,
+        "choices": [choice], "usage": usage.json()});
+    tagged(&state, Json(body).into_response())
 }
 
 /// `usage`, vLLM style.
@@ -160,21 +192,19 @@ impl Usage {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn stream(
     state: Arc<AppState>,
     endpoint: Endpoint,
     request: ParsedRequest,
     id: String,
-    output: Vec<u32>,
-    usage: Usage,
-    include_usage: bool,
-    running: crate::engine::Running,
+    prompt_len: usize,
+    mut tokens_rx: tokio::sync::mpsc::UnboundedReceiver<Emitted>,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
     let worker = state.clone();
     tokio::spawn(async move {
-        let mut running = running; // blocks are freed when this task ends, even on disconnect
+        // When the client goes away, this task ends and drops `tokens_rx`: the engine aborts
+        // the request and frees its blocks.
         let created = unix_now();
         let object = if endpoint == Endpoint::Completions { "text_completion" } else { "chat.completion.chunk" };
         let chunk = |choices: Value| -> Bytes {
@@ -190,23 +220,26 @@ fn stream(
                 json!([{"index": 0, "delta": {"content": delta}, "logprobs": null, "finish_reason": finish}])
             }
         };
-        if endpoint == Endpoint::ChatCompletions {
-            let first = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-            if tx.send(chunk(first)).await.is_err() {
-                return;
+        let mut usage = Usage { prompt: prompt_len, completion: 0, cached: 0, details: worker.prompt_tokens_details };
+        while let Some(e) = tokens_rx.recv().await {
+            if e.index == 1 && endpoint == Endpoint::ChatCompletions {
+                let first = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+                if tx.send(chunk(first)).await.is_err() {
+                    return;
+                }
             }
-        }
-        for (i, token) in output.iter().enumerate() {
-            if i > 0 {
-                running.decode(*token).await;
-            }
-            let text = worker.tokenizer.decode(&[*token]).unwrap_or_default();
-            let finish = if i + 1 == output.len() { json!("length") } else { Value::Null };
+            usage.completion = e.index;
+            usage.cached = e.cached_tokens;
+            let text = worker.tokenizer.decode(&[e.token]).unwrap_or_default();
+            let finish = if e.finished { json!("length") } else { Value::Null };
             if tx.send(chunk(piece(&text, finish))).await.is_err() {
                 return;
             }
+            if e.finished {
+                break;
+            }
         }
-        if include_usage {
+        if request.include_usage {
             let mut body =
                 json!({"id": id, "object": object, "created": created, "model": request.model, "choices": []});
             body["usage"] = usage.json();
@@ -224,27 +257,32 @@ fn stream(
     tagged(&state, response)
 }
 
+/// vLLM's `/tokenize`: `{"prompt": …}` tokenizes like completions (special tokens added),
+/// `{"messages": …}` like chat (template rendered, generation prompt added by default).
+async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let is_chat = serde_json::from_slice::<Value>(&body).ok().is_some_and(|v| v.get("messages").is_some());
+    let endpoint = if is_chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
+    match prompt_tokens(&state, endpoint, &body) {
+        Ok((_, tokens)) => {
+            let body = json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": null});
+            tagged(&state, Json(body).into_response())
+        }
+        Err(response) => response,
+    }
+}
+
 async fn models(State(state): State<Arc<AppState>>) -> Response {
     let body = json!({"object": "list", "data": [{"id": state.model, "object": "model", "owned_by": "kvgate-sim"}]});
     tagged(&state, Json(body).into_response())
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let s = &state.engine.stats;
-    let m = &state.model;
-    let text = format!(
-        "vllm:num_requests_running{{model_name=\"{m}\"}} {}\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {}\nvllm:kv_cache_usage_perc{{model_name=\"{m}\"}} {}\nvllm:prefix_cache_queries_total{{model_name=\"{m}\"}} {}\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n",
-        s.running.load(Ordering::Relaxed),
-        s.waiting.load(Ordering::Relaxed),
-        state.engine.cache_usage(),
-        s.prefix_queries.load(Ordering::Relaxed),
-        s.prefix_hits.load(Ordering::Relaxed),
-    );
+    let text = crate::metrics::render(&state.model, state.engine.ranks());
     tagged(&state, ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 
 async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Response {
-    if state.engine.reset_prefix_cache() {
+    if state.engine.reset_prefix_cache().await {
         tagged(&state, StatusCode::OK.into_response())
     } else {
         error(&state, StatusCode::CONFLICT, "ConflictError", "requests are running".into())
@@ -255,7 +293,9 @@ async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Response {
 async fn chaos_events(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     match serde_json::from_slice::<Chaos>(&body) {
         Ok(chaos) => {
-            state.engine.publisher().set_chaos(chaos);
+            for rank in state.engine.ranks() {
+                rank.publisher().set_chaos(chaos);
+            }
             tagged(&state, Json(chaos).into_response())
         }
         Err(e) => error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()),
@@ -264,6 +304,8 @@ async fn chaos_events(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
 
 /// Restarts the event publisher: seq back to 0, replay buffer emptied.
 async fn restart_publisher(State(state): State<Arc<AppState>>) -> Response {
-    state.engine.publisher().restart();
+    for rank in state.engine.ranks() {
+        rank.publisher().restart();
+    }
     tagged(&state, StatusCode::OK.into_response())
 }

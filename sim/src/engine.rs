@@ -1,152 +1,267 @@
-//! The engine: a KV cache, a time model and the event publisher.
+//! The engine: one [`Scheduler`] per data-parallel rank, each driven by its own task in
+//! (optionally sped-up) wall-clock time, publishing its KV events after every step.
 //!
-//! Time model (simple on purpose; continuous batching comes later):
-//! - prefills run one at a time (they are compute-bound) and take
-//!   `prefill_us_per_token × uncached prompt tokens`, so a cache hit shortens TTFT and a busy
-//!   replica makes newcomers wait;
-//! - each output token takes `decode_us_per_token`, concurrently across requests.
+//! A rank's loop: take new requests, run a step, sleep until the step's simulated end
+//! (`duration / speedup` of wall time, against an absolute deadline so timer slack does not
+//! accumulate), publish the step's events, hand each produced token to its request. A
+//! request whose client went away is aborted and its blocks freed.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::kv_cache::{Allocation, KvCache, OutOfBlocks};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::kv_cache::KvCache;
 use crate::kv_events::Publisher;
+use crate::metrics::Histogram;
+use crate::scheduler::{Emitted, Limits, Scheduler, SeqId};
+use crate::time_model::StepCost;
 use crate::vllm_hash::VllmHasher;
 
-/// Engine settings.
+/// Engine settings (per rank: every rank gets the same).
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// Tokens per KV block.
     pub block_size: usize,
-    /// Blocks in the cache.
-    pub num_blocks: usize,
-    /// Prefill cost per uncached prompt token.
-    pub prefill_us_per_token: u64,
-    /// Decode cost per output token.
-    pub decode_us_per_token: u64,
+    /// GPU blocks per rank.
+    pub num_gpu_blocks: usize,
+    /// CPU offload blocks per rank (0: no CPU tier).
+    pub cpu_offload_blocks: usize,
+    /// Batch limits.
+    pub limits: Limits,
+    /// The step-time model.
+    pub cost: StepCost,
+    /// Simulated time runs this many times faster than the wall clock.
+    pub speedup: f64,
     /// vLLM's block hasher.
     pub hasher: VllmHasher,
 }
 
-/// Counters in vLLM's terms.
+/// A rank's live numbers, for `/metrics`.
 #[derive(Debug, Default)]
-pub struct EngineStats {
-    /// Requests between admission and finish.
+pub struct RankStats {
+    /// Sequences running.
     pub running: AtomicU64,
-    /// Requests waiting for the prefill lane.
+    /// Sequences waiting.
     pub waiting: AtomicU64,
-    /// Prompt tokens queried against the prefix cache.
+    /// GPU cache usage, as `f64` bits.
+    pub usage_bits: AtomicU64,
+    /// Prompt tokens looked up.
     pub prefix_queries: AtomicU64,
-    /// Prompt tokens served from the prefix cache.
+    /// Prompt tokens found.
     pub prefix_hits: AtomicU64,
+    /// Preemptions.
+    pub preemptions: AtomicU64,
+    /// Time to first token, in simulated seconds.
+    pub ttft: Mutex<Histogram>,
 }
 
-/// One simulated engine.
+impl RankStats {
+    /// GPU cache usage in [0, 1].
+    pub fn usage(&self) -> f64 {
+        f64::from_bits(self.usage_bits.load(Ordering::Relaxed))
+    }
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The prompt (plus its output) can never fit in the cache.
+    #[error("the request needs {needed} KV blocks but the cache has {available}")]
+    TooLong {
+        /// Blocks needed.
+        needed: usize,
+        /// Blocks in the cache.
+        available: usize,
+    },
+    /// The rank's loop is gone (the process is shutting down).
+    #[error("the engine is shutting down")]
+    Stopped,
+}
+
+enum Command {
+    Submit { prompt: Vec<u32>, output: Vec<u32>, arrived: Instant, reply: mpsc::UnboundedSender<Emitted> },
+    Reset(oneshot::Sender<bool>),
+}
+
+/// One data-parallel rank.
+pub struct Rank {
+    commands: mpsc::UnboundedSender<Command>,
+    publisher: Publisher,
+    /// Live numbers.
+    pub stats: Arc<RankStats>,
+}
+
+/// The engine: its ranks and the round-robin cursor over them.
 pub struct Engine {
     config: EngineConfig,
-    cache: Mutex<KvCache>,
-    prefill_lane: tokio::sync::Mutex<()>,
-    publisher: Publisher,
-    /// Counters.
-    pub stats: EngineStats,
-}
-
-/// A request holding KV blocks; they are released when it is dropped (finished or abandoned).
-pub struct Running {
-    engine: Arc<Engine>,
-    alloc: Option<Allocation>,
-    /// Prompt and output tokens so far.
-    tokens: Vec<u32>,
-    /// Prompt tokens that were served from the cache.
-    pub cached_tokens: usize,
-}
-
-impl Running {
-    /// Produces one output token: waits one decode step, then appends it. A block the token
-    /// completes is committed and published (`BlockStored`), as vLLM does during decode.
-    pub async fn decode(&mut self, token: u32) {
-        tokio::time::sleep(Duration::from_micros(self.engine.config.decode_us_per_token)).await;
-        self.tokens.push(token);
-        let Some(alloc) = self.alloc.as_mut() else { return };
-        let mut events = Vec::new();
-        {
-            let mut cache = self.engine.cache();
-            // Out of blocks: vLLM would preempt; the simulator just stops caching the output.
-            if self.tokens.len() <= cache.capacity(alloc) || cache.grow(alloc, &mut events).is_ok() {
-                cache.commit(alloc, &self.tokens, &mut events);
-            }
-        }
-        self.engine.publisher.publish(events);
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(alloc) = self.alloc.take() {
-            let mut events = Vec::new();
-            self.engine.cache().free(alloc, &mut events);
-            self.engine.publisher.publish(events);
-        }
-        self.engine.stats.running.fetch_sub(1, Ordering::Relaxed);
-    }
+    ranks: Vec<Rank>,
+    next: AtomicUsize,
 }
 
 impl Engine {
-    /// A new engine publishing on `publisher`.
-    pub fn new(config: EngineConfig, publisher: Publisher) -> Engine {
-        Engine {
-            cache: Mutex::new(KvCache::new(config.block_size, config.num_blocks, config.hasher.clone())),
-            config,
-            prefill_lane: tokio::sync::Mutex::new(()),
-            publisher,
-            stats: EngineStats::default(),
+    /// Starts one loop per publisher (one per rank). Must run inside a tokio runtime.
+    pub fn start(config: EngineConfig, publishers: Vec<Publisher>) -> Engine {
+        let ranks = publishers
+            .into_iter()
+            .map(|publisher| {
+                let (tx, rx) = mpsc::unbounded_channel();
+                let stats = Arc::new(RankStats::default());
+                let cache =
+                    KvCache::new(config.block_size, config.num_gpu_blocks, config.cpu_offload_blocks, config.hasher.clone());
+                let scheduler = Scheduler::new(config.limits, config.cost, cache);
+                tokio::spawn(run(scheduler, rx, publisher.clone(), stats.clone(), config.speedup));
+                Rank { commands: tx, publisher, stats }
+            })
+            .collect();
+        Engine { config, ranks, next: AtomicUsize::new(0) }
+    }
+
+    /// The ranks.
+    pub fn ranks(&self) -> &[Rank] {
+        &self.ranks
+    }
+
+    /// Picks a rank: the requested one (`X-data-parallel-rank`), or the next in turn.
+    pub fn pick(&self, requested: Option<usize>) -> Option<&Rank> {
+        match requested {
+            Some(r) => self.ranks.get(r),
+            None => self.ranks.get(self.next.fetch_add(1, Ordering::Relaxed) % self.ranks.len()),
         }
     }
 
-    fn cache(&self) -> MutexGuard<'_, KvCache> {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Admits a prompt and runs its prefill; returns when the first token is due.
-    pub async fn prefill(self: &Arc<Self>, tokens: &[u32]) -> Result<Running, OutOfBlocks> {
-        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
-        let lane = self.prefill_lane.lock().await;
-        self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-        let mut events = Vec::new();
-        let alloc = self.cache().allocate(tokens, &mut events);
-        self.publisher.publish(std::mem::take(&mut events));
-        let alloc = alloc?;
-        self.stats.running.fetch_add(1, Ordering::Relaxed);
-        let cached_tokens = alloc.cached_tokens;
-        self.stats.prefix_queries.fetch_add(tokens.len() as u64, Ordering::Relaxed);
-        self.stats.prefix_hits.fetch_add(cached_tokens as u64, Ordering::Relaxed);
-        let mut running = Running { engine: self.clone(), alloc: Some(alloc), tokens: tokens.to_vec(), cached_tokens };
-        let uncached = (tokens.len() - cached_tokens) as u64;
-        tokio::time::sleep(Duration::from_micros(uncached * self.config.prefill_us_per_token)).await;
-        drop(lane);
-        if let Some(alloc) = running.alloc.as_mut() {
-            self.cache().commit(alloc, tokens, &mut events);
+    /// Queues a request on `rank`; its tokens arrive on the returned channel.
+    pub fn submit(
+        &self,
+        rank: &Rank,
+        prompt: Vec<u32>,
+        output: Vec<u32>,
+    ) -> Result<mpsc::UnboundedReceiver<Emitted>, SubmitError> {
+        let needed = (prompt.len() + output.len() - 1).div_ceil(self.config.block_size);
+        if needed > self.config.num_gpu_blocks {
+            return Err(SubmitError::TooLong { needed, available: self.config.num_gpu_blocks });
         }
-        self.publisher.publish(events);
-        Ok(running)
+        let (reply, rx) = mpsc::unbounded_channel();
+        rank.commands
+            .send(Command::Submit { prompt, output, arrived: Instant::now(), reply })
+            .map_err(|_| SubmitError::Stopped)?;
+        Ok(rx)
     }
 
-    /// The event publisher (for fault injection).
+    /// Resets every rank's prefix cache; false if any rank has requests holding blocks.
+    pub async fn reset_prefix_cache(&self) -> bool {
+        let mut ok = true;
+        for rank in &self.ranks {
+            let (tx, rx) = oneshot::channel();
+            ok &= rank.commands.send(Command::Reset(tx)).is_ok() && rx.await.unwrap_or(false);
+        }
+        ok
+    }
+}
+
+impl Rank {
+    /// The rank's event publisher (for fault injection).
     pub fn publisher(&self) -> &Publisher {
         &self.publisher
     }
+}
 
-    /// Resets the prefix cache (`AllBlocksCleared`). Fails while requests hold blocks.
-    pub fn reset_prefix_cache(&self) -> bool {
+/// A request in flight: where its tokens go, and when it arrived.
+struct Client {
+    reply: mpsc::UnboundedSender<Emitted>,
+    arrived: Instant,
+}
+
+/// Steps later than this behind the simulated clock restart it rather than run back to back.
+const MAX_LAG: Duration = Duration::from_millis(5);
+
+async fn run(
+    mut scheduler: Scheduler,
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    publisher: Publisher,
+    stats: Arc<RankStats>,
+    speedup: f64,
+) {
+    let mut clients: HashMap<SeqId, Client> = HashMap::new();
+    // Wall-clock instant at which the current busy period's simulated time would be 0.
+    let mut epoch: Option<Instant> = None;
+    let mut simulated = Duration::ZERO;
+    loop {
+        if scheduler.is_idle() {
+            epoch = None;
+            match commands.recv().await {
+                Some(c) => handle(c, &mut scheduler, &mut clients, &publisher),
+                None => return,
+            }
+        }
+        while let Ok(c) = commands.try_recv() {
+            handle(c, &mut scheduler, &mut clients, &publisher);
+        }
+        let out = scheduler.step();
+        if out.duration_us == 0.0 {
+            // Nothing schedulable: wait for the next command rather than spin.
+            publisher.publish(out.events);
+            match commands.recv().await {
+                Some(c) => handle(c, &mut scheduler, &mut clients, &publisher),
+                None => return,
+            }
+            continue;
+        }
+        let now = Instant::now();
+        let start = epoch.get_or_insert_with(|| {
+            simulated = Duration::ZERO;
+            now
+        });
+        let step = Duration::from_secs_f64(out.duration_us / 1e6 / speedup);
+        simulated += step;
+        let mut deadline = *start + simulated;
+        if now > deadline + MAX_LAG {
+            // The host fell behind (a slow step, a busy machine): carry on from now.
+            deadline = now + step;
+            *start = deadline.checked_sub(simulated).unwrap_or(now);
+        }
+        tokio::time::sleep_until(deadline).await;
+        publisher.publish(out.events);
         let mut events = Vec::new();
-        let ok = self.cache().reset(&mut events);
-        self.publisher.publish(events);
-        ok
+        for e in out.emitted {
+            let Some(client) = clients.get(&e.id) else { continue };
+            if e.index == 1 {
+                let ttft = client.arrived.elapsed().as_secs_f64() * speedup;
+                stats.ttft.lock().unwrap_or_else(|p| p.into_inner()).observe(ttft);
+            }
+            if client.reply.send(e).is_err() {
+                events.extend(scheduler.abort(e.id));
+                clients.remove(&e.id);
+            } else if e.finished {
+                clients.remove(&e.id);
+            }
+        }
+        publisher.publish(events);
+        let c = scheduler.counters();
+        stats.running.store(scheduler.num_running() as u64, Ordering::Relaxed);
+        stats.waiting.store(scheduler.num_waiting() as u64, Ordering::Relaxed);
+        stats.usage_bits.store(scheduler.cache_usage().to_bits(), Ordering::Relaxed);
+        stats.prefix_queries.store(c.prefix_queries, Ordering::Relaxed);
+        stats.prefix_hits.store(c.prefix_hits, Ordering::Relaxed);
+        stats.preemptions.store(c.preemptions, Ordering::Relaxed);
     }
+}
 
-    /// Fraction of KV blocks in use.
-    pub fn cache_usage(&self) -> f64 {
-        self.cache().usage()
+fn handle(c: Command, scheduler: &mut Scheduler, clients: &mut HashMap<SeqId, Client>, publisher: &Publisher) {
+    match c {
+        Command::Submit { prompt, output, arrived, reply } => {
+            // Size was checked by `Engine::submit`; a refusal here just closes the channel.
+            if let Ok(id) = scheduler.add(prompt, output) {
+                clients.insert(id, Client { reply, arrived });
+            }
+        }
+        Command::Reset(done) => {
+            let (ok, events) = scheduler.reset_prefix_cache();
+            publisher.publish(events);
+            let _ = done.send(ok);
+        }
     }
 }

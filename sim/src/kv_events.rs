@@ -21,14 +21,37 @@ pub enum Event {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: u32,
+        /// The tier that now holds them.
+        medium: Medium,
     },
     /// Blocks evicted.
     BlockRemoved {
         /// Their engine hashes.
         block_hashes: Vec<u64>,
+        /// The tier they left.
+        medium: Medium,
     },
     /// The prefix cache was reset.
     AllBlocksCleared,
+}
+
+/// A cache tier, as vLLM names it in `medium`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Medium {
+    /// GPU memory (`"GPU"`), where the engine computes.
+    Gpu,
+    /// The CPU offload tier (`"CPU"`).
+    Cpu,
+}
+
+impl Medium {
+    /// vLLM's constant.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+        }
+    }
 }
 
 fn write_str(buf: &mut Vec<u8>, s: &str) {
@@ -67,7 +90,7 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding)
             continue;
         }
         match event {
-            Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size } => {
+            Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium } => {
                 // msgspec sizes the header by the struct's field count: map16.
                 buf.extend_from_slice(&[0xde, 0x00, 11]);
                 write_str(&mut buf, "type");
@@ -86,7 +109,7 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding)
                 write_str(&mut buf, "lora_id");
                 let _ = mp::write_nil(&mut buf);
                 write_str(&mut buf, "medium");
-                write_str(&mut buf, "GPU");
+                write_str(&mut buf, medium.as_str());
                 write_str(&mut buf, "lora_name");
                 let _ = mp::write_nil(&mut buf);
                 write_str(&mut buf, "extra_keys");
@@ -99,14 +122,14 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding)
                 write_str(&mut buf, "kv_cache_spec_kind");
                 write_str(&mut buf, "full_attention");
             }
-            Event::BlockRemoved { block_hashes } => {
+            Event::BlockRemoved { block_hashes, medium } => {
                 let _ = mp::write_map_len(&mut buf, 4);
                 write_str(&mut buf, "type");
                 write_str(&mut buf, "BlockRemoved");
                 write_str(&mut buf, "block_hashes");
                 write_u64s(&mut buf, block_hashes.iter().copied());
                 write_str(&mut buf, "medium");
-                write_str(&mut buf, "GPU");
+                write_str(&mut buf, medium.as_str());
                 write_str(&mut buf, "group_idx");
                 let _ = mp::write_uint(&mut buf, 0);
             }
@@ -124,7 +147,7 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding)
 /// vLLM 0.22's positional events: `BlockStored` has 12 elements, `BlockRemoved` 4.
 fn encode_positional(buf: &mut Vec<u8>, event: &Event) {
     match event {
-        Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size } => {
+        Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium } => {
             let _ = mp::write_array_len(buf, 12);
             write_str(buf, "BlockStored");
             write_u64s(buf, block_hashes.iter().copied());
@@ -135,7 +158,7 @@ fn encode_positional(buf: &mut Vec<u8>, event: &Event) {
             write_u64s(buf, token_ids.iter().map(|t| u64::from(*t)));
             let _ = mp::write_uint(buf, u64::from(*block_size));
             let _ = mp::write_nil(buf); // lora_id
-            write_str(buf, "GPU");
+            write_str(buf, medium.as_str());
             let _ = mp::write_nil(buf); // lora_name
             let _ = mp::write_array_len(buf, block_hashes.len() as u32);
             for _ in block_hashes {
@@ -145,11 +168,11 @@ fn encode_positional(buf: &mut Vec<u8>, event: &Event) {
             write_str(buf, "full_attention");
             let _ = mp::write_nil(buf); // kv_cache_spec_sliding_window
         }
-        Event::BlockRemoved { block_hashes } => {
+        Event::BlockRemoved { block_hashes, medium } => {
             let _ = mp::write_array_len(buf, 4);
             write_str(buf, "BlockRemoved");
             write_u64s(buf, block_hashes.iter().copied());
-            write_str(buf, "GPU");
+            write_str(buf, medium.as_str());
             let _ = mp::write_uint(buf, 0);
         }
         Event::AllBlocksCleared => {
@@ -196,6 +219,26 @@ pub fn binds(endpoint: &str) -> bool {
         || endpoint.starts_with("inproc://")
 }
 
+/// vLLM's `offset_endpoint_port`: data-parallel rank `r` publishes on `port + r` (`tcp`), or
+/// on `name_dp{r}` (`inproc`). Rank 0 and port 0 are unchanged; `ipc` cannot be offset.
+pub fn offset_endpoint(endpoint: &str, rank: u32) -> anyhow::Result<String> {
+    if rank == 0 {
+        return Ok(endpoint.to_owned());
+    }
+    if endpoint.starts_with("inproc://") {
+        return Ok(format!("{endpoint}_dp{rank}"));
+    }
+    if let Some(rest) = endpoint.strip_prefix("tcp://") {
+        let (host, port) = rest.rsplit_once(':').ok_or_else(|| anyhow::anyhow!("no port in {endpoint}"))?;
+        let port: u32 = port.parse().map_err(|_| anyhow::anyhow!("bad port in {endpoint}"))?;
+        if port == 0 {
+            return Ok(endpoint.to_owned());
+        }
+        return Ok(format!("tcp://{host}:{}", port + rank));
+    }
+    anyhow::bail!("cannot offset {endpoint} for data-parallel rank {rank}: only tcp:// and inproc:// can be")
+}
+
 /// Faults to inject into the event stream, for reliability tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(default)]
@@ -226,7 +269,14 @@ const REPLAY_POLL: std::time::Duration = std::time::Duration::from_millis(5);
 
 impl Publisher {
     /// Opens the sockets and starts the publishing thread.
-    pub fn start(config: KvEventsConfig, encoding: Encoding, chaos: Chaos, seed: u64) -> anyhow::Result<Publisher> {
+    /// `dp_rank` goes into every batch; the endpoints must already be offset for it.
+    pub fn start(
+        config: KvEventsConfig,
+        encoding: Encoding,
+        chaos: Chaos,
+        seed: u64,
+        dp_rank: u32,
+    ) -> anyhow::Result<Publisher> {
         let ctx = zmq::Context::new();
         let publisher = ctx.socket(zmq::PUB)?;
         publisher.set_sndhwm(config.hwm)?;
@@ -252,6 +302,7 @@ impl Publisher {
                 config,
                 encoding,
                 chaos,
+                dp_rank,
                 seq: 0,
                 buffer: VecDeque::new(),
                 rng: rand::rngs::StdRng::seed_from_u64(seed),
@@ -297,6 +348,7 @@ struct PublisherState {
     config: KvEventsConfig,
     encoding: Encoding,
     chaos: Chaos,
+    dp_rank: u32,
     seq: u64,
     buffer: VecDeque<(u64, Vec<u8>)>,
     rng: rand::rngs::StdRng,
@@ -305,7 +357,7 @@ struct PublisherState {
 impl PublisherState {
     fn publish(&mut self, socket: &zmq::Socket, events: &[Event]) {
         let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-        let payload = encode_batch(ts, events, 0, self.encoding);
+        let payload = encode_batch(ts, events, self.dp_rank, self.encoding);
         let seq = self.seq;
         self.seq += 1;
         let dropped = self.chaos.stall
@@ -369,8 +421,9 @@ mod tests {
                 parent_block_hash: None,
                 token_ids: (1..=8).collect(),
                 block_size: 4,
+                medium: Medium::Gpu,
             },
-            Event::BlockRemoved { block_hashes: vec![9561501211280363793] },
+            Event::BlockRemoved { block_hashes: vec![9561501211280363793], medium: Medium::Gpu },
             Event::AllBlocksCleared,
         ];
         let expected = hex(include_str!("../../testdata/kv-events/vllm-0.33-map.hex"));
@@ -378,6 +431,16 @@ mod tests {
         let legacy = hex(include_str!("../../testdata/kv-events/vllm-0.22-positional.hex"));
         assert_eq!(encode_batch(1700000000.5, &events, 0, Encoding::LegacyArray), legacy, "vLLM 0.22's bytes");
         assert!(rmpv::decode::read_value(&mut expected.as_slice()).is_ok());
+    }
+
+    #[test]
+    fn data_parallel_ranks_offset_the_port() {
+        assert_eq!(offset_endpoint("tcp://*:5557", 0).unwrap(), "tcp://*:5557");
+        assert_eq!(offset_endpoint("tcp://*:5557", 2).unwrap(), "tcp://*:5559");
+        assert_eq!(offset_endpoint("tcp://[::]:5557", 1).unwrap(), "tcp://[::]:5558");
+        assert_eq!(offset_endpoint("tcp://*:0", 3).unwrap(), "tcp://*:0");
+        assert_eq!(offset_endpoint("inproc://kv", 1).unwrap(), "inproc://kv_dp1");
+        assert!(offset_endpoint("ipc:///tmp/kv", 1).is_err());
     }
 
     #[test]
@@ -410,7 +473,7 @@ mod tests {
             buffer_steps: 3,
             hwm: 1000,
         };
-        let p = Publisher::start(config, Encoding::Map, Chaos { stall: true, ..Chaos::default() }, 0).unwrap();
+        let p = Publisher::start(config, Encoding::Map, Chaos { stall: true, ..Chaos::default() }, 0, 0).unwrap();
         for _ in 0..5 {
             p.publish(vec![Event::AllBlocksCleared]);
         }

@@ -1,24 +1,32 @@
 //! `kvgate-sim`: a vLLM-like engine for tests, the demo and benchmarks, without a GPU.
 //!
 //! ```text
-//! kvgate-sim --listen 127.0.0.1:8001 --replica a --model qwen3 --tokenizer models/qwen3-0.6b \
-//!            --block-size 16 --kv-events-config '{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}'
+//! kvgate-sim --port 8001 --replica a --model qwen3 --tokenizer models/qwen3-0.6b \
+//!            --block-size 16 --preset llama8b-h100 --speedup 10 \
+//!            --kv-events-config '{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}'
 //! ```
 //!
 //! | module | responsibility |
 //! |---|---|
 //! | `api` | vLLM's OpenAI-compatible HTTP API |
-//! | `engine` | admission, the time model, publishing |
-//! | `kv_cache` | paged blocks, prefix caching, LRU eviction |
-//! | `kv_events` | vLLM's KV-event wire format over ZMQ PUB |
+//! | `engine` | one scheduler loop per data-parallel rank, in (sped-up) wall-clock time |
+//! | `scheduler` | vLLM v1's continuous batching, chunked prefill and preemption |
+//! | `time_model` | step duration; calibrated presets |
+//! | `kv_cache` | paged blocks, prefix caching, LRU eviction, the CPU offload tier |
+//! | `kv_events` | vLLM's KV-event wire format over ZMQ PUB, replay ROUTER |
+//! | `vllm_hash` | vLLM's block hashes (sha256 over pickle or CBOR) |
+//! | `metrics` | vLLM's Prometheus metrics |
 
 mod api;
 mod engine;
 mod kv_cache;
 mod kv_events;
+mod metrics;
+mod scheduler;
+mod time_model;
 mod vllm_hash;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -28,28 +36,46 @@ use clap::Parser;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::ModelBundle;
 
-/// A simulated vLLM engine replica.
+/// A simulated vLLM engine replica. Flags mirror `vllm serve` where vLLM has one.
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Cli {
-    /// HTTP listen address.
-    #[arg(long, default_value = "127.0.0.1:8000")]
-    listen: SocketAddr,
+    /// HTTP listen host.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// HTTP listen port.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
     /// This replica's id (returned in `x-kvgate-replica`).
     #[arg(long, default_value = "sim")]
     replica: String,
-    /// The served model name.
+    /// The model (its name, unless `--served-model-name` is given).
     #[arg(long, default_value = "qwen3")]
     model: String,
+    /// The name the API serves the model under.
+    #[arg(long)]
+    served_model_name: Option<String>,
     /// Directory with tokenizer.json and tokenizer_config.json.
     #[arg(long, default_value = "models/qwen3-0.6b")]
     tokenizer: PathBuf,
-    /// KV block size in tokens (vLLM `--block-size`).
+    /// KV block size in tokens.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// KV cache size in blocks (vLLM `--num-gpu-blocks-override`).
+    /// KV cache size in GPU blocks, per data-parallel rank.
     #[arg(long, default_value_t = 8192)]
-    num_gpu_blocks: usize,
+    num_gpu_blocks_override: usize,
+    /// CPU offload tier size in blocks, per rank (0: none). Evicted GPU blocks move there.
+    #[arg(long, default_value_t = 0)]
+    cpu_offload_blocks: usize,
+    /// Sequences running at once, per rank.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Tokens computed per step (the chunked-prefill budget), per rank.
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// Data-parallel ranks: each has its own scheduler, cache and events port (port + rank).
+    #[arg(long, default_value_t = 1)]
+    data_parallel_size: u32,
     /// vLLM's KV-events configuration JSON: `endpoint`, `replay_endpoint`, `topic`,
     /// `buffer_steps`, `hwm` (other keys are accepted and ignored).
     #[arg(long, default_value = r#"{"endpoint":"tcp://*:5557"}"#)]
@@ -60,12 +86,33 @@ struct Cli {
     /// Fault injection on the event stream at start (JSON, see `POST /_chaos/events`).
     #[arg(long, default_value = "{}")]
     chaos: String,
-    /// Prefill time per uncached prompt token, in microseconds.
-    #[arg(long, default_value_t = 100)]
-    prefill_us_per_token: u64,
-    /// Decode time per output token, in microseconds.
-    #[arg(long, default_value_t = 5000)]
-    decode_us_per_token: u64,
+    /// The time model's calibrated preset; the coefficient flags below override it.
+    #[arg(long, value_enum, default_value_t = time_model::Preset::Test)]
+    preset: time_model::Preset,
+    /// Fixed cost of a step, µs.
+    #[arg(long)]
+    step_base_us: Option<f64>,
+    /// Cost per prompt token computed, µs.
+    #[arg(long)]
+    prefill_us_per_token: Option<f64>,
+    /// Cost per (prompt token × context token) of prefill attention, µs.
+    #[arg(long)]
+    attn_us_per_token_pair: Option<f64>,
+    /// Cost per decoding sequence in a step, µs.
+    #[arg(long)]
+    decode_us_per_seq: Option<f64>,
+    /// Cost per context token a decode reads, µs.
+    #[arg(long)]
+    kv_read_us_per_token: Option<f64>,
+    /// Cost per block loaded from the CPU tier, µs.
+    #[arg(long)]
+    cpu_load_us_per_block: Option<f64>,
+    /// Print the presets, their coefficients and calibration targets, and exit.
+    #[arg(long)]
+    list_presets: bool,
+    /// Run simulated time this many times faster than the wall clock.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
     /// vLLM's `--prefix-caching-hash-algo`; the seed is `PYTHONHASHSEED` if set, else
     /// "vllm-none-hash", as in vLLM 0.29+.
     #[arg(long, value_enum, default_value_t = vllm_hash::HashAlgo::Sha256)]
@@ -78,45 +125,104 @@ struct Cli {
     enable_prompt_tokens_details: bool,
 }
 
+impl Cli {
+    fn cost(&self) -> time_model::StepCost {
+        let mut c = self.preset.cost();
+        let overrides = [
+            (self.step_base_us, &mut c.base_us),
+            (self.prefill_us_per_token, &mut c.prefill_us_per_token),
+            (self.attn_us_per_token_pair, &mut c.attn_us_per_token_pair),
+            (self.decode_us_per_seq, &mut c.decode_us_per_seq),
+            (self.kv_read_us_per_token, &mut c.kv_read_us_per_token),
+            (self.cpu_load_us_per_block, &mut c.cpu_load_us_per_block),
+        ];
+        for (value, field) in overrides {
+            if let Some(v) = value {
+                *field = v;
+            }
+        }
+        c
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.block_size > 0 && self.num_gpu_blocks_override > 0, "block size and block count must be positive");
+        anyhow::ensure!(self.max_num_seqs > 0 && self.max_num_batched_tokens > 0, "batch limits must be positive");
+        anyhow::ensure!(self.data_parallel_size > 0, "--data-parallel-size must be at least 1");
+        anyhow::ensure!(self.speedup.is_finite() && self.speedup > 0.0, "--speedup must be positive");
+        let c = self.cost();
+        let coefficients = [c.base_us, c.prefill_us_per_token, c.attn_us_per_token_pair, c.decode_us_per_seq];
+        anyhow::ensure!(
+            coefficients.iter().chain([&c.kv_read_us_per_token, &c.cpu_load_us_per_block]).all(|v| v.is_finite() && *v >= 0.0),
+            "time-model coefficients must be finite and non-negative"
+        );
+        anyhow::ensure!(c.base_us > 0.0 || c.prefill_us_per_token > 0.0, "a step must take some time");
+        Ok(())
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let cli = Cli::parse();
-    anyhow::ensure!(cli.block_size > 0 && cli.num_gpu_blocks > 0, "block size and block count must be positive");
-    let bundle = ModelBundle::from_dir(&cli.model, &cli.tokenizer, cli.block_size as u32)
+    if cli.list_presets {
+        print!("{}", time_model::describe_presets());
+        return Ok(());
+    }
+    cli.validate()?;
+    let model = cli.served_model_name.clone().unwrap_or_else(|| cli.model.clone());
+    let bundle = ModelBundle::from_dir(&model, &cli.tokenizer, cli.block_size as u32)
         .with_context(|| format!("loading the tokenizer from {}", cli.tokenizer.display()))?;
     let tokenizer = ModelTokenizer::from_bundle(&bundle)?;
     let events_config: kv_events::KvEventsConfig =
         serde_json::from_str(&cli.kv_events_config).context("--kv-events-config is not valid JSON")?;
     let chaos: kv_events::Chaos = serde_json::from_str(&cli.chaos).context("--chaos is not valid JSON")?;
-    let publisher = kv_events::Publisher::start(events_config.clone(), cli.kv_events_encoding, chaos, cli.seed)
-        .with_context(|| format!("opening KV events at {}", events_config.endpoint))?;
-    let engine = Arc::new(engine::Engine::new(
+    let mut publishers = Vec::new();
+    for rank in 0..cli.data_parallel_size {
+        let config = kv_events::KvEventsConfig {
+            endpoint: kv_events::offset_endpoint(&events_config.endpoint, rank)?,
+            replay_endpoint: match &events_config.replay_endpoint {
+                Some(e) => Some(kv_events::offset_endpoint(e, rank)?),
+                None => None,
+            },
+            ..events_config.clone()
+        };
+        let endpoint = config.endpoint.clone();
+        let publisher = kv_events::Publisher::start(config, cli.kv_events_encoding, chaos, cli.seed ^ u64::from(rank), rank)
+            .with_context(|| format!("opening KV events at {endpoint}"))?;
+        publishers.push(publisher);
+    }
+    let engine = Arc::new(engine::Engine::start(
         engine::EngineConfig {
             block_size: cli.block_size,
-            num_blocks: cli.num_gpu_blocks,
-            prefill_us_per_token: cli.prefill_us_per_token,
-            decode_us_per_token: cli.decode_us_per_token,
+            num_gpu_blocks: cli.num_gpu_blocks_override,
+            cpu_offload_blocks: cli.cpu_offload_blocks,
+            limits: scheduler::Limits {
+                max_num_seqs: cli.max_num_seqs,
+                max_num_batched_tokens: cli.max_num_batched_tokens,
+            },
+            cost: cli.cost(),
+            speedup: cli.speedup,
             hasher: vllm_hash::VllmHasher::new(
                 cli.prefix_caching_hash_algo,
                 std::env::var("PYTHONHASHSEED").ok().as_deref(),
             ),
         },
-        publisher,
+        publishers,
     ));
     let state = Arc::new(api::AppState {
         engine,
         tokenizer,
-        model: cli.model,
+        model,
         replica: cli.replica.clone(),
         seed: cli.seed,
         prompt_tokens_details: cli.enable_prompt_tokens_details,
+        max_model_len: cli.num_gpu_blocks_override * cli.block_size,
     });
-    let listener =
-        tokio::net::TcpListener::bind(cli.listen).await.with_context(|| format!("binding {}", cli.listen))?;
-    tracing::info!(replica = %cli.replica, listen = %cli.listen, "kvgate-sim ready");
+    let listen = SocketAddr::new(cli.host, cli.port);
+    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+    tracing::info!(replica = %cli.replica, %listen, preset = %cli.preset, speedup = cli.speedup, ranks = cli.data_parallel_size, "kvgate-sim ready");
     axum::serve(listener.tap_io(no_delay), api::router(state)).await?;
     Ok(())
 }

@@ -32,10 +32,10 @@ pub struct StackOptions {
     pub block_size: u32,
     /// Routing mode.
     pub routing: Routing,
-    /// Simulator prefill cost per uncached token.
+    /// Simulator prefill cost per computed prompt token, µs.
     pub prefill_us_per_token: u64,
-    /// Simulator decode cost per token.
-    pub decode_us_per_token: u64,
+    /// Simulator fixed cost of a step (the decode inter-token latency), µs.
+    pub step_base_us: u64,
     /// Filter decision timeout.
     pub route_timeout_ms: u64,
 }
@@ -48,7 +48,7 @@ impl Default for StackOptions {
             block_size: 16,
             routing: Routing::Kvgate,
             prefill_us_per_token: 100,
-            decode_us_per_token: 2000,
+            step_base_us: 2000,
             route_timeout_ms: 500,
         }
     }
@@ -107,14 +107,14 @@ impl Stack {
             let (port, events_port, replay_port) = (free_port()?, free_port()?, free_port()?);
             let events_config = json!({"endpoint": format!("tcp://*:{events_port}"), "replay_endpoint": format!("tcp://*:{replay_port}")});
             let mut cmd = Command::new(&artifacts.sim);
-            cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--replica", &id, "--model", "qwen3"])
+            cmd.args(["--port", &port.to_string(), "--replica", &id, "--model", "qwen3", "--preset", "test"])
                 .arg("--tokenizer")
                 .arg(&artifacts.model_dir)
                 .args(["--block-size", &opts.block_size.to_string(), "--kv-events-config", &events_config.to_string()])
                 .args(["--prefill-us-per-token", &opts.prefill_us_per_token.to_string()])
                 .args([
-                    "--decode-us-per-token",
-                    &opts.decode_us_per_token.to_string(),
+                    "--step-base-us",
+                    &opts.step_base_us.to_string(),
                     "--enable-prompt-tokens-details",
                 ]);
             let proc = Proc::spawn(&format!("sim {id}"), cmd, &dir.join(format!("sim-{id}.log")))?;

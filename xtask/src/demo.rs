@@ -65,7 +65,7 @@ fn options(name: &str, routing: Routing) -> StackOptions {
         block_size: BLOCK_SIZE as u32,
         routing,
         prefill_us_per_token: 100,
-        decode_us_per_token: 2000,
+        step_base_us: 2000,
         route_timeout_ms: 500,
     }
 }

@@ -1,0 +1,83 @@
+//! vLLM's Prometheus metrics, in the text exposition format, one series per data-parallel
+//! rank (`engine="<rank>"`, as vLLM labels them).
+
+use std::fmt::Write;
+use std::sync::atomic::Ordering;
+
+use crate::engine::Rank;
+
+/// vLLM's buckets for `vllm:time_to_first_token_seconds`.
+const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+    640.0, 2560.0,
+];
+
+/// A cumulative histogram over vLLM's TTFT buckets.
+#[derive(Debug, Clone, Default)]
+pub struct Histogram {
+    counts: [u64; TTFT_BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    /// Records one observation, in seconds.
+    pub fn observe(&mut self, seconds: f64) {
+        for (bound, count) in TTFT_BUCKETS.iter().zip(&mut self.counts) {
+            if seconds <= *bound {
+                *count += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += seconds;
+    }
+}
+
+/// Renders every rank's metrics.
+pub fn render(model: &str, ranks: &[Rank]) -> String {
+    let mut out = String::new();
+    let gauge = |out: &mut String, name: &str, kind: &str, value: &dyn Fn(&Rank) -> String| {
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for (i, rank) in ranks.iter().enumerate() {
+            let _ = writeln!(out, "{name}{{model_name=\"{model}\",engine=\"{i}\"}} {}", value(rank));
+        }
+    };
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed).to_string();
+    gauge(&mut out, "vllm:num_requests_running", "gauge", &|r| load(&r.stats.running));
+    gauge(&mut out, "vllm:num_requests_waiting", "gauge", &|r| load(&r.stats.waiting));
+    gauge(&mut out, "vllm:kv_cache_usage_perc", "gauge", &|r| r.stats.usage().to_string());
+    gauge(&mut out, "vllm:prefix_cache_queries_total", "counter", &|r| load(&r.stats.prefix_queries));
+    gauge(&mut out, "vllm:prefix_cache_hits_total", "counter", &|r| load(&r.stats.prefix_hits));
+    gauge(&mut out, "vllm:num_preemptions_total", "counter", &|r| load(&r.stats.preemptions));
+    let name = "vllm:time_to_first_token_seconds";
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    for (i, rank) in ranks.iter().enumerate() {
+        let h = rank.stats.ttft.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let labels = format!("model_name=\"{model}\",engine=\"{i}\"");
+        for (bound, count) in TTFT_BUCKETS.iter().zip(h.counts) {
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound:?}\"}} {count}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", h.count);
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h.sum);
+        let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let mut h = Histogram::default();
+        h.observe(0.003);
+        h.observe(0.3);
+        h.observe(5000.0);
+        assert_eq!(h.counts[0], 0);
+        assert_eq!(h.counts[1], 1, "≤ 5 ms");
+        assert_eq!(h.counts[9], 2, "≤ 0.5 s");
+        assert_eq!(h.counts[21], 2, "5000 s is only in +Inf");
+        assert_eq!(h.count, 3);
+    }
+}
