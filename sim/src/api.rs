@@ -93,31 +93,48 @@ fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-/// Parses, checks the model and tokenizes a request the way vLLM's server does.
-fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<(ParsedRequest, Vec<u32>), Response> {
-    let request =
-        parse(endpoint, body).map_err(|e| error(state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()))?;
-    if request.model != state.model {
-        let msg = format!("The model `{}` does not exist.", request.model);
-        return Err(error(state, StatusCode::NOT_FOUND, "NotFoundError", msg));
+/// A refusal, before it becomes a response.
+struct Refusal {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+}
+
+impl Refusal {
+    fn bad_request(message: String) -> Refusal {
+        Refusal { status: StatusCode::BAD_REQUEST, kind: "BadRequestError", message }
     }
-    let tokens = match state.tokenizer.prompt_tokens(&request) {
-        Ok(t) if t.is_empty() => {
-            return Err(error(state, StatusCode::BAD_REQUEST, "BadRequestError", "the prompt is empty".into()))
-        }
-        Ok(t) => t,
+
+    fn into_response(self, state: &AppState) -> Response {
+        error(state, self.status, self.kind, self.message)
+    }
+}
+
+/// Parses, checks the model and tokenizes a request the way vLLM's server does.
+fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<(ParsedRequest, Vec<u32>), Refusal> {
+    let request = parse(endpoint, body).map_err(|e| Refusal::bad_request(e.to_string()))?;
+    if request.model != state.model {
+        let message = format!("The model `{}` does not exist.", request.model);
+        return Err(Refusal { status: StatusCode::NOT_FOUND, kind: "NotFoundError", message });
+    }
+    match state.tokenizer.prompt_tokens(&request) {
+        Ok(t) if t.is_empty() => Err(Refusal::bad_request("the prompt is empty".into())),
+        Ok(t) => Ok((request, t)),
         Err(e @ (PromptError::Invalid(_) | PromptError::Template(_) | PromptError::NoTemplate)) => {
-            return Err(error(state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()))
+            Err(Refusal::bad_request(e.to_string()))
         }
-        Err(e) => return Err(error(state, StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", e.to_string())),
-    };
-    Ok((request, tokens))
+        Err(e) => Err(Refusal {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "InternalServerError",
+            message: e.to_string(),
+        }),
+    }
 }
 
 async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Bytes) -> Response {
     let (request, tokens) = match prompt_tokens(&state, endpoint, &body) {
         Ok(r) => r,
-        Err(response) => return response,
+        Err(refusal) => return refusal.into_response(&state),
     };
     let requested = match headers.get(DP_RANK_HEADER).map(|v| v.to_str().ok().and_then(|v| v.trim().parse().ok())) {
         None => None,
@@ -267,7 +284,7 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
             let body = json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": null});
             tagged(&state, Json(body).into_response())
         }
-        Err(response) => response,
+        Err(refusal) => refusal.into_response(&state),
     }
 }
 

@@ -110,8 +110,12 @@ impl Engine {
             .map(|publisher| {
                 let (tx, rx) = mpsc::unbounded_channel();
                 let stats = Arc::new(RankStats::default());
-                let cache =
-                    KvCache::new(config.block_size, config.num_gpu_blocks, config.cpu_offload_blocks, config.hasher.clone());
+                let cache = KvCache::new(
+                    config.block_size,
+                    config.num_gpu_blocks,
+                    config.cpu_offload_blocks,
+                    config.hasher.clone(),
+                );
                 let scheduler = Scheduler::new(config.limits, config.cost, cache);
                 tokio::spawn(run(scheduler, rx, publisher.clone(), stats.clone(), config.speedup));
                 Rank { commands: tx, publisher, stats }

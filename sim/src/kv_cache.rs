@@ -108,7 +108,12 @@ impl KvCache {
     /// Admits a sequence: finds its longest cached prefix (GPU blocks, then CPU blocks; at most
     /// `len − 1` tokens, as vLLM always computes at least one) and takes blocks for that prefix
     /// plus up to `budget` tokens to compute. Fails, taking nothing, if blocks run out.
-    pub fn allocate(&mut self, tokens: &[u32], budget: usize, events: &mut Vec<Event>) -> Result<Allocation, OutOfBlocks> {
+    pub fn allocate(
+        &mut self,
+        tokens: &[u32],
+        budget: usize,
+        events: &mut Vec<Event>,
+    ) -> Result<Allocation, OutOfBlocks> {
         let hashes = self.hashes(tokens);
         let max_hit_blocks = tokens.len().saturating_sub(1) / self.block_size;
         let hits: Vec<usize> = hashes.iter().take(max_hit_blocks).map_while(|h| self.cached.get(h).copied()).collect();
@@ -149,7 +154,12 @@ impl KvCache {
 
     /// Grows `alloc` to hold `tokens` tokens, evicting cached blocks as needed. Fails, taking
     /// nothing, if blocks run out.
-    pub fn ensure(&mut self, alloc: &mut Allocation, tokens: usize, events: &mut Vec<Event>) -> Result<(), OutOfBlocks> {
+    pub fn ensure(
+        &mut self,
+        alloc: &mut Allocation,
+        tokens: usize,
+        events: &mut Vec<Event>,
+    ) -> Result<(), OutOfBlocks> {
         let needed = tokens.div_ceil(self.block_size).saturating_sub(alloc.blocks.len());
         if self.free.len() < needed {
             return Err(OutOfBlocks);
@@ -291,8 +301,10 @@ mod tests {
         let t = toks(10, 1);
         let a = prefill(&mut c, &t, &mut ev);
         assert_eq!((a.cached_tokens, a.blocks.len()), (0, 3));
-        assert!(matches!(&ev[..], [Event::BlockStored { block_hashes, parent_block_hash: None, token_ids, medium: Medium::Gpu, .. }]
-            if block_hashes.len() == 2 && token_ids.len() == 8));
+        assert!(
+            matches!(&ev[..], [Event::BlockStored { block_hashes, parent_block_hash: None, token_ids, medium: Medium::Gpu, .. }]
+            if block_hashes.len() == 2 && token_ids.len() == 8)
+        );
         c.free(a, &mut ev);
         // Same 8-token prefix, new suffix: 2 cached blocks.
         let mut t2 = t[..8].to_vec();
@@ -316,8 +328,10 @@ mod tests {
         c.ensure(&mut a, 20, &mut ev).unwrap();
         assert_eq!(a.blocks.len(), 5);
         c.commit(&mut a, &t, &mut ev);
-        assert!(matches!(&ev[..], [Event::BlockStored { block_hashes: first, .. }, Event::BlockStored { block_hashes: rest, parent_block_hash: Some(_), .. }]
-            if first.len() == 1 && rest.len() == 4));
+        assert!(
+            matches!(&ev[..], [Event::BlockStored { block_hashes: first, .. }, Event::BlockStored { block_hashes: rest, parent_block_hash: Some(_), .. }]
+            if first.len() == 1 && rest.len() == 4)
+        );
     }
 
     #[test]

@@ -145,14 +145,20 @@ impl Cli {
     }
 
     fn validate(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(self.block_size > 0 && self.num_gpu_blocks_override > 0, "block size and block count must be positive");
+        anyhow::ensure!(
+            self.block_size > 0 && self.num_gpu_blocks_override > 0,
+            "block size and block count must be positive"
+        );
         anyhow::ensure!(self.max_num_seqs > 0 && self.max_num_batched_tokens > 0, "batch limits must be positive");
         anyhow::ensure!(self.data_parallel_size > 0, "--data-parallel-size must be at least 1");
         anyhow::ensure!(self.speedup.is_finite() && self.speedup > 0.0, "--speedup must be positive");
         let c = self.cost();
         let coefficients = [c.base_us, c.prefill_us_per_token, c.attn_us_per_token_pair, c.decode_us_per_seq];
         anyhow::ensure!(
-            coefficients.iter().chain([&c.kv_read_us_per_token, &c.cpu_load_us_per_block]).all(|v| v.is_finite() && *v >= 0.0),
+            coefficients
+                .iter()
+                .chain([&c.kv_read_us_per_token, &c.cpu_load_us_per_block])
+                .all(|v| v.is_finite() && *v >= 0.0),
             "time-model coefficients must be finite and non-negative"
         );
         anyhow::ensure!(c.base_us > 0.0 || c.prefill_us_per_token > 0.0, "a step must take some time");
@@ -189,8 +195,9 @@ async fn main() -> anyhow::Result<()> {
             ..events_config.clone()
         };
         let endpoint = config.endpoint.clone();
-        let publisher = kv_events::Publisher::start(config, cli.kv_events_encoding, chaos, cli.seed ^ u64::from(rank), rank)
-            .with_context(|| format!("opening KV events at {endpoint}"))?;
+        let publisher =
+            kv_events::Publisher::start(config, cli.kv_events_encoding, chaos, cli.seed ^ u64::from(rank), rank)
+                .with_context(|| format!("opening KV events at {endpoint}"))?;
         publishers.push(publisher);
     }
     let engine = Arc::new(engine::Engine::start(

@@ -109,7 +109,15 @@ pub struct Scheduler {
 impl Scheduler {
     /// A scheduler over `cache`.
     pub fn new(limits: Limits, cost: StepCost, cache: KvCache) -> Scheduler {
-        Scheduler { limits, cost, cache, waiting: VecDeque::new(), running: Vec::new(), next_id: 0, counters: Counters::default() }
+        Scheduler {
+            limits,
+            cost,
+            cache,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+            counters: Counters::default(),
+        }
     }
 
     /// Queues a request that will produce `output` (at least one token).

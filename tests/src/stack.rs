@@ -112,11 +112,7 @@ impl Stack {
                 .arg(&artifacts.model_dir)
                 .args(["--block-size", &opts.block_size.to_string(), "--kv-events-config", &events_config.to_string()])
                 .args(["--prefill-us-per-token", &opts.prefill_us_per_token.to_string()])
-                .args([
-                    "--step-base-us",
-                    &opts.step_base_us.to_string(),
-                    "--enable-prompt-tokens-details",
-                ]);
+                .args(["--step-base-us", &opts.step_base_us.to_string(), "--enable-prompt-tokens-details"]);
             let proc = Proc::spawn(&format!("sim {id}"), cmd, &dir.join(format!("sim-{id}.log")))?;
             replicas_toml.push_str(&format!(
                 "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\nkv_replay = \"tcp://127.0.0.1:{replay_port}\"\n"
