@@ -49,8 +49,32 @@ pub struct EnvoyParams<'a> {
     pub filter_config: &'a str,
     /// Engine ports on 127.0.0.1.
     pub pool_ports: &'a [u16],
-    /// Whether to include the kvgate filter (false: plain round-robin baseline).
+    /// Whether to include the kvgate filter (false: Envoy alone).
     pub with_filter: bool,
+    /// Envoy's own load balancer, used when no destination header is set.
+    pub fallback: Fallback,
+}
+
+/// Envoy's load balancer for requests kvgate did not route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// `envoy.load_balancing_policies.round_robin`.
+    RoundRobin,
+    /// `envoy.load_balancing_policies.least_request` (power of two choices).
+    LeastRequest,
+}
+
+impl Fallback {
+    fn typed_extension_config(self) -> &'static str {
+        match self {
+            Fallback::RoundRobin => {
+                r#"{name: envoy.load_balancing_policies.round_robin, typed_config: {"@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin}}"#
+            }
+            Fallback::LeastRequest => {
+                r#"{name: envoy.load_balancing_policies.least_request, typed_config: {"@type": type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest}}"#
+            }
+        }
+    }
 }
 
 /// Renders the Envoy configuration.
@@ -84,4 +108,5 @@ pub fn render(template: &str, p: &EnvoyParams<'_>) -> String {
         .replace("{{WASM_PATH}}", &p.wasm.display().to_string())
         .replace("{{FILTER_CONFIG}}", &p.filter_config.replace('\'', "''"))
         .replace("{{POOL_ENDPOINTS}}", &format!("[{}]", endpoints.join(", ")))
+        .replace("{{FALLBACK_LB}}", p.fallback.typed_extension_config())
 }

@@ -8,6 +8,7 @@
 //! The binaries come from [`Artifacts`]: `KVGATE_WASM`, `KVGATE_SIDECAR_BIN`, `KVGATE_SIM_BIN`
 //! and `ENVOY_BIN`/`ENVOY_PATH` override the defaults that `cargo xtask` builds and installs.
 
+pub mod bench;
 pub mod client;
 pub mod envoy;
 pub mod process;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::client;
-use crate::envoy::{self, EnvoyParams};
+use crate::envoy::{self, EnvoyParams, Fallback};
 use crate::process::{free_port, wait_for, Proc};
 use crate::{repo_root, Artifacts};
 
@@ -19,6 +19,8 @@ pub enum Routing {
     Kvgate,
     /// Plain Envoy round robin (no filter, no sidecar): the baseline.
     RoundRobin,
+    /// Plain Envoy least request (no filter, no sidecar).
+    LeastRequest,
 }
 
 /// What to start.
@@ -32,12 +34,14 @@ pub struct StackOptions {
     pub block_size: u32,
     /// Routing mode.
     pub routing: Routing,
-    /// Simulator prefill cost per computed prompt token, µs.
-    pub prefill_us_per_token: u64,
-    /// Simulator fixed cost of a step (the decode inter-token latency), µs.
-    pub step_base_us: u64,
     /// Filter decision timeout.
     pub route_timeout_ms: u64,
+    /// The kvgate pool's policy (`kv_aware`, `least_load`, `round_robin`, …).
+    pub pool_policy: String,
+    /// Simulator flags for the time model, cache size and batch limits (see `kvgate-sim
+    /// --help`); the default is fast functional-test timing: 2 ms steps, 100 µs per prompt
+    /// token.
+    pub sim_args: Vec<String>,
 }
 
 impl Default for StackOptions {
@@ -47,9 +51,11 @@ impl Default for StackOptions {
             replicas: 3,
             block_size: 16,
             routing: Routing::Kvgate,
-            prefill_us_per_token: 100,
-            step_base_us: 2000,
             route_timeout_ms: 500,
+            pool_policy: "kv_aware".into(),
+            sim_args: ["--preset", "test", "--prefill-us-per-token", "100", "--step-base-us", "2000"]
+                .map(String::from)
+                .to_vec(),
         }
     }
 }
@@ -107,12 +113,12 @@ impl Stack {
             let (port, events_port, replay_port) = (free_port()?, free_port()?, free_port()?);
             let events_config = json!({"endpoint": format!("tcp://*:{events_port}"), "replay_endpoint": format!("tcp://*:{replay_port}")});
             let mut cmd = Command::new(&artifacts.sim);
-            cmd.args(["--port", &port.to_string(), "--replica", &id, "--model", "qwen3", "--preset", "test"])
+            cmd.args(["--port", &port.to_string(), "--replica", &id, "--model", "qwen3"])
                 .arg("--tokenizer")
                 .arg(&artifacts.model_dir)
                 .args(["--block-size", &opts.block_size.to_string(), "--kv-events-config", &events_config.to_string()])
-                .args(["--prefill-us-per-token", &opts.prefill_us_per_token.to_string()])
-                .args(["--step-base-us", &opts.step_base_us.to_string(), "--enable-prompt-tokens-details"]);
+                .arg("--enable-prompt-tokens-details")
+                .args(&opts.sim_args);
             let proc = Proc::spawn(&format!("sim {id}"), cmd, &dir.join(format!("sim-{id}.log")))?;
             replicas_toml.push_str(&format!(
                 "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\nkv_replay = \"tcp://127.0.0.1:{replay_port}\"\n"
@@ -125,12 +131,13 @@ impl Stack {
 
         let sidecar_port = free_port()?;
         let sidecar = match opts.routing {
-            Routing::RoundRobin => None,
+            Routing::RoundRobin | Routing::LeastRequest => None,
             Routing::Kvgate => {
                 let config = format!(
-                    "listen = \"127.0.0.1:{sidecar_port}\"\n\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = \"{}\"\nblock_size = {}\n{replicas_toml}",
+                    "listen = \"127.0.0.1:{sidecar_port}\"\n\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{replicas_toml}",
                     artifacts.model_dir.display(),
-                    opts.block_size
+                    opts.block_size,
+                    opts.pool_policy
                 );
                 let config_path = dir.join("kvgate.toml");
                 std::fs::write(&config_path, config)?;
@@ -158,6 +165,11 @@ impl Stack {
                 filter_config: &filter_config,
                 pool_ports: &ports,
                 with_filter: opts.routing == Routing::Kvgate,
+                fallback: if opts.routing == Routing::LeastRequest {
+                    Fallback::LeastRequest
+                } else {
+                    Fallback::RoundRobin
+                },
             },
         );
         let envoy_config = dir.join("envoy.yaml");

@@ -64,9 +64,8 @@ fn options(name: &str, routing: Routing) -> StackOptions {
         replicas: 3,
         block_size: BLOCK_SIZE as u32,
         routing,
-        prefill_us_per_token: 100,
-        step_base_us: 2000,
         route_timeout_ms: 500,
+        ..StackOptions::default()
     }
 }
 

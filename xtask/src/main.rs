@@ -6,9 +6,12 @@
 //! - `cargo xtask demo`: builds everything in release mode, starts 3 simulated engines, the
 //!   sidecar and Envoy, replays a multi-turn chat workload through kvgate and then through
 //!   plain round robin, and prints the difference.
+//! - `cargo xtask bench e2e`: the side-by-side benchmark of every routing policy on the same
+//!   simulated fleet (see `bench.rs` for its flags); writes a report under `target/bench/`.
 //! - `cargo xtask install`: only the installation step.
 //! - `cargo xtask build-wasm`: only the filter build.
 
+mod bench;
 mod demo;
 mod install;
 
@@ -23,8 +26,9 @@ fn main() -> anyhow::Result<()> {
         Some("demo") => demo::run(),
         Some("install") => install::all(),
         Some("build-wasm") => build_wasm(),
+        Some("bench") if args.get(1).map(String::as_str) == Some("e2e") => bench::e2e(&args[2..]),
         _ => {
-            eprintln!("usage: cargo xtask <test|demo|install|build-wasm>");
+            eprintln!("usage: cargo xtask <test|demo|bench e2e|install|build-wasm>");
             std::process::exit(2);
         }
     }

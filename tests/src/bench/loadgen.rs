@@ -1,0 +1,233 @@
+//! The load generator: open-loop arrivals, or closed-loop conversations, over streaming SSE.
+//!
+//! Times are **simulated**: the engines run `speedup`× faster than the wall clock, so a plan's
+//! offsets are divided by `speedup` before sleeping, and engine-side durations are multiplied
+//! back. What happens before the engine answers (Envoy, the kvgate filter, the sidecar) is real
+//! wall time and is not scaled: a response's headers arrive when the engine has accepted the
+//! request, so for a request sent at 0 with headers at `h` and its first token at `f`,
+//! `TTFT = h + (f − h) × speedup`. The same holds for inter-token and end-to-end latency.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+/// One request to send at a planned time.
+#[derive(Debug, Clone)]
+pub struct Planned {
+    /// Simulated offset from the start of the run.
+    pub at: Duration,
+    /// Path on the gateway (`/v1/chat/completions` or `/v1/completions`).
+    pub path: &'static str,
+    /// The body (streaming is switched on by the sender).
+    pub body: Value,
+}
+
+/// A conversation: its turns go one after another, each with the history so far.
+#[derive(Debug, Clone)]
+pub struct Conversation {
+    /// Simulated offset of the first turn.
+    pub start: Duration,
+    /// The shared system prompt.
+    pub system: String,
+    /// The user's questions, one per round.
+    pub questions: Vec<String>,
+    /// Simulated pause between an answer and the next question.
+    pub think: Duration,
+    /// `max_tokens` of each answer.
+    pub max_tokens: u32,
+}
+
+/// What happened to one request. Latencies are in simulated seconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct Outcome {
+    /// HTTP status (0: no response).
+    pub status: u16,
+    /// The engine that served it (`x-kvgate-replica`).
+    pub replica: String,
+    /// When it was sent, from the start of the run.
+    pub sent_at: f64,
+    /// Time to first token.
+    pub ttft: Option<f64>,
+    /// Mean inter-token latency.
+    pub itl_mean: Option<f64>,
+    /// End to end.
+    pub e2e: f64,
+    /// Output tokens received.
+    pub output_tokens: u64,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u64,
+    /// Transport or protocol error.
+    pub error: Option<String>,
+    /// The generated text (for conversation history; not written out).
+    #[serde(skip)]
+    pub text: String,
+}
+
+impl Outcome {
+    /// A successful, complete response.
+    pub fn ok(&self) -> bool {
+        self.status == 200 && self.error.is_none() && self.ttft.is_some()
+    }
+}
+
+/// How the generator reaches the gateway.
+#[derive(Clone)]
+pub struct Target {
+    client: reqwest::Client,
+    base: String,
+    speedup: f64,
+    start: Instant,
+    timeout: Duration,
+}
+
+impl Target {
+    /// A target at `base` (`http://127.0.0.1:port`), with the engines' speedup. Only loopback
+    /// addresses are accepted: the benchmark never sends traffic off the machine.
+    pub fn new(base: &str, speedup: f64, timeout: Duration) -> anyhow::Result<Target> {
+        anyhow::ensure!(
+            base.starts_with("http://127.0.0.1:") || base.starts_with("http://localhost:"),
+            "the load generator only targets loopback, not {base}"
+        );
+        let client = reqwest::Client::builder().pool_max_idle_per_host(1024).tcp_nodelay(true).build()?;
+        Ok(Target { client, base: base.to_owned(), speedup, start: Instant::now(), timeout })
+    }
+
+    fn wall(&self, simulated: Duration) -> Instant {
+        self.start + simulated.div_f64(self.speedup)
+    }
+
+    /// Sends one request and reads its stream to the end.
+    pub async fn send(&self, path: &str, mut body: Value) -> Outcome {
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let sent = Instant::now();
+        let mut outcome = Outcome {
+            status: 0,
+            replica: String::new(),
+            sent_at: (sent - self.start).as_secs_f64() * self.speedup,
+            ttft: None,
+            itl_mean: None,
+            e2e: 0.0,
+            output_tokens: 0,
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            error: None,
+            text: String::new(),
+        };
+        match tokio::time::timeout(self.timeout, self.stream(path, &body, sent, &mut outcome)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => outcome.error = Some(e.to_string()),
+            Err(_) => outcome.error = Some(format!("timed out after {:?}", self.timeout)),
+        }
+        outcome
+    }
+
+    async fn stream(&self, path: &str, body: &Value, sent: Instant, o: &mut Outcome) -> anyhow::Result<()> {
+        let response = self.client.post(format!("{}{path}", self.base)).json(body).send().await?;
+        let headers_at = sent.elapsed().as_secs_f64();
+        let scale = |t: f64| headers_at + (t - headers_at) * self.speedup;
+        o.status = response.status().as_u16();
+        o.replica = response.headers().get("x-kvgate-replica").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+        if o.status != 200 {
+            o.e2e = scale(sent.elapsed().as_secs_f64());
+            return Ok(());
+        }
+        let mut buf = Vec::new();
+        let mut token_times = Vec::new();
+        let mut chunks = response.bytes_stream();
+        while let Some(chunk) = chunks.next().await {
+            buf.extend_from_slice(&chunk?);
+            while let Some(end) = buf.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = buf.drain(..end + 2).collect();
+                let line = String::from_utf8_lossy(&event);
+                let Some(data) = line.trim().strip_prefix("data: ") else { continue };
+                if data == "[DONE]" {
+                    continue;
+                }
+                let v: Value = serde_json::from_str(data)?;
+                if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
+                    o.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+                    o.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+                }
+                let Some(choice) = v["choices"].get(0) else { continue };
+                if choice["delta"].get("role").is_some() {
+                    continue; // the chat stream's opening chunk carries no token
+                }
+                let piece = choice["delta"]["content"].as_str().or_else(|| choice["text"].as_str()).unwrap_or("");
+                o.text.push_str(piece);
+                token_times.push(sent.elapsed().as_secs_f64());
+            }
+        }
+        o.e2e = scale(sent.elapsed().as_secs_f64());
+        o.output_tokens = token_times.len() as u64;
+        if let Some(first) = token_times.first() {
+            o.ttft = Some(scale(*first));
+        }
+        if let [first, .., last] = token_times[..] {
+            o.itl_mean = Some((last - first) * self.speedup / (token_times.len() - 1) as f64);
+        }
+        Ok(())
+    }
+
+    /// Fires every planned request at its time, whatever the system's state (open loop), and
+    /// stops starting new ones after `duration` (simulated). Waits for all to finish.
+    pub async fn open_loop(&self, plan: Vec<Planned>, duration: Duration) -> Vec<Outcome> {
+        let mut running = Vec::new();
+        for p in plan.into_iter().take_while(|p| p.at <= duration) {
+            tokio::time::sleep_until(self.wall(p.at)).await;
+            let target = self.clone();
+            running.push(tokio::spawn(async move { target.send(p.path, p.body).await }));
+        }
+        let mut out = Vec::new();
+        for r in running {
+            if let Ok(o) = r.await {
+                out.push(o);
+            }
+        }
+        out
+    }
+
+    /// Runs conversations: each user's turns are sequential (the next question carries the
+    /// previous answers), users overlap. Turns not started by `duration` are skipped.
+    pub async fn conversations(
+        &self,
+        conversations: Vec<Conversation>,
+        model: &str,
+        duration: Duration,
+    ) -> Vec<Outcome> {
+        let mut users = Vec::new();
+        for c in conversations {
+            let target = self.clone();
+            let model = model.to_owned();
+            users.push(tokio::spawn(async move {
+                let mut outcomes = Vec::new();
+                tokio::time::sleep_until(target.wall(c.start)).await;
+                let mut history = vec![json!({"role": "system", "content": c.system})];
+                for question in c.questions {
+                    if target.start.elapsed().mul_f64(target.speedup) > duration {
+                        break;
+                    }
+                    history.push(json!({"role": "user", "content": question}));
+                    let body = json!({"model": model, "messages": history, "max_tokens": c.max_tokens});
+                    let o = target.send("/v1/chat/completions", body).await;
+                    history.push(json!({"role": "assistant", "content": o.text}));
+                    outcomes.push(o);
+                    tokio::time::sleep(c.think.div_f64(target.speedup)).await;
+                }
+                outcomes
+            }));
+        }
+        let mut out = Vec::new();
+        for u in users {
+            if let Ok(o) = u.await {
+                out.extend(o);
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,254 @@
+//! The end-to-end benchmark: the same simulated fleet, the same workloads, every routing
+//! policy, side by side (`cargo xtask bench e2e`).
+//!
+//! | module | what it does |
+//! |---|---|
+//! | `workloads` | shared-prefix, mooncake-conversation, multi-turn → a plan of requests |
+//! | `loadgen` | sends the plan through the gateway (open or closed loop), streaming SSE |
+//! | `stats` | percentiles, goodput, hit ratio, load balance |
+//! | `report` | `report.md`, `results.json`, SVG charts |
+//!
+//! Each (workload, QPS, repeat) starts a fresh fleet per policy, so no policy inherits
+//! another's warm caches; ratios against round robin are taken within the same repeat.
+
+pub mod loadgen;
+pub mod report;
+pub mod stats;
+pub mod workloads;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::client;
+use crate::{Artifacts, Routing, Stack, StackOptions};
+use loadgen::{Outcome, Target};
+use stats::Summary;
+use workloads::{Plan, Workload};
+
+/// A routing policy under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Policy {
+    /// Envoy alone, round robin.
+    EnvoyRoundRobin,
+    /// Envoy alone, least request.
+    EnvoyLeastRequest,
+    /// kvgate with a pool policy (`round_robin`, `least_load`, `kv_aware`, …).
+    Kvgate(&'static str),
+}
+
+impl Policy {
+    /// Every policy the harness knows.
+    pub const ALL: [Policy; 5] = [
+        Policy::EnvoyRoundRobin,
+        Policy::EnvoyLeastRequest,
+        Policy::Kvgate("round_robin"),
+        Policy::Kvgate("least_load"),
+        Policy::Kvgate("kv_aware"),
+    ];
+
+    /// The name in reports and on the command line.
+    pub fn name(&self) -> String {
+        match self {
+            Policy::EnvoyRoundRobin => "envoy-round-robin".into(),
+            Policy::EnvoyLeastRequest => "envoy-least-request".into(),
+            Policy::Kvgate(p) => format!("kvgate-{}", p.replace('_', "-")),
+        }
+    }
+
+    /// The policy with this name.
+    pub fn parse(name: &str) -> anyhow::Result<Policy> {
+        Policy::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
+            let known: Vec<String> = Policy::ALL.iter().map(Policy::name).collect();
+            anyhow::anyhow!("unknown policy {name}; known: {}", known.join(", "))
+        })
+    }
+
+    fn stack_options(&self, name: &str, fleet: &Fleet) -> StackOptions {
+        let (routing, pool_policy) = match self {
+            Policy::EnvoyRoundRobin => (Routing::RoundRobin, "round_robin"),
+            Policy::EnvoyLeastRequest => (Routing::LeastRequest, "round_robin"),
+            Policy::Kvgate(p) => (Routing::Kvgate, *p),
+        };
+        StackOptions {
+            name: name.into(),
+            replicas: fleet.replicas,
+            block_size: fleet.block_size,
+            routing,
+            route_timeout_ms: 200,
+            pool_policy: pool_policy.into(),
+            sim_args: fleet.sim_args(),
+        }
+    }
+}
+
+/// The simulated fleet every policy runs on.
+#[derive(Debug, Clone, Serialize)]
+pub struct Fleet {
+    /// Engines.
+    pub replicas: usize,
+    /// KV block size.
+    pub block_size: u32,
+    /// Time-model preset (`kvgate-sim --list-presets`).
+    pub preset: String,
+    /// Simulated time runs this much faster than the wall clock.
+    pub speedup: f64,
+    /// GPU blocks per engine.
+    pub gpu_blocks: usize,
+    /// `--max-num-seqs`.
+    pub max_num_seqs: usize,
+    /// `--max-num-batched-tokens`.
+    pub max_num_batched_tokens: usize,
+}
+
+impl Fleet {
+    fn sim_args(&self) -> Vec<String> {
+        [
+            "--preset",
+            &self.preset,
+            "--speedup",
+            &self.speedup.to_string(),
+            "--num-gpu-blocks-override",
+            &self.gpu_blocks.to_string(),
+            "--max-num-seqs",
+            &self.max_num_seqs.to_string(),
+            "--max-num-batched-tokens",
+            &self.max_num_batched_tokens.to_string(),
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+}
+
+/// Everything a benchmark run needs.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchConfig {
+    /// Workloads to run.
+    pub workloads: Vec<Workload>,
+    /// Policies to compare.
+    pub policies: Vec<Policy>,
+    /// Arrival rates (simulated requests/s) for workloads driven by QPS; a ladder if several.
+    pub qps: Vec<f64>,
+    /// Runs per point (medians are reported).
+    pub repeats: usize,
+    /// The fleet.
+    pub fleet: Fleet,
+    /// No new requests after this much simulated time.
+    pub max_duration_s: f64,
+    /// A request is "good" if its TTFT is within this (simulated seconds).
+    pub slo_ttft_s: f64,
+    /// The Mooncake trace.
+    pub trace: PathBuf,
+    /// Seed of every random choice.
+    pub seed: u64,
+}
+
+/// One run's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    /// Workload name.
+    pub workload: String,
+    /// Policy name.
+    pub policy: String,
+    /// Arrival rate (for QPS-driven workloads).
+    pub qps: Option<f64>,
+    /// Repeat index.
+    pub repeat: usize,
+    /// The numbers.
+    pub summary: Summary,
+    /// Requests the kvgate filter routed, and those it let Envoy balance (timeouts, errors,
+    /// passthrough); `None` without kvgate.
+    pub kvgate_routed: Option<(u64, u64)>,
+    /// Every successful request's TTFT (for the CDF chart).
+    #[serde(skip)]
+    pub ttfts: Vec<f64>,
+}
+
+/// Runs every (workload, QPS, repeat, policy) combination, reporting progress on stderr.
+pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<RunResult>> {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let mut results = Vec::new();
+    for workload in &config.workloads {
+        let ladder: Vec<Option<f64>> =
+            if workload.uses_qps() { config.qps.iter().copied().map(Some).collect() } else { vec![None] };
+        for qps in ladder {
+            for repeat in 0..config.repeats {
+                let plan_seed = config.seed + repeat as u64;
+                for policy in &config.policies {
+                    let label = format!(
+                        "{} qps={} repeat={} {}",
+                        workload.name(),
+                        qps.map_or("trace".into(), |q| q.to_string()),
+                        repeat,
+                        policy.name()
+                    );
+                    eprintln!("bench: {label}");
+                    let plan = workload.plan(qps.unwrap_or(1.0), plan_seed, &config.trace)?;
+                    let stack = Stack::start(&policy.stack_options(&policy.name(), &config.fleet), artifacts)?;
+                    let before = cache_counters(&stack)?;
+                    let target = Target::new(&stack.gateway(""), config.fleet.speedup, Duration::from_secs(600))?;
+                    let duration = Duration::from_secs_f64(config.max_duration_s);
+                    let outcomes: Vec<Outcome> = runtime.block_on(async {
+                        match plan {
+                            Plan::OpenLoop(plan) => target.open_loop(plan, duration).await,
+                            Plan::Conversations(c) => target.conversations(c, workloads::MODEL, duration).await,
+                        }
+                    });
+                    let after = cache_counters(&stack)?;
+                    let kvgate_routed = match policy {
+                        Policy::Kvgate(_) => {
+                            let stat = |n: &str| stack.envoy_stat(&format!("wasmcustom.kvgate.requests.{n}"));
+                            let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")?;
+                            Some((stat("routed")?, other))
+                        }
+                        _ => None,
+                    };
+                    let hit_ratio = {
+                        let (q, h) = (after.0 - before.0, after.1 - before.1);
+                        (q > 0.0).then_some(h / q)
+                    };
+                    let replicas: Vec<String> = stack.sims.iter().map(|s| s.id.clone()).collect();
+                    let summary = stats::summarize(&outcomes, config.slo_ttft_s, hit_ratio, &replicas);
+                    eprintln!(
+                        "bench:   {} ok, {} errors, TTFT p50 {:?} p90 {:?}, hit ratio {:?}, load max/mean {:?}, kvgate routed/other {:?}",
+                        summary.ok,
+                        summary.errors,
+                        summary.ttft_p50,
+                        summary.ttft_p90,
+                        summary.hit_ratio,
+                        summary.load_max_over_mean,
+                        kvgate_routed
+                    );
+                    results.push(RunResult {
+                        workload: workload.name().into(),
+                        policy: policy.name(),
+                        qps,
+                        repeat,
+                        kvgate_routed,
+                        ttfts: outcomes.iter().filter(|o| o.ok()).filter_map(|o| o.ttft).collect(),
+                        summary,
+                    });
+                }
+            }
+        }
+    }
+    Ok(results)
+}
+
+/// Σ `vllm:prefix_cache_queries_total` and Σ `vllm:prefix_cache_hits_total` over the fleet.
+fn cache_counters(stack: &Stack) -> anyhow::Result<(f64, f64)> {
+    let mut totals = (0.0, 0.0);
+    for sim in &stack.sims {
+        let text = client::client().get(sim.url("/metrics")).send()?.text()?;
+        for line in text.lines() {
+            let value = || line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+            if line.starts_with("vllm:prefix_cache_queries_total{") {
+                totals.0 += value();
+            } else if line.starts_with("vllm:prefix_cache_hits_total{") {
+                totals.1 += value();
+            }
+        }
+    }
+    Ok(totals)
+}

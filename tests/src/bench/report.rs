@@ -1,0 +1,340 @@
+//! Writes a benchmark's results: `report.md`, `results.json` and SVG charts.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use plotters::prelude::*;
+use serde::Serialize;
+
+use super::stats::{median, Summary};
+use super::{BenchConfig, RunResult};
+
+/// Where and how the benchmark ran.
+#[derive(Debug, Clone, Serialize)]
+pub struct Facts {
+    /// The exact command.
+    pub command: String,
+    /// `git rev-parse HEAD` (with `-dirty` if the tree had changes).
+    pub commit: String,
+    /// CPU model, core count, kernel.
+    pub machine: String,
+    /// UTC start time.
+    pub started: String,
+}
+
+/// One (workload, QPS, policy) point: medians over repeats, and ratios against Envoy round
+/// robin taken within each repeat.
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    /// Workload.
+    pub workload: String,
+    /// Arrival rate, for QPS-driven workloads.
+    pub qps: Option<f64>,
+    /// Policy.
+    pub policy: String,
+    /// Median of each repeat's summary value.
+    pub median: Summary,
+    /// Median over repeats of round robin's TTFT p90 ÷ this policy's (> 1: better).
+    pub ttft_p90_vs_round_robin: Option<f64>,
+    /// The same for TTFT p50.
+    pub ttft_p50_vs_round_robin: Option<f64>,
+    /// Total failed requests over all repeats.
+    pub errors_total: usize,
+}
+
+const BASELINE: &str = "envoy-round-robin";
+
+/// Groups the runs into points.
+pub fn points(results: &[RunResult]) -> Vec<Point> {
+    let mut keys: Vec<(String, Option<f64>, String)> = Vec::new();
+    for r in results {
+        let key = (r.workload.clone(), r.qps, r.policy.clone());
+        if !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    keys.into_iter()
+        .map(|(workload, qps, policy)| {
+            let runs: Vec<&RunResult> =
+                results.iter().filter(|r| r.workload == workload && r.qps == qps && r.policy == policy).collect();
+            let med = |f: &dyn Fn(&Summary) -> Option<f64>| {
+                median(&runs.iter().filter_map(|r| f(&r.summary)).collect::<Vec<_>>())
+            };
+            let ratio = |f: &dyn Fn(&Summary) -> Option<f64>| {
+                let ratios: Vec<f64> = runs
+                    .iter()
+                    .filter_map(|r| {
+                        let base = results.iter().find(|b| {
+                            b.workload == r.workload && b.qps == r.qps && b.repeat == r.repeat && b.policy == BASELINE
+                        })?;
+                        Some(f(&base.summary)? / f(&r.summary)?)
+                    })
+                    .collect();
+                median(&ratios)
+            };
+            let median = Summary {
+                requests: med(&|s| Some(s.requests as f64)).unwrap_or(0.0) as usize,
+                ok: med(&|s| Some(s.ok as f64)).unwrap_or(0.0) as usize,
+                errors: med(&|s| Some(s.errors as f64)).unwrap_or(0.0) as usize,
+                status_503: med(&|s| Some(s.status_503 as f64)).unwrap_or(0.0) as usize,
+                ttft_p50: med(&|s| s.ttft_p50),
+                ttft_p90: med(&|s| s.ttft_p90),
+                ttft_p99: med(&|s| s.ttft_p99),
+                itl_p50: med(&|s| s.itl_p50),
+                e2e_p50: med(&|s| s.e2e_p50),
+                e2e_p99: med(&|s| s.e2e_p99),
+                output_tps: med(&|s| Some(s.output_tps)).unwrap_or(0.0),
+                goodput: med(&|s| Some(s.goodput)).unwrap_or(0.0),
+                hit_ratio: med(&|s| s.hit_ratio),
+                load_max_over_mean: med(&|s| s.load_max_over_mean),
+            };
+            Point {
+                ttft_p90_vs_round_robin: ratio(&|s| s.ttft_p90),
+                ttft_p50_vs_round_robin: ratio(&|s| s.ttft_p50),
+                errors_total: runs.iter().map(|r| r.summary.errors).sum(),
+                workload,
+                qps,
+                policy,
+                median,
+            }
+        })
+        .collect()
+}
+
+fn secs(v: Option<f64>) -> String {
+    v.map_or("–".into(), |v| if v < 1.0 { format!("{:.0} ms", v * 1000.0) } else { format!("{v:.2} s") })
+}
+
+fn num(v: Option<f64>, digits: usize) -> String {
+    v.map_or("–".into(), |v| format!("{v:.digits$}"))
+}
+
+/// Writes `report.md`, `results.json` and the charts into `dir`; returns the report's text.
+pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResult]) -> anyhow::Result<String> {
+    std::fs::create_dir_all(dir)?;
+    let points = points(results);
+    let json = serde_json::json!({"facts": facts, "config": config, "points": points, "runs": results});
+    std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(&json)?)?;
+
+    let mut md = String::new();
+    let _ = writeln!(md, "# kvgate benchmark\n");
+    let _ = writeln!(md, "- command: `{}`", facts.command);
+    let _ = writeln!(md, "- commit: `{}`", facts.commit);
+    let _ = writeln!(md, "- machine: {}", facts.machine);
+    let _ = writeln!(md, "- started: {}", facts.started);
+    let f = &config.fleet;
+    let _ = writeln!(
+        md,
+        "- fleet: {} × kvgate-sim, preset `{}`, speedup {}×, {} GPU blocks of {} tokens each, max-num-seqs {}, max-num-batched-tokens {}",
+        f.replicas, f.preset, f.speedup, f.gpu_blocks, f.block_size, f.max_num_seqs, f.max_num_batched_tokens
+    );
+    let _ = writeln!(
+        md,
+        "- {} repeat(s) per point, medians shown; TTFT SLO for goodput {} s; latencies in simulated time\n",
+        config.repeats, config.slo_ttft_s
+    );
+    let mut seen: Vec<(String, Option<f64>)> = Vec::new();
+    for p in &points {
+        let key = (p.workload.clone(), p.qps);
+        if seen.contains(&key) {
+            continue;
+        }
+        seen.push(key.clone());
+        let _ = writeln!(md, "## {}{}\n", p.workload, p.qps.map_or(String::new(), |q| format!(" at {q} req/s")));
+        let _ = writeln!(
+            md,
+            "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503) | hit ratio | load max/mean |"
+        );
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+        for q in points.iter().filter(|q| (q.workload.clone(), q.qps) == key) {
+            let m = &q.median;
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}) | {} | {} |",
+                q.policy,
+                secs(m.ttft_p50),
+                secs(m.ttft_p90),
+                secs(m.ttft_p99),
+                q.ttft_p90_vs_round_robin.map_or("–".into(), |r| format!("{r:.2}×")),
+                secs(m.itl_p50),
+                secs(m.e2e_p50),
+                secs(m.e2e_p99),
+                m.output_tps,
+                m.goodput,
+                q.errors_total,
+                m.status_503,
+                num(m.hit_ratio, 3),
+                num(m.load_max_over_mean, 2),
+            );
+        }
+        let chart = format!("ttft-cdf-{}{}.svg", key.0, key.1.map_or(String::new(), |q| format!("-{q}qps")));
+        ttft_cdf(&dir.join(&chart), &format!("TTFT CDF — {}", key.0), results, &key.0, key.1)?;
+        let _ = writeln!(md, "\n![TTFT CDF]({chart})\n");
+    }
+    let workloads: Vec<&String> = points.iter().filter(|p| p.qps.is_some()).map(|p| &p.workload).collect();
+    for w in workloads.iter().copied().collect::<std::collections::BTreeSet<_>>() {
+        if config.qps.len() > 1 {
+            let chart = format!("throughput-{w}.svg");
+            throughput_vs_qps(&dir.join(&chart), w, &points)?;
+            let _ = writeln!(md, "## {w}: throughput vs offered load\n\n![throughput]({chart})\n");
+        }
+    }
+    std::fs::write(dir.join("report.md"), &md)?;
+    Ok(md)
+}
+
+const COLORS: [RGBColor; 7] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(127, 127, 127),
+];
+
+/// One line per policy: the fraction of requests with TTFT ≤ x (repeat 0).
+fn ttft_cdf(path: &Path, title: &str, results: &[RunResult], workload: &str, qps: Option<f64>) -> anyhow::Result<()> {
+    let runs: Vec<&RunResult> =
+        results.iter().filter(|r| r.workload == workload && r.qps == qps && r.repeat == 0).collect();
+    let max = runs.iter().flat_map(|r| r.ttfts.iter().copied()).fold(0.0, f64::max).max(1e-3);
+    let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d((1e-3..max * 1.05).log_scale(), 0.0..1.0)?;
+    chart.configure_mesh().x_desc("TTFT (simulated seconds, log scale)").y_desc("fraction of requests").draw()?;
+    for (i, run) in runs.iter().enumerate() {
+        let mut v = run.ttfts.clone();
+        v.sort_by(f64::total_cmp);
+        let n = v.len().max(1) as f64;
+        let color = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(
+                v.iter().enumerate().map(|(k, t)| (t.max(1e-3), (k + 1) as f64 / n)),
+                color.stroke_width(2),
+            ))?
+            .label(run.policy.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE)
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// Output tokens/s against offered QPS, one line per policy.
+fn throughput_vs_qps(path: &Path, workload: &str, points: &[super::report::Point]) -> anyhow::Result<()> {
+    let pts: Vec<&Point> = points.iter().filter(|p| p.workload == workload && p.qps.is_some()).collect();
+    let max_q = pts.iter().filter_map(|p| p.qps).fold(0.0, f64::max).max(1e-3);
+    let max_t = pts.iter().map(|p| p.median.output_tps).fold(0.0, f64::max).max(1.0);
+    let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("Output throughput vs offered load — {workload}"), ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..max_q * 1.05, 0.0..max_t * 1.1)?;
+    chart.configure_mesh().x_desc("offered load (requests per simulated second)").y_desc("output tokens / s").draw()?;
+    let mut policies: Vec<&String> = pts.iter().map(|p| &p.policy).collect();
+    policies.dedup();
+    for (i, policy) in policies.into_iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let line: Vec<(f64, f64)> =
+            pts.iter().filter(|p| &p.policy == policy).filter_map(|p| Some((p.qps?, p.median.output_tps))).collect();
+        chart
+            .draw_series(LineSeries::new(line, color.stroke_width(2)))?
+            .label(policy.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE)
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(policy: &str, repeat: usize, p90: f64) -> RunResult {
+        RunResult {
+            workload: "w".into(),
+            policy: policy.into(),
+            qps: Some(1.0),
+            repeat,
+            kvgate_routed: None,
+            summary: Summary { ttft_p90: Some(p90), ttft_p50: Some(p90 / 2.0), ..Summary::default() },
+            ttfts: vec![p90 / 2.0, p90],
+        }
+    }
+
+    #[test]
+    fn ratios_are_taken_within_each_repeat_then_the_median() {
+        let results = vec![
+            run(BASELINE, 0, 4.0),
+            run("kvgate-kv-aware", 0, 1.0),
+            run(BASELINE, 1, 9.0),
+            run("kvgate-kv-aware", 1, 1.0),
+            run(BASELINE, 2, 2.0),
+            run("kvgate-kv-aware", 2, 1.0),
+        ];
+        let pts = points(&results);
+        let kv = pts.iter().find(|p| p.policy == "kvgate-kv-aware").unwrap();
+        assert_eq!(kv.ttft_p90_vs_round_robin, Some(4.0), "median of 4, 9, 2");
+        assert_eq!(kv.median.ttft_p90, Some(1.0));
+        let rr = pts.iter().find(|p| p.policy == BASELINE).unwrap();
+        assert_eq!(rr.ttft_p90_vs_round_robin, Some(1.0));
+    }
+
+    #[test]
+    fn writes_a_report_with_tables_json_and_charts() {
+        let dir = std::env::temp_dir().join(format!("kvgate-report-{}", std::process::id()));
+        let config = BenchConfig {
+            workloads: vec![],
+            policies: vec![],
+            qps: vec![1.0, 2.0],
+            repeats: 1,
+            fleet: super::super::Fleet {
+                replicas: 2,
+                block_size: 16,
+                preset: "test".into(),
+                speedup: 1.0,
+                gpu_blocks: 10,
+                max_num_seqs: 1,
+                max_num_batched_tokens: 1,
+            },
+            max_duration_s: 1.0,
+            slo_ttft_s: 1.0,
+            trace: "t".into(),
+            seed: 0,
+        };
+        let facts = Facts { command: "c".into(), commit: "x".into(), machine: "m".into(), started: "s".into() };
+        let mut results = vec![run(BASELINE, 0, 4.0), run("kvgate-kv-aware", 0, 1.0)];
+        let mut more = results.clone();
+        for r in &mut more {
+            r.qps = Some(2.0);
+        }
+        results.extend(more);
+        let md = write(&dir, &config, &facts, &results).unwrap();
+        assert!(md.contains("| kvgate-kv-aware | 500 ms | 1.00 s |"), "{md}");
+        assert!(md.contains("4.00×"));
+        for file in ["results.json", "report.md", "ttft-cdf-w-1qps.svg", "throughput-w.svg"] {
+            let body = std::fs::read_to_string(dir.join(file)).unwrap();
+            assert!(body.len() > 100, "{file} written");
+        }
+        assert!(std::fs::read_to_string(dir.join("ttft-cdf-w-1qps.svg")).unwrap().contains("kvgate-kv-aware"));
+    }
+}

@@ -1,0 +1,138 @@
+//! From a run's outcomes to the numbers in the report.
+
+use serde::Serialize;
+
+use super::loadgen::Outcome;
+
+/// Nearest-rank percentile of unsorted values (`p` in 0..=100); `None` if empty.
+pub fn percentile(values: &[f64], p: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * v.len() as f64).ceil().max(1.0) as usize;
+    Some(v[rank.min(v.len()) - 1])
+}
+
+/// The median of unsorted values.
+pub fn median(values: &[f64]) -> Option<f64> {
+    percentile(values, 50.0)
+}
+
+/// One (workload, policy, QPS, repeat) run, summarised. Latencies in simulated seconds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Summary {
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that completed with 200 and at least one token.
+    pub ok: usize,
+    /// Requests that failed (status ≠ 200, transport error or timeout).
+    pub errors: usize,
+    /// Of those, 503s.
+    pub status_503: usize,
+    /// TTFT percentiles.
+    pub ttft_p50: Option<f64>,
+    /// .
+    pub ttft_p90: Option<f64>,
+    /// .
+    pub ttft_p99: Option<f64>,
+    /// Median over requests of their mean inter-token latency.
+    pub itl_p50: Option<f64>,
+    /// End-to-end percentiles.
+    pub e2e_p50: Option<f64>,
+    /// .
+    pub e2e_p99: Option<f64>,
+    /// Output tokens per simulated second, over the run's span.
+    pub output_tps: f64,
+    /// Fraction of requests that completed with TTFT within the SLO.
+    pub goodput: f64,
+    /// Prefix-cache hits / queries, from the engines' `/metrics`.
+    pub hit_ratio: Option<f64>,
+    /// Max over mean of per-replica token load (uncached prompt + output tokens served).
+    pub load_max_over_mean: Option<f64>,
+}
+
+/// Summarises outcomes. `replicas` lists every engine (idle ones count in the load balance).
+pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, hit_ratio: Option<f64>, replicas: &[String]) -> Summary {
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
+    let ttfts: Vec<f64> = ok.iter().filter_map(|o| o.ttft).collect();
+    // Per-request mean ITL: SSE chunks can arrive coalesced, so single gaps are noise.
+    let itls: Vec<f64> = ok.iter().filter_map(|o| o.itl_mean).collect();
+    let e2es: Vec<f64> = ok.iter().map(|o| o.e2e).collect();
+    let start = outcomes.iter().map(|o| o.sent_at).fold(f64::INFINITY, f64::min);
+    let end = ok.iter().map(|o| o.sent_at + o.e2e).fold(f64::NEG_INFINITY, f64::max);
+    let tokens: u64 = ok.iter().map(|o| o.output_tokens).sum();
+    let span = end - start;
+    let loads: Vec<f64> = replicas
+        .iter()
+        .map(|r| {
+            ok.iter()
+                .filter(|o| &o.replica == r)
+                .map(|o| (o.prompt_tokens.saturating_sub(o.cached_tokens) + o.output_tokens) as f64)
+                .sum()
+        })
+        .collect();
+    let mean_load = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
+    Summary {
+        requests: outcomes.len(),
+        ok: ok.len(),
+        errors: outcomes.len() - ok.len(),
+        status_503: outcomes.iter().filter(|o| o.status == 503).count(),
+        ttft_p50: percentile(&ttfts, 50.0),
+        ttft_p90: percentile(&ttfts, 90.0),
+        ttft_p99: percentile(&ttfts, 99.0),
+        itl_p50: percentile(&itls, 50.0),
+        e2e_p50: percentile(&e2es, 50.0),
+        e2e_p99: percentile(&e2es, 99.0),
+        output_tps: if span > 0.0 { tokens as f64 / span } else { 0.0 },
+        goodput: ttfts.iter().filter(|t| **t <= slo_ttft_s).count() as f64 / outcomes.len().max(1) as f64,
+        hit_ratio,
+        load_max_over_mean: (mean_load > 0.0).then(|| loads.iter().copied().fold(0.0, f64::max) / mean_load),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outcome(replica: &str, ttft: f64, prompt: u64, cached: u64) -> Outcome {
+        Outcome {
+            status: 200,
+            replica: replica.into(),
+            sent_at: 0.0,
+            ttft: Some(ttft),
+            itl_mean: Some(0.01),
+            e2e: 2.0,
+            output_tokens: 10,
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+            error: None,
+            text: String::new(),
+        }
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), Some(50.0));
+        assert_eq!(percentile(&v, 90.0), Some(90.0));
+        assert_eq!(percentile(&v, 99.0), Some(99.0));
+        assert_eq!(percentile(&[3.0], 99.0), Some(3.0));
+        assert_eq!(percentile(&[], 50.0), None);
+    }
+
+    #[test]
+    fn summary_counts_errors_goodput_and_load_balance() {
+        let mut failed = outcome("a", 0.0, 0, 0);
+        failed.status = 503;
+        failed.ttft = None;
+        let outcomes = vec![outcome("a", 0.1, 100, 0), outcome("a", 3.0, 100, 50), outcome("b", 0.2, 100, 100), failed];
+        let s = summarize(&outcomes, 1.0, Some(0.5), &["a".into(), "b".into(), "c".into()]);
+        assert_eq!((s.requests, s.ok, s.errors, s.status_503), (4, 3, 1, 1));
+        assert_eq!(s.goodput, 0.5, "2 of 4 within the SLO");
+        // Loads: a = 110 + 60, b = 10, c = 0 → mean 60, max 170.
+        assert!((s.load_max_over_mean.unwrap() - 170.0 / 60.0).abs() < 1e-9);
+        assert_eq!(s.output_tps, 15.0, "30 tokens over 2 s");
+    }
+}

@@ -1,0 +1,256 @@
+//! The benchmark's workloads: `shared-prefix`, `mooncake-conversation` and `multi-turn`.
+//!
+//! Each is deterministic for a seed: the same run twice sends the same bytes at the same
+//! (simulated) times.
+
+use std::path::Path;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::loadgen::{Conversation, Planned};
+use crate::workload::document;
+
+/// The model name the fleet serves.
+pub const MODEL: &str = "qwen3";
+
+/// inference-perf's `shared_prefix`: `groups` system prompts of `system_tokens`, each with
+/// `prompts_per_group` questions of `question_tokens`, shuffled and sent as Poisson arrivals.
+#[derive(Debug, Clone, Serialize)]
+pub struct SharedPrefix {
+    /// Distinct system prompts.
+    pub groups: usize,
+    /// Questions per system prompt.
+    pub prompts_per_group: usize,
+    /// System prompt length (about one token per word).
+    pub system_tokens: usize,
+    /// Question length.
+    pub question_tokens: usize,
+    /// Output tokens per request.
+    pub output_tokens: u32,
+}
+
+/// The Mooncake FAST'25 conversation trace, replayed on its own timestamps.
+#[derive(Debug, Clone, Serialize)]
+pub struct Mooncake {
+    /// Rows to replay (from the start of the trace).
+    pub requests: usize,
+    /// Trace time is divided by this (on top of the engines' speedup).
+    pub time_compression: f64,
+    /// Prompts are cut to this many tokens.
+    pub max_input_tokens: usize,
+    /// Outputs are cut to this many tokens.
+    pub max_output_tokens: u32,
+}
+
+/// LMCache's multi-round QA: users with a shared system prompt and a growing history.
+#[derive(Debug, Clone, Serialize)]
+pub struct MultiTurn {
+    /// Concurrent users.
+    pub users: usize,
+    /// Questions per user.
+    pub rounds: usize,
+    /// Shared system prompt length.
+    pub system_tokens: usize,
+    /// Per-user context prepended to the first question (a document the user talks about).
+    pub context_tokens: usize,
+    /// Question length.
+    pub question_tokens: usize,
+    /// Answer length.
+    pub output_tokens: u32,
+    /// Simulated seconds between users' first questions.
+    pub user_spacing_s: f64,
+    /// Simulated seconds a user thinks between rounds.
+    pub think_s: f64,
+}
+
+/// A workload, ready to plan.
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Workload {
+    /// See [`SharedPrefix`].
+    SharedPrefix(SharedPrefix),
+    /// See [`Mooncake`].
+    MooncakeConversation(Mooncake),
+    /// See [`MultiTurn`].
+    MultiTurn(MultiTurn),
+}
+
+/// What a workload sends.
+pub enum Plan {
+    /// Independent requests at fixed times.
+    OpenLoop(Vec<Planned>),
+    /// Conversations whose turns wait for the previous answer.
+    Conversations(Vec<Conversation>),
+}
+
+impl Workload {
+    /// The workload's name in reports.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Workload::SharedPrefix(_) => "shared-prefix",
+            Workload::MooncakeConversation(_) => "mooncake-conversation",
+            Workload::MultiTurn(_) => "multi-turn",
+        }
+    }
+
+    /// Whether `qps` drives arrivals (the trace and the conversations have their own).
+    pub fn uses_qps(&self) -> bool {
+        matches!(self, Workload::SharedPrefix(_))
+    }
+
+    /// Builds the plan. `qps` is in simulated time; `trace` is the Mooncake file.
+    pub fn plan(&self, qps: f64, seed: u64, trace: &Path) -> anyhow::Result<Plan> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        Ok(match self {
+            Workload::SharedPrefix(w) => Plan::OpenLoop(w.plan(qps, &mut rng)),
+            Workload::MooncakeConversation(w) => Plan::OpenLoop(w.plan(trace)?),
+            Workload::MultiTurn(w) => Plan::Conversations(w.plan()),
+        })
+    }
+}
+
+/// Poisson arrival times at `qps`.
+fn poisson(n: usize, qps: f64, rng: &mut StdRng) -> Vec<Duration> {
+    let mut t = 0.0;
+    (0..n)
+        .map(|_| {
+            let u: f64 = rng.random_range(f64::EPSILON..1.0);
+            t += -u.ln() / qps;
+            Duration::from_secs_f64(t)
+        })
+        .collect()
+}
+
+impl SharedPrefix {
+    fn plan(&self, qps: f64, rng: &mut StdRng) -> Vec<Planned> {
+        let mut pairs: Vec<(usize, usize)> =
+            (0..self.groups).flat_map(|g| (0..self.prompts_per_group).map(move |p| (g, p))).collect();
+        pairs.shuffle(rng);
+        let times = poisson(pairs.len(), qps, rng);
+        pairs
+            .into_iter()
+            .zip(times)
+            .map(|((g, p), at)| {
+                let system = document(10_000 + g as u32, self.system_tokens);
+                let question = document(1_000_000 + (g * self.prompts_per_group + p) as u32, self.question_tokens);
+                let body = json!({"model": MODEL, "max_tokens": self.output_tokens, "ignore_eos": true,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]});
+                Planned { at, path: "/v1/chat/completions", body }
+            })
+            .collect()
+    }
+
+    /// Tokens the fleet must hold to cache every system prompt and question once.
+    pub fn resident_tokens(&self) -> usize {
+        self.groups * (self.system_tokens + self.prompts_per_group * self.question_tokens)
+    }
+}
+
+/// 512 deterministic token ids for a Mooncake `hash_id` (below Qwen3's 151k vocabulary).
+fn block_tokens(hash_id: u64) -> impl Iterator<Item = u32> {
+    let mut rng = StdRng::seed_from_u64(hash_id ^ 0x6d6f_6f6e_6361_6b65);
+    (0..512).map(move |_| rng.random_range(1000..150_000))
+}
+
+impl Mooncake {
+    fn plan(&self, trace: &Path) -> anyhow::Result<Vec<Planned>> {
+        let text = std::fs::read_to_string(trace)
+            .map_err(|e| anyhow::anyhow!("reading the Mooncake trace {}: {e}", trace.display()))?;
+        let mut plan = Vec::new();
+        for line in text.lines().take(self.requests) {
+            let row: Value = serde_json::from_str(line)?;
+            let input = (row["input_length"].as_u64().unwrap_or(0) as usize).min(self.max_input_tokens);
+            let output = (row["output_length"].as_u64().unwrap_or(1) as u32).clamp(1, self.max_output_tokens);
+            let ids: Vec<u32> = row["hash_ids"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_u64).flat_map(block_tokens).take(input).collect())
+                .unwrap_or_default();
+            if ids.is_empty() {
+                continue;
+            }
+            let at = Duration::from_secs_f64(row["timestamp"].as_f64().unwrap_or(0.0) / 1000.0 / self.time_compression);
+            let body = json!({"model": MODEL, "prompt": ids, "max_tokens": output, "ignore_eos": true});
+            plan.push(Planned { at, path: "/v1/completions", body });
+        }
+        Ok(plan)
+    }
+}
+
+impl MultiTurn {
+    fn plan(&self) -> Vec<Conversation> {
+        let system = document(7, self.system_tokens);
+        (0..self.users)
+            .map(|u| Conversation {
+                start: Duration::from_secs_f64(u as f64 * self.user_spacing_s),
+                system: system.clone(),
+                questions: (0..self.rounds)
+                    .map(|r| {
+                        let q = document(2_000_000 + (u * 1000 + r) as u32, self.question_tokens);
+                        if r == 0 {
+                            format!("{}\n\n{q}", document(3_000_000 + u as u32, self.context_tokens))
+                        } else {
+                            q
+                        }
+                    })
+                    .collect(),
+                think: Duration::from_secs_f64(self.think_s),
+                max_tokens: self.output_tokens,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_prefix_plans_every_prompt_once_at_increasing_times() {
+        let w =
+            SharedPrefix { groups: 3, prompts_per_group: 4, system_tokens: 20, question_tokens: 5, output_tokens: 7 };
+        let plan = w.plan(10.0, &mut StdRng::seed_from_u64(1));
+        assert_eq!(plan.len(), 12);
+        assert!(plan.windows(2).all(|p| p[0].at < p[1].at));
+        let systems: std::collections::HashSet<String> =
+            plan.iter().map(|p| p.body["messages"][0]["content"].as_str().unwrap().to_owned()).collect();
+        assert_eq!(systems.len(), 3, "one system prompt per group");
+        let again = w.plan(10.0, &mut StdRng::seed_from_u64(1));
+        assert_eq!(plan[5].body, again[5].body, "deterministic for a seed");
+    }
+
+    #[test]
+    fn mooncake_blocks_are_deterministic_per_hash_id() {
+        let a: Vec<u32> = block_tokens(42).collect();
+        assert_eq!(a.len(), 512);
+        assert_eq!(a, block_tokens(42).collect::<Vec<_>>());
+        assert_ne!(a, block_tokens(43).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn mooncake_rows_become_capped_token_prompts_on_trace_time() {
+        let dir = std::env::temp_dir().join(format!("kvgate-mooncake-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let trace = dir.join("t.jsonl");
+        std::fs::write(
+            &trace,
+            "{\"timestamp\": 0, \"input_length\": 1000, \"output_length\": 9000, \"hash_ids\": [0, 1]}\n\
+             {\"timestamp\": 2000, \"input_length\": 700, \"output_length\": 5, \"hash_ids\": [0, 2]}\n",
+        )
+        .unwrap();
+        let w = Mooncake { requests: 10, time_compression: 2.0, max_input_tokens: 600, max_output_tokens: 100 };
+        let plan = w.plan(&trace).unwrap();
+        assert_eq!(plan.len(), 2);
+        assert_eq!(plan[1].at, Duration::from_secs(1));
+        let first = plan[0].body["prompt"].as_array().unwrap();
+        let second = plan[1].body["prompt"].as_array().unwrap();
+        assert_eq!((first.len(), second.len()), (600, 600));
+        assert_eq!(first[..512], second[..512], "shared block 0, shared tokens");
+        assert_ne!(first[512..], second[512..]);
+        assert_eq!(plan[0].body["max_tokens"], 100);
+    }
+}

@@ -1,0 +1,194 @@
+//! `cargo xtask bench e2e`: every routing policy on the same simulated fleet and workloads.
+//!
+//! ```text
+//! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation]
+//!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
+//!                       [--speedup 10] [--out DIR]
+//! ```
+//!
+//! Writes `target/bench/<UTC timestamp>/{report.md,results.json,*.svg}` (or `--out`).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{bail, Context};
+use kvgate_e2e::bench::report::{self, Facts};
+use kvgate_e2e::bench::workloads::{Mooncake, MultiTurn, SharedPrefix, Workload};
+use kvgate_e2e::bench::{self, BenchConfig, Fleet, Policy};
+use kvgate_e2e::{repo_root, Artifacts};
+
+use crate::{build_wasm, cargo, install};
+
+/// Parsed command line.
+struct Args {
+    quick: bool,
+    workloads: Option<Vec<String>>,
+    qps: Option<Vec<f64>>,
+    repeats: Option<usize>,
+    policies: Option<Vec<String>>,
+    speedup: Option<f64>,
+    out: Option<PathBuf>,
+}
+
+fn parse(args: &[String]) -> anyhow::Result<Args> {
+    let mut a =
+        Args { quick: false, workloads: None, qps: None, repeats: None, policies: None, speedup: None, out: None };
+    let mut it = args.iter();
+    let list = |v: Option<&String>| -> anyhow::Result<Vec<String>> {
+        Ok(v.context("a value is missing")?.split(',').map(str::to_owned).collect())
+    };
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--quick" => a.quick = true,
+            "--workload" => a.workloads = Some(list(it.next())?),
+            "--policies" => a.policies = Some(list(it.next())?),
+            "--qps" => a.qps = Some(list(it.next())?.iter().map(|q| q.parse()).collect::<Result<_, _>>()?),
+            "--repeats" => a.repeats = Some(it.next().context("--repeats needs a value")?.parse()?),
+            "--speedup" => a.speedup = Some(it.next().context("--speedup needs a value")?.parse()?),
+            "--out" => a.out = Some(PathBuf::from(it.next().context("--out needs a value")?)),
+            other => bail!("unknown flag {other}"),
+        }
+    }
+    Ok(a)
+}
+
+/// The workloads at full or quick scale.
+fn workloads(quick: bool) -> Vec<Workload> {
+    if quick {
+        vec![
+            Workload::SharedPrefix(SharedPrefix {
+                groups: 30,
+                prompts_per_group: 5,
+                system_tokens: 2000,
+                question_tokens: 400,
+                output_tokens: 100,
+            }),
+            Workload::MultiTurn(MultiTurn {
+                users: 12,
+                rounds: 4,
+                system_tokens: 1000,
+                context_tokens: 1500,
+                question_tokens: 100,
+                output_tokens: 100,
+                user_spacing_s: 1.0,
+                think_s: 2.0,
+            }),
+            Workload::MooncakeConversation(Mooncake {
+                requests: 300,
+                time_compression: 1.0,
+                max_input_tokens: 8192,
+                max_output_tokens: 200,
+            }),
+        ]
+    } else {
+        vec![
+            Workload::SharedPrefix(SharedPrefix {
+                groups: 150,
+                prompts_per_group: 5,
+                system_tokens: 6000,
+                question_tokens: 1200,
+                output_tokens: 1000,
+            }),
+            Workload::MultiTurn(MultiTurn {
+                users: 40,
+                rounds: 6,
+                system_tokens: 1000,
+                context_tokens: 4000,
+                question_tokens: 200,
+                output_tokens: 300,
+                user_spacing_s: 1.0,
+                think_s: 5.0,
+            }),
+            Workload::MooncakeConversation(Mooncake {
+                requests: 1500,
+                time_compression: 1.0,
+                max_input_tokens: 16_384,
+                max_output_tokens: 500,
+            }),
+        ]
+    }
+}
+
+fn sh(program: &str, args: &[&str]) -> String {
+    Command::new(program)
+        .args(args)
+        .current_dir(repo_root())
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn facts(command: String) -> Facts {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+        })
+        .unwrap_or_default();
+    let dirty = if sh("git", &["status", "--porcelain"]).is_empty() { "" } else { "-dirty" };
+    Facts {
+        command,
+        commit: format!("{}{dirty}", sh("git", &["rev-parse", "--short", "HEAD"])),
+        machine: format!("{cpu}, {} cores, Linux {}", sh("nproc", &[]), sh("uname", &["-r"])),
+        started: sh("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
+    }
+}
+
+/// `cargo xtask bench e2e …`.
+pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
+    let args = parse(raw)?;
+    let mut all = workloads(args.quick);
+    if let Some(names) = &args.workloads {
+        for n in names {
+            if !all.iter().any(|w| w.name() == n) {
+                bail!("unknown workload {n}");
+            }
+        }
+        all.retain(|w| names.iter().any(|n| n == w.name()));
+    }
+    let policies = match &args.policies {
+        Some(names) => names.iter().map(|n| Policy::parse(n)).collect::<anyhow::Result<Vec<_>>>()?,
+        None => Policy::ALL.to_vec(),
+    };
+    let speedup = args.speedup.unwrap_or(10.0);
+    // Fleet caches hold ~70 % of the shared-prefix resident set, forcing eviction.
+    let replicas = 4;
+    let resident = all
+        .iter()
+        .find_map(|w| match w {
+            Workload::SharedPrefix(s) => Some(s.resident_tokens()),
+            _ => None,
+        })
+        .unwrap_or(if args.quick { 120_000 } else { 1_800_000 });
+    let gpu_blocks = resident * 7 / 10 / replicas / 16;
+    let config = BenchConfig {
+        workloads: all,
+        policies,
+        qps: args.qps.unwrap_or_else(|| if args.quick { vec![6.0] } else { vec![2.0, 4.0, 6.0] }),
+        repeats: args.repeats.unwrap_or(if args.quick { 1 } else { 3 }),
+        fleet: Fleet {
+            replicas,
+            block_size: 16,
+            preset: "llama8b-h100".into(),
+            speedup,
+            gpu_blocks,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+        },
+        max_duration_s: if args.quick { 60.0 } else { 600.0 },
+        slo_ttft_s: 2.0,
+        trace: repo_root().join("../shared/testdata/traces/mooncake-conversation.jsonl"),
+        seed: 7,
+    };
+    install::all()?;
+    build_wasm()?;
+    cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
+    let artifacts = Artifacts::locate("release");
+    let facts = facts(format!("cargo xtask bench e2e {}", raw.join(" ")).trim().to_owned());
+    let results = bench::run(&config, &artifacts)?;
+    let dir = args.out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));
+    let md = report::write(&dir, &config, &facts, &results)?;
+    println!("{md}\nwritten to {}", dir.display());
+    Ok(())
+}
