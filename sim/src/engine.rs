@@ -55,6 +55,10 @@ pub struct RankStats {
     pub prefix_hits: AtomicU64,
     /// Preemptions.
     pub preemptions: AtomicU64,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: AtomicU64,
+    /// Output tokens produced.
+    pub generation_tokens: AtomicU64,
     /// Time to first token, in simulated seconds.
     pub ttft: Mutex<Histogram>,
 }
@@ -251,6 +255,8 @@ async fn run(
         stats.prefix_queries.store(c.prefix_queries, Ordering::Relaxed);
         stats.prefix_hits.store(c.prefix_hits, Ordering::Relaxed);
         stats.preemptions.store(c.preemptions, Ordering::Relaxed);
+        stats.prompt_tokens.store(c.prompt_tokens, Ordering::Relaxed);
+        stats.generation_tokens.store(c.generation_tokens, Ordering::Relaxed);
     }
 }
 

@@ -49,6 +49,8 @@ pub fn render(model: &str, ranks: &[Rank]) -> String {
     gauge(&mut out, "vllm:prefix_cache_queries_total", "counter", &|r| load(&r.stats.prefix_queries));
     gauge(&mut out, "vllm:prefix_cache_hits_total", "counter", &|r| load(&r.stats.prefix_hits));
     gauge(&mut out, "vllm:num_preemptions_total", "counter", &|r| load(&r.stats.preemptions));
+    gauge(&mut out, "vllm:prompt_tokens_total", "counter", &|r| load(&r.stats.prompt_tokens));
+    gauge(&mut out, "vllm:generation_tokens_total", "counter", &|r| load(&r.stats.generation_tokens));
     let name = "vllm:time_to_first_token_seconds";
     let _ = writeln!(out, "# TYPE {name} histogram");
     for (i, rank) in ranks.iter().enumerate() {

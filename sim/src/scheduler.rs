@@ -77,6 +77,10 @@ pub struct Counters {
     pub prefix_hits: u64,
     /// Preemptions.
     pub preemptions: u64,
+    /// Prompt tokens of admitted requests (once per request).
+    pub prompt_tokens: u64,
+    /// Output tokens produced.
+    pub generation_tokens: u64,
 }
 
 #[derive(Debug)]
@@ -262,7 +266,10 @@ impl Scheduler {
             let computed = alloc.computed_tokens();
             self.counters.prefix_queries += seq.tokens.len() as u64;
             self.counters.prefix_hits += computed as u64;
-            seq.cached_tokens.get_or_insert(computed);
+            if seq.cached_tokens.is_none() {
+                seq.cached_tokens = Some(computed);
+                self.counters.prompt_tokens += seq.prompt_len as u64;
+            }
             out.work.cpu_blocks_loaded += (alloc.loaded_tokens / self.cache.block_size()) as u64;
             let n = (seq.tokens.len() - computed).min(*budget);
             self.cache.commit(&mut alloc, &seq.tokens[..computed + n], &mut out.events);
@@ -289,6 +296,7 @@ impl Scheduler {
             }
             let token = seq.output[seq.generated];
             seq.generated += 1;
+            self.counters.generation_tokens += 1;
             let finished = seq.generated == seq.output.len();
             if !finished {
                 seq.tokens.push(token);
@@ -415,6 +423,7 @@ mod tests {
         assert!(warm * 5.0 < cold, "warm TTFT {warm} µs vs cold {cold} µs");
         let c = s.counters();
         assert_eq!((c.prefix_queries, c.prefix_hits), (8050, 4000));
+        assert_eq!((c.prompt_tokens, c.generation_tokens), (8050, 2));
     }
 
     #[test]

@@ -66,6 +66,10 @@ pub struct SimHandle {
     pub id: String,
     /// HTTP port on 127.0.0.1.
     pub port: u16,
+    /// KV-events PUB port.
+    pub events_port: u16,
+    /// KV-events replay ROUTER port.
+    pub replay_port: u16,
     _proc: Proc,
 }
 
@@ -123,7 +127,7 @@ impl Stack {
             replicas_toml.push_str(&format!(
                 "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\nkv_replay = \"tcp://127.0.0.1:{replay_port}\"\n"
             ));
-            sims.push(SimHandle { id, port, _proc: proc });
+            sims.push(SimHandle { id, port, events_port, replay_port, _proc: proc });
         }
         for sim in &sims {
             wait_for(&format!("sim {} health", sim.id), START_TIMEOUT, || http_ok(&sim.url("/health")).then_some(()))?;

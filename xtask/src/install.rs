@@ -50,3 +50,18 @@ pub fn envoy() -> anyhow::Result<()> {
     }
     run(&binary.display().to_string(), &["--version"])
 }
+
+/// The peer routers the benchmark compares against, from PyPI, in `target/peers-venv`.
+pub fn peers() -> anyhow::Result<()> {
+    let venv = kvgate_e2e::bench::peers::venv_dir(&target_dir());
+    let missing = kvgate_e2e::bench::peers::Peer::ALL.iter().any(|p| !p.binary(&venv).exists());
+    if !missing {
+        return Ok(());
+    }
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    run(&python, &["-m", "venv", &venv.display().to_string()])?;
+    let pip = venv.join("bin/pip");
+    let mut args = vec!["install", "--quiet", "--disable-pip-version-check"];
+    args.extend(kvgate_e2e::bench::peers::PACKAGES);
+    run(&pip.display().to_string(), &args)
+}

@@ -6,12 +6,14 @@
 //! | `workloads` | shared-prefix, mooncake-conversation, multi-turn → a plan of requests |
 //! | `loadgen` | sends the plan through the gateway (open or closed loop), streaming SSE |
 //! | `stats` | percentiles, goodput, hit ratio, load balance |
+//! | `peers` | SGLang's and vLLM's routers, installed from PyPI, on the same fleet |
 //! | `report` | `report.md`, `results.json`, SVG charts |
 //!
 //! Each (workload, QPS, repeat) starts a fresh fleet per policy, so no policy inherits
 //! another's warm caches; ratios against round robin are taken within the same repeat.
 
 pub mod loadgen;
+pub mod peers;
 pub mod report;
 pub mod stats;
 pub mod workloads;
@@ -24,7 +26,8 @@ use serde::Serialize;
 use crate::client;
 use crate::{Artifacts, Routing, Stack, StackOptions};
 use loadgen::{Outcome, Target};
-use stats::Summary;
+use peers::Peer;
+use stats::{EngineWork, Summary};
 use workloads::{Plan, Workload};
 
 /// A routing policy under test.
@@ -36,16 +39,21 @@ pub enum Policy {
     EnvoyLeastRequest,
     /// kvgate with a pool policy (`round_robin`, `least_load`, `kv_aware`, …).
     Kvgate(&'static str),
+    /// A peer router in place of Envoy.
+    Peer(Peer),
 }
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 5] = [
+    pub const ALL: [Policy; 8] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
         Policy::Kvgate("least_load"),
         Policy::Kvgate("kv_aware"),
+        Policy::Peer(Peer::SglangCacheAware),
+        Policy::Peer(Peer::VllmRouterCacheAware),
+        Policy::Peer(Peer::VllmRouterKvAware),
     ];
 
     /// The name in reports and on the command line.
@@ -54,6 +62,7 @@ impl Policy {
             Policy::EnvoyRoundRobin => "envoy-round-robin".into(),
             Policy::EnvoyLeastRequest => "envoy-least-request".into(),
             Policy::Kvgate(p) => format!("kvgate-{}", p.replace('_', "-")),
+            Policy::Peer(p) => p.name().into(),
         }
     }
 
@@ -65,9 +74,10 @@ impl Policy {
         })
     }
 
-    fn stack_options(&self, name: &str, fleet: &Fleet) -> StackOptions {
+    fn stack_options(&self, name: &str, fleet: &Fleet, gpu_blocks: usize) -> StackOptions {
         let (routing, pool_policy) = match self {
-            Policy::EnvoyRoundRobin => (Routing::RoundRobin, "round_robin"),
+            // A peer replaces Envoy: the stack's Envoy idles.
+            Policy::EnvoyRoundRobin | Policy::Peer(_) => (Routing::RoundRobin, "round_robin"),
             Policy::EnvoyLeastRequest => (Routing::LeastRequest, "round_robin"),
             Policy::Kvgate(p) => (Routing::Kvgate, *p),
         };
@@ -78,7 +88,7 @@ impl Policy {
             routing,
             route_timeout_ms: 200,
             pool_policy: pool_policy.into(),
-            sim_args: fleet.sim_args(),
+            sim_args: fleet.sim_args(gpu_blocks),
         }
     }
 }
@@ -94,7 +104,7 @@ pub struct Fleet {
     pub preset: String,
     /// Simulated time runs this much faster than the wall clock.
     pub speedup: f64,
-    /// GPU blocks per engine.
+    /// GPU blocks per engine (shared-prefix sizes its own: 70 % of its resident set).
     pub gpu_blocks: usize,
     /// `--max-num-seqs`.
     pub max_num_seqs: usize,
@@ -103,14 +113,22 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    fn sim_args(&self) -> Vec<String> {
+    /// GPU blocks per engine for `workload`.
+    pub fn gpu_blocks_for(&self, workload: &Workload) -> usize {
+        match workload {
+            Workload::SharedPrefix(s) => s.resident_tokens() * 7 / 10 / self.replicas / self.block_size as usize,
+            _ => self.gpu_blocks,
+        }
+    }
+
+    fn sim_args(&self, gpu_blocks: usize) -> Vec<String> {
         [
             "--preset",
             &self.preset,
             "--speedup",
             &self.speedup.to_string(),
             "--num-gpu-blocks-override",
-            &self.gpu_blocks.to_string(),
+            &gpu_blocks.to_string(),
             "--max-num-seqs",
             &self.max_num_seqs.to_string(),
             "--max-num-batched-tokens",
@@ -142,6 +160,8 @@ pub struct BenchConfig {
     pub trace: PathBuf,
     /// Seed of every random choice.
     pub seed: u64,
+    /// The venv with the peer routers.
+    pub peers_venv: PathBuf,
 }
 
 /// One run's result.
@@ -157,6 +177,8 @@ pub struct RunResult {
     pub repeat: usize,
     /// The numbers.
     pub summary: Summary,
+    /// The peer router's command line, for peers.
+    pub router_command: Option<String>,
     /// Requests the kvgate filter routed, and those it let Envoy balance (timeouts, errors,
     /// passthrough); `None` without kvgate.
     pub kvgate_routed: Option<(u64, u64)>,
@@ -185,9 +207,18 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     );
                     eprintln!("bench: {label}");
                     let plan = workload.plan(qps.unwrap_or(1.0), plan_seed, &config.trace)?;
-                    let stack = Stack::start(&policy.stack_options(&policy.name(), &config.fleet), artifacts)?;
-                    let before = cache_counters(&stack)?;
-                    let target = Target::new(&stack.gateway(""), config.fleet.speedup, Duration::from_secs(600))?;
+                    let gpu_blocks = config.fleet.gpu_blocks_for(workload);
+                    let stack =
+                        Stack::start(&policy.stack_options(&policy.name(), &config.fleet, gpu_blocks), artifacts)?;
+                    let peer = match policy {
+                        Policy::Peer(p) => {
+                            Some(p.start(&config.peers_venv, &stack.sims, config.fleet.block_size, &stack.dir)?)
+                        }
+                        _ => None,
+                    };
+                    let base = peer.as_ref().map_or_else(|| stack.gateway(""), |p| p.base.clone());
+                    let before = engine_counters(&stack)?;
+                    let target = Target::new(&base, config.fleet.speedup, Duration::from_secs(600))?;
                     let duration = Duration::from_secs_f64(config.max_duration_s);
                     let outcomes: Vec<Outcome> = runtime.block_on(async {
                         match plan {
@@ -195,7 +226,7 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                             Plan::Conversations(c) => target.conversations(c, workloads::MODEL, duration).await,
                         }
                     });
-                    let after = cache_counters(&stack)?;
+                    let after = engine_counters(&stack)?;
                     let kvgate_routed = match policy {
                         Policy::Kvgate(_) => {
                             let stat = |n: &str| stack.envoy_stat(&format!("wasmcustom.kvgate.requests.{n}"));
@@ -204,12 +235,16 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                         }
                         _ => None,
                     };
-                    let hit_ratio = {
-                        let (q, h) = (after.0 - before.0, after.1 - before.1);
-                        (q > 0.0).then_some(h / q)
-                    };
-                    let replicas: Vec<String> = stack.sims.iter().map(|s| s.id.clone()).collect();
-                    let summary = stats::summarize(&outcomes, config.slo_ttft_s, hit_ratio, &replicas);
+                    let work: Vec<EngineWork> = after
+                        .iter()
+                        .zip(&before)
+                        .map(|(a, b)| EngineWork {
+                            queried: a.queried - b.queried,
+                            hits: a.hits - b.hits,
+                            generated: a.generated - b.generated,
+                        })
+                        .collect();
+                    let summary = stats::summarize(&outcomes, config.slo_ttft_s, &work);
                     eprintln!(
                         "bench:   {} ok, {} errors, TTFT p50 {:?} p90 {:?}, hit ratio {:?}, load max/mean {:?}, kvgate routed/other {:?}",
                         summary.ok,
@@ -225,6 +260,7 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                         policy: policy.name(),
                         qps,
                         repeat,
+                        router_command: peer.as_ref().map(|p| p.command.clone()),
                         kvgate_routed,
                         ttfts: outcomes.iter().filter(|o| o.ok()).filter_map(|o| o.ttft).collect(),
                         summary,
@@ -236,19 +272,23 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
     Ok(results)
 }
 
-/// Σ `vllm:prefix_cache_queries_total` and Σ `vllm:prefix_cache_hits_total` over the fleet.
-fn cache_counters(stack: &Stack) -> anyhow::Result<(f64, f64)> {
-    let mut totals = (0.0, 0.0);
+/// Each engine's cumulative counters, from its `/metrics` (summed over its ranks).
+fn engine_counters(stack: &Stack) -> anyhow::Result<Vec<EngineWork>> {
+    let mut out = Vec::new();
     for sim in &stack.sims {
         let text = client::client().get(sim.url("/metrics")).send()?.text()?;
+        let mut w = EngineWork::default();
         for line in text.lines() {
             let value = || line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
             if line.starts_with("vllm:prefix_cache_queries_total{") {
-                totals.0 += value();
+                w.queried += value();
             } else if line.starts_with("vllm:prefix_cache_hits_total{") {
-                totals.1 += value();
+                w.hits += value();
+            } else if line.starts_with("vllm:generation_tokens_total{") {
+                w.generated += value();
             }
         }
+        out.push(w);
     }
-    Ok(totals)
+    Ok(out)
 }

@@ -125,14 +125,28 @@ pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResu
     let f = &config.fleet;
     let _ = writeln!(
         md,
-        "- fleet: {} × kvgate-sim, preset `{}`, speedup {}×, {} GPU blocks of {} tokens each, max-num-seqs {}, max-num-batched-tokens {}",
-        f.replicas, f.preset, f.speedup, f.gpu_blocks, f.block_size, f.max_num_seqs, f.max_num_batched_tokens
+        "- fleet: {} × kvgate-sim, preset `{}`, speedup {}×, blocks of {} tokens, max-num-seqs {}, max-num-batched-tokens {}",
+        f.replicas, f.preset, f.speedup, f.block_size, f.max_num_seqs, f.max_num_batched_tokens
     );
     let _ = writeln!(
         md,
-        "- {} repeat(s) per point, medians shown; TTFT SLO for goodput {} s; latencies in simulated time\n",
+        "- {} repeat(s) per point, medians shown; TTFT SLO for goodput {} s; latencies in simulated time",
         config.repeats, config.slo_ttft_s
     );
+    let commands: std::collections::BTreeSet<(&str, &str)> =
+        results.iter().filter_map(|r| Some((r.policy.as_str(), r.router_command.as_deref()?))).collect();
+    if !commands.is_empty() {
+        let _ = writeln!(md, "Peer routers ran as (on loopback, installed from PyPI by the harness):\n");
+        for (policy, command) in commands {
+            let _ = writeln!(md, "- {policy}: `{command}`");
+        }
+        let _ = writeln!(md);
+    }
+    for w in &config.workloads {
+        let _ =
+            writeln!(md, "- workload `{}`: {}; {} GPU blocks per engine", w.name(), w.describe(), f.gpu_blocks_for(w));
+    }
+    let _ = writeln!(md);
     let mut seen: Vec<(String, Option<f64>)> = Vec::new();
     for p in &points {
         let key = (p.workload.clone(), p.qps);
@@ -276,6 +290,7 @@ mod tests {
             qps: Some(1.0),
             repeat,
             kvgate_routed: None,
+            router_command: None,
             summary: Summary { ttft_p90: Some(p90), ttft_p50: Some(p90 / 2.0), ..Summary::default() },
             ttfts: vec![p90 / 2.0, p90],
         }
@@ -320,6 +335,7 @@ mod tests {
             slo_ttft_s: 1.0,
             trace: "t".into(),
             seed: 0,
+            peers_venv: "v".into(),
         };
         let facts = Facts { command: "c".into(), commit: "x".into(), machine: "m".into(), started: "s".into() };
         let mut results = vec![run(BASELINE, 0, 4.0), run("kvgate-kv-aware", 0, 1.0)];

@@ -49,12 +49,30 @@ pub struct Summary {
     pub goodput: f64,
     /// Prefix-cache hits / queries, from the engines' `/metrics`.
     pub hit_ratio: Option<f64>,
-    /// Max over mean of per-replica token load (uncached prompt + output tokens served).
+    /// Max over mean of per-engine token load (uncached prompt + output tokens computed).
     pub load_max_over_mean: Option<f64>,
 }
 
-/// Summarises outcomes. `replicas` lists every engine (idle ones count in the load balance).
-pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, hit_ratio: Option<f64>, replicas: &[String]) -> Summary {
+/// One engine's counters over a run (differences of its `/metrics` before and after).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct EngineWork {
+    /// `vllm:prefix_cache_queries_total`: prompt tokens looked up (recomputes included).
+    pub queried: f64,
+    /// `vllm:prefix_cache_hits_total`: of those, found in the cache.
+    pub hits: f64,
+    /// `vllm:generation_tokens_total`: output tokens.
+    pub generated: f64,
+}
+
+impl EngineWork {
+    /// Tokens the engine computed: uncached prompt tokens plus output tokens.
+    pub fn load(&self) -> f64 {
+        self.queried - self.hits + self.generated
+    }
+}
+
+/// Summarises outcomes, with each engine's counters (idle engines count in the balance).
+pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) -> Summary {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
     let ttfts: Vec<f64> = ok.iter().filter_map(|o| o.ttft).collect();
     // Per-request mean ITL: SSE chunks can arrive coalesced, so single gaps are noise.
@@ -64,15 +82,9 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, hit_ratio: Option<f64>, 
     let end = ok.iter().map(|o| o.sent_at + o.e2e).fold(f64::NEG_INFINITY, f64::max);
     let tokens: u64 = ok.iter().map(|o| o.output_tokens).sum();
     let span = end - start;
-    let loads: Vec<f64> = replicas
-        .iter()
-        .map(|r| {
-            ok.iter()
-                .filter(|o| &o.replica == r)
-                .map(|o| (o.prompt_tokens.saturating_sub(o.cached_tokens) + o.output_tokens) as f64)
-                .sum()
-        })
-        .collect();
+    let loads: Vec<f64> = engines.iter().map(EngineWork::load).collect();
+    let queried: f64 = engines.iter().map(|e| e.queried).sum();
+    let hit_ratio = (queried > 0.0).then(|| engines.iter().map(|e| e.hits).sum::<f64>() / queried);
     let mean_load = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
     Summary {
         requests: outcomes.len(),
@@ -128,10 +140,16 @@ mod tests {
         failed.status = 503;
         failed.ttft = None;
         let outcomes = vec![outcome("a", 0.1, 100, 0), outcome("a", 3.0, 100, 50), outcome("b", 0.2, 100, 100), failed];
-        let s = summarize(&outcomes, 1.0, Some(0.5), &["a".into(), "b".into(), "c".into()]);
+        let engines = [
+            EngineWork { queried: 200.0, hits: 50.0, generated: 20.0 },
+            EngineWork { queried: 100.0, hits: 100.0, generated: 10.0 },
+            EngineWork::default(),
+        ];
+        let s = summarize(&outcomes, 1.0, &engines);
         assert_eq!((s.requests, s.ok, s.errors, s.status_503), (4, 3, 1, 1));
         assert_eq!(s.goodput, 0.5, "2 of 4 within the SLO");
-        // Loads: a = 110 + 60, b = 10, c = 0 → mean 60, max 170.
+        assert_eq!(s.hit_ratio, Some(0.5));
+        // Loads: 170, 10, 0 → mean 60, max 170.
         assert!((s.load_max_over_mean.unwrap() - 170.0 / 60.0).abs() < 1e-9);
         assert_eq!(s.output_tps, 15.0, "30 tokens over 2 s");
     }

@@ -98,6 +98,24 @@ impl Workload {
         }
     }
 
+    /// A one-line description for reports.
+    pub fn describe(&self) -> String {
+        match self {
+            Workload::SharedPrefix(w) => format!(
+                "{} groups × {} prompts, system {} + question {} tokens, output {}",
+                w.groups, w.prompts_per_group, w.system_tokens, w.question_tokens, w.output_tokens
+            ),
+            Workload::MooncakeConversation(w) => format!(
+                "first {} rows, trace time ÷ {}, input ≤ {} tokens, output ≤ {}",
+                w.requests, w.time_compression, w.max_input_tokens, w.max_output_tokens
+            ),
+            Workload::MultiTurn(w) => format!(
+                "{} users × {} rounds, system {} + context {} + question {} tokens, output {}, think {} s",
+                w.users, w.rounds, w.system_tokens, w.context_tokens, w.question_tokens, w.output_tokens, w.think_s
+            ),
+        }
+    }
+
     /// Whether `qps` drives arrivals (the trace and the conversations have their own).
     pub fn uses_qps(&self) -> bool {
         matches!(self, Workload::SharedPrefix(_))
