@@ -57,7 +57,7 @@ fn workloads(quick: bool) -> Vec<Workload> {
     if quick {
         vec![
             Workload::SharedPrefix(SharedPrefix {
-                groups: 30,
+                groups: 40,
                 prompts_per_group: 5,
                 system_tokens: 2000,
                 question_tokens: 400,
@@ -157,7 +157,7 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
     let config = BenchConfig {
         workloads: all,
         policies,
-        qps: args.qps.unwrap_or_else(|| if args.quick { vec![8.0, 16.0] } else { vec![2.0, 3.0, 4.0] }),
+        qps: args.qps.unwrap_or_else(|| if args.quick { vec![12.0, 20.0, 28.0] } else { vec![2.0, 3.0, 4.0] }),
         repeats: args.repeats.unwrap_or(if args.quick { 1 } else { 3 }),
         fleet: Fleet {
             replicas: 4,
@@ -169,7 +169,7 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
         },
-        max_duration_s: if args.quick { 60.0 } else { 600.0 },
+        max_duration_s: if args.quick { 200.0 } else { 600.0 },
         slo_ttft_s: 2.0,
         trace: repo_root().join("../shared/testdata/traces/mooncake-conversation.jsonl"),
         seed: 7,
@@ -186,6 +186,35 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
     let results = bench::run(&config, &artifacts)?;
     let dir = args.out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));
     let md = report::write(&dir, &config, &facts, &results)?;
+    println!("{md}\nwritten to {}", dir.display());
+    Ok(())
+}
+
+/// `cargo xtask bench filter`: the latency kvgate adds, and tokenization in Envoy vs native.
+pub fn filter(raw: &[String]) -> anyhow::Result<()> {
+    let out = match raw {
+        [] => None,
+        [flag, dir] if flag == "--out" => Some(PathBuf::from(dir)),
+        _ => bail!("usage: cargo xtask bench filter [--out DIR]"),
+    };
+    install::all()?;
+    build_wasm()?;
+    cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
+    let artifacts = Artifacts::locate("release");
+    let facts = facts(format!("cargo xtask bench filter {}", raw.join(" ")).trim().to_owned());
+    let rows = kvgate_e2e::bench::filter::run(&artifacts)?;
+    let table = kvgate_e2e::bench::filter::table(&rows);
+    let md = format!(
+        "# kvgate filter overhead\n\n- command: `{}`\n- commit: `{}`\n- machine: {}\n- started: {}\n\nMedians of 9 requests per cell; time to response headers (the engines answer on admission).\n\n{table}",
+        facts.command, facts.commit, facts.machine, facts.started
+    );
+    let dir = out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("filter.md"), &md)?;
+    std::fs::write(
+        dir.join("filter.json"),
+        serde_json::to_string_pretty(&serde_json::json!({"facts": facts, "rows": rows}))?,
+    )?;
     println!("{md}\nwritten to {}", dir.display());
     Ok(())
 }

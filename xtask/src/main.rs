@@ -27,8 +27,9 @@ fn main() -> anyhow::Result<()> {
         Some("install") => install::all(),
         Some("build-wasm") => build_wasm(),
         Some("bench") if args.get(1).map(String::as_str) == Some("e2e") => bench::e2e(&args[2..]),
+        Some("bench") if args.get(1).map(String::as_str) == Some("filter") => bench::filter(&args[2..]),
         _ => {
-            eprintln!("usage: cargo xtask <test|demo|bench e2e|install|build-wasm>");
+            eprintln!("usage: cargo xtask <test|demo|bench e2e|bench filter|install|build-wasm>");
             std::process::exit(2);
         }
     }

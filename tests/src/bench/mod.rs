@@ -8,10 +8,12 @@
 //! | `stats` | percentiles, goodput, hit ratio, load balance |
 //! | `peers` | SGLang's and vLLM's routers, installed from PyPI, on the same fleet |
 //! | `report` | `report.md`, `results.json`, SVG charts |
+//! | `filter` | `cargo xtask bench filter`: latency kvgate adds, tokenization in Envoy vs native |
 //!
 //! Each (workload, QPS, repeat) starts a fresh fleet per policy, so no policy inherits
 //! another's warm caches; ratios against round robin are taken within the same repeat.
 
+pub mod filter;
 pub mod loadgen;
 pub mod peers;
 pub mod report;
@@ -37,20 +39,24 @@ pub enum Policy {
     EnvoyRoundRobin,
     /// Envoy alone, least request.
     EnvoyLeastRequest,
-    /// kvgate with a pool policy (`round_robin`, `least_load`, `kv_aware`, …).
+    /// kvgate with a pool policy (`round_robin`, `least_load`, `kv_aware`, …) and Dynamo's
+    /// default scoring.
     Kvgate(&'static str),
+    /// kvgate `kv_aware` with `prefill_load_scale = N`: a prefill block costs N decode blocks.
+    KvgatePrefillWeighted(u32),
     /// A peer router in place of Envoy.
     Peer(Peer),
 }
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 8] = [
+    pub const ALL: [Policy; 9] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
         Policy::Kvgate("least_load"),
         Policy::Kvgate("kv_aware"),
+        Policy::KvgatePrefillWeighted(4),
         Policy::Peer(Peer::SglangCacheAware),
         Policy::Peer(Peer::VllmRouterCacheAware),
         Policy::Peer(Peer::VllmRouterKvAware),
@@ -62,12 +68,16 @@ impl Policy {
             Policy::EnvoyRoundRobin => "envoy-round-robin".into(),
             Policy::EnvoyLeastRequest => "envoy-least-request".into(),
             Policy::Kvgate(p) => format!("kvgate-{}", p.replace('_', "-")),
+            Policy::KvgatePrefillWeighted(n) => format!("kvgate-kv-aware-prefill-x{n}"),
             Policy::Peer(p) => p.name().into(),
         }
     }
 
     /// The policy with this name.
     pub fn parse(name: &str) -> anyhow::Result<Policy> {
+        if let Some(n) = name.strip_prefix("kvgate-kv-aware-prefill-x").and_then(|n| n.parse().ok()) {
+            return Ok(Policy::KvgatePrefillWeighted(n));
+        }
         Policy::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
             let known: Vec<String> = Policy::ALL.iter().map(Policy::name).collect();
             anyhow::anyhow!("unknown policy {name}; known: {}", known.join(", "))
@@ -80,6 +90,11 @@ impl Policy {
             Policy::EnvoyRoundRobin | Policy::Peer(_) => (Routing::RoundRobin, "round_robin"),
             Policy::EnvoyLeastRequest => (Routing::LeastRequest, "round_robin"),
             Policy::Kvgate(p) => (Routing::Kvgate, *p),
+            Policy::KvgatePrefillWeighted(_) => (Routing::Kvgate, "kv_aware"),
+        };
+        let scoring_toml = match self {
+            Policy::KvgatePrefillWeighted(n) => format!("prefill_load_scale = {n}.0"),
+            _ => String::new(),
         };
         StackOptions {
             name: name.into(),
@@ -88,6 +103,7 @@ impl Policy {
             routing,
             route_timeout_ms: 200,
             pool_policy: pool_policy.into(),
+            scoring_toml,
             sim_args: fleet.sim_args(gpu_blocks),
         }
     }
@@ -228,7 +244,7 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     });
                     let after = engine_counters(&stack)?;
                     let kvgate_routed = match policy {
-                        Policy::Kvgate(_) => {
+                        Policy::Kvgate(_) | Policy::KvgatePrefillWeighted(_) => {
                             let stat = |n: &str| stack.envoy_stat(&format!("wasmcustom.kvgate.requests.{n}"));
                             let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")?;
                             Some((stat("routed")?, other))

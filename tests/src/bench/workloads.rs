@@ -169,10 +169,80 @@ impl SharedPrefix {
     }
 }
 
-/// 512 deterministic token ids for a Mooncake `hash_id` (below Qwen3's 151k vocabulary).
-fn block_tokens(hash_id: u64) -> impl Iterator<Item = u32> {
+/// Common English words, each a single token (with its leading space) for Qwen3.
+const WORDS: [&str; 64] = [
+    "time",
+    "year",
+    "people",
+    "way",
+    "day",
+    "man",
+    "thing",
+    "woman",
+    "life",
+    "child",
+    "world",
+    "school",
+    "state",
+    "family",
+    "student",
+    "group",
+    "country",
+    "problem",
+    "hand",
+    "part",
+    "place",
+    "case",
+    "week",
+    "company",
+    "system",
+    "program",
+    "question",
+    "work",
+    "government",
+    "number",
+    "night",
+    "point",
+    "home",
+    "water",
+    "room",
+    "mother",
+    "area",
+    "money",
+    "story",
+    "fact",
+    "month",
+    "lot",
+    "right",
+    "study",
+    "book",
+    "eye",
+    "job",
+    "word",
+    "business",
+    "issue",
+    "side",
+    "kind",
+    "head",
+    "house",
+    "service",
+    "friend",
+    "father",
+    "power",
+    "hour",
+    "game",
+    "line",
+    "end",
+    "member",
+    "law",
+];
+
+/// 512 deterministic words (≈ tokens) for a Mooncake `hash_id`. Text, not token ids, so
+/// routers that only take string prompts (SGLang's) run the same workload; every block starts
+/// at a space, so equal block prefixes tokenize to equal token prefixes.
+fn block_words(hash_id: u64) -> impl Iterator<Item = &'static str> {
     let mut rng = StdRng::seed_from_u64(hash_id ^ 0x6d6f_6f6e_6361_6b65);
-    (0..512).map(move |_| rng.random_range(1000..150_000))
+    (0..512).map(move |_| WORDS[rng.random_range(0..WORDS.len())])
 }
 
 impl Mooncake {
@@ -184,15 +254,15 @@ impl Mooncake {
             let row: Value = serde_json::from_str(line)?;
             let input = (row["input_length"].as_u64().unwrap_or(0) as usize).min(self.max_input_tokens);
             let output = (row["output_length"].as_u64().unwrap_or(1) as u32).clamp(1, self.max_output_tokens);
-            let ids: Vec<u32> = row["hash_ids"]
+            let words: Vec<&str> = row["hash_ids"]
                 .as_array()
-                .map(|a| a.iter().filter_map(Value::as_u64).flat_map(block_tokens).take(input).collect())
+                .map(|a| a.iter().filter_map(Value::as_u64).flat_map(block_words).take(input).collect())
                 .unwrap_or_default();
-            if ids.is_empty() {
+            if words.is_empty() {
                 continue;
             }
             let at = Duration::from_secs_f64(row["timestamp"].as_f64().unwrap_or(0.0) / 1000.0 / self.time_compression);
-            let body = json!({"model": MODEL, "prompt": ids, "max_tokens": output, "ignore_eos": true});
+            let body = json!({"model": MODEL, "prompt": words.join(" "), "max_tokens": output, "ignore_eos": true});
             plan.push(Planned { at, path: "/v1/completions", body });
         }
         Ok(plan)
@@ -243,14 +313,14 @@ mod tests {
 
     #[test]
     fn mooncake_blocks_are_deterministic_per_hash_id() {
-        let a: Vec<u32> = block_tokens(42).collect();
+        let a: Vec<&str> = block_words(42).collect();
         assert_eq!(a.len(), 512);
-        assert_eq!(a, block_tokens(42).collect::<Vec<_>>());
-        assert_ne!(a, block_tokens(43).collect::<Vec<_>>());
+        assert_eq!(a, block_words(42).collect::<Vec<_>>());
+        assert_ne!(a, block_words(43).collect::<Vec<_>>());
     }
 
     #[test]
-    fn mooncake_rows_become_capped_token_prompts_on_trace_time() {
+    fn mooncake_rows_become_capped_text_prompts_on_trace_time() {
         let dir = std::env::temp_dir().join(format!("kvgate-mooncake-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let trace = dir.join("t.jsonl");
@@ -264,10 +334,11 @@ mod tests {
         let plan = w.plan(&trace).unwrap();
         assert_eq!(plan.len(), 2);
         assert_eq!(plan[1].at, Duration::from_secs(1));
-        let first = plan[0].body["prompt"].as_array().unwrap();
-        let second = plan[1].body["prompt"].as_array().unwrap();
+        let words =
+            |i: usize| plan[i].body["prompt"].as_str().unwrap().split(' ').map(str::to_owned).collect::<Vec<_>>();
+        let (first, second) = (words(0), words(1));
         assert_eq!((first.len(), second.len()), (600, 600));
-        assert_eq!(first[..512], second[..512], "shared block 0, shared tokens");
+        assert_eq!(first[..512], second[..512], "shared block 0, shared words");
         assert_ne!(first[512..], second[512..]);
         assert_eq!(plan[0].body["max_tokens"], 100);
     }
