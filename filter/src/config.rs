@@ -8,6 +8,7 @@
 //!   "fetch_timeout_ms": 10000,
 //!   "retry_ms": 1000,
 //!   "max_tokenize_bytes": 1048576,
+//!   "offload_bytes": 16384,
 //!   "debug_headers": false,
 //!   "segment_cache_bytes": 16777216
 //! }
@@ -32,6 +33,11 @@ pub struct FilterConfig {
     /// At most this many bytes of a prompt's text are tokenized; longer prompts are routed on
     /// their head (tokenizing blocks the Envoy worker, about 0.5 s per MiB).
     pub max_tokenize_bytes: usize,
+    /// Request bodies larger than this are not tokenized in Envoy: the whole body goes to the
+    /// sidecar (`/v1/route_body`), which tokenizes it on its own threads. HF tokenizers in
+    /// wasm run at a few MB/s, so this bounds an Envoy worker's stall per request (16 KiB:
+    /// a few milliseconds).
+    pub offload_bytes: usize,
     /// Add `x-kvgate-*` response headers describing the decision (for tests and debugging).
     pub debug_headers: bool,
     /// Bytes of tokenized chat segments kept per VM (earlier turns are not re-tokenized);
@@ -48,6 +54,7 @@ impl Default for FilterConfig {
             fetch_timeout_ms: 10_000,
             retry_ms: 1000,
             max_tokenize_bytes: 1 << 20,
+            offload_bytes: 16 << 10,
             debug_headers: false,
             segment_cache_bytes: kvgate_shared::prompt::segments::DEFAULT_BUDGET,
         }

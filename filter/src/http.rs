@@ -23,7 +23,7 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::host;
 use crate::metrics::Outcome;
-use crate::plan::{plan, HeaderHints, Skip};
+use crate::plan::{offload, plan, HeaderHints, Skip};
 use crate::root::Shared;
 
 /// What the filter did with a request, for debug headers and lifecycle reports.
@@ -39,6 +39,8 @@ struct Decision {
     segment_hits: u64,
     /// Only the prompt's head was tokenized.
     truncated: bool,
+    /// The body went to the sidecar to be tokenized there.
+    offloaded: bool,
 }
 
 /// One HTTP exchange.
@@ -92,6 +94,9 @@ impl RequestContext {
 
     /// Asks the sidecar; returns true if a call is in flight (the request stays paused).
     fn ask_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> bool {
+        if body.len() > self.shared.borrow().config.offload_bytes {
+            return self.offload_to_sidecar(endpoint, body);
+        }
         let shared = self.shared.borrow();
         let stats = || {
             shared
@@ -130,14 +135,48 @@ impl RequestContext {
             }
             return false;
         };
+        drop(shared);
+        self.dispatch("/v1/route", &encoded)
+    }
+
+    /// Hands a big body to the sidecar (`/v1/route_body`) instead of tokenizing it here.
+    fn offload_to_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> bool {
+        let shared = self.shared.borrow();
+        let request = match offload(endpoint, body, &self.hints, shared.listed.as_ref()) {
+            Ok(r) => r,
+            Err(Skip::Unroutable(why)) => {
+                log::debug!("kvgate: not routing request {}: {why}", self.hints.request_id);
+                if let Some(m) = &shared.metrics {
+                    m.outcome(Outcome::Passthrough);
+                }
+                return false;
+            }
+        };
+        let Ok(encoded) = codec::encode(&request) else {
+            if let Some(m) = &shared.metrics {
+                m.outcome(Outcome::FallbackError);
+            }
+            return false;
+        };
+        if let Some(m) = &shared.metrics {
+            m.offloaded();
+        }
+        drop(shared);
+        self.decision.offloaded = true;
+        self.dispatch("/v1/route_body", &encoded)
+    }
+
+    /// Calls the sidecar; true if the call is in flight.
+    fn dispatch(&mut self, path: &str, encoded: &[u8]) -> bool {
+        let shared = self.shared.borrow();
         let headers = vec![
             (":method", "POST"),
-            (":path", "/v1/route"),
+            (":path", path),
             (":authority", shared.config.sidecar_authority.as_str()),
             ("content-type", CONTENT_TYPE),
         ];
         let timeout = Duration::from_millis(shared.config.route_timeout_ms);
-        match hostcalls::dispatch_http_call(&shared.config.sidecar_cluster, headers, Some(&encoded), vec![], timeout) {
+        match hostcalls::dispatch_http_call(&shared.config.sidecar_cluster, headers, Some(encoded), vec![], timeout) {
             Ok(_) => true,
             Err(status) => {
                 log::warn!("kvgate: sidecar call failed to dispatch: {status:?}");
@@ -252,6 +291,7 @@ impl HttpContext for RequestContext {
                 ("x-kvgate-tokenize-us", d.plan_micros.to_string()),
                 ("x-kvgate-segment-hits", d.segment_hits.to_string()),
                 ("x-kvgate-truncated", d.truncated.to_string()),
+                ("x-kvgate-offloaded", d.offloaded.to_string()),
             ];
             for (name, value) in headers {
                 if let Err(status) = host::set_response_header(name, &value) {

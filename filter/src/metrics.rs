@@ -23,6 +23,7 @@ pub struct FilterMetrics {
     fallback_timeout: u32,
     fallback_error: u32,
     truncated: u32,
+    offloaded: u32,
     tokenize_us: u32,
     sidecar_us: u32,
     segment_hits: u32,
@@ -53,6 +54,7 @@ impl FilterMetrics {
             fallback_timeout: counter("kvgate.requests.fallback_timeout")?,
             fallback_error: counter("kvgate.requests.fallback_error")?,
             truncated: counter("kvgate.requests.truncated")?,
+            offloaded: counter("kvgate.requests.offloaded")?,
             tokenize_us: histogram("kvgate.tokenize_us")?,
             sidecar_us: histogram("kvgate.sidecar_us")?,
             segment_hits: counter("kvgate.segment_cache.hits")?,
@@ -82,6 +84,11 @@ impl FilterMetrics {
                 let _ = hostcalls::increment_metric(id, n as i64);
             }
         }
+    }
+
+    /// Counts a request whose body was handed to the sidecar to tokenize.
+    pub fn offloaded(&self) {
+        let _ = hostcalls::increment_metric(self.offloaded, 1);
     }
 
     /// Records the sidecar round trip.

@@ -7,7 +7,7 @@ use std::rc::Rc;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::prompt::openai::{parse, Endpoint};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
-use kvgate_shared::wire::{RouteRequest, ScoringOverrides};
+use kvgate_shared::wire::{RouteBodyRequest, RouteRequest, ScoringOverrides};
 
 /// A model (or LoRA adapter) the filter can tokenize for.
 pub struct LoadedModel {
@@ -111,6 +111,28 @@ pub fn plan(
             overrides: hints.overrides,
         },
         tokenized: true,
+    })
+}
+
+/// Plans an offload: the whole body goes to the sidecar, which tokenizes it. The body is
+/// still parsed here (cheap next to tokenizing) so that unroutable requests and models kvgate
+/// does not route pass through exactly as [`plan`] would let them.
+pub fn offload(
+    endpoint: Endpoint,
+    body: &[u8],
+    hints: &HeaderHints,
+    listed: Option<&HashSet<String>>,
+) -> Result<RouteBodyRequest, Skip> {
+    let parsed = parse(endpoint, body).map_err(|e| Skip::Unroutable(e.to_string()))?;
+    if listed.is_some_and(|names| !names.contains(&parsed.model)) {
+        return Err(Skip::Unroutable(format!("model {:?} is not routed by kvgate", parsed.model)));
+    }
+    Ok(RouteBodyRequest {
+        request_id: hints.request_id.clone(),
+        chat: endpoint == Endpoint::ChatCompletions,
+        body: body.to_vec(),
+        session: hints.session.clone(),
+        overrides: hints.overrides,
     })
 }
 
@@ -232,5 +254,17 @@ mod tests {
         assert!(matches!(plan(Endpoint::Completions, b"{oops", &hints(), &m, None, 1 << 20), Err(Skip::Unroutable(_))));
         assert!(plan(Endpoint::ChatCompletions, br#"{"model":"qwen3","messages":"x"}"#, &hints(), &m, None, 1 << 20)
             .is_err());
+    }
+
+    #[test]
+    fn offload_hands_over_the_body_and_respects_the_model_list() {
+        let body = br#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"user":"u1"}"#;
+        let hints = HeaderHints { request_id: "r9".into(), session: Some("s".into()), overrides: None };
+        let req = offload(Endpoint::ChatCompletions, body, &hints, None).unwrap();
+        assert_eq!((req.request_id.as_str(), req.chat, req.session.as_deref()), ("r9", true, Some("s")));
+        assert_eq!(req.body, body.to_vec());
+        let listed = HashSet::from(["other".to_owned()]);
+        assert!(offload(Endpoint::ChatCompletions, body, &hints, Some(&listed)).is_err(), "unlisted model");
+        assert!(offload(Endpoint::Completions, b"{oops", &hints, None).is_err(), "unparsable body");
     }
 }

@@ -5,6 +5,7 @@
 //! | endpoint | request body | response body |
 //! |---|---|---|
 //! | `POST /v1/route` | [`RouteRequest`] | [`RouteResponse`] |
+//! | `POST /v1/route_body` | [`RouteBodyRequest`] | [`RouteResponse`] |
 //! | `POST /v1/lifecycle` | [`LifecycleBatch`] | empty (204) |
 //! | `GET /v1/models` | — | [`ModelList`] |
 //! | `GET /v1/models/{model}/tokenizer` | — | [`ModelBundle`] |
@@ -37,6 +38,24 @@ pub struct RouteRequest {
     pub session: Option<String>,
     /// Per-request scoring overrides (the `x-kvgate-scoring` header), applied only where the
     /// sidecar's configuration allows them.
+    pub overrides: Option<ScoringOverrides>,
+}
+
+/// Asks the sidecar to route a request the filter hands over whole: a prompt too big to
+/// tokenize on an Envoy worker thread (the filter's `offload_bytes`) is tokenized on the
+/// sidecar's own threads instead, with the same code.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouteBodyRequest {
+    /// Envoy's `x-request-id`.
+    pub request_id: String,
+    /// True for `/v1/chat/completions`, false for `/v1/completions`.
+    pub chat: bool,
+    /// The OpenAI request body, as the client sent it.
+    pub body: Vec<u8>,
+    /// The `x-session-id` header, if any (the body's `session_id`/`user` are read by the
+    /// sidecar).
+    pub session: Option<String>,
+    /// Per-request scoring overrides, as in [`RouteRequest`].
     pub overrides: Option<ScoringOverrides>,
 }
 

@@ -142,6 +142,14 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             .with_context(|| format!("loading the tokenizer of {:?}", pool_config.model))?;
         let bundle = codec::encode(&bundle)?;
         let pool = Arc::new(Pool::new(pool_config.clone(), bundle, metrics.clone()));
+        // Load the tokenizer for offloaded prompts now, off the runtime, so that the first
+        // big prompt does not pay for it (and time out in the filter).
+        let warming = pool.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = warming.tokenizer() {
+                tracing::error!(model = %warming.config.model, error = %e, "cannot load the tokenizer for offloaded prompts");
+            }
+        });
         pools.insert(pool_config.model.clone(), pool);
     }
     let mut routes = pools.clone();

@@ -6,7 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use kvgate_shared::wire::{RouteRequest, RouteResponse};
+use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::prompt::openai::ParsedRequest;
+use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteRequest, RouteResponse};
 use serde::Serialize;
 
 use crate::config::{Policy, PoolConfig};
@@ -55,6 +58,9 @@ impl ReplicaHealth {
     }
 }
 
+/// Segment-cache budget of the tokenizer used for offloaded prompts.
+const OFFLOAD_SEGMENT_CACHE_BYTES: usize = 64 << 20;
+
 /// A model's pool of replicas.
 pub struct Pool {
     /// The pool's settings.
@@ -67,6 +73,8 @@ pub struct Pool {
     pub health: Vec<ReplicaHealth>,
     /// The encoded [`kvgate_shared::wire::ModelBundle`] served to filters.
     pub bundle: Vec<u8>,
+    /// The same tokenizer, loaded on first use, for prompts the filter offloads.
+    tokenizer: std::sync::OnceLock<Result<ModelTokenizer, String>>,
     metrics: Arc<Metrics>,
     started: Instant,
     /// The last decisions with every candidate's cost terms (`/debug/explain`), kept compact
@@ -180,11 +188,49 @@ impl Pool {
             health: (0..n).map(|_| ReplicaHealth::default()).collect(),
             config,
             bundle,
+            tokenizer: std::sync::OnceLock::new(),
             metrics,
             started: Instant::now(),
             explanations: Mutex::new(VecDeque::with_capacity(EXPLANATIONS)),
             next: AtomicUsize::new(0),
         }
+    }
+
+    /// The pool's tokenizer (with a segment cache), loaded from its bundle on first use.
+    /// Blocking: call it off the async runtime.
+    pub fn tokenizer(&self) -> Result<&ModelTokenizer, String> {
+        self.tokenizer
+            .get_or_init(|| {
+                let bundle: ModelBundle = kvgate_shared::codec::decode(&self.bundle).map_err(|e| e.to_string())?;
+                ModelTokenizer::from_bundle(&bundle)
+                    .map(|t| t.with_segment_cache(OFFLOAD_SEGMENT_CACHE_BYTES))
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// Routes a whole request body (the filter's offload): parses and tokenizes it exactly
+    /// as the filter would, then decides as [`Pool::route`]. Blocking (it tokenizes).
+    pub fn route_body(
+        &self,
+        parsed: &ParsedRequest,
+        req: &RouteBodyRequest,
+        scoring: &ScoringConfig,
+    ) -> Result<RouteResponse, String> {
+        let tokens = self.tokenizer()?.prompt_tokens(parsed).map_err(|e| e.to_string())?;
+        // A LoRA adapter's blocks are salted with its name, as its engine salts them.
+        let salt = if parsed.model == self.config.model { Salt::NONE } else { Salt::for_lora(Some(&parsed.model)) };
+        let route = RouteRequest {
+            request_id: req.request_id.clone(),
+            model: parsed.model.clone(),
+            prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+            block_hashes: prompt_block_hashes(&tokens, self.config.block_size as usize, salt),
+            block_size: self.config.block_size,
+            session: req.session.clone().or_else(|| parsed.session.clone()),
+            overrides: req.overrides,
+        };
+        Ok(self.route(&route, scoring))
     }
 
     /// The kept decision for `request_id`, or the most recent `last` decisions (newest first).

@@ -222,3 +222,97 @@ fn repeated_turns_use_the_segment_cache() {
         messages.push(json!({"role": "assistant", "content": format!("answer {turn}")}));
     }
 }
+
+/// 9. The benchmark harness end to end, at toy scale: two policies on fresh fleets, every
+///    request completes, kvgate routes all of them itself, and the report is written.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn bench_harness_runs_policies_side_by_side() {
+    use kvgate_e2e::bench::workloads::{SharedPrefix, Workload};
+    use kvgate_e2e::bench::{self, report, BenchConfig, Fleet, Policy};
+    let config = BenchConfig {
+        workloads: vec![Workload::SharedPrefix(SharedPrefix {
+            groups: 3,
+            prompts_per_group: 4,
+            system_tokens: 600,
+            question_tokens: 40,
+            output_tokens: 6,
+        })],
+        policies: vec![Policy::EnvoyRoundRobin, Policy::KvgatePrefillWeighted(4)],
+        qps: vec![4.0],
+        repeats: 1,
+        fleet: Fleet {
+            replicas: 3,
+            block_size: 16,
+            preset: "test".into(),
+            speedup: 1.0,
+            gpu_blocks: 4096,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 8192,
+        },
+        max_duration_s: 60.0,
+        slo_ttft_s: 5.0,
+        trace: kvgate_e2e::repo_root().join("unused.jsonl"),
+        seed: 1,
+        peers_venv: kvgate_e2e::repo_root().join("target/peers-venv"),
+    };
+    let results = bench::run(&config, &Artifacts::locate("debug")).expect("the benchmark runs");
+    assert_eq!(results.len(), 2);
+    for r in &results {
+        let s = &r.summary;
+        assert_eq!((s.requests, s.ok, s.errors), (12, 12, 0), "{}: {s:?}", r.policy);
+        assert!(s.ttft_p50.is_some() && s.e2e_p99.is_some() && s.output_tps > 0.0, "{}: {s:?}", r.policy);
+        assert!(s.hit_ratio.is_some_and(|h| h > 0.0), "{}: the engines' counters were read", r.policy);
+    }
+    assert_eq!(results[0].kvgate_routed, None);
+    let (routed, other) = results[1].kvgate_routed.expect("kvgate's counters");
+    assert!(routed >= 12 && other == 0, "kvgate routed every request itself: {routed} routed, {other} not");
+    let dir = Artifacts::locate("debug").sim.parent().unwrap().join("bench-smoke");
+    let md = report::write(
+        &dir,
+        &config,
+        &report::Facts {
+            command: "test".into(),
+            commit: "test".into(),
+            machine: "test".into(),
+            started: "test".into(),
+        },
+        &results,
+    )
+    .unwrap();
+    assert!(md.contains("| envoy-round-robin |") && md.contains("| kvgate-kv-aware-prefill-x4 |"), "{md}");
+}
+
+/// 10. A prompt too big to tokenize on Envoy's worker is handed to the sidecar whole, and is
+///     routed by its cached prefix all the same.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn big_prompts_are_tokenized_by_the_sidecar() {
+    let stack = start("offload");
+    let doc = document(77, 5000);
+    assert!(doc.len() > 16 << 10, "larger than the filter's default offload_bytes");
+    let warm =
+        post(&stack.sim("c").url("/v1/chat/completions"), chat(&doc, "first question").to_string(), &[]).unwrap();
+    assert_eq!(warm.status, 200);
+    let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    stack.wait_indexed("c", prompt_tokens / 16).unwrap();
+    for i in 0..3 {
+        let reply = stream(&stack.gateway("/v1/chat/completions"), chat(&doc, &format!("follow-up {i}"))).unwrap();
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.header("x-kvgate-offloaded"), "true");
+        assert_eq!(
+            reply.header("x-kvgate-replica"),
+            "c",
+            "request {i} follows the prefix cached on c (routed to {:?}, overlap {:?}, fallbacks {:?} {:?}, decision {:?} µs)",
+            reply.header("x-kvgate-routed-to"),
+            reply.header("x-kvgate-overlap-blocks"),
+            stack.envoy_stat("wasmcustom.kvgate.requests.fallback_timeout"),
+            stack.envoy_stat("wasmcustom.kvgate.requests.fallback_error"),
+            reply.header("x-kvgate-decision-us"),
+        );
+        assert!(reply.cached_tokens() >= prompt_tokens / 2, "served from cache: {:?}", reply.usage);
+    }
+    assert!(stack.envoy_stat("wasmcustom.kvgate.requests.offloaded").unwrap() >= 3);
+    let small = stream(&stack.gateway("/v1/chat/completions"), chat("short", "question")).unwrap();
+    assert_eq!(small.header("x-kvgate-offloaded"), "false", "small prompts are tokenized in Envoy");
+}

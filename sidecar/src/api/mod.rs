@@ -15,7 +15,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvgate_shared::codec;
-use kvgate_shared::wire::{Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteRequest, CONTENT_TYPE};
+use kvgate_shared::prompt::openai::{parse, Endpoint};
+use kvgate_shared::wire::{
+    Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteBodyRequest, RouteRequest, CONTENT_TYPE,
+};
 
 use crate::metrics::{FallbackLabels, Metrics, ReasonLabels};
 use crate::pool::Pool;
@@ -39,6 +42,7 @@ pub struct AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/route", post(route))
+        .route("/v1/route_body", post(route_body))
         .route("/v1/lifecycle", post(lifecycle))
         .route("/v1/models", get(models))
         .route("/v1/models/{model}/tokenizer", get(tokenizer))
@@ -76,6 +80,36 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     };
     state.metrics.route_seconds.observe(started.elapsed().as_secs_f64());
     encoded(&decision)
+}
+
+/// A prompt the filter offloaded: parsed and tokenized here, on a blocking thread, so that
+/// neither an Envoy worker nor this runtime's threads stall on it.
+async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let started = Instant::now();
+    let req: RouteBodyRequest = match codec::decode(&body) {
+        Ok(r) => r,
+        Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    let endpoint = if req.chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
+    let parsed = match parse(endpoint, &req.body) {
+        Ok(p) => p,
+        Err(e) => return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
+    };
+    let Some(pool) = state.routes.get(&parsed.model).cloned() else {
+        let message = format!("no pool for model {:?}", parsed.model);
+        return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, message);
+    };
+    let scoring = match (&req.overrides, state.allow_request_overrides) {
+        (Some(o), true) => state.scoring.with_overrides(o),
+        _ => state.scoring.clone(),
+    };
+    let decided = tokio::task::spawn_blocking(move || pool.route_body(&parsed, &req, &scoring)).await;
+    state.metrics.route_seconds.observe(started.elapsed().as_secs_f64());
+    match decided {
+        Ok(Ok(decision)) => encoded(&decision),
+        Ok(Err(e)) => fallback(&state, "tokenize_failed", StatusCode::UNPROCESSABLE_ENTITY, e),
+        Err(e) => fallback(&state, "internal", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
 }
 
 async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response {

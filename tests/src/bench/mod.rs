@@ -120,7 +120,8 @@ pub struct Fleet {
     pub preset: String,
     /// Simulated time runs this much faster than the wall clock.
     pub speedup: f64,
-    /// GPU blocks per engine (shared-prefix sizes its own: 70 % of its resident set).
+    /// GPU blocks per engine (shared-prefix sizes its own: 70 % of its resident set, at
+    /// least 4 whole requests).
     pub gpu_blocks: usize,
     /// `--max-num-seqs`.
     pub max_num_seqs: usize,
@@ -132,7 +133,11 @@ impl Fleet {
     /// GPU blocks per engine for `workload`.
     pub fn gpu_blocks_for(&self, workload: &Workload) -> usize {
         match workload {
-            Workload::SharedPrefix(s) => s.resident_tokens() * 7 / 10 / self.replicas / self.block_size as usize,
+            // 70 % of the resident set, but room for at least 4 whole requests per engine.
+            Workload::SharedPrefix(s) => {
+                let request = s.system_tokens + s.question_tokens + s.output_tokens as usize;
+                (s.resident_tokens() * 7 / 10 / self.replicas).max(4 * request) / self.block_size as usize
+            }
             _ => self.gpu_blocks,
         }
     }
@@ -271,6 +276,9 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                         summary.load_max_over_mean,
                         kvgate_routed
                     );
+                    if let Some(failed) = outcomes.iter().find(|o| !o.ok()) {
+                        eprintln!("bench:   first failure: status {} {:?}", failed.status, failed.error);
+                    }
                     results.push(RunResult {
                         workload: workload.name().into(),
                         policy: policy.name(),
