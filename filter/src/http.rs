@@ -2,7 +2,9 @@
 //!
 //! 1. Request headers: strip any client-sent destination header (always, on every request);
 //!    on `POST /v1/completions` or `/v1/chat/completions`, pause to buffer the body.
-//! 2. Request body (complete): plan the route ([`crate::plan`]), call the sidecar, pause.
+//! 2. Request body (complete): plan the route ([`crate::plan`]), call the sidecar, pause. A
+//!    body above `offload_bytes` is not tokenized here: it goes whole to the sidecar's
+//!    `/v1/route_body`, so a big prompt never stalls this worker thread.
 //! 3. Sidecar answer: set the destination header and resume. On *any* failure (bad body,
 //!    sidecar down, timeout, bad answer) resume without it: Envoy's fallback LB routes.
 //! 4. Response: report the first body byte (prefill done) and the end of the exchange to the

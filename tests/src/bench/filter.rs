@@ -36,7 +36,8 @@ pub struct Row {
     pub envoy_ms: f64,
     /// Median time to headers through Envoy + kvgate, ms.
     pub kvgate_ms: f64,
-    /// Median of the filter's own tokenize time (`x-kvgate-tokenize-us`), µs.
+    /// Median of the filter's own tokenize time (`x-kvgate-tokenize-us`), µs; 0 when the
+    /// prompt was offloaded to the sidecar.
     pub filter_tokenize_us: f64,
     /// Median of the filter's whole decision (`x-kvgate-decision-us`), µs.
     pub filter_decision_us: f64,
@@ -157,17 +158,24 @@ pub fn table(rows: &[Row]) -> String {
         "| prompt | cache | Envoy alone | Envoy + kvgate | added | filter tokenize | filter decision | native tokenize | in-Envoy ÷ native |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
+        // An offloaded prompt is tokenized by the sidecar: the filter's decision time includes it.
+        let (tokenize, ratio) = if r.filter_tokenize_us == 0.0 {
+            ("offloaded to the sidecar".to_owned(), "–".to_owned())
+        } else {
+            (
+                format!("{:.2} ms", r.filter_tokenize_us / 1000.0),
+                format!("{:.1}×", r.filter_tokenize_us / r.native_tokenize_us.max(1.0)),
+            )
+        };
         md += &format!(
-            "| ~{}k tokens | {} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.1}× |\n",
+            "| ~{}k tokens | {} | {:.2} ms | {:.2} ms | {:.2} ms | {tokenize} | {:.2} ms | {:.2} ms | {ratio} |\n",
             r.tokens / 1000,
             r.cache,
             r.envoy_ms,
             r.kvgate_ms,
             r.kvgate_ms - r.envoy_ms,
-            r.filter_tokenize_us / 1000.0,
             r.filter_decision_us / 1000.0,
             r.native_tokenize_us / 1000.0,
-            r.filter_tokenize_us / r.native_tokenize_us.max(1.0),
         );
     }
     md
