@@ -99,77 +99,77 @@ impl RequestContext {
         if body.len() > self.shared.borrow().config.offload_bytes {
             return self.offload_to_sidecar(endpoint, body);
         }
-        let shared = self.shared.borrow();
-        let stats = || {
-            shared
-                .models
-                .values()
-                .filter_map(|m| m.tokenizer.segment_stats())
-                .fold((0, 0), |(h, m), s| (h + s.hits, m + s.misses))
+        let planned = {
+            let shared = self.shared.borrow();
+            let stats = || {
+                shared
+                    .models
+                    .values()
+                    .filter_map(|m| m.tokenizer.segment_stats())
+                    .fold((0, 0), |(h, m), s| (h + s.hits, m + s.misses))
+            };
+            let (started, before) = (Instant::now(), stats());
+            let planned = plan(
+                endpoint,
+                body,
+                &self.hints,
+                &shared.models,
+                shared.listed.as_ref(),
+                shared.config.max_tokenize_bytes,
+            );
+            self.decision.plan_micros = started.elapsed().as_micros();
+            let after = stats();
+            self.decision.segment_hits = after.0 - before.0;
+            if let (Ok(p), Some(m)) = (&planned, &shared.metrics) {
+                m.planned(self.decision.plan_micros as u64, p.truncated, after.0 - before.0, after.1 - before.1);
+            }
+            planned
         };
-        let (started, before) = (Instant::now(), stats());
-        let planned =
-            plan(endpoint, body, &self.hints, &shared.models, shared.listed.as_ref(), shared.config.max_tokenize_bytes);
-        self.decision.plan_micros = started.elapsed().as_micros();
-        let after = stats();
-        self.decision.segment_hits = after.0 - before.0;
-
         let planned = match planned {
             Ok(p) => p,
-            Err(Skip::Unroutable(why)) => {
-                log::debug!("kvgate: not routing request {}: {why}", self.hints.request_id);
-                if let Some(m) = &shared.metrics {
-                    m.outcome(Outcome::Passthrough);
-                }
-                return false;
-            }
+            Err(Skip::Unroutable(why)) => return self.pass_through(&why),
         };
-        if let Some(m) = &shared.metrics {
-            m.planned(self.decision.plan_micros as u64, planned.truncated, after.0 - before.0, after.1 - before.1);
-        }
         if planned.tokenized {
             self.decision.prompt_tokens = Some(planned.request.prompt_tokens);
         }
         self.decision.truncated = planned.truncated;
-        let Ok(encoded) = codec::encode(&planned.request) else {
-            if let Some(m) = &shared.metrics {
-                m.outcome(Outcome::FallbackError);
-            }
-            return false;
-        };
-        drop(shared);
-        self.dispatch("/v1/route", &encoded)
+        self.dispatch("/v1/route", &planned.request)
     }
 
     /// Hands a big body to the sidecar (`/v1/route_body`) instead of tokenizing it here.
     fn offload_to_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> bool {
-        let shared = self.shared.borrow();
-        let request = match offload(endpoint, body, &self.hints, shared.listed.as_ref()) {
+        let request = offload(endpoint, body, &self.hints, self.shared.borrow().listed.as_ref());
+        let request = match request {
             Ok(r) => r,
-            Err(Skip::Unroutable(why)) => {
-                log::debug!("kvgate: not routing request {}: {why}", self.hints.request_id);
-                if let Some(m) = &shared.metrics {
-                    m.outcome(Outcome::Passthrough);
-                }
-                return false;
-            }
+            Err(Skip::Unroutable(why)) => return self.pass_through(&why),
         };
-        let Ok(encoded) = codec::encode(&request) else {
-            if let Some(m) = &shared.metrics {
-                m.outcome(Outcome::FallbackError);
-            }
-            return false;
-        };
-        if let Some(m) = &shared.metrics {
+        if let Some(m) = &self.shared.borrow().metrics {
             m.offloaded();
         }
-        drop(shared);
         self.decision.offloaded = true;
-        self.dispatch("/v1/route_body", &encoded)
+        self.dispatch("/v1/route_body", &request)
     }
 
-    /// Calls the sidecar; true if the call is in flight.
-    fn dispatch(&mut self, path: &str, encoded: &[u8]) -> bool {
+    /// Counts a request's outcome (when metrics are on).
+    fn count(&self, outcome: Outcome) {
+        if let Some(m) = &self.shared.borrow().metrics {
+            m.outcome(outcome);
+        }
+    }
+
+    /// Leaves a request kvgate does not route to Envoy's own load balancer.
+    fn pass_through(&self, why: &str) -> bool {
+        log::debug!("kvgate: not routing request {}: {why}", self.hints.request_id);
+        self.count(Outcome::Passthrough);
+        false
+    }
+
+    /// Calls the sidecar with an encoded `message`; true if the call is in flight.
+    fn dispatch<T: serde::Serialize>(&mut self, path: &str, message: &T) -> bool {
+        let Ok(encoded) = codec::encode(message) else {
+            self.count(Outcome::FallbackError);
+            return false;
+        };
         let shared = self.shared.borrow();
         let headers = vec![
             (":method", "POST"),
@@ -178,7 +178,7 @@ impl RequestContext {
             ("content-type", CONTENT_TYPE),
         ];
         let timeout = Duration::from_millis(shared.config.route_timeout_ms);
-        match hostcalls::dispatch_http_call(&shared.config.sidecar_cluster, headers, Some(encoded), vec![], timeout) {
+        match hostcalls::dispatch_http_call(&shared.config.sidecar_cluster, headers, Some(&encoded), vec![], timeout) {
             Ok(_) => true,
             Err(status) => {
                 log::warn!("kvgate: sidecar call failed to dispatch: {status:?}");
