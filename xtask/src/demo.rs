@@ -131,34 +131,37 @@ fn summary(name: &str, rows: &[Row]) {
 /// Time from the end of the request body to the routing decision, inside Envoy (parse,
 /// template, tokenize, hash, sidecar round trip), for a 1k- and an 8k-token chat.
 fn decision_latency(stack: &Stack) -> anyhow::Result<()> {
-    println!("\nrouting decision time inside Envoy (filter: parse + template + tokenize + hash + sidecar call):");
+    println!("\nrouting decision time (parse + template + tokenize + hash + decide; prompts over 16 KiB are");
+    println!("tokenized by the sidecar instead of on Envoy's worker):");
     for (label, words) in [("1k", 1000), ("8k", 8000)] {
         let mut samples = Vec::new();
-        let mut tokens = 0;
+        let (mut tokens, mut offloaded) = (0, false);
         for i in 0..7 {
             let body = json!({"model": "qwen3", "max_tokens": 1, "messages": [
                 {"role": "user", "content": document(1000 + i + words as u32, words)}]});
             let reply = post(&stack.gateway("/v1/chat/completions"), body.to_string(), &[])?;
-            tokens = reply.header("x-kvgate-prompt-tokens").parse().unwrap_or(0);
+            tokens = reply.json()["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+            offloaded = reply.header("x-kvgate-offloaded") == "true";
             samples.push(reply.header("x-kvgate-decision-us").parse::<u64>().unwrap_or(0));
         }
         samples.sort_unstable();
         println!(
-            "  {label}-token chat ({tokens} tokens): median {:.2} ms, min {:.2} ms over {} requests",
+            "  {label}-token chat ({tokens} tokens, {}): median {:.2} ms, min {:.2} ms over {} requests",
+            if offloaded { "in the sidecar" } else { "in Envoy" },
             samples[samples.len() / 2] as f64 / 1000.0,
             samples[0] as f64 / 1000.0,
             samples.len()
         );
     }
-    // The same 8k-token conversation again with one new turn: the filter's segment cache
-    // tokenizes only the new turn.
+    // The same 8k-token conversation again with one new turn: the segment cache (the
+    // sidecar's, as the conversation is offloaded) tokenizes only the new turn.
     let mut messages = vec![json!({"role": "user", "content": document(7000, 8000)})];
     let decide = |messages: &[Value]| -> anyhow::Result<(u64, u64)> {
         let body = json!({"model": "qwen3", "max_tokens": 1, "messages": messages});
         let reply = post(&stack.gateway("/v1/chat/completions"), body.to_string(), &[])?;
         Ok((
             reply.header("x-kvgate-decision-us").parse().unwrap_or(0),
-            reply.header("x-kvgate-prompt-tokens").parse().unwrap_or(0),
+            reply.json()["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
         ))
     };
     let (cold, tokens) = decide(&messages)?;
