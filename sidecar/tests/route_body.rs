@@ -1,0 +1,122 @@
+//! `POST /v1/route_body`: the sidecar tokenizes an offloaded prompt exactly as the filter
+//! would, routes it to the replica holding its prefix, and answers bad input with a 4xx (the
+//! filter then falls back).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::body::{to_bytes, Body};
+use axum::http::{Request, StatusCode};
+use kvgate_shared::codec;
+use kvgate_shared::hash::Salt;
+use kvgate_shared::prompt::openai::{parse, Endpoint};
+use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteResponse};
+use kvgate_sidecar::api::{router, AppState};
+use kvgate_sidecar::config::{EventsMode, Policy, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::index::{Store, Tier};
+use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::score::ScoringConfig;
+use tower::ServiceExt;
+
+const BLOCK: u32 = 16;
+
+fn model_dir() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3-0.6b")
+}
+
+fn state() -> (Arc<AppState>, Arc<Pool>) {
+    let config = PoolConfig {
+        model: "qwen3".into(),
+        tokenizer: model_dir(),
+        block_size: BLOCK,
+        policy: Policy::default(),
+        adapters: Vec::new(),
+        replicas: (0..3)
+            .map(|i| ReplicaConfig {
+                id: format!("r{i}"),
+                endpoint: format!("127.0.0.1:{}", 9000 + i).parse().unwrap(),
+                kv_events: "tcp://127.0.0.1:1".into(),
+                kv_events_mode: EventsMode::Connect,
+                kv_events_topic: String::new(),
+                kv_replay: None,
+            })
+            .collect(),
+    };
+    let bundle = codec::encode(&ModelBundle::from_dir("qwen3", &model_dir(), BLOCK).unwrap()).unwrap();
+    let metrics = Arc::new(Metrics::default());
+    let pool = Arc::new(Pool::new(config, bundle, metrics.clone()));
+    let pools = HashMap::from([("qwen3".to_owned(), pool.clone())]);
+    let state = AppState {
+        routes: pools.clone(),
+        pools,
+        scoring: ScoringConfig::default(),
+        allow_request_overrides: false,
+        metrics,
+    };
+    (Arc::new(state), pool)
+}
+
+async fn post(state: Arc<AppState>, body: Vec<u8>) -> (StatusCode, Vec<u8>) {
+    let request = Request::post("/v1/route_body").body(Body::from(body)).unwrap();
+    let response = router(state).oneshot(request).await.unwrap();
+    let status = response.status();
+    (status, to_bytes(response.into_body(), 1 << 20).await.unwrap().to_vec())
+}
+
+fn offload(body: &str) -> Vec<u8> {
+    let request = RouteBodyRequest {
+        request_id: "r1".into(),
+        chat: true,
+        body: body.as_bytes().to_vec(),
+        session: None,
+        overrides: None,
+    };
+    codec::encode(&request).unwrap()
+}
+
+#[tokio::test]
+async fn an_offloaded_prompt_follows_its_cached_prefix() {
+    let (state, pool) = state();
+    let body = format!(
+        r#"{{"model":"qwen3","messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"and?"}}]}}"#,
+        "a long shared system prompt ".repeat(40)
+    );
+    // Replica r2 holds the prompt's blocks, stored as vLLM would report them.
+    let tokenizer = ModelTokenizer::from_bundle(&ModelBundle::from_dir("qwen3", &model_dir(), BLOCK).unwrap()).unwrap();
+    let tokens = tokenizer.prompt_tokens(&parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap()).unwrap();
+    let full = tokens.len() / BLOCK as usize;
+    let engine_hashes: Vec<u64> = (1..=full as u64).collect();
+    let store = Store {
+        parent: None,
+        engine_hashes: &engine_hashes,
+        token_ids: &tokens[..full * BLOCK as usize],
+        block_size: BLOCK as usize,
+        salt: Salt::NONE,
+        extra: &[],
+        tier: Tier::Device,
+    };
+    pool.index_mut().store(2, store).unwrap();
+
+    let (status, answer) = post(state, offload(&body)).await;
+    assert_eq!(status, StatusCode::OK);
+    let answer: RouteResponse = codec::decode(&answer).unwrap();
+    assert_eq!(answer.replica.as_deref(), Some("r2"));
+    assert_eq!(answer.endpoint.as_deref(), Some("127.0.0.1:9002"));
+    assert_eq!(answer.overlap_blocks as usize, full, "every full block of the same tokens matched");
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_clear_4xx() {
+    let (state, _) = state();
+    let (status, _) = post(state.clone(), b"not bincode".to_vec()).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, message) = post(state.clone(), offload("{not json")).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{}", String::from_utf8_lossy(&message));
+    let (status, message) =
+        post(state, offload(r#"{"model":"other","messages":[{"role":"user","content":"hi"}]}"#)).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(String::from_utf8_lossy(&message).contains("other"));
+}
