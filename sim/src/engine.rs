@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use crate::kv_cache::KvCache;
 use crate::kv_events::Publisher;
 use crate::metrics::Histogram;
-use crate::scheduler::{Emitted, Limits, Scheduler, SeqId};
+use crate::scheduler::{blocks_needed, Emitted, Limits, Scheduler, SeqId};
 use crate::time_model::StepCost;
 use crate::vllm_hash::VllmHasher;
 
@@ -148,7 +148,7 @@ impl Engine {
         prompt: Vec<u32>,
         output: Vec<u32>,
     ) -> Result<mpsc::UnboundedReceiver<Emitted>, SubmitError> {
-        let needed = (prompt.len() + output.len() - 1).div_ceil(self.config.block_size);
+        let needed = blocks_needed(prompt.len(), output.len(), self.config.block_size);
         if needed > self.config.num_gpu_blocks {
             return Err(SubmitError::TooLong { needed, available: self.config.num_gpu_blocks });
         }

@@ -98,6 +98,12 @@ struct Seq {
     cached_tokens: Option<usize>,
 }
 
+/// KV blocks a request holds at its longest: the prompt plus every output token but the last
+/// (the last one is sampled, never computed into the cache).
+pub fn blocks_needed(prompt_len: usize, output_len: usize, block_size: usize) -> usize {
+    (prompt_len + output_len.saturating_sub(1)).div_ceil(block_size)
+}
+
 /// One engine's (one data-parallel rank's) scheduler and KV cache.
 #[derive(Debug)]
 pub struct Scheduler {
@@ -127,8 +133,7 @@ impl Scheduler {
     /// Queues a request that will produce `output` (at least one token).
     pub fn add(&mut self, prompt: Vec<u32>, output: Vec<u32>) -> Result<SeqId, TooLong> {
         debug_assert!(!prompt.is_empty() && !output.is_empty());
-        // The longest the sequence gets: the prompt plus every output token but the last.
-        let needed = (prompt.len() + output.len() - 1).div_ceil(self.cache.block_size());
+        let needed = blocks_needed(prompt.len(), output.len(), self.cache.block_size());
         if needed > self.cache.num_blocks() {
             return Err(TooLong { needed, available: self.cache.num_blocks() });
         }
