@@ -147,4 +147,6 @@ pub struct ModelBundle {
     pub bos_token: Option<String>,
     /// `eos_token` as the template sees it.
     pub eos_token: Option<String>,
+    /// How message content reaches the template (vLLM's `--chat-template-content-format`).
+    pub content_format: crate::prompt::content_format::ContentFormat,
 }

@@ -2,9 +2,12 @@
 //! transformers (Python Jinja2) after vLLM's normalisation and encoded by HF tokenizers,
 //! written by `tools/parity/gen_reference.py`. kvgate's pipeline must give the same text and
 //! the same ids for every case. On a mismatch the first divergence is printed.
+//! `testdata/parity/openai-format-chat.json` does the same for a template that iterates
+//! content parts, which vLLM detects as "openai" content format.
 
 use std::path::PathBuf;
 
+use kvgate_shared::prompt::content_format::ContentFormat;
 use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
 use kvgate_shared::prompt::template::ChatTemplate;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
@@ -16,18 +19,26 @@ fn first_divergence<T: PartialEq + std::fmt::Debug>(a: &[T], b: &[T]) -> String 
     format!("at {i}: ours {:?} vs reference {:?}", &a[i..(i + 8).min(a.len())], &b[i..(i + 8).min(b.len())])
 }
 
-#[test]
-fn chats_match_the_python_reference() {
+/// Checks every case of a reference file; the file's own `chat_template`, if it has one,
+/// replaces the model's. Returns the case count.
+fn check(file: &str, expected_format: ContentFormat) -> usize {
     let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
-    let bundle = ModelBundle::from_dir("qwen3", &repo.join("models/qwen3-0.6b"), 16).unwrap();
-    let tokenizer = ModelTokenizer::from_bundle(&bundle).unwrap();
-    let template =
-        ChatTemplate::new(bundle.chat_template.as_deref().unwrap(), bundle.bos_token.clone(), bundle.eos_token.clone())
-            .unwrap();
     let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(repo.join("testdata/parity/qwen3-chat.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(repo.join("testdata/parity").join(file)).unwrap()).unwrap();
+    let mut bundle = ModelBundle::from_dir("qwen3", &repo.join("models/qwen3-0.6b"), 16).unwrap();
+    if let Some(template) = reference["chat_template"].as_str() {
+        bundle.chat_template = Some(template.to_owned());
+    }
+    let tokenizer = ModelTokenizer::from_bundle(&bundle).unwrap();
+    let template = ChatTemplate::new(
+        bundle.chat_template.as_deref().unwrap(),
+        bundle.bos_token.clone(),
+        bundle.eos_token.clone(),
+        bundle.content_format,
+    )
+    .unwrap();
+    assert_eq!(template.content_format(), expected_format, "{file}: detected content format");
     let cases = reference["cases"].as_array().unwrap();
-    assert!(cases.len() >= 15);
     let mut failures = Vec::new();
     for case in cases {
         let name = case["name"].as_str().unwrap();
@@ -48,5 +59,22 @@ fn chats_match_the_python_reference() {
             failures.push(format!("{name}: ids differ {}", first_divergence(&ids, &expected)));
         }
     }
-    assert!(failures.is_empty(), "{} of {} cases differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{file}: {} of {} cases differ:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+    cases.len()
+}
+
+#[test]
+fn chats_match_the_python_reference() {
+    assert!(check("qwen3-chat.json", ContentFormat::String) >= 15);
+}
+
+#[test]
+fn content_part_templates_get_openai_format_content() {
+    assert!(check("openai-format-chat.json", ContentFormat::Openai) >= 8);
 }

@@ -29,6 +29,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+use kvgate_shared::prompt::content_format::ContentFormat;
+use kvgate_shared::prompt::PromptError;
+use kvgate_shared::wire::ModelBundle;
 use serde::Deserialize;
 
 use crate::score::ScoringConfig;
@@ -69,6 +72,11 @@ pub struct PoolConfig {
     pub tokenizer: PathBuf,
     /// KV block size in tokens; must match the engines'.
     pub block_size: u32,
+    /// How message content reaches the chat template: `auto` (default: detected from the
+    /// template, as vLLM does), `string` or `openai`. Set it to what the engines'
+    /// `--chat-template-content-format` is, if they override it.
+    #[serde(default)]
+    pub chat_template_content_format: ContentFormat,
     /// How replicas are chosen (default `kv_aware`).
     #[serde(default)]
     pub policy: Policy,
@@ -79,6 +87,16 @@ pub struct PoolConfig {
     pub adapters: Vec<String>,
     /// The replicas.
     pub replicas: Vec<ReplicaConfig>,
+}
+
+impl PoolConfig {
+    /// The model bundle the filter and the offload path tokenize with: the tokenizer
+    /// directory, read, with this pool's block size and content format.
+    pub fn bundle(&self) -> Result<ModelBundle, PromptError> {
+        let mut bundle = ModelBundle::from_dir(&self.model, &self.tokenizer, self.block_size)?;
+        bundle.content_format = self.chat_template_content_format;
+        Ok(bundle)
+    }
 }
 
 /// One engine replica.

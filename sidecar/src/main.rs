@@ -15,7 +15,7 @@ use anyhow::Context;
 use axum::serve::ListenerExt;
 use clap::{Parser, Subcommand};
 use kvgate_shared::codec;
-use kvgate_shared::wire::ModelBundle;
+use kvgate_shared::prompt::content_format::ContentFormat;
 
 use kvgate_sidecar::config::{Config, ProcessEnv};
 use kvgate_sidecar::metrics::Metrics;
@@ -56,7 +56,21 @@ enum Command {
         /// Which endpoint the body is for.
         #[arg(long, value_enum, default_value_t = Api::Chat)]
         endpoint: Api,
+        /// How message content reaches the chat template (as vLLM's flag of this name).
+        #[arg(long, value_enum, default_value_t = Format::Auto)]
+        chat_template_content_format: Format,
     },
+}
+
+/// vLLM's `--chat-template-content-format`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum Format {
+    /// Detected from the template.
+    Auto,
+    /// One string per message.
+    String,
+    /// A list of text parts per message.
+    Openai,
 }
 
 /// The OpenAI endpoint of a body.
@@ -104,8 +118,7 @@ fn main() -> anyhow::Result<()> {
         Command::CheckConfig { file } => {
             let config = Config::load(&file, &ProcessEnv)?;
             for pool in &config.pools {
-                ModelBundle::from_dir(&pool.model, &pool.tokenizer, pool.block_size)
-                    .with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
+                pool.bundle().with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
             }
             println!("{}: ok ({} pools)", file.display(), config.pools.len());
             Ok(())
@@ -120,14 +133,19 @@ fn main() -> anyhow::Result<()> {
         Command::Events(EventsCommand::Tap { endpoint, replay, topic, count }) => {
             kvgate_sidecar::tools::tap(&endpoint, replay.as_deref(), &topic, count, stdout)
         }
-        Command::Tokenize { model_dir, block_size, endpoint } => {
+        Command::Tokenize { model_dir, block_size, endpoint, chat_template_content_format } => {
             let mut body = Vec::new();
             std::io::Read::read_to_end(&mut std::io::stdin(), &mut body)?;
             let endpoint = match endpoint {
                 Api::Chat => kvgate_shared::prompt::openai::Endpoint::ChatCompletions,
                 Api::Completions => kvgate_shared::prompt::openai::Endpoint::Completions,
             };
-            println!("{}", kvgate_sidecar::tools::tokenize(&model_dir, block_size, endpoint, &body)?);
+            let format = match chat_template_content_format {
+                Format::Auto => ContentFormat::Auto,
+                Format::String => ContentFormat::String,
+                Format::Openai => ContentFormat::Openai,
+            };
+            println!("{}", kvgate_sidecar::tools::tokenize(&model_dir, block_size, format, endpoint, &body)?);
             Ok(())
         }
     }
@@ -138,8 +156,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
 
     let mut pools = HashMap::new();
     for pool_config in &config.pools {
-        let bundle = ModelBundle::from_dir(&pool_config.model, &pool_config.tokenizer, pool_config.block_size)
-            .with_context(|| format!("loading the tokenizer of {:?}", pool_config.model))?;
+        let bundle =
+            pool_config.bundle().with_context(|| format!("loading the tokenizer of {:?}", pool_config.model))?;
         let bundle = codec::encode(&bundle)?;
         let pool = Arc::new(Pool::new(pool_config.clone(), bundle, metrics.clone()));
         // Load the tokenizer for offloaded prompts now, off the runtime, so that the first

@@ -512,6 +512,7 @@ mod tests {
             model: "m".into(),
             tokenizer: "unused".into(),
             block_size: 4,
+            chat_template_content_format: Default::default(),
             policy,
             adapters: Vec::new(),
             replicas: (0..replicas)

@@ -14,6 +14,7 @@ use anyhow::Context;
 use serde_json::{json, Value};
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::prompt::content_format::ContentFormat;
 use kvgate_shared::prompt::openai::{parse, Endpoint};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::ModelBundle;
@@ -113,11 +114,13 @@ pub fn tap(
 pub fn tokenize(
     model_dir: &std::path::Path,
     block_size: u32,
+    content_format: ContentFormat,
     endpoint: Endpoint,
     body: &[u8],
 ) -> anyhow::Result<Value> {
     anyhow::ensure!(block_size > 0, "block size must be positive");
-    let bundle = ModelBundle::from_dir("cli", model_dir, block_size)?;
+    let mut bundle = ModelBundle::from_dir("cli", model_dir, block_size)?;
+    bundle.content_format = content_format;
     let tokenizer = ModelTokenizer::from_bundle(&bundle)?;
     let request = parse(endpoint, body)?;
     let ids = tokenizer.prompt_tokens(&request)?;
@@ -134,12 +137,12 @@ mod tests {
     fn tokenize_matches_the_shared_pipeline() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3-0.6b");
         let body = br#"{"model":"x","messages":[{"role":"user","content":"hello there, how are you doing today?"}]}"#;
-        let out = tokenize(&dir, 4, Endpoint::ChatCompletions, body).unwrap();
+        let out = tokenize(&dir, 4, ContentFormat::Auto, Endpoint::ChatCompletions, body).unwrap();
         let n = out["num_tokens"].as_u64().unwrap() as usize;
         assert_eq!(out["token_ids"].as_array().unwrap().len(), n);
         assert_eq!(out["token_ids"][0], 151644, "<|im_start|> opens the Qwen3 chat");
         assert_eq!(out["block_hashes"].as_array().unwrap().len(), n / 4);
-        assert!(tokenize(&dir, 4, Endpoint::Completions, b"{bad").is_err());
+        assert!(tokenize(&dir, 4, ContentFormat::Auto, Endpoint::Completions, b"{bad").is_err());
     }
 
     #[test]

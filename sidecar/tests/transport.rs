@@ -131,6 +131,7 @@ impl Rig {
             model: "m".into(),
             tokenizer: "unused".into(),
             block_size: BS as u32,
+            chat_template_content_format: Default::default(),
             policy: Default::default(),
             adapters: Vec::new(),
             replicas: vec![ReplicaConfig {

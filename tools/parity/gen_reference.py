@@ -4,12 +4,13 @@
 vLLM's renderer (see ../shared/docs/vllm-chat-rendering.md) normalises the OpenAI request,
 then calls transformers' `apply_chat_template(tokenize=False)` and encodes the text with
 `add_special_tokens=False`. This script applies the same normalisation (content parts joined
-with "\\n" for string-format templates, tool-call arguments parsed into objects, tools in
+with "\\n" for string-format templates, or every content a list of text parts for
+templates that iterate content ("openai" format), tool-call arguments parsed into objects, tools in
 canonical key order, system/developer messages merged first, kwargs precedence) and then
 uses the real transformers + tokenizers, so kvgate's Rust pipeline (minijinja + tokenizers-rs)
 is checked against Python's Jinja2 and HF's own code.
 
-Usage: gen_reference.py MODEL_DIR OUT.json   (needs: pip install transformers tokenizers jinja2; no torch)
+Usage: gen_reference.py MODEL_DIR OUT_DIR   (needs: pip install transformers tokenizers jinja2; no torch)
 """
 import json
 import sys
@@ -36,8 +37,30 @@ def content_text(content):
     return "\n".join(texts)
 
 
-def normalize_message(m):
-    out = {"role": m["role"], "content": content_text(m.get("content"))}
+def part_texts(content):
+    """The texts of a list content's text parts, empty ones kept (vLLM's "openai" format)."""
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        else:
+            kind = part.get("type")
+            texts.append(part.get({"refusal": "refusal", "thinking": "thinking"}.get(kind, "text")) or "")
+    return texts
+
+
+def shaped_content(role, content, fmt):
+    if fmt == "string" or role == "tool":
+        return content_text(content)
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "text", "text": t} for t in part_texts(content)]
+
+
+def normalize_message(m, fmt):
+    out = {"role": m["role"], "content": shaped_content(m["role"], m.get("content"), fmt)}
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
     if m["role"] == "assistant":
@@ -75,18 +98,20 @@ def normalize_tool(t):
     return {"type": "function", "function": fn}
 
 
-def consolidate(messages, template):
+def consolidate(requested, messages, template, fmt):
     knows_developer = '"developer"' in template or "'developer'" in template
     system, rest = [], []
-    for m in messages:
+    for raw, m in zip(requested, messages):
         if m["role"] == "system" or (m["role"] == "developer" and not knows_developer):
-            system.append(m["content"])
+            system.append(content_text(raw.get("content")))
         else:
             rest.append(m)
-    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
+    if not system:
+        return rest
+    return [{"role": "system", "content": shaped_content("system", "\n\n".join(system), fmt)}] + rest
 
 
-def render(tok, req):
+def render(tok, req, fmt="string", template=None):
     kwargs = {k: v for k, v in (req.get("chat_template_kwargs") or {}).items() if v is not None and v != "auto"}
     for k in ("documents", "reasoning_effort"):
         if req.get(k) not in (None, "auto"):
@@ -95,9 +120,11 @@ def render(tok, req):
         kwargs["enable_thinking"] = req["reasoning_effort"] != "none"
     kwargs["add_generation_prompt"] = req.get("add_generation_prompt", True)
     kwargs["continue_final_message"] = req.get("continue_final_message", False)
-    messages = consolidate([normalize_message(m) for m in req["messages"]], tok.chat_template)
+    template = template or tok.chat_template
+    messages = [normalize_message(m, fmt) for m in req["messages"]]
+    messages = consolidate(req["messages"], messages, template, fmt)
     tools = [normalize_tool(t) for t in req["tools"]] if req.get("tools") else None
-    return tok.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=template, **kwargs)
 
 
 LONG = " ".join(f"paragraph {i}: the router keeps prefix blocks warm across replicas." for i in range(300))
@@ -141,17 +168,42 @@ CASES = {
 }
 
 
-def main():
-    model_dir, out = sys.argv[1], sys.argv[2]
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    cases = []
-    for name, req in CASES.items():
-        text = render(tok, req)
+# A template that iterates content parts, so vLLM hands it "openai"-format content: every
+# content a list of text parts, empty parts kept (the separator makes them visible).
+PARTS_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for part in message.content %}{{- part.text }}{%- if not loop.last %}{{- ' | ' }}{%- endif %}{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+PARTS_CASES = {name: CASES[name] for name in (
+    "plain", "system_user", "content_parts", "empty_and_null", "tools", "developer_role", "continue_final", "unicode")}
+
+
+def write(tok, out, cases, fmt, template=None):
+    rows = []
+    for name, req in cases.items():
+        text = render(tok, req, fmt, template)
         ids = tok.encode(text, add_special_tokens=False)
-        cases.append({"name": name, "request": req, "rendered": text, "ids": ids})
+        rows.append({"name": name, "request": req, "rendered": text, "ids": ids})
+    doc = {"generated_by": "tools/parity/gen_reference.py", "content_format": fmt, "cases": rows}
+    if template:
+        doc["chat_template"] = template
     with open(out, "w") as f:
-        json.dump({"generated_by": "tools/parity/gen_reference.py", "model_dir": model_dir, "cases": cases}, f, ensure_ascii=False, indent=1)
-    print(f"wrote {len(cases)} cases to {out}")
+        json.dump(doc, f, ensure_ascii=False, indent=1)
+    print(f"wrote {len(rows)} cases to {out}")
+
+
+def main():
+    model_dir, out_dir = sys.argv[1], sys.argv[2]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    write(tok, f"{out_dir}/qwen3-chat.json", CASES, "string")
+    write(tok, f"{out_dir}/openai-format-chat.json", PARTS_CASES, "openai", PARTS_TEMPLATE)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 //! the chat template (`renderers/chat_utils.py`, `renderers/params.py` in vLLM 0.32).
 //!
 //! The rules implemented here, each visible in the prompt ids:
-//! - list content (OpenAI content parts) becomes its non-empty text parts joined with `"\n"`;
-//!   `null` content becomes `""`;
+//! - content is shaped for the template's [`ContentFormat`] at render time
+//!   ([`ChatInput::messages_for`]): for `string` templates list content (OpenAI content parts)
+//!   becomes its non-empty text parts joined with `"\n"` and `null` becomes `""`; for `openai`
+//!   templates every content becomes a list of `{"type": "text", "text": …}` parts (`null` →
+//!   `[]`); `tool` messages always get the joined string;
 //! - only `role`, `content`, `name`, and per role `tool_calls`/`reasoning`/`tool_call_id` survive;
 //! - tool-call `arguments` strings are parsed into objects (invalid or non-object → `{}`), so
 //!   the template re-serialises them;
@@ -15,12 +18,15 @@
 
 use serde_json::{json, Map, Value};
 
+use super::content_format::ContentFormat;
 use super::PromptError;
 
 /// A chat request, normalised and ready for [`super::template::ChatTemplate::render`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatInput {
-    /// Normalised messages.
+    /// Normalised messages. Their `content` is still format-neutral: the request's string,
+    /// `null`, or the list of its text parts' texts (empty ones kept); see
+    /// [`ChatInput::messages_for`].
     pub messages: Vec<Value>,
     /// Normalised tools, if the request has any.
     pub tools: Option<Vec<Value>>,
@@ -93,15 +99,65 @@ impl ChatInput {
     }
 }
 
+impl ChatInput {
+    /// The messages as a template of `format` sees them, after vLLM's last step: `developer`
+    /// messages become `system` unless the template knows the role (`knows_developer`), then
+    /// all system messages merge into one at position 0, their texts joined with `"\n\n"`.
+    /// `format` must be resolved ([`ContentFormat::String`] or [`ContentFormat::Openai`]).
+    pub fn messages_for(&self, format: ContentFormat, knows_developer: bool) -> Vec<Value> {
+        let is_system = |m: &Value| match m.get("role").and_then(Value::as_str) {
+            Some("system") => true,
+            Some("developer") => !knows_developer,
+            _ => false,
+        };
+        let system: Vec<String> =
+            self.messages.iter().filter(|m| is_system(m)).map(|m| joined_text(m.get("content"))).collect();
+        let mut out = Vec::with_capacity(self.messages.len());
+        if !system.is_empty() {
+            let merged = json!({"role": "system", "content": system.join("\n\n")});
+            out.push(shape_content(merged, format));
+        }
+        out.extend(self.messages.iter().filter(|m| !is_system(m)).map(|m| shape_content(m.clone(), format)));
+        out
+    }
+}
+
+/// The message with its neutral content shaped for `format`.
+fn shape_content(mut message: Value, format: ContentFormat) -> Value {
+    let is_tool = message.get("role").and_then(Value::as_str) == Some("tool");
+    let Some(content) = message.get_mut("content") else { return message };
+    *content = match (format, is_tool, content.take()) {
+        (ContentFormat::Openai, false, Value::String(s)) => json!([{"type": "text", "text": s}]),
+        (ContentFormat::Openai, false, Value::Null) => json!([]),
+        (ContentFormat::Openai, false, Value::Array(texts)) => {
+            Value::Array(texts.into_iter().map(|t| json!({"type": "text", "text": t})).collect())
+        }
+        (_, _, neutral) => Value::String(joined_text(Some(&neutral))),
+    };
+    message
+}
+
+/// Neutral content as one string: the string itself, `""` for `null`, the non-empty part
+/// texts joined with `"\n"` for a list.
+fn joined_text(content: Option<&Value>) -> String {
+    match content {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(texts)) => {
+            texts.iter().filter_map(Value::as_str).filter(|t| !t.is_empty()).collect::<Vec<_>>().join("\n")
+        }
+        _ => String::new(),
+    }
+}
+
 fn is_dropped_kwarg(v: &Value) -> bool {
     v.is_null() || v.as_str() == Some("auto")
 }
 
-/// The text of a message's `content` for a string-format template.
-fn text_content(content: Option<&Value>) -> Result<String, PromptError> {
+/// A message's `content`, format-neutral: the string, `null`, or the texts of its parts.
+fn neutral_content(content: Option<&Value>) -> Result<Value, PromptError> {
     match content {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
+        None | Some(Value::Null) => Ok(Value::Null),
+        Some(Value::String(s)) => Ok(Value::String(s.clone())),
         Some(Value::Array(parts)) => {
             let mut texts = Vec::new();
             for part in parts {
@@ -120,11 +176,9 @@ fn text_content(content: Option<&Value>) -> Result<String, PromptError> {
                     },
                     _ => return Err(PromptError::Invalid("content part must be an object or string".into())),
                 };
-                if let Some(t) = text.filter(|t| !t.is_empty()) {
-                    texts.push(t);
-                }
+                texts.push(Value::String(text.unwrap_or_default().to_owned()));
             }
-            Ok(texts.join("\n"))
+            Ok(Value::Array(texts))
         }
         Some(_) => Err(PromptError::Invalid("`content` must be a string, a list or null".into())),
     }
@@ -148,7 +202,7 @@ fn normalize_message(message: &Value) -> Result<Value, PromptError> {
         .ok_or_else(|| PromptError::Invalid("message `role` must be a string".into()))?;
     let mut out = Map::new();
     out.insert("role".into(), Value::String(role.to_owned()));
-    out.insert("content".into(), Value::String(text_content(m.get("content"))?));
+    out.insert("content".into(), neutral_content(m.get("content"))?);
     if let Some(Value::String(name)) = m.get("name") {
         out.insert("name".into(), Value::String(name.clone()));
     }
@@ -214,29 +268,6 @@ fn normalize_tool(tool: &Value) -> Result<Value, PromptError> {
     Ok(json!({"type": "function", "function": Value::Object(function)}))
 }
 
-/// vLLM's last step before rendering: `developer` messages become `system` unless the template
-/// knows the role, then all system messages merge into one at position 0 (texts joined `"\n\n"`).
-pub fn consolidate_system_messages(messages: &[Value], template_knows_developer: bool) -> Vec<Value> {
-    let role_of = |m: &Value| m.get("role").and_then(Value::as_str).unwrap_or("").to_owned();
-    let mut system_texts = Vec::new();
-    let mut rest = Vec::with_capacity(messages.len());
-    for m in messages {
-        let role = role_of(m);
-        if role == "system" || (role == "developer" && !template_knows_developer) {
-            system_texts.push(m.get("content").and_then(Value::as_str).unwrap_or("").to_owned());
-        } else {
-            rest.push(m.clone());
-        }
-    }
-    if system_texts.is_empty() {
-        return rest;
-    }
-    let mut out = Vec::with_capacity(rest.len() + 1);
-    out.push(json!({"role": "system", "content": system_texts.join("\n\n")}));
-    out.extend(rest);
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,9 +281,25 @@ mod tests {
         let c = chat(json!({"messages": [{"role": "user", "content": [
             {"type": "text", "text": "a"}, {"type": "text", "text": ""}, {"type": "text", "text": "b"}]}]}))
         .unwrap();
-        assert_eq!(c.messages[0]["content"], "a\nb");
+        assert_eq!(c.messages_for(ContentFormat::String, false)[0]["content"], "a\nb");
         let c = chat(json!({"messages": [{"role": "user", "content": null, "extra": 1}]})).unwrap();
-        assert_eq!(c.messages[0], json!({"role": "user", "content": ""}));
+        assert_eq!(c.messages_for(ContentFormat::String, false)[0], json!({"role": "user", "content": ""}));
+    }
+
+    #[test]
+    fn openai_format_keeps_every_part_and_wraps_strings() {
+        let c = chat(json!({"messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_text", "text": ""}, "b"]},
+            {"role": "assistant", "content": "plain"},
+            {"role": "assistant", "content": null},
+            {"role": "tool", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}]}))
+        .unwrap();
+        let ms = c.messages_for(ContentFormat::Openai, false);
+        let part = |t: &str| json!({"type": "text", "text": t});
+        assert_eq!(ms[0]["content"], json!([part("a"), part(""), part("b")]));
+        assert_eq!(ms[1]["content"], json!([part("plain")]));
+        assert_eq!(ms[2]["content"], json!([]));
+        assert_eq!(ms[3]["content"], "x\ny", "tool results are always one string");
     }
 
     #[test]
@@ -303,13 +350,18 @@ mod tests {
 
     #[test]
     fn system_and_developer_messages_merge_first() {
-        let ms = vec![
-            json!({"role": "user", "content": "u"}),
-            json!({"role": "system", "content": "s1"}),
-            json!({"role": "developer", "content": "d"}),
-        ];
-        let out = consolidate_system_messages(&ms, false);
-        assert_eq!(out, vec![json!({"role": "system", "content": "s1\n\nd"}), json!({"role": "user", "content": "u"})]);
-        assert_eq!(consolidate_system_messages(&ms, true).len(), 3);
+        let c = chat(json!({"messages": [
+            {"role": "user", "content": "u"},
+            {"role": "system", "content": "s1"},
+            {"role": "developer", "content": [{"type": "text", "text": "d1"}, {"type": "text", "text": "d2"}]}]}))
+        .unwrap();
+        let out = c.messages_for(ContentFormat::String, false);
+        assert_eq!(
+            out,
+            vec![json!({"role": "system", "content": "s1\n\nd1\nd2"}), json!({"role": "user", "content": "u"})]
+        );
+        assert_eq!(c.messages_for(ContentFormat::String, true).len(), 3);
+        let out = c.messages_for(ContentFormat::Openai, false);
+        assert_eq!(out[0]["content"], json!([{"type": "text", "text": "s1\n\nd1\nd2"}]));
     }
 }

@@ -7,11 +7,13 @@
 //!
 //! 1. [`openai::parse`] reads the OpenAI body into a [`openai::ParsedRequest`].
 //! 2. [`chat`] normalises chat messages and tools as vLLM's renderer does.
-//! 3. [`template::ChatTemplate`] renders them with the model's Jinja template.
+//! 3. [`template::ChatTemplate`] renders them with the model's Jinja template, with message
+//!    content shaped as the template expects ([`content_format`]).
 //! 4. [`tokenizer::ModelTokenizer`] encodes the text (or passes token ids through), through an
 //!    exact [`segments::SegmentCache`] when enabled, so repeated turns are not re-tokenized.
 
 pub mod chat;
+pub mod content_format;
 pub mod openai;
 pub mod segments;
 pub mod template;

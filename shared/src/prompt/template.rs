@@ -11,7 +11,8 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Serialize;
 use serde_json::{Map, Value as Json};
 
-use super::chat::{consolidate_system_messages, ChatInput};
+use super::chat::ChatInput;
+use super::content_format::ContentFormat;
 use super::PromptError;
 
 const TEMPLATE_NAME: &str = "chat";
@@ -20,6 +21,7 @@ const TEMPLATE_NAME: &str = "chat";
 pub struct ChatTemplate {
     env: Environment<'static>,
     knows_developer_role: bool,
+    content_format: ContentFormat,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -31,8 +33,14 @@ impl std::fmt::Debug for ChatTemplate {
 }
 
 impl ChatTemplate {
-    /// Compiles `source` with the model's special tokens.
-    pub fn new(source: &str, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self, PromptError> {
+    /// Compiles `source` with the model's special tokens. `content_format` is the content
+    /// shape the template gets ([`ContentFormat::Auto`]: detected from `source`, as vLLM does).
+    pub fn new(
+        source: &str,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+        content_format: ContentFormat,
+    ) -> Result<Self, PromptError> {
         let mut env = Environment::new();
         let syntax = minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
@@ -45,15 +53,26 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_template_owned(TEMPLATE_NAME, source.to_owned()).map_err(|e| PromptError::Template(e.to_string()))?;
         let knows_developer_role = source.contains("\"developer\"") || source.contains("'developer'");
-        Ok(ChatTemplate { env, knows_developer_role, bos_token, eos_token })
+        let content_format = content_format.resolve(source);
+        Ok(ChatTemplate { env, knows_developer_role, content_format, bos_token, eos_token })
+    }
+
+    /// The content shape this template gets (never [`ContentFormat::Auto`]).
+    pub fn content_format(&self) -> ContentFormat {
+        self.content_format
     }
 
     /// Renders a normalised chat into the prompt text.
     pub fn render(&self, chat: &ChatInput) -> Result<String, PromptError> {
-        let mut messages = consolidate_system_messages(&chat.messages, self.knows_developer_role);
+        let mut messages = chat.messages_for(self.content_format, self.knows_developer_role);
         if chat.continue_final_message {
             // transformers 5: mark where the final message ends, render, cut there.
-            match messages.last_mut().and_then(|m| m.get_mut("content")) {
+            let content = messages.last_mut().and_then(|m| m.get_mut("content"));
+            let last_text = match content {
+                Some(Json::Array(parts)) => parts.last_mut().and_then(|p| p.get_mut("text")),
+                other => other,
+            };
+            match last_text {
                 Some(Json::String(content)) => content.push_str(CONTINUE_TAG),
                 _ => return Err(PromptError::Template("continue_final_message: the final message has no text".into())),
             }
@@ -157,7 +176,7 @@ mod tests {
 
     fn render(source: &str, body: Json) -> Result<String, PromptError> {
         let chat = ChatInput::from_request(body.as_object().unwrap()).unwrap();
-        ChatTemplate::new(source, Some("<s>".into()), Some("</s>".into()))?.render(&chat)
+        ChatTemplate::new(source, Some("<s>".into()), Some("</s>".into()), ContentFormat::Auto)?.render(&chat)
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::sync::Mutex;
 
 use serde_json::Value;
 
+use super::content_format::ContentFormat;
 use super::openai::{ParsedRequest, Prompt};
 use super::segments::{SegmentCache, SegmentStats};
 use super::template::ChatTemplate;
@@ -32,7 +33,9 @@ impl ModelTokenizer {
         let template = bundle
             .chat_template
             .as_deref()
-            .map(|src| ChatTemplate::new(src, bundle.bos_token.clone(), bundle.eos_token.clone()))
+            .map(|src| {
+                ChatTemplate::new(src, bundle.bos_token.clone(), bundle.eos_token.clone(), bundle.content_format)
+            })
             .transpose()?;
         Ok(ModelTokenizer { tokenizer, template, segments: None })
     }
@@ -135,7 +138,8 @@ fn safe_cut(text: &str, max: usize) -> usize {
 
 impl ModelBundle {
     /// Reads a Hugging Face model directory: `tokenizer.json` and, if present,
-    /// `tokenizer_config.json` (for `chat_template`, `bos_token`, `eos_token`).
+    /// `tokenizer_config.json` (for `chat_template`, `bos_token`, `eos_token`) and
+    /// `chat_template.jinja`. The content format is left to detection.
     pub fn from_dir(model: &str, dir: &Path, block_size: u32) -> Result<ModelBundle, PromptError> {
         let read = |name: &str| {
             std::fs::read_to_string(dir.join(name))
@@ -148,16 +152,25 @@ impl ModelBundle {
         } else {
             Value::Null
         };
+        let chat_template = match dir.join(CHAT_TEMPLATE_FILE).exists() {
+            true => Some(read(CHAT_TEMPLATE_FILE)?),
+            false => chat_template_of(&config),
+        };
         Ok(ModelBundle {
             model: model.to_owned(),
             block_size,
             tokenizer_json,
-            chat_template: chat_template_of(&config),
+            chat_template,
             bos_token: special_token(&config, "bos_token"),
             eos_token: special_token(&config, "eos_token"),
+            content_format: ContentFormat::Auto,
         })
     }
 }
+
+/// Where transformers saves a model's chat template since 4.43; it wins over
+/// `tokenizer_config.json`'s `chat_template`.
+const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
 /// `chat_template` is a string, or a list of `{name, template}` (the `default` one is used).
 fn chat_template_of(config: &Value) -> Option<String> {
