@@ -10,7 +10,8 @@
 //!   "max_tokenize_bytes": 1048576,
 //!   "offload_bytes": 16384,
 //!   "debug_headers": false,
-//!   "segment_cache_bytes": 16777216
+//!   "segment_cache_bytes": 16777216,
+//!   "forward_tokens": false
 //! }
 //! ```
 
@@ -43,6 +44,10 @@ pub struct FilterConfig {
     /// Bytes of tokenized chat segments kept per VM (earlier turns are not re-tokenized);
     /// 0 disables the cache.
     pub segment_cache_bytes: usize,
+    /// Token forwarding: rewrite a `/v1/completions` string `prompt` into the token ids the
+    /// filter computed, so the engine does not tokenize it again. Off by default: only for
+    /// engines that take token-id prompts (vLLM, SGLang) with the same tokenizer.
+    pub forward_tokens: bool,
 }
 
 impl Default for FilterConfig {
@@ -57,6 +62,7 @@ impl Default for FilterConfig {
             offload_bytes: 16 << 10,
             debug_headers: false,
             segment_cache_bytes: kvgate_shared::prompt::segments::DEFAULT_BUDGET,
+            forward_tokens: false,
         }
     }
 }

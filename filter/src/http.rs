@@ -5,6 +5,7 @@
 //! 2. Request body (complete): plan the route ([`crate::plan`]), call the sidecar, pause. A
 //!    body above `offload_bytes` is not tokenized here: it goes whole to the sidecar's
 //!    `/v1/route_body`, so a big prompt never stalls this worker thread.
+//!    With `forward_tokens`, a completions string prompt is replaced by its token ids.
 //! 3. Sidecar answer: set the destination header and resume. On *any* failure (bad body,
 //!    sidecar down, timeout, bad answer) resume without it: Envoy's fallback LB routes.
 //! 4. Response: report the first body byte (prefill done) and the end of the exchange to the
@@ -25,7 +26,7 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::host;
 use crate::metrics::Outcome;
-use crate::plan::{offload, plan, HeaderHints, Skip};
+use crate::plan::{offload, plan, with_token_prompt, HeaderHints, Skip};
 use crate::root::Shared;
 
 /// What the filter did with a request, for debug headers and lifecycle reports.
@@ -43,6 +44,8 @@ struct Decision {
     truncated: bool,
     /// The body went to the sidecar to be tokenized there.
     offloaded: bool,
+    /// The prompt went to the engine as token ids.
+    forwarded: bool,
 }
 
 /// One HTTP exchange.
@@ -133,7 +136,29 @@ impl RequestContext {
             self.decision.prompt_tokens = Some(planned.request.prompt_tokens);
         }
         self.decision.truncated = planned.truncated;
+        if let Some(ids) = planned.forwardable.as_deref().filter(|_| self.shared.borrow().config.forward_tokens) {
+            self.forward_tokens(body, ids);
+        }
         self.dispatch("/v1/route", &planned.request)
+    }
+
+    /// Token forwarding: replaces the body's string prompt with its token ids. The body stays
+    /// valid whatever the sidecar answers, so a failure here just leaves the text.
+    fn forward_tokens(&mut self, body: &[u8], ids: &[u32]) {
+        let Some(forwarded) = with_token_prompt(body, ids) else { return };
+        if let Err(status) = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body.len(), &forwarded) {
+            log::warn!("kvgate: cannot forward token ids: {status:?}");
+            return;
+        }
+        if self.request_header("content-length").is_some() {
+            if let Err(status) = host::set_request_header("content-length", &forwarded.len().to_string()) {
+                log::warn!("kvgate: cannot update content-length after forwarding tokens: {status:?}");
+            }
+        }
+        self.decision.forwarded = true;
+        if let Some(m) = &self.shared.borrow().metrics {
+            m.forwarded();
+        }
     }
 
     /// Hands a big body to the sidecar (`/v1/route_body`) instead of tokenizing it here.
@@ -294,6 +319,7 @@ impl HttpContext for RequestContext {
                 ("x-kvgate-segment-hits", d.segment_hits.to_string()),
                 ("x-kvgate-truncated", d.truncated.to_string()),
                 ("x-kvgate-offloaded", d.offloaded.to_string()),
+                ("x-kvgate-forwarded-tokens", d.forwarded.to_string()),
             ];
             for (name, value) in headers {
                 if let Err(status) = host::set_response_header(name, &value) {

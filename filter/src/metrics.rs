@@ -8,6 +8,8 @@
 //! | `kvgate.requests.fallback_timeout` | counter | the sidecar did not answer in time |
 //! | `kvgate.requests.fallback_error` | counter | the sidecar failed or answered nonsense |
 //! | `kvgate.requests.truncated` | counter | routed on the prompt's head (`max_tokenize_bytes`) |
+//! | `kvgate.requests.offloaded` | counter | the body was tokenized by the sidecar (`offload_bytes`) |
+//! | `kvgate.requests.tokens_forwarded` | counter | the prompt went upstream as token ids (`forward_tokens`) |
 //! | `kvgate.tokenize_us` | histogram | parse + template + tokenize + hash, µs |
 //! | `kvgate.sidecar_us` | histogram | the sidecar round trip, µs |
 //! | `kvgate.segment_cache.hits` / `.misses` | counter | prompt pieces served / tokenized |
@@ -24,6 +26,7 @@ pub struct FilterMetrics {
     fallback_error: u32,
     truncated: u32,
     offloaded: u32,
+    forwarded: u32,
     tokenize_us: u32,
     sidecar_us: u32,
     segment_hits: u32,
@@ -55,6 +58,7 @@ impl FilterMetrics {
             fallback_error: counter("kvgate.requests.fallback_error")?,
             truncated: counter("kvgate.requests.truncated")?,
             offloaded: counter("kvgate.requests.offloaded")?,
+            forwarded: counter("kvgate.requests.tokens_forwarded")?,
             tokenize_us: histogram("kvgate.tokenize_us")?,
             sidecar_us: histogram("kvgate.sidecar_us")?,
             segment_hits: counter("kvgate.segment_cache.hits")?,
@@ -89,6 +93,11 @@ impl FilterMetrics {
     /// Counts a request whose body was handed to the sidecar to tokenize.
     pub fn offloaded(&self) {
         let _ = hostcalls::increment_metric(self.offloaded, 1);
+    }
+
+    /// Counts a request whose prompt was forwarded as token ids.
+    pub fn forwarded(&self) {
+        let _ = hostcalls::increment_metric(self.forwarded, 1);
     }
 
     /// Records the sidecar round trip.

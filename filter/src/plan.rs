@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
-use kvgate_shared::prompt::openai::{parse, Endpoint};
+use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{RouteBodyRequest, RouteRequest, ScoringOverrides};
 
@@ -36,6 +36,9 @@ pub struct Plan {
     /// True when only the prompt's head was tokenized (`max_tokenize_bytes`): the hashes
     /// cover the head, the token count is extrapolated.
     pub truncated: bool,
+    /// The complete prompt token ids of a `/v1/completions` request with one string prompt:
+    /// what token forwarding may send the engine instead of the text.
+    pub forwardable: Option<Vec<u32>>,
 }
 
 /// A rough token count for prompts we cannot tokenize: ~4 bytes per token.
@@ -93,12 +96,14 @@ pub fn plan(
         },
         tokenized: false,
         truncated: false,
+        forwardable: None,
     };
     let Some(model) = models.get(&parsed.model) else { return Ok(load_only(0)) };
     let head = model.tokenizer.prompt_head(&parsed, max_tokenize_bytes).map_err(|e| Skip::Unroutable(e.to_string()))?;
     if head.tokens.is_empty() && head.truncated {
         return Ok(load_only(model.block_size));
     }
+    let single_text = matches!(parsed.prompt, Prompt::Text { .. }) && parsed.prompt_count == 1;
     Ok(Plan {
         truncated: head.truncated,
         request: RouteRequest {
@@ -111,7 +116,24 @@ pub fn plan(
             overrides: hints.overrides,
         },
         tokenized: true,
+        forwardable: (single_text && !head.truncated).then_some(head.tokens),
     })
+}
+
+/// Token forwarding: `body` with its `prompt` replaced by token ids (vLLM accepts token-id
+/// prompts and does not tokenize them again). `None` if the body is not a JSON object.
+///
+/// ```
+/// let body = br#"{"model":"m","prompt":"hello world","max_tokens":4}"#;
+/// let forwarded = kvgate_filter::plan::with_token_prompt(body, &[9707, 1879]).unwrap();
+/// let v: serde_json::Value = serde_json::from_slice(&forwarded).unwrap();
+/// assert_eq!(v["prompt"], serde_json::json!([9707, 1879]));
+/// assert_eq!(v["max_tokens"], 4);
+/// ```
+pub fn with_token_prompt(body: &[u8], ids: &[u32]) -> Option<Vec<u8>> {
+    let mut request: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
+    request.insert("prompt".into(), ids.into());
+    serde_json::to_vec(&request).ok()
 }
 
 /// Plans an offload: the whole body goes to the sidecar, which tokenizes it. The body is
@@ -254,6 +276,25 @@ mod tests {
         assert!(matches!(plan(Endpoint::Completions, b"{oops", &hints(), &m, None, 1 << 20), Err(Skip::Unroutable(_))));
         assert!(plan(Endpoint::ChatCompletions, br#"{"model":"qwen3","messages":"x"}"#, &hints(), &m, None, 1 << 20)
             .is_err());
+    }
+
+    #[test]
+    fn only_whole_single_string_completions_prompts_are_forwardable() {
+        let m = models();
+        let p = |endpoint, body: &str, max| plan(endpoint, body.as_bytes(), &hints(), &m, None, max).unwrap();
+        let text = r#"{"model":"qwen3","prompt":"one two three four five six"}"#;
+        let ids = p(Endpoint::Completions, text, 1 << 20).forwardable.unwrap();
+        assert_eq!(ids.len(), p(Endpoint::Completions, text, 1 << 20).request.prompt_tokens as usize);
+        let body = with_token_prompt(text.as_bytes(), &ids).unwrap();
+        let again = plan(Endpoint::Completions, &body, &hints(), &m, None, 1 << 20).unwrap();
+        assert_eq!(again.request.block_hashes, p(Endpoint::Completions, text, 1 << 20).request.block_hashes);
+        assert_eq!(again.forwardable, None, "already tokens");
+        assert_eq!(p(Endpoint::Completions, text, 12).forwardable, None, "only a head was tokenized");
+        let list = r#"{"model":"qwen3","prompt":["one two","three"]}"#;
+        assert_eq!(p(Endpoint::Completions, list, 1 << 20).forwardable, None, "several prompts");
+        let chat = r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}]}"#;
+        assert_eq!(p(Endpoint::ChatCompletions, chat, 1 << 20).forwardable, None, "chat");
+        assert_eq!(with_token_prompt(b"[1]", &[1]), None);
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! `max_tokens` of them (the simulator never samples EOS, as with `ignore_eos`).
 
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -17,7 +18,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvgate_shared::prompt::openai::{parse, Endpoint, ParsedRequest};
+use kvgate_shared::prompt::openai::{parse, Endpoint, ParsedRequest, Prompt};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::prompt::PromptError;
 use rand::{Rng, SeedableRng};
@@ -51,6 +52,9 @@ pub struct AppState {
     pub prompt_tokens_details: bool,
     /// The longest sequence the cache can hold (reported by `/tokenize`).
     pub max_model_len: usize,
+    /// Prompts this server tokenized itself (text and chat prompts; token-id prompts are not
+    /// tokenized): `kvgate_sim:prompts_tokenized_total`, which shows token forwarding work.
+    pub prompts_tokenized: AtomicU64,
 }
 
 /// The routes.
@@ -116,6 +120,9 @@ fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<(P
     if request.model != state.model {
         let message = format!("The model `{}` does not exist.", request.model);
         return Err(Refusal { status: StatusCode::NOT_FOUND, kind: "NotFoundError", message });
+    }
+    if !matches!(request.prompt, Prompt::Tokens(_)) {
+        state.prompts_tokenized.fetch_add(1, Ordering::Relaxed);
     }
     match state.tokenizer.prompt_tokens(&request) {
         Ok(t) if t.is_empty() => Err(Refusal::bad_request("the prompt is empty".into())),
@@ -294,7 +301,12 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let text = crate::metrics::render(&state.model, state.engine.ranks());
+    let mut text = crate::metrics::render(&state.model, state.engine.ranks());
+    let tokenized = state.prompts_tokenized.load(Ordering::Relaxed);
+    text.push_str(&format!(
+        "# TYPE kvgate_sim:prompts_tokenized_total counter\nkvgate_sim:prompts_tokenized_total{{model_name=\"{}\"}} {tokenized}\n",
+        state.model
+    ));
     tagged(&state, ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 

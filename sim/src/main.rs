@@ -226,6 +226,7 @@ async fn main() -> anyhow::Result<()> {
         seed: cli.seed,
         prompt_tokens_details: cli.enable_prompt_tokens_details,
         max_model_len: cli.num_gpu_blocks_override * cli.block_size,
+        prompts_tokenized: Default::default(),
     });
     let listen = SocketAddr::new(cli.host, cli.port);
     let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;

@@ -44,6 +44,9 @@ pub struct StackOptions {
     /// --help`); the default is fast functional-test timing: 2 ms steps, 100 µs per prompt
     /// token.
     pub sim_args: Vec<String>,
+    /// Filter configuration keys set over the test defaults (`forward_tokens`,
+    /// `offload_bytes`, …).
+    pub filter_config: serde_json::Map<String, Value>,
 }
 
 impl Default for StackOptions {
@@ -59,6 +62,7 @@ impl Default for StackOptions {
             sim_args: ["--preset", "test", "--prefill-us-per-token", "100", "--step-base-us", "2000"]
                 .map(String::from)
                 .to_vec(),
+            filter_config: serde_json::Map::new(),
         }
     }
 }
@@ -80,6 +84,17 @@ impl SimHandle {
     /// `http://127.0.0.1:port{path}`.
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// A metric from the engine's `/metrics`, summed over its label sets (DP ranks).
+    pub fn metric(&self, name: &str) -> anyhow::Result<f64> {
+        let text = client::client().get(self.url("/metrics")).send()?.error_for_status()?.text()?;
+        let prefix = format!("{name}{{");
+        Ok(text
+            .lines()
+            .filter(|line| line.starts_with(&prefix))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum())
     }
 }
 
@@ -159,8 +174,12 @@ impl Stack {
         };
 
         let (admin_port, gateway_port) = (free_port()?, free_port()?);
-        let filter_config =
-            json!({"route_timeout_ms": opts.route_timeout_ms, "retry_ms": 200, "debug_headers": true}).to_string();
+        let mut filter_config =
+            json!({"route_timeout_ms": opts.route_timeout_ms, "retry_ms": 200, "debug_headers": true});
+        if let Value::Object(config) = &mut filter_config {
+            config.extend(opts.filter_config.clone());
+        }
+        let filter_config = filter_config.to_string();
         let template = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl"))?;
         let ports: Vec<u16> = sims.iter().map(|s| s.port).collect();
         let yaml = envoy::render(

@@ -316,3 +316,44 @@ fn big_prompts_are_tokenized_by_the_sidecar() {
     let small = stream(&stack.gateway("/v1/chat/completions"), chat("short", "question")).unwrap();
     assert_eq!(small.header("x-kvgate-offloaded"), "false", "small prompts are tokenized in Envoy");
 }
+
+/// 11. Token forwarding: a completions string prompt reaches the engine as the filter's
+///     token ids, so the engine tokenizes nothing, and answers (and caches) exactly as for
+///     the text.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn completions_prompts_are_forwarded_as_token_ids() {
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("forward_tokens".into(), true.into());
+    let opts = StackOptions { name: "forward".into(), filter_config, ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let tokenized = |stack: &Stack| -> f64 {
+        stack.sims.iter().map(|s| s.metric("kvgate_sim:prompts_tokenized_total").unwrap()).sum()
+    };
+    let text = document(11, 400);
+    let before = tokenized(&stack);
+    let direct = post(
+        &stack.sim("a").url("/v1/completions"),
+        json!({"model": "qwen3", "max_tokens": 1, "prompt": text}).to_string(),
+        &[],
+    )
+    .unwrap();
+    let engine_tokens = direct.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(tokenized(&stack) - before, 1.0, "the direct text request was tokenized by the engine");
+    for i in 0..3 {
+        let body = json!({"model": "qwen3", "max_tokens": 2, "prompt": text});
+        let reply = stream(&stack.gateway("/v1/completions"), body).unwrap();
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.header("x-kvgate-forwarded-tokens"), "true");
+        let prompt_tokens = reply.usage.as_ref().and_then(|u| u["prompt_tokens"].as_u64());
+        assert_eq!(prompt_tokens, Some(engine_tokens), "the same prompt, as ids");
+        if i > 0 {
+            assert!(reply.cached_tokens() >= engine_tokens / 2, "repeats hit the cache: {:?}", reply.usage);
+        }
+    }
+    assert_eq!(tokenized(&stack) - before, 1.0, "forwarded prompts were not tokenized again");
+    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.tokens_forwarded").unwrap(), 3);
+    let chat = post(&stack.gateway("/v1/chat/completions"), chat("sys", "q").to_string(), &[]).unwrap();
+    assert_eq!((chat.status, chat.header("x-kvgate-forwarded-tokens")), (200, "false"), "chats are never rewritten");
+    assert_eq!(tokenized(&stack) - before, 2.0);
+}

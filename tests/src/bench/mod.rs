@@ -25,7 +25,6 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::client;
 use crate::{Artifacts, Routing, Stack, StackOptions};
 use loadgen::{Outcome, Target};
 use peers::Peer;
@@ -105,6 +104,7 @@ impl Policy {
             pool_policy: pool_policy.into(),
             scoring_toml,
             sim_args: fleet.sim_args(gpu_blocks),
+            ..StackOptions::default()
         }
     }
 }
@@ -300,19 +300,11 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
 fn engine_counters(stack: &Stack) -> anyhow::Result<Vec<EngineWork>> {
     let mut out = Vec::new();
     for sim in &stack.sims {
-        let text = client::client().get(sim.url("/metrics")).send()?.text()?;
-        let mut w = EngineWork::default();
-        for line in text.lines() {
-            let value = || line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-            if line.starts_with("vllm:prefix_cache_queries_total{") {
-                w.queried += value();
-            } else if line.starts_with("vllm:prefix_cache_hits_total{") {
-                w.hits += value();
-            } else if line.starts_with("vllm:generation_tokens_total{") {
-                w.generated += value();
-            }
-        }
-        out.push(w);
+        out.push(EngineWork {
+            queried: sim.metric("vllm:prefix_cache_queries_total")?,
+            hits: sim.metric("vllm:prefix_cache_hits_total")?,
+            generated: sim.metric("vllm:generation_tokens_total")?,
+        });
     }
     Ok(out)
 }
