@@ -34,6 +34,7 @@ use crate::root::Shared;
 struct Decision {
     replica: Option<String>,
     prompt_tokens: Option<u32>,
+    prompt_digest: Option<u64>,
     overlap_blocks: u32,
     micros: u128,
     /// Of which parsing, templating, tokenizing and hashing.
@@ -136,6 +137,7 @@ impl RequestContext {
             self.decision.prompt_tokens = Some(planned.request.prompt_tokens);
         }
         self.decision.truncated = planned.truncated;
+        self.decision.prompt_digest = planned.digest;
         if let Some(ids) = planned.forwardable.as_deref().filter(|_| self.shared.borrow().config.forward_tokens) {
             self.forward_tokens(body, ids);
         }
@@ -313,6 +315,7 @@ impl HttpContext for RequestContext {
             let headers = [
                 ("x-kvgate-routed-to", d.replica.clone().unwrap_or_else(|| "fallback".into())),
                 ("x-kvgate-prompt-tokens", d.prompt_tokens.map(|n| n.to_string()).unwrap_or_default()),
+                ("x-kvgate-prompt-digest", d.prompt_digest.map(|n| format!("{n:016x}")).unwrap_or_default()),
                 ("x-kvgate-overlap-blocks", d.overlap_blocks.to_string()),
                 ("x-kvgate-decision-us", d.micros.to_string()),
                 ("x-kvgate-tokenize-us", d.plan_micros.to_string()),

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
-use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::hash::{prompt_block_hashes, prompt_digest, Salt};
 use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{RouteBodyRequest, RouteRequest, ScoringOverrides};
@@ -39,6 +39,8 @@ pub struct Plan {
     /// The complete prompt token ids of a `/v1/completions` request with one string prompt:
     /// what token forwarding may send the engine instead of the text.
     pub forwardable: Option<Vec<u32>>,
+    /// [`prompt_digest`] of the tokenized prompt (its head, if truncated).
+    pub digest: Option<u64>,
 }
 
 /// A rough token count for prompts we cannot tokenize: ~4 bytes per token.
@@ -97,6 +99,7 @@ pub fn plan(
         tokenized: false,
         truncated: false,
         forwardable: None,
+        digest: None,
     };
     let Some(model) = models.get(&parsed.model) else { return Ok(load_only(0)) };
     let head = model.tokenizer.prompt_head(&parsed, max_tokenize_bytes).map_err(|e| Skip::Unroutable(e.to_string()))?;
@@ -116,6 +119,7 @@ pub fn plan(
             overrides: hints.overrides,
         },
         tokenized: true,
+        digest: Some(prompt_digest(&head.tokens)),
         forwardable: (single_text && !head.truncated).then_some(head.tokens),
     })
 }

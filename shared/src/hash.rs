@@ -125,6 +125,13 @@ pub fn local_block_hash(tokens: &[u32], salt: Salt) -> u64 {
     xxh3_64_with_seed(&le_bytes(tokens), salt.seed())
 }
 
+/// A digest of prompt token ids: the local hash of one block holding them all. The filter's
+/// `x-kvgate-prompt-digest` debug header and `kvgate-sidecar tokenize` print it (hex), so two
+/// pipelines' ids can be compared without shipping them.
+pub fn prompt_digest(ids: &[u32]) -> u64 {
+    local_block_hash(ids, Salt::NONE)
+}
+
 /// The tokens as little-endian bytes: a free view on little-endian machines (x86, ARM, wasm).
 #[cfg(target_endian = "little")]
 fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 use serde_json::{json, Value};
 
-use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::hash::{prompt_block_hashes, prompt_digest, Salt};
 use kvgate_shared::prompt::content_format::ContentFormat;
 use kvgate_shared::prompt::openai::{parse, Endpoint};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
@@ -109,8 +109,9 @@ pub fn tap(
 }
 
 /// Tokenizes an OpenAI request body exactly as the filter does and returns
-/// `{"num_tokens", "token_ids", "block_hashes"}` (block hashes as decimal strings: u64 values
-/// exceed JSON's safe integers).
+/// `{"num_tokens", "token_ids", "block_hashes", "digest"}` (block hashes as decimal strings:
+/// u64 values exceed JSON's safe integers; `digest` is the filter's `x-kvgate-prompt-digest`
+/// for the same request, in hex).
 pub fn tokenize(
     model_dir: &std::path::Path,
     block_size: u32,
@@ -126,7 +127,8 @@ pub fn tokenize(
     let ids = tokenizer.prompt_tokens(&request)?;
     let hashes: Vec<String> =
         prompt_block_hashes(&ids, block_size as usize, Salt::NONE).iter().map(u64::to_string).collect();
-    Ok(json!({"num_tokens": ids.len(), "token_ids": ids, "block_hashes": hashes}))
+    let digest = format!("{:016x}", prompt_digest(&ids));
+    Ok(json!({"num_tokens": ids.len(), "token_ids": ids, "block_hashes": hashes, "digest": digest}))
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use kvgate_e2e::client::{post, stream};
 use kvgate_e2e::workload::document;
 use kvgate_e2e::{Artifacts, Stack, StackOptions};
+use kvgate_shared::hash::prompt_digest;
 use serde_json::{json, Value};
 
 fn start(name: &str) -> Stack {
@@ -356,4 +357,39 @@ fn completions_prompts_are_forwarded_as_token_ids() {
     let chat = post(&stack.gateway("/v1/chat/completions"), chat("sys", "q").to_string(), &[]).unwrap();
     assert_eq!((chat.status, chat.header("x-kvgate-forwarded-tokens")), (200, "false"), "chats are never rewritten");
     assert_eq!(tokenized(&stack) - before, 2.0);
+}
+
+/// 12. Parity inside Envoy: every reference chat (`testdata/parity/qwen3-chat.json`, rendered
+///     by transformers and tokenized by HF tokenizers) gets exactly the reference ids from the
+///     filter running in Envoy's V8 — compared by count and digest — and from the engine.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn filter_in_envoy_matches_the_reference_ids() {
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("offload_bytes".into(), (1 << 20).into());
+    let opts = StackOptions { name: "parity".into(), filter_config, ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let path = kvgate_e2e::repo_root().join("testdata/parity/qwen3-chat.json");
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let cases = reference["cases"].as_array().unwrap();
+    assert!(cases.len() >= 15);
+    let mut failures = Vec::new();
+    for case in cases {
+        let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let mut body = case["request"].clone();
+        body["model"] = "qwen3".into();
+        body["max_tokens"] = 1.into();
+        let reply = post(&stack.gateway("/v1/chat/completions"), body.to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200, "{}: {}", case["name"], reply.body);
+        let seen = (
+            reply.header("x-kvgate-prompt-tokens").to_owned(),
+            reply.header("x-kvgate-prompt-digest").to_owned(),
+            reply.json()["usage"]["prompt_tokens"].as_u64(),
+        );
+        let expected = (ids.len().to_string(), format!("{:016x}", prompt_digest(&ids)), Some(ids.len() as u64));
+        if seen != expected {
+            failures.push(format!("{}: filter/engine {seen:?}, reference {expected:?}", case["name"]));
+        }
+    }
+    assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
 }
