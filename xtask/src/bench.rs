@@ -202,10 +202,10 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
     let artifacts = Artifacts::locate("release");
     let facts = facts(format!("cargo xtask bench filter {}", raw.join(" ")).trim().to_owned());
-    let rows = kvgate_e2e::bench::filter::run(&artifacts)?;
-    let table = kvgate_e2e::bench::filter::table(&rows);
+    let report = kvgate_e2e::bench::filter::run(&artifacts)?;
+    let tables = kvgate_e2e::bench::filter::tables(&report);
     let md = format!(
-        "# kvgate filter overhead\n\n- command: `{}`\n- commit: `{}`\n- machine: {}\n- started: {}\n\nMedians of 9 requests per cell; time to response headers (the engines answer on admission).\n\n{table}",
+        "# kvgate filter overhead\n\n- command: `{}`\n- commit: `{}`\n- machine: {}\n- started: {}\n\n{tables}",
         facts.command, facts.commit, facts.machine, facts.started
     );
     let dir = out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));
@@ -213,7 +213,7 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     std::fs::write(dir.join("filter.md"), &md)?;
     std::fs::write(
         dir.join("filter.json"),
-        serde_json::to_string_pretty(&serde_json::json!({"facts": facts, "rows": rows}))?,
+        serde_json::to_string_pretty(&serde_json::json!({"facts": facts, "report": report}))?,
     )?;
     println!("{md}\nwritten to {}", dir.display());
     Ok(())
