@@ -1,7 +1,8 @@
 //! The per-request context.
 //!
 //! 1. Request headers: strip any client-sent destination header (always, on every request);
-//!    on `POST /v1/completions` or `/v1/chat/completions`, pause to buffer the body.
+//!    on a JSON `POST /v1/completions` or `/v1/chat/completions` ([`crate::plan::routable`]),
+//!    pause to buffer the body.
 //! 2. Request body (complete): plan the route ([`crate::plan`]), call the sidecar, pause. A
 //!    body above `offload_bytes` is not tokenized here: it goes whole to the sidecar's
 //!    `/v1/route_body`, so a big prompt never stalls this worker thread.
@@ -26,7 +27,7 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::host;
 use crate::metrics::Outcome;
-use crate::plan::{offload, plan, with_token_prompt, HeaderHints, Skip};
+use crate::plan::{offload, plan, routable, with_token_prompt, HeaderHints, Skip};
 use crate::root::Shared;
 
 /// What the filter did with a request, for debug headers and lifecycle reports.
@@ -271,10 +272,8 @@ impl HttpContext for RequestContext {
         }
         let method = self.request_header(":method");
         let path = self.request_header(":path").unwrap_or_default();
-        self.endpoint = match method.as_deref() {
-            Some("POST") => Endpoint::from_path(&path),
-            _ => None,
-        };
+        let content_type = self.request_header("content-type");
+        self.endpoint = routable(method.as_deref(), &path, content_type.as_deref());
         if self.endpoint.is_none() || end_of_stream {
             self.endpoint = None;
             return Action::Continue;

@@ -43,6 +43,28 @@ pub struct Plan {
     pub digest: Option<u64>,
 }
 
+/// Which requests the filter routes: `POST` to `/v1/completions` or `/v1/chat/completions`
+/// with a JSON body (no content type, or `application/json` with any parameters). Everything
+/// else passes through untouched, with no sidecar call.
+///
+/// ```
+/// use kvgate_filter::plan::routable;
+/// use kvgate_shared::prompt::openai::Endpoint;
+///
+/// assert_eq!(routable(Some("POST"), "/v1/completions", Some("application/json; charset=utf-8")), Some(Endpoint::Completions));
+/// assert_eq!(routable(Some("GET"), "/v1/completions", None), None);
+/// assert_eq!(routable(Some("POST"), "/v1/embeddings", None), None);
+/// assert_eq!(routable(Some("POST"), "/v1/chat/completions", Some("text/plain")), None);
+/// ```
+pub fn routable(method: Option<&str>, path: &str, content_type: Option<&str>) -> Option<Endpoint> {
+    if method != Some("POST") {
+        return None;
+    }
+    let json = content_type
+        .is_none_or(|ct| ct.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/json"));
+    json.then(|| Endpoint::from_path(path)).flatten()
+}
+
 /// A rough token count for prompts we cannot tokenize: ~4 bytes per token.
 fn estimate_tokens(body_len: usize) -> u32 {
     u32::try_from(body_len / 4).unwrap_or(u32::MAX)

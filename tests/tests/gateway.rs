@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use kvgate_e2e::client::{post, stream};
+use kvgate_e2e::client::{client, post, stream};
 use kvgate_e2e::workload::document;
 use kvgate_e2e::{Artifacts, Stack, StackOptions};
 use kvgate_shared::hash::prompt_digest;
@@ -125,7 +125,8 @@ fn filter_token_count_matches_engine() {
     }
 }
 
-/// 5. Malformed JSON passes through untouched and the engine answers 400.
+/// 5. Malformed JSON passes through untouched and the engine answers 400; other methods,
+///    paths and content types are not touched at all.
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn malformed_json_reaches_the_engine() {
@@ -144,6 +145,32 @@ fn malformed_json_reaches_the_engine() {
     assert_eq!(reply.status, 404, "{}", reply.body);
     assert_eq!(reply.header("x-kvgate-routed-to"), "fallback");
     assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.passthrough").unwrap(), before + 1);
+    // Other methods, paths and content types are not even buffered: no decision, no debug
+    // headers, the engine answers as it would without kvgate.
+    let routed = stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap();
+    let chat = chat("sys", "q").to_string();
+    let replies = [
+        client().get(stack.gateway("/v1/models")).send().unwrap(),
+        client()
+            .post(stack.gateway("/v1/embeddings"))
+            .header("content-type", "application/json")
+            .body(chat.clone())
+            .send()
+            .unwrap(),
+        client()
+            .post(stack.gateway("/v1/chat/completions"))
+            .header("content-type", "text/plain")
+            .body(chat)
+            .send()
+            .unwrap(),
+    ];
+    let statuses: Vec<u16> = replies.iter().map(|r| r.status().as_u16()).collect();
+    assert_eq!(statuses, [200, 404, 200], "the engine's own answers");
+    assert!(replies[2].headers().get("x-kvgate-replica").is_some(), "a text/plain chat still reaches an engine");
+    for r in &replies {
+        assert!(r.headers().get("x-kvgate-routed-to").is_none(), "the filter stayed out of {}", r.url());
+    }
+    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap(), routed, "no routing decision");
 }
 
 fn replica_state(stack: &Stack, id: &str) -> Value {
