@@ -4,7 +4,8 @@
 //! ```json
 //! {
 //!   "sidecar_cluster": "kvgate-sidecar",
-//!   "route_timeout_ms": 200,
+//!   "route_timeout_ms": 25,
+//!   "offload_timeout_ms": 1000,
 //!   "fetch_timeout_ms": 10000,
 //!   "retry_ms": 1000,
 //!   "max_tokenize_bytes": 1048576,
@@ -25,8 +26,12 @@ pub struct FilterConfig {
     pub sidecar_cluster: String,
     /// `:authority` of calls to the sidecar.
     pub sidecar_authority: String,
-    /// How long a request waits for a routing decision before failing open.
+    /// How long a request waits for a routing decision before failing open (the sidecar
+    /// answers in well under a millisecond; this bounds what a sick sidecar can add).
     pub route_timeout_ms: u64,
+    /// The same for an offloaded body, which the sidecar must tokenize first (natively, a
+    /// few MB/s: about 300 ms for the biggest default body).
+    pub offload_timeout_ms: u64,
     /// Timeout of tokenizer and lifecycle calls.
     pub fetch_timeout_ms: u64,
     /// Tick period: tokenizer fetch retries and lifecycle flushes.
@@ -55,7 +60,8 @@ impl Default for FilterConfig {
         FilterConfig {
             sidecar_cluster: "kvgate-sidecar".into(),
             sidecar_authority: "kvgate-sidecar".into(),
-            route_timeout_ms: 200,
+            route_timeout_ms: 25,
+            offload_timeout_ms: 1000,
             fetch_timeout_ms: 10_000,
             retry_ms: 1000,
             max_tokenize_bytes: 1 << 20,
@@ -78,7 +84,7 @@ impl FilterConfig {
         if config.sidecar_cluster.is_empty() {
             return Err("kvgate filter configuration: sidecar_cluster must not be empty".into());
         }
-        if config.route_timeout_ms == 0 || config.fetch_timeout_ms == 0 || config.retry_ms == 0 {
+        if [config.route_timeout_ms, config.offload_timeout_ms, config.fetch_timeout_ms, config.retry_ms].contains(&0) {
             return Err("kvgate filter configuration: timeouts and retry_ms must be positive".into());
         }
         Ok(config)

@@ -142,7 +142,8 @@ impl RequestContext {
         if let Some(ids) = planned.forwardable.as_deref().filter(|_| self.shared.borrow().config.forward_tokens) {
             self.forward_tokens(body, ids);
         }
-        self.dispatch("/v1/route", &planned.request)
+        let timeout = self.shared.borrow().config.route_timeout_ms;
+        self.dispatch("/v1/route", &planned.request, timeout)
     }
 
     /// Token forwarding: replaces the body's string prompt with its token ids. The body stays
@@ -175,7 +176,8 @@ impl RequestContext {
             m.offloaded();
         }
         self.decision.offloaded = true;
-        self.dispatch("/v1/route_body", &request)
+        let timeout = self.shared.borrow().config.offload_timeout_ms;
+        self.dispatch("/v1/route_body", &request, timeout)
     }
 
     /// Counts a request's outcome (when metrics are on).
@@ -193,7 +195,7 @@ impl RequestContext {
     }
 
     /// Calls the sidecar with an encoded `message`; true if the call is in flight.
-    fn dispatch<T: serde::Serialize>(&mut self, path: &str, message: &T) -> bool {
+    fn dispatch<T: serde::Serialize>(&mut self, path: &str, message: &T, timeout_ms: u64) -> bool {
         let Ok(encoded) = codec::encode(message) else {
             self.count(Outcome::FallbackError);
             return false;
@@ -205,7 +207,7 @@ impl RequestContext {
             (":authority", shared.config.sidecar_authority.as_str()),
             ("content-type", CONTENT_TYPE),
         ];
-        let timeout = Duration::from_millis(shared.config.route_timeout_ms);
+        let timeout = Duration::from_millis(timeout_ms);
         match hostcalls::dispatch_http_call(&shared.config.sidecar_cluster, headers, Some(&encoded), vec![], timeout) {
             Ok(_) => true,
             Err(status) => {

@@ -174,8 +174,8 @@ impl Stack {
         };
 
         let (admin_port, gateway_port) = (free_port()?, free_port()?);
-        let mut filter_config =
-            json!({"route_timeout_ms": opts.route_timeout_ms, "retry_ms": 200, "debug_headers": true});
+        let mut filter_config = json!({"route_timeout_ms": opts.route_timeout_ms, "offload_timeout_ms": opts.route_timeout_ms.max(1000),
+                "retry_ms": 200, "debug_headers": true});
         if let Value::Object(config) = &mut filter_config {
             config.extend(opts.filter_config.clone());
         }
