@@ -26,6 +26,7 @@ fn pool(replicas: usize, prompt_tokens: usize) -> Pool {
         model: "m".into(),
         tokenizer: "unused".into(),
         block_size: BS as u32,
+        discovery: Default::default(),
         chat_template_content_format: Default::default(),
         policy: Policy::KvAware,
         adapters: Vec::new(),

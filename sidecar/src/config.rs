@@ -80,13 +80,108 @@ pub struct PoolConfig {
     /// How replicas are chosen (default `kv_aware`).
     #[serde(default)]
     pub policy: Policy,
+    /// Where the replicas come from (default: the `replicas` below, reloaded with the file).
+    #[serde(default)]
+    pub discovery: DiscoveryConfig,
     /// LoRA adapters these replicas serve. A request for an adapter routes in this pool, and
     /// its blocks (salted by the adapter name, as vLLM's `lora_name` salts stored events)
     /// never match the base model's.
     #[serde(default)]
     pub adapters: Vec<String>,
-    /// The replicas.
+    /// The replicas (static discovery).
+    #[serde(default)]
     pub replicas: Vec<ReplicaConfig>,
+}
+
+/// How a pool finds its replicas.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// `static` (default), `dns` or `envoy`.
+    #[serde(default)]
+    pub kind: DiscoveryKind,
+    /// `dns`: the name to resolve (a headless Service: one A/AAAA record per ready pod);
+    /// `envoy`: the Envoy cluster whose healthy hosts are the replicas.
+    #[serde(default)]
+    pub name: String,
+    /// `dns`: the engines' HTTP port (the port Envoy's cluster has for them).
+    #[serde(default)]
+    pub port: u16,
+    /// `envoy`: the admin address of the Envoy in this pod (Istio's is `127.0.0.1:15000`).
+    #[serde(default = "default_admin")]
+    pub admin: String,
+    /// The KV-events endpoint of a discovered replica, with `{ip}` (and `{port}`, its HTTP
+    /// port) filled in, e.g. `tcp://{ip}:5557`.
+    #[serde(default)]
+    pub kv_events: String,
+    /// Its replay endpoint, e.g. `tcp://{ip}:5558`.
+    #[serde(default)]
+    pub kv_replay: Option<String>,
+    /// Topic prefix filter.
+    #[serde(default)]
+    pub kv_events_topic: String,
+    /// How often to look again (`dns`, `envoy`), or to check the file for changes (`static`).
+    #[serde(default = "default_discovery_interval")]
+    pub interval_secs: u64,
+}
+
+/// A discovery source.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiscoveryKind {
+    /// The config file's `replicas`, reloaded when the file changes or on SIGHUP.
+    #[default]
+    Static,
+    /// A DNS name's addresses.
+    Dns,
+    /// The healthy hosts of a cluster of the local Envoy (its admin `/clusters`).
+    Envoy,
+}
+
+impl DiscoveryKind {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            DiscoveryKind::Static => "static",
+            DiscoveryKind::Dns => "dns",
+            DiscoveryKind::Envoy => "envoy",
+        }
+    }
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        DiscoveryConfig {
+            kind: DiscoveryKind::Static,
+            name: String::new(),
+            port: 0,
+            admin: default_admin(),
+            kv_events: String::new(),
+            kv_replay: None,
+            kv_events_topic: String::new(),
+            interval_secs: default_discovery_interval(),
+        }
+    }
+}
+
+impl DiscoveryConfig {
+    /// The replica at `addr` (its HTTP address): id and endpoint `ip:port`, event endpoints
+    /// from the templates.
+    pub fn replica(&self, addr: SocketAddr) -> ReplicaConfig {
+        let ip = match addr.ip() {
+            std::net::IpAddr::V4(ip) => ip.to_string(),
+            std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+        };
+        let fill = |t: &str| t.replace("{ip}", &ip).replace("{port}", &addr.port().to_string());
+        ReplicaConfig {
+            id: addr.to_string(),
+            endpoint: addr,
+            kv_events: fill(&self.kv_events),
+            kv_events_mode: EventsMode::Connect,
+            kv_events_topic: self.kv_events_topic.clone(),
+            kv_replay: self.kv_replay.as_deref().map(fill),
+        }
+    }
 }
 
 impl PoolConfig {
@@ -100,7 +195,7 @@ impl PoolConfig {
 }
 
 /// One engine replica.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReplicaConfig {
     /// A stable, unique name.
@@ -147,6 +242,14 @@ pub enum EventsMode {
     Connect,
     /// We bind the SUB; the engine's PUB connects to us.
     Bind,
+}
+
+fn default_admin() -> String {
+    "http://127.0.0.1:15000".into()
+}
+
+fn default_discovery_interval() -> u64 {
+    5
 }
 
 fn default_listen() -> SocketAddr {
@@ -249,8 +352,36 @@ impl Config {
             if pool.block_size == 0 {
                 bail!("pool {:?}: block_size must be positive", pool.model);
             }
-            if pool.replicas.is_empty() {
-                bail!("pool {:?}: no replicas", pool.model);
+            let d = &pool.discovery;
+            match d.kind {
+                DiscoveryKind::Static if pool.replicas.is_empty() => bail!("pool {:?}: no replicas", pool.model),
+                DiscoveryKind::Static => {}
+                kind => {
+                    let kind = kind.label();
+                    if !pool.replicas.is_empty() {
+                        bail!("pool {:?}: replicas are listed but discovery.kind is {kind:?}", pool.model);
+                    }
+                    if d.name.is_empty() {
+                        bail!("pool {:?}: discovery.name is required for {kind:?} discovery", pool.model);
+                    }
+                    if d.kind == DiscoveryKind::Dns && d.port == 0 {
+                        bail!("pool {:?}: discovery.port (the engines' HTTP port) is required for dns", pool.model);
+                    }
+                    if d.kind == DiscoveryKind::Envoy && !d.admin.starts_with("http://") {
+                        bail!("pool {:?}: discovery.admin must be an http:// URL, got {:?}", pool.model, d.admin);
+                    }
+                    let example = d.replica(SocketAddr::from(([10, 0, 0, 1], 8000)));
+                    if !d.kv_events.contains("{ip}") {
+                        bail!(
+                            "pool {:?}: discovery.kv_events must contain {{ip}}, e.g. \"tcp://{{ip}}:5557\"",
+                            pool.model
+                        );
+                    }
+                    check_endpoints(&example)?;
+                }
+            }
+            if d.interval_secs == 0 {
+                bail!("pool {:?}: discovery.interval_secs must be positive", pool.model);
             }
             let mut ids = HashSet::new();
             let mut endpoints = HashSet::new();
@@ -261,17 +392,23 @@ impl Config {
                 if !endpoints.insert(r.endpoint) {
                     bail!("pool {:?}: endpoint {} is used twice", pool.model, r.endpoint);
                 }
-                for (key, endpoint) in [("kv_events", Some(&r.kv_events)), ("kv_replay", r.kv_replay.as_ref())] {
-                    if let Some(e) = endpoint {
-                        if !(e.starts_with("tcp://") || e.starts_with("ipc://")) {
-                            bail!("replica {:?}: {key} must be a tcp:// or ipc:// endpoint, got {e:?}", r.id);
-                        }
-                    }
-                }
+                check_endpoints(r)?;
             }
         }
         Ok(())
     }
+}
+
+/// Event endpoints must be ZMQ tcp:// or ipc:// addresses.
+fn check_endpoints(r: &ReplicaConfig) -> anyhow::Result<()> {
+    for (key, endpoint) in [("kv_events", Some(&r.kv_events)), ("kv_replay", r.kv_replay.as_ref())] {
+        if let Some(e) = endpoint {
+            if !(e.starts_with("tcp://") || e.starts_with("ipc://")) {
+                bail!("replica {:?}: {key} must be a tcp:// or ipc:// endpoint, got {e:?}", r.id);
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -364,5 +501,42 @@ mod tests {
         assert!(load(&BASE.replace("block_size = 16", "block_size = 16\nadapters = [\"a\", \"a\"]"), &[]).is_err());
         assert!(load(&BASE.replace("block_size = 16", "block_size = 16\nadapters = [\"a\"]"), &[]).is_ok());
         assert!(load(&BASE.replace("127.0.0.1:8001", "not-an-address"), &[]).is_err());
+    }
+
+    const DNS: &str = r#"
+        [[pools]]
+        model = "m"
+        tokenizer = "tok"
+        block_size = 16
+        [pools.discovery]
+        kind = "dns"
+        name = "vllm.llm.svc.cluster.local"
+        port = 8000
+        kv_events = "tcp://{ip}:5557"
+        kv_replay = "tcp://{ip}:5558"
+    "#;
+
+    #[test]
+    fn discovered_pools_need_a_name_port_and_templates() {
+        let c = load(DNS, &[]).unwrap();
+        let d = &c.pools[0].discovery;
+        assert_eq!((d.kind, d.interval_secs, d.admin.as_str()), (DiscoveryKind::Dns, 5, "http://127.0.0.1:15000"));
+        let envoy = DNS.replace("\"dns\"", "\"envoy\"").replace("port = 8000", "admin = \"http://127.0.0.1:9901\"");
+        assert_eq!(load(&envoy, &[]).unwrap().pools[0].discovery.kind, DiscoveryKind::Envoy);
+        for (broken, why) in [
+            (DNS.replace("name = \"vllm.llm.svc.cluster.local\"", ""), "no name"),
+            (DNS.replace("port = 8000", ""), "no port"),
+            (DNS.replace("tcp://{ip}:5557", "tcp://10.0.0.1:5557"), "events without {ip}"),
+            (DNS.replace("tcp://{ip}:5558", "http://{ip}:5558"), "not a ZMQ endpoint"),
+            (DNS.replace("kind = \"dns\"", "kind = \"dns\"\ninterval_secs = 0"), "zero interval"),
+            (DNS.replace("kind = \"dns\"", "kind = \"consul\""), "unknown kind"),
+            (envoy.replace("http://127.0.0.1:9901", "127.0.0.1:9901"), "admin without http://"),
+            (
+                format!("{DNS}\n[[pools.replicas]]\nid = \"a\"\nendpoint = \"127.0.0.1:1\"\nkv_events = \"tcp://x:1\""),
+                "replicas and dns",
+            ),
+        ] {
+            assert!(load(&broken, &[]).is_err(), "{why} must be rejected");
+        }
     }
 }

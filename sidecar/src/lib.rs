@@ -4,6 +4,7 @@
 //! | module | responsibility |
 //! |---|---|
 //! | [`config`] | the TOML file + `KVGATE_*` environment, validated |
+//! | [`discovery`] | each pool's replicas at run time: file reload, DNS, the local Envoy |
 //! | [`events`] | ZMQ subscription and vLLM KV-event decoding |
 //! | [`index`] | which replica holds which prefix blocks |
 //! | [`load`] | per-replica token load from route decisions and lifecycle reports |
@@ -15,6 +16,7 @@
 
 pub mod api;
 pub mod config;
+pub mod discovery;
 pub mod events;
 pub mod index;
 pub mod load;

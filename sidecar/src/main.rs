@@ -17,10 +17,12 @@ use clap::{Parser, Subcommand};
 use kvgate_shared::codec;
 use kvgate_shared::prompt::content_format::ContentFormat;
 
-use kvgate_sidecar::config::{Config, ProcessEnv};
+use kvgate_sidecar::config::{Config, DiscoveryKind, ProcessEnv};
+use kvgate_sidecar::discovery::dns::SystemResolver;
+use kvgate_sidecar::discovery::Supervisor;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
-use kvgate_sidecar::{api, events};
+use kvgate_sidecar::{api, discovery};
 
 /// KV-cache-aware routing sidecar for Envoy.
 #[derive(Parser, Debug)]
@@ -114,7 +116,9 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let stdout = &mut std::io::stdout();
     match cli.command.unwrap_or(Command::Serve) {
-        Command::Serve => tokio::runtime::Runtime::new()?.block_on(serve(Config::load(&cli.config, &ProcessEnv)?)),
+        Command::Serve => {
+            tokio::runtime::Runtime::new()?.block_on(serve(Config::load(&cli.config, &ProcessEnv)?, cli.config))
+        }
         Command::CheckConfig { file } => {
             let config = Config::load(&file, &ProcessEnv)?;
             for pool in &config.pools {
@@ -151,7 +155,7 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-async fn serve(config: Config) -> anyhow::Result<()> {
+async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::default());
 
     let mut pools = HashMap::new();
@@ -178,19 +182,41 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
 
     let stop = Arc::new(AtomicBool::new(false));
+    let reload = Arc::new(AtomicBool::new(false));
     let zmq_ctx = zmq::Context::new();
-    let mut subscribers = Vec::new();
+    let mut supervisors = Vec::new();
+    let mut watchers = Vec::new();
     for pool in pools.values() {
-        for replica in 0..pool.config.replicas.len() {
-            subscribers.extend(events::transport::spawn(
-                zmq_ctx.clone(),
-                pool.clone(),
-                replica,
-                metrics.clone(),
-                stop.clone(),
-            )?);
+        let supervisor = Arc::new(Supervisor::start(zmq_ctx.clone(), pool.clone(), metrics.clone())?);
+        match pool.config.discovery.kind {
+            DiscoveryKind::Static => {}
+            DiscoveryKind::Dns => {
+                watchers.push(discovery::dns::spawn(supervisor.clone(), SystemResolver, stop.clone())?)
+            }
+            DiscoveryKind::Envoy => watchers.push(discovery::envoy::spawn(supervisor.clone(), stop.clone())?),
         }
+        supervisors.push(supervisor);
     }
+    let static_pools: Vec<Arc<Supervisor>> =
+        supervisors.iter().filter(|s| s.pool().config.discovery.kind == DiscoveryKind::Static).cloned().collect();
+    if !static_pools.is_empty() {
+        let interval = Duration::from_secs(static_pools[0].pool().config.discovery.interval_secs);
+        watchers.push(discovery::watch_file(
+            config_path,
+            Box::new(ProcessEnv),
+            interval,
+            static_pools,
+            reload.clone(),
+            stop.clone(),
+        )?);
+    }
+    tokio::spawn(async move {
+        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
+        while hup.recv().await.is_some() {
+            tracing::info!("SIGHUP: reloading the config file");
+            reload.store(true, Ordering::Relaxed);
+        }
+    });
 
     let expiry = Duration::from_secs(config.request_expiry_secs);
     let stall = Duration::from_secs(config.stall_timeout_secs);
@@ -222,8 +248,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     axum::serve(listener.tap_io(no_delay), api::router(state)).with_graceful_shutdown(shutdown_signal()).await?;
 
     stop.store(true, Ordering::Relaxed);
-    for s in subscribers {
-        let _ = s.join();
+    for w in watchers {
+        let _ = w.join();
+    }
+    for s in &supervisors {
+        s.shutdown();
     }
     Ok(())
 }

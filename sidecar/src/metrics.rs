@@ -45,6 +45,15 @@ pub struct FallbackLabels {
     pub reason: String,
 }
 
+/// Labels of a pool's discovery source.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DiscoveryLabels {
+    /// The pool's model.
+    pub model: String,
+    /// `static`, `dns` or `envoy`.
+    pub kind: String,
+}
+
 /// Every metric the sidecar exports.
 pub struct Metrics {
     registry: Registry,
@@ -76,6 +85,10 @@ pub struct Metrics {
     pub prefill_tokens: Family<ReplicaLabels, Gauge>,
     /// Lifecycle reports received, by kind and whether the request was known.
     pub lifecycle_events: Family<ReasonLabels, Counter>,
+    /// Active replicas per pool, as discovery last saw them.
+    pub replicas: Family<DiscoveryLabels, Gauge>,
+    /// Discovery refreshes that failed (the last membership was kept).
+    pub discovery_errors: Family<DiscoveryLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -95,6 +108,14 @@ impl Default for Metrics {
         let active_requests = Family::default();
         let prefill_tokens = Family::default();
         let lifecycle_events = Family::default();
+        let replicas = Family::default();
+        let discovery_errors = Family::default();
+        registry.register("replicas", "Active replicas per pool", replicas.clone());
+        registry.register(
+            "discovery_errors",
+            "Discovery refreshes that failed; the last membership was kept",
+            discovery_errors.clone(),
+        );
         registry.register("route_decisions", "Route decisions per chosen replica", route_decisions.clone());
         registry.register("route_fallbacks", "Route calls answered without a replica", route_fallbacks.clone());
         registry.register(
@@ -141,6 +162,8 @@ impl Default for Metrics {
             active_requests,
             prefill_tokens,
             lifecycle_events,
+            replicas,
+            discovery_errors,
         }
     }
 }

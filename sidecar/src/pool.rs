@@ -1,5 +1,10 @@
 //! One pool: a model's replicas, its KV index and load table, their health, and the routing
 //! decision.
+//!
+//! Membership changes at run time (config reload, DNS or Envoy discovery) through
+//! [`Pool::set_members`]. Every replica has a slot for good: bookings, index entries and
+//! metrics refer to slots by number, so a replica that leaves keeps its slot — emptied,
+//! inactive, never a candidate — and gets it back if it returns.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -12,7 +17,7 @@ use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteRequest, RouteResponse};
 use serde::Serialize;
 
-use crate::config::{Policy, PoolConfig};
+use crate::config::{Policy, PoolConfig, ReplicaConfig};
 use crate::events::ingest::{Ingest, Outcome};
 use crate::index::{KvIndex, Overlap, ReplicaIdx, Tier};
 use crate::load::{LoadTable, NewBooking};
@@ -58,6 +63,25 @@ impl ReplicaHealth {
     }
 }
 
+/// One replica's slot.
+#[derive(Debug)]
+pub struct Member {
+    /// Where it is and where its events come from.
+    pub replica: ReplicaConfig,
+    /// In the pool now (false: it left; its slot is empty).
+    pub active: bool,
+    /// Its ingestion health.
+    pub health: Arc<ReplicaHealth>,
+    /// Set to stop its event threads (when it leaves or its endpoints change).
+    pub stop: Arc<AtomicBool>,
+}
+
+impl Member {
+    fn new(replica: ReplicaConfig) -> Member {
+        Member { replica, active: true, health: Arc::default(), stop: Arc::default() }
+    }
+}
+
 /// Segment-cache budget of the tokenizer used for offloaded prompts.
 const OFFLOAD_SEGMENT_CACHE_BYTES: usize = 64 << 20;
 
@@ -69,8 +93,8 @@ pub struct Pool {
     pub index: RwLock<KvIndex>,
     /// What each replica is busy with.
     pub load: Mutex<LoadTable>,
-    /// Ingestion health, by replica index.
-    pub health: Vec<ReplicaHealth>,
+    /// The replicas' slots, by replica index (the config's replicas first).
+    members: RwLock<Vec<Member>>,
     /// The encoded [`kvgate_shared::wire::ModelBundle`] served to filters.
     pub bundle: Vec<u8>,
     /// The same tokenizer, loaded on first use, for prompts the filter offloads.
@@ -94,8 +118,8 @@ struct Kept {
     policy: Policy,
     prompt_tokens: u64,
     chosen: ReplicaIdx,
-    /// (cost inputs, logit, trusted) per replica.
-    candidates: Vec<(Candidate, f64, bool)>,
+    /// (replica, cost inputs, logit, trusted) per candidate.
+    candidates: Vec<(ReplicaIdx, Candidate, f64, bool)>,
 }
 
 /// One candidate's cost terms in a decision.
@@ -169,7 +193,7 @@ pub struct PoolState {
     pub model: String,
     /// Block size.
     pub block_size: u32,
-    /// Replicas, in config order.
+    /// Active replicas, in slot order (the config's first).
     pub replicas: Vec<ReplicaState>,
 }
 
@@ -185,7 +209,7 @@ impl Pool {
         Pool {
             index: RwLock::new(KvIndex::new(config.block_size as usize, n)),
             load: Mutex::new(LoadTable::new(n)),
-            health: (0..n).map(|_| ReplicaHealth::default()).collect(),
+            members: RwLock::new(config.replicas.iter().cloned().map(Member::new).collect()),
             config,
             bundle,
             tokenizer: std::sync::OnceLock::new(),
@@ -193,6 +217,78 @@ impl Pool {
             started: Instant::now(),
             explanations: Mutex::new(VecDeque::with_capacity(EXPLANATIONS)),
             next: AtomicUsize::new(0),
+        }
+    }
+
+    /// The replicas' slots.
+    pub fn members(&self) -> std::sync::RwLockReadGuard<'_, Vec<Member>> {
+        read(&self.members)
+    }
+
+    /// The active replicas' slots with their event-thread stop flags: what to start
+    /// ingestion for at startup.
+    pub fn active(&self) -> Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)> {
+        let members = self.members();
+        let active = members.iter().enumerate().filter(|(_, m)| m.active);
+        active.map(|(i, m)| (i, m.replica.clone(), m.stop.clone())).collect()
+    }
+
+    /// Makes `replicas` the pool's membership. Unchanged replicas keep everything (index,
+    /// bookings, health). A replica that left has its event threads stopped, its index
+    /// entries and bookings dropped, and is no longer a candidate. A new replica — or one
+    /// whose endpoints changed, which is a new engine as far as its cache goes — starts
+    /// empty. Returns the slots whose event threads must be started, with their config and
+    /// stop flag.
+    pub fn set_members(&self, replicas: &[ReplicaConfig]) -> Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)> {
+        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        let mut start = Vec::new();
+        for (i, m) in members.iter_mut().enumerate() {
+            let wanted = replicas.iter().find(|r| r.id == m.replica.id);
+            if m.active && wanted == Some(&m.replica) {
+                continue;
+            }
+            if m.active {
+                self.retire(i, m);
+            }
+            if let Some(r) = wanted {
+                tracing::info!(model = %self.config.model, replica = %r.id, endpoint = %r.endpoint, "replica joined");
+                *m = Member::new(r.clone());
+                start.push((i, r.clone(), m.stop.clone()));
+            }
+        }
+        for r in replicas {
+            if members.iter().all(|m| m.replica.id != r.id) {
+                let i = self.index_mut().add_replica();
+                let j = self.load_table().add_replica();
+                debug_assert_eq!((i, j), (members.len(), members.len()), "slots, index and load stay aligned");
+                tracing::info!(model = %self.config.model, replica = %r.id, endpoint = %r.endpoint, "replica joined");
+                let m = Member::new(r.clone());
+                start.push((members.len(), r.clone(), m.stop.clone()));
+                members.push(m);
+            }
+        }
+        start
+    }
+
+    /// Takes a replica out: stops its event threads, then (under the index lock, so a
+    /// stopped applier cannot write after it) drops its blocks and bookings.
+    fn retire(&self, i: ReplicaIdx, m: &mut Member) {
+        tracing::info!(model = %self.config.model, replica = %m.replica.id, "replica left");
+        m.stop.store(true, Ordering::Relaxed);
+        m.active = false;
+        self.index_mut().clear_replica(i);
+        let mut load = self.load_table();
+        load.clear_replica(i);
+        let labels = ReplicaLabels { model: self.config.model.clone(), replica: m.replica.id.clone() };
+        self.metrics.index_blocks.get_or_create(&labels).set(0);
+        self.metrics.active_requests.get_or_create(&labels).set(0);
+        self.metrics.prefill_tokens.get_or_create(&labels).set(0);
+    }
+
+    /// Stops every replica's event threads (shutdown).
+    pub fn stop_all(&self) {
+        for m in self.members().iter() {
+            m.stop.store(true, Ordering::Relaxed);
         }
     }
 
@@ -236,7 +332,8 @@ impl Pool {
     /// The kept decision for `request_id`, or the most recent `last` decisions (newest first).
     pub fn explain(&self, request_id: Option<&str>, last: usize) -> Vec<Explanation> {
         let kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
-        let name = |i: ReplicaIdx| self.config.replicas[i].id.clone();
+        let members = self.members();
+        let name = |i: ReplicaIdx| members[i].replica.id.clone();
         kept.iter()
             .rev()
             .filter(|e| request_id.is_none_or(|id| e.request_id == id))
@@ -249,9 +346,8 @@ impl Pool {
                 candidates: k
                     .candidates
                     .iter()
-                    .enumerate()
-                    .map(|(i, (c, logit, trusted))| CandidateTerms {
-                        replica: name(i),
+                    .map(|(i, c, logit, trusted)| CandidateTerms {
+                        replica: name(*i),
                         trusted: *trusted,
                         overlap: c.overlap,
                         prefill_tokens: c.prefill_tokens,
@@ -270,7 +366,7 @@ impl Pool {
 
     /// Metric labels for a replica.
     pub fn labels(&self, replica: ReplicaIdx) -> ReplicaLabels {
-        ReplicaLabels { model: self.config.model.clone(), replica: self.config.replicas[replica].id.clone() }
+        ReplicaLabels { model: self.config.model.clone(), replica: self.members()[replica].replica.id.clone() }
     }
 
     /// Exclusive access to the index (for the event appliers).
@@ -284,7 +380,7 @@ impl Pool {
 
     /// Records what one ingested message did to a replica's health.
     pub fn after_ingest(&self, replica: ReplicaIdx, ingest: &Ingest, outcome: &Outcome) {
-        let h = &self.health[replica];
+        let h = self.members()[replica].health.clone();
         h.events_applied.fetch_add(outcome.applied, Ordering::Relaxed);
         h.last_seq.store(ingest.last_seq().unwrap_or(NONE), Ordering::Relaxed);
         h.degraded.store(ingest.degraded(), Ordering::Relaxed);
@@ -299,20 +395,25 @@ impl Pool {
     /// to store blocks.
     pub fn check_stalls(&self, timeout: Duration) {
         let now = self.now_ms();
-        for (i, h) in self.health.iter().enumerate() {
-            let since = h.awaiting_events_since.load(Ordering::Relaxed);
-            if since != NONE
-                && now.saturating_sub(since) > timeout.as_millis() as u64
-                && !h.stalled.swap(true, Ordering::Relaxed)
-            {
-                tracing::warn!(replica = %self.config.replicas[i].id, "KV-event publisher stalled; routing on load only");
-                self.publish_health(i);
-            }
+        let stalled: Vec<ReplicaIdx> = {
+            let members = self.members();
+            let newly_stalled = |m: &Member| {
+                let since = m.health.awaiting_events_since.load(Ordering::Relaxed);
+                m.active
+                    && since != NONE
+                    && now.saturating_sub(since) > timeout.as_millis() as u64
+                    && !m.health.stalled.swap(true, Ordering::Relaxed)
+            };
+            members.iter().enumerate().filter(|(_, m)| newly_stalled(m)).map(|(i, _)| i).collect()
+        };
+        for i in stalled {
+            tracing::warn!(replica = %self.labels(i).replica, "KV-event publisher stalled; routing on load only");
+            self.publish_health(i);
         }
     }
 
     fn publish_health(&self, replica: ReplicaIdx) {
-        let h = &self.health[replica];
+        let h = self.members()[replica].health.clone();
         let l = self.labels(replica);
         for (reason, flag) in [("lost_events", &h.degraded), ("stalled", &h.stalled)] {
             let labels = ReasonLabels { model: l.model.clone(), replica: l.replica.clone(), reason: reason.into() };
@@ -326,11 +427,20 @@ impl Pool {
         let bs = u64::from(self.config.block_size);
         // Hashes computed with another block size would match nothing correctly: drop them.
         let hashes: &[u64] = if req.block_size == self.config.block_size { &req.block_hashes } else { &[] };
-        let mut overlaps = read(&self.index).find_matches(hashes);
-        for (o, h) in overlaps.iter_mut().zip(&self.health) {
-            if !h.trusted() {
-                *o = Overlap::default();
-            }
+        let overlaps = read(&self.index).find_matches(hashes);
+        let members = self.members();
+        // The candidates: active replicas, with no cache credit while their publisher stalls.
+        let active: Vec<(ReplicaIdx, Overlap, bool)> = members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.active)
+            .map(|(i, m)| {
+                let trusted = m.health.trusted();
+                (i, if trusted { overlaps[i] } else { Overlap::default() }, trusted)
+            })
+            .collect();
+        if active.is_empty() {
+            return RouteResponse { endpoint: None, replica: None, overlap_blocks: 0 };
         }
         let prompt_tokens = u64::from(req.prompt_tokens);
         let total_blocks = prompt_tokens.div_ceil(bs);
@@ -348,11 +458,12 @@ impl Pool {
             _ => scoring.clone(),
         };
         let mut load = self.load_table();
-        let candidates: Vec<Candidate> = (0..self.config.replicas.len())
-            .map(|i| {
+        let candidates: Vec<Candidate> = active
+            .iter()
+            .map(|&(i, overlap, _)| {
                 let l = load.load(i);
                 Candidate {
-                    overlap: overlaps[i],
+                    overlap,
                     prefill_tokens: l.prefill_tokens,
                     decode_blocks: l.active_blocks + load.additional_blocks(i, hashes, total_blocks),
                     requests: l.requests,
@@ -360,15 +471,16 @@ impl Pool {
             })
             .collect();
         let logits = score::logits(&cost_config, RequestShape { prompt_tokens, block_size: bs }, &candidates);
+        // `choice` indexes `active`.
         let choice = match policy {
             Policy::KvAware | Policy::LeastLoad => score::select(&logits, cost_config.temperature, &mut rand::rng()),
-            Policy::RoundRobin => Some(self.next.fetch_add(1, Ordering::Relaxed) % self.config.replicas.len()),
-            Policy::ConsistentHash => req.session.as_deref().map(|key| self.rendezvous(key)),
+            Policy::RoundRobin => Some(self.next.fetch_add(1, Ordering::Relaxed) % active.len()),
+            Policy::ConsistentHash => req.session.as_deref().map(|key| rendezvous(key, &members, &active)),
         };
-        let Some(best) = choice else {
+        let Some(choice) = choice else {
             return RouteResponse { endpoint: None, replica: None, overlap_blocks: 0 };
         };
-        let overlap = overlaps[best];
+        let (best, overlap, _) = active[choice];
         let prefill_tokens = scoring.prefill_tokens(prompt_tokens, bs, overlap);
         let booked = load.book(
             best,
@@ -379,15 +491,17 @@ impl Pool {
         drop(load);
         if booked && prefill_tokens >= bs {
             // The engine must store at least one new block: an event is now expected.
-            let _ = self.health[best].awaiting_events_since.compare_exchange(
+            let _ = members[best].health.awaiting_events_since.compare_exchange(
                 NONE,
                 self.now_ms(),
                 Ordering::Relaxed,
                 Ordering::Relaxed,
             );
         }
-        self.record(req, policy, &candidates, &logits, best);
-        let replica = &self.config.replicas[best];
+        let replica = members[best].replica.clone();
+        drop(members);
+        let kept = active.iter().zip(&candidates).zip(&logits).map(|((a, c), l)| (a.0, *c, *l, a.2)).collect();
+        self.record(req, policy, kept, best, overlap);
         RouteResponse {
             endpoint: Some(replica.endpoint.to_string()),
             replica: Some(replica.id.clone()),
@@ -395,38 +509,28 @@ impl Pool {
         }
     }
 
-    /// Rendezvous (highest-random-weight) hashing: a session keeps its replica, and only the
-    /// sessions of a replica that leaves move.
-    fn rendezvous(&self, key: &str) -> ReplicaIdx {
-        let weight = |id: &str| {
-            let mut bytes = key.as_bytes().to_vec();
-            bytes.push(0);
-            bytes.extend_from_slice(id.as_bytes());
-            xxhash_rust::xxh3::xxh3_64(&bytes)
-        };
-        (0..self.config.replicas.len()).max_by_key(|i| weight(&self.config.replicas[*i].id)).unwrap_or(0)
-    }
-
-    fn record(&self, req: &RouteRequest, policy: Policy, candidates: &[Candidate], logits: &[f64], best: ReplicaIdx) {
+    fn record(
+        &self,
+        req: &RouteRequest,
+        policy: Policy,
+        candidates: Vec<(ReplicaIdx, Candidate, f64, bool)>,
+        best: ReplicaIdx,
+        overlap: Overlap,
+    ) {
         let labels = self.labels(best);
         self.metrics.route_decisions.get_or_create(&labels).inc();
-        let outcome = if candidates[best].overlap.device > 0 { "hit" } else { "miss" };
+        let outcome = if overlap.device > 0 { "hit" } else { "miss" };
         let policy_name =
             serde_json::to_value(policy).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
         let decision = DecisionLabels { model: labels.model, policy: policy_name, outcome: outcome.to_owned() };
         self.metrics.decisions.get_or_create(&decision).inc();
-        self.metrics.chosen_overlap_blocks.observe(f64::from(candidates[best].overlap.device));
+        self.metrics.chosen_overlap_blocks.observe(f64::from(overlap.device));
         let explanation = Kept {
             request_id: req.request_id.clone(),
             policy,
             prompt_tokens: u64::from(req.prompt_tokens),
             chosen: best,
-            candidates: candidates
-                .iter()
-                .zip(logits)
-                .zip(&self.health)
-                .map(|((c, logit), h)| (*c, *logit, h.trusted()))
-                .collect(),
+            candidates,
         };
         let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
         if kept.len() == EXPLANATIONS {
@@ -450,7 +554,8 @@ impl Pool {
     pub fn expire(&self, max_age: Duration) -> usize {
         let mut load = self.load_table();
         let n = load.expire(Instant::now(), max_age);
-        for i in 0..self.config.replicas.len() {
+        let slots = self.members().len();
+        for i in 0..slots {
             self.publish_load(&load, i);
         }
         n
@@ -467,14 +572,14 @@ impl Pool {
     pub fn state(&self) -> PoolState {
         let index = read(&self.index);
         let load = self.load_table();
-        let replicas = self
-            .config
-            .replicas
+        let members = self.members();
+        let replicas = members
             .iter()
             .enumerate()
-            .map(|(i, r)| {
+            .filter(|(_, m)| m.active)
+            .map(|(i, m)| {
+                let (r, h) = (&m.replica, &m.health);
                 let l = load.load(i);
-                let h = &self.health[i];
                 let last_seq = h.last_seq.load(Ordering::Relaxed);
                 ReplicaState {
                     id: r.id.clone(),
@@ -496,6 +601,18 @@ impl Pool {
     }
 }
 
+/// Rendezvous (highest-random-weight) hashing over the active replicas: a session keeps its
+/// replica, and only the sessions of a replica that leaves move. Returns an index into `active`.
+fn rendezvous(key: &str, members: &[Member], active: &[(ReplicaIdx, Overlap, bool)]) -> usize {
+    let weight = |id: &str| {
+        let mut bytes = key.as_bytes().to_vec();
+        bytes.push(0);
+        bytes.extend_from_slice(id.as_bytes());
+        xxhash_rust::xxh3::xxh3_64(&bytes)
+    };
+    (0..active.len()).max_by_key(|&c| weight(&members[active[c].0].replica.id)).unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -512,6 +629,7 @@ mod tests {
             model: "m".into(),
             tokenizer: "unused".into(),
             block_size: 4,
+            discovery: Default::default(),
             chat_template_content_format: Default::default(),
             policy,
             adapters: Vec::new(),
@@ -660,10 +778,74 @@ mod tests {
             p.check_stalls(Duration::ZERO);
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert!(!p.health[0].trusted());
+        assert!(!p.members()[0].health.trusted());
         // Any event brings it back.
         let ingest = Ingest::new(0, 4);
         p.after_ingest(0, &ingest, &Outcome::default());
         assert!(!p.state().replicas[0].stalled);
+    }
+
+    #[test]
+    fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
+        let p = pool(3);
+        let replicas = p.config.replicas.clone();
+        let prompt: Vec<u32> = (0..64).collect();
+        for r in 0..3 {
+            cache_on(&p, r, &prompt);
+        }
+        let only_r1: Vec<u32> = (500..564).collect();
+        let engine: Vec<u64> = (5000..5016).collect();
+        let store = Store {
+            parent: None,
+            engine_hashes: &engine,
+            token_ids: &only_r1,
+            block_size: 4,
+            salt: Salt::NONE,
+            extra: &[],
+            tier: Tier::Device,
+        };
+        p.index_mut().store(1, store).unwrap();
+        let cfg = ScoringConfig::default();
+        assert_eq!(chosen(&p.route(&request("held", &only_r1), &cfg)), 1);
+        assert!(p.set_members(&replicas).is_empty(), "the same membership changes nothing");
+
+        // r1 leaves, r0's events endpoint changes, r3 joins.
+        let mut moved = replicas[0].clone();
+        moved.kv_events = "tcp://10.9.9.9:5557".into();
+        let newcomer = ReplicaConfig { id: "r3".into(), endpoint: "127.0.0.1:8003".parse().unwrap(), ..moved.clone() };
+        let stop_r1 = p.members()[1].stop.clone();
+        let start = p.set_members(&[moved.clone(), replicas[2].clone(), newcomer.clone()]);
+        let started: Vec<(ReplicaIdx, &str)> = start.iter().map(|(i, r, _)| (*i, r.id.as_str())).collect();
+        assert_eq!(
+            started,
+            [(0, "r0"), (3, "r3")],
+            "a changed replica restarts in its slot; a new one gets a new slot"
+        );
+        assert!(stop_r1.load(Ordering::Relaxed), "the leaver's event threads are told to stop");
+        let matches = read(&p.index).find_matches(&prompt_block_hashes(&prompt, 4, Salt::NONE));
+        let device: Vec<u32> = matches.iter().map(|o| o.device).collect();
+        assert_eq!(device, [0, 0, 16, 0], "r2 keeps its blocks; r0 (new engine) and r1 (gone) are emptied");
+        let state: Vec<String> = p.state().replicas.into_iter().map(|r| r.id).collect();
+        assert_eq!(state, ["r0", "r2", "r3"]);
+        assert!(!p.lifecycle("held", false), "r1's booking left with it");
+        for i in 0..30 {
+            let r = p.route(&request(&format!("q{i}"), &[i; 8]), &cfg);
+            assert_ne!(r.replica.as_deref(), Some("r1"), "a replica that left is never chosen");
+        }
+
+        // r1 comes back: its old slot, empty.
+        let start = p.set_members(&[moved, replicas[1].clone(), replicas[2].clone(), newcomer]);
+        assert_eq!(start.iter().map(|(i, _, _)| *i).collect::<Vec<_>>(), [1]);
+        assert_eq!(p.members().len(), 4, "slots are reused, never multiplied");
+        assert_eq!(p.state().replicas.len(), 4);
+    }
+
+    #[test]
+    fn an_empty_pool_routes_nowhere() {
+        let p = pool(2);
+        p.set_members(&[]);
+        let r = p.route(&request("x", &[1, 2, 3, 4]), &ScoringConfig::default());
+        assert_eq!((r.endpoint, r.replica), (None, None));
+        assert!(p.state().replicas.is_empty());
     }
 }

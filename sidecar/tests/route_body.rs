@@ -32,6 +32,7 @@ fn state() -> (Arc<AppState>, Arc<Pool>) {
         model: "qwen3".into(),
         tokenizer: model_dir(),
         block_size: BLOCK,
+        discovery: Default::default(),
         chat_template_content_format: Default::default(),
         policy: Policy::default(),
         adapters: Vec::new(),

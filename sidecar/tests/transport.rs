@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_sidecar::config::{EventsMode, PoolConfig, ReplicaConfig};
-use kvgate_sidecar::events::transport;
+use kvgate_sidecar::discovery::Supervisor;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 use rmp::encode as mp;
@@ -122,7 +122,7 @@ impl Drop for Engine {
 struct Rig {
     pool: Arc<Pool>,
     metrics: Arc<Metrics>,
-    stop: Arc<AtomicBool>,
+    supervisor: Supervisor,
 }
 
 impl Rig {
@@ -131,6 +131,7 @@ impl Rig {
             model: "m".into(),
             tokenizer: "unused".into(),
             block_size: BS as u32,
+            discovery: Default::default(),
             chat_template_content_format: Default::default(),
             policy: Default::default(),
             adapters: Vec::new(),
@@ -145,9 +146,8 @@ impl Rig {
         };
         let metrics = Arc::new(Metrics::default());
         let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
-        let stop = Arc::new(AtomicBool::new(false));
-        transport::spawn(ctx.clone(), pool.clone(), 0, metrics.clone(), stop.clone()).unwrap();
-        Rig { pool, metrics, stop }
+        let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics.clone()).unwrap();
+        Rig { pool, metrics, supervisor }
     }
 
     fn depth(&self, conv: u32, blocks: u32) -> u32 {
@@ -173,7 +173,7 @@ impl Rig {
 
 impl Drop for Rig {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.supervisor.shutdown();
     }
 }
 

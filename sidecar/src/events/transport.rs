@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::ingest::{Ingest, NoReplay, Outcome, Replay};
-use crate::config::EventsMode;
+use crate::config::{EventsMode, ReplicaConfig};
 use crate::index::ReplicaIdx;
 use crate::metrics::Metrics;
 use crate::pool::Pool;
@@ -31,30 +31,40 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// The most messages one replay returns (vLLM buffers 10 000 by default).
 const REPLAY_MAX_MESSAGES: usize = 100_000;
 
-/// Starts the reader and applier threads of `replica`. They run until `stop` is set.
+/// One replica's event source: its slot, its endpoints, and the flag that stops its threads
+/// (set when it leaves the pool, or at shutdown).
+#[derive(Debug, Clone)]
+pub struct Source {
+    /// The replica's slot in the pool.
+    pub replica: ReplicaIdx,
+    /// Its endpoints.
+    pub config: ReplicaConfig,
+    /// Stops both threads.
+    pub stop: Arc<AtomicBool>,
+}
+
+/// Starts the reader and applier threads of one replica. They run until its stop flag is set.
 pub fn spawn(
     ctx: zmq::Context,
     pool: Arc<Pool>,
-    replica: ReplicaIdx,
+    source: Source,
     metrics: Arc<Metrics>,
-    stop: Arc<AtomicBool>,
 ) -> std::io::Result<Vec<JoinHandle<()>>> {
     let (tx, rx) = sync_channel::<(u64, Vec<u8>)>(QUEUE_MESSAGES);
-    let id = pool.config.replicas[replica].id.clone();
+    let id = source.config.id.clone();
     let reader = {
-        let (ctx, pool, metrics, stop) = (ctx.clone(), pool.clone(), metrics.clone(), stop.clone());
+        let (ctx, pool, metrics, source) = (ctx.clone(), pool.clone(), metrics.clone(), source.clone());
         std::thread::Builder::new()
             .name(format!("kv-read-{id}"))
-            .spawn(move || read_loop(&ctx, &pool, replica, &metrics, &stop, tx))?
+            .spawn(move || read_loop(&ctx, &pool, &source, &metrics, tx))?
     };
     let applier = std::thread::Builder::new()
         .name(format!("kv-apply-{id}"))
-        .spawn(move || apply_loop(&ctx, &pool, replica, &metrics, &stop, rx))?;
+        .spawn(move || apply_loop(&ctx, &pool, &source, &metrics, rx))?;
     Ok(vec![reader, applier])
 }
 
-fn open_sub(ctx: &zmq::Context, pool: &Pool, replica: ReplicaIdx) -> zmq::Result<zmq::Socket> {
-    let r = &pool.config.replicas[replica];
+fn open_sub(ctx: &zmq::Context, r: &ReplicaConfig) -> zmq::Result<zmq::Socket> {
     let socket = ctx.socket(zmq::SUB)?;
     socket.set_maxmsgsize(MAX_MESSAGE_BYTES)?;
     socket.set_rcvtimeo(POLL.as_millis() as i32)?;
@@ -68,19 +78,13 @@ fn open_sub(ctx: &zmq::Context, pool: &Pool, replica: ReplicaIdx) -> zmq::Result
     Ok(socket)
 }
 
-fn read_loop(
-    ctx: &zmq::Context,
-    pool: &Pool,
-    replica: ReplicaIdx,
-    metrics: &Metrics,
-    stop: &AtomicBool,
-    tx: SyncSender<(u64, Vec<u8>)>,
-) {
+fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics, tx: SyncSender<(u64, Vec<u8>)>) {
+    let (replica, stop) = (source.replica, &source.stop);
     while !stop.load(Ordering::Relaxed) {
-        let socket = match open_sub(ctx, pool, replica) {
+        let socket = match open_sub(ctx, &source.config) {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(endpoint = %pool.config.replicas[replica].kv_events, error = %e, "cannot open the KV-event socket; retrying");
+                tracing::warn!(endpoint = %source.config.kv_events, error = %e, "cannot open the KV-event socket; retrying");
                 std::thread::sleep(Duration::from_secs(1));
                 continue;
             }
@@ -108,16 +112,10 @@ fn read_loop(
     }
 }
 
-fn apply_loop(
-    ctx: &zmq::Context,
-    pool: &Pool,
-    replica: ReplicaIdx,
-    metrics: &Metrics,
-    stop: &AtomicBool,
-    rx: Receiver<(u64, Vec<u8>)>,
-) {
+fn apply_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics, rx: Receiver<(u64, Vec<u8>)>) {
+    let (replica, stop) = (source.replica, &source.stop);
     let mut ingest = Ingest::new(replica, pool.config.block_size as usize);
-    let replay_endpoint = pool.config.replicas[replica].kv_replay.clone();
+    let replay_endpoint = source.config.kv_replay.clone();
     while !stop.load(Ordering::Relaxed) {
         let (seq, payload) = match rx.recv_timeout(POLL) {
             Ok(m) => m,
@@ -126,6 +124,11 @@ fn apply_loop(
         };
         let outcome = {
             let mut index = pool.index_mut();
+            // The replica may have left while this message waited: its slot was cleared
+            // under this lock after the flag was set, so nothing may be written now.
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
             match &replay_endpoint {
                 Some(endpoint) => ingest.on_message(seq, &payload, &mut index, &mut Dealer { ctx, endpoint }),
                 None => ingest.on_message(seq, &payload, &mut index, &mut NoReplay),

@@ -247,6 +247,12 @@ impl KvIndex {
         }
     }
 
+    /// Makes room for one more replica (discovery found a new one); returns its index.
+    pub fn add_replica(&mut self) -> ReplicaIdx {
+        self.replicas.push(ReplicaBlocks::default());
+        self.replicas.len() - 1
+    }
+
     /// The sequence hash of a replica's engine block, on any tier.
     fn lookup(&self, replica: ReplicaIdx, engine_hash: u64) -> Option<u64> {
         self.replicas[replica].tiers.iter().find_map(|t| t.seq.get(&engine_hash)).copied()

@@ -80,6 +80,23 @@ impl LoadTable {
         }
     }
 
+    /// Makes room for one more replica; returns its index.
+    pub fn add_replica(&mut self) -> ReplicaIdx {
+        self.replicas.push(Replica::default());
+        self.replicas.len() - 1
+    }
+
+    /// The replica left the pool: drops every booking on it (their lifecycle reports are
+    /// then ignored as unknown). Returns how many.
+    pub fn clear_replica(&mut self, replica: ReplicaIdx) -> usize {
+        let gone: Vec<String> =
+            self.bookings.iter().filter(|(_, b)| b.replica == replica).map(|(id, _)| id.clone()).collect();
+        for id in &gone {
+            self.release(id);
+        }
+        gone.len()
+    }
+
     /// The replica's current load.
     pub fn load(&self, replica: ReplicaIdx) -> ReplicaLoad {
         let r = &self.replicas[replica];
@@ -196,6 +213,21 @@ mod tests {
 
     fn booking<'a>(id: &'a str, prefill: u64, hashes: &'a [u64], total: u64) -> NewBooking<'a> {
         NewBooking { request_id: id, prefill_tokens: prefill, hashes, total_blocks: total }
+    }
+
+    #[test]
+    fn a_replica_that_leaves_takes_its_bookings_with_it() {
+        let mut t = LoadTable::new(1);
+        let added = t.add_replica();
+        assert_eq!(added, 1);
+        let now = Instant::now();
+        assert!(t.book(0, booking("a", 10, &[1, 2], 3), now));
+        assert!(t.book(1, booking("b", 20, &[1, 2], 3), now));
+        assert!(t.book(1, booking("c", 5, &[7], 1), now));
+        assert_eq!(t.clear_replica(1), 2);
+        assert_eq!(t.load(1), ReplicaLoad::default());
+        assert_eq!(t.load(0).requests, 1, "other replicas keep theirs");
+        assert!(!t.prefill_done("b"), "a late report for a dropped booking is unknown");
     }
 
     #[test]

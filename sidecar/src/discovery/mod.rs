@@ -1,0 +1,168 @@
+//! Discovery: which replicas each pool has, kept current while the sidecar runs.
+//!
+//! Each pool has one source ([`crate::config::DiscoveryKind`]):
+//! - **static** — the config file's `replicas`. The file is re-read when it changes (checked
+//!   every `interval_secs`) or on `SIGHUP`; only replica lists are applied, other changes need
+//!   a restart (and are logged as such). A file that no longer loads changes nothing.
+//! - **dns** — a name resolved every `interval_secs` ([`dns`]): each address is a replica at
+//!   `ip:port`, its events at the `kv_events` template (`tcp://{ip}:5557`).
+//! - **envoy** — the hosts of one cluster of the local Envoy, as its admin `/clusters`
+//!   reports them, minus those Envoy considers unhealthy ([`envoy`]).
+//!
+//! A [`Supervisor`] applies each membership to its pool ([`crate::pool::Pool::set_members`]):
+//! unchanged replicas keep their index and bookings, replicas that left are emptied and their
+//! event threads stopped, new ones get event threads. A failed lookup keeps the last
+//! membership and counts `kvgate_discovery_errors_total`.
+
+pub mod dns;
+pub mod envoy;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::config::{Config, DiscoveryKind, Env, ReplicaConfig};
+use crate::events::transport::{self, Source};
+use crate::metrics::{DiscoveryLabels, Metrics};
+use crate::pool::Pool;
+
+/// Starts and stops one pool's event threads as its membership changes.
+pub struct Supervisor {
+    ctx: zmq::Context,
+    pool: Arc<Pool>,
+    metrics: Arc<Metrics>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Supervisor {
+    /// A supervisor for `pool`; starts the event threads of its configured replicas.
+    pub fn start(ctx: zmq::Context, pool: Arc<Pool>, metrics: Arc<Metrics>) -> std::io::Result<Supervisor> {
+        let supervisor = Supervisor { ctx, pool, metrics, threads: Mutex::new(Vec::new()) };
+        let initial = supervisor.pool.active();
+        supervisor.spawn(initial)?;
+        Ok(supervisor)
+    }
+
+    /// The supervised pool.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// Makes `replicas` the pool's membership and starts event threads for newcomers.
+    pub fn apply(&self, replicas: &[ReplicaConfig]) -> std::io::Result<()> {
+        let start = self.pool.set_members(replicas);
+        self.spawn(start)
+    }
+
+    /// Counts a failed refresh (the membership stays as it was).
+    pub fn failed(&self, kind: DiscoveryKind, error: &dyn std::fmt::Display) {
+        tracing::warn!(model = %self.pool.config.model, kind = kind.label(), %error, "discovery failed; keeping the replicas we have");
+        self.metrics.discovery_errors.get_or_create(&self.labels(kind)).inc();
+    }
+
+    fn labels(&self, kind: DiscoveryKind) -> DiscoveryLabels {
+        DiscoveryLabels { model: self.pool.config.model.clone(), kind: kind.label().into() }
+    }
+
+    fn spawn(&self, sources: Vec<(usize, ReplicaConfig, Arc<AtomicBool>)>) -> std::io::Result<()> {
+        let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+        threads.retain(|t| !t.is_finished());
+        for (replica, config, stop) in sources {
+            let source = Source { replica, config, stop };
+            threads.extend(transport::spawn(self.ctx.clone(), self.pool.clone(), source, self.metrics.clone())?);
+        }
+        let active = self.pool.members().iter().filter(|m| m.active).count();
+        self.metrics.replicas.get_or_create(&self.labels(self.pool.config.discovery.kind)).set(active as i64);
+        Ok(())
+    }
+
+    /// Stops every event thread and waits for them.
+    pub fn shutdown(&self) {
+        self.pool.stop_all();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Runs `refresh` every `interval` until `stop`: the loop of the `dns` and `envoy` sources.
+pub fn poll(
+    name: &str,
+    interval: Duration,
+    stop: Arc<AtomicBool>,
+    mut refresh: impl FnMut() + Send + 'static,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new().name(format!("discover-{name}")).spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            refresh();
+            sleep_until(Instant::now() + interval, &stop, &AtomicBool::new(false));
+        }
+    })
+}
+
+/// Sleeps until `deadline`, waking early when `stop` or `wake` is set.
+fn sleep_until(deadline: Instant, stop: &AtomicBool, wake: &AtomicBool) {
+    while Instant::now() < deadline && !stop.load(Ordering::Relaxed) && !wake.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(50).min(deadline.saturating_duration_since(Instant::now())));
+    }
+}
+
+/// Watches the config file for the static pools: re-reads it when its modification time
+/// changes or `reload` is set (SIGHUP), and applies each static pool's replica list.
+pub fn watch_file(
+    path: PathBuf,
+    env: Box<dyn Env + Send>,
+    interval: Duration,
+    supervisors: Vec<Arc<Supervisor>>,
+    reload: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<JoinHandle<()>> {
+    let modified = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    std::thread::Builder::new().name("discover-file".into()).spawn(move || {
+        let mut seen: Option<SystemTime> = modified(&path);
+        while !stop.load(Ordering::Relaxed) {
+            sleep_until(Instant::now() + interval, &stop, &reload);
+            let now = modified(&path);
+            if !reload.swap(false, Ordering::Relaxed) && now == seen {
+                continue;
+            }
+            seen = now;
+            match Config::load(&path, env.as_ref()) {
+                Ok(config) => apply_static(&config, &supervisors),
+                Err(e) => {
+                    for s in &supervisors {
+                        s.failed(DiscoveryKind::Static, &format!("{}: {e:#}", path.display()));
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Applies a re-read config's replica lists to the static pools.
+fn apply_static(config: &Config, supervisors: &[Arc<Supervisor>]) {
+    for s in supervisors {
+        let current = &s.pool().config;
+        let Some(new) = config.pools.iter().find(|p| p.model == current.model) else {
+            tracing::warn!(model = %current.model, "pool removed from the config file; restart the sidecar to drop it");
+            continue;
+        };
+        if new.discovery.kind != DiscoveryKind::Static {
+            tracing::warn!(model = %current.model, "discovery kind changed in the config file; restart the sidecar to apply it");
+            continue;
+        }
+        if (&new.tokenizer, new.block_size, &new.adapters, new.policy)
+            != (&current.tokenizer, current.block_size, &current.adapters, current.policy)
+        {
+            tracing::warn!(model = %current.model, "only replica lists are reloaded; restart the sidecar for the other changes");
+        }
+        if let Err(e) = s.apply(&new.replicas) {
+            s.failed(DiscoveryKind::Static, &e);
+        } else {
+            tracing::info!(model = %current.model, replicas = new.replicas.len(), "config reloaded");
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! Discovery end to end: DNS answers (from a stub resolver) and config-file edits (in the
+//! real binary) change a pool's replicas while it runs; failures keep the last membership.
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvgate_e2e::process::{free_port, wait_for, Proc};
+use kvgate_sidecar::config::{DiscoveryConfig, DiscoveryKind, PoolConfig};
+use kvgate_sidecar::discovery::dns::{self, Resolver};
+use kvgate_sidecar::discovery::Supervisor;
+use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::pool::Pool;
+use serde_json::Value;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Answers whatever the test last set.
+#[derive(Clone)]
+struct Stub(Arc<Mutex<std::io::Result<Vec<SocketAddr>>>>);
+
+impl Stub {
+    fn answer(&self, answer: std::io::Result<Vec<&str>>) {
+        *self.0.lock().unwrap() = answer.map(|a| a.iter().map(|s| s.parse().unwrap()).collect());
+    }
+}
+
+impl Resolver for Stub {
+    fn lookup(&mut self, name: &str, _port: u16) -> std::io::Result<Vec<SocketAddr>> {
+        assert_eq!(name, "vllm.test");
+        match &*self.0.lock().unwrap() {
+            Ok(a) => Ok(a.clone()),
+            Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+        }
+    }
+}
+
+fn ids(pool: &Pool) -> Vec<String> {
+    pool.state().replicas.into_iter().map(|r| r.id).collect()
+}
+
+#[test]
+fn dns_answers_become_the_pool() {
+    let config = PoolConfig {
+        model: "m".into(),
+        tokenizer: "unused".into(),
+        block_size: 16,
+        discovery: DiscoveryConfig {
+            kind: DiscoveryKind::Dns,
+            name: "vllm.test".into(),
+            port: 8000,
+            kv_events: "tcp://{ip}:1".into(),
+            interval_secs: 1,
+            ..DiscoveryConfig::default()
+        },
+        chat_template_content_format: Default::default(),
+        policy: Default::default(),
+        adapters: Vec::new(),
+        replicas: Vec::new(),
+    };
+    let metrics = Arc::new(Metrics::default());
+    let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
+    let supervisor = Arc::new(Supervisor::start(zmq::Context::new(), pool.clone(), metrics.clone()).unwrap());
+    let stub = Stub(Arc::new(Mutex::new(Ok(Vec::new()))));
+    stub.answer(Ok(vec!["127.0.0.2:8000", "127.0.0.3:8000"]));
+    let stop = Arc::new(AtomicBool::new(false));
+    let poller = dns::spawn(supervisor.clone(), stub.clone(), stop.clone()).unwrap();
+
+    wait_for("two replicas", WAIT, || (ids(&pool) == ["127.0.0.2:8000", "127.0.0.3:8000"]).then_some(())).unwrap();
+    let errors = || metrics.render().lines().filter(|l| l.starts_with("kvgate_discovery_errors_total{")).count();
+    stub.answer(Err(std::io::Error::other("SERVFAIL")));
+    wait_for("a failed lookup is counted", WAIT, || (errors() > 0).then_some(())).unwrap();
+    assert_eq!(ids(&pool), ["127.0.0.2:8000", "127.0.0.3:8000"], "a failed lookup keeps the replicas");
+    stub.answer(Ok(vec!["127.0.0.3:8000", "127.0.0.4:8000"]));
+    wait_for("the new answer", WAIT, || (ids(&pool) == ["127.0.0.3:8000", "127.0.0.4:8000"]).then_some(())).unwrap();
+    assert!(metrics.render().contains("kvgate_replicas{model=\"m\",kind=\"dns\"} 2"));
+    stub.answer(Ok(Vec::new()));
+    wait_for("an empty answer empties the pool", WAIT, || ids(&pool).is_empty().then_some(())).unwrap();
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    poller.join().unwrap();
+    supervisor.shutdown();
+}
+
+fn config(port: u16, replicas: &[(&str, u16)]) -> String {
+    let tokenizer = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3-0.6b");
+    let mut toml = format!(
+        "listen = \"127.0.0.1:{port}\"\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = {:?}\nblock_size = 16\n\
+         [pools.discovery]\ninterval_secs = 1\n",
+        tokenizer.display().to_string()
+    );
+    for (id, p) in replicas {
+        toml += &format!(
+            "[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{p}\"\nkv_events = \"tcp://127.0.0.1:{p}\"\n"
+        );
+    }
+    toml
+}
+
+#[test]
+fn config_file_edits_apply_without_a_restart() {
+    let dir = std::env::temp_dir().join(format!("kvgate-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("kvgate.toml");
+    let port = free_port().unwrap();
+    std::fs::write(&path, config(port, &[("a", 9001), ("b", 9002)])).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate-sidecar"));
+    cmd.arg("--config").arg(&path);
+    let _sidecar = Proc::spawn("sidecar", cmd, &dir.join("sidecar.log")).unwrap();
+    let client = reqwest::blocking::Client::new();
+    let get = |path: &str| client.get(format!("http://127.0.0.1:{port}{path}")).send().ok()?.text().ok();
+    let replicas = || -> Option<Vec<String>> {
+        let state: Value = serde_json::from_str(&get("/debug/state")?).ok()?;
+        let rs = state["pools"][0]["replicas"].as_array()?;
+        Some(rs.iter().map(|r| r["id"].as_str().unwrap_or_default().to_owned()).collect())
+    };
+    wait_for("the sidecar", WAIT, || (replicas()? == ["a", "b"]).then_some(())).unwrap();
+
+    std::fs::write(&path, config(port, &[("a", 9001), ("c", 9003)])).unwrap();
+    wait_for("b leaves, c joins", WAIT, || (replicas()? == ["a", "c"]).then_some(())).unwrap();
+
+    std::fs::write(&path, "this is not toml").unwrap();
+    wait_for("a broken file is counted", WAIT, || {
+        get("/metrics")?.contains("kvgate_discovery_errors_total").then_some(())
+    })
+    .unwrap();
+    assert_eq!(replicas().unwrap(), ["a", "c"], "a broken file changes nothing");
+
+    std::fs::write(&path, config(port, &[("b", 9002), ("a", 9001), ("c", 9003)])).unwrap();
+    wait_for("b is back", WAIT, || (replicas()? == ["a", "b", "c"]).then_some(())).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
