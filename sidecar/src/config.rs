@@ -110,8 +110,9 @@ pub struct DiscoveryConfig {
     /// `envoy`: the admin address of the Envoy in this pod (Istio's is `127.0.0.1:15000`).
     #[serde(default = "default_admin")]
     pub admin: String,
-    /// The KV-events endpoint of a discovered replica, with `{ip}` (and `{port}`, its HTTP
-    /// port) filled in, e.g. `tcp://{ip}:5557`.
+    /// The KV-events endpoint of a discovered replica, with `{ip}` filled in, e.g.
+    /// `tcp://{ip}:5557` (pods); `{port}`, `{port+N}` and `{port-N}` give a port relative to
+    /// its HTTP port (several engines per host, e.g. `tcp://{ip}:{port-2443}`).
     #[serde(default)]
     pub kv_events: String,
     /// Its replay endpoint, e.g. `tcp://{ip}:5558`.
@@ -172,7 +173,7 @@ impl DiscoveryConfig {
             std::net::IpAddr::V4(ip) => ip.to_string(),
             std::net::IpAddr::V6(ip) => format!("[{ip}]"),
         };
-        let fill = |t: &str| t.replace("{ip}", &ip).replace("{port}", &addr.port().to_string());
+        let fill = |t: &str| fill_ports(&t.replace("{ip}", &ip), addr.port());
         ReplicaConfig {
             id: addr.to_string(),
             endpoint: addr,
@@ -242,6 +243,33 @@ pub enum EventsMode {
     Connect,
     /// We bind the SUB; the engine's PUB connects to us.
     Bind,
+}
+
+/// Replaces `{port}`, `{port+N}` and `{port-N}` with `port` (plus or minus N). A placeholder
+/// that does not parse, or a result outside 0..=65535, is left as written (the endpoint is then
+/// invalid and ZMQ says so).
+fn fill_ports(template: &str, port: u16) -> String {
+    let mut out = String::new();
+    let mut rest = template;
+    while let Some(at) = rest.find("{port") {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        let Some(end) = rest.find('}') else { break };
+        let spec = &rest["{port".len()..end];
+        let offset = match spec.as_bytes().first() {
+            None => Some(0),
+            Some(b'+') => spec[1..].parse::<i64>().ok(),
+            Some(b'-') => spec[1..].parse::<i64>().ok().map(|n| -n),
+            _ => None,
+        };
+        match offset.map(|o| i64::from(port) + o).filter(|p| (0..=65535).contains(p)) {
+            Some(p) => out.push_str(&p.to_string()),
+            None => out.push_str(&rest[..=end]),
+        }
+        rest = &rest[end + 1..];
+    }
+    out.push_str(rest);
+    out
 }
 
 fn default_admin() -> String {
@@ -515,6 +543,21 @@ mod tests {
         kv_events = "tcp://{ip}:5557"
         kv_replay = "tcp://{ip}:5558"
     "#;
+
+    #[test]
+    fn event_endpoints_can_be_relative_to_the_http_port() {
+        let d = DiscoveryConfig {
+            kv_events: "tcp://{ip}:{port+1}".into(),
+            kv_replay: Some("tcp://{ip}:{port-2443}".into()),
+            ..DiscoveryConfig::default()
+        };
+        let r = d.replica("10.1.2.3:8000".parse().unwrap());
+        assert_eq!(
+            (r.kv_events.as_str(), r.kv_replay.as_deref()),
+            ("tcp://10.1.2.3:8001", Some("tcp://10.1.2.3:5557"))
+        );
+        assert_eq!(fill_ports("{port}/{port+x}/{port-9000}/{port", 8000), "8000/{port+x}/{port-9000}/{port");
+    }
 
     #[test]
     fn discovered_pools_need_a_name_port_and_templates() {

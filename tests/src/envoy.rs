@@ -47,8 +47,8 @@ pub struct EnvoyParams<'a> {
     pub wasm: &'a Path,
     /// Filter configuration JSON.
     pub filter_config: &'a str,
-    /// Engine ports on 127.0.0.1.
-    pub pool_ports: &'a [u16],
+    /// The engines' addresses.
+    pub pool_endpoints: &'a [std::net::SocketAddr],
     /// Whether to include the kvgate filter (false: Envoy alone).
     pub with_filter: bool,
     /// Envoy's own load balancer, used when no destination header is set.
@@ -80,10 +80,11 @@ impl Fallback {
 /// Renders the Envoy configuration.
 pub fn render(template: &str, p: &EnvoyParams<'_>) -> String {
     let endpoints: Vec<String> = p
-        .pool_ports
+        .pool_endpoints
         .iter()
-        .map(|port| {
-            format!("{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}}}")
+        .map(|a| {
+            let (ip, port) = (a.ip(), a.port());
+            format!("{{endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {port}}}}}}}}}")
         })
         .collect();
     let mut out = String::new();

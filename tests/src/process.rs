@@ -67,3 +67,17 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Opt
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
+
+/// Three consecutive free ports `p, p+1, p+2` (on all interfaces): an engine's HTTP, events
+/// and replay ports at fixed offsets, as when several engines share a host.
+pub fn free_port_triple() -> anyhow::Result<u16> {
+    for _ in 0..100 {
+        let p = free_port()?;
+        let held: Vec<_> =
+            (0..3u16).map_while(|i| std::net::TcpListener::bind(("0.0.0.0", p.checked_add(i)?)).ok()).collect();
+        if held.len() == 3 {
+            return Ok(p);
+        }
+    }
+    anyhow::bail!("no three consecutive free ports found")
+}

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use crate::client;
 use crate::envoy::{self, EnvoyParams, Fallback};
-use crate::process::{free_port, wait_for, Proc};
+use crate::process::{free_port, free_port_triple, wait_for, Proc};
 use crate::{repo_root, Artifacts};
 
 /// How the gateway routes.
@@ -47,6 +47,9 @@ pub struct StackOptions {
     /// Filter configuration keys set over the test defaults (`forward_tokens`,
     /// `offload_bytes`, …).
     pub filter_config: serde_json::Map<String, Value>,
+    /// The sidecar discovers the engines from Envoy's admin API (`envoy` discovery) instead
+    /// of a list; each engine's events and replay ports are its HTTP port + 1 and + 2.
+    pub envoy_discovery: bool,
 }
 
 impl Default for StackOptions {
@@ -63,6 +66,7 @@ impl Default for StackOptions {
                 .map(String::from)
                 .to_vec(),
             filter_config: serde_json::Map::new(),
+            envoy_discovery: false,
         }
     }
 }
@@ -71,19 +75,26 @@ impl Default for StackOptions {
 pub struct SimHandle {
     /// Replica id (`x-kvgate-replica`).
     pub id: String,
-    /// HTTP port on 127.0.0.1.
+    /// Its address.
+    pub host: std::net::IpAddr,
+    /// HTTP port.
     pub port: u16,
     /// KV-events PUB port.
     pub events_port: u16,
     /// KV-events replay ROUTER port.
     pub replay_port: u16,
-    _proc: Proc,
+    proc: Proc,
 }
 
 impl SimHandle {
-    /// `http://127.0.0.1:port{path}`.
+    /// `http://host:port{path}`.
     pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
+        format!("http://{}:{}{path}", self.host, self.port)
+    }
+
+    /// `host:port`: the replica id the sidecar gives it under `envoy` discovery.
+    pub fn endpoint(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::new(self.host, self.port)
     }
 
     /// A metric from the engine's `/metrics`, summed over its label sets (DP ranks).
@@ -132,7 +143,13 @@ impl Stack {
         let mut replicas_toml = String::new();
         for i in 0..opts.replicas {
             let id = ((b'a' + i as u8) as char).to_string();
-            let (port, events_port, replay_port) = (free_port()?, free_port()?, free_port()?);
+            let host = std::net::IpAddr::from([127, 0, 0, 1]);
+            let (port, events_port, replay_port) = if opts.envoy_discovery {
+                let p = free_port_triple()?;
+                (p, p + 1, p + 2)
+            } else {
+                (free_port()?, free_port()?, free_port()?)
+            };
             let events_config = json!({"endpoint": format!("tcp://*:{events_port}"), "replay_endpoint": format!("tcp://*:{replay_port}")});
             let mut cmd = Command::new(&artifacts.sim);
             cmd.args(["--port", &port.to_string(), "--replica", &id, "--model", "qwen3"])
@@ -145,13 +162,19 @@ impl Stack {
             replicas_toml.push_str(&format!(
                 "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\nkv_replay = \"tcp://127.0.0.1:{replay_port}\"\n"
             ));
-            sims.push(SimHandle { id, port, events_port, replay_port, _proc: proc });
+            sims.push(SimHandle { id, host, port, events_port, replay_port, proc });
         }
         for sim in &sims {
             wait_for(&format!("sim {} health", sim.id), START_TIMEOUT, || http_ok(&sim.url("/health")).then_some(()))?;
         }
 
-        let sidecar_port = free_port()?;
+        let (sidecar_port, admin_port, gateway_port) = (free_port()?, free_port()?, free_port()?);
+        if opts.envoy_discovery {
+            replicas_toml = format!(
+                "[pools.discovery]\nkind = \"envoy\"\nname = \"pool\"\nadmin = \"http://127.0.0.1:{admin_port}\"\n\
+                 kv_events = \"tcp://{{ip}}:{{port+1}}\"\nkv_replay = \"tcp://{{ip}}:{{port+2}}\"\ninterval_secs = 1\n"
+            );
+        }
         let sidecar = match opts.routing {
             Routing::RoundRobin | Routing::LeastRequest => None,
             Routing::Kvgate => {
@@ -173,7 +196,6 @@ impl Stack {
             }
         };
 
-        let (admin_port, gateway_port) = (free_port()?, free_port()?);
         let mut filter_config = json!({"route_timeout_ms": opts.route_timeout_ms, "offload_timeout_ms": opts.route_timeout_ms.max(1000),
                 "retry_ms": 200, "debug_headers": true});
         if let Value::Object(config) = &mut filter_config {
@@ -181,7 +203,7 @@ impl Stack {
         }
         let filter_config = filter_config.to_string();
         let template = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl"))?;
-        let ports: Vec<u16> = sims.iter().map(|s| s.port).collect();
+        let endpoints: Vec<std::net::SocketAddr> = sims.iter().map(SimHandle::endpoint).collect();
         let yaml = envoy::render(
             &template,
             &EnvoyParams {
@@ -190,7 +212,7 @@ impl Stack {
                 sidecar_port,
                 wasm: &artifacts.wasm,
                 filter_config: &filter_config,
-                pool_ports: &ports,
+                pool_endpoints: &endpoints,
                 with_filter: opts.routing == Routing::Kvgate,
                 fallback: if opts.routing == Routing::LeastRequest {
                     Fallback::LeastRequest
@@ -269,6 +291,13 @@ impl Stack {
         wait_for(&format!("{blocks} blocks indexed on {replica}"), Duration::from_secs(10), || {
             (self.indexed_blocks(replica).ok()? >= blocks).then_some(())
         })
+    }
+
+    /// Kills an engine (it stays in Envoy's cluster; health checks take it out).
+    pub fn kill_sim(&mut self, id: &str) {
+        if let Some(s) = self.sims.iter_mut().find(|s| s.id == id) {
+            s.proc.kill();
+        }
     }
 
     /// Kills the sidecar (the filter must fail open).

@@ -4,8 +4,10 @@
 //! `cargo test`; `cargo xtask test` builds and installs everything and runs them.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use kvgate_e2e::client::{client, post, stream};
+use kvgate_e2e::process::wait_for;
 use kvgate_e2e::workload::document;
 use kvgate_e2e::{Artifacts, Stack, StackOptions};
 use kvgate_shared::hash::prompt_digest;
@@ -419,4 +421,45 @@ fn filter_in_envoy_matches_the_reference_ids() {
         }
     }
     assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+}
+
+/// 13. Pod-like deployment with `envoy` discovery: the sidecar learns the engines from
+///     Envoy's admin API, routes on their cache, and stops choosing an engine once Envoy's
+///     health checks take it out; after that no request fails.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn envoy_discovery_follows_health_checks() {
+    let opts = StackOptions { name: "envoy-discovery".into(), envoy_discovery: true, ..Default::default() };
+    let mut stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let ids = |stack: &Stack| -> Vec<String> {
+        let state = stack.sidecar_state().unwrap_or_default();
+        let replicas = state["pools"][0]["replicas"].as_array().cloned().unwrap_or_default();
+        let mut ids: Vec<String> = replicas.iter().filter_map(|r| r["id"].as_str().map(str::to_owned)).collect();
+        ids.sort();
+        ids
+    };
+    let mut all: Vec<String> = stack.sims.iter().map(|s| s.endpoint().to_string()).collect();
+    all.sort();
+    wait_for("all engines discovered", Duration::from_secs(20), || (ids(&stack) == all).then_some(())).unwrap();
+
+    let doc = document(21, 600);
+    let warm = post(&stack.sim("b").url("/v1/chat/completions"), chat(&doc, "first").to_string(), &[]).unwrap();
+    let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    stack.wait_indexed(&stack.sim("b").endpoint().to_string(), prompt_tokens / 16).unwrap();
+    let reply = stream(&stack.gateway("/v1/chat/completions"), chat(&doc, "second")).unwrap();
+    assert_eq!(
+        (reply.status, reply.header("x-kvgate-replica")),
+        (200, "b"),
+        "follows the cache on a discovered engine"
+    );
+
+    stack.kill_sim("b");
+    let b = stack.sim("b").endpoint().to_string();
+    wait_for("b leaves the pool", Duration::from_secs(20), || (!ids(&stack).contains(&b)).then_some(())).unwrap();
+    for i in 0..10 {
+        let reply = stream(&stack.gateway("/v1/chat/completions"), chat(&doc, &format!("after {i}"))).unwrap();
+        assert_eq!(reply.status, 200, "request {i} after b left");
+        assert_ne!(reply.header("x-kvgate-routed-to"), "fallback", "kvgate still routes");
+        assert!(["a", "c"].contains(&reply.header("x-kvgate-replica")));
+    }
 }

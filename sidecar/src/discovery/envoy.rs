@@ -76,15 +76,25 @@ pub fn replicas(config: &DiscoveryConfig, client: &reqwest::blocking::Client) ->
 /// Polls the admin API every `interval_secs` and applies the result until `stop`.
 pub fn spawn(supervisor: Arc<Supervisor>, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
     let config = supervisor.pool().config.discovery.clone();
-    let client = reqwest::blocking::Client::builder().timeout(ADMIN_TIMEOUT).build().map_err(std::io::Error::other)?;
     let interval = Duration::from_secs(config.interval_secs);
-    poll(&config.name.clone(), interval, stop, move || match replicas(&config, &client) {
-        Ok(found) => {
-            if let Err(e) = supervisor.apply(&found) {
-                supervisor.failed(DiscoveryKind::Envoy, &e);
+    // Built on the polling thread: a blocking client must not be created on the runtime.
+    let mut client = None;
+    poll(&config.name.clone(), interval, stop, move || {
+        let client = match &client {
+            Some(c) => c,
+            None => match reqwest::blocking::Client::builder().timeout(ADMIN_TIMEOUT).build() {
+                Ok(c) => client.insert(c),
+                Err(e) => return supervisor.failed(DiscoveryKind::Envoy, &e),
+            },
+        };
+        match replicas(&config, client) {
+            Ok(found) => {
+                if let Err(e) = supervisor.apply(&found) {
+                    supervisor.failed(DiscoveryKind::Envoy, &e);
+                }
             }
+            Err(e) => supervisor.failed(DiscoveryKind::Envoy, &e),
         }
-        Err(e) => supervisor.failed(DiscoveryKind::Envoy, &e),
     })
 }
 

@@ -73,7 +73,7 @@ impl Peer {
                 cmd.extend(["--policy", "kv_aware"].map(String::from));
                 for s in sims {
                     cmd.push("--kv-event-source".into());
-                    cmd.push(format!("{}=tcp://127.0.0.1:{}", s.url(""), s.events_port));
+                    cmd.push(format!("{}=tcp://{}:{}", s.url(""), s.host, s.events_port));
                     cmd.push("--kv-event-replay-source".into());
                     cmd.push(format!("{}=tcp://127.0.0.1:{}", s.url(""), s.replay_port));
                 }
