@@ -43,6 +43,11 @@ pub struct Config {
     /// Where the HTTP API listens. Default `127.0.0.1:9911`.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
+    /// Optional second listener serving only `GET /metrics` and `GET /healthz`, for
+    /// Prometheus and the kubelet (which cannot reach loopback), e.g. `0.0.0.0:9912`.
+    /// Nothing on it can change or steer routing.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
     /// Seconds after which a booking with no reported end is released. Default 300 (Dynamo's).
     #[serde(default = "default_expiry")]
     pub request_expiry_secs: u64,
@@ -329,6 +334,9 @@ impl Config {
         if let Some(v) = env.var("KVGATE_LISTEN") {
             self.listen = v.parse().with_context(|| format!("KVGATE_LISTEN={v}"))?;
         }
+        if let Some(v) = env.var("KVGATE_METRICS_LISTEN") {
+            self.metrics_listen = Some(v.parse().with_context(|| format!("KVGATE_METRICS_LISTEN={v}"))?);
+        }
         let s = &mut self.scoring;
         let knobs: [(&str, &str, &mut f64); 7] = [
             ("KVGATE_PREFILL_LOAD_SCALE", "DYN_ROUTER_PREFILL_LOAD_SCALE", &mut s.prefill_load_scale),
@@ -355,6 +363,9 @@ impl Config {
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.pools.is_empty() {
             bail!("no pools configured");
+        }
+        if self.metrics_listen == Some(self.listen) {
+            bail!("metrics_listen must differ from listen");
         }
         let s = &self.scoring;
         for (name, v) in [

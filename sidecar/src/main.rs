@@ -242,6 +242,16 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         allow_request_overrides: config.allow_request_overrides,
         metrics,
     });
+    if let Some(addr) = config.metrics_listen {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let app = api::metrics_router(state.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!(error = %e, "the metrics listener failed");
+            }
+        });
+        tracing::info!(%addr, "metrics and health on");
+    }
     let listener =
         tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     tracing::info!(listen = %config.listen, "kvgate-sidecar ready");

@@ -84,10 +84,10 @@ fn dns_answers_become_the_pool() {
     supervisor.shutdown();
 }
 
-fn config(port: u16, replicas: &[(&str, u16)]) -> String {
+fn config(port: u16, metrics_port: u16, replicas: &[(&str, u16)]) -> String {
     let tokenizer = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3-0.6b");
     let mut toml = format!(
-        "listen = \"127.0.0.1:{port}\"\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = {:?}\nblock_size = 16\n\
+        "listen = \"127.0.0.1:{port}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = {:?}\nblock_size = 16\n\
          [pools.discovery]\ninterval_secs = 1\n",
         tokenizer.display().to_string()
     );
@@ -104,8 +104,8 @@ fn config_file_edits_apply_without_a_restart() {
     let dir = std::env::temp_dir().join(format!("kvgate-reload-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("kvgate.toml");
-    let port = free_port().unwrap();
-    std::fs::write(&path, config(port, &[("a", 9001), ("b", 9002)])).unwrap();
+    let (port, metrics_port) = (free_port().unwrap(), free_port().unwrap());
+    std::fs::write(&path, config(port, metrics_port, &[("a", 9001), ("b", 9002)])).unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate-sidecar"));
     cmd.arg("--config").arg(&path);
     let _sidecar = Proc::spawn("sidecar", cmd, &dir.join("sidecar.log")).unwrap();
@@ -117,8 +117,13 @@ fn config_file_edits_apply_without_a_restart() {
         Some(rs.iter().map(|r| r["id"].as_str().unwrap_or_default().to_owned()).collect())
     };
     wait_for("the sidecar", WAIT, || (replicas()? == ["a", "b"]).then_some(())).unwrap();
+    let metrics_only =
+        |path: &str| client.get(format!("http://127.0.0.1:{metrics_port}{path}")).send().unwrap().status();
+    assert_eq!(metrics_only("/metrics"), 200);
+    assert_eq!(metrics_only("/healthz"), 200);
+    assert_eq!(metrics_only("/debug/state"), 404, "the metrics listener serves nothing else");
 
-    std::fs::write(&path, config(port, &[("a", 9001), ("c", 9003)])).unwrap();
+    std::fs::write(&path, config(port, metrics_port, &[("a", 9001), ("c", 9003)])).unwrap();
     wait_for("b leaves, c joins", WAIT, || (replicas()? == ["a", "c"]).then_some(())).unwrap();
 
     std::fs::write(&path, "this is not toml").unwrap();
@@ -128,7 +133,7 @@ fn config_file_edits_apply_without_a_restart() {
     .unwrap();
     assert_eq!(replicas().unwrap(), ["a", "c"], "a broken file changes nothing");
 
-    std::fs::write(&path, config(port, &[("b", 9002), ("a", 9001), ("c", 9003)])).unwrap();
+    std::fs::write(&path, config(port, metrics_port, &[("b", 9002), ("a", 9001), ("c", 9003)])).unwrap();
     wait_for("b is back", WAIT, || (replicas()? == ["a", "b", "c"]).then_some(())).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }

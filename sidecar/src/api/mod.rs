@@ -53,6 +53,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// The read-only routes of the optional `metrics_listen` listener: `/metrics` and `/healthz`.
+pub fn metrics_router(state: Arc<AppState>) -> Router {
+    Router::new().route("/metrics", get(metrics)).route("/healthz", get(|| async { "ok" })).with_state(state)
+}
+
 fn encoded<T: serde::Serialize>(value: &T) -> Response {
     match codec::encode(value) {
         Ok(bytes) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], bytes).into_response(),
