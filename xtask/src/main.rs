@@ -8,12 +8,15 @@
 //!   plain round robin, and prints the difference.
 //! - `cargo xtask bench e2e`: the side-by-side benchmark of every routing policy on the same
 //!   simulated fleet (see `bench.rs` for its flags); writes a report under `target/bench/`.
+//! - `cargo xtask package`: the filter as a file and as an OCI image layout (Wasm image
+//!   format, for WasmPlugin `oci://` URLs), with its digests; see `package.rs`.
 //! - `cargo xtask install`: only the installation step.
 //! - `cargo xtask build-wasm`: only the filter build.
 
 mod bench;
 mod demo;
 mod install;
+mod package;
 
 use std::process::Command;
 
@@ -26,10 +29,11 @@ fn main() -> anyhow::Result<()> {
         Some("demo") => demo::run(),
         Some("install") => install::all(),
         Some("build-wasm") => build_wasm(),
+        Some("package") => package::run(&args[1..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("e2e") => bench::e2e(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("filter") => bench::filter(&args[2..]),
         _ => {
-            eprintln!("usage: cargo xtask <test|demo|bench e2e|bench filter|install|build-wasm>");
+            eprintln!("usage: cargo xtask <test|demo|bench e2e|bench filter|package|install|build-wasm>");
             std::process::exit(2);
         }
     }
