@@ -1,0 +1,271 @@
+//! The deployment manifests (`envoy/k8s`, `envoy/gateway-api`) hang together: every file
+//! parses, every Kustomize reference exists, every kvgate config validates with the sidecar's
+//! own loader and every filter config with the filter's own parser, and the names and ports
+//! that must agree across files do. The dashboard only queries metrics kvgate exports.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use kvgate_filter::config::FilterConfig;
+use kvgate_sidecar::config::{Config, DiscoveryKind, ProcessEnv};
+use serde::Deserialize;
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// Every YAML document under `dir`, with its file.
+fn documents(dir: &Path) -> Vec<(PathBuf, Value)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|e| e == "yaml") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                for doc in serde_norway::Deserializer::from_str(&text) {
+                    let v = Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                    if !v.is_null() {
+                        out.push((path.clone(), v));
+                    }
+                }
+            }
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn all() -> Vec<(PathBuf, Value)> {
+    let mut docs = documents(&repo().join("envoy/k8s"));
+    docs.extend(documents(&repo().join("envoy/gateway-api")));
+    docs
+}
+
+fn find<'a>(docs: &'a [(PathBuf, Value)], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .map(|(_, d)| d)
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+/// Every value in a JSON tree.
+fn walk<'a>(v: &'a Value, out: &mut Vec<&'a Value>) {
+    out.push(v);
+    match v {
+        Value::Array(a) => a.iter().for_each(|x| walk(x, out)),
+        Value::Object(o) => o.values().for_each(|x| walk(x, out)),
+        _ => {}
+    }
+}
+
+fn load_config(text: &str) -> Config {
+    let dir = std::env::temp_dir().join(format!("kvgate-manifest-{}-{}", std::process::id(), rand_suffix(text)));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("kvgate.toml");
+    std::fs::write(&path, text).unwrap();
+    let config = Config::load(&path, &ProcessEnv).unwrap_or_else(|e| panic!("{e:#}\n{text}"));
+    std::fs::remove_dir_all(&dir).unwrap();
+    config
+}
+
+fn rand_suffix(text: &str) -> u64 {
+    text.bytes().fold(0xcbf29ce484222325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100000001b3))
+}
+
+fn port(addr: &std::net::SocketAddr) -> u64 {
+    u64::from(addr.port())
+}
+
+#[test]
+fn every_document_is_a_named_resource_and_kustomize_references_exist() {
+    let docs = all();
+    assert!(docs.len() >= 20, "found {} documents", docs.len());
+    for (path, d) in &docs {
+        let kind = d["kind"].as_str().unwrap_or_else(|| panic!("{}: no kind", path.display()));
+        assert!(d["apiVersion"].is_string(), "{}: {kind} without apiVersion", path.display());
+        if path.file_name().unwrap() == "kustomization.yaml" {
+            let dir = path.parent().unwrap();
+            let mut refs: Vec<String> = Vec::new();
+            for key in ["resources", "components"] {
+                refs.extend(d[key].as_array().into_iter().flatten().filter_map(|r| r.as_str().map(str::to_owned)));
+            }
+            for p in d["patches"].as_array().into_iter().flatten() {
+                refs.extend(p["path"].as_str().map(str::to_owned));
+            }
+            for g in d["configMapGenerator"].as_array().into_iter().flatten() {
+                refs.extend(g["files"].as_array().into_iter().flatten().filter_map(|f| f.as_str().map(str::to_owned)));
+            }
+            for r in refs {
+                assert!(dir.join(&r).exists(), "{}: {r} does not exist", path.display());
+            }
+        } else {
+            assert!(d["metadata"]["name"].is_string(), "{}: {kind} without a name", path.display());
+        }
+    }
+}
+
+#[test]
+fn kvgate_configs_and_filter_configs_validate_and_agree_with_the_engines() {
+    let docs = all();
+    let k8s = repo().join("envoy/k8s");
+    let mut configs = vec![
+        std::fs::read_to_string(k8s.join("base/kvgate.toml")).unwrap(),
+        std::fs::read_to_string(k8s.join("overlays/envoy-discovery/kvgate.toml")).unwrap(),
+    ];
+    configs.push(find(&docs, "ConfigMap", "kvgate-config")["data"]["kvgate.toml"].as_str().unwrap().to_owned());
+    let configs: Vec<Config> = configs.iter().map(|t| load_config(t)).collect();
+
+    // The engines, as examples/vllm.yaml runs them.
+    let vllm = find(&docs, "Deployment", "vllm-engines");
+    let args: Vec<&str> = vllm["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let arg = |name: &str| args.iter().find_map(|a| a.strip_prefix(&format!("--{name}="))).unwrap();
+    let events: Value = serde_json::from_str(arg("kv-events-config")).unwrap();
+    assert!(args.contains(&"--enable-prefix-caching"));
+    let events_port = events["endpoint"].as_str().unwrap().rsplit(':').next().unwrap().to_owned();
+    let replay_port = events["replay_endpoint"].as_str().unwrap().rsplit(':').next().unwrap().to_owned();
+    let headless = find(&docs, "Service", "vllm-engines-headless");
+    assert_eq!(headless["spec"]["clusterIP"], "None", "dns discovery needs one record per pod");
+    let svc = find(&docs, "Service", "vllm-engines");
+    let svc_host = format!("vllm-engines.{}.svc.cluster.local", svc["metadata"]["namespace"].as_str().unwrap());
+    let svc_port = svc["spec"]["ports"][0]["port"].as_u64().unwrap();
+
+    for c in &configs {
+        assert!(c.listen.ip().is_loopback(), "the filter's API stays on loopback");
+        let pool = &c.pools[0];
+        assert_eq!(pool.model, arg("served-model-name"));
+        assert_eq!(pool.block_size.to_string(), arg("block-size"));
+        let d = &pool.discovery;
+        assert!(d.kv_events.ends_with(&format!(":{events_port}")), "events port {}", d.kv_events);
+        assert!(d.kv_replay.as_deref().unwrap().ends_with(&format!(":{replay_port}")));
+        match d.kind {
+            DiscoveryKind::Dns => {
+                assert_eq!(
+                    d.name,
+                    format!(
+                        "vllm-engines-headless.{}.svc.cluster.local",
+                        headless["metadata"]["namespace"].as_str().unwrap()
+                    )
+                );
+                assert_eq!(u64::from(d.port), svc_port);
+            }
+            DiscoveryKind::Envoy => {
+                assert_eq!(d.name, format!("outbound|{svc_port}||{svc_host}"), "Istio's cluster name")
+            }
+            DiscoveryKind::Static => panic!("the manifests discover engines"),
+        }
+    }
+    let base = &configs[0];
+
+    // Every filter config parses with the filter's own validator and names the sidecar cluster.
+    let mut filter_configs = Vec::new();
+    let mut values = Vec::new();
+    for (_, d) in &docs {
+        walk(d, &mut values);
+    }
+    for v in &values {
+        if v["@type"] == "type.googleapis.com/google.protobuf.StringValue"
+            && v["value"].as_str().is_some_and(|s| s.contains("sidecar_cluster"))
+        {
+            filter_configs.push(v["value"].as_str().unwrap().to_owned());
+        }
+    }
+    filter_configs.push(find(&docs, "WasmPlugin", "kvgate")["spec"]["pluginConfig"].to_string());
+    filter_configs.push(find(&docs, "EnvoyExtensionPolicy", "kvgate")["spec"]["wasm"][0]["config"].to_string());
+    assert_eq!(filter_configs.len(), 3);
+    for text in &filter_configs {
+        let fc = FilterConfig::parse(text.as_bytes()).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_eq!(fc.sidecar_cluster, "kvgate-sidecar");
+    }
+
+    // The sidecar cluster points at the sidecar's listen address, in both gateways.
+    let sidecar_clusters: Vec<&&Value> =
+        values.iter().filter(|v| v["name"] == "kvgate-sidecar" && v["type"] == "STATIC").collect();
+    assert_eq!(sidecar_clusters.len(), 2);
+    for c in sidecar_clusters {
+        let addr = &c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+        assert_eq!(addr["address"], "127.0.0.1");
+        assert_eq!(addr["port_value"].as_u64(), Some(port(&base.listen)));
+    }
+
+    // override_host reads the header the filter sets, on the engines' cluster.
+    let overrides: Vec<&&Value> = values.iter().filter(|v| v["override_host_sources"].is_array()).collect();
+    assert_eq!(overrides.len(), 2);
+    for o in overrides {
+        assert_eq!(o["override_host_sources"][0]["header"], kvgate_shared::wire::DESTINATION_HEADER);
+    }
+    let cluster_patch = &find(&docs, "EnvoyFilter", "kvgate-cluster")["spec"]["configPatches"][0]["match"]["cluster"];
+    assert_eq!(
+        (cluster_patch["service"].as_str().unwrap(), cluster_patch["portNumber"].as_u64().unwrap()),
+        (svc_host.as_str(), svc_port)
+    );
+    let vs = &find(&docs, "VirtualService", "llm")["spec"]["http"][0]["route"][0]["destination"];
+    assert_eq!((vs["host"].as_str().unwrap(), vs["port"]["number"].as_u64().unwrap()), (svc_host.as_str(), svc_port));
+
+    // The sidecar container: config mount, probes and metrics on metrics_listen.
+    let patch = documents(&k8s.join("components"));
+    let spec = &patch[0].1["spec"]["template"]["spec"];
+    let container = &spec["containers"][0];
+    let metrics_port = port(&base.metrics_listen.unwrap());
+    assert_eq!(container["readinessProbe"]["httpGet"]["port"].as_u64(), Some(metrics_port));
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(container["ports"][0]["containerPort"].as_u64(), Some(metrics_port));
+    assert_eq!(
+        container["args"][1],
+        format!("{}/kvgate.toml", container["volumeMounts"][0]["mountPath"].as_str().unwrap())
+    );
+    assert_eq!(spec["volumes"][0]["configMap"]["name"], "kvgate-config");
+    let monitor = find(&docs, "PodMonitor", "kvgate");
+    let ports: HashSet<&str> =
+        monitor["spec"]["podMetricsEndpoints"].as_array().unwrap().iter().filter_map(|e| e["port"].as_str()).collect();
+    assert!(ports.contains(container["ports"][0]["name"].as_str().unwrap()));
+}
+
+#[test]
+fn the_dashboard_queries_only_exported_metrics() {
+    let sidecar_src = std::fs::read_to_string(repo().join("sidecar/src/metrics.rs")).unwrap();
+    let filter_src = std::fs::read_to_string(repo().join("filter/src/metrics.rs")).unwrap();
+    // Sidecar: registry.register("name", …) under the `kvgate` prefix; counters gain _total,
+    // histograms _bucket/_sum/_count. Filter: proxy-wasm metric "kvgate.x.y" → Envoy's
+    // Prometheus name envoy_wasmcustom_kvgate_x_y (histograms gain _bucket).
+    let quoted = |src: &str, after: &str| -> Vec<String> {
+        src.split(after).skip(1).filter_map(|rest| rest.split('"').nth(1).map(str::to_owned)).collect()
+    };
+    let mut known: HashSet<String> = HashSet::new();
+    for name in quoted(&sidecar_src, "register(") {
+        for suffix in ["", "_total", "_bucket", "_sum", "_count"] {
+            known.insert(format!("kvgate_{name}{suffix}"));
+        }
+    }
+    for name in quoted(&filter_src, "counter(").into_iter().chain(quoted(&filter_src, "histogram(")) {
+        for suffix in ["", "_bucket"] {
+            known.insert(format!("envoy_wasmcustom_{}{suffix}", name.replace('.', "_")));
+        }
+    }
+    assert!(known.contains("kvgate_decisions_total") && known.contains("envoy_wasmcustom_kvgate_requests_routed"));
+    let dash: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("envoy/k8s/monitoring/grafana-dashboard.json")).unwrap(),
+    )
+    .unwrap();
+    let panels = dash["panels"].as_array().unwrap();
+    assert!(panels.len() >= 10);
+    for p in panels {
+        for t in p["targets"].as_array().unwrap() {
+            let expr = t["expr"].as_str().unwrap();
+            let names = expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("kvgate_") || w.starts_with("envoy_wasmcustom_"));
+            for name in names {
+                assert!(known.contains(name), "panel {:?} queries {name}, which kvgate does not export", p["title"]);
+            }
+        }
+    }
+}
