@@ -79,6 +79,8 @@ pub struct Metrics {
     pub degraded: Family<ReasonLabels, Gauge>,
     /// Blocks indexed per replica.
     pub index_blocks: Family<ReplicaLabels, Gauge>,
+    /// Unix time of the last KV-event message applied per replica (event lag: now minus it).
+    pub last_event: Family<ReplicaLabels, Gauge>,
     /// Active (booked, not finished) requests per replica.
     pub active_requests: Family<ReplicaLabels, Gauge>,
     /// Booked prefill tokens per replica.
@@ -105,6 +107,7 @@ impl Default for Metrics {
         let gaps_lost = Family::default();
         let degraded = Family::default();
         let index_blocks = Family::default();
+        let last_event = Family::default();
         let active_requests = Family::default();
         let prefill_tokens = Family::default();
         let lifecycle_events = Family::default();
@@ -139,6 +142,11 @@ impl Default for Metrics {
             degraded.clone(),
         );
         registry.register("index_blocks", "Blocks indexed per replica", index_blocks.clone());
+        registry.register(
+            "kv_last_event_timestamp_seconds",
+            "Unix time of the last KV-event message applied per replica",
+            last_event.clone(),
+        );
         registry.register("active_requests", "Booked, unfinished requests per replica", active_requests.clone());
         registry.register("prefill_tokens", "Booked prefill tokens per replica", prefill_tokens.clone());
         registry.register(
@@ -159,6 +167,7 @@ impl Default for Metrics {
             gaps_lost,
             degraded,
             index_blocks,
+            last_event,
             active_requests,
             prefill_tokens,
             lifecycle_events,

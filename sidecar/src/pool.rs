@@ -387,7 +387,10 @@ impl Pool {
         h.awaiting_events_since.store(NONE, Ordering::Relaxed);
         h.stalled.store(false, Ordering::Relaxed);
         let blocks = read(&self.index).replica_blocks(replica);
-        self.metrics.index_blocks.get_or_create(&self.labels(replica)).set(blocks as i64);
+        let labels = self.labels(replica);
+        self.metrics.index_blocks.get_or_create(&labels).set(blocks as i64);
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        self.metrics.last_event.get_or_create(&labels).set(now as i64);
         self.publish_health(replica);
     }
 

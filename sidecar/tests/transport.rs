@@ -194,6 +194,11 @@ fn gaps_are_replayed_restarts_clear_and_garbage_is_survived() {
     assert_eq!(rig.depth(1, 5), 5, "the replayed blocks are indexed");
     assert!(!rig.pool.state().replicas[0].degraded);
     assert!(rig.metrics.render().contains("kvgate_kv_gaps_replayed_total{model=\"m\",replica=\"a\"} 1"));
+    let last_event = rig.metrics.render();
+    let last_event = last_event.lines().find(|l| l.starts_with("kvgate_kv_last_event_timestamp_seconds{")).unwrap();
+    let at: u64 = last_event.rsplit(' ').next().unwrap().parse().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    assert!(now.abs_diff(at) < 60, "the last event's time is now: {last_event}");
 
     // Garbage: a bad payload and a bad seq frame are counted; the stream goes on.
     engine.send(5, b"\xc1 not msgpack", false);
