@@ -27,6 +27,8 @@ fn pool(replicas: usize, prompt_tokens: usize) -> Pool {
         tokenizer: "unused".into(),
         block_size: BS as u32,
         discovery: Default::default(),
+        affinity_ttl_secs: 120,
+        affinity_blocks: 1 << 18,
         chat_template_content_format: Default::default(),
         policy: Policy::KvAware,
         adapters: Vec::new(),

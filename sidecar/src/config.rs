@@ -85,6 +85,14 @@ pub struct PoolConfig {
     /// How replicas are chosen (default `kv_aware`).
     #[serde(default)]
     pub policy: Policy,
+    /// `prefix_affinity`: how long a routed prompt's blocks count as cached where they were
+    /// sent (default 120 s).
+    #[serde(default = "default_affinity_ttl")]
+    pub affinity_ttl_secs: u64,
+    /// `prefix_affinity`: distinct blocks remembered, least recently routed dropped first
+    /// (default 262144, about 25 MiB).
+    #[serde(default = "default_affinity_blocks")]
+    pub affinity_blocks: usize,
     /// Where the replicas come from (default: the `replicas` below, reloaded with the file).
     #[serde(default)]
     pub discovery: DiscoveryConfig,
@@ -191,6 +199,11 @@ impl DiscoveryConfig {
 }
 
 impl PoolConfig {
+    /// Whether this pool subscribes to its engines' KV events (all but `prefix_affinity`).
+    pub fn reads_events(&self) -> bool {
+        self.policy != Policy::PrefixAffinity
+    }
+
     /// The model bundle the filter and the offload path tokenize with: the tokenizer
     /// directory, read, with this pool's block size and content format.
     pub fn bundle(&self) -> Result<ModelBundle, PromptError> {
@@ -208,7 +221,9 @@ pub struct ReplicaConfig {
     pub id: String,
     /// `ip:port` exactly as the Envoy cluster has the host (what override_host matches).
     pub endpoint: SocketAddr,
-    /// The engine's KV-events ZMQ endpoint, e.g. `tcp://10.0.0.5:5557`.
+    /// The engine's KV-events ZMQ endpoint, e.g. `tcp://10.0.0.5:5557` (may be left out only
+    /// in a `prefix_affinity` pool, which reads no events).
+    #[serde(default)]
     pub kv_events: String,
     /// `connect` (default: the engine binds its PUB, as vLLM does with `tcp://*:5557`) or
     /// `bind` (the engine is configured to connect to us).
@@ -237,6 +252,9 @@ pub enum Policy {
     /// Rendezvous hashing of the session key (`x-session-id`, else the body's `session_id` or
     /// `user`); requests without one are routed `kv_aware`.
     ConsistentHash,
+    /// The `kv_aware` cost with overlap from this gateway's own routing history instead of
+    /// KV events (for engines that publish none): see [`crate::index::approx`].
+    PrefixAffinity,
 }
 
 /// Who binds the KV-event socket.
@@ -275,6 +293,14 @@ fn fill_ports(template: &str, port: u16) -> String {
     }
     out.push_str(rest);
     out
+}
+
+fn default_affinity_ttl() -> u64 {
+    120
+}
+
+fn default_affinity_blocks() -> usize {
+    1 << 18
 }
 
 fn default_admin() -> String {
@@ -410,13 +436,15 @@ impl Config {
                         bail!("pool {:?}: discovery.admin must be an http:// URL, got {:?}", pool.model, d.admin);
                     }
                     let example = d.replica(SocketAddr::from(([10, 0, 0, 1], 8000)));
-                    if !d.kv_events.contains("{ip}") {
+                    if pool.reads_events() && !d.kv_events.contains("{ip}") {
                         bail!(
                             "pool {:?}: discovery.kv_events must contain {{ip}}, e.g. \"tcp://{{ip}}:5557\"",
                             pool.model
                         );
                     }
-                    check_endpoints(&example)?;
+                    if pool.reads_events() {
+                        check_endpoints(&example)?;
+                    }
                 }
             }
             if d.interval_secs == 0 {
@@ -431,7 +459,9 @@ impl Config {
                 if !endpoints.insert(r.endpoint) {
                     bail!("pool {:?}: endpoint {} is used twice", pool.model, r.endpoint);
                 }
-                check_endpoints(r)?;
+                if pool.reads_events() {
+                    check_endpoints(r)?;
+                }
             }
         }
         Ok(())
@@ -554,6 +584,16 @@ mod tests {
         kv_events = "tcp://{ip}:5557"
         kv_replay = "tcp://{ip}:5558"
     "#;
+
+    #[test]
+    fn prefix_affinity_pools_need_no_event_endpoints() {
+        let no_events = BASE.replace("kv_events = \"tcp://127.0.0.1:5557\"", "");
+        assert!(load(&no_events, &[]).is_err(), "kv_aware reads events");
+        let affinity = no_events.replace("block_size = 16", "block_size = 16\npolicy = \"prefix_affinity\"");
+        let c = load(&affinity, &[]).unwrap();
+        assert!(!c.pools[0].reads_events());
+        assert_eq!((c.pools[0].affinity_ttl_secs, c.pools[0].affinity_blocks), (120, 1 << 18));
+    }
 
     #[test]
     fn event_endpoints_can_be_relative_to_the_http_port() {

@@ -19,6 +19,7 @@ use serde::Serialize;
 
 use crate::config::{Policy, PoolConfig, ReplicaConfig};
 use crate::events::ingest::{Ingest, Outcome};
+use crate::index::approx::ApproxIndex;
 use crate::index::{KvIndex, Overlap, ReplicaIdx, Tier};
 use crate::load::{LoadTable, NewBooking};
 use crate::metrics::{DecisionLabels, Metrics, ReasonLabels, ReplicaLabels};
@@ -106,6 +107,8 @@ pub struct Pool {
     explanations: Mutex<VecDeque<Kept>>,
     /// The `round_robin` cursor.
     next: AtomicUsize,
+    /// Where this gateway sent which blocks (the `prefix_affinity` policy's overlap).
+    affinity: Mutex<ApproxIndex>,
 }
 
 /// Decisions kept for `/debug/explain`.
@@ -206,6 +209,7 @@ impl Pool {
     /// An empty pool.
     pub fn new(config: PoolConfig, bundle: Vec<u8>, metrics: Arc<Metrics>) -> Pool {
         let n = config.replicas.len();
+        let affinity = ApproxIndex::new(config.affinity_blocks, Duration::from_secs(config.affinity_ttl_secs));
         Pool {
             index: RwLock::new(KvIndex::new(config.block_size as usize, n)),
             load: Mutex::new(LoadTable::new(n)),
@@ -217,6 +221,7 @@ impl Pool {
             started: Instant::now(),
             explanations: Mutex::new(VecDeque::with_capacity(EXPLANATIONS)),
             next: AtomicUsize::new(0),
+            affinity: Mutex::new(affinity),
         }
     }
 
@@ -277,12 +282,17 @@ impl Pool {
         m.stop.store(true, Ordering::Relaxed);
         m.active = false;
         self.index_mut().clear_replica(i);
+        self.affinity_index().clear_replica(i);
         let mut load = self.load_table();
         load.clear_replica(i);
         let labels = ReplicaLabels { model: self.config.model.clone(), replica: m.replica.id.clone() };
         self.metrics.index_blocks.get_or_create(&labels).set(0);
         self.metrics.active_requests.get_or_create(&labels).set(0);
         self.metrics.prefill_tokens.get_or_create(&labels).set(0);
+    }
+
+    fn affinity_index(&self) -> std::sync::MutexGuard<'_, ApproxIndex> {
+        self.affinity.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Stops every replica's event threads (shutdown).
@@ -430,15 +440,21 @@ impl Pool {
         let bs = u64::from(self.config.block_size);
         // Hashes computed with another block size would match nothing correctly: drop them.
         let hashes: &[u64] = if req.block_size == self.config.block_size { &req.block_hashes } else { &[] };
-        let overlaps = read(&self.index).find_matches(hashes);
         let members = self.members();
+        let affinity = self.config.policy == Policy::PrefixAffinity;
+        let overlaps = if affinity {
+            self.affinity_index().find_matches(hashes, members.len(), Instant::now())
+        } else {
+            read(&self.index).find_matches(hashes)
+        };
         // The candidates: active replicas, with no cache credit while their publisher stalls.
         let active: Vec<(ReplicaIdx, Overlap, bool)> = members
             .iter()
             .enumerate()
             .filter(|(_, m)| m.active)
             .map(|(i, m)| {
-                let trusted = m.health.trusted();
+                // The affinity index does not depend on events, so a silent publisher is moot.
+                let trusted = affinity || m.health.trusted();
                 (i, if trusted { overlaps[i] } else { Overlap::default() }, trusted)
             })
             .collect();
@@ -476,7 +492,9 @@ impl Pool {
         let logits = score::logits(&cost_config, RequestShape { prompt_tokens, block_size: bs }, &candidates);
         // `choice` indexes `active`.
         let choice = match policy {
-            Policy::KvAware | Policy::LeastLoad => score::select(&logits, cost_config.temperature, &mut rand::rng()),
+            Policy::KvAware | Policy::LeastLoad | Policy::PrefixAffinity => {
+                score::select(&logits, cost_config.temperature, &mut rand::rng())
+            }
             Policy::RoundRobin => Some(self.next.fetch_add(1, Ordering::Relaxed) % active.len()),
             Policy::ConsistentHash => req.session.as_deref().map(|key| rendezvous(key, &members, &active)),
         };
@@ -492,7 +510,9 @@ impl Pool {
         );
         self.publish_load(&load, best);
         drop(load);
-        if booked && prefill_tokens >= bs {
+        if affinity {
+            self.affinity_index().record(best, hashes, Instant::now());
+        } else if booked && prefill_tokens >= bs {
             // The engine must store at least one new block: an event is now expected.
             let _ = members[best].health.awaiting_events_since.compare_exchange(
                 NONE,
@@ -633,6 +653,8 @@ mod tests {
             tokenizer: "unused".into(),
             block_size: 4,
             discovery: Default::default(),
+            affinity_ttl_secs: 120,
+            affinity_blocks: 1 << 18,
             chat_template_content_format: Default::default(),
             policy,
             adapters: Vec::new(),
@@ -850,5 +872,31 @@ mod tests {
         let r = p.route(&request("x", &[1, 2, 3, 4]), &ScoringConfig::default());
         assert_eq!((r.endpoint, r.replica), (None, None));
         assert!(p.state().replicas.is_empty());
+    }
+
+    #[test]
+    fn prefix_affinity_follows_its_own_routing_not_events() {
+        let p = pool_with(3, Policy::PrefixAffinity);
+        let cfg = ScoringConfig::default();
+        let prompt: Vec<u32> = (0..64).collect();
+        let first = p.route(&request("first", &prompt), &cfg);
+        let home = chosen(&first);
+        assert!(p.lifecycle("first", false));
+        // Events say another replica holds the prompt: this policy does not read them.
+        cache_on(&p, (home + 1) % 3, &prompt);
+        let mut longer = prompt.clone();
+        longer.extend(1000..1016);
+        let again = p.route(&request("again", &longer), &cfg);
+        assert_eq!((chosen(&again), again.overlap_blocks), (home, 16), "where the gateway sent the prefix");
+        // Distinct prompts still spread by load.
+        let mut per_replica = [0; 3];
+        for i in 0..6u32 {
+            let tokens: Vec<u32> = (0..64).map(|t| 20_000 + i * 100 + t).collect();
+            per_replica[chosen(&p.route(&request(&format!("d{i}"), &tokens), &cfg))] += 1;
+        }
+        assert!(per_replica.iter().all(|n| *n >= 1), "{per_replica:?}");
+        let explained = &p.explain(Some("again"), 1)[0];
+        assert_eq!(explained.policy, Policy::PrefixAffinity);
+        assert!(p.state().replicas.iter().all(|r| !r.stalled), "no events expected, none missed");
     }
 }

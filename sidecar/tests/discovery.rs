@@ -55,6 +55,8 @@ fn dns_answers_become_the_pool() {
             interval_secs: 1,
             ..DiscoveryConfig::default()
         },
+        affinity_ttl_secs: 120,
+        affinity_blocks: 1 << 18,
         chat_template_content_format: Default::default(),
         policy: Default::default(),
         adapters: Vec::new(),

@@ -33,6 +33,8 @@ fn state() -> (Arc<AppState>, Arc<Pool>) {
         tokenizer: model_dir(),
         block_size: BLOCK,
         discovery: Default::default(),
+        affinity_ttl_secs: 120,
+        affinity_blocks: 1 << 18,
         chat_template_content_format: Default::default(),
         policy: Policy::default(),
         adapters: Vec::new(),

@@ -132,6 +132,8 @@ impl Rig {
             tokenizer: "unused".into(),
             block_size: BS as u32,
             discovery: Default::default(),
+            affinity_ttl_secs: 120,
+            affinity_blocks: 1 << 18,
             chat_template_content_format: Default::default(),
             policy: Default::default(),
             adapters: Vec::new(),

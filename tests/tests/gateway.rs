@@ -463,3 +463,29 @@ fn envoy_discovery_follows_health_checks() {
         assert!(["a", "c"].contains(&reply.header("x-kvgate-replica")));
     }
 }
+
+/// 14. `prefix_affinity` (no events read): a conversation's next turn goes where the gateway
+///     sent its previous one, and is served from that engine's cache.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn prefix_affinity_routes_on_the_gateways_own_history() {
+    let opts =
+        StackOptions { name: "affinity-approx".into(), pool_policy: "prefix_affinity".into(), ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    for seed in [31, 32, 33] {
+        let doc = document(seed, 500);
+        let first = stream(&stack.gateway("/v1/chat/completions"), chat(&doc, "first")).unwrap();
+        assert_eq!(first.status, 200);
+        let home = first.header("x-kvgate-replica").to_owned();
+        for i in 0..2 {
+            let next = stream(&stack.gateway("/v1/chat/completions"), chat(&doc, &format!("next {i}"))).unwrap();
+            assert_eq!(next.header("x-kvgate-replica"), home, "turn {i} of document {seed} follows the first");
+            assert!(next.header("x-kvgate-overlap-blocks").parse::<u64>().unwrap() >= 25);
+            assert!(next.cached_tokens() >= 16 * 25, "served from cache: {:?}", next.usage);
+        }
+    }
+    let state = stack.sidecar_state().unwrap();
+    let events: u64 =
+        state["pools"][0]["replicas"].as_array().unwrap().iter().map(|r| r["events_applied"].as_u64().unwrap()).sum();
+    assert_eq!(events, 0, "the policy reads no KV events");
+}

@@ -69,7 +69,7 @@ impl Supervisor {
     fn spawn(&self, sources: Vec<(usize, ReplicaConfig, Arc<AtomicBool>)>) -> std::io::Result<()> {
         let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
         threads.retain(|t| !t.is_finished());
-        for (replica, config, stop) in sources {
+        for (replica, config, stop) in sources.into_iter().filter(|_| self.pool.config.reads_events()) {
             let source = Source { replica, config, stop };
             threads.extend(transport::spawn(self.ctx.clone(), self.pool.clone(), source, self.metrics.clone())?);
         }

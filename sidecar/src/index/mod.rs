@@ -14,6 +14,8 @@
 //! Cost: `store`/`remove` are O(blocks in the event); [`KvIndex::find_matches`] is
 //! O(matched depth × replicas still matching); clearing a replica is O(its blocks).
 
+pub mod approx;
+
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 

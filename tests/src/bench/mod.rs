@@ -49,11 +49,12 @@ pub enum Policy {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 9] = [
+    pub const ALL: [Policy; 10] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
         Policy::Kvgate("least_load"),
+        Policy::Kvgate("prefix_affinity"),
         Policy::Kvgate("kv_aware"),
         Policy::KvgatePrefillWeighted(4),
         Policy::Peer(Peer::SglangCacheAware),
