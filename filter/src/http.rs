@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::wire::{
-    LifecycleEvent, LifecycleKind, RouteResponse, CONTENT_TYPE, DESTINATION_HEADER, OVERRIDES_HEADER, SESSION_HEADER,
+    LifecycleEvent, LifecycleKind, RouteResponse, CONTENT_TYPE, DESTINATION_HEADER, DP_RANK_HEADER, OVERRIDES_HEADER,
+    SESSION_HEADER,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
@@ -238,6 +239,12 @@ impl RequestContext {
             return Outcome::FallbackError;
         };
         let Some(endpoint) = &answer.endpoint else { return Outcome::FallbackError };
+        if let Some(rank) = answer.dp_rank {
+            if let Err(status) = host::set_request_header(DP_RANK_HEADER, &rank.to_string()) {
+                log::warn!("kvgate: cannot set {DP_RANK_HEADER}: {status:?}");
+                return Outcome::FallbackError;
+            }
+        }
         match host::set_request_header(DESTINATION_HEADER, endpoint) {
             Ok(()) => {
                 self.decision.replica = answer.replica.clone();
@@ -268,9 +275,11 @@ impl Context for RequestContext {
 
 impl HttpContext for RequestContext {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        // Never let a client pick the upstream, whatever happens next.
-        if let Err(status) = host::remove_request_header(DESTINATION_HEADER) {
-            log::warn!("kvgate: cannot strip {DESTINATION_HEADER}: {status:?}");
+        // Never let a client pick the upstream (host or data-parallel rank), whatever happens next.
+        for header in [DESTINATION_HEADER, DP_RANK_HEADER] {
+            if let Err(status) = host::remove_request_header(header) {
+                log::warn!("kvgate: cannot strip {header}: {status:?}");
+            }
         }
         let method = self.request_header(":method");
         let path = self.request_header(":path").unwrap_or_default();

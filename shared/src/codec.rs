@@ -63,14 +63,16 @@ mod tests {
             overrides: Some(crate::wire::ScoringOverrides { temperature: Some(0.5), ..Default::default() }),
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
-        let resp = RouteResponse { endpoint: Some("127.0.0.1:1".into()), replica: None, overlap_blocks: 3 };
+        let resp =
+            RouteResponse { endpoint: Some("127.0.0.1:1".into()), replica: None, overlap_blocks: 3, dp_rank: Some(1) };
         assert_eq!(decode::<RouteResponse>(&encode(&resp).unwrap()).unwrap(), resp);
     }
 
     #[test]
     fn rejects_garbage_and_trailing_bytes() {
         assert!(decode::<RouteRequest>(&[0xff; 3]).is_err());
-        let mut bytes = encode(&RouteResponse { endpoint: None, replica: None, overlap_blocks: 0 }).unwrap();
+        let mut bytes =
+            encode(&RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None }).unwrap();
         bytes.push(0);
         assert!(matches!(decode::<RouteResponse>(&bytes), Err(CodecError::Trailing(1))));
     }

@@ -1,11 +1,13 @@
 //! `kvgate-shared`: the code that every kvgate component must agree on, byte for byte.
 //!
 //! - [`hash`]: Dynamo-compatible block hashing (xxh3, seed 1337, chained sequence hashes).
+//! - [`endpoint`]: vLLM's per-data-parallel-rank ZMQ endpoints.
 //! - [`wire`] and [`codec`]: the filter ↔ sidecar messages and their one encoding (bincode 2).
 //! - [`prompt`]: the pure request → token ids pipeline (OpenAI body, chat template, tokenizer)
 //!   that the filter, the simulator and the CLI all run, so they can never disagree.
 
 pub mod codec;
+pub mod endpoint;
 pub mod hash;
 pub mod prompt;
 pub mod wire;

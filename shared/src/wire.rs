@@ -18,6 +18,9 @@ pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 /// The request header Envoy's `override_host` load-balancing policy reads: `ip:port`.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 
+/// vLLM's header selecting a data-parallel rank of the engine the request reaches.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
 /// Asks the sidecar where one LLM request should go.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {
@@ -86,6 +89,9 @@ pub struct RouteResponse {
     pub replica: Option<String>,
     /// Prompt blocks already cached on the chosen replica's device tier.
     pub overlap_blocks: u32,
+    /// The data-parallel rank chosen within the replica, for [`DP_RANK_HEADER`]; `None` for an
+    /// engine without ranks.
+    pub dp_rank: Option<u32>,
 }
 
 /// A point in a routed request's life, reported by the filter.

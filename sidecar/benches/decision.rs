@@ -40,6 +40,7 @@ fn pool(replicas: usize, prompt_tokens: usize) -> Pool {
                 kv_events_mode: EventsMode::Connect,
                 kv_events_topic: String::new(),
                 kv_replay: None,
+                data_parallel_size: 1,
             })
             .collect(),
     };

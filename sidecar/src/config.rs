@@ -137,6 +137,9 @@ pub struct DiscoveryConfig {
     /// How often to look again (`dns`, `envoy`), or to check the file for changes (`static`).
     #[serde(default = "default_discovery_interval")]
     pub interval_secs: u64,
+    /// Data-parallel ranks of every discovered engine (see [`ReplicaConfig::data_parallel_size`]).
+    #[serde(default = "one")]
+    pub data_parallel_size: u32,
 }
 
 /// A discovery source.
@@ -174,6 +177,7 @@ impl Default for DiscoveryConfig {
             kv_replay: None,
             kv_events_topic: String::new(),
             interval_secs: default_discovery_interval(),
+            data_parallel_size: 1,
         }
     }
 }
@@ -194,6 +198,7 @@ impl DiscoveryConfig {
             kv_events_mode: EventsMode::Connect,
             kv_events_topic: self.kv_events_topic.clone(),
             kv_replay: self.kv_replay.as_deref().map(fill),
+            data_parallel_size: self.data_parallel_size,
         }
     }
 }
@@ -236,6 +241,11 @@ pub struct ReplicaConfig {
     /// Without it, lost messages leave the replica degraded until its cache is cleared.
     #[serde(default)]
     pub kv_replay: Option<String>,
+    /// The engine's `--data-parallel-size` (default 1). With N > 1 each rank is a routing
+    /// target of its own: its events at `kv_events` port + rank (vLLM's rule), requests sent
+    /// with `X-data-parallel-rank`.
+    #[serde(default = "one")]
+    pub data_parallel_size: u32,
 }
 
 /// A pool's routing policy. Every policy books load, so switching keeps load tracking.
@@ -293,6 +303,10 @@ fn fill_ports(template: &str, port: u16) -> String {
     }
     out.push_str(rest);
     out
+}
+
+fn one() -> u32 {
+    1
 }
 
 fn default_affinity_ttl() -> u64 {
@@ -468,8 +482,17 @@ impl Config {
     }
 }
 
-/// Event endpoints must be ZMQ tcp:// or ipc:// addresses.
+/// Event endpoints must be ZMQ tcp:// or ipc:// addresses, and offsettable per rank for
+/// data-parallel engines.
 fn check_endpoints(r: &ReplicaConfig) -> anyhow::Result<()> {
+    if !(1..=1024).contains(&r.data_parallel_size) {
+        bail!("replica {:?}: data_parallel_size must be 1..=1024, got {}", r.id, r.data_parallel_size);
+    }
+    for endpoint in std::iter::once(&r.kv_events).chain(&r.kv_replay) {
+        if r.data_parallel_size > 1 {
+            kvgate_shared::endpoint::for_rank(endpoint, 1).with_context(|| format!("replica {:?}", r.id))?;
+        }
+    }
     for (key, endpoint) in [("kv_events", Some(&r.kv_events)), ("kv_replay", r.kv_replay.as_ref())] {
         if let Some(e) = endpoint {
             if !(e.starts_with("tcp://") || e.starts_with("ipc://")) {
@@ -570,6 +593,15 @@ mod tests {
         assert!(load(&BASE.replace("block_size = 16", "block_size = 16\nadapters = [\"a\", \"a\"]"), &[]).is_err());
         assert!(load(&BASE.replace("block_size = 16", "block_size = 16\nadapters = [\"a\"]"), &[]).is_ok());
         assert!(load(&BASE.replace("127.0.0.1:8001", "not-an-address"), &[]).is_err());
+        let dp = |n: u32, events: &str| {
+            BASE.replace(
+                "kv_events = \"tcp://127.0.0.1:5557\"",
+                &format!("kv_events = \"{events}\"\ndata_parallel_size = {n}"),
+            )
+        };
+        assert!(load(&dp(4, "tcp://127.0.0.1:5557"), &[]).is_ok());
+        assert!(load(&dp(2, "ipc:///tmp/kv"), &[]).is_err(), "ipc endpoints cannot be offset per rank");
+        assert!(load(&dp(0, "tcp://127.0.0.1:5557"), &[]).is_err());
     }
 
     const DNS: &str = r#"

@@ -64,11 +64,13 @@ impl ReplicaHealth {
     }
 }
 
-/// One replica's slot.
+/// One routing target's slot: a replica, or one data-parallel rank of it.
 #[derive(Debug)]
 pub struct Member {
-    /// Where it is and where its events come from.
+    /// Where it is and where its events come from (a rank's own endpoints, id `replica#rank`).
     pub replica: ReplicaConfig,
+    /// Its data-parallel rank, for engines that have ranks.
+    pub rank: Option<u32>,
     /// In the pool now (false: it left; its slot is empty).
     pub active: bool,
     /// Its ingestion health.
@@ -78,9 +80,35 @@ pub struct Member {
 }
 
 impl Member {
-    fn new(replica: ReplicaConfig) -> Member {
-        Member { replica, active: true, health: Arc::default(), stop: Arc::default() }
+    fn new((replica, rank): (ReplicaConfig, Option<u32>)) -> Member {
+        Member { replica, rank, active: true, health: Arc::default(), stop: Arc::default() }
     }
+}
+
+/// The routing targets of replicas: each replica itself, or — with `data_parallel_size` N > 1
+/// — one target per rank: id `replica#r`, events and replay at vLLM's per-rank endpoints
+/// (port + r), the replica's HTTP endpoint, and `X-data-parallel-rank: r` on the request.
+pub fn targets(replicas: &[ReplicaConfig]) -> Vec<(ReplicaConfig, Option<u32>)> {
+    let mut out = Vec::new();
+    for r in replicas {
+        if r.data_parallel_size <= 1 {
+            out.push((r.clone(), None));
+            continue;
+        }
+        for rank in 0..r.data_parallel_size {
+            // Validation guarantees offsettable endpoints.
+            let offset = |e: &str| kvgate_shared::endpoint::for_rank(e, rank).unwrap_or_else(|_| e.to_owned());
+            let target = ReplicaConfig {
+                id: format!("{}#{rank}", r.id),
+                kv_events: offset(&r.kv_events),
+                kv_replay: r.kv_replay.as_deref().map(offset),
+                data_parallel_size: 1,
+                ..r.clone()
+            };
+            out.push((target, Some(rank)));
+        }
+    }
+    out
 }
 
 /// Segment-cache budget of the tokenizer used for offloaded prompts.
@@ -208,12 +236,13 @@ fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
 impl Pool {
     /// An empty pool.
     pub fn new(config: PoolConfig, bundle: Vec<u8>, metrics: Arc<Metrics>) -> Pool {
-        let n = config.replicas.len();
+        let initial = targets(&config.replicas);
+        let n = initial.len();
         let affinity = ApproxIndex::new(config.affinity_blocks, Duration::from_secs(config.affinity_ttl_secs));
         Pool {
             index: RwLock::new(KvIndex::new(config.block_size as usize, n)),
             load: Mutex::new(LoadTable::new(n)),
-            members: RwLock::new(config.replicas.iter().cloned().map(Member::new).collect()),
+            members: RwLock::new(initial.into_iter().map(Member::new).collect()),
             config,
             bundle,
             tokenizer: std::sync::OnceLock::new(),
@@ -245,30 +274,31 @@ impl Pool {
     /// empty. Returns the slots whose event threads must be started, with their config and
     /// stop flag.
     pub fn set_members(&self, replicas: &[ReplicaConfig]) -> Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)> {
+        let wanted_targets = targets(replicas);
         let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
         let mut start = Vec::new();
         for (i, m) in members.iter_mut().enumerate() {
-            let wanted = replicas.iter().find(|r| r.id == m.replica.id);
-            if m.active && wanted == Some(&m.replica) {
+            let wanted = wanted_targets.iter().find(|(r, _)| r.id == m.replica.id);
+            if m.active && wanted.is_some_and(|(r, rank)| *r == m.replica && *rank == m.rank) {
                 continue;
             }
             if m.active {
                 self.retire(i, m);
             }
-            if let Some(r) = wanted {
-                tracing::info!(model = %self.config.model, replica = %r.id, endpoint = %r.endpoint, "replica joined");
-                *m = Member::new(r.clone());
-                start.push((i, r.clone(), m.stop.clone()));
+            if let Some(target) = wanted {
+                tracing::info!(model = %self.config.model, replica = %target.0.id, endpoint = %target.0.endpoint, "replica joined");
+                *m = Member::new(target.clone());
+                start.push((i, target.0.clone(), m.stop.clone()));
             }
         }
-        for r in replicas {
-            if members.iter().all(|m| m.replica.id != r.id) {
+        for target in wanted_targets {
+            if members.iter().all(|m| m.replica.id != target.0.id) {
                 let i = self.index_mut().add_replica();
                 let j = self.load_table().add_replica();
                 debug_assert_eq!((i, j), (members.len(), members.len()), "slots, index and load stay aligned");
-                tracing::info!(model = %self.config.model, replica = %r.id, endpoint = %r.endpoint, "replica joined");
-                let m = Member::new(r.clone());
-                start.push((members.len(), r.clone(), m.stop.clone()));
+                tracing::info!(model = %self.config.model, replica = %target.0.id, endpoint = %target.0.endpoint, "replica joined");
+                let m = Member::new(target.clone());
+                start.push((members.len(), target.0, m.stop.clone()));
                 members.push(m);
             }
         }
@@ -459,7 +489,7 @@ impl Pool {
             })
             .collect();
         if active.is_empty() {
-            return RouteResponse { endpoint: None, replica: None, overlap_blocks: 0 };
+            return RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None };
         }
         let prompt_tokens = u64::from(req.prompt_tokens);
         let total_blocks = prompt_tokens.div_ceil(bs);
@@ -499,7 +529,7 @@ impl Pool {
             Policy::ConsistentHash => req.session.as_deref().map(|key| rendezvous(key, &members, &active)),
         };
         let Some(choice) = choice else {
-            return RouteResponse { endpoint: None, replica: None, overlap_blocks: 0 };
+            return RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None };
         };
         let (best, overlap, _) = active[choice];
         let prefill_tokens = scoring.prefill_tokens(prompt_tokens, bs, overlap);
@@ -521,7 +551,7 @@ impl Pool {
                 Ordering::Relaxed,
             );
         }
-        let replica = members[best].replica.clone();
+        let (replica, dp_rank) = (members[best].replica.clone(), members[best].rank);
         drop(members);
         let kept = active.iter().zip(&candidates).zip(&logits).map(|((a, c), l)| (a.0, *c, *l, a.2)).collect();
         self.record(req, policy, kept, best, overlap);
@@ -529,6 +559,7 @@ impl Pool {
             endpoint: Some(replica.endpoint.to_string()),
             replica: Some(replica.id.clone()),
             overlap_blocks: overlap.device,
+            dp_rank,
         }
     }
 
@@ -666,6 +697,7 @@ mod tests {
                     kv_events_mode: EventsMode::Connect,
                     kv_events_topic: String::new(),
                     kv_replay: None,
+                    data_parallel_size: 1,
                 })
                 .collect(),
         };
@@ -898,5 +930,30 @@ mod tests {
         let explained = &p.explain(Some("again"), 1)[0];
         assert_eq!(explained.policy, Policy::PrefixAffinity);
         assert!(p.state().replicas.iter().all(|r| !r.stalled), "no events expected, none missed");
+    }
+
+    #[test]
+    fn data_parallel_ranks_are_targets_of_their_own() {
+        let mut config = pool(1).config;
+        config.replicas[0].data_parallel_size = 2;
+        config.replicas[0].kv_events = "tcp://10.0.0.7:5557".into();
+        config.replicas[0].kv_replay = Some("tcp://10.0.0.7:5600".into());
+        let t = targets(&config.replicas);
+        let ids: Vec<(&str, &str, Option<&str>, Option<u32>)> =
+            t.iter().map(|(r, rank)| (r.id.as_str(), r.kv_events.as_str(), r.kv_replay.as_deref(), *rank)).collect();
+        assert_eq!(
+            ids,
+            [
+                ("r0#0", "tcp://10.0.0.7:5557", Some("tcp://10.0.0.7:5600"), Some(0)),
+                ("r0#1", "tcp://10.0.0.7:5558", Some("tcp://10.0.0.7:5601"), Some(1))
+            ]
+        );
+        assert!(t.iter().all(|(r, _)| r.endpoint == config.replicas[0].endpoint), "one HTTP endpoint");
+        let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
+        let prompt: Vec<u32> = (0..64).collect();
+        cache_on(&p, 1, &prompt);
+        let r = p.route(&request("dp", &prompt), &ScoringConfig::default());
+        assert_eq!((r.replica.as_deref(), r.dp_rank), (Some("r0#1"), Some(1)), "the rank that holds the prefix");
+        assert_eq!(pool(1).route(&request("x", &prompt), &ScoringConfig::default()).dp_rank, None);
     }
 }

@@ -46,6 +46,7 @@ fn state() -> (Arc<AppState>, Arc<Pool>) {
                 kv_events_mode: EventsMode::Connect,
                 kv_events_topic: String::new(),
                 kv_replay: None,
+                data_parallel_size: 1,
             })
             .collect(),
     };

@@ -144,6 +144,7 @@ impl Rig {
                 kv_events_mode: EventsMode::Connect,
                 kv_events_topic: "topic".into(),
                 kv_replay: replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
+                data_parallel_size: 1,
             }],
         };
         let metrics = Arc::new(Metrics::default());

@@ -219,26 +219,6 @@ pub fn binds(endpoint: &str) -> bool {
         || endpoint.starts_with("inproc://")
 }
 
-/// vLLM's `offset_endpoint_port`: data-parallel rank `r` publishes on `port + r` (`tcp`), or
-/// on `name_dp{r}` (`inproc`). Rank 0 and port 0 are unchanged; `ipc` cannot be offset.
-pub fn offset_endpoint(endpoint: &str, rank: u32) -> anyhow::Result<String> {
-    if rank == 0 {
-        return Ok(endpoint.to_owned());
-    }
-    if endpoint.starts_with("inproc://") {
-        return Ok(format!("{endpoint}_dp{rank}"));
-    }
-    if let Some(rest) = endpoint.strip_prefix("tcp://") {
-        let (host, port) = rest.rsplit_once(':').ok_or_else(|| anyhow::anyhow!("no port in {endpoint}"))?;
-        let port: u32 = port.parse().map_err(|_| anyhow::anyhow!("bad port in {endpoint}"))?;
-        if port == 0 {
-            return Ok(endpoint.to_owned());
-        }
-        return Ok(format!("tcp://{host}:{}", port + rank));
-    }
-    anyhow::bail!("cannot offset {endpoint} for data-parallel rank {rank}: only tcp:// and inproc:// can be")
-}
-
 /// Faults to inject into the event stream, for reliability tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(default)]
@@ -431,16 +411,6 @@ mod tests {
         let legacy = hex(include_str!("../../testdata/kv-events/vllm-0.22-positional.hex"));
         assert_eq!(encode_batch(1700000000.5, &events, 0, Encoding::LegacyArray), legacy, "vLLM 0.22's bytes");
         assert!(rmpv::decode::read_value(&mut expected.as_slice()).is_ok());
-    }
-
-    #[test]
-    fn data_parallel_ranks_offset_the_port() {
-        assert_eq!(offset_endpoint("tcp://*:5557", 0).unwrap(), "tcp://*:5557");
-        assert_eq!(offset_endpoint("tcp://*:5557", 2).unwrap(), "tcp://*:5559");
-        assert_eq!(offset_endpoint("tcp://[::]:5557", 1).unwrap(), "tcp://[::]:5558");
-        assert_eq!(offset_endpoint("tcp://*:0", 3).unwrap(), "tcp://*:0");
-        assert_eq!(offset_endpoint("inproc://kv", 1).unwrap(), "inproc://kv_dp1");
-        assert!(offset_endpoint("ipc:///tmp/kv", 1).is_err());
     }
 
     #[test]

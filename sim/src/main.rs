@@ -187,9 +187,9 @@ async fn main() -> anyhow::Result<()> {
     let mut publishers = Vec::new();
     for rank in 0..cli.data_parallel_size {
         let config = kv_events::KvEventsConfig {
-            endpoint: kv_events::offset_endpoint(&events_config.endpoint, rank)?,
+            endpoint: kvgate_shared::endpoint::for_rank(&events_config.endpoint, rank)?,
             replay_endpoint: match &events_config.replay_endpoint {
-                Some(e) => Some(kv_events::offset_endpoint(e, rank)?),
+                Some(e) => Some(kvgate_shared::endpoint::for_rank(e, rank)?),
                 None => None,
             },
             ..events_config.clone()

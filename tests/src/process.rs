@@ -71,13 +71,18 @@ pub fn free_port() -> anyhow::Result<u16> {
 /// Three consecutive free ports `p, p+1, p+2` (on all interfaces): an engine's HTTP, events
 /// and replay ports at fixed offsets, as when several engines share a host.
 pub fn free_port_triple() -> anyhow::Result<u16> {
+    free_port_run(3)
+}
+
+/// `n` consecutive free ports (on all interfaces); returns the first.
+pub fn free_port_run(n: u16) -> anyhow::Result<u16> {
     for _ in 0..100 {
         let p = free_port()?;
         let held: Vec<_> =
-            (0..3u16).map_while(|i| std::net::TcpListener::bind(("0.0.0.0", p.checked_add(i)?)).ok()).collect();
-        if held.len() == 3 {
+            (0..n).map_while(|i| std::net::TcpListener::bind(("0.0.0.0", p.checked_add(i)?)).ok()).collect();
+        if held.len() == usize::from(n) {
             return Ok(p);
         }
     }
-    anyhow::bail!("no three consecutive free ports found")
+    anyhow::bail!("no {n} consecutive free ports found")
 }

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use crate::client;
 use crate::envoy::{self, EnvoyParams, Fallback};
-use crate::process::{free_port, free_port_triple, wait_for, Proc};
+use crate::process::{free_port, free_port_run, free_port_triple, wait_for, Proc};
 use crate::{repo_root, Artifacts};
 
 /// How the gateway routes.
@@ -50,6 +50,9 @@ pub struct StackOptions {
     /// The sidecar discovers the engines from Envoy's admin API (`envoy` discovery) instead
     /// of a list; each engine's events and replay ports are its HTTP port + 1 and + 2.
     pub envoy_discovery: bool,
+    /// Data-parallel ranks per engine (`--data-parallel-size`); each rank publishes on its
+    /// own events port (the base + rank).
+    pub data_parallel_size: u32,
 }
 
 impl Default for StackOptions {
@@ -67,6 +70,7 @@ impl Default for StackOptions {
                 .to_vec(),
             filter_config: serde_json::Map::new(),
             envoy_discovery: false,
+            data_parallel_size: 1,
         }
     }
 }
@@ -144,11 +148,14 @@ impl Stack {
         for i in 0..opts.replicas {
             let id = ((b'a' + i as u8) as char).to_string();
             let host = std::net::IpAddr::from([127, 0, 0, 1]);
-            let (port, events_port, replay_port) = if opts.envoy_discovery {
-                let p = free_port_triple()?;
-                (p, p + 1, p + 2)
-            } else {
-                (free_port()?, free_port()?, free_port()?)
+            let (port, events_port, replay_port) = match (opts.envoy_discovery, opts.data_parallel_size) {
+                (true, _) => {
+                    let p = free_port_triple()?;
+                    (p, p + 1, p + 2)
+                }
+                (false, 1) => (free_port()?, free_port()?, free_port()?),
+                // Ranks publish on base + rank: events and replay each need a run of ports.
+                (false, n) => (free_port()?, free_port_run(n as u16)?, free_port_run(n as u16)?),
             };
             let events_config = json!({"endpoint": format!("tcp://*:{events_port}"), "replay_endpoint": format!("tcp://*:{replay_port}")});
             let mut cmd = Command::new(&artifacts.sim);
@@ -157,10 +164,12 @@ impl Stack {
                 .arg(&artifacts.model_dir)
                 .args(["--block-size", &opts.block_size.to_string(), "--kv-events-config", &events_config.to_string()])
                 .arg("--enable-prompt-tokens-details")
+                .args(["--data-parallel-size", &opts.data_parallel_size.to_string()])
                 .args(&opts.sim_args);
             let proc = Proc::spawn(&format!("sim {id}"), cmd, &dir.join(format!("sim-{id}.log")))?;
             replicas_toml.push_str(&format!(
-                "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\nkv_replay = \"tcp://127.0.0.1:{replay_port}\"\n"
+                "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\nkv_replay = \"tcp://127.0.0.1:{replay_port}\"\ndata_parallel_size = {}\n",
+                opts.data_parallel_size
             ));
             sims.push(SimHandle { id, host, port, events_port, replay_port, proc });
         }

@@ -489,3 +489,45 @@ fn prefix_affinity_routes_on_the_gateways_own_history() {
         state["pools"][0]["replicas"].as_array().unwrap().iter().map(|r| r["events_applied"].as_u64().unwrap()).sum();
     assert_eq!(events, 0, "the policy reads no KV events");
 }
+
+/// 15. Data-parallel engines: each rank is a target of its own. A prefix cached on rank 1 of
+///     engine b draws the request to b with `X-data-parallel-rank: 1`, where the engine's
+///     rank 1 serves it from its cache.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn data_parallel_ranks_are_routed_to() {
+    let opts = StackOptions { name: "dp".into(), replicas: 2, data_parallel_size: 2, ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let doc = document(41, 600);
+    let warm = post(
+        &stack.sim("b").url("/v1/chat/completions"),
+        chat(&doc, "first").to_string(),
+        &[("x-data-parallel-rank", "1")],
+    )
+    .unwrap();
+    assert_eq!(warm.status, 200, "{}", warm.body);
+    let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    stack.wait_indexed("b#1", prompt_tokens / 16).unwrap();
+    let hits = |rank: &str| -> f64 {
+        let text = kvgate_e2e::client::client().get(stack.sim("b").url("/metrics")).send().unwrap().text().unwrap();
+        let prefix = format!("vllm:prefix_cache_hits_total{{model_name=\"qwen3\",engine=\"{rank}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap().parse().unwrap()
+    };
+    let before = (hits("0"), hits("1"));
+    // A client's own rank header is stripped: kvgate picks the rank.
+    let reply = post(
+        &stack.gateway("/v1/chat/completions"),
+        chat(&doc, "second").to_string(),
+        &[("x-data-parallel-rank", "0")],
+    )
+    .unwrap();
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("x-kvgate-routed-to"), "b#1");
+    let gained = hits("1") - before.1;
+    assert!(gained >= (prompt_tokens / 2) as f64, "rank 1 served the prompt from its cache: +{gained} hit tokens");
+    assert_eq!(hits("0"), before.0, "rank 0 saw nothing");
+    let state = stack.sidecar_state().unwrap();
+    let ids: Vec<&str> =
+        state["pools"][0]["replicas"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["a#0", "a#1", "b#0", "b#1"]);
+}
