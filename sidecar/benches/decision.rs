@@ -29,6 +29,7 @@ fn pool(replicas: usize, prompt_tokens: usize) -> Pool {
         discovery: Default::default(),
         affinity_ttl_secs: 120,
         affinity_blocks: 1 << 18,
+        inflight_credit_secs: 10,
         chat_template_content_format: Default::default(),
         policy: Policy::KvAware,
         adapters: Vec::new(),

@@ -93,6 +93,12 @@ pub struct PoolConfig {
     /// (default 262144, about 25 MiB).
     #[serde(default = "default_affinity_blocks")]
     pub affinity_blocks: usize,
+    /// `kv_aware`: for this long after routing a prompt to a replica, its blocks count as cached
+    /// there even before the engine's events say so (default 10 s; 0 turns it off). Without
+    /// it, prompts sharing a prefix that arrive while the first is still queued or in prefill
+    /// see no overlap anywhere and spread, duplicating the prefix across engines.
+    #[serde(default = "default_inflight_credit")]
+    pub inflight_credit_secs: u64,
     /// Where the replicas come from (default: the `replicas` below, reloaded with the file).
     #[serde(default)]
     pub discovery: DiscoveryConfig,
@@ -311,6 +317,10 @@ fn one() -> u32 {
 
 fn default_affinity_ttl() -> u64 {
     120
+}
+
+fn default_inflight_credit() -> u64 {
+    10
 }
 
 fn default_affinity_blocks() -> usize {

@@ -135,7 +135,8 @@ pub struct Pool {
     explanations: Mutex<VecDeque<Kept>>,
     /// The `round_robin` cursor.
     next: AtomicUsize,
-    /// Where this gateway sent which blocks (the `prefix_affinity` policy's overlap).
+    /// Where this gateway sent which blocks: the `prefix_affinity` policy's overlap, or, for
+    /// `kv_aware`, the in-flight credit (`inflight_credit_secs`).
     affinity: Mutex<ApproxIndex>,
 }
 
@@ -238,7 +239,11 @@ impl Pool {
     pub fn new(config: PoolConfig, bundle: Vec<u8>, metrics: Arc<Metrics>) -> Pool {
         let initial = targets(&config.replicas);
         let n = initial.len();
-        let affinity = ApproxIndex::new(config.affinity_blocks, Duration::from_secs(config.affinity_ttl_secs));
+        let ttl = match config.policy {
+            Policy::PrefixAffinity => config.affinity_ttl_secs,
+            _ => config.inflight_credit_secs,
+        };
+        let affinity = ApproxIndex::new(config.affinity_blocks, Duration::from_secs(ttl));
         Pool {
             index: RwLock::new(KvIndex::new(config.block_size as usize, n)),
             load: Mutex::new(LoadTable::new(n)),
@@ -472,13 +477,14 @@ impl Pool {
         let hashes: &[u64] = if req.block_size == self.config.block_size { &req.block_hashes } else { &[] };
         let members = self.members();
         let affinity = self.config.policy == Policy::PrefixAffinity;
+        let inflight = self.config.policy == Policy::KvAware && self.config.inflight_credit_secs > 0;
         let overlaps = if affinity {
             self.affinity_index().find_matches(hashes, members.len(), Instant::now())
         } else {
             read(&self.index).find_matches(hashes)
         };
         // The candidates: active replicas, with no cache credit while their publisher stalls.
-        let active: Vec<(ReplicaIdx, Overlap, bool)> = members
+        let mut active: Vec<(ReplicaIdx, Overlap, bool)> = members
             .iter()
             .enumerate()
             .filter(|(_, m)| m.active)
@@ -488,6 +494,13 @@ impl Pool {
                 (i, if trusted { overlaps[i] } else { Overlap::default() }, trusted)
             })
             .collect();
+        if inflight {
+            // Prefixes routed moments ago are as good as cached where they went.
+            let recent = self.affinity_index().find_matches(hashes, members.len(), Instant::now());
+            for (i, overlap, _) in &mut active {
+                *overlap = overlap.with_device_at_least(recent[*i].device);
+            }
+        }
         if active.is_empty() {
             return RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None };
         }
@@ -540,9 +553,10 @@ impl Pool {
         );
         self.publish_load(&load, best);
         drop(load);
-        if affinity {
+        if affinity || inflight {
             self.affinity_index().record(best, hashes, Instant::now());
-        } else if booked && prefill_tokens >= bs {
+        }
+        if !affinity && booked && prefill_tokens >= bs {
             // The engine must store at least one new block: an event is now expected.
             let _ = members[best].health.awaiting_events_since.compare_exchange(
                 NONE,
@@ -686,6 +700,7 @@ mod tests {
             discovery: Default::default(),
             affinity_ttl_secs: 120,
             affinity_blocks: 1 << 18,
+            inflight_credit_secs: 10,
             chat_template_content_format: Default::default(),
             policy,
             adapters: Vec::new(),
@@ -955,5 +970,26 @@ mod tests {
         let r = p.route(&request("dp", &prompt), &ScoringConfig::default());
         assert_eq!((r.replica.as_deref(), r.dp_rank), (Some("r0#1"), Some(1)), "the rank that holds the prefix");
         assert_eq!(pool(1).route(&request("x", &prompt), &ScoringConfig::default()).dp_rank, None);
+    }
+
+    #[test]
+    fn kv_aware_credits_prefixes_routed_moments_ago() {
+        let cfg = ScoringConfig::default();
+        let prompt: Vec<u32> = (0..256).collect();
+        let mut longer = prompt.clone();
+        longer.extend(5000..5016);
+        // The first request's prefill is done (it streams its answer) but the engine's events
+        // have not arrived yet.
+        let p = pool(3);
+        let home = chosen(&p.route(&request("first", &prompt), &cfg));
+        assert!(p.lifecycle("first", true));
+        let second = p.route(&request("second", &longer), &cfg);
+        assert_eq!((chosen(&second), second.overlap_blocks), (home, 64), "follows the first before any event");
+        let mut config = pool(3).config;
+        config.inflight_credit_secs = 0;
+        let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
+        p.route(&request("first", &prompt), &cfg);
+        assert!(p.lifecycle("first", true));
+        assert_eq!(p.route(&request("second", &longer), &cfg).overlap_blocks, 0, "no credit without events");
     }
 }

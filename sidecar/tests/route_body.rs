@@ -35,6 +35,7 @@ fn state() -> (Arc<AppState>, Arc<Pool>) {
         discovery: Default::default(),
         affinity_ttl_secs: 120,
         affinity_blocks: 1 << 18,
+        inflight_credit_secs: 10,
         chat_template_content_format: Default::default(),
         policy: Policy::default(),
         adapters: Vec::new(),

@@ -80,6 +80,27 @@ pub struct Overlap {
     pub disk: u32,
 }
 
+impl Overlap {
+    /// This overlap with at least `device` leading blocks on the device: lower-tier blocks the
+    /// longer device run now covers stop counting on their tier.
+    ///
+    /// ```
+    /// use kvgate_sidecar::index::Overlap;
+    /// let o = Overlap { device: 2, host: 3, disk: 1 };
+    /// assert_eq!(o.with_device_at_least(4), Overlap { device: 4, host: 1, disk: 1 });
+    /// assert_eq!(o.with_device_at_least(9), Overlap { device: 9, host: 0, disk: 0 });
+    /// assert_eq!(o.with_device_at_least(1), o);
+    /// ```
+    pub fn with_device_at_least(self, device: u32) -> Overlap {
+        if device <= self.device {
+            return self;
+        }
+        let host_end = self.device + self.host;
+        let disk_end = host_end + self.disk;
+        Overlap { device, host: host_end.saturating_sub(device), disk: disk_end.saturating_sub(device.max(host_end)) }
+    }
+}
+
 /// Why an event was not applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum ApplyError {
