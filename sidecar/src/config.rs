@@ -65,6 +65,28 @@ pub struct Config {
     pub allow_request_overrides: bool,
     /// One pool per model.
     pub pools: Vec<PoolConfig>,
+    /// Share bookings with the sidecars of the other gateway pods (off when absent).
+    #[serde(default)]
+    pub sync: Option<SyncConfig>,
+}
+
+/// Several gateways: where this sidecar publishes its bookings and whose it reads
+/// (see [`crate::sync`]).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyncConfig {
+    /// This sidecar's id in the mesh (default: the pod's `HOSTNAME`).
+    #[serde(default)]
+    pub id: Option<String>,
+    /// The ZMQ endpoint to publish on, e.g. `tcp://0.0.0.0:9913`.
+    pub listen: String,
+    /// Peers' endpoints, e.g. `tcp://10.0.0.12:9913`.
+    #[serde(default)]
+    pub peers: Vec<String>,
+    /// A name whose addresses are the peers (a headless Service over the gateway pods),
+    /// dialled on the `listen` port and re-resolved every 5 s.
+    #[serde(default)]
+    pub peers_dns: Option<String>,
 }
 
 /// A model served by a set of interchangeable replicas.
@@ -417,6 +439,16 @@ impl Config {
         if self.metrics_listen == Some(self.listen) {
             bail!("metrics_listen must differ from listen");
         }
+        if let Some(sync) = &self.sync {
+            for e in std::iter::once(&sync.listen).chain(&sync.peers) {
+                if !e.starts_with("tcp://") {
+                    bail!("sync endpoints must be tcp://, got {e:?}");
+                }
+            }
+            if sync.peers.is_empty() && sync.peers_dns.is_none() {
+                bail!("sync needs peers or peers_dns");
+            }
+        }
         let s = &self.scoring;
         for (name, v) in [
             ("prefill_load_scale", s.prefill_load_scale),
@@ -626,6 +658,16 @@ mod tests {
         kv_events = "tcp://{ip}:5557"
         kv_replay = "tcp://{ip}:5558"
     "#;
+
+    #[test]
+    fn sync_needs_tcp_endpoints_and_peers() {
+        let with = |sync: &str| load(&format!("{sync}\n{BASE}"), &[]);
+        let ok = with("[sync]\nlisten = \"tcp://0.0.0.0:9913\"\npeers_dns = \"gw.ns.svc.cluster.local\"").unwrap();
+        assert_eq!(ok.sync.unwrap().peers_dns.as_deref(), Some("gw.ns.svc.cluster.local"));
+        assert!(with("[sync]\nlisten = \"tcp://0.0.0.0:9913\"").is_err(), "no peers");
+        assert!(with("[sync]\nlisten = \"ipc:///x\"\npeers = [\"tcp://a:1\"]").is_err());
+        assert!(load(BASE, &[]).unwrap().sync.is_none(), "off by default");
+    }
 
     #[test]
     fn prefix_affinity_pools_need_no_event_endpoints() {

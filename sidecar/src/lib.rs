@@ -12,6 +12,7 @@
 //! | [`pool`] | one model's replicas: index + load + the routing decision |
 //! | [`api`] | the HTTP API for the filter and operators |
 //! | [`metrics`] | Prometheus metrics |
+//! | [`sync`] | bookings shared with the other gateways' sidecars |
 //! | [`tools`] | operator CLI tools (`events decode`, `events tap`) |
 
 pub mod api;
@@ -23,4 +24,5 @@ pub mod load;
 pub mod metrics;
 pub mod pool;
 pub mod score;
+pub mod sync;
 pub mod tools;

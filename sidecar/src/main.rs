@@ -210,6 +210,9 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
             stop.clone(),
         )?);
     }
+    if let Some(sync) = &config.sync {
+        watchers.extend(kvgate_sidecar::sync::start(sync, &pools, &zmq_ctx, stop.clone())?);
+    }
     tokio::spawn(async move {
         let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
         while hup.recv().await.is_some() {

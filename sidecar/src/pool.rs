@@ -24,6 +24,7 @@ use crate::index::{KvIndex, Overlap, ReplicaIdx, Tier};
 use crate::load::{LoadTable, NewBooking};
 use crate::metrics::{DecisionLabels, Metrics, ReasonLabels, ReplicaLabels};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
+use crate::sync::{Outbox, SyncEvent};
 
 /// No value yet, in the atomics below.
 const NONE: u64 = u64::MAX;
@@ -135,6 +136,8 @@ pub struct Pool {
     explanations: Mutex<VecDeque<Kept>>,
     /// The `round_robin` cursor.
     next: AtomicUsize,
+    /// Where bookings and their lifecycle go for the other gateways (when sync is on).
+    outbox: std::sync::OnceLock<Outbox>,
     /// Where this gateway sent which blocks: the `prefix_affinity` policy's overlap, or, for
     /// `kv_aware`, the in-flight credit (`inflight_credit_secs`).
     affinity: Mutex<ApproxIndex>,
@@ -256,6 +259,7 @@ impl Pool {
             explanations: Mutex::new(VecDeque::with_capacity(EXPLANATIONS)),
             next: AtomicUsize::new(0),
             affinity: Mutex::new(affinity),
+            outbox: std::sync::OnceLock::new(),
         }
     }
 
@@ -328,6 +332,47 @@ impl Pool {
 
     fn affinity_index(&self) -> std::sync::MutexGuard<'_, ApproxIndex> {
         self.affinity.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publishes this pool's bookings and their lifecycle to the other gateways from now on.
+    pub fn set_outbox(&self, outbox: Outbox) {
+        let _ = self.outbox.set(outbox);
+    }
+
+    /// Applies another gateway's booking or lifecycle event to the load table, under
+    /// `origin/request_id`. A booking on a target this pool does not have is ignored.
+    pub fn apply_remote(&self, origin: &str, event: &SyncEvent) {
+        let mut load = self.load_table();
+        let touched = match event {
+            SyncEvent::Booked { target, request_id, prefill_tokens, hashes, total_blocks, .. } => {
+                let slot = self.members().iter().position(|m| m.active && m.replica.id == *target);
+                let Some(slot) = slot else { return };
+                let id = format!("{origin}/{request_id}");
+                let booking = NewBooking {
+                    request_id: &id,
+                    prefill_tokens: *prefill_tokens,
+                    hashes,
+                    total_blocks: *total_blocks,
+                };
+                load.book(slot, booking, Instant::now());
+                Some(slot)
+            }
+            SyncEvent::FirstToken { request_id, .. } => {
+                let id = format!("{origin}/{request_id}");
+                let slot = load.replica_of(&id);
+                load.prefill_done(&id);
+                slot
+            }
+            SyncEvent::Done { request_id, .. } => {
+                let id = format!("{origin}/{request_id}");
+                let slot = load.replica_of(&id);
+                load.finish(&id);
+                slot
+            }
+        };
+        if let Some(slot) = touched {
+            self.publish_load(&load, slot);
+        }
     }
 
     /// Stops every replica's event threads (shutdown).
@@ -567,6 +612,16 @@ impl Pool {
         }
         let (replica, dp_rank) = (members[best].replica.clone(), members[best].rank);
         drop(members);
+        if let (true, Some(outbox)) = (booked, self.outbox.get()) {
+            outbox.send(SyncEvent::Booked {
+                model: self.config.model.clone(),
+                target: replica.id.clone(),
+                request_id: req.request_id.clone(),
+                prefill_tokens,
+                hashes: hashes.to_vec(),
+                total_blocks,
+            });
+        }
         let kept = active.iter().zip(&candidates).zip(&logits).map(|((a, c), l)| (a.0, *c, *l, a.2)).collect();
         self.record(req, policy, kept, best, overlap);
         RouteResponse {
@@ -614,6 +669,14 @@ impl Pool {
         let known = if first_token { load.prefill_done(request_id) } else { load.finish(request_id) };
         if let Some(r) = replica {
             self.publish_load(&load, r);
+        }
+        if let (true, Some(outbox)) = (known, self.outbox.get()) {
+            let (model, request_id) = (self.config.model.clone(), request_id.to_owned());
+            outbox.send(if first_token {
+                SyncEvent::FirstToken { model, request_id }
+            } else {
+                SyncEvent::Done { model, request_id }
+            });
         }
         known
     }

@@ -223,6 +223,13 @@ fn kvgate_configs_and_filter_configs_validate_and_agree_with_the_engines() {
         format!("{}/kvgate.toml", container["volumeMounts"][0]["mountPath"].as_str().unwrap())
     );
     assert_eq!(spec["volumes"][0]["configMap"]["name"], "kvgate-config");
+    let sync = base.sync.as_ref().expect("the base shares bookings between gateway pods");
+    let sync_port: u64 = sync.listen.rsplit(':').next().unwrap().parse().unwrap();
+    let sync_svc = find(&docs, "Service", "kvgate-sync");
+    assert_eq!(sync.peers_dns.as_deref(), Some("kvgate-sync.istio-system.svc.cluster.local"));
+    assert_eq!(sync_svc["spec"]["clusterIP"], "None");
+    assert_eq!(sync_svc["spec"]["ports"][0]["port"].as_u64(), Some(sync_port));
+    assert!(container["ports"].as_array().unwrap().iter().any(|p| p["containerPort"].as_u64() == Some(sync_port)));
     let monitor = find(&docs, "PodMonitor", "kvgate");
     let ports: HashSet<&str> =
         monitor["spec"]["podMetricsEndpoints"].as_array().unwrap().iter().filter_map(|e| e["port"].as_str()).collect();

@@ -1,0 +1,238 @@
+//! Several gateways, one view of the load: each sidecar tells its peers what it booked.
+//!
+//! A sidecar sees only its own gateway pod's traffic. With N gateway pods, each would think
+//! the engines carry 1/N of their real load and they would herd onto the same replicas. So
+//! every sidecar publishes its bookings and their lifecycle (first token, done) on a ZMQ PUB
+//! socket, subscribes to its peers', and books theirs in its own load table — under
+//! `origin/request_id`, so ids never collide, and skipping its own messages.
+//!
+//! - Peers come from the config (`peers`) or from a DNS name (`peers_dns`, re-resolved; every
+//!   address is dialled on the `listen` port, the sidecar's own address included and skipped
+//!   by origin).
+//! - Traffic is batched: a batch goes out after 1 ms or 256 events, whichever comes first.
+//! - The view is eventually consistent: a lost message leaves a booking to the TTL sweep
+//!   (`request_expiry_secs`); a peer's restart loses nothing of ours.
+//! - Only load is shared. KV events come from the engines to every sidecar directly, and a
+//!   peer can only book work on replicas this sidecar already knows, so a peer (or an
+//!   impostor on the sync port — restrict it with a NetworkPolicy) can skew load, never
+//!   steer a request to a host outside the pool.
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::ToSocketAddrs;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::SyncConfig;
+use crate::pool::Pool;
+
+/// ZMQ topic of sync messages.
+const TOPIC: &[u8] = b"kvgate-sync";
+/// A batch goes out after this long…
+const FLUSH_AFTER: Duration = Duration::from_millis(1);
+/// …or with this many events.
+const BATCH_EVENTS: usize = 256;
+/// Events waiting to be published; more are dropped (the TTL sweep covers them).
+const OUTBOX: usize = 65_536;
+/// How often blocked calls wake up to check for shutdown, and `peers_dns` is re-resolved.
+const POLL: Duration = Duration::from_millis(100);
+const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+
+/// What one sidecar tells the others.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SyncEvent {
+    /// A request was booked on a routing target.
+    Booked {
+        /// The pool's model.
+        model: String,
+        /// The target's id (`replica` or `replica#rank`).
+        target: String,
+        /// The origin's request id.
+        request_id: String,
+        /// Prefill tokens booked (after the target's cache overlap).
+        prefill_tokens: u64,
+        /// The prompt's block hashes.
+        hashes: Vec<u64>,
+        /// All blocks the prompt occupies.
+        total_blocks: u64,
+    },
+    /// The request's first token arrived.
+    FirstToken {
+        /// The pool's model.
+        model: String,
+        /// The origin's request id.
+        request_id: String,
+    },
+    /// The request ended.
+    Done {
+        /// The pool's model.
+        model: String,
+        /// The origin's request id.
+        request_id: String,
+    },
+}
+
+/// One published message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncBatch {
+    /// The publishing sidecar's id.
+    pub origin: String,
+    /// Its events, in order.
+    pub events: Vec<SyncEvent>,
+}
+
+/// Where pools put the events to publish.
+#[derive(Debug, Clone)]
+pub struct Outbox(SyncSender<SyncEvent>);
+
+impl Outbox {
+    /// Queues an event; if the queue is full the event is dropped (peers' TTL sweeps cover it).
+    pub fn send(&self, event: SyncEvent) {
+        if let Err(TrySendError::Full(_)) = self.0.try_send(event) {
+            tracing::debug!("sync outbox full; event dropped");
+        }
+    }
+}
+
+/// Starts the publisher and the subscriber, and hands every pool its outbox.
+pub fn start(
+    config: &SyncConfig,
+    pools: &HashMap<String, Arc<Pool>>,
+    ctx: &zmq::Context,
+    stop: Arc<AtomicBool>,
+) -> anyhow::Result<Vec<JoinHandle<()>>> {
+    let (tx, rx) = sync_channel(OUTBOX);
+    for pool in pools.values() {
+        pool.set_outbox(Outbox(tx.clone()));
+    }
+    let publisher = ctx.socket(zmq::PUB)?;
+    publisher.set_linger(0)?;
+    publisher.bind(&config.listen)?;
+    let subscriber = ctx.socket(zmq::SUB)?;
+    subscriber.set_subscribe(TOPIC)?;
+    subscriber.set_rcvtimeo(POLL.as_millis() as i32)?;
+    subscriber.set_linger(0)?;
+    let id = config.id();
+    tracing::info!(id = %id, listen = %config.listen, "gateway sync on");
+    let publish = {
+        let (id, stop) = (id.clone(), stop.clone());
+        std::thread::Builder::new().name("sync-pub".into()).spawn(move || publish_loop(&publisher, &id, &rx, &stop))?
+    };
+    let (config, pools) = (config.clone(), pools.clone());
+    let receive = std::thread::Builder::new()
+        .name("sync-sub".into())
+        .spawn(move || receive_loop(&subscriber, &config, &id, &pools, &stop))?;
+    Ok(vec![publish, receive])
+}
+
+fn publish_loop(socket: &zmq::Socket, origin: &str, rx: &Receiver<SyncEvent>, stop: &AtomicBool) {
+    let mut batch = Vec::new();
+    let mut first_at = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        let wait = if batch.is_empty() { POLL } else { FLUSH_AFTER.saturating_sub(first_at.elapsed()) };
+        match rx.recv_timeout(wait) {
+            Ok(event) => {
+                if batch.is_empty() {
+                    first_at = Instant::now();
+                }
+                batch.push(event);
+                if batch.len() < BATCH_EVENTS && first_at.elapsed() < FLUSH_AFTER {
+                    continue;
+                }
+            }
+            Err(RecvTimeoutError::Timeout) if batch.is_empty() => continue,
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        let message = SyncBatch { origin: origin.to_owned(), events: std::mem::take(&mut batch) };
+        match kvgate_shared::codec::encode(&message) {
+            Ok(bytes) => {
+                if let Err(e) = socket.send_multipart([TOPIC, bytes.as_slice()], 0) {
+                    tracing::warn!(error = %e, "sync publish failed");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "sync batch not encodable"),
+        }
+    }
+}
+
+fn receive_loop(
+    socket: &zmq::Socket,
+    config: &SyncConfig,
+    own_id: &str,
+    pools: &HashMap<String, Arc<Pool>>,
+    stop: &AtomicBool,
+) {
+    let mut dialled: BTreeSet<String> = BTreeSet::new();
+    let mut resolved_at: Option<Instant> = None;
+    while !stop.load(Ordering::Relaxed) {
+        if resolved_at.is_none_or(|t| t.elapsed() >= RESOLVE_EVERY) {
+            resolved_at = Some(Instant::now());
+            for peer in config.peer_endpoints() {
+                if !dialled.contains(&peer) {
+                    match socket.connect(&peer) {
+                        Ok(()) => {
+                            tracing::info!(%peer, "sync peer dialled");
+                            dialled.insert(peer);
+                        }
+                        Err(e) => tracing::warn!(%peer, error = %e, "cannot dial sync peer"),
+                    }
+                }
+            }
+        }
+        let frames = match socket.recv_multipart(0) {
+            Ok(f) => f,
+            Err(zmq::Error::EAGAIN) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "sync receive failed");
+                continue;
+            }
+        };
+        let [_topic, payload] = <[Vec<u8>; 2]>::try_from(frames).unwrap_or_default();
+        let Ok(batch) = kvgate_shared::codec::decode::<SyncBatch>(&payload) else {
+            tracing::debug!("undecodable sync message dropped");
+            continue;
+        };
+        if batch.origin == own_id {
+            continue;
+        }
+        for event in &batch.events {
+            let model = match event {
+                SyncEvent::Booked { model, .. }
+                | SyncEvent::FirstToken { model, .. }
+                | SyncEvent::Done { model, .. } => model,
+            };
+            if let Some(pool) = pools.get(model) {
+                pool.apply_remote(&batch.origin, event);
+            }
+        }
+    }
+}
+
+impl SyncConfig {
+    /// This sidecar's id: the configured one, else the pod's `HOSTNAME`, else a random one.
+    pub fn id(&self) -> String {
+        self.id
+            .clone()
+            .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()))
+            .unwrap_or_else(|| format!("kvgate-{}-{:08x}", std::process::id(), rand::random::<u32>()))
+    }
+
+    /// Every peer endpoint to dial now: the configured ones, and `peers_dns`'s addresses on the
+    /// `listen` port (an unresolvable name gives none this time).
+    pub fn peer_endpoints(&self) -> Vec<String> {
+        let mut out = self.peers.clone();
+        if let Some(name) = &self.peers_dns {
+            let port = self.listen.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).unwrap_or(0);
+            match (name.as_str(), port).to_socket_addrs() {
+                Ok(addrs) => out.extend(addrs.map(|a| format!("tcp://{a}"))),
+                Err(e) => tracing::debug!(%name, error = %e, "sync peers not resolvable yet"),
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,133 @@
+//! Two sidecars (two gateway pods), one view of the load: what one books shows up in the
+//! other's load table and shifts its choices, and leaves with its lifecycle; nobody counts its
+//! own bookings twice.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvgate_e2e::process::{free_port, wait_for};
+use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::wire::RouteRequest;
+use kvgate_sidecar::config::{EventsMode, Policy, PoolConfig, ReplicaConfig, SyncConfig};
+use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::score::ScoringConfig;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn pool() -> Arc<Pool> {
+    let config = PoolConfig {
+        model: "m".into(),
+        tokenizer: "unused".into(),
+        block_size: 4,
+        discovery: Default::default(),
+        affinity_ttl_secs: 120,
+        affinity_blocks: 1 << 18,
+        inflight_credit_secs: 10,
+        chat_template_content_format: Default::default(),
+        policy: Policy::ConsistentHash,
+        adapters: Vec::new(),
+        replicas: (0..3)
+            .map(|i| ReplicaConfig {
+                id: format!("r{i}"),
+                endpoint: format!("127.0.0.1:{}", 8000 + i).parse().unwrap(),
+                kv_events: "tcp://127.0.0.1:1".into(),
+                kv_events_mode: EventsMode::Connect,
+                kv_events_topic: String::new(),
+                kv_replay: None,
+                data_parallel_size: 1,
+            })
+            .collect(),
+    };
+    Arc::new(Pool::new(config, Vec::new(), Arc::new(Metrics::default())))
+}
+
+fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
+    let tokens: Vec<u32> = (0..64).map(|t| seed * 1000 + t).collect();
+    RouteRequest {
+        request_id: id.into(),
+        model: "m".into(),
+        prompt_tokens: 64,
+        block_hashes: prompt_block_hashes(&tokens, 4, Salt::NONE),
+        block_size: 4,
+        session: session.map(str::to_owned),
+        overrides: None,
+    }
+}
+
+fn active(pool: &Pool) -> Vec<u64> {
+    pool.state().replicas.iter().map(|r| r.active_requests).collect()
+}
+
+#[test]
+fn bookings_reach_the_other_gateway_and_leave_with_their_lifecycle() {
+    let (port_a, port_b) = (free_port().unwrap(), free_port().unwrap());
+    let sync = |id: &str, own: u16, peer: u16| SyncConfig {
+        id: Some(id.into()),
+        listen: format!("tcp://127.0.0.1:{own}"),
+        peers: vec![format!("tcp://127.0.0.1:{peer}")],
+        peers_dns: None,
+    };
+    let (a, b) = (pool(), pool());
+    let stop = Arc::new(AtomicBool::new(false));
+    let ctx = zmq::Context::new();
+    let mut threads = kvgate_sidecar::sync::start(
+        &sync("a", port_a, port_b),
+        &HashMap::from([("m".into(), a.clone())]),
+        &ctx,
+        stop.clone(),
+    )
+    .unwrap();
+    threads.extend(
+        kvgate_sidecar::sync::start(
+            &sync("b", port_b, port_a),
+            &HashMap::from([("m".into(), b.clone())]),
+            &ctx,
+            stop.clone(),
+        )
+        .unwrap(),
+    );
+    let cfg = ScoringConfig::default();
+
+    // ZMQ subscriptions take a moment: book probes on A until B sees one, then end them.
+    let mut probes = 0;
+    wait_for("the sync link", WAIT, || {
+        a.route(&request(&format!("probe{probes}"), 900 + probes, Some("s")), &cfg);
+        probes += 1;
+        std::thread::sleep(Duration::from_millis(20));
+        (active(&b).iter().sum::<u64>() > 0).then_some(())
+    })
+    .unwrap();
+    for i in 0..probes {
+        a.lifecycle(&format!("probe{i}"), false);
+    }
+    wait_for("probes ended on B", WAIT, || (active(&b).iter().sum::<u64>() == 0).then_some(())).unwrap();
+
+    // A burst through gateway A, one session: all on one replica.
+    let hot = (0..8).map(|i| a.route(&request(&format!("burst{i}"), i, Some("s")), &cfg)).collect::<Vec<_>>();
+    let hot_replica = hot[0].replica.clone().unwrap();
+    assert!(hot.iter().all(|r| r.replica.as_deref() == Some(hot_replica.as_str())));
+    let slot: usize = hot_replica[1..].parse().unwrap();
+    wait_for("B sees A's burst", WAIT, || (active(&b)[slot] == 8).then_some(())).unwrap();
+    assert_eq!(active(&a)[slot], 8, "A does not count its own bookings twice");
+
+    // Gateway B now steers its own traffic away from the replica A loaded.
+    for i in 0..4 {
+        let r = b.route(&request(&format!("b{i}"), 100 + i, None), &cfg);
+        assert_ne!(r.replica.as_deref(), Some(hot_replica.as_str()), "request {i} through B avoids A's hot replica");
+    }
+
+    // The burst's lifecycle travels too.
+    for i in 0..8 {
+        assert!(a.lifecycle(&format!("burst{i}"), true));
+        assert!(a.lifecycle(&format!("burst{i}"), false));
+    }
+    wait_for("A's burst ended on B", WAIT, || (active(&b)[slot] == 0).then_some(())).unwrap();
+
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+}
