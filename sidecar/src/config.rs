@@ -121,6 +121,10 @@ pub struct PoolConfig {
     /// see no overlap anywhere and spread, duplicating the prefix across engines.
     #[serde(default = "default_inflight_credit")]
     pub inflight_credit_secs: u64,
+    /// Poll each engine's `/metrics` this often and count the requests it runs beyond those
+    /// kvgate booked as load (traffic that bypasses kvgate). 0 (default) turns it off.
+    #[serde(default)]
+    pub engine_metrics_secs: u64,
     /// Where the replicas come from (default: the `replicas` below, reloaded with the file).
     #[serde(default)]
     pub discovery: DiscoveryConfig,

@@ -210,6 +210,10 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
             stop.clone(),
         )?);
     }
+    for pool in pools.values().filter(|p| p.config.engine_metrics_secs > 0) {
+        let interval = Duration::from_secs(pool.config.engine_metrics_secs);
+        watchers.push(kvgate_sidecar::load::engine_metrics::spawn(pool.clone(), interval, stop.clone())?);
+    }
     if let Some(sync) = &config.sync {
         watchers.extend(kvgate_sidecar::sync::start(sync, &pools, &zmq_ctx, stop.clone())?);
     }

@@ -85,6 +85,8 @@ pub struct Metrics {
     pub active_requests: Family<ReplicaLabels, Gauge>,
     /// Booked prefill tokens per replica.
     pub prefill_tokens: Family<ReplicaLabels, Gauge>,
+    /// Requests an engine reports beyond kvgate's bookings (`engine_metrics_secs`).
+    pub external_requests: Family<ReplicaLabels, Gauge>,
     /// Lifecycle reports received, by kind and whether the request was known.
     pub lifecycle_events: Family<ReasonLabels, Counter>,
     /// Active replicas per pool, as discovery last saw them.
@@ -110,6 +112,7 @@ impl Default for Metrics {
         let last_event = Family::default();
         let active_requests = Family::default();
         let prefill_tokens = Family::default();
+        let external_requests = Family::default();
         let lifecycle_events = Family::default();
         let replicas = Family::default();
         let discovery_errors = Family::default();
@@ -150,6 +153,11 @@ impl Default for Metrics {
         registry.register("active_requests", "Booked, unfinished requests per replica", active_requests.clone());
         registry.register("prefill_tokens", "Booked prefill tokens per replica", prefill_tokens.clone());
         registry.register(
+            "external_requests",
+            "Requests an engine reports beyond those kvgate booked",
+            external_requests.clone(),
+        );
+        registry.register(
             "lifecycle_events",
             "Lifecycle reports (reason = kind/known|unknown)",
             lifecycle_events.clone(),
@@ -170,6 +178,7 @@ impl Default for Metrics {
             last_event,
             active_requests,
             prefill_tokens,
+            external_requests,
             lifecycle_events,
             replicas,
             discovery_errors,

@@ -206,6 +206,8 @@ pub struct ReplicaState {
     pub disk_blocks: usize,
     /// Booked, unfinished requests.
     pub active_requests: u64,
+    /// Requests the engine reports beyond those (`engine_metrics_secs`).
+    pub external_requests: u64,
     /// Booked prefill tokens.
     pub prefill_tokens: u64,
     /// Unique active blocks.
@@ -332,6 +334,16 @@ impl Pool {
 
     fn affinity_index(&self) -> std::sync::MutexGuard<'_, ApproxIndex> {
         self.affinity.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records what an engine reports it is running (see [`crate::load::engine_metrics`]).
+    pub fn observe_engine(&self, slot: ReplicaIdx, running: u64) {
+        let mut load = self.load_table();
+        load.observe(slot, running);
+        let external = load.load(slot).external;
+        self.publish_load(&load, slot);
+        drop(load);
+        self.metrics.external_requests.get_or_create(&self.labels(slot)).set(external as i64);
     }
 
     /// Publishes this pool's bookings and their lifecycle to the other gateways from now on.
@@ -718,7 +730,8 @@ impl Pool {
                     blocks_indexed: index.replica_blocks(i),
                     host_blocks: index.replica_tier_blocks(i, Tier::Host),
                     disk_blocks: index.replica_tier_blocks(i, Tier::Disk),
-                    active_requests: l.requests,
+                    active_requests: l.requests - l.external,
+                    external_requests: l.external,
                     prefill_tokens: l.prefill_tokens,
                     active_blocks: l.active_blocks,
                     events_applied: h.events_applied.load(Ordering::Relaxed),
@@ -764,6 +777,7 @@ mod tests {
             affinity_ttl_secs: 120,
             affinity_blocks: 1 << 18,
             inflight_credit_secs: 10,
+            engine_metrics_secs: 0,
             chat_template_content_format: Default::default(),
             policy,
             adapters: Vec::new(),

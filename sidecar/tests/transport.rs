@@ -135,6 +135,7 @@ impl Rig {
             affinity_ttl_secs: 120,
             affinity_blocks: 1 << 18,
             inflight_credit_secs: 10,
+            engine_metrics_secs: 0,
             chat_template_content_format: Default::default(),
             policy: Default::default(),
             adapters: Vec::new(),

@@ -40,6 +40,8 @@ pub struct StackOptions {
     pub pool_policy: String,
     /// Lines of the sidecar's `[scoring]` table (empty: Dynamo's defaults).
     pub scoring_toml: String,
+    /// More keys of the sidecar's pool (e.g. `engine_metrics_secs = 1`).
+    pub pool_toml: String,
     /// Simulator flags for the time model, cache size and batch limits (see `kvgate-sim
     /// --help`); the default is fast functional-test timing: 2 ms steps, 100 µs per prompt
     /// token.
@@ -65,6 +67,7 @@ impl Default for StackOptions {
             route_timeout_ms: 500,
             pool_policy: "kv_aware".into(),
             scoring_toml: String::new(),
+            pool_toml: String::new(),
             sim_args: ["--preset", "test", "--prefill-us-per-token", "100", "--step-base-us", "2000"]
                 .map(String::from)
                 .to_vec(),
@@ -188,11 +191,12 @@ impl Stack {
             Routing::RoundRobin | Routing::LeastRequest => None,
             Routing::Kvgate => {
                 let config = format!(
-                    "listen = \"127.0.0.1:{sidecar_port}\"\n\n[scoring]\n{}\n\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{replicas_toml}",
+                    "listen = \"127.0.0.1:{sidecar_port}\"\n\n[scoring]\n{}\n\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{replicas_toml}",
                     opts.scoring_toml,
                     artifacts.model_dir.display(),
                     opts.block_size,
-                    opts.pool_policy
+                    opts.pool_policy,
+                    opts.pool_toml
                 );
                 let config_path = dir.join("kvgate.toml");
                 std::fs::write(&config_path, config)?;

@@ -531,3 +531,36 @@ fn data_parallel_ranks_are_routed_to() {
         state["pools"][0]["replicas"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap()).collect();
     assert_eq!(ids, ["a#0", "a#1", "b#0", "b#1"]);
 }
+
+/// 16. Traffic that bypasses kvgate: with `engine_metrics_secs`, requests an engine runs
+///     that kvgate did not book count as its load, and kvgate routes around them.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn load_from_bypassing_traffic_is_seen_in_engine_metrics() {
+    let opts =
+        StackOptions { name: "external".into(), pool_toml: "engine_metrics_secs = 1".into(), ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    // Long generations sent to engine a directly, behind kvgate's back.
+    let direct: Vec<_> = (0..6)
+        .map(|i| {
+            let url = stack.sim("a").url("/v1/completions");
+            let body = json!({"model": "qwen3", "prompt": document(50 + i, 100), "max_tokens": 4000}).to_string();
+            std::thread::spawn(move || post(&url, body, &[]))
+        })
+        .collect();
+    let external = |stack: &Stack| -> u64 {
+        let state = stack.sidecar_state().unwrap_or_default();
+        let replicas = state["pools"][0]["replicas"].as_array().cloned().unwrap_or_default();
+        replicas.iter().find(|r| r["id"] == "a").and_then(|r| r["external_requests"].as_u64()).unwrap_or(0)
+    };
+    wait_for("a's external load", Duration::from_secs(15), || (external(&stack) >= 6).then_some(())).unwrap();
+    for i in 0..6 {
+        let reply = stream(&stack.gateway("/v1/chat/completions"), chat(&document(70 + i, 200), "q")).unwrap();
+        assert_eq!(reply.status, 200);
+        assert_ne!(reply.header("x-kvgate-replica"), "a", "request {i} avoids the engine busy with bypassing traffic");
+    }
+    drop(stack);
+    for d in direct {
+        let _ = d.join();
+    }
+}

@@ -7,6 +7,13 @@
 //!
 //! Decode load is counted in blocks, deduplicated across requests sharing a prompt prefix on
 //! the same replica (Dynamo's `active_decode_blocks`).
+//!
+//! Traffic that does not come through kvgate is invisible to bookings. With
+//! `engine_metrics_secs`, [`engine_metrics`] polls each engine's own request count and
+//! [`LoadTable::observe`] books the difference as *external* requests, each charged the
+//! pool's mean blocks per booked request (their sizes are unknown).
+
+pub mod engine_metrics;
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -18,10 +25,12 @@ use crate::index::ReplicaIdx;
 pub struct ReplicaLoad {
     /// Booked prefill tokens of requests that have not produced a first token (`P_i`).
     pub prefill_tokens: u64,
-    /// Unique blocks of the active requests (`active_decode_blocks`).
+    /// Unique blocks of the active requests (`active_decode_blocks`), external ones included.
     pub active_blocks: u64,
-    /// Active requests (`R_i`).
+    /// Active requests (`R_i`), external ones included.
     pub requests: u64,
+    /// Of those, requests the engine reports that kvgate did not book.
+    pub external: u64,
 }
 
 #[derive(Debug)]
@@ -40,6 +49,8 @@ struct Replica {
     prefill_tokens: u64,
     private_blocks: u64,
     requests: u64,
+    /// Requests the engine last reported beyond those booked here.
+    external: u64,
     /// Sequence hash → how many active requests on this replica include it.
     shared_blocks: HashMap<u64, u32>,
 }
@@ -49,6 +60,8 @@ struct Replica {
 pub struct LoadTable {
     replicas: Vec<Replica>,
     bookings: HashMap<String, Booking>,
+    /// Prompt blocks of all bookings (for the mean an external request is charged).
+    blocks_booked: u64,
     /// Requests whose end was reported before they were booked (a lifecycle batch can
     /// overtake a slow decision): booking them later must not leak load. Oldest first.
     ended_early: VecDeque<String>,
@@ -76,6 +89,7 @@ impl LoadTable {
         LoadTable {
             replicas: (0..replicas).map(|_| Replica::default()).collect(),
             bookings: HashMap::new(),
+            blocks_booked: 0,
             ended_early: VecDeque::new(),
         }
     }
@@ -87,8 +101,9 @@ impl LoadTable {
     }
 
     /// The replica left the pool: drops every booking on it (their lifecycle reports are
-    /// then ignored as unknown). Returns how many.
+    /// then ignored as unknown) and its external load. Returns how many.
     pub fn clear_replica(&mut self, replica: ReplicaIdx) -> usize {
+        self.replicas[replica].external = 0;
         let gone: Vec<String> =
             self.bookings.iter().filter(|(_, b)| b.replica == replica).map(|(id, _)| id.clone()).collect();
         for id in &gone {
@@ -100,11 +115,28 @@ impl LoadTable {
     /// The replica's current load.
     pub fn load(&self, replica: ReplicaIdx) -> ReplicaLoad {
         let r = &self.replicas[replica];
+        let external_blocks = if r.external == 0 { 0 } else { r.external * self.mean_blocks_per_request() };
         ReplicaLoad {
             prefill_tokens: r.prefill_tokens,
-            active_blocks: r.shared_blocks.len() as u64 + r.private_blocks,
-            requests: r.requests,
+            active_blocks: r.shared_blocks.len() as u64 + r.private_blocks + external_blocks,
+            requests: r.requests + r.external,
+            external: r.external,
         }
+    }
+
+    /// The engine reports `running` requests (running + waiting): whatever exceeds the
+    /// requests booked here is external load until the next report.
+    pub fn observe(&mut self, replica: ReplicaIdx, running: u64) {
+        let r = &mut self.replicas[replica];
+        r.external = running.saturating_sub(r.requests);
+    }
+
+    /// Mean blocks of a booked request (prompt blocks), 1 when nothing is booked.
+    fn mean_blocks_per_request(&self) -> u64 {
+        if self.bookings.is_empty() {
+            return 1;
+        }
+        (self.blocks_booked / self.bookings.len() as u64).max(1)
     }
 
     /// How many of the prompt's blocks would be new on this replica's active set: Dynamo's
@@ -131,6 +163,7 @@ impl LoadTable {
         }
         let private_blocks = booking.total_blocks.saturating_sub(booking.hashes.len() as u64);
         r.private_blocks += private_blocks;
+        self.blocks_booked += booking.hashes.len() as u64 + private_blocks;
         self.bookings.insert(
             booking.request_id.to_owned(),
             Booking {
@@ -175,6 +208,7 @@ impl LoadTable {
 
     fn release(&mut self, request_id: &str) -> bool {
         let Some(b) = self.bookings.remove(request_id) else { return false };
+        self.blocks_booked -= b.hashes.len() as u64 + b.private_blocks;
         let r = &mut self.replicas[b.replica];
         if !b.prefill_done {
             r.prefill_tokens -= b.prefill_tokens;
@@ -216,6 +250,25 @@ mod tests {
     }
 
     #[test]
+    fn engine_reported_requests_beyond_bookings_are_external_load() {
+        let mut t = LoadTable::new(2);
+        let now = Instant::now();
+        assert!(t.book(0, booking("a", 0, &[1, 2, 3], 4), now));
+        assert!(t.book(0, booking("b", 0, &[1, 2], 2), now));
+        t.observe(0, 1);
+        assert_eq!(t.load(0).external, 0, "the engine has not seen all bookings yet: nothing external");
+        t.observe(1, 3);
+        let l = t.load(1);
+        assert_eq!((l.external, l.requests), (3, 3));
+        assert_eq!(l.active_blocks, 3 * 3, "each charged the mean booked request: (4 + 2) / 2 = 3 blocks");
+        t.observe(1, 0);
+        assert_eq!(t.load(1), ReplicaLoad::default());
+        assert!(t.finish("a") && t.finish("b"));
+        t.observe(1, 2);
+        assert_eq!(t.load(1).active_blocks, 2, "1 block each when nothing is booked");
+    }
+
+    #[test]
     fn a_replica_that_leaves_takes_its_bookings_with_it() {
         let mut t = LoadTable::new(1);
         let added = t.add_replica();
@@ -235,7 +288,7 @@ mod tests {
         let mut t = LoadTable::new(2);
         let now = Instant::now();
         t.book(1, booking("a", 100, &[1, 2], 3), now);
-        assert_eq!(t.load(1), ReplicaLoad { prefill_tokens: 100, active_blocks: 3, requests: 1 });
+        assert_eq!(t.load(1), ReplicaLoad { prefill_tokens: 100, active_blocks: 3, requests: 1, external: 0 });
         assert!(t.prefill_done("a"));
         assert_eq!(t.load(1).prefill_tokens, 0);
         assert!(t.finish("a"));
