@@ -10,6 +10,7 @@
 //! needs), `find_matches` p50/p99 for a full hit, a shared prefix and a miss, and heap bytes
 //! per indexed block (a counting allocator). Usage:
 //! `cargo run --release -- [replicas] [blocks_per_replica]` (default 64 × 100000).
+//! The full routing decision is compared by `src/bin/decision.rs` (`--bin decision`).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::VecDeque;
@@ -57,7 +58,9 @@ enum Ev {
 }
 
 fn tokens_of(seed: u64, blocks: usize) -> Vec<u32> {
-    (0..blocks * BS).map(|i| (xxhash_rust::xxh3::xxh3_64_with_seed(&(i as u64).to_le_bytes(), seed) % 150_000) as u32).collect()
+    (0..blocks * BS)
+        .map(|i| (xxhash_rust::xxh3::xxh3_64_with_seed(&(i as u64).to_le_bytes(), seed) % 150_000) as u32)
+        .collect()
 }
 
 /// Content-derived engine hashes (identical on every replica, as with a fixed PYTHONHASHSEED).
@@ -105,7 +108,12 @@ fn stream(replicas: usize, budget: usize) -> Stream {
                 held -= old.len();
             }
             if cached_groups[g] {
-                events.push(Ev::Stored { replica: r, parent: Some(hashes[PREFIX - 1]), hashes: hashes[PREFIX..].to_vec(), tokens: tokens[PREFIX * BS..].to_vec() });
+                events.push(Ev::Stored {
+                    replica: r,
+                    parent: Some(hashes[PREFIX - 1]),
+                    hashes: hashes[PREFIX..].to_vec(),
+                    tokens: tokens[PREFIX * BS..].to_vec(),
+                });
                 blocks_stored += UNIQUE as u64;
             } else {
                 cached_groups[g] = true;
@@ -123,11 +131,13 @@ fn stream(replicas: usize, budget: usize) -> Stream {
     while hits.len() < 1000 {
         hits.push(hits[hits.len() % replicas].clone());
     }
-    let shared = (0..1000u64).map(|i| {
-        let mut t = groups[(i % u64::from(GROUPS)) as usize].clone();
-        t.extend(tokens_of(9_000_000 + i, UNIQUE));
-        t
-    }).collect();
+    let shared = (0..1000u64)
+        .map(|i| {
+            let mut t = groups[(i % u64::from(GROUPS)) as usize].clone();
+            t.extend(tokens_of(9_000_000 + i, UNIQUE));
+            t
+        })
+        .collect();
     let misses = (0..1000u64).map(|i| tokens_of(8_000_000 + i, PREFIX + UNIQUE)).collect();
     Stream { events, blocks_stored, hits, shared, misses }
 }
@@ -168,7 +178,15 @@ fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<u64>>)]
     for ev in &s.events {
         match ev {
             Ev::Stored { replica, parent, hashes, tokens } => {
-                let store = Store { parent: *parent, engine_hashes: hashes, token_ids: tokens, block_size: BS, salt: Salt::NONE, extra: &[], tier: Tier::Device };
+                let store = Store {
+                    parent: *parent,
+                    engine_hashes: hashes,
+                    token_ids: tokens,
+                    block_size: BS,
+                    salt: Salt::NONE,
+                    extra: &[],
+                    tier: Tier::Device,
+                };
                 index.store(*replica, store).expect("consistent stream");
             }
             Ev::Removed { replica, hash } => index.remove(*replica, Tier::Device, &[*hash]),
@@ -177,30 +195,53 @@ fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<u64>>)]
     let elapsed = t.elapsed();
     let held: usize = (0..replicas).map(|r| index.replica_blocks(r)).sum();
     let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
-    let find = queries.iter().map(|(name, qs)| {
-        let (p50, p99) = time_queries(qs, |q| index.find_overlaps(q).iter().map(|(_, o)| o.device).max().unwrap_or(0));
-        (*name, p50, p99)
-    }).collect();
-    Report { name: "kvgate KvIndex", apply_blocks_per_s: s.blocks_stored as f64 / elapsed.as_secs_f64(), find, bytes_per_block: bytes / held as f64 }
+    let find = queries
+        .iter()
+        .map(|(name, qs)| {
+            let (p50, p99) =
+                time_queries(qs, |q| index.find_overlaps(q).iter().map(|(_, o)| o.device).max().unwrap_or(0));
+            (*name, p50, p99)
+        })
+        .collect();
+    Report {
+        name: "kvgate KvIndex",
+        apply_blocks_per_s: s.blocks_stored as f64 / elapsed.as_secs_f64(),
+        find,
+        bytes_per_block: bytes / held as f64,
+    }
 }
 
 fn dynamo_events(s: &Stream) -> Vec<RouterEvent> {
-    s.events.iter().enumerate().map(|(i, ev)| match ev {
-        Ev::Stored { replica, parent, hashes, tokens } => {
-            // The work Dynamo's ZMQ converter does per block: the local hash of its tokens.
-            let blocks = hashes.iter().zip(tokens.chunks(BS)).map(|(h, b)| KvCacheStoredBlockData {
-                block_hash: ExternalSequenceBlockHash(*h),
-                tokens_hash: LocalBlockHash(local_block_hash(b, Salt::NONE)),
-                mm_extra_info: None,
-            }).collect();
-            let data = KvCacheEventData::Stored(KvCacheStoreData { parent_hash: parent.map(ExternalSequenceBlockHash), start_position: None, blocks });
-            RouterEvent::new(*replica as u64, KvCacheEvent { event_id: i as u64, data, dp_rank: 0 })
-        }
-        Ev::Removed { replica, hash } => {
-            let data = KvCacheEventData::Removed(KvCacheRemoveData { block_hashes: vec![ExternalSequenceBlockHash(*hash)] });
-            RouterEvent::new(*replica as u64, KvCacheEvent { event_id: i as u64, data, dp_rank: 0 })
-        }
-    }).collect()
+    s.events
+        .iter()
+        .enumerate()
+        .map(|(i, ev)| match ev {
+            Ev::Stored { replica, parent, hashes, tokens } => {
+                // The work Dynamo's ZMQ converter does per block: the local hash of its tokens.
+                let blocks = hashes
+                    .iter()
+                    .zip(tokens.chunks(BS))
+                    .map(|(h, b)| KvCacheStoredBlockData {
+                        block_hash: ExternalSequenceBlockHash(*h),
+                        tokens_hash: LocalBlockHash(local_block_hash(b, Salt::NONE)),
+                        mm_extra_info: None,
+                    })
+                    .collect();
+                let data = KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: parent.map(ExternalSequenceBlockHash),
+                    start_position: None,
+                    blocks,
+                });
+                RouterEvent::new(*replica as u64, KvCacheEvent { event_id: i as u64, data, dp_rank: 0 })
+            }
+            Ev::Removed { replica, hash } => {
+                let data = KvCacheEventData::Removed(KvCacheRemoveData {
+                    block_hashes: vec![ExternalSequenceBlockHash(*hash)],
+                });
+                RouterEvent::new(*replica as u64, KvCacheEvent { event_id: i as u64, data, dp_rank: 0 })
+            }
+        })
+        .collect()
 }
 
 fn dynamo_radix(s: &Stream, local_queries: &[(&'static str, Vec<Vec<u64>>)]) -> Report {
@@ -214,14 +255,22 @@ fn dynamo_radix(s: &Stream, local_queries: &[(&'static str, Vec<Vec<u64>>)]) -> 
     let elapsed = t.elapsed();
     let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
     let held = held_blocks(s);
-    let find = local_queries.iter().map(|(name, qs)| {
-        let (p50, p99) = time_queries(qs, |q| {
-            let seq: Vec<LocalBlockHash> = q.iter().map(|h| LocalBlockHash(*h)).collect();
-            tree.find_matches(seq, false).scores.values().copied().max().unwrap_or(0)
-        });
-        (*name, p50, p99)
-    }).collect();
-    Report { name: "Dynamo RadixTree", apply_blocks_per_s: s.blocks_stored as f64 / elapsed.as_secs_f64(), find, bytes_per_block: bytes / held as f64 }
+    let find = local_queries
+        .iter()
+        .map(|(name, qs)| {
+            let (p50, p99) = time_queries(qs, |q| {
+                let seq: Vec<LocalBlockHash> = q.iter().map(|h| LocalBlockHash(*h)).collect();
+                tree.find_matches(seq, false).scores.values().copied().max().unwrap_or(0)
+            });
+            (*name, p50, p99)
+        })
+        .collect();
+    Report {
+        name: "Dynamo RadixTree",
+        apply_blocks_per_s: s.blocks_stored as f64 / elapsed.as_secs_f64(),
+        find,
+        bytes_per_block: bytes / held as f64,
+    }
 }
 
 /// Blocks held at the end of the stream (the same for both indexes).
@@ -245,15 +294,22 @@ fn main() {
     eprintln!("building the stream: {replicas} replicas x {budget} blocks ...");
     let s = stream(replicas, budget);
     eprintln!("{} events, {} blocks stored", s.events.len(), s.blocks_stored);
-    let seq = |ts: &[Vec<u32>]| ts.iter().map(|t| kvgate_shared::hash::prompt_block_hashes(t, BS, Salt::NONE)).collect::<Vec<_>>();
-    let local = |ts: &[Vec<u32>]| ts.iter().map(|t| kvgate_shared::hash::local_block_hashes(t, BS, Salt::NONE)).collect::<Vec<_>>();
+    let seq = |ts: &[Vec<u32>]| {
+        ts.iter().map(|t| kvgate_shared::hash::prompt_block_hashes(t, BS, Salt::NONE)).collect::<Vec<_>>()
+    };
+    let local = |ts: &[Vec<u32>]| {
+        ts.iter().map(|t| kvgate_shared::hash::local_block_hashes(t, BS, Salt::NONE)).collect::<Vec<_>>()
+    };
     let ours = [("full hit", seq(&s.hits)), ("shared prefix", seq(&s.shared)), ("miss", seq(&s.misses))];
     let theirs = [("full hit", local(&s.hits)), ("shared prefix", local(&s.shared)), ("miss", local(&s.misses))];
 
     let k = kvgate(&s, replicas, &ours);
     let d = dynamo_radix(&s, &theirs);
     for r in [&k, &d] {
-        println!("{:<18} apply {:>10.0} blocks/s   memory {:>6.1} B/block", r.name, r.apply_blocks_per_s, r.bytes_per_block);
+        println!(
+            "{:<18} apply {:>10.0} blocks/s   memory {:>6.1} B/block",
+            r.name, r.apply_blocks_per_s, r.bytes_per_block
+        );
         for (q, p50, p99) in &r.find {
             println!("{:<18}   find_matches {:<13} p50 {:>9.2?}  p99 {:>9.2?}", "", q, p50, p99);
         }
@@ -261,7 +317,11 @@ fn main() {
     println!("\nratios (kvgate vs Dynamo RadixTree, same run):");
     println!("  apply throughput  {:.2}x  (target >= 2x)", k.apply_blocks_per_s / d.apply_blocks_per_s);
     for ((q, kp50, _), (_, dp50, _)) in k.find.iter().zip(&d.find) {
-        println!("  find_matches p50 {:<13} {:.2}x of Dynamo's time  (target <= 0.5)", q, kp50.as_secs_f64() / dp50.as_secs_f64());
+        println!(
+            "  find_matches p50 {:<13} {:.2}x of Dynamo's time  (target <= 0.5)",
+            q,
+            kp50.as_secs_f64() / dp50.as_secs_f64()
+        );
     }
     println!("  memory per block  {:.2}x of Dynamo's  (target <= 0.5)", k.bytes_per_block / d.bytes_per_block);
 }
