@@ -5,6 +5,10 @@
 //! [`Pool::set_members`]. Every replica has a slot for good: bookings, index entries and
 //! metrics refer to slots by number, so a replica that leaves keeps its slot — emptied,
 //! inactive, never a candidate — and gets it back if it returns.
+//!
+//! Locks are taken in one order — members, index, affinity, load table — and a replica's
+//! metric labels (which read the members) are never looked up while the load table is held,
+//! so a membership change can never deadlock with routing or lifecycle reports.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -21,7 +25,7 @@ use crate::config::{Policy, PoolConfig, ReplicaConfig};
 use crate::events::ingest::{Ingest, Outcome};
 use crate::index::approx::ApproxIndex;
 use crate::index::{KvIndex, Overlap, ReplicaIdx, Tier};
-use crate::load::{LoadTable, NewBooking};
+use crate::load::{LoadTable, NewBooking, ReplicaLoad};
 use crate::metrics::{DecisionLabels, Metrics, ReasonLabels, ReplicaLabels};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 use crate::sync::{Outbox, SyncEvent};
@@ -338,12 +342,13 @@ impl Pool {
 
     /// Records what an engine reports it is running (see [`crate::load::engine_metrics`]).
     pub fn observe_engine(&self, slot: ReplicaIdx, running: u64) {
-        let mut load = self.load_table();
-        load.observe(slot, running);
-        let external = load.load(slot).external;
-        self.publish_load(&load, slot);
-        drop(load);
-        self.metrics.external_requests.get_or_create(&self.labels(slot)).set(external as i64);
+        let figures = {
+            let mut load = self.load_table();
+            load.observe(slot, running);
+            load.load(slot)
+        };
+        self.publish_load(slot, figures);
+        self.metrics.external_requests.get_or_create(&self.labels(slot)).set(figures.external as i64);
     }
 
     /// Publishes this pool's bookings and their lifecycle to the other gateways from now on.
@@ -354,11 +359,19 @@ impl Pool {
     /// Applies another gateway's booking or lifecycle event to the load table, under
     /// `origin/request_id`. A booking on a target this pool does not have is ignored.
     pub fn apply_remote(&self, origin: &str, event: &SyncEvent) {
-        let mut load = self.load_table();
-        let touched = match event {
-            SyncEvent::Booked { target, request_id, prefill_tokens, hashes, total_blocks, .. } => {
+        // Lock order: members before load.
+        let target_slot = match event {
+            SyncEvent::Booked { target, .. } => {
                 let slot = self.members().iter().position(|m| m.active && m.replica.id == *target);
                 let Some(slot) = slot else { return };
+                Some(slot)
+            }
+            _ => None,
+        };
+        let mut load = self.load_table();
+        let touched = match event {
+            SyncEvent::Booked { request_id, prefill_tokens, hashes, total_blocks, .. } => {
+                let slot = target_slot.unwrap_or_default();
                 let id = format!("{origin}/{request_id}");
                 let booking = NewBooking {
                     request_id: &id,
@@ -382,8 +395,10 @@ impl Pool {
                 slot
             }
         };
-        if let Some(slot) = touched {
-            self.publish_load(&load, slot);
+        let figures = touched.map(|slot| (slot, load.load(slot)));
+        drop(load);
+        if let Some((slot, figures)) = figures {
+            self.publish_load(slot, figures);
         }
     }
 
@@ -608,7 +623,7 @@ impl Pool {
             NewBooking { request_id: &req.request_id, prefill_tokens, hashes, total_blocks },
             Instant::now(),
         );
-        self.publish_load(&load, best);
+        let figures = load.load(best);
         drop(load);
         if affinity || inflight {
             self.affinity_index().record(best, hashes, Instant::now());
@@ -624,6 +639,7 @@ impl Pool {
         }
         let (replica, dp_rank) = (members[best].replica.clone(), members[best].rank);
         drop(members);
+        self.publish_load(best, figures);
         if let (true, Some(outbox)) = (booked, self.outbox.get()) {
             outbox.send(SyncEvent::Booked {
                 model: self.config.model.clone(),
@@ -679,8 +695,10 @@ impl Pool {
         let mut load = self.load_table();
         let replica = load.replica_of(request_id);
         let known = if first_token { load.prefill_done(request_id) } else { load.finish(request_id) };
-        if let Some(r) = replica {
-            self.publish_load(&load, r);
+        let figures = replica.map(|r| (r, load.load(r)));
+        drop(load);
+        if let Some((r, figures)) = figures {
+            self.publish_load(r, figures);
         }
         if let (true, Some(outbox)) = (known, self.outbox.get()) {
             let (model, request_id) = (self.config.model.clone(), request_id.to_owned());
@@ -695,27 +713,32 @@ impl Pool {
 
     /// Releases bookings older than `max_age`.
     pub fn expire(&self, max_age: Duration) -> usize {
-        let mut load = self.load_table();
-        let n = load.expire(Instant::now(), max_age);
         let slots = self.members().len();
-        for i in 0..slots {
-            self.publish_load(&load, i);
+        let (n, figures) = {
+            let mut load = self.load_table();
+            let n = load.expire(Instant::now(), max_age);
+            (n, (0..slots).map(|i| load.load(i)).collect::<Vec<_>>())
+        };
+        for (i, f) in figures.into_iter().enumerate() {
+            self.publish_load(i, f);
         }
         n
     }
 
-    fn publish_load(&self, load: &LoadTable, replica: ReplicaIdx) {
-        let l = load.load(replica);
+    /// Sets a replica's load gauges. Takes the members lock: never call it holding the load
+    /// table (the lock order is members, index, affinity, load).
+    fn publish_load(&self, replica: ReplicaIdx, l: ReplicaLoad) {
         let labels = self.labels(replica);
-        self.metrics.active_requests.get_or_create(&labels).set(l.requests as i64);
+        self.metrics.active_requests.get_or_create(&labels).set((l.requests - l.external) as i64);
         self.metrics.prefill_tokens.get_or_create(&labels).set(l.prefill_tokens as i64);
     }
 
     /// A snapshot for `/debug/state`.
     pub fn state(&self) -> PoolState {
+        // Lock order: members, index, load.
+        let members = self.members();
         let index = read(&self.index);
         let load = self.load_table();
-        let members = self.members();
         let replicas = members
             .iter()
             .enumerate()
@@ -1068,5 +1091,39 @@ mod tests {
         p.route(&request("first", &prompt), &cfg);
         assert!(p.lifecycle("first", true));
         assert_eq!(p.route(&request("second", &longer), &cfg).overlap_blocks, 0, "no credit without events");
+    }
+
+    #[test]
+    fn membership_changes_under_traffic_do_not_deadlock() {
+        let p = Arc::new(pool(4));
+        let all = p.config.replicas.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        for w in 0..3u32 {
+            let (p, tx) = (p.clone(), tx.clone());
+            std::thread::spawn(move || {
+                for i in 0..1500u32 {
+                    let id = format!("w{w}-{i}");
+                    p.route(&request(&id, &[i % 50; 8]), &ScoringConfig::default());
+                    p.lifecycle(&id, true);
+                    p.lifecycle(&id, false);
+                    if i % 100 == 0 {
+                        p.expire(Duration::from_secs(300));
+                        p.state();
+                        p.observe_engine(0, 3);
+                    }
+                }
+                tx.send(()).unwrap();
+            });
+        }
+        let changer = p.clone();
+        std::thread::spawn(move || {
+            for k in 0..600 {
+                changer.set_members(&all[..2 + k % 3]);
+            }
+            tx.send(()).unwrap();
+        });
+        for _ in 0..4 {
+            rx.recv_timeout(Duration::from_secs(60)).expect("routing and membership changes deadlocked");
+        }
     }
 }
