@@ -12,7 +12,8 @@
 //!   "offload_bytes": 16384,
 //!   "debug_headers": false,
 //!   "segment_cache_bytes": 16777216,
-//!   "forward_tokens": false
+//!   "forward_tokens": false,
+//!   "decode_progress": false
 //! }
 //! ```
 
@@ -53,6 +54,10 @@ pub struct FilterConfig {
     /// filter computed, so the engine does not tokenize it again. Off by default: only for
     /// engines that take token-id prompts (vLLM, SGLang) with the same tokenizer.
     pub forward_tokens: bool,
+    /// Decode progress: count a streamed response's tokens and report them to the sidecar at
+    /// each KV block boundary, so a request's decode load decays as it nears `max_tokens`.
+    /// Off by default (one more report per block of output).
+    pub decode_progress: bool,
 }
 
 impl Default for FilterConfig {
@@ -69,6 +74,7 @@ impl Default for FilterConfig {
             debug_headers: false,
             segment_cache_bytes: kvgate_shared::prompt::segments::DEFAULT_BUDGET,
             forward_tokens: false,
+            decode_progress: false,
         }
     }
 }

@@ -28,7 +28,7 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::host;
 use crate::metrics::Outcome;
-use crate::plan::{offload, plan, routable, with_token_prompt, HeaderHints, Skip};
+use crate::plan::{offload, plan, routable, streamed_tokens, with_token_prompt, HeaderHints, Skip};
 use crate::root::Shared;
 
 /// What the filter did with a request, for debug headers and lifecycle reports.
@@ -60,6 +60,9 @@ pub struct RequestContext {
     /// The sidecar was asked, so it may have booked load: report the end either way.
     booked: bool,
     first_token_reported: bool,
+    /// Decode progress: output tokens streamed so far, and the pool's block size.
+    output_tokens: u32,
+    block_size: u32,
     body_done_at: Option<Instant>,
     decision: Decision,
 }
@@ -74,6 +77,8 @@ impl RequestContext {
             hints: HeaderHints::default(),
             booked: false,
             first_token_reported: false,
+            output_tokens: 0,
+            block_size: 0,
             body_done_at: None,
             decision: Decision::default(),
         }
@@ -140,6 +145,7 @@ impl RequestContext {
         }
         self.decision.truncated = planned.truncated;
         self.decision.prompt_digest = planned.digest;
+        self.block_size = planned.request.block_size;
         if let Some(ids) = planned.forwardable.as_deref().filter(|_| self.shared.borrow().config.forward_tokens) {
             self.forward_tokens(body, ids);
         }
@@ -347,6 +353,15 @@ impl HttpContext for RequestContext {
         if self.booked && !self.first_token_reported && body_size > 0 {
             self.first_token_reported = true;
             self.report(LifecycleKind::FirstToken);
+        }
+        if self.booked && self.block_size > 0 && body_size > 0 && self.shared.borrow().config.decode_progress {
+            let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size).ok().flatten();
+            let before = self.output_tokens;
+            self.output_tokens += chunk.as_deref().map_or(0, streamed_tokens);
+            // Once per KV block of output.
+            if self.output_tokens / self.block_size > before / self.block_size {
+                self.report(LifecycleKind::Progress(self.output_tokens));
+            }
         }
         Action::Continue
     }

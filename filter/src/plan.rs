@@ -117,6 +117,7 @@ pub fn plan(
             block_size,
             session: session.clone(),
             overrides: hints.overrides,
+            max_tokens: parsed.max_tokens,
         },
         tokenized: false,
         truncated: false,
@@ -139,11 +140,32 @@ pub fn plan(
             block_size: model.block_size,
             session,
             overrides: hints.overrides,
+            max_tokens: parsed.max_tokens,
         },
         tokenized: true,
         digest: Some(prompt_digest(&head.tokens)),
         forwardable: (single_text && !head.truncated).then_some(head.tokens),
     })
+}
+
+/// Output tokens in a chunk of a streamed (SSE) completion: vLLM sends one `data:` event per
+/// generated token (or a few, for speculative decoding: this then counts low); `[DONE]` is
+/// not a token.
+///
+/// ```
+/// let chunk = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[]}\n\ndata: [DONE]\n\n";
+/// assert_eq!(kvgate_filter::plan::streamed_tokens(chunk), 2);
+/// ```
+pub fn streamed_tokens(chunk: &[u8]) -> u32 {
+    let mut n = 0;
+    for line in chunk.split(|b| *b == b'\n') {
+        if let Some(data) = line.strip_prefix(b"data:") {
+            if data.trim_ascii() != b"[DONE]" {
+                n += 1;
+            }
+        }
+    }
+    n
 }
 
 /// Token forwarding: `body` with its `prompt` replaced by token ids (vLLM accepts token-id

@@ -61,6 +61,7 @@ mod tests {
             block_size: 16,
             session: Some("s".into()),
             overrides: Some(crate::wire::ScoringOverrides { temperature: Some(0.5), ..Default::default() }),
+            max_tokens: None,
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
         let resp =

@@ -42,6 +42,9 @@ pub struct RouteRequest {
     /// Per-request scoring overrides (the `x-kvgate-scoring` header), applied only where the
     /// sidecar's configuration allows them.
     pub overrides: Option<ScoringOverrides>,
+    /// The request's `max_tokens` (or `max_completion_tokens`): with decode progress, a
+    /// request's decode load is weighted by `1 − output/max_tokens`.
+    pub max_tokens: Option<u32>,
 }
 
 /// Asks the sidecar to route a request the filter hands over whole: a prompt too big to
@@ -101,6 +104,9 @@ pub enum LifecycleKind {
     FirstToken,
     /// The response ended (or the request was abandoned): the replica's load is released.
     Done,
+    /// Decode progress (the filter's `decode_progress`): output tokens streamed so far,
+    /// reported each time the sequence crosses a KV block boundary.
+    Progress(u32),
 }
 
 /// One lifecycle report.

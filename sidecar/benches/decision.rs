@@ -88,6 +88,7 @@ fn bench(c: &mut Criterion) {
                 block_size: BS as u32,
                 session: None,
                 overrides: None,
+                max_tokens: None,
             };
             group.bench_function(BenchmarkId::new(format!("{prompt_tokens}_tokens"), replicas), |b| {
                 b.iter(|| {

@@ -373,11 +373,13 @@ impl Pool {
             SyncEvent::Booked { request_id, prefill_tokens, hashes, total_blocks, .. } => {
                 let slot = target_slot.unwrap_or_default();
                 let id = format!("{origin}/{request_id}");
+                // Decode progress is not shared between gateways (as in Dynamo's replica sync).
                 let booking = NewBooking {
                     request_id: &id,
                     prefill_tokens: *prefill_tokens,
                     hashes,
                     total_blocks: *total_blocks,
+                    max_tokens: None,
                 };
                 load.book(slot, booking, Instant::now());
                 Some(slot)
@@ -442,6 +444,7 @@ impl Pool {
             block_size: self.config.block_size,
             session: req.session.clone().or_else(|| parsed.session.clone()),
             overrides: req.overrides,
+            max_tokens: parsed.max_tokens,
         };
         Ok(self.route(&route, scoring))
     }
@@ -620,7 +623,13 @@ impl Pool {
         let prefill_tokens = scoring.prefill_tokens(prompt_tokens, bs, overlap);
         let booked = load.book(
             best,
-            NewBooking { request_id: &req.request_id, prefill_tokens, hashes, total_blocks },
+            NewBooking {
+                request_id: &req.request_id,
+                prefill_tokens,
+                hashes,
+                total_blocks,
+                max_tokens: req.max_tokens.map(u64::from),
+            },
             Instant::now(),
         );
         let figures = load.load(best);
@@ -688,6 +697,20 @@ impl Pool {
             kept.pop_front();
         }
         kept.push_back(explanation);
+    }
+
+    /// Applies a decode-progress report (see [`LoadTable::progress`]). Returns false if the
+    /// request is not booked in this pool.
+    pub fn progress(&self, request_id: &str, output_tokens: u32) -> bool {
+        let (known, figures) = {
+            let mut load = self.load_table();
+            let known = load.progress(request_id, u64::from(output_tokens), u64::from(self.config.block_size));
+            (known, load.replica_of(request_id).map(|r| (r, load.load(r))))
+        };
+        if let Some((r, figures)) = figures {
+            self.publish_load(r, figures);
+        }
+        known
     }
 
     /// Applies a lifecycle report. Returns false if the request is not booked in this pool.
@@ -828,6 +851,7 @@ mod tests {
             block_size: 4,
             session: None,
             overrides: None,
+            max_tokens: None,
         }
     }
 
@@ -889,7 +913,7 @@ mod tests {
             // r0 is a little busy; its cache saves far more than that.
             p.load_table().book(
                 0,
-                NewBooking { request_id: "busy", prefill_tokens: 40, hashes: &[], total_blocks: 10 },
+                NewBooking { request_id: "busy", prefill_tokens: 40, hashes: &[], total_blocks: 10, max_tokens: None },
                 Instant::now(),
             );
             let r = p.route(&request("q", &cached), &ScoringConfig::default());

@@ -55,6 +55,7 @@ fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
         block_size: 4,
         session: session.map(str::to_owned),
         overrides: None,
+        max_tokens: None,
     }
 }
 

@@ -564,3 +564,27 @@ fn load_from_bypassing_traffic_is_seen_in_engine_metrics() {
         let _ = d.join();
     }
 }
+
+/// 17. Decode progress: a streamed answer is reported to the sidecar at each KV block of
+///     output, and every report finds its booking.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn decode_progress_is_reported_per_block_of_output() {
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("decode_progress".into(), true.into());
+    let opts = StackOptions { name: "progress".into(), filter_config, ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let mut body = chat(&document(81, 100), "count to a hundred");
+    body["max_tokens"] = 64.into();
+    let reply = stream(&stack.gateway("/v1/chat/completions"), body).unwrap();
+    assert_eq!(reply.status, 200);
+    let reports = |reason: &str| -> u64 {
+        let text = kvgate_e2e::client::client().get(stack.sidecar_url("/metrics")).send().unwrap().text().unwrap();
+        let prefix = format!("kvgate_lifecycle_events_total{{model=\"\",replica=\"\",reason=\"{reason}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(&prefix)).map_or(0, |v| v.parse().unwrap())
+    };
+    // 64 output tokens in blocks of 16: four boundaries; the last may race the end report.
+    wait_for("progress reports", Duration::from_secs(10), || (reports("progress/known") >= 3).then_some(())).unwrap();
+    assert!(reports("progress/known") <= 4);
+    assert_eq!(reports("progress/unknown"), 0);
+}

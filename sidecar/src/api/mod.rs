@@ -123,9 +123,12 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
         Err(e) => return (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
     };
     for event in &batch.events {
-        let first_token = event.kind == LifecycleKind::FirstToken;
-        let known = state.pools.values().any(|p| p.lifecycle(&event.request_id, first_token));
-        let kind = if first_token { "first_token" } else { "done" };
+        let id = &event.request_id;
+        let (kind, known) = match event.kind {
+            LifecycleKind::FirstToken => ("first_token", state.pools.values().any(|p| p.lifecycle(id, true))),
+            LifecycleKind::Done => ("done", state.pools.values().any(|p| p.lifecycle(id, false))),
+            LifecycleKind::Progress(n) => ("progress", state.pools.values().any(|p| p.progress(id, n))),
+        };
         let reason = format!("{kind}/{}", if known { "known" } else { "unknown" });
         let labels = ReasonLabels { model: String::new(), replica: String::new(), reason };
         state.metrics.lifecycle_events.get_or_create(&labels).inc();

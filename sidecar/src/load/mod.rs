@@ -42,6 +42,11 @@ struct Booking {
     /// Blocks of the prompt beyond its full hashed blocks (the partial tail): never shared.
     private_blocks: u64,
     booked_at: Instant,
+    /// Decode progress: output blocks so far, and blocks of the unique footprint currently
+    /// not counted (its weight is `1 − output/max_tokens`).
+    output_blocks: u64,
+    discounted: u64,
+    max_tokens: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -51,6 +56,10 @@ struct Replica {
     requests: u64,
     /// Requests the engine last reported beyond those booked here.
     external: u64,
+    /// Output blocks of active requests, and the blocks their decode-progress weights
+    /// discount (see [`LoadTable::progress`]).
+    output_blocks: u64,
+    discounted: u64,
     /// Sequence hash → how many active requests on this replica include it.
     shared_blocks: HashMap<u64, u32>,
 }
@@ -81,6 +90,8 @@ pub struct NewBooking<'a> {
     pub hashes: &'a [u64],
     /// All blocks the prompt occupies, `ceil(ISL / block_size)`.
     pub total_blocks: u64,
+    /// The request's `max_tokens`, for decode progress.
+    pub max_tokens: Option<u64>,
 }
 
 impl LoadTable {
@@ -112,13 +123,34 @@ impl LoadTable {
         gone.len()
     }
 
+    /// Decode progress (Ray's rule on Dynamo's block tracker): the request has streamed
+    /// `output_tokens`; its output occupies `ceil(output_tokens / block_size)` more blocks, and
+    /// its unique footprint — prompt blocks no other active request shares, its partial tail
+    /// and its output blocks — counts with weight `max(0, 1 − output_tokens / max_tokens)`
+    /// (1 without `max_tokens`), rounded as Dynamo rounds. Returns false for an unknown id.
+    pub fn progress(&mut self, request_id: &str, output_tokens: u64, block_size: u64) -> bool {
+        let Some(b) = self.bookings.get_mut(request_id) else { return false };
+        let r = &mut self.replicas[b.replica];
+        let output_blocks = output_tokens.div_ceil(block_size.max(1));
+        r.output_blocks += output_blocks.saturating_sub(b.output_blocks);
+        b.output_blocks = b.output_blocks.max(output_blocks);
+        let weight = b.max_tokens.map_or(1.0, |m| (1.0 - output_tokens as f64 / m.max(1) as f64).max(0.0));
+        let shared_only_here = b.hashes.iter().filter(|h| r.shared_blocks.get(h) == Some(&1)).count() as u64;
+        let unique = shared_only_here + b.private_blocks + b.output_blocks;
+        let discounted = unique - (weight * unique as f64).round() as u64;
+        r.discounted = r.discounted - b.discounted + discounted;
+        b.discounted = discounted;
+        true
+    }
+
     /// The replica's current load.
     pub fn load(&self, replica: ReplicaIdx) -> ReplicaLoad {
         let r = &self.replicas[replica];
         let external_blocks = if r.external == 0 { 0 } else { r.external * self.mean_blocks_per_request() };
+        let blocks = r.shared_blocks.len() as u64 + r.private_blocks + r.output_blocks;
         ReplicaLoad {
             prefill_tokens: r.prefill_tokens,
-            active_blocks: r.shared_blocks.len() as u64 + r.private_blocks + external_blocks,
+            active_blocks: blocks.saturating_sub(r.discounted) + external_blocks,
             requests: r.requests + r.external,
             external: r.external,
         }
@@ -173,6 +205,9 @@ impl LoadTable {
                 hashes: booking.hashes.to_vec(),
                 private_blocks,
                 booked_at: now,
+                output_blocks: 0,
+                discounted: 0,
+                max_tokens: booking.max_tokens,
             },
         );
         true
@@ -215,6 +250,8 @@ impl LoadTable {
         }
         r.requests -= 1;
         r.private_blocks -= b.private_blocks;
+        r.output_blocks -= b.output_blocks;
+        r.discounted -= b.discounted;
         for h in &b.hashes {
             if let Some(n) = r.shared_blocks.get_mut(h) {
                 *n -= 1;
@@ -246,7 +283,33 @@ mod tests {
     use super::*;
 
     fn booking<'a>(id: &'a str, prefill: u64, hashes: &'a [u64], total: u64) -> NewBooking<'a> {
-        NewBooking { request_id: id, prefill_tokens: prefill, hashes, total_blocks: total }
+        NewBooking { request_id: id, prefill_tokens: prefill, hashes, total_blocks: total, max_tokens: None }
+    }
+
+    #[test]
+    fn decode_progress_grows_output_and_decays_the_unique_footprint() {
+        let mut t = LoadTable::new(1);
+        let now = Instant::now();
+        let prompt: Vec<u64> = (0..128).collect();
+        let mut long = booking("long", 0, &prompt, 128);
+        long.max_tokens = Some(64);
+        assert!(t.book(0, long, now));
+        // Another request shares the first 28 blocks: those are never discounted.
+        assert!(t.book(0, booking("other", 0, &prompt[..28], 28), now));
+        assert_eq!(t.load(0).active_blocks, 128);
+        assert!(t.progress("long", 16, 16));
+        // 1 output block; unique = 100 prompt + 1 output; weight 0.75: round(75.75) = 76 kept.
+        assert_eq!(t.load(0).active_blocks, 28 + 76);
+        assert!(t.progress("long", 32, 16));
+        assert_eq!(t.load(0).active_blocks, 28 + 51, "weight 0.5 of 102: round(51) kept");
+        assert!(t.progress("long", 64, 16));
+        assert_eq!(t.load(0).active_blocks, 28, "at max_tokens its own footprint weighs nothing");
+        assert!(t.finish("long"));
+        assert_eq!(t.load(0).active_blocks, 28, "finishing releases exactly what was counted");
+        assert!(!t.progress("long", 80, 16), "unknown once finished");
+        // Without max_tokens the footprint only grows.
+        assert!(t.progress("other", 40, 16));
+        assert_eq!(t.load(0).active_blocks, 28 + 3);
     }
 
     #[test]

@@ -79,6 +79,7 @@ fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration
             block_size: BLOCK,
             session: None,
             overrides: None,
+            max_tokens: None,
         };
         let decision = pool.route(&request, &scoring);
         pool.lifecycle(&id, false);
