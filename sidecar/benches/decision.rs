@@ -9,7 +9,7 @@ use std::sync::Arc;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::wire::RouteRequest;
-use kvgate_sidecar::config::{EventsMode, Policy, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::index::{Store, Tier};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
@@ -22,30 +22,13 @@ fn tokens(seed: u64, n: usize) -> Vec<u32> {
 }
 
 fn pool(replicas: usize, prompt_tokens: usize) -> Pool {
-    let config = PoolConfig {
-        model: "m".into(),
-        tokenizer: "unused".into(),
-        block_size: BS as u32,
-        discovery: Default::default(),
-        affinity_ttl_secs: 120,
-        affinity_blocks: 1 << 18,
-        inflight_credit_secs: 10,
-        engine_metrics_secs: 0,
-        chat_template_content_format: Default::default(),
-        policy: Policy::KvAware,
-        adapters: Vec::new(),
-        replicas: (0..replicas)
-            .map(|i| ReplicaConfig {
-                id: format!("r{i}"),
-                endpoint: format!("10.0.{}.{}:8000", i / 250, i % 250 + 1).parse().expect("valid address"),
-                kv_events: "tcp://127.0.0.1:1".into(),
-                kv_events_mode: EventsMode::Connect,
-                kv_events_topic: String::new(),
-                kv_replay: None,
-                data_parallel_size: 1,
-            })
-            .collect(),
-    };
+    let configs = (0..replicas)
+        .map(|i| {
+            let endpoint = format!("10.0.{}.{}:8000", i / 250, i % 250 + 1).parse().expect("valid address");
+            ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
+        })
+        .collect();
+    let config = PoolConfig::new("m", "unused", BS as u32, configs);
     let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
     {
         let mut index = p.index_mut();

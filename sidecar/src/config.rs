@@ -90,7 +90,7 @@ pub struct SyncConfig {
 }
 
 /// A model served by a set of interchangeable replicas.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
     /// The OpenAI `model` name clients send.
@@ -236,6 +236,30 @@ impl DiscoveryConfig {
 }
 
 impl PoolConfig {
+    /// A pool of `replicas` with every optional setting at its default — what a TOML table
+    /// with only these four keys gives.
+    pub fn new(
+        model: &str,
+        tokenizer: impl Into<PathBuf>,
+        block_size: u32,
+        replicas: Vec<ReplicaConfig>,
+    ) -> PoolConfig {
+        PoolConfig {
+            model: model.to_owned(),
+            tokenizer: tokenizer.into(),
+            block_size,
+            chat_template_content_format: ContentFormat::default(),
+            policy: Policy::default(),
+            affinity_ttl_secs: default_affinity_ttl(),
+            affinity_blocks: default_affinity_blocks(),
+            inflight_credit_secs: default_inflight_credit(),
+            engine_metrics_secs: 0,
+            discovery: DiscoveryConfig::default(),
+            adapters: Vec::new(),
+            replicas,
+        }
+    }
+
     /// Whether this pool subscribes to its engines' KV events (all but `prefix_affinity`).
     pub fn reads_events(&self) -> bool {
         self.policy != Policy::PrefixAffinity
@@ -247,6 +271,22 @@ impl PoolConfig {
         let mut bundle = ModelBundle::from_dir(&self.model, &self.tokenizer, self.block_size)?;
         bundle.content_format = self.chat_template_content_format;
         Ok(bundle)
+    }
+}
+
+impl ReplicaConfig {
+    /// A replica at `endpoint` whose engine publishes events on `kv_events` (connect mode,
+    /// every topic, no replay, one rank) — what a TOML table with only these keys gives.
+    pub fn new(id: &str, endpoint: SocketAddr, kv_events: &str) -> ReplicaConfig {
+        ReplicaConfig {
+            id: id.to_owned(),
+            endpoint,
+            kv_events: kv_events.to_owned(),
+            kv_events_mode: EventsMode::default(),
+            kv_events_topic: String::new(),
+            kv_replay: None,
+            data_parallel_size: 1,
+        }
     }
 }
 
@@ -589,6 +629,13 @@ mod tests {
         assert_eq!(c.scoring, ScoringConfig::default());
         assert!(c.pools[0].tokenizer.ends_with("tok"));
         assert_ne!(c.pools[0].tokenizer, PathBuf::from("tok"), "resolved against the config's directory");
+    }
+
+    #[test]
+    fn constructors_match_a_minimal_toml() {
+        let c = load(BASE, &[]).unwrap();
+        let replica = ReplicaConfig::new("a", "127.0.0.1:8001".parse().unwrap(), "tcp://127.0.0.1:5557");
+        assert_eq!(c.pools[0], PoolConfig::new("m", c.pools[0].tokenizer.clone(), 16, vec![replica]));
     }
 
     #[test]

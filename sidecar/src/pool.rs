@@ -806,7 +806,7 @@ fn rendezvous(key: &str, members: &[Member], active: &[(ReplicaIdx, Overlap, boo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{EventsMode, ReplicaConfig};
+    use crate::config::ReplicaConfig;
     use crate::index::Store;
     use kvgate_shared::hash::{prompt_block_hashes, Salt};
 
@@ -815,30 +815,13 @@ mod tests {
     }
 
     fn pool_with(replicas: usize, policy: Policy) -> Pool {
-        let config = PoolConfig {
-            model: "m".into(),
-            tokenizer: "unused".into(),
-            block_size: 4,
-            discovery: Default::default(),
-            affinity_ttl_secs: 120,
-            affinity_blocks: 1 << 18,
-            inflight_credit_secs: 10,
-            engine_metrics_secs: 0,
-            chat_template_content_format: Default::default(),
-            policy,
-            adapters: Vec::new(),
-            replicas: (0..replicas)
-                .map(|i| ReplicaConfig {
-                    id: format!("r{i}"),
-                    endpoint: format!("127.0.0.1:{}", 8000 + i).parse().unwrap(),
-                    kv_events: "tcp://127.0.0.1:1".into(),
-                    kv_events_mode: EventsMode::Connect,
-                    kv_events_topic: String::new(),
-                    kv_replay: None,
-                    data_parallel_size: 1,
-                })
-                .collect(),
-        };
+        let replicas = (0..replicas)
+            .map(|i| {
+                let endpoint = format!("127.0.0.1:{}", 8000 + i).parse().unwrap();
+                ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
+            })
+            .collect();
+        let config = PoolConfig { policy, ..PoolConfig::new("m", "unused", 4, replicas) };
         Pool::new(config, Vec::new(), Arc::new(Metrics::default()))
     }
 

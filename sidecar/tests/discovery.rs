@@ -43,27 +43,15 @@ fn ids(pool: &Pool) -> Vec<String> {
 
 #[test]
 fn dns_answers_become_the_pool() {
-    let config = PoolConfig {
-        model: "m".into(),
-        tokenizer: "unused".into(),
-        block_size: 16,
-        discovery: DiscoveryConfig {
-            kind: DiscoveryKind::Dns,
-            name: "vllm.test".into(),
-            port: 8000,
-            kv_events: "tcp://{ip}:1".into(),
-            interval_secs: 1,
-            ..DiscoveryConfig::default()
-        },
-        affinity_ttl_secs: 120,
-        affinity_blocks: 1 << 18,
-        inflight_credit_secs: 10,
-        engine_metrics_secs: 0,
-        chat_template_content_format: Default::default(),
-        policy: Default::default(),
-        adapters: Vec::new(),
-        replicas: Vec::new(),
+    let discovery = DiscoveryConfig {
+        kind: DiscoveryKind::Dns,
+        name: "vllm.test".into(),
+        port: 8000,
+        kv_events: "tcp://{ip}:1".into(),
+        interval_secs: 1,
+        ..DiscoveryConfig::default()
     };
+    let config = PoolConfig { discovery, ..PoolConfig::new("m", "unused", 16, Vec::new()) };
     let metrics = Arc::new(Metrics::default());
     let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
     let supervisor = Arc::new(Supervisor::start(zmq::Context::new(), pool.clone(), metrics.clone()).unwrap());

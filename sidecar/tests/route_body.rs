@@ -14,7 +14,7 @@ use kvgate_shared::prompt::openai::{parse, Endpoint};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteResponse};
 use kvgate_sidecar::api::{router, AppState};
-use kvgate_sidecar::config::{EventsMode, Policy, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::index::{Store, Tier};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
@@ -28,30 +28,13 @@ fn model_dir() -> std::path::PathBuf {
 }
 
 fn state() -> (Arc<AppState>, Arc<Pool>) {
-    let config = PoolConfig {
-        model: "qwen3".into(),
-        tokenizer: model_dir(),
-        block_size: BLOCK,
-        discovery: Default::default(),
-        affinity_ttl_secs: 120,
-        affinity_blocks: 1 << 18,
-        inflight_credit_secs: 10,
-        engine_metrics_secs: 0,
-        chat_template_content_format: Default::default(),
-        policy: Policy::default(),
-        adapters: Vec::new(),
-        replicas: (0..3)
-            .map(|i| ReplicaConfig {
-                id: format!("r{i}"),
-                endpoint: format!("127.0.0.1:{}", 9000 + i).parse().unwrap(),
-                kv_events: "tcp://127.0.0.1:1".into(),
-                kv_events_mode: EventsMode::Connect,
-                kv_events_topic: String::new(),
-                kv_replay: None,
-                data_parallel_size: 1,
-            })
-            .collect(),
-    };
+    let replicas = (0..3)
+        .map(|i| {
+            let endpoint = format!("127.0.0.1:{}", 9000 + i).parse().unwrap();
+            ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
+        })
+        .collect();
+    let config = PoolConfig::new("qwen3", model_dir(), BLOCK, replicas);
     let bundle = codec::encode(&ModelBundle::from_dir("qwen3", &model_dir(), BLOCK).unwrap()).unwrap();
     let metrics = Arc::new(Metrics::default());
     let pool = Arc::new(Pool::new(config, bundle, metrics.clone()));

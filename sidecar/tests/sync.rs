@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvgate_e2e::process::{free_port, wait_for};
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::wire::RouteRequest;
-use kvgate_sidecar::config::{EventsMode, Policy, PoolConfig, ReplicaConfig, SyncConfig};
+use kvgate_sidecar::config::{Policy, PoolConfig, ReplicaConfig, SyncConfig};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::score::ScoringConfig;
@@ -18,30 +18,13 @@ use kvgate_sidecar::score::ScoringConfig;
 const WAIT: Duration = Duration::from_secs(10);
 
 fn pool() -> Arc<Pool> {
-    let config = PoolConfig {
-        model: "m".into(),
-        tokenizer: "unused".into(),
-        block_size: 4,
-        discovery: Default::default(),
-        affinity_ttl_secs: 120,
-        affinity_blocks: 1 << 18,
-        inflight_credit_secs: 10,
-        engine_metrics_secs: 0,
-        chat_template_content_format: Default::default(),
-        policy: Policy::ConsistentHash,
-        adapters: Vec::new(),
-        replicas: (0..3)
-            .map(|i| ReplicaConfig {
-                id: format!("r{i}"),
-                endpoint: format!("127.0.0.1:{}", 8000 + i).parse().unwrap(),
-                kv_events: "tcp://127.0.0.1:1".into(),
-                kv_events_mode: EventsMode::Connect,
-                kv_events_topic: String::new(),
-                kv_replay: None,
-                data_parallel_size: 1,
-            })
-            .collect(),
-    };
+    let replicas = (0..3)
+        .map(|i| {
+            let endpoint = format!("127.0.0.1:{}", 8000 + i).parse().unwrap();
+            ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
+        })
+        .collect();
+    let config = PoolConfig { policy: Policy::ConsistentHash, ..PoolConfig::new("m", "unused", 4, replicas) };
     Arc::new(Pool::new(config, Vec::new(), Arc::new(Metrics::default())))
 }
 

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
-use kvgate_sidecar::config::{EventsMode, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::discovery::Supervisor;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
@@ -127,28 +127,12 @@ struct Rig {
 
 impl Rig {
     fn start(ctx: &zmq::Context, pub_port: u16, replay_port: Option<u16>) -> Rig {
-        let config = PoolConfig {
-            model: "m".into(),
-            tokenizer: "unused".into(),
-            block_size: BS as u32,
-            discovery: Default::default(),
-            affinity_ttl_secs: 120,
-            affinity_blocks: 1 << 18,
-            inflight_credit_secs: 10,
-            engine_metrics_secs: 0,
-            chat_template_content_format: Default::default(),
-            policy: Default::default(),
-            adapters: Vec::new(),
-            replicas: vec![ReplicaConfig {
-                id: "a".into(),
-                endpoint: "127.0.0.1:1".parse().unwrap(),
-                kv_events: format!("tcp://127.0.0.1:{pub_port}"),
-                kv_events_mode: EventsMode::Connect,
-                kv_events_topic: "topic".into(),
-                kv_replay: replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
-                data_parallel_size: 1,
-            }],
+        let replica = ReplicaConfig {
+            kv_events_topic: "topic".into(),
+            kv_replay: replay_port.map(|p| format!("tcp://127.0.0.1:{p}")),
+            ..ReplicaConfig::new("a", "127.0.0.1:1".parse().unwrap(), &format!("tcp://127.0.0.1:{pub_port}"))
         };
+        let config = PoolConfig::new("m", "unused", BS as u32, vec![replica]);
         let metrics = Arc::new(Metrics::default());
         let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
         let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics.clone()).unwrap();

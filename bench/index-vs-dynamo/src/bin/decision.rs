@@ -22,7 +22,7 @@ use dynamo_kv_router::services::selection::{
 use dynamo_kv_router::KvRouterConfig;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::wire::RouteRequest;
-use kvgate_sidecar::config::{EventsMode, Policy, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::score::ScoringConfig;
@@ -40,30 +40,13 @@ fn percentile(mut v: Vec<Duration>, p: f64) -> Duration {
 }
 
 fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration> {
-    let config = PoolConfig {
-        model: "m".into(),
-        tokenizer: "unused".into(),
-        block_size: BLOCK,
-        discovery: Default::default(),
-        affinity_ttl_secs: 120,
-        affinity_blocks: 1 << 18,
-        inflight_credit_secs: 0,
-        engine_metrics_secs: 0,
-        chat_template_content_format: Default::default(),
-        policy: Policy::KvAware,
-        adapters: Vec::new(),
-        replicas: (0..replicas)
-            .map(|i| ReplicaConfig {
-                id: format!("r{i}"),
-                endpoint: format!("10.0.{}.{}:8000", i / 250, i % 250 + 1).parse().unwrap(),
-                kv_events: "tcp://127.0.0.1:1".into(),
-                kv_events_mode: EventsMode::Connect,
-                kv_events_topic: String::new(),
-                kv_replay: None,
-                data_parallel_size: 1,
-            })
-            .collect(),
-    };
+    let replicas = (0..replicas)
+        .map(|i| {
+            let endpoint = format!("10.0.{}.{}:8000", i / 250, i % 250 + 1).parse().unwrap();
+            ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
+        })
+        .collect();
+    let config = PoolConfig { inflight_credit_secs: 0, ..PoolConfig::new("m", "unused", BLOCK, replicas) };
     let pool = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
     let scoring = ScoringConfig::default();
     let prompt = tokens(prompt_len, 7);
