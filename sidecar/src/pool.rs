@@ -361,17 +361,13 @@ impl Pool {
     pub fn apply_remote(&self, origin: &str, event: &SyncEvent) {
         // Lock order: members before load.
         let target_slot = match event {
-            SyncEvent::Booked { target, .. } => {
-                let slot = self.members().iter().position(|m| m.active && m.replica.id == *target);
-                let Some(slot) = slot else { return };
-                Some(slot)
-            }
+            SyncEvent::Booked { target, .. } => self.members().iter().position(|m| m.active && m.replica.id == *target),
             _ => None,
         };
         let mut load = self.load_table();
         let touched = match event {
             SyncEvent::Booked { request_id, prefill_tokens, hashes, total_blocks, .. } => {
-                let slot = target_slot.unwrap_or_default();
+                let Some(slot) = target_slot else { return };
                 let id = format!("{origin}/{request_id}");
                 // Decode progress is not shared between gateways (as in Dynamo's replica sync).
                 let booking = NewBooking {

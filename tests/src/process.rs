@@ -68,13 +68,8 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// Three consecutive free ports `p, p+1, p+2` (on all interfaces): an engine's HTTP, events
-/// and replay ports at fixed offsets, as when several engines share a host.
-pub fn free_port_triple() -> anyhow::Result<u16> {
-    free_port_run(3)
-}
-
-/// `n` consecutive free ports (on all interfaces); returns the first.
+/// `n` consecutive free ports (on all interfaces); returns the first. For an engine's HTTP,
+/// events and replay ports at fixed offsets, as when several engines share a host.
 pub fn free_port_run(n: u16) -> anyhow::Result<u16> {
     for _ in 0..100 {
         let p = free_port()?;

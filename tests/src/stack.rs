@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 
 use crate::client;
 use crate::envoy::{self, EnvoyParams, Fallback};
-use crate::process::{free_port, free_port_run, free_port_triple, wait_for, Proc};
+use crate::process::{free_port, free_port_run, wait_for, Proc};
 use crate::{repo_root, Artifacts};
 
 /// How the gateway routes.
@@ -153,7 +153,7 @@ impl Stack {
             let host = std::net::IpAddr::from([127, 0, 0, 1]);
             let (port, events_port, replay_port) = match (opts.envoy_discovery, opts.data_parallel_size) {
                 (true, _) => {
-                    let p = free_port_triple()?;
+                    let p = free_port_run(3)?;
                     (p, p + 1, p + 2)
                 }
                 (false, 1) => (free_port()?, free_port()?, free_port()?),

@@ -42,13 +42,9 @@ pub fn spawn(
 ) -> std::io::Result<JoinHandle<()>> {
     let config = supervisor.pool().config.discovery.clone();
     let interval = Duration::from_secs(config.interval_secs);
-    poll(&config.name.clone(), interval, stop, move || match replicas(&config, &mut resolver) {
-        Ok(found) => {
-            if let Err(e) = supervisor.apply(&found) {
-                supervisor.failed(DiscoveryKind::Dns, &e);
-            }
-        }
-        Err(e) => supervisor.failed(DiscoveryKind::Dns, &format!("resolving {}: {e}", config.name)),
+    poll(&config.name.clone(), interval, stop, move || {
+        let found = replicas(&config, &mut resolver).map_err(|e| format!("resolving {}: {e}", config.name));
+        supervisor.refresh(DiscoveryKind::Dns, found);
     })
 }
 

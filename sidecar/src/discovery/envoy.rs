@@ -87,14 +87,7 @@ pub fn spawn(supervisor: Arc<Supervisor>, stop: Arc<AtomicBool>) -> std::io::Res
                 Err(e) => return supervisor.failed(DiscoveryKind::Envoy, &e),
             },
         };
-        match replicas(&config, client) {
-            Ok(found) => {
-                if let Err(e) = supervisor.apply(&found) {
-                    supervisor.failed(DiscoveryKind::Envoy, &e);
-                }
-            }
-            Err(e) => supervisor.failed(DiscoveryKind::Envoy, &e),
-        }
+        supervisor.refresh(DiscoveryKind::Envoy, replicas(&config, client));
     })
 }
 

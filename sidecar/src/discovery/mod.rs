@@ -56,6 +56,15 @@ impl Supervisor {
         self.spawn(start)
     }
 
+    /// Applies one refresh of a polled source: its replicas, or the reason it has none this
+    /// time (which keeps the membership as it was and is counted).
+    pub fn refresh(&self, kind: DiscoveryKind, found: Result<Vec<ReplicaConfig>, String>) {
+        match found.and_then(|replicas| self.apply(&replicas).map_err(|e| e.to_string())) {
+            Ok(()) => {}
+            Err(e) => self.failed(kind, &e),
+        }
+    }
+
     /// Counts a failed refresh (the membership stays as it was).
     pub fn failed(&self, kind: DiscoveryKind, error: &dyn std::fmt::Display) {
         tracing::warn!(model = %self.pool.config.model, kind = kind.label(), %error, "discovery failed; keeping the replicas we have");
