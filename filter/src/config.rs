@@ -8,6 +8,7 @@
 //!   "offload_timeout_ms": 1000,
 //!   "fetch_timeout_ms": 10000,
 //!   "retry_ms": 1000,
+//!   "models_refresh_ms": 10000,
 //!   "max_tokenize_bytes": 1048576,
 //!   "offload_bytes": 16384,
 //!   "debug_headers": false,
@@ -37,6 +38,10 @@ pub struct FilterConfig {
     pub fetch_timeout_ms: u64,
     /// Tick period: tokenizer fetch retries and lifecycle flushes.
     pub retry_ms: u64,
+    /// How often the model list is fetched again, so that models and LoRA adapters the
+    /// sidecar starts (or stops) routing — adapters it learns from the engines — are picked
+    /// up (or dropped) by a running filter.
+    pub models_refresh_ms: u64,
     /// At most this many bytes of a prompt's text are tokenized; longer prompts are routed on
     /// their head (tokenizing blocks the Envoy worker, about 0.5 s per MiB).
     pub max_tokenize_bytes: usize,
@@ -69,6 +74,7 @@ impl Default for FilterConfig {
             offload_timeout_ms: 1000,
             fetch_timeout_ms: 10_000,
             retry_ms: 1000,
+            models_refresh_ms: 10_000,
             max_tokenize_bytes: 1 << 20,
             offload_bytes: 16 << 10,
             debug_headers: false,
@@ -90,8 +96,15 @@ impl FilterConfig {
         if config.sidecar_cluster.is_empty() {
             return Err("kvgate filter configuration: sidecar_cluster must not be empty".into());
         }
-        if [config.route_timeout_ms, config.offload_timeout_ms, config.fetch_timeout_ms, config.retry_ms].contains(&0) {
-            return Err("kvgate filter configuration: timeouts and retry_ms must be positive".into());
+        let periods = [
+            config.route_timeout_ms,
+            config.offload_timeout_ms,
+            config.fetch_timeout_ms,
+            config.retry_ms,
+            config.models_refresh_ms,
+        ];
+        if periods.contains(&0) {
+            return Err("kvgate filter configuration: timeouts, retry_ms and models_refresh_ms must be positive".into());
         }
         Ok(config)
     }

@@ -1,10 +1,12 @@
 //! The root context (one per Envoy worker VM): loads tokenizers from the sidecar and sends
 //! lifecycle reports in batches.
 //!
-//! - **Tokenizers.** On configure and on every tick until all are loaded, it asks the sidecar
-//!   for its models (`GET /v1/models`) and fetches each missing bundle
-//!   (`GET /v1/models/{model}/tokenizer`). Until a model is loaded its requests are routed on
-//!   load alone; they are never held back.
+//! - **Tokenizers.** On configure, on every tick until all are loaded, and every
+//!   `models_refresh_ms` after that, it asks the sidecar for its models and LoRA adapters
+//!   (`GET /v1/models`) and fetches each missing bundle (`GET /v1/models/{model}/tokenizer`).
+//!   Until a model is loaded its requests are routed on load alone; they are never held back.
+//!   An adapter shares its base model's tokenizer; adapters (and models) the sidecar no longer
+//!   lists are dropped, so their requests pass through again.
 //! - **Lifecycle.** HTTP contexts push reports onto a shared queue; the root drains it when
 //!   Envoy signals the queue and on every tick, and POSTs one batch. (Calls made from a dying
 //!   HTTP context are cancelled by Envoy, so they must not send them themselves.)
@@ -12,7 +14,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use kvgate_shared::codec;
 use kvgate_shared::hash::Salt;
@@ -55,7 +57,9 @@ pub struct Root {
     shared: Rc<RefCell<Shared>>,
     calls: HashMap<u32, Call>,
     fetching: HashSet<String>,
-    models_listed: bool,
+    /// When the model list was last applied (`None`: never, or a tokenizer failed and the
+    /// list must be fetched again on the next tick).
+    listed_at: Option<SystemTime>,
     adapters: Vec<Adapter>,
 }
 
@@ -72,7 +76,7 @@ impl Root {
             })),
             calls: HashMap::new(),
             fetching: HashSet::new(),
-            models_listed: false,
+            listed_at: None,
             adapters: Vec::new(),
         }
     }
@@ -97,7 +101,12 @@ impl Root {
     }
 
     fn refresh_models(&mut self) {
-        if !self.models_listed && !self.calls.values().any(|c| matches!(c, Call::Models)) {
+        let every = Duration::from_millis(self.shared.borrow().config.models_refresh_ms);
+        let due = match self.listed_at {
+            None => true,
+            Some(at) => self.get_current_time().duration_since(at).is_ok_and(|age| age >= every),
+        };
+        if due && !self.calls.values().any(|c| matches!(c, Call::Models)) {
             self.get("/v1/models", Call::Models);
         }
     }
@@ -137,9 +146,14 @@ impl Root {
             log::warn!("kvgate: undecodable model list from the sidecar");
             return;
         };
-        self.models_listed = true;
-        let names = list.models.iter().cloned().chain(list.adapters.iter().map(|a| a.name.clone())).collect();
-        self.shared.borrow_mut().listed = Some(names);
+        self.listed_at = Some(self.get_current_time());
+        let names: HashSet<String> =
+            list.models.iter().cloned().chain(list.adapters.iter().map(|a| a.name.clone())).collect();
+        {
+            let mut shared = self.shared.borrow_mut();
+            shared.models.retain(|name, _| names.contains(name));
+            shared.listed = Some(names);
+        }
         self.adapters = list.adapters;
         self.link_adapters();
         for model in list.models {
@@ -167,7 +181,7 @@ impl Root {
             Err(e) => {
                 log::warn!("kvgate: tokenizer for {model:?} unusable: {e}");
                 // Retried on the next model listing.
-                self.models_listed = false;
+                self.listed_at = None;
             }
         }
     }
@@ -214,7 +228,7 @@ impl Context for Root {
             }
             (Call::Tokenizer(model), None) => {
                 self.fetching.remove(&model);
-                self.models_listed = false;
+                self.listed_at = None;
             }
             (Call::Lifecycle, _) if status.as_deref() != Some("204") => {
                 log::warn!("kvgate: lifecycle batch answered {status:?}");

@@ -128,11 +128,16 @@ pub struct PoolConfig {
     /// Where the replicas come from (default: the `replicas` below, reloaded with the file).
     #[serde(default)]
     pub discovery: DiscoveryConfig,
-    /// LoRA adapters these replicas serve. A request for an adapter routes in this pool, and
+    /// LoRA adapters every replica serves. A request for an adapter routes in this pool, and
     /// its blocks (salted by the adapter name, as vLLM's `lora_name` salts stored events)
     /// never match the base model's.
     #[serde(default)]
     pub adapters: Vec<String>,
+    /// Poll each engine's `/v1/models` this often and route the LoRA adapters it lists (those
+    /// whose `parent` is this pool's model) to the replicas that serve them, beside the
+    /// configured `adapters`. 0 turns it off.
+    #[serde(default = "default_adapters_poll")]
+    pub adapters_poll_secs: u64,
     /// The replicas (static discovery).
     #[serde(default)]
     pub replicas: Vec<ReplicaConfig>,
@@ -256,6 +261,7 @@ impl PoolConfig {
             engine_metrics_secs: 0,
             discovery: DiscoveryConfig::default(),
             adapters: Vec::new(),
+            adapters_poll_secs: default_adapters_poll(),
             replicas,
         }
     }
@@ -386,6 +392,10 @@ fn default_affinity_ttl() -> u64 {
 }
 
 fn default_inflight_credit() -> u64 {
+    10
+}
+
+fn default_adapters_poll() -> u64 {
     10
 }
 

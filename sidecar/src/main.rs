@@ -174,12 +174,6 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         });
         pools.insert(pool_config.model.clone(), pool);
     }
-    let mut routes = pools.clone();
-    for pool in pools.values() {
-        for adapter in &pool.config.adapters {
-            routes.insert(adapter.clone(), pool.clone());
-        }
-    }
 
     let stop = Arc::new(AtomicBool::new(false));
     let reload = Arc::new(AtomicBool::new(false));
@@ -209,6 +203,10 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
             reload.clone(),
             stop.clone(),
         )?);
+    }
+    for pool in pools.values().filter(|p| p.config.adapters_poll_secs > 0) {
+        let interval = Duration::from_secs(pool.config.adapters_poll_secs);
+        watchers.push(discovery::adapters::spawn(pool.clone(), interval, stop.clone())?);
     }
     for pool in pools.values().filter(|p| p.config.engine_metrics_secs > 0) {
         let interval = Duration::from_secs(pool.config.engine_metrics_secs);
@@ -244,7 +242,6 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
 
     let state = Arc::new(api::AppState {
         pools,
-        routes,
         scoring: config.scoring.clone(),
         allow_request_overrides: config.allow_request_overrides,
         metrics,

@@ -10,7 +10,7 @@
 //! metric labels (which read the members) are never looked up while the load table is held,
 //! so a membership change can never deadlock with routing or lifecycle reports.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -82,11 +82,19 @@ pub struct Member {
     pub health: Arc<ReplicaHealth>,
     /// Set to stop its event threads (when it leaves or its endpoints change).
     pub stop: Arc<AtomicBool>,
+    /// LoRA adapters its engine lists in `/v1/models` (see `adapters_poll_secs`).
+    pub adapters: BTreeSet<String>,
 }
 
 impl Member {
     fn new((replica, rank): (ReplicaConfig, Option<u32>)) -> Member {
-        Member { replica, rank, active: true, health: Arc::default(), stop: Arc::default() }
+        Member { replica, rank, active: true, health: Arc::default(), stop: Arc::default(), adapters: BTreeSet::new() }
+    }
+
+    /// Whether it can serve a request for `model` in `pool`: the base model and configured
+    /// adapters everywhere, learned adapters where its engine lists them.
+    fn serves(&self, model: &str, pool: &PoolConfig) -> bool {
+        model == pool.model || pool.adapters.iter().any(|a| a == model) || self.adapters.contains(model)
     }
 }
 
@@ -225,6 +233,8 @@ pub struct ReplicaState {
     pub degraded: bool,
     /// Its publisher went quiet while serving: no cache credit until events resume.
     pub stalled: bool,
+    /// LoRA adapters its engine lists.
+    pub adapters: Vec<String>,
 }
 
 /// One pool in `/debug/state`.
@@ -334,6 +344,36 @@ impl Pool {
         self.metrics.index_blocks.get_or_create(&labels).set(0);
         self.metrics.active_requests.get_or_create(&labels).set(0);
         self.metrics.prefill_tokens.get_or_create(&labels).set(0);
+    }
+
+    /// Records the LoRA adapters the engine at `endpoint` lists (every DP rank of it). Returns
+    /// whether anything changed.
+    pub fn set_adapters(&self, endpoint: &str, adapters: &BTreeSet<String>) -> bool {
+        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        let mut changed = false;
+        for m in members.iter_mut().filter(|m| m.active && m.replica.endpoint.to_string() == endpoint) {
+            if m.adapters != *adapters {
+                tracing::info!(model = %self.config.model, replica = %m.replica.id, ?adapters, "LoRA adapters changed");
+                m.adapters.clone_from(adapters);
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// Whether `name` is a LoRA adapter of this pool: configured, or listed by an active engine.
+    pub fn serves_adapter(&self, name: &str) -> bool {
+        self.config.adapters.iter().any(|a| a == name)
+            || self.members().iter().any(|m| m.active && m.adapters.contains(name))
+    }
+
+    /// Every LoRA adapter of this pool, configured or learned, sorted.
+    pub fn adapters(&self) -> BTreeSet<String> {
+        let mut all: BTreeSet<String> = self.config.adapters.iter().cloned().collect();
+        for m in self.members().iter().filter(|m| m.active) {
+            all.extend(m.adapters.iter().cloned());
+        }
+        all
     }
 
     fn affinity_index(&self) -> std::sync::MutexGuard<'_, ApproxIndex> {
@@ -554,11 +594,12 @@ impl Pool {
         } else {
             read(&self.index).find_matches(hashes)
         };
-        // The candidates: active replicas, with no cache credit while their publisher stalls.
+        // The candidates: active replicas that serve the model (a learned adapter is served
+        // only where it is loaded), with no cache credit while their publisher stalls.
         let mut active: Vec<(ReplicaIdx, Overlap, bool)> = members
             .iter()
             .enumerate()
-            .filter(|(_, m)| m.active)
+            .filter(|(_, m)| m.active && m.serves(&req.model, &self.config))
             .map(|(i, m)| {
                 // The affinity index does not depend on events, so a silent publisher is moot.
                 let trusted = affinity || m.health.trusted();
@@ -780,6 +821,7 @@ impl Pool {
                     last_seq: (last_seq != NONE).then_some(last_seq),
                     degraded: h.degraded.load(Ordering::Relaxed),
                     stalled: h.stalled.load(Ordering::Relaxed),
+                    adapters: m.adapters.iter().cloned().collect(),
                 }
             })
             .collect();
@@ -881,6 +923,30 @@ mod tests {
 
     fn chosen(r: &RouteResponse) -> usize {
         r.replica.as_deref().unwrap()[1..].parse().unwrap()
+    }
+
+    #[test]
+    fn learned_adapters_route_only_where_they_are_loaded() {
+        let p = pool(3);
+        let sql = BTreeSet::from(["sql".to_owned()]);
+        assert!(!p.serves_adapter("sql"));
+        let endpoint = p.members()[1].replica.endpoint.to_string();
+        assert!(p.set_adapters(&endpoint, &sql));
+        assert!(!p.set_adapters(&endpoint, &sql), "the same list changes nothing");
+        assert!(p.serves_adapter("sql"));
+        assert_eq!(p.adapters(), sql);
+        let scoring = ScoringConfig::default();
+        for i in 0..6 {
+            let req = RouteRequest { model: "sql".into(), ..request(&format!("a{i}"), &[i, 2, 3, 4, 5]) };
+            assert_eq!(chosen(&p.route(&req, &scoring)), 1, "only replica 1 has the adapter");
+        }
+        let spread: BTreeSet<usize> =
+            (0..6).map(|i| chosen(&p.route(&request(&format!("b{i}"), &[i, 9, 9, 9, 9]), &scoring))).collect();
+        assert_eq!(spread.len(), 2, "the base model spreads over the other replicas, which are idle");
+        assert!(p.set_adapters(&endpoint, &BTreeSet::new()));
+        assert!(!p.serves_adapter("sql"), "unloaded everywhere: no longer routed");
+        let req = RouteRequest { model: "sql".into(), ..request("c", &[1, 2, 3, 4]) };
+        assert_eq!(p.route(&req, &scoring).endpoint, None);
     }
 
     #[test]

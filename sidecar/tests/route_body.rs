@@ -39,13 +39,7 @@ fn state() -> (Arc<AppState>, Arc<Pool>) {
     let metrics = Arc::new(Metrics::default());
     let pool = Arc::new(Pool::new(config, bundle, metrics.clone()));
     let pools = HashMap::from([("qwen3".to_owned(), pool.clone())]);
-    let state = AppState {
-        routes: pools.clone(),
-        pools,
-        scoring: ScoringConfig::default(),
-        allow_request_overrides: false,
-        metrics,
-    };
+    let state = AppState { pools, scoring: ScoringConfig::default(), allow_request_overrides: false, metrics };
     (Arc::new(state), pool)
 }
 

@@ -1,6 +1,8 @@
 //! vLLM's OpenAI-compatible API, as far as kvgate needs it: completions and chat completions
 //! (streaming or not, with `usage`), `/v1/models`, `/health`, `/tokenize`, `/metrics`,
-//! `/reset_prefix_cache`.
+//! `/reset_prefix_cache`, and LoRA adapters: a request's `model` may name one, and with
+//! `VLLM_ALLOW_RUNTIME_LORA_UPDATING` adapters come and go through `/v1/load_lora_adapter` and
+//! `/v1/unload_lora_adapter`.
 //!
 //! Every response carries `x-kvgate-replica: <id>` so tests can see who served it. A request
 //! goes to the data-parallel rank named by `X-data-parallel-rank`, else to the next in turn.
@@ -27,6 +29,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::engine::{Engine, SubmitError};
 use crate::kv_events::Chaos;
+use crate::lora::{Lora, Registry};
 use crate::scheduler::Emitted;
 
 /// The header naming the replica that served a response.
@@ -44,6 +47,10 @@ pub struct AppState {
     pub tokenizer: ModelTokenizer,
     /// The served model's name.
     pub model: String,
+    /// The LoRA adapters served on top of it.
+    pub adapters: Registry,
+    /// Whether adapters may be loaded and unloaded at run time.
+    pub runtime_lora_updating: bool,
     /// This replica's id.
     pub replica: String,
     /// Seed of the output-token generator.
@@ -67,6 +74,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/_chaos/events", post(chaos_events))
         .route("/_chaos/restart_publisher", post(restart_publisher))
         .with_state(state)
@@ -114,19 +123,35 @@ impl Refusal {
     }
 }
 
-/// Parses, checks the model and tokenizes a request the way vLLM's server does.
-fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<(ParsedRequest, Vec<u32>), Refusal> {
+/// A request, checked and tokenized.
+struct Admitted {
+    request: ParsedRequest,
+    tokens: Vec<u32>,
+    /// The adapter its `model` names, if not the base model.
+    lora: Option<Arc<Lora>>,
+}
+
+/// Parses, checks the model (the base model or a loaded adapter) and tokenizes a request the
+/// way vLLM's server does. Adapters share the base model's tokenizer.
+fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Admitted, Refusal> {
     let request = parse(endpoint, body).map_err(|e| Refusal::bad_request(e.to_string()))?;
-    if request.model != state.model {
-        let message = format!("The model `{}` does not exist.", request.model);
-        return Err(Refusal { status: StatusCode::NOT_FOUND, kind: "NotFoundError", message });
-    }
+    let lora = if request.model == state.model {
+        None
+    } else {
+        match state.adapters.get(&request.model) {
+            Some(lora) => Some(lora),
+            None => {
+                let message = format!("The model `{}` does not exist.", request.model);
+                return Err(Refusal { status: StatusCode::NOT_FOUND, kind: "NotFoundError", message });
+            }
+        }
+    };
     if !matches!(request.prompt, Prompt::Tokens(_)) {
         state.prompts_tokenized.fetch_add(1, Ordering::Relaxed);
     }
     match state.tokenizer.prompt_tokens(&request) {
         Ok(t) if t.is_empty() => Err(Refusal::bad_request("the prompt is empty".into())),
-        Ok(t) => Ok((request, t)),
+        Ok(tokens) => Ok(Admitted { request, tokens, lora }),
         Err(e @ (PromptError::Invalid(_) | PromptError::Template(_) | PromptError::NoTemplate)) => {
             Err(Refusal::bad_request(e.to_string()))
         }
@@ -139,7 +164,7 @@ fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<(P
 }
 
 async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Bytes) -> Response {
-    let (request, tokens) = match prompt_tokens(&state, endpoint, &body) {
+    let Admitted { request, tokens, lora } = match prompt_tokens(&state, endpoint, &body) {
         Ok(r) => r,
         Err(refusal) => return refusal.into_response(&state),
     };
@@ -159,7 +184,7 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
     let mut rng = rand::rngs::StdRng::seed_from_u64(state.seed ^ xxh3_64(&body));
     let output: Vec<u32> = (0..max_tokens).map(|_| rng.random_range(1000..9000)).collect();
     let prompt_len = tokens.len();
-    let mut tokens_rx = match state.engine.submit(rank, tokens, output) {
+    let mut tokens_rx = match state.engine.submit(rank, tokens, output, lora) {
         Ok(rx) => rx,
         Err(e @ SubmitError::TooLong { .. }) => {
             return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string())
@@ -287,7 +312,7 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let is_chat = serde_json::from_slice::<Value>(&body).ok().is_some_and(|v| v.get("messages").is_some());
     let endpoint = if is_chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
     match prompt_tokens(&state, endpoint, &body) {
-        Ok((_, tokens)) => {
+        Ok(Admitted { tokens, .. }) => {
             let body = json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": null});
             tagged(&state, Json(body).into_response())
         }
@@ -295,9 +320,74 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     }
 }
 
+/// vLLM's model list: the base model, then each adapter with `parent` = the base model.
 async fn models(State(state): State<Arc<AppState>>) -> Response {
-    let body = json!({"object": "list", "data": [{"id": state.model, "object": "model", "owned_by": "kvgate-sim"}]});
+    let created = unix_now();
+    let base = json!({"id": state.model, "object": "model", "created": created, "owned_by": "vllm",
+        "root": state.model, "parent": null, "max_model_len": state.max_model_len});
+    let adapters = state.adapters.list().into_iter().map(|a| {
+        json!({"id": a.name, "object": "model", "created": created, "owned_by": "vllm", "root": a.path,
+            "parent": state.model, "max_model_len": null})
+    });
+    let body = json!({"object": "list", "data": std::iter::once(base).chain(adapters).collect::<Vec<_>>()});
     tagged(&state, Json(body).into_response())
+}
+
+/// `POST /v1/load_lora_adapter` body.
+#[derive(serde::Deserialize)]
+struct LoadLora {
+    lora_name: String,
+    lora_path: String,
+}
+
+/// `POST /v1/unload_lora_adapter` body.
+#[derive(serde::Deserialize)]
+struct UnloadLora {
+    lora_name: String,
+}
+
+/// The refusal of a run-time adapter change, unless they are allowed.
+fn lora_updates_refused(state: &AppState) -> Option<Response> {
+    let message = "runtime LoRA updates are off (set VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)".to_owned();
+    (!state.runtime_lora_updating).then(|| error(state, StatusCode::NOT_FOUND, "NotFoundError", message))
+}
+
+async fn load_lora_adapter(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    if let Some(refused) = lora_updates_refused(&state) {
+        return refused;
+    }
+    let req: LoadLora = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()),
+    };
+    if req.lora_name.is_empty() || req.lora_name == state.model {
+        let message = format!("invalid adapter name {:?}", req.lora_name);
+        return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", message);
+    }
+    match state.adapters.load(&req.lora_name, &req.lora_path) {
+        Ok(_) => {
+            let text = format!("Success: LoRA adapter '{}' added successfully.", req.lora_name);
+            tagged(&state, text.into_response())
+        }
+        Err(e) => error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()),
+    }
+}
+
+async fn unload_lora_adapter(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    if let Some(refused) = lora_updates_refused(&state) {
+        return refused;
+    }
+    let req: UnloadLora = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()),
+    };
+    match state.adapters.unload(&req.lora_name) {
+        Ok(()) => {
+            let text = format!("Success: LoRA adapter '{}' removed successfully.", req.lora_name);
+            tagged(&state, text.into_response())
+        }
+        Err(e) => error(&state, StatusCode::NOT_FOUND, "NotFoundError", e.to_string()),
+    }
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {

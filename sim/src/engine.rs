@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use crate::kv_cache::KvCache;
 use crate::kv_events::Publisher;
+use crate::lora::Lora;
 use crate::metrics::Histogram;
 use crate::scheduler::{blocks_needed, Emitted, Limits, Scheduler, SeqId};
 use crate::time_model::StepCost;
@@ -87,7 +88,13 @@ pub enum SubmitError {
 }
 
 enum Command {
-    Submit { prompt: Vec<u32>, output: Vec<u32>, arrived: Instant, reply: mpsc::UnboundedSender<Emitted> },
+    Submit {
+        prompt: Vec<u32>,
+        output: Vec<u32>,
+        lora: Option<Arc<Lora>>,
+        arrived: Instant,
+        reply: mpsc::UnboundedSender<Emitted>,
+    },
     Reset(oneshot::Sender<bool>),
 }
 
@@ -141,12 +148,14 @@ impl Engine {
         }
     }
 
-    /// Queues a request on `rank`; its tokens arrive on the returned channel.
+    /// Queues a request on `rank`, under a LoRA adapter if given; its tokens arrive on the
+    /// returned channel.
     pub fn submit(
         &self,
         rank: &Rank,
         prompt: Vec<u32>,
         output: Vec<u32>,
+        lora: Option<Arc<Lora>>,
     ) -> Result<mpsc::UnboundedReceiver<Emitted>, SubmitError> {
         let needed = blocks_needed(prompt.len(), output.len(), self.config.block_size);
         if needed > self.config.num_gpu_blocks {
@@ -154,7 +163,7 @@ impl Engine {
         }
         let (reply, rx) = mpsc::unbounded_channel();
         rank.commands
-            .send(Command::Submit { prompt, output, arrived: Instant::now(), reply })
+            .send(Command::Submit { prompt, output, lora, arrived: Instant::now(), reply })
             .map_err(|_| SubmitError::Stopped)?;
         Ok(rx)
     }
@@ -262,9 +271,9 @@ async fn run(
 
 fn handle(c: Command, scheduler: &mut Scheduler, clients: &mut HashMap<SeqId, Client>, publisher: &Publisher) {
     match c {
-        Command::Submit { prompt, output, arrived, reply } => {
+        Command::Submit { prompt, output, lora, arrived, reply } => {
             // Size was checked by `Engine::submit`; a refusal here just closes the channel.
-            if let Ok(id) = scheduler.add(prompt, output) {
+            if let Ok(id) = scheduler.add(prompt, output, lora) {
                 clients.insert(id, Client { reply, arrived });
             }
         }

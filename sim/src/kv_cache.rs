@@ -7,6 +7,8 @@
 //! - Freed requests return their blocks tail first, so a sequence's later blocks are evicted
 //!   before its earlier ones (children before parents).
 //! - Committing newly full blocks emits one `BlockStored` per request step.
+//! - A request under a LoRA adapter hashes its blocks with the adapter as an extra key, so it
+//!   shares a prefix only with requests under the same adapter.
 //! - With a CPU tier (`--cpu-offload-blocks`), an evicted GPU block moves to CPU memory
 //!   (`BlockStored` with `medium: "CPU"`; the CPU tier evicts its own LRU block with a CPU
 //!   `BlockRemoved`). A prompt whose prefix continues in the CPU tier loads those blocks
@@ -17,10 +19,12 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroUsize;
+use std::sync::Arc;
 
 use lru::LruCache;
 
 use crate::kv_events::{Event, Medium};
+use crate::lora::Lora;
 use crate::vllm_hash::{event_value, Digest, VllmHasher};
 
 #[derive(Debug, Default, Clone)]
@@ -28,6 +32,7 @@ struct Block {
     hash: Option<Digest>,
     parent: Option<Digest>,
     tokens: Vec<u32>,
+    lora: Option<Arc<Lora>>,
     refs: u32,
 }
 
@@ -42,6 +47,8 @@ pub struct Allocation {
     pub cached_tokens: usize,
     /// Prompt tokens loaded from the CPU tier at admission (a multiple of the block size).
     pub loaded_tokens: usize,
+    /// The LoRA adapter the request runs under (it salts the blocks' hashes).
+    lora: Option<Arc<Lora>>,
 }
 
 impl Allocation {
@@ -92,13 +99,13 @@ impl KvCache {
         self.blocks.len()
     }
 
-    /// Digests of the full blocks of `tokens`.
-    fn hashes(&self, tokens: &[u32]) -> Vec<Digest> {
+    /// Digests of the full blocks of `tokens`, under `lora` if given.
+    fn hashes(&self, tokens: &[u32], lora: Option<&Lora>) -> Vec<Digest> {
         let mut parent: Option<Digest> = None;
         tokens
             .chunks_exact(self.block_size)
             .map(|b| {
-                let h = self.hasher.block(parent.as_ref(), b);
+                let h = self.hasher.block(parent.as_ref(), b, lora);
                 parent = Some(h);
                 h
             })
@@ -107,14 +114,16 @@ impl KvCache {
 
     /// Admits a sequence: finds its longest cached prefix (GPU blocks, then CPU blocks; at most
     /// `len − 1` tokens, as vLLM always computes at least one) and takes blocks for that prefix
-    /// plus up to `budget` tokens to compute. Fails, taking nothing, if blocks run out.
+    /// plus up to `budget` tokens to compute. Fails, taking nothing, if blocks run out. Under a
+    /// LoRA adapter only that adapter's blocks match.
     pub fn allocate(
         &mut self,
         tokens: &[u32],
+        lora: Option<&Arc<Lora>>,
         budget: usize,
         events: &mut Vec<Event>,
     ) -> Result<Allocation, OutOfBlocks> {
-        let hashes = self.hashes(tokens);
+        let hashes = self.hashes(tokens, lora.map(|l| &**l));
         let max_hit_blocks = tokens.len().saturating_sub(1) / self.block_size;
         let hits: Vec<usize> = hashes.iter().take(max_hit_blocks).map_while(|h| self.cached.get(h).copied()).collect();
         let loads = match &self.cpu {
@@ -144,6 +153,7 @@ impl KvCache {
             cached_tokens: hits.len() * self.block_size,
             loaded_tokens: loads * self.block_size,
             blocks: hits,
+            lora: lora.cloned(),
         };
         for _ in 0..needed {
             let b = self.take_free(events).ok_or(OutOfBlocks)?;
@@ -179,24 +189,25 @@ impl KvCache {
         if let Some(h) = block.hash {
             self.cached.remove(&h);
             events.push(Event::BlockRemoved { block_hashes: vec![event_value(&h)], medium: Medium::Gpu });
-            self.offload(h, block.parent, block.tokens, events);
+            self.offload(h, block, events);
         }
         self.blocks[b].refs = 1;
         Some(b)
     }
 
     /// Copies an evicted GPU block to the CPU tier.
-    fn offload(&mut self, hash: Digest, parent: Option<Digest>, tokens: Vec<u32>, events: &mut Vec<Event>) {
+    fn offload(&mut self, hash: Digest, block: Block, events: &mut Vec<Event>) {
         let Some(cpu) = self.cpu.as_mut() else { return };
         if cpu.promote(&hash) {
             return;
         }
         let stored = Event::BlockStored {
             block_hashes: vec![event_value(&hash)],
-            parent_block_hash: parent.as_ref().map(event_value),
-            token_ids: tokens,
+            parent_block_hash: block.parent.as_ref().map(event_value),
+            token_ids: block.tokens,
             block_size: self.block_size as u32,
             medium: Medium::Cpu,
+            lora: block.lora,
         };
         if let Some((evicted, ())) = cpu.push(hash, ()) {
             events.push(Event::BlockRemoved { block_hashes: vec![event_value(&evicted)], medium: Medium::Cpu });
@@ -212,7 +223,7 @@ impl KvCache {
         if full <= alloc.committed {
             return;
         }
-        let hashes = self.hashes(&tokens[..full * self.block_size]);
+        let hashes = self.hashes(&tokens[..full * self.block_size], alloc.lora.as_deref());
         let start = alloc.committed;
         for (i, &h) in hashes.iter().enumerate().skip(start) {
             let b = alloc.blocks[i];
@@ -223,6 +234,7 @@ impl KvCache {
             block.hash = Some(h);
             block.parent = i.checked_sub(1).map(|p| hashes[p]);
             block.tokens = tokens[i * self.block_size..(i + 1) * self.block_size].to_vec();
+            block.lora = alloc.lora.clone();
         }
         events.push(Event::BlockStored {
             block_hashes: hashes[start..].iter().map(event_value).collect(),
@@ -230,6 +242,7 @@ impl KvCache {
             token_ids: tokens[start * self.block_size..full * self.block_size].to_vec(),
             block_size: self.block_size as u32,
             medium: Medium::Gpu,
+            lora: alloc.lora.clone(),
         });
         alloc.committed = full;
     }
@@ -289,9 +302,38 @@ mod tests {
 
     /// Allocates and computes a whole prompt, as one unchunked prefill.
     fn prefill(c: &mut KvCache, t: &[u32], ev: &mut Vec<Event>) -> Allocation {
-        let mut a = c.allocate(t, usize::MAX, ev).unwrap();
+        let mut a = c.allocate(t, None, usize::MAX, ev).unwrap();
         c.commit(&mut a, t, ev);
         a
+    }
+
+    /// An adapter's blocks and the base model's never match each other; each matches its own.
+    #[test]
+    fn lora_requests_share_prefixes_only_with_their_adapter() {
+        let mut c = KvCache::new(4, 32, 0, hasher());
+        let mut ev = Vec::new();
+        let t = toks(12, 1);
+        let base = prefill(&mut c, &t, &mut ev);
+        c.free(base, &mut ev);
+        let lora = Arc::new(Lora { id: 1, name: "sql".into(), path: "/a/sql".into() });
+        let mut computed = Vec::new();
+        for _ in 0..2 {
+            let mut a = c.allocate(&t, Some(&lora), usize::MAX, &mut ev).unwrap();
+            c.commit(&mut a, &t, &mut ev);
+            computed.push(a.cached_tokens);
+            c.free(a, &mut ev);
+        }
+        assert_eq!(computed, [0, 8], "a miss against the base model's blocks, then a hit on its own");
+        let stored: Vec<_> = ev
+            .iter()
+            .filter_map(|e| match e {
+                Event::BlockStored { lora, .. } => Some(lora.as_ref().map(|l| l.name.as_str())),
+                _ => None,
+            })
+            .collect();
+        // The second run recomputes its last block (vLLM always computes one token) and
+        // reports that store again.
+        assert_eq!(stored, [None, Some("sql"), Some("sql")], "the adapter's stores name it");
     }
 
     #[test]
@@ -322,7 +364,7 @@ mod tests {
         let mut c = KvCache::new(4, 16, 0, hasher());
         let mut ev = Vec::new();
         let t = toks(20, 1);
-        let mut a = c.allocate(&t, 6, &mut ev).unwrap();
+        let mut a = c.allocate(&t, None, 6, &mut ev).unwrap();
         assert_eq!(a.blocks.len(), 2, "6 tokens need 2 blocks");
         c.commit(&mut a, &t[..6], &mut ev);
         c.ensure(&mut a, 20, &mut ev).unwrap();
@@ -359,7 +401,7 @@ mod tests {
         let t = toks(8, 3);
         let a = prefill(&mut c, &t, &mut ev);
         c.free(a, &mut ev);
-        assert_eq!(c.allocate(&t, usize::MAX, &mut ev).unwrap().cached_tokens, 4);
+        assert_eq!(c.allocate(&t, None, usize::MAX, &mut ev).unwrap().cached_tokens, 4);
     }
 
     #[test]
@@ -371,13 +413,13 @@ mod tests {
         let Event::BlockStored { block_hashes, .. } = ev[0].clone() else { panic!() };
         c.free(a, &mut ev);
         ev.clear();
-        let _b = c.allocate(&toks(4, 9), usize::MAX, &mut ev).unwrap();
+        let _b = c.allocate(&toks(4, 9), None, usize::MAX, &mut ev).unwrap();
         assert_eq!(
             ev,
             vec![Event::BlockRemoved { block_hashes: vec![block_hashes[1]], medium: Medium::Gpu }],
             "child evicted first"
         );
-        assert_eq!(c.allocate(&toks(8, 11), usize::MAX, &mut ev).unwrap_err(), OutOfBlocks);
+        assert_eq!(c.allocate(&toks(8, 11), None, usize::MAX, &mut ev).unwrap_err(), OutOfBlocks);
     }
 
     #[test]
@@ -406,7 +448,7 @@ mod tests {
         c.free(other, &mut ev);
         ev.clear();
         // The first prompt again: its prefix is loaded from CPU, not found on GPU.
-        let a = c.allocate(&t, usize::MAX, &mut ev).unwrap();
+        let a = c.allocate(&t, None, usize::MAX, &mut ev).unwrap();
         assert_eq!((a.cached_tokens, a.loaded_tokens, a.computed_tokens()), (0, 8, 8));
     }
 
@@ -426,7 +468,7 @@ mod tests {
     fn reset_clears_only_when_idle() {
         let mut c = KvCache::new(4, 4, 0, hasher());
         let mut ev = Vec::new();
-        let a = c.allocate(&toks(4, 1), usize::MAX, &mut ev).unwrap();
+        let a = c.allocate(&toks(4, 1), None, usize::MAX, &mut ev).unwrap();
         assert!(!c.reset(&mut ev));
         c.free(a, &mut ev);
         assert!(c.reset(&mut ev));

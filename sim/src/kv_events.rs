@@ -2,11 +2,13 @@
 //! ZMQ PUB socket, the payload `[ts, [event…], dp_rank]` with events as tagged maps.
 
 use std::collections::VecDeque;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use rand::{Rng, SeedableRng};
 use rmp::encode as mp;
+
+use crate::lora::Lora;
 
 /// A KV-cache event, in vLLM's terms.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,6 +25,8 @@ pub enum Event {
         block_size: u32,
         /// The tier that now holds them.
         medium: Medium,
+        /// The LoRA adapter they were computed under.
+        lora: Option<Arc<Lora>>,
     },
     /// Blocks evicted.
     BlockRemoved {
@@ -66,6 +70,35 @@ fn write_u64s(buf: &mut Vec<u8>, values: impl ExactSizeIterator<Item = u64>) {
     }
 }
 
+fn write_lora_id(buf: &mut Vec<u8>, lora: Option<&Lora>) {
+    match lora {
+        Some(l) => drop(mp::write_uint(buf, u64::from(l.id))),
+        None => drop(mp::write_nil(buf)),
+    }
+}
+
+fn write_lora_name(buf: &mut Vec<u8>, lora: Option<&Lora>) {
+    match lora {
+        Some(l) => write_str(buf, &l.name),
+        None => drop(mp::write_nil(buf)),
+    }
+}
+
+/// vLLM's per-block `extra_keys`: `nil` per block, or `[lora_name]` under an adapter (events
+/// carry the untagged keys).
+fn write_extra_keys(buf: &mut Vec<u8>, blocks: usize, lora: Option<&Lora>) {
+    let _ = mp::write_array_len(buf, blocks as u32);
+    for _ in 0..blocks {
+        match lora {
+            Some(l) => {
+                let _ = mp::write_array_len(buf, 1);
+                write_str(buf, &l.name);
+            }
+            None => drop(mp::write_nil(buf)),
+        }
+    }
+}
+
 /// The event layout on the wire.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Encoding {
@@ -90,7 +123,7 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding)
             continue;
         }
         match event {
-            Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium } => {
+            Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, lora } => {
                 // msgspec sizes the header by the struct's field count: map16.
                 buf.extend_from_slice(&[0xde, 0x00, 11]);
                 write_str(&mut buf, "type");
@@ -107,16 +140,13 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding)
                 write_str(&mut buf, "block_size");
                 let _ = mp::write_uint(&mut buf, u64::from(*block_size));
                 write_str(&mut buf, "lora_id");
-                let _ = mp::write_nil(&mut buf);
+                write_lora_id(&mut buf, lora.as_deref());
                 write_str(&mut buf, "medium");
                 write_str(&mut buf, medium.as_str());
                 write_str(&mut buf, "lora_name");
-                let _ = mp::write_nil(&mut buf);
+                write_lora_name(&mut buf, lora.as_deref());
                 write_str(&mut buf, "extra_keys");
-                let _ = mp::write_array_len(&mut buf, block_hashes.len() as u32);
-                for _ in block_hashes {
-                    let _ = mp::write_nil(&mut buf);
-                }
+                write_extra_keys(&mut buf, block_hashes.len(), lora.as_deref());
                 write_str(&mut buf, "group_idx");
                 let _ = mp::write_uint(&mut buf, 0);
                 write_str(&mut buf, "kv_cache_spec_kind");
@@ -147,7 +177,7 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding)
 /// vLLM 0.22's positional events: `BlockStored` has 12 elements, `BlockRemoved` 4.
 fn encode_positional(buf: &mut Vec<u8>, event: &Event) {
     match event {
-        Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium } => {
+        Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, lora } => {
             let _ = mp::write_array_len(buf, 12);
             write_str(buf, "BlockStored");
             write_u64s(buf, block_hashes.iter().copied());
@@ -157,13 +187,10 @@ fn encode_positional(buf: &mut Vec<u8>, event: &Event) {
             }
             write_u64s(buf, token_ids.iter().map(|t| u64::from(*t)));
             let _ = mp::write_uint(buf, u64::from(*block_size));
-            let _ = mp::write_nil(buf); // lora_id
+            write_lora_id(buf, lora.as_deref());
             write_str(buf, medium.as_str());
-            let _ = mp::write_nil(buf); // lora_name
-            let _ = mp::write_array_len(buf, block_hashes.len() as u32);
-            for _ in block_hashes {
-                let _ = mp::write_nil(buf);
-            }
+            write_lora_name(buf, lora.as_deref());
+            write_extra_keys(buf, block_hashes.len(), lora.as_deref());
             let _ = mp::write_uint(buf, 0); // group_idx
             write_str(buf, "full_attention");
             let _ = mp::write_nil(buf); // kv_cache_spec_sliding_window
@@ -402,6 +429,7 @@ mod tests {
                 token_ids: (1..=8).collect(),
                 block_size: 4,
                 medium: Medium::Gpu,
+                lora: None,
             },
             Event::BlockRemoved { block_hashes: vec![9561501211280363793], medium: Medium::Gpu },
             Event::AllBlocksCleared,
@@ -411,6 +439,39 @@ mod tests {
         let legacy = hex(include_str!("../../testdata/kv-events/vllm-0.22-positional.hex"));
         assert_eq!(encode_batch(1700000000.5, &events, 0, Encoding::LegacyArray), legacy, "vLLM 0.22's bytes");
         assert!(rmpv::decode::read_value(&mut expected.as_slice()).is_ok());
+    }
+
+    /// Under an adapter, as vLLM: `lora_id`, `lora_name`, and the name as each block's extra key.
+    #[test]
+    fn lora_events_carry_the_adapter() {
+        let lora = Arc::new(Lora { id: 3, name: "sql".into(), path: "/a/sql".into() });
+        let stored = Event::BlockStored {
+            block_hashes: vec![1, 2],
+            parent_block_hash: None,
+            token_ids: (1..=8).collect(),
+            block_size: 4,
+            medium: Medium::Gpu,
+            lora: Some(lora),
+        };
+        for encoding in [Encoding::Map, Encoding::LegacyArray] {
+            let bytes = encode_batch(1.0, std::slice::from_ref(&stored), 0, encoding);
+            let value = rmpv::decode::read_value(&mut bytes.as_slice()).unwrap();
+            let event = &value[1][0];
+            let (id, name, extra) = match encoding {
+                Encoding::Map => {
+                    let field = |k: &str| {
+                        event.as_map().unwrap().iter().find(|(key, _)| key.as_str() == Some(k)).unwrap().1.clone()
+                    };
+                    (field("lora_id"), field("lora_name"), field("extra_keys"))
+                }
+                Encoding::LegacyArray => (event[5].clone(), event[7].clone(), event[8].clone()),
+            };
+            assert_eq!(id.as_u64(), Some(3));
+            assert_eq!(name.as_str(), Some("sql"));
+            let per_block = extra.as_array().unwrap();
+            assert_eq!(per_block.len(), 2);
+            assert!(per_block.iter().all(|keys| keys[0].as_str() == Some("sql")));
+        }
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! | `time_model` | step duration; calibrated presets |
 //! | `kv_cache` | paged blocks, prefix caching, LRU eviction, the CPU offload tier |
 //! | `kv_events` | vLLM's KV-event wire format over ZMQ PUB, replay ROUTER |
+//! | `lora` | LoRA adapters: registered at start or at run time, salting their blocks |
 //! | `vllm_hash` | vLLM's block hashes (sha256 over pickle or CBOR) |
 //! | `metrics` | vLLM's Prometheus metrics |
 
@@ -21,6 +22,7 @@ mod api;
 mod engine;
 mod kv_cache;
 mod kv_events;
+mod lora;
 mod metrics;
 mod scheduler;
 mod time_model;
@@ -123,6 +125,13 @@ struct Cli {
     /// Report `usage.prompt_tokens_details.cached_tokens` (vLLM's flag of the same name).
     #[arg(long)]
     enable_prompt_tokens_details: bool,
+    /// Serve LoRA adapters (needed for `--lora-modules` and for loading them at run time,
+    /// which also needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
+    #[arg(long)]
+    enable_lora: bool,
+    /// LoRA adapters served from the start: `name=path` or `{"name": …, "path": …}`.
+    #[arg(long, num_args = 1..)]
+    lora_modules: Vec<String>,
 }
 
 impl Cli {
@@ -152,6 +161,7 @@ impl Cli {
         anyhow::ensure!(self.max_num_seqs > 0 && self.max_num_batched_tokens > 0, "batch limits must be positive");
         anyhow::ensure!(self.data_parallel_size > 0, "--data-parallel-size must be at least 1");
         anyhow::ensure!(self.speedup.is_finite() && self.speedup > 0.0, "--speedup must be positive");
+        anyhow::ensure!(self.lora_modules.is_empty() || self.enable_lora, "--lora-modules needs --enable-lora");
         let c = self.cost();
         let coefficients = [c.base_us, c.prefill_us_per_token, c.attn_us_per_token_pair, c.decode_us_per_seq];
         anyhow::ensure!(
@@ -218,10 +228,21 @@ async fn main() -> anyhow::Result<()> {
         },
         publishers,
     ));
+    let adapters = lora::Registry::default();
+    for module in &cli.lora_modules {
+        let (name, path) = lora::parse_module(module)?;
+        anyhow::ensure!(name != model, "LoRA adapter {name:?} is named like the base model");
+        adapters.load(&name, &path)?;
+    }
+    let runtime_lora_updating = cli.enable_lora
+        && std::env::var("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+            .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true"));
     let state = Arc::new(api::AppState {
         engine,
         tokenizer,
         model,
+        adapters,
+        runtime_lora_updating,
         replica: cli.replica.clone(),
         seed: cli.seed,
         prompt_tokens_details: cli.enable_prompt_tokens_details,

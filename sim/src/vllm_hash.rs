@@ -14,6 +14,8 @@
 
 use sha2::{Digest as _, Sha256};
 
+use crate::lora::Lora;
+
 /// A full block digest.
 pub type Digest = [u8; 32];
 
@@ -45,12 +47,13 @@ impl VllmHasher {
         VllmHasher { algo, none_hash: Sha256::digest(bytes).into() }
     }
 
-    /// The digest of a block chained after `parent` (`None`: the first block).
-    pub fn block(&self, parent: Option<&Digest>, tokens: &[u32]) -> Digest {
+    /// The digest of a block chained after `parent` (`None`: the first block), computed under
+    /// a LoRA adapter if `lora` is given (extra keys `(("lora", name, path),)`, as vLLM 0.33).
+    pub fn block(&self, parent: Option<&Digest>, tokens: &[u32], lora: Option<&Lora>) -> Digest {
         let parent = parent.unwrap_or(&self.none_hash);
         let bytes = match self.algo {
-            HashAlgo::Sha256 => pickle_block(parent, tokens),
-            HashAlgo::Sha256Cbor => cbor_block(parent, tokens),
+            HashAlgo::Sha256 => pickle_block(parent, tokens, lora),
+            HashAlgo::Sha256Cbor => cbor_block(parent, tokens, lora),
         };
         Sha256::digest(bytes).into()
     }
@@ -71,10 +74,22 @@ fn pickle(body: Vec<u8>) -> Vec<u8> {
 }
 
 fn pickle_str(s: &str) -> Vec<u8> {
-    let mut body = vec![0x8c, s.len() as u8]; // SHORT_BINUNICODE (seeds are short)
-    body.extend_from_slice(s.as_bytes());
-    body.push(0x94); // MEMOIZE
+    let mut body = Vec::new();
+    pickle_unicode(&mut body, s);
     pickle(body)
+}
+
+/// A memoized str: SHORT_BINUNICODE below 256 bytes, else BINUNICODE.
+fn pickle_unicode(out: &mut Vec<u8>, s: &str) {
+    match u8::try_from(s.len()) {
+        Ok(n) => out.extend_from_slice(&[0x8c, n]),
+        Err(_) => {
+            out.push(b'X');
+            out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        }
+    }
+    out.extend_from_slice(s.as_bytes());
+    out.push(0x94); // MEMOIZE
 }
 
 fn pickle_int(out: &mut Vec<u8>, v: u32) {
@@ -96,8 +111,8 @@ fn pickle_int(out: &mut Vec<u8>, v: u32) {
     }
 }
 
-/// `(parent_bytes, tuple(tokens), None)`.
-fn pickle_block(parent: &Digest, tokens: &[u32]) -> Vec<u8> {
+/// `(parent_bytes, tuple(tokens), extra_keys)`, extra keys `None` or `(("lora", name, path),)`.
+fn pickle_block(parent: &Digest, tokens: &[u32], lora: Option<&Lora>) -> Vec<u8> {
     let mut body = vec![b'C', 32]; // SHORT_BINBYTES
     body.extend_from_slice(parent);
     body.push(0x94);
@@ -117,7 +132,16 @@ fn pickle_block(parent: &Digest, tokens: &[u32]) -> Vec<u8> {
             body.extend_from_slice(&[b't', 0x94]);
         }
     }
-    body.extend_from_slice(&[b'N', 0x87, 0x94]); // None, TUPLE3, MEMOIZE
+    match lora {
+        None => body.push(b'N'),
+        Some(l) => {
+            for s in ["lora", &l.name, &l.path] {
+                pickle_unicode(&mut body, s);
+            }
+            body.extend_from_slice(&[0x87, 0x94, 0x85, 0x94]); // TUPLE3, MEMOIZE, TUPLE1, MEMOIZE
+        }
+    }
+    body.extend_from_slice(&[0x87, 0x94]); // TUPLE3, MEMOIZE
     pickle(body)
 }
 
@@ -148,7 +172,7 @@ fn cbor_str(s: &str) -> Vec<u8> {
     out
 }
 
-fn cbor_block(parent: &Digest, tokens: &[u32]) -> Vec<u8> {
+fn cbor_block(parent: &Digest, tokens: &[u32], lora: Option<&Lora>) -> Vec<u8> {
     let mut out = vec![0x83];
     cbor_head(&mut out, 2, 32);
     out.extend_from_slice(parent);
@@ -156,7 +180,15 @@ fn cbor_block(parent: &Digest, tokens: &[u32]) -> Vec<u8> {
     for t in tokens {
         cbor_head(&mut out, 0, u64::from(*t));
     }
-    out.push(0xf6);
+    match lora {
+        None => out.push(0xf6),
+        Some(l) => {
+            out.extend_from_slice(&[0x81, 0x83]);
+            for s in ["lora", &l.name, &l.path] {
+                out.extend(cbor_str(s));
+            }
+        }
+    }
     out
 }
 
@@ -166,8 +198,8 @@ mod tests {
 
     fn two_blocks(algo: HashAlgo, seed: Option<&str>) -> (u64, u64) {
         let h = VllmHasher::new(algo, seed);
-        let b0 = h.block(None, &[1, 2, 3, 4]);
-        let b1 = h.block(Some(&b0), &[5, 6, 7, 8]);
+        let b0 = h.block(None, &[1, 2, 3, 4], None);
+        let b1 = h.block(Some(&b0), &[5, 6, 7, 8], None);
         (event_value(&b0), event_value(&b1))
     }
 
@@ -187,8 +219,26 @@ mod tests {
         expected.extend_from_slice(&parent);
         expected
             .extend_from_slice(&[0x94, 0x28, 0x4b, 1, 0x4b, 2, 0x4b, 3, 0x4b, 4, 0x74, 0x94, 0x4e, 0x87, 0x94, 0x2e]);
-        assert_eq!(pickle_block(&parent, &[1, 2, 3, 4]), expected);
+        assert_eq!(pickle_block(&parent, &[1, 2, 3, 4], None), expected);
         assert_eq!(&cbor_str("vllm-none-hash")[..1], &[0x6e]);
+    }
+
+    /// Computed by Python's own `pickle` and `hashlib` (the functions vLLM calls) for
+    /// `(parent, (1, 2, 3, 4), (("lora", "my-lora", "/adapters/my-lora"),))`.
+    #[test]
+    fn lora_blocks_match_python() {
+        let lora = Lora { id: 1, name: "my-lora".into(), path: "/adapters/my-lora".into() };
+        let expected = "8005955a000000000000004320abababababababababababababababababababababababababababababababab94\
+            284b014b024b034b0474948c046c6f7261948c076d792d6c6f7261948c112f61646170746572732f6d792d6c6f72\
+            61948794859487942e";
+        let bytes = pickle_block(&[0xab; 32], &[1, 2, 3, 4], Some(&lora));
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, expected.split_whitespace().collect::<String>());
+        let h = VllmHasher::new(HashAlgo::Sha256, None);
+        let b0 = h.block(None, &[1, 2, 3, 4], Some(&lora));
+        let b1 = h.block(Some(&b0), &[5, 6, 7, 8], Some(&lora));
+        assert_eq!((event_value(&b0), event_value(&b1)), (9669051952841315133, 3058926329788360012));
+        assert_ne!(event_value(&h.block(None, &[1, 2, 3, 4], None)), event_value(&b0));
     }
 
     /// The real vLLM 0.32 frames (sha256, block size 32): the same tokens give the same
@@ -210,7 +260,7 @@ mod tests {
                     ev["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
                 let mut parent = ev["parent_block_hash"].as_u64().map(|p| digests[&p]);
                 for (block, expected) in tokens.chunks(32).zip(ev["block_hashes"].as_array().unwrap()) {
-                    let d = h.block(parent.as_ref(), block);
+                    let d = h.block(parent.as_ref(), block, None);
                     assert_eq!(event_value(&d), expected.as_u64().unwrap());
                     digests.insert(event_value(&d), d);
                     parent = Some(d);

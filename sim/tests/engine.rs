@@ -161,6 +161,25 @@ fn errors_are_shaped_like_vllms() {
     assert_eq!((malformed.status, malformed.json()["code"].as_u64()), (400, Some(400)));
 }
 
+/// Adapters from `--lora-modules`: listed with their parent, served by name, their events
+/// tagged as vLLM tags them (as kvgate's decoder reads them); run-time loading stays off
+/// without `VLLM_ALLOW_RUNTIME_LORA_UPDATING`.
+#[test]
+fn lora_modules_are_served_listed_and_named_in_events() {
+    let sim = Sim::start("lora", 1, &["--enable-lora", "--lora-modules", "sql=/adapters/sql"]);
+    let models: Value = client().get(sim.url("/v1/models")).send().unwrap().json().unwrap();
+    let sql = models["data"].as_array().unwrap().iter().find(|m| m["id"] == "sql").unwrap().clone();
+    assert_eq!((sql["parent"].as_str(), sql["root"].as_str()), (Some("qwen3"), Some("/adapters/sql")));
+    let body = json!({"model": "sql", "prompt": long_prompt("lora"), "max_tokens": 1});
+    let reply = post(&sim.url("/v1/completions"), body.to_string(), &[]).unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let seen = sim.events_until(0, |e| matches!(e, KvEvent::BlockStored(_)));
+    let Some((_, KvEvent::BlockStored(stored))) = seen.last() else { unreachable!() };
+    assert_eq!((stored.lora_name.as_deref(), stored.lora_id), (Some("sql"), Some(1)));
+    let load = json!({"lora_name": "other", "lora_path": "/adapters/other"}).to_string();
+    assert_eq!(post(&sim.url("/v1/load_lora_adapter"), load, &[]).unwrap().status, 404);
+}
+
 #[test]
 fn metrics_count_requests_and_reset_clears_the_cache() {
     let sim = Sim::start("metrics", 1, &[]);

@@ -162,6 +162,8 @@ impl Stack {
             };
             let events_config = json!({"endpoint": format!("tcp://*:{events_port}"), "replay_endpoint": format!("tcp://*:{replay_port}")});
             let mut cmd = Command::new(&artifacts.sim);
+            // LoRA adapters may be loaded at run time when a test passes `--enable-lora`.
+            cmd.env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True");
             cmd.args(["--port", &port.to_string(), "--replica", &id, "--model", "qwen3"])
                 .arg("--tokenizer")
                 .arg(&artifacts.model_dir)

@@ -28,14 +28,20 @@ use crate::score::ScoringConfig;
 pub struct AppState {
     /// Pools by base model name.
     pub pools: HashMap<String, Arc<Pool>>,
-    /// Pools by every name a request may carry: base models and their LoRA adapters.
-    pub routes: HashMap<String, Arc<Pool>>,
     /// Cost-function knobs.
     pub scoring: ScoringConfig,
     /// Whether requests may override scoring knobs.
     pub allow_request_overrides: bool,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    /// The pool a request's `model` routes in: the pool of that base model, else the pool
+    /// that serves an adapter of that name (configured or learned from its engines).
+    pub fn pool_for(&self, model: &str) -> Option<&Arc<Pool>> {
+        self.pools.get(model).or_else(|| self.pools.values().find(|p| p.serves_adapter(model)))
+    }
 }
 
 /// The API's routes.
@@ -76,7 +82,7 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
-    let Some(pool) = state.routes.get(&req.model) else {
+    let Some(pool) = state.pool_for(&req.model) else {
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, format!("no pool for model {:?}", req.model));
     };
     let decision = match (&req.overrides, state.allow_request_overrides) {
@@ -100,7 +106,7 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
         Ok(p) => p,
         Err(e) => return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
     };
-    let Some(pool) = state.routes.get(&parsed.model).cloned() else {
+    let Some(pool) = state.pool_for(&parsed.model).cloned() else {
         let message = format!("no pool for model {:?}", parsed.model);
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, message);
     };
@@ -142,9 +148,10 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     let mut adapters: Vec<Adapter> = state
         .pools
         .values()
-        .flat_map(|p| p.config.adapters.iter().map(|a| Adapter { name: a.clone(), base: p.config.model.clone() }))
+        .flat_map(|p| p.adapters().into_iter().map(|a| Adapter { name: a, base: p.config.model.clone() }))
         .collect();
     adapters.sort_by(|a, b| a.name.cmp(&b.name));
+    adapters.dedup_by(|a, b| a.name == b.name);
     encoded(&ModelList { models, adapters })
 }
 

@@ -13,7 +13,11 @@
 //! unchanged replicas keep their index and bookings, replicas that left are emptied and their
 //! event threads stopped, new ones get event threads. A failed lookup keeps the last
 //! membership and counts `kvgate_discovery_errors_total`.
+//!
+//! Beside membership, [`adapters`] learns which LoRA adapters each replica serves from its
+//! engine's `/v1/models`.
 
+pub mod adapters;
 pub mod dns;
 pub mod envoy;
 
