@@ -44,6 +44,10 @@ pub struct ReplicaHealth {
     pub degraded: AtomicBool,
     /// Requests that must create blocks were routed here, but no event came.
     pub stalled: AtomicBool,
+    /// The connection to its publisher dropped (the engine may have restarted with an empty
+    /// cache). Cleared by the next message, which either continues the sequence or — a
+    /// restart — clears the replica.
+    pub disconnected: AtomicBool,
     /// Since when (ms since the pool started) events are expected; `NONE` if not.
     awaiting_events_since: AtomicU64,
 }
@@ -55,6 +59,7 @@ impl Default for ReplicaHealth {
             last_seq: AtomicU64::new(NONE),
             degraded: AtomicBool::new(false),
             stalled: AtomicBool::new(false),
+            disconnected: AtomicBool::new(false),
             awaiting_events_since: AtomicU64::new(NONE),
         }
     }
@@ -62,10 +67,11 @@ impl Default for ReplicaHealth {
 
 impl ReplicaHealth {
     /// Whether the replica's index entries may be trusted for cache credit: not while its
-    /// publisher is stalled (its removals may be pending). A degraded replica's possibly
-    /// stale blocks were already dropped, so what remains is trusted.
+    /// publisher is stalled (its removals may be pending), nor while its connection is down
+    /// (its engine may have restarted empty). A degraded replica's possibly stale blocks
+    /// were already dropped, so what remains is trusted.
     pub fn trusted(&self) -> bool {
-        !self.stalled.load(Ordering::Relaxed)
+        !self.stalled.load(Ordering::Relaxed) && !self.disconnected.load(Ordering::Relaxed)
     }
 }
 
@@ -233,6 +239,8 @@ pub struct ReplicaState {
     pub degraded: bool,
     /// Its publisher went quiet while serving: no cache credit until events resume.
     pub stalled: bool,
+    /// Its publisher's connection dropped: no cache credit until its next message.
+    pub disconnected: bool,
     /// LoRA adapters its engine lists.
     pub adapters: Vec<String>,
 }
@@ -542,6 +550,7 @@ impl Pool {
         h.degraded.store(ingest.degraded(), Ordering::Relaxed);
         h.awaiting_events_since.store(NONE, Ordering::Relaxed);
         h.stalled.store(false, Ordering::Relaxed);
+        h.disconnected.store(false, Ordering::Relaxed);
         let blocks = read(&self.index).replica_blocks(replica);
         let labels = self.labels(replica);
         self.metrics.index_blocks.get_or_create(&labels).set(blocks as i64);
@@ -571,10 +580,21 @@ impl Pool {
         }
     }
 
+    /// Records that the connection to a replica's publisher dropped: it earns no cache
+    /// credit until its next message shows whether its engine restarted.
+    pub fn publisher_disconnected(&self, replica: ReplicaIdx) {
+        let h = self.members()[replica].health.clone();
+        if !h.disconnected.swap(true, Ordering::Relaxed) {
+            tracing::warn!(replica = %self.labels(replica).replica, "KV-event publisher disconnected; no cache credit until it is back");
+            self.publish_health(replica);
+        }
+    }
+
     fn publish_health(&self, replica: ReplicaIdx) {
         let h = self.members()[replica].health.clone();
         let l = self.labels(replica);
-        for (reason, flag) in [("lost_events", &h.degraded), ("stalled", &h.stalled)] {
+        for (reason, flag) in [("lost_events", &h.degraded), ("stalled", &h.stalled), ("disconnected", &h.disconnected)]
+        {
             let labels = ReasonLabels { model: l.model.clone(), replica: l.replica.clone(), reason: reason.into() };
             self.metrics.degraded.get_or_create(&labels).set(i64::from(flag.load(Ordering::Relaxed)));
         }
@@ -821,6 +841,7 @@ impl Pool {
                     last_seq: (last_seq != NONE).then_some(last_seq),
                     degraded: h.degraded.load(Ordering::Relaxed),
                     stalled: h.stalled.load(Ordering::Relaxed),
+                    disconnected: h.disconnected.load(Ordering::Relaxed),
                     adapters: m.adapters.iter().cloned().collect(),
                 }
             })

@@ -1,6 +1,7 @@
 //! The ZMQ transport against a publisher in the test: gaps are replayed from a ROUTER, a
-//! publisher restart clears the replica, garbage is counted and survived, and without replay
-//! a gap leaves the replica degraded.
+//! publisher restart clears the replica, garbage is counted and survived, without replay a gap
+//! leaves the replica degraded, and a dropped connection withholds cache credit until the
+//! engine is back.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -77,12 +78,13 @@ struct Engine {
 impl Engine {
     fn start(ctx: &zmq::Context, pub_port: u16, replay_port: Option<u16>) -> Engine {
         let publisher = ctx.socket(zmq::PUB).unwrap();
-        publisher.bind(&format!("tcp://127.0.0.1:{pub_port}")).unwrap();
+        // A restarted engine's ports may still be held by its predecessor for a moment.
+        wait_for("the events port", || publisher.bind(&format!("tcp://127.0.0.1:{pub_port}")).is_ok());
         let buffer: Buffer = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         if let Some(port) = replay_port {
             let router = ctx.socket(zmq::ROUTER).unwrap();
-            router.bind(&format!("tcp://127.0.0.1:{port}")).unwrap();
+            wait_for("the replay port", || router.bind(&format!("tcp://127.0.0.1:{port}")).is_ok());
             router.set_rcvtimeo(100).unwrap();
             let (buffer, stop) = (buffer.clone(), stop.clone());
             std::thread::spawn(move || {
@@ -227,4 +229,30 @@ fn without_replay_a_gap_degrades_the_replica() {
         .contains("kvgate_replica_degraded{model=\"m\",replica=\"a\",reason=\"lost_events\"} 1"));
     assert_eq!(rig.depth(3, 1), 0, "blocks from before the loss earn no credit");
     assert_eq!(rig.depth(4, 1), 1, "new events still apply");
+}
+
+#[test]
+fn a_dropped_connection_withholds_credit_until_the_engine_is_back() {
+    let ctx = zmq::Context::new();
+    let (pub_port, replay_port) = (free_port(), free_port());
+    let engine = Engine::start(&ctx, pub_port, Some(replay_port));
+    let rig = Rig::start(&ctx, pub_port, Some(replay_port));
+    rig.handshake(&engine, &store(1, 0));
+    engine.send(1, &store(1, 1), false);
+    wait_for("two blocks", || rig.depth(1, 2) == 2);
+    assert!(rig.pool.members()[0].health.trusted());
+
+    // The engine dies: its socket closes, and its blocks stop counting at once.
+    drop(engine);
+    wait_for("the disconnection", || rig.pool.state().replicas[0].disconnected);
+    assert!(!rig.pool.members()[0].health.trusted(), "no credit while the engine may be restarting");
+    assert!(rig.metrics.render().contains("reason=\"disconnected\"} 1"));
+
+    // It comes back empty, counting from 0: the replica is cleared and trusted again.
+    let engine = Engine::start(&ctx, pub_port, Some(replay_port));
+    rig.handshake(&engine, &store(2, 0));
+    assert_eq!(rig.depth(1, 2), 0, "what the old engine held is gone");
+    assert_eq!(rig.depth(2, 1), 1);
+    assert!(!rig.pool.state().replicas[0].disconnected);
+    assert!(rig.pool.members()[0].health.trusted());
 }

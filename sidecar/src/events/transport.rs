@@ -4,6 +4,10 @@
 //! - The reader never waits for the index: when the queue is full the message is dropped and
 //!   counted, and the applier sees a sequence gap, which it replays like any other.
 //! - Messages must be exactly `[topic, seq (8 bytes, big-endian), payload]`.
+//! - A ZMQ socket monitor watches the connection: when it drops (the engine died or
+//!   restarted, or the network failed) the replica earns no cache credit until its next
+//!   message, which either continues the sequence (gaps replayed as usual) or starts it again
+//!   (a restart: the replica is cleared).
 //! - Replay uses a DEALER: send `["", start_seq_be8]`, read until the end marker (seq
 //!   `ff…ff`, empty payload). Both reply layouts are accepted: `["", seq, payload]` (vLLM ≤
 //!   0.25) and `["", topic, seq, payload]` (0.26+).
@@ -78,10 +82,32 @@ fn open_sub(ctx: &zmq::Context, r: &ReplicaConfig) -> zmq::Result<zmq::Socket> {
     Ok(socket)
 }
 
+/// A monitor of `socket`'s disconnections, on a PAIR socket.
+fn monitor(ctx: &zmq::Context, socket: &zmq::Socket, name: &str) -> zmq::Result<zmq::Socket> {
+    static MONITORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let endpoint = format!("inproc://kv-monitor-{name}-{}", MONITORS.fetch_add(1, Ordering::Relaxed));
+    socket.monitor(&endpoint, zmq::SocketEvent::DISCONNECTED.to_raw().into())?;
+    let events = ctx.socket(zmq::PAIR)?;
+    events.set_linger(0)?;
+    events.connect(&endpoint)?;
+    Ok(events)
+}
+
+/// Whether the monitor reported a disconnection (reads every pending monitor event).
+fn disconnected(monitor: &zmq::Socket) -> bool {
+    let mut dropped = false;
+    while let Ok(frames) = monitor.recv_multipart(zmq::DONTWAIT) {
+        let event = frames.first().and_then(|f| f.get(..2)).map(|b| u16::from_le_bytes([b[0], b[1]]));
+        dropped |= event == Some(zmq::SocketEvent::DISCONNECTED.to_raw());
+    }
+    dropped
+}
+
 fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics, tx: SyncSender<(u64, Vec<u8>)>) {
     let (replica, stop) = (source.replica, &source.stop);
     while !stop.load(Ordering::Relaxed) {
-        let socket = match open_sub(ctx, &source.config) {
+        let opened = open_sub(ctx, &source.config).and_then(|s| Ok((monitor(ctx, &s, &source.config.id)?, s)));
+        let (events, socket) = match opened {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(endpoint = %source.config.kv_events, error = %e, "cannot open the KV-event socket; retrying");
@@ -90,7 +116,18 @@ fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics
             }
         };
         while !stop.load(Ordering::Relaxed) {
-            let frames = match socket.recv_multipart(0) {
+            let mut items = [socket.as_poll_item(zmq::POLLIN), events.as_poll_item(zmq::POLLIN)];
+            if let Err(e) = zmq::poll(&mut items, POLL.as_millis() as i64) {
+                tracing::warn!(error = %e, "KV-event poll failed; reopening");
+                break;
+            }
+            if items[1].is_readable() && disconnected(&events) {
+                pool.publisher_disconnected(replica);
+            }
+            if !items[0].is_readable() {
+                continue;
+            }
+            let frames = match socket.recv_multipart(zmq::DONTWAIT) {
                 Ok(f) => f,
                 Err(zmq::Error::EAGAIN) => continue,
                 Err(e) => {
