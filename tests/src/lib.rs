@@ -10,7 +10,9 @@
 
 pub mod bench;
 pub mod client;
+pub mod delay_proxy;
 pub mod envoy;
+pub mod faults;
 pub mod process;
 pub mod stack;
 pub mod workload;

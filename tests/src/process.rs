@@ -1,27 +1,62 @@
 //! Child processes that die with their owner, and waiting on conditions.
 
-use std::fs::File;
-use std::path::Path;
+use std::ffi::OsString;
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A running child, killed (and reaped) on drop. Its output goes to a log file.
+/// A running child, killed (and reaped) on drop. Its output goes to a log file. It can be
+/// restarted with the same command line (a crashed engine or sidecar coming back).
 pub struct Proc {
     name: String,
     child: Option<Child>,
+    program: OsString,
+    args: Vec<OsString>,
+    envs: Vec<(OsString, Option<OsString>)>,
+    log: PathBuf,
 }
 
 impl Proc {
-    /// Spawns `cmd` with stdout and stderr appended to `log`.
-    pub fn spawn(name: &str, mut cmd: Command, log: &Path) -> anyhow::Result<Proc> {
+    /// Spawns `cmd` with stdout and stderr written to `log`.
+    pub fn spawn(name: &str, cmd: Command, log: &Path) -> anyhow::Result<Proc> {
         if let Some(dir) = log.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        let out = File::create(log)?;
+        let mut proc = Proc {
+            name: name.to_owned(),
+            child: None,
+            program: cmd.get_program().to_owned(),
+            args: cmd.get_args().map(ToOwned::to_owned).collect(),
+            envs: cmd.get_envs().map(|(k, v)| (k.to_owned(), v.map(ToOwned::to_owned))).collect(),
+            log: log.to_owned(),
+        };
+        proc.start(File::create(log)?)?;
+        Ok(proc)
+    }
+
+    fn start(&mut self, out: File) -> anyhow::Result<()> {
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args);
+        for (key, value) in &self.envs {
+            match value {
+                Some(v) => cmd.env(key, v),
+                None => cmd.env_remove(key),
+            };
+        }
         let err = out.try_clone()?;
         cmd.stdin(Stdio::null()).stdout(out).stderr(err);
-        let child = cmd.spawn().map_err(|e| anyhow::anyhow!("starting {name} ({:?}): {e}", cmd.get_program()))?;
-        Ok(Proc { name: name.to_owned(), child: Some(child) })
+        let child = cmd.spawn().map_err(|e| anyhow::anyhow!("starting {} ({:?}): {e}", self.name, self.program))?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// Kills the process if it runs, and starts it again with the same command line; its
+    /// output is appended to the same log.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        let out = OpenOptions::new().append(true).open(&self.log)?;
+        self.start(out)
     }
 
     /// Kills the process now.

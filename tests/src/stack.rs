@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::client;
+use crate::delay_proxy::DelayProxy;
 use crate::envoy::{self, EnvoyParams, Fallback};
 use crate::process::{free_port, free_port_run, wait_for, Proc};
 use crate::{repo_root, Artifacts};
@@ -55,6 +56,12 @@ pub struct StackOptions {
     /// Data-parallel ranks per engine (`--data-parallel-size`); each rank publishes on its
     /// own events port (the base + rank).
     pub data_parallel_size: u32,
+    /// The sidecar replays missed events from the engines (`kv_replay`); false leaves it out.
+    pub replay: bool,
+    /// Top-level keys of the sidecar's config (e.g. `stall_timeout_secs = 1`).
+    pub sidecar_toml: String,
+    /// Envoy reaches the sidecar through a proxy that delays each request this long (0: directly).
+    pub sidecar_delay_ms: u64,
 }
 
 impl Default for StackOptions {
@@ -74,6 +81,9 @@ impl Default for StackOptions {
             filter_config: serde_json::Map::new(),
             envoy_discovery: false,
             data_parallel_size: 1,
+            replay: true,
+            sidecar_toml: String::new(),
+            sidecar_delay_ms: 0,
         }
     }
 }
@@ -122,6 +132,7 @@ pub struct Stack {
     pub sims: Vec<SimHandle>,
     sidecar: Option<Proc>,
     sidecar_port: u16,
+    _delay_proxy: Option<DelayProxy>,
     envoy: Proc,
     gateway_port: u16,
     admin_port: u16,
@@ -172,8 +183,10 @@ impl Stack {
                 .args(["--data-parallel-size", &opts.data_parallel_size.to_string()])
                 .args(&opts.sim_args);
             let proc = Proc::spawn(&format!("sim {id}"), cmd, &dir.join(format!("sim-{id}.log")))?;
+            let replay =
+                if opts.replay { format!("kv_replay = \"tcp://127.0.0.1:{replay_port}\"\n") } else { String::new() };
             replicas_toml.push_str(&format!(
-                "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\nkv_replay = \"tcp://127.0.0.1:{replay_port}\"\ndata_parallel_size = {}\n",
+                "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\n{replay}data_parallel_size = {}\n",
                 opts.data_parallel_size
             ));
             sims.push(SimHandle { id, host, port, events_port, replay_port, proc });
@@ -193,7 +206,8 @@ impl Stack {
             Routing::RoundRobin | Routing::LeastRequest => None,
             Routing::Kvgate => {
                 let config = format!(
-                    "listen = \"127.0.0.1:{sidecar_port}\"\n\n[scoring]\n{}\n\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{replicas_toml}",
+                    "listen = \"127.0.0.1:{sidecar_port}\"\n{}\n\n[scoring]\n{}\n\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{replicas_toml}",
+                    opts.sidecar_toml,
                     opts.scoring_toml,
                     artifacts.model_dir.display(),
                     opts.block_size,
@@ -217,6 +231,10 @@ impl Stack {
             config.extend(opts.filter_config.clone());
         }
         let filter_config = filter_config.to_string();
+        let delay_proxy = match opts.sidecar_delay_ms {
+            0 => None,
+            ms => Some(DelayProxy::start(sidecar_port, Duration::from_millis(ms))?),
+        };
         let template = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl"))?;
         let endpoints: Vec<std::net::SocketAddr> = sims.iter().map(SimHandle::endpoint).collect();
         let yaml = envoy::render(
@@ -224,7 +242,7 @@ impl Stack {
             &EnvoyParams {
                 admin_port,
                 listen_port: gateway_port,
-                sidecar_port,
+                sidecar_port: delay_proxy.as_ref().map_or(sidecar_port, |p| p.port),
                 wasm: &artifacts.wasm,
                 filter_config: &filter_config,
                 pool_endpoints: &endpoints,
@@ -256,7 +274,16 @@ impl Stack {
             }
         })?;
 
-        let stack = Stack { sims, sidecar, sidecar_port, envoy: envoy_proc, gateway_port, admin_port, dir };
+        let stack = Stack {
+            sims,
+            sidecar,
+            sidecar_port,
+            _delay_proxy: delay_proxy,
+            envoy: envoy_proc,
+            gateway_port,
+            admin_port,
+            dir,
+        };
         if opts.routing == Routing::Kvgate {
             stack.wait_tokenizer_loaded()?;
         }
@@ -317,9 +344,28 @@ impl Stack {
 
     /// Kills the sidecar (the filter must fail open).
     pub fn kill_sidecar(&mut self) {
-        if let Some(mut p) = self.sidecar.take() {
+        if let Some(p) = self.sidecar.as_mut() {
             p.kill();
         }
+    }
+
+    /// Starts the sidecar again with its config (after [`Stack::kill_sidecar`], or killing
+    /// it first) and waits until it answers.
+    pub fn restart_sidecar(&mut self) -> anyhow::Result<()> {
+        let Some(p) = self.sidecar.as_mut() else { anyhow::bail!("this stack has no sidecar") };
+        p.restart()?;
+        let url = self.sidecar_url("/healthz");
+        wait_for("sidecar health", START_TIMEOUT, || http_ok(&url).then_some(()))
+    }
+
+    /// Kills an engine and starts it again on the same ports: its cache is empty and its
+    /// event sequence starts over at 0, as a restarted vLLM's. Waits until it is healthy.
+    pub fn restart_sim(&mut self, id: &str) -> anyhow::Result<()> {
+        let sim = self.sims.iter_mut().find(|s| s.id == id).ok_or_else(|| anyhow::anyhow!("no replica {id}"))?;
+        // Its ports are free again once the old process is reaped; the new one binds them.
+        sim.proc.restart()?;
+        let url = sim.url("/health");
+        wait_for(&format!("sim {id} health after restart"), START_TIMEOUT, || http_ok(&url).then_some(()))
     }
 
     /// An Envoy counter or gauge by its full name (0 if absent), from the admin `/stats`.

@@ -109,7 +109,8 @@ fn workloads(quick: bool) -> Vec<Workload> {
     }
 }
 
-fn sh(program: &str, args: &[&str]) -> String {
+/// The trimmed standard output of a command run from the repo root ("" if it fails).
+pub fn sh(program: &str, args: &[&str]) -> String {
     Command::new(program)
         .args(args)
         .current_dir(repo_root())

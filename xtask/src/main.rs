@@ -8,6 +8,8 @@
 //!   plain round robin, and prints the difference.
 //! - `cargo xtask bench e2e`: the side-by-side benchmark of every routing policy on the same
 //!   simulated fleet (see `bench.rs` for its flags); writes a report under `target/bench/`.
+//! - `cargo xtask faults [SCENARIO…]`: the fault suite under load, with its table of expected
+//!   and measured behaviour; writes a report under `target/faults/` (see `faults.rs`).
 //! - `cargo xtask package`: the filter as a file and as an OCI image layout (Wasm image
 //!   format, for WasmPlugin `oci://` URLs), with its digests; see `package.rs`.
 //! - `cargo xtask install`: only the installation step.
@@ -15,6 +17,7 @@
 
 mod bench;
 mod demo;
+mod faults;
 mod install;
 mod package;
 
@@ -30,10 +33,11 @@ fn main() -> anyhow::Result<()> {
         Some("install") => install::all(),
         Some("build-wasm") => build_wasm(),
         Some("package") => package::run(&args[1..]),
+        Some("faults") => faults::run(&args[1..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("e2e") => bench::e2e(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("filter") => bench::filter(&args[2..]),
         _ => {
-            eprintln!("usage: cargo xtask <test|demo|bench e2e|bench filter|package|install|build-wasm>");
+            eprintln!("usage: cargo xtask <test|demo|faults|bench e2e|bench filter|package|install|build-wasm>");
             std::process::exit(2);
         }
     }
@@ -72,7 +76,9 @@ fn test() -> anyhow::Result<()> {
     build_wasm()?;
     // `--workspace` keeps feature unification identical to the step above: no rebuilds.
     cargo(&["build", "--workspace", "--bins"])?;
-    cargo(&["test", "--workspace", "--test", "gateway", "--", "--ignored", "--test-threads", "1"])?;
+    for suite in ["gateway", "faults"] {
+        cargo(&["test", "--workspace", "--test", suite, "--", "--ignored", "--test-threads", "1"])?;
+    }
     eprintln!("\nall tests passed");
     Ok(())
 }

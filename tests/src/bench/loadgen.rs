@@ -47,6 +47,11 @@ pub struct Outcome {
     pub status: u16,
     /// The engine that served it (`x-kvgate-replica`).
     pub replica: String,
+    /// Where kvgate routed it (`x-kvgate-routed-to` when the filter's debug headers are on:
+    /// a replica id, or "fallback" when Envoy's own balancing chose).
+    pub routed_to: String,
+    /// How long the filter's routing decision took, µs (`x-kvgate-decision-us`).
+    pub decision_us: Option<u64>,
     /// When it was sent, from the start of the run.
     pub sent_at: f64,
     /// Time to first token.
@@ -109,6 +114,8 @@ impl Target {
         let mut outcome = Outcome {
             status: 0,
             replica: String::new(),
+            routed_to: String::new(),
+            decision_us: None,
             sent_at: (sent - self.start).as_secs_f64() * self.speedup,
             ttft: None,
             itl_mean: None,
@@ -132,7 +139,10 @@ impl Target {
         let headers_at = sent.elapsed().as_secs_f64();
         let scale = |t: f64| headers_at + (t - headers_at) * self.speedup;
         o.status = response.status().as_u16();
-        o.replica = response.headers().get("x-kvgate-replica").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+        let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+        o.replica = header("x-kvgate-replica");
+        o.routed_to = header("x-kvgate-routed-to");
+        o.decision_us = header("x-kvgate-decision-us").parse().ok();
         if o.status != 200 {
             o.e2e = scale(sent.elapsed().as_secs_f64());
             return Ok(());

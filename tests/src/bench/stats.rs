@@ -112,6 +112,8 @@ mod tests {
         Outcome {
             status: 200,
             replica: replica.into(),
+            routed_to: replica.into(),
+            decision_us: None,
             sent_at: 0.0,
             ttft: Some(ttft),
             itl_mean: Some(0.01),
