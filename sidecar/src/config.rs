@@ -40,9 +40,16 @@ use crate::score::ScoringConfig;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// Where the HTTP API listens. Default `127.0.0.1:9911`.
+    /// Where the HTTP API listens. Default `127.0.0.1:9911`. Anything but a loopback address
+    /// needs `allow_non_loopback_api`.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
+    /// Lets `listen` be a non-loopback address. Whoever reaches the API can book load on any
+    /// replica, post lifecycle reports, read every routing decision (`/debug/explain`) and
+    /// fetch the tokenizers: only turn this on behind a network policy that admits the
+    /// gateway alone.
+    #[serde(default)]
+    pub allow_non_loopback_api: bool,
     /// Optional second listener serving only `GET /metrics` and `GET /healthz`, for
     /// Prometheus and the kubelet (which cannot reach loopback), e.g. `0.0.0.0:9912`.
     /// Nothing on it can change or steer routing.
@@ -493,6 +500,12 @@ impl Config {
         if self.metrics_listen == Some(self.listen) {
             bail!("metrics_listen must differ from listen");
         }
+        if !self.listen.ip().is_loopback() && !self.allow_non_loopback_api {
+            bail!(
+                "listen = {} is not a loopback address: the API steers routing, so it is meant for the local Envoy only; set allow_non_loopback_api = true to expose it anyway",
+                self.listen
+            );
+        }
         if let Some(sync) = &self.sync {
             for e in std::iter::once(&sync.listen).chain(&sync.peers) {
                 if !e.starts_with("tcp://") {
@@ -639,6 +652,18 @@ mod tests {
         assert_eq!(c.scoring, ScoringConfig::default());
         assert!(c.pools[0].tokenizer.ends_with("tok"));
         assert_ne!(c.pools[0].tokenizer, PathBuf::from("tok"), "resolved against the config's directory");
+    }
+
+    #[test]
+    fn a_non_loopback_api_needs_the_explicit_flag() {
+        let open = BASE.replace("[[pools]]", "listen = \"0.0.0.0:9911\"\n\n[[pools]]");
+        let err = load(&open, &[]).unwrap_err().to_string();
+        assert!(err.contains("allow_non_loopback_api"), "{err}");
+        assert!(load(&BASE.replace("[[pools]]", "allow_non_loopback_api = true\n\n[[pools]]"), &[]).is_ok());
+        let allowed = open.replace("[[pools]]", "allow_non_loopback_api = true\n\n[[pools]]");
+        assert_eq!(load(&allowed, &[]).unwrap().listen, "0.0.0.0:9911".parse().unwrap());
+        assert!(load(BASE, &[("KVGATE_LISTEN", "10.0.0.1:9911")]).is_err(), "the environment too");
+        assert!(load(&BASE.replace("[[pools]]", "listen = \"[::1]:9911\"\n\n[[pools]]"), &[]).is_ok());
     }
 
     #[test]

@@ -78,6 +78,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/_chaos/events", post(chaos_events))
         .route("/_chaos/restart_publisher", post(restart_publisher))
+        // vLLM (uvicorn) puts no limit on request bodies; neither does the simulator.
+        .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(state)
 }
 
@@ -397,6 +399,11 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         "# TYPE kvgate_sim:prompts_tokenized_total counter\nkvgate_sim:prompts_tokenized_total{{model_name=\"{}\"}} {tokenized}\n",
         state.model
     ));
+    text.push_str("# TYPE kvgate_sim:cached_blocks gauge\n");
+    for (i, rank) in state.engine.ranks().iter().enumerate() {
+        let blocks = rank.stats.cached_blocks.load(Ordering::Relaxed);
+        text.push_str(&format!("kvgate_sim:cached_blocks{{model_name=\"{}\",engine=\"{i}\"}} {blocks}\n", state.model));
+    }
     tagged(&state, ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
 }
 

@@ -50,6 +50,8 @@ pub struct RankStats {
     pub waiting: AtomicU64,
     /// GPU cache usage, as `f64` bits.
     pub usage_bits: AtomicU64,
+    /// Blocks in the GPU prefix cache.
+    pub cached_blocks: AtomicU64,
     /// Prompt tokens looked up.
     pub prefix_queries: AtomicU64,
     /// Prompt tokens found.
@@ -261,6 +263,7 @@ async fn run(
         stats.running.store(scheduler.num_running() as u64, Ordering::Relaxed);
         stats.waiting.store(scheduler.num_waiting() as u64, Ordering::Relaxed);
         stats.usage_bits.store(scheduler.cache_usage().to_bits(), Ordering::Relaxed);
+        stats.cached_blocks.store(scheduler.cached_blocks() as u64, Ordering::Relaxed);
         stats.prefix_queries.store(c.prefix_queries, Ordering::Relaxed);
         stats.prefix_hits.store(c.prefix_hits, Ordering::Relaxed);
         stats.preemptions.store(c.preemptions, Ordering::Relaxed);

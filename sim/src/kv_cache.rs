@@ -282,6 +282,12 @@ impl KvCache {
         true
     }
 
+    /// Blocks findable by their hash on the GPU: the prefix cache a KV-event consumer should
+    /// see indexed.
+    pub fn cached_blocks(&self) -> usize {
+        self.cached.len()
+    }
+
     /// Fraction of GPU blocks in use.
     pub fn usage(&self) -> f64 {
         1.0 - self.free.len() as f64 / self.blocks.len().max(1) as f64

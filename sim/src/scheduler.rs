@@ -191,6 +191,11 @@ impl Scheduler {
         self.cache.usage()
     }
 
+    /// Blocks in the GPU prefix cache (findable by hash).
+    pub fn cached_blocks(&self) -> usize {
+        self.cache.cached_blocks()
+    }
+
     /// Cumulative counters.
     pub fn counters(&self) -> Counters {
         self.counters

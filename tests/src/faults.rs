@@ -47,6 +47,7 @@ pub const SCENARIOS: &[Scenario] = &[
     ("publisher_stalled", publisher_stalled),
     ("engine_died", engine_died),
     ("sidecar_slow", sidecar_slow),
+    ("envoy_hot_restarted", envoy_hot_restarted),
 ];
 
 /// Runs the named scenario.
@@ -66,8 +67,8 @@ pub fn table(rows: &[Row]) -> String {
     out
 }
 
-/// Steady open-loop load on the gateway: small chats over a few shared documents (so routing
-/// has prefixes to follow), `RATE` per second, until [`Load::finish`].
+/// Steady open-loop load on the gateway: small chats over a set of shared documents (so
+/// routing has prefixes to follow), at a fixed rate, until [`Load::finish`].
 pub struct Load {
     stop: Arc<AtomicBool>,
     handle: JoinHandle<Vec<Outcome>>,
@@ -75,8 +76,14 @@ pub struct Load {
 }
 
 impl Load {
-    /// Starts sending to `stack`'s gateway.
+    /// Starts sending to `stack`'s gateway: 20 requests per second over 6 documents.
     pub fn start(stack: &Stack) -> anyhow::Result<Load> {
+        Load::start_with(stack, RATE, 6)
+    }
+
+    /// Starts sending `rate` requests per second, each over one of `documents` documents of
+    /// about 200 tokens.
+    pub fn start_with(stack: &Stack, rate: f64, documents: u32) -> anyhow::Result<Load> {
         let started = Instant::now();
         let target = Target::new(&stack.gateway(""), 1.0, Duration::from_secs(30))?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -87,12 +94,12 @@ impl Load {
                 Err(_) => return Vec::new(),
             };
             runtime.block_on(async move {
-                let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / RATE));
+                let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
                 let mut running = Vec::new();
                 let mut i = 0u32;
                 while !flag.load(Ordering::Relaxed) {
                     tick.tick().await;
-                    let body = chat(&document(500 + i % 6, 150), &format!("question {i}"));
+                    let body = chat(&document(500 + i % documents.max(1), 150), &format!("question {i}"));
                     let target = target.clone();
                     running.push(tokio::spawn(async move { target.send("/v1/chat/completions", body).await }));
                     i += 1;
@@ -353,5 +360,36 @@ pub fn sidecar_slow(artifacts: &Artifacts) -> anyhow::Result<Row> {
             slowest as f64 / 1000.0
         ),
         pass: failures == 0 && fell_back == outcomes.len() && !decided.is_empty() && slowest <= bound_us,
+    })
+}
+
+/// Hot-restart Envoy (how a changed static config is applied) under load.
+pub fn envoy_hot_restarted(artifacts: &Artifacts) -> anyhow::Result<Row> {
+    let opts = StackOptions { hot_restart: true, ..options("hot-restart") };
+    let mut stack = Stack::start(&opts, artifacts)?;
+    let load = Load::start(&stack)?;
+    run_for(Duration::from_secs(2));
+    let restarted = Instant::now();
+    stack.hot_restart_envoy()?;
+    stack.wait_retired_envoys(Duration::from_secs(20))?;
+    let drained = restarted.elapsed();
+    // Only the new Envoy is left: its filter loaded the tokenizer again.
+    let reloaded = wait_for("the tokenizer in the new Envoy", Duration::from_secs(20), || {
+        let reply = post(&stack.gateway("/v1/chat/completions"), chat("probe", "ping").to_string(), &[]).ok()?;
+        (reply.status == 200 && !reply.header("x-kvgate-prompt-tokens").is_empty()).then(|| restarted.elapsed())
+    });
+    run_for(Duration::from_secs(1));
+    let outcomes = load.finish();
+    let failures = failed(&outcomes).len();
+    Ok(Row {
+        scenario: "Envoy hot restart (a config reload)",
+        expected: "the new Envoy's filter loads its tokenizer from the sidecar again; 0 failed requests while the old one drains",
+        measured: format!(
+            "old Envoy drained and exited {:.1} s after the restart; tokenizer loaded in the new one: {}; {} requests, {failures} failed",
+            drained.as_secs_f64(),
+            reloaded.as_ref().map_or("no".to_owned(), |t| format!("yes, {:.1} s after the restart", t.as_secs_f64())),
+            outcomes.len()
+        ),
+        pass: reloaded.is_ok() && failures == 0,
     })
 }

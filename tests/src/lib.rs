@@ -14,6 +14,7 @@ pub mod delay_proxy;
 pub mod envoy;
 pub mod faults;
 pub mod process;
+pub mod soak;
 pub mod stack;
 pub mod workload;
 

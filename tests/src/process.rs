@@ -67,6 +67,11 @@ impl Proc {
         }
     }
 
+    /// Its process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Fails if the process has exited.
     pub fn check_alive(&mut self) -> anyhow::Result<()> {
         if let Some(child) = self.child.as_mut() {
@@ -115,4 +120,12 @@ pub fn free_port_run(n: u16) -> anyhow::Result<u16> {
         }
     }
     anyhow::bail!("no {n} consecutive free ports found")
+}
+
+/// A process's resident set size in bytes (`VmRSS` of `/proc/<pid>/status`), if readable.
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: u64 =
+        status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib * 1024)
 }

@@ -62,6 +62,8 @@ pub struct StackOptions {
     pub sidecar_toml: String,
     /// Envoy reaches the sidecar through a proxy that delays each request this long (0: directly).
     pub sidecar_delay_ms: u64,
+    /// Start Envoy ready for hot restarts ([`Stack::hot_restart_envoy`]).
+    pub hot_restart: bool,
 }
 
 impl Default for StackOptions {
@@ -84,6 +86,7 @@ impl Default for StackOptions {
             replay: true,
             sidecar_toml: String::new(),
             sidecar_delay_ms: 0,
+            hot_restart: false,
         }
     }
 }
@@ -134,6 +137,12 @@ pub struct Stack {
     sidecar_port: u16,
     _delay_proxy: Option<DelayProxy>,
     envoy: Proc,
+    /// Envoy processes replaced by a hot restart, draining until they exit by themselves.
+    retired_envoys: Vec<Proc>,
+    envoy_config: PathBuf,
+    envoy_bin: PathBuf,
+    envoy_epoch: u32,
+    hot_restart: bool,
     gateway_port: u16,
     admin_port: u16,
     /// Where logs and generated configs are.
@@ -256,8 +265,7 @@ impl Stack {
         );
         let envoy_config = dir.join("envoy.yaml");
         std::fs::write(&envoy_config, yaml)?;
-        let mut cmd = Command::new(&artifacts.envoy);
-        cmd.arg("-c").arg(&envoy_config).args(["--concurrency", "1", "--disable-hot-restart", "--log-level", "warn"]);
+        let cmd = envoy_command(&artifacts.envoy, &envoy_config, opts.hot_restart.then_some((admin_port, 0)));
         let mut envoy_proc = Proc::spawn("envoy", cmd, &dir.join("envoy.log"))?;
         let ready = format!("http://127.0.0.1:{admin_port}/ready");
         wait_for("envoy ready", START_TIMEOUT, || {
@@ -280,6 +288,11 @@ impl Stack {
             sidecar_port,
             _delay_proxy: delay_proxy,
             envoy: envoy_proc,
+            retired_envoys: Vec::new(),
+            envoy_config,
+            envoy_bin: artifacts.envoy.clone(),
+            envoy_epoch: 0,
+            hot_restart: opts.hot_restart,
             gateway_port,
             admin_port,
             dir,
@@ -380,8 +393,68 @@ impl Stack {
             .unwrap_or(0))
     }
 
+    /// Hot-restarts Envoy (a new process, the next restart epoch, the same config): it takes
+    /// over the listeners and loads the filter afresh, while the old one drains and exits.
+    /// Needs [`StackOptions::hot_restart`]. Waits until the new process is ready.
+    pub fn hot_restart_envoy(&mut self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.hot_restart, "start the stack with hot_restart");
+        self.envoy_epoch += 1;
+        let epoch = self.envoy_epoch;
+        let cmd = envoy_command(&self.envoy_bin, &self.envoy_config, Some((self.admin_port, epoch)));
+        let mut next = Proc::spawn("envoy", cmd, &self.dir.join(format!("envoy-epoch{epoch}.log")))?;
+        let ready = format!("http://127.0.0.1:{}/ready", self.admin_port);
+        let server_info = format!("http://127.0.0.1:{}/server_info", self.admin_port);
+        wait_for("the new Envoy ready", START_TIMEOUT, || {
+            if next.check_alive().is_err() {
+                return Some(Err(anyhow::anyhow!("the new Envoy exited; see its log in {}", self.dir.display())));
+            }
+            // The admin port answers from the new process once it took over.
+            let info: Value = client::client().get(&server_info).send().ok()?.json().ok()?;
+            let epoch_now = info["command_line_options"]["restart_epoch"].as_u64()?;
+            (epoch_now == u64::from(epoch) && http_ok(&ready)).then_some(Ok(()))
+        })??;
+        let old = std::mem::replace(&mut self.envoy, next);
+        self.retired_envoys.push(old);
+        Ok(())
+    }
+
+    /// Waits until every Envoy replaced by a hot restart has drained and exited.
+    pub fn wait_retired_envoys(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let retired = &mut self.retired_envoys;
+        wait_for("replaced Envoys to exit", timeout, || {
+            retired.iter_mut().all(|p| p.check_alive().is_err()).then_some(())
+        })
+    }
+
+    /// Resident memory of the sidecar and of Envoy, bytes (from `/proc`; `None` if not running).
+    pub fn rss(&self) -> (Option<u64>, Option<u64>) {
+        let of = |p: Option<&Proc>| p.and_then(Proc::pid).and_then(crate::process::rss_bytes);
+        (of(self.sidecar.as_ref()), of(Some(&self.envoy)))
+    }
+
     /// Fails if Envoy died.
     pub fn check_envoy(&mut self) -> anyhow::Result<()> {
         self.envoy.check_alive()
     }
+}
+
+/// Envoy's command line: one worker; hot restart off, or on with `(base id, restart epoch)`
+/// (a short drain so a replaced process exits within seconds).
+fn envoy_command(envoy: &std::path::Path, config: &std::path::Path, hot_restart: Option<(u16, u32)>) -> Command {
+    let mut cmd = Command::new(envoy);
+    cmd.arg("-c").arg(config).args(["--concurrency", "1", "--log-level", "warn"]);
+    match hot_restart {
+        None => cmd.arg("--disable-hot-restart"),
+        Some((base_id, epoch)) => cmd.args([
+            "--base-id",
+            &base_id.to_string(),
+            "--restart-epoch",
+            &epoch.to_string(),
+            "--drain-time-s",
+            "2",
+            "--parent-shutdown-time-s",
+            "4",
+        ]),
+    };
+    cmd
 }

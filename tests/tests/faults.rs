@@ -52,3 +52,9 @@ fn engine_died() {
 fn sidecar_slow() {
     check("sidecar_slow");
 }
+
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn envoy_hot_restarted() {
+    check("envoy_hot_restarted");
+}

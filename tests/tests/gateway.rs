@@ -47,7 +47,8 @@ fn warmed_prefix_attracts_requests() {
     assert!(stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap() >= 6, "the filter counts its decisions");
 }
 
-/// 2. A client-sent destination header never decides the route.
+/// 2. A client-sent destination header never decides the route: not for a member of the pool,
+///    not for a host outside it, with or without the sidecar.
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn client_destination_header_is_ignored() {
@@ -74,6 +75,24 @@ fn client_destination_header_is_ignored() {
     }
     assert!(served.get("c").copied().unwrap_or(0) < 6, "spoofed header must not pin traffic: {served:?}");
     assert!(served.len() >= 2, "fallback LB spreads requests: {served:?}");
+    // A host outside the cluster is never reached, with or without the sidecar.
+    let outside = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    outside.set_nonblocking(true).unwrap();
+    let outside_addr = outside.local_addr().unwrap().to_string();
+    for i in 0..3 {
+        let body = chat("short", &format!("to an outside host {i}")).to_string();
+        let reply =
+            post(&stack.gateway("/v1/chat/completions"), body, &[("x-gateway-destination-endpoint", &outside_addr)])
+                .unwrap();
+        assert_eq!(reply.status, 200, "served by the pool");
+    }
+    stack.restart_sidecar().unwrap();
+    let body = chat("short", "to an outside host, routed").to_string();
+    let reply =
+        post(&stack.gateway("/v1/chat/completions"), body, &[("x-gateway-destination-endpoint", &outside_addr)])
+            .unwrap();
+    assert_eq!(reply.status, 200);
+    assert!(outside.accept().is_err(), "nothing ever connected to the outside host");
 }
 
 /// 3. With the sidecar dead, every request still succeeds through the fallback LB.
@@ -671,4 +690,64 @@ fn lora_adapters_are_learned_from_the_engines() {
         (reply.status == 404 && untouched).then_some(())
     })
     .unwrap();
+}
+
+/// 19. Abusive bodies get the documented answer, never a 5xx made by kvgate: an empty body is
+///     not the filter's business; bodies it cannot parse (bytes that are not UTF-8, JSON nested
+///     10 000 deep) pass through to the engine's own 400; big bodies (1 MiB of text, 8 MiB of
+///     token ids, 100 000 messages) are handed to the sidecar and fall back to Envoy's
+///     balancing if it cannot answer within `offload_timeout_ms`; past the 16 MiB body limit
+///     Envoy answers 413 itself. kvgate keeps routing afterwards.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn abusive_bodies_get_documented_answers() {
+    let stack = start("abuse");
+    let chat_url = stack.gateway("/v1/chat/completions");
+    let engine_answered = |r: &kvgate_e2e::client::Reply| !r.header("x-kvgate-replica").is_empty();
+
+    let empty = post(&chat_url, Vec::<u8>::new(), &[]).unwrap();
+    assert_eq!((empty.status, engine_answered(&empty)), (400, true), "{}", empty.body);
+    assert_eq!(empty.header("x-kvgate-routed-to"), "", "a request without a body is not routed");
+
+    let mut not_utf8 = br#"{"model":"qwen3","messages":[{"role":"user","content":"caf"#.to_vec();
+    not_utf8.extend([0xff, 0xfe]);
+    not_utf8.extend(br#""}]}"#);
+    let reply = post(&chat_url, not_utf8, &[]).unwrap();
+    assert_eq!((reply.status, engine_answered(&reply)), (400, true), "{}", reply.body);
+    assert_eq!(reply.header("x-kvgate-routed-to"), "fallback");
+
+    let nested = format!(
+        r#"{{"model":"qwen3","messages":[{{"role":"user","content":"x"}}],"metadata":{}{}}}"#,
+        "[".repeat(10_000),
+        "]".repeat(10_000)
+    );
+    let reply = post(&chat_url, nested, &[]).unwrap();
+    assert!(reply.status < 500 && engine_answered(&reply), "{}: {}", reply.status, reply.body);
+    assert_eq!(reply.header("x-kvgate-routed-to"), "fallback");
+
+    // Too long for the engines' context, so they answer 400 once they have counted it.
+    let megabyte = chat(&"word ".repeat(1 << 18), "q").to_string();
+    let ids: Vec<u32> = (0..1_800_000).map(|i| 1000 + i % 5000).collect();
+    let eight_megabytes = json!({"model": "qwen3", "prompt": ids, "max_tokens": 1}).to_string();
+    assert!(eight_megabytes.len() > 8 << 20);
+    let messages: Vec<Value> =
+        (0..100_000).map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": "hi"})).collect();
+    let many = json!({"model": "qwen3", "messages": messages, "max_tokens": 1}).to_string();
+    for (what, url, body) in [
+        ("1 MiB of text", &chat_url, megabyte),
+        ("8 MiB of token ids", &stack.gateway("/v1/completions"), eight_megabytes),
+        ("100 000 messages", &chat_url, many),
+    ] {
+        let reply = post(url, body, &[]).unwrap();
+        assert_eq!((reply.status, engine_answered(&reply)), (400, true), "{what}: {}", reply.body);
+        assert_eq!(reply.header("x-kvgate-offloaded"), "true", "{what} goes to the sidecar");
+    }
+
+    let over = chat(&"a".repeat(17 << 20), "q").to_string();
+    let reply = post(&chat_url, over, &[]).unwrap();
+    assert_eq!((reply.status, engine_answered(&reply)), (413, false), "Envoy's own limit");
+
+    let after = post(&chat_url, chat("after the abuse", "hello").to_string(), &[]).unwrap();
+    assert_eq!(after.status, 200);
+    assert!(!matches!(after.header("x-kvgate-routed-to"), "" | "fallback"), "kvgate still routes");
 }

@@ -2,7 +2,8 @@
 //!
 //! - `cargo xtask test`: installs what is missing (wasm target, Envoy), checks formatting and
 //!   lints, runs the unit and integration tests, builds the filter and runs the end-to-end
-//!   tests through a real Envoy. `.ci/run` calls exactly this.
+//!   tests and the fault suite through a real Envoy, then a 5-minute soak. `.ci/run` calls
+//!   exactly this.
 //! - `cargo xtask demo`: builds everything in release mode, starts 3 simulated engines, the
 //!   sidecar and Envoy, replays a multi-turn chat workload through kvgate and then through
 //!   plain round robin, and prints the difference.
@@ -10,6 +11,8 @@
 //!   simulated fleet (see `bench.rs` for its flags); writes a report under `target/bench/`.
 //! - `cargo xtask faults [SCENARIO…]`: the fault suite under load, with its table of expected
 //!   and measured behaviour; writes a report under `target/faults/` (see `faults.rs`).
+//! - `cargo xtask soak [--minutes N]`: an hour (by default) of steady load with engine
+//!   restarts, tracking the sidecar's and Envoy's memory and the index size (see `soak.rs`).
 //! - `cargo xtask package`: the filter as a file and as an OCI image layout (Wasm image
 //!   format, for WasmPlugin `oci://` URLs), with its digests; see `package.rs`.
 //! - `cargo xtask install`: only the installation step.
@@ -20,6 +23,7 @@ mod demo;
 mod faults;
 mod install;
 mod package;
+mod soak;
 
 use std::process::Command;
 
@@ -34,10 +38,11 @@ fn main() -> anyhow::Result<()> {
         Some("build-wasm") => build_wasm(),
         Some("package") => package::run(&args[1..]),
         Some("faults") => faults::run(&args[1..]),
+        Some("soak") => soak::run(&args[1..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("e2e") => bench::e2e(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("filter") => bench::filter(&args[2..]),
         _ => {
-            eprintln!("usage: cargo xtask <test|demo|faults|bench e2e|bench filter|package|install|build-wasm>");
+            eprintln!("usage: cargo xtask <test|demo|faults|soak|bench e2e|bench filter|package|install|build-wasm>");
             std::process::exit(2);
         }
     }
@@ -79,6 +84,7 @@ fn test() -> anyhow::Result<()> {
     for suite in ["gateway", "faults"] {
         cargo(&["test", "--workspace", "--test", suite, "--", "--ignored", "--test-threads", "1"])?;
     }
+    soak::soak_in(5, &kvgate_e2e::repo_root().join("target/soak/ci"))?;
     eprintln!("\nall tests passed");
     Ok(())
 }
