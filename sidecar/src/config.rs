@@ -2,6 +2,7 @@
 //!
 //! ```toml
 //! listen = "127.0.0.1:9911"        # loopback by default: only the local Envoy may call us
+//! allow_non_loopback_api = false    # must be true for any other listen address
 //! request_expiry_secs = 300         # bookings whose end is never reported are dropped after this
 //! stall_timeout_secs = 30           # no events while blocks are expected: no cache credit
 //!
