@@ -16,6 +16,7 @@ pub mod faults;
 pub mod process;
 pub mod soak;
 pub mod stack;
+pub mod vllm;
 pub mod workload;
 
 pub use stack::{Routing, Stack, StackOptions};

@@ -15,11 +15,24 @@ pub struct Proc {
     args: Vec<OsString>,
     envs: Vec<(OsString, Option<OsString>)>,
     log: PathBuf,
+    /// Runs in a process group of its own, killed as a whole.
+    group: bool,
 }
 
 impl Proc {
     /// Spawns `cmd` with stdout and stderr written to `log`.
     pub fn spawn(name: &str, cmd: Command, log: &Path) -> anyhow::Result<Proc> {
+        Proc::spawn_with(name, cmd, log, false)
+    }
+
+    /// Like [`Proc::spawn`], in a process group of its own that [`Proc::kill`] kills whole:
+    /// for programs that fork workers holding ports (vLLM's engine core), which would
+    /// otherwise outlive a killed parent.
+    pub fn spawn_group(name: &str, cmd: Command, log: &Path) -> anyhow::Result<Proc> {
+        Proc::spawn_with(name, cmd, log, true)
+    }
+
+    fn spawn_with(name: &str, cmd: Command, log: &Path, group: bool) -> anyhow::Result<Proc> {
         if let Some(dir) = log.parent() {
             std::fs::create_dir_all(dir)?;
         }
@@ -30,6 +43,7 @@ impl Proc {
             args: cmd.get_args().map(ToOwned::to_owned).collect(),
             envs: cmd.get_envs().map(|(k, v)| (k.to_owned(), v.map(ToOwned::to_owned))).collect(),
             log: log.to_owned(),
+            group,
         };
         proc.start(File::create(log)?)?;
         Ok(proc)
@@ -46,6 +60,9 @@ impl Proc {
         }
         let err = out.try_clone()?;
         cmd.stdin(Stdio::null()).stdout(out).stderr(err);
+        if self.group {
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        }
         let child = cmd.spawn().map_err(|e| anyhow::anyhow!("starting {} ({:?}): {e}", self.name, self.program))?;
         self.child = Some(child);
         Ok(())
@@ -62,6 +79,12 @@ impl Proc {
     /// Kills the process now.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
+            if self.group {
+                if let Ok(pgid) = i32::try_from(child.id()) {
+                    // SAFETY: killpg only sends a signal to the group this process leads.
+                    unsafe { libc::killpg(pgid, libc::SIGKILL) };
+                }
+            }
             let _ = child.kill();
             let _ = child.wait();
         }

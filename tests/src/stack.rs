@@ -107,6 +107,12 @@ pub struct SimHandle {
 }
 
 impl SimHandle {
+    /// An engine on 127.0.0.1 that the caller started (a real vLLM, say): its HTTP port, its
+    /// KV-events PUB and replay ports, and its process.
+    pub fn new(id: &str, port: u16, events_port: u16, replay_port: u16, proc: Proc) -> SimHandle {
+        SimHandle { id: id.to_owned(), host: [127, 0, 0, 1].into(), port, events_port, replay_port, proc }
+    }
+
     /// `http://host:port{path}`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}:{}{path}", self.host, self.port)
@@ -152,6 +158,8 @@ pub struct Stack {
 static STACKS: AtomicUsize = AtomicUsize::new(0);
 
 const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// Engines may take longer: a real vLLM on CPU needs about a minute to load.
+const ENGINE_START_TIMEOUT: Duration = Duration::from_secs(240);
 
 fn http_ok(url: &str) -> bool {
     client::client().get(url).timeout(Duration::from_secs(2)).send().is_ok_and(|r| r.status().is_success())
@@ -162,12 +170,8 @@ impl Stack {
     /// with a loaded tokenizer.
     pub fn start(opts: &StackOptions, artifacts: &Artifacts) -> anyhow::Result<Stack> {
         artifacts.check()?;
-        let n = STACKS.fetch_add(1, Ordering::Relaxed);
-        let dir = repo_root().join("target/e2e-logs").join(format!("{}-{}-{n}", opts.name, std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-
+        let dir = log_dir(&opts.name)?;
         let mut sims = Vec::new();
-        let mut replicas_toml = String::new();
         for i in 0..opts.replicas {
             let id = ((b'a' + i as u8) as char).to_string();
             let host = std::net::IpAddr::from([127, 0, 0, 1]);
@@ -192,16 +196,37 @@ impl Stack {
                 .args(["--data-parallel-size", &opts.data_parallel_size.to_string()])
                 .args(&opts.sim_args);
             let proc = Proc::spawn(&format!("sim {id}"), cmd, &dir.join(format!("sim-{id}.log")))?;
+            sims.push(SimHandle { id, host, port, events_port, replay_port, proc });
+        }
+        Stack::front(opts, artifacts, sims, dir)
+    }
+
+    /// Starts the sidecar and Envoy in front of engines the caller started (`opts.replicas`
+    /// and `opts.sim_args` do not apply), once each answers `/health`; waits until the
+    /// gateway routes with a loaded tokenizer.
+    pub fn start_with_engines(
+        opts: &StackOptions,
+        artifacts: &Artifacts,
+        sims: Vec<SimHandle>,
+    ) -> anyhow::Result<Stack> {
+        artifacts.check()?;
+        Stack::front(opts, artifacts, sims, log_dir(&opts.name)?)
+    }
+
+    fn front(opts: &StackOptions, artifacts: &Artifacts, sims: Vec<SimHandle>, dir: PathBuf) -> anyhow::Result<Stack> {
+        let mut replicas_toml = String::new();
+        for sim in &sims {
+            let (id, port, events_port, replay_port) = (&sim.id, sim.port, sim.events_port, sim.replay_port);
             let replay =
                 if opts.replay { format!("kv_replay = \"tcp://127.0.0.1:{replay_port}\"\n") } else { String::new() };
             replicas_toml.push_str(&format!(
                 "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\n{replay}data_parallel_size = {}\n",
                 opts.data_parallel_size
             ));
-            sims.push(SimHandle { id, host, port, events_port, replay_port, proc });
         }
         for sim in &sims {
-            wait_for(&format!("sim {} health", sim.id), START_TIMEOUT, || http_ok(&sim.url("/health")).then_some(()))?;
+            let healthy = || http_ok(&sim.url("/health")).then_some(());
+            wait_for(&format!("engine {} health", sim.id), ENGINE_START_TIMEOUT, healthy)?;
         }
 
         let (sidecar_port, admin_port, gateway_port) = (free_port()?, free_port()?, free_port()?);
@@ -378,7 +403,7 @@ impl Stack {
         // Its ports are free again once the old process is reaped; the new one binds them.
         sim.proc.restart()?;
         let url = sim.url("/health");
-        wait_for(&format!("sim {id} health after restart"), START_TIMEOUT, || http_ok(&url).then_some(()))
+        wait_for(&format!("engine {id} health after restart"), ENGINE_START_TIMEOUT, || http_ok(&url).then_some(()))
     }
 
     /// An Envoy counter or gauge by its full name (0 if absent), from the admin `/stats`.
@@ -436,6 +461,14 @@ impl Stack {
     pub fn check_envoy(&mut self) -> anyhow::Result<()> {
         self.envoy.check_alive()
     }
+}
+
+/// A fresh log directory under `target/e2e-logs/`.
+fn log_dir(name: &str) -> anyhow::Result<PathBuf> {
+    let n = STACKS.fetch_add(1, Ordering::Relaxed);
+    let dir = repo_root().join("target/e2e-logs").join(format!("{name}-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
 }
 
 /// Envoy's command line: one worker; hot restart off, or on with `(base id, restart epoch)`

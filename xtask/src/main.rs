@@ -13,6 +13,8 @@
 //!   and measured behaviour; writes a report under `target/faults/` (see `faults.rs`).
 //! - `cargo xtask soak [--minutes N]`: an hour (by default) of steady load with engine
 //!   restarts, tracking the sidecar's and Envoy's memory and the index size (see `soak.rs`).
+//! - `cargo xtask e2e-vllm`: kvgate in front of two real vLLM engines (vLLM's CPU build,
+//!   installed once into `target/vllm-venv`); opt-in, not part of `test` (see `e2e_vllm.rs`).
 //! - `cargo xtask package`: the filter as a file and as an OCI image layout (Wasm image
 //!   format, for WasmPlugin `oci://` URLs), with its digests; see `package.rs`.
 //! - `cargo xtask install`: only the installation step.
@@ -20,6 +22,7 @@
 
 mod bench;
 mod demo;
+mod e2e_vllm;
 mod faults;
 mod install;
 mod package;
@@ -39,10 +42,13 @@ fn main() -> anyhow::Result<()> {
         Some("package") => package::run(&args[1..]),
         Some("faults") => faults::run(&args[1..]),
         Some("soak") => soak::run(&args[1..]),
+        Some("e2e-vllm") => e2e_vllm::run(&args[1..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("e2e") => bench::e2e(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("filter") => bench::filter(&args[2..]),
         _ => {
-            eprintln!("usage: cargo xtask <test|demo|faults|soak|bench e2e|bench filter|package|install|build-wasm>");
+            eprintln!(
+                "usage: cargo xtask <test|demo|faults|soak|e2e-vllm|bench e2e|bench filter|package|install|build-wasm>"
+            );
             std::process::exit(2);
         }
     }

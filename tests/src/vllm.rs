@@ -1,0 +1,429 @@
+//! The real-vLLM suite (`cargo xtask e2e-vllm`): two real vLLM engines (vLLM 0.32's CPU build,
+//! a tiny random-weight Qwen3 on the real Qwen3 tokenizer) behind kvgate's sidecar and Envoy.
+//! The simulator is ours, so agreeing with it proves little; every difference found here is a
+//! bug in kvgate's understanding of vLLM: token ids, an event field, a block size, a replay
+//! layout.
+//!
+//! Checks, each a row of the report:
+//! 1. parity — for chat and completion requests (strings, content parts, tools, tool calls,
+//!    multi-turn with reasoning, `enable_thinking`, unicode, long), `kvgate-sidecar tokenize`
+//!    gives vLLM's `/tokenize` ids, and the filter in Envoy counts the real request's
+//!    `usage.prompt_tokens`; a mismatch prints both lists at the first divergence;
+//! 2. routing follows the real cache — a prefix warmed directly on one engine draws the same
+//!    prefix through Envoy there, and vLLM serves it from cache (for each engine);
+//! 3. reset — `/reset_prefix_cache` publishes `AllBlocksCleared` and the engine's index empties;
+//! 4. events — after a burst, the index holds exactly the full blocks the engines cached;
+//! 5. sidecar restart — the index is rebuilt (replay or live events) and routing follows again;
+//! 6. engine restart — the restarted engine's seq starts over, it is cleared, and the prefix it
+//!    lost is credited nowhere.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::client::{self, post};
+use crate::faults::Row;
+use crate::process::{free_port, wait_for, Proc};
+use crate::stack::SimHandle;
+use crate::workload::document;
+use crate::{Artifacts, Stack, StackOptions};
+
+/// vLLM's CPU attention needs a multiple of 32.
+pub const BLOCK: u32 = 32;
+
+/// Where vLLM is installed and the model built.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// The venv's Python.
+    pub python: PathBuf,
+    /// The tiny Qwen3 model directory.
+    pub model_dir: PathBuf,
+    /// Logs and the report.
+    pub out: PathBuf,
+}
+
+/// Starts one vLLM engine on `core`, serving `qwen3` with prefix caching, prompt-token
+/// details and KV events with replay, loopback only.
+pub fn start_engine(setup: &Setup, id: &str, core: usize) -> anyhow::Result<SimHandle> {
+    let (port, events, replay) = (free_port()?, free_port()?, free_port()?);
+    let kv_events = json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": format!("tcp://*:{events}"),
+        "replay_endpoint": format!("tcp://*:{replay}"), "topic": "kv-events"});
+    let mut cmd = Command::new(&setup.python);
+    cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+        .arg(&setup.model_dir)
+        .args(["--served-model-name", "qwen3", "--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "8"])
+        .args(["--max-num-batched-tokens", "2048", "--block-size", &BLOCK.to_string()])
+        .args(["--enable-prefix-caching", "--enforce-eager", "--enable-prompt-tokens-details"])
+        .args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+        .args(["--kv-events-config", &kv_events.to_string()])
+        .env("VLLM_TARGET_DEVICE", "cpu")
+        .env("VLLM_CPU_KVCACHE_SPACE", "1")
+        .env("VLLM_CPU_OMP_THREADS_BIND", core.to_string())
+        .env("VLLM_HOST_IP", "127.0.0.1")
+        .env("VLLM_SERVER_DEV_MODE", "1")
+        .env("VLLM_NO_USAGE_STATS", "1")
+        .env("DO_NOT_TRACK", "1")
+        .env("HF_HUB_OFFLINE", "1")
+        .env("TRANSFORMERS_OFFLINE", "1");
+    // vLLM forks its engine core, which binds the events ports: kill the whole group.
+    let proc = Proc::spawn_group(&format!("vllm {id}"), cmd, &setup.out.join(format!("vllm-{id}.log")))?;
+    Ok(SimHandle::new(id, port, events, replay, proc))
+}
+
+/// The requests of the parity check: (name, endpoint path, body).
+fn parity_cases() -> Vec<(&'static str, &'static str, Value)> {
+    let chat = |messages: Value| json!({"model": "qwen3", "messages": messages, "max_tokens": 1});
+    let weather = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    let mut tools = chat(json!([{"role": "user", "content": "Weather in Paris?"}]));
+    tools["tools"] = weather;
+    let mut no_thinking = chat(json!([{"role": "user", "content": "Think less."}]));
+    no_thinking["chat_template_kwargs"] = json!({"enable_thinking": false});
+    vec![
+        ("chat, one string", "/v1/chat/completions", chat(json!([{"role": "user", "content": "Hello there!"}]))),
+        (
+            "chat, system and user",
+            "/v1/chat/completions",
+            chat(
+                json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]),
+            ),
+        ),
+        (
+            "chat, content parts",
+            "/v1/chat/completions",
+            chat(
+                json!([{"role": "user", "content": [{"type": "text", "text": "first part"}, {"type": "text", "text": "second part"}]}]),
+            ),
+        ),
+        ("chat, tools", "/v1/chat/completions", tools),
+        (
+            "chat, tool call and result",
+            "/v1/chat/completions",
+            chat(json!([
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\":   \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 21}"}])),
+        ),
+        (
+            "chat, multi-turn with reasoning",
+            "/v1/chat/completions",
+            chat(json!([
+                {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "<think>\nSimple sum.\n</think>\n\n4"},
+                {"role": "user", "content": "And 3+3?"}])),
+        ),
+        ("chat, enable_thinking false", "/v1/chat/completions", no_thinking),
+        (
+            "chat, unicode",
+            "/v1/chat/completions",
+            chat(json!([{"role": "user", "content": "Grüße aus Zürich — 你好，世界 🌍🚀 naïve café"}])),
+        ),
+        ("chat, long", "/v1/chat/completions", chat(json!([{"role": "user", "content": document(7, 1000)}]))),
+        (
+            "completions, string",
+            "/v1/completions",
+            json!({"model": "qwen3", "prompt": "The quick brown fox jumps over", "max_tokens": 1}),
+        ),
+    ]
+}
+
+/// kvgate's token ids for a body (`kvgate-sidecar tokenize`, the filter's own code).
+fn kvgate_ids(artifacts: &Artifacts, path: &str, body: &Value) -> anyhow::Result<Vec<u64>> {
+    use std::io::Write as _;
+    let endpoint = if path.contains("chat") { "chat" } else { "completions" };
+    let mut child = Command::new(&artifacts.sidecar)
+        .args(["tokenize", "--block-size", &BLOCK.to_string(), "--endpoint", endpoint, "--model-dir"])
+        .arg(&artifacts.model_dir)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    child.stdin.take().ok_or_else(|| anyhow::anyhow!("no stdin"))?.write_all(body.to_string().as_bytes())?;
+    let out = child.wait_with_output()?;
+    anyhow::ensure!(out.status.success(), "kvgate-sidecar tokenize failed");
+    let v: Value = serde_json::from_slice(&out.stdout)?;
+    Ok(v["token_ids"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default())
+}
+
+/// vLLM's token ids for a body (`POST /tokenize`, the engine's own renderer).
+fn vllm_ids(engine: &SimHandle, body: &Value) -> anyhow::Result<Vec<u64>> {
+    let mut req = body.clone();
+    if let Some(o) = req.as_object_mut() {
+        o.remove("max_tokens");
+    }
+    let reply = post(&engine.url("/tokenize"), req.to_string(), &[])?;
+    anyhow::ensure!(reply.status == 200, "/tokenize: {} {}", reply.status, reply.body);
+    Ok(reply.json()["tokens"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default())
+}
+
+/// Where two id lists first differ, with a few ids of each from there.
+fn divergence(a: &[u64], b: &[u64]) -> Option<String> {
+    let at = a.iter().zip(b).position(|(x, y)| x != y).or((a.len() != b.len()).then(|| a.len().min(b.len())))?;
+    let window = |v: &[u64]| format!("{:?}", &v[at.saturating_sub(3)..(at + 8).min(v.len())]);
+    Some(format!(
+        "first difference at {at} (kvgate {} ids, vLLM {}): kvgate …{} vLLM …{}",
+        a.len(),
+        b.len(),
+        window(a),
+        window(b)
+    ))
+}
+
+fn usage(reply: &client::Reply) -> (u64, u64) {
+    let v = reply.json();
+    let u = &v["usage"];
+    (u["prompt_tokens"].as_u64().unwrap_or(0), u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
+}
+
+/// Check 1.
+fn parity(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<Row> {
+    let mut problems = Vec::new();
+    let cases = parity_cases();
+    for (name, path, body) in &cases {
+        let ours = kvgate_ids(artifacts, path, body)?;
+        let theirs = vllm_ids(&stack.sims[0], body)?;
+        if let Some(d) = divergence(&ours, &theirs) {
+            eprintln!("parity {name}: {d}");
+            problems.push(format!("{name}: {d}"));
+            continue;
+        }
+        let reply = post(&stack.gateway(path), body.to_string(), &[])?;
+        let (prompt_tokens, _) = usage(&reply);
+        let in_envoy: u64 = reply.header("x-kvgate-prompt-tokens").parse().unwrap_or(0);
+        if reply.status != 200 || prompt_tokens != ours.len() as u64 || in_envoy != prompt_tokens {
+            problems.push(format!(
+                "{name}: status {}, usage.prompt_tokens {prompt_tokens}, filter in Envoy {in_envoy}, kvgate {}",
+                reply.status,
+                ours.len()
+            ));
+        }
+    }
+    Ok(Row {
+        scenario: "1. parity",
+        expected: "kvgate's ids equal vLLM's /tokenize for every request; the filter in Envoy counts the real request's usage.prompt_tokens",
+        measured: if problems.is_empty() {
+            format!("{} of {} requests identical, in Envoy too", cases.len(), cases.len())
+        } else {
+            problems.join("; ")
+        },
+        pass: problems.is_empty(),
+    })
+}
+
+/// Waits until the sidecar's index for `id` satisfies `ok`; returns the last count.
+fn wait_blocks(stack: &Stack, id: &str, what: &str, ok: impl Fn(u64) -> bool) -> Result<u64, u64> {
+    let got = wait_for(what, Duration::from_secs(20), || stack.indexed_blocks(id).ok().filter(|n| ok(*n)));
+    got.map_err(|_| stack.indexed_blocks(id).unwrap_or(0))
+}
+
+/// Check 2 (and its repeat after the sidecar restart): for each engine, warm a prefix on it
+/// directly, then send the prefix with a new question through Envoy.
+fn routing(stack: &Stack, artifacts: &Artifacts, seed: u32, label: &'static str) -> anyhow::Result<Row> {
+    let mut notes = Vec::new();
+    let mut pass = true;
+    for (i, engine) in stack.sims.iter().enumerate().rev() {
+        let doc = document(seed + i as u32, 700);
+        let body = |q: &str| json!({"model": "qwen3", "max_tokens": 1, "messages": [{"role": "system", "content": doc}, {"role": "user", "content": q}]});
+        let before = stack.indexed_blocks(&engine.id)?;
+        let warm = post(&engine.url("/v1/chat/completions"), body("first question").to_string(), &[])?;
+        anyhow::ensure!(warm.status == 200, "warming {}: {}", engine.id, warm.body);
+        let (warm_tokens, _) = usage(&warm);
+        let indexed =
+            wait_blocks(stack, &engine.id, "the warmed blocks", |n| n >= before + warm_tokens / u64::from(BLOCK) - 1);
+        let ours_warm = kvgate_ids(artifacts, "/v1/chat/completions", &body("first question"))?;
+        let ours_next = kvgate_ids(artifacts, "/v1/chat/completions", &body("a follow-up question"))?;
+        let common = ours_warm.iter().zip(&ours_next).take_while(|(a, b)| a == b).count() as u64;
+        let shared_blocks = common / u64::from(BLOCK);
+        let reply = post(&stack.gateway("/v1/chat/completions"), body("a follow-up question").to_string(), &[])?;
+        let (_, cached) = usage(&reply);
+        let routed = reply.header("x-kvgate-routed-to").to_owned();
+        let ok = indexed.is_ok() && routed == engine.id && cached >= shared_blocks * u64::from(BLOCK);
+        pass &= ok;
+        notes.push(format!(
+            "{}: routed to {routed}, {cached} cached tokens (shared prefix {shared_blocks} blocks)",
+            engine.id
+        ));
+    }
+    Ok(Row {
+        scenario: label,
+        expected: "a prefix warmed on one engine draws the same prefix through Envoy to it, and vLLM serves it from cache (each engine)",
+        measured: notes.join("; "),
+        pass,
+    })
+}
+
+/// Check 3: reset both engines' prefix caches. vLLM queues `AllBlocksCleared` and publishes
+/// it with the engine's next step, so a short request (no full block) follows the reset.
+fn reset(stack: &Stack) -> anyhow::Result<Row> {
+    let mut notes = Vec::new();
+    let mut pass = true;
+    for engine in &stack.sims {
+        let before = stack.indexed_blocks(&engine.id)?;
+        let reply = post(&engine.url("/reset_prefix_cache"), "", &[])?;
+        let nudge = json!({"model": "qwen3", "max_tokens": 1, "prompt": "hi"});
+        post(&engine.url("/v1/completions"), nudge.to_string(), &[])?;
+        let emptied = wait_blocks(stack, &engine.id, "the index to empty", |n| n == 0);
+        pass &= reply.status == 200 && before > 0 && emptied == Ok(0);
+        notes.push(format!(
+            "{}: HTTP {}, {before} blocks indexed before, {} after",
+            engine.id,
+            reply.status,
+            emptied.unwrap_or_else(|n| n)
+        ));
+    }
+    Ok(Row {
+        scenario: "3. reset",
+        expected: "POST /reset_prefix_cache publishes AllBlocksCleared (with the engine's next step); the engine's index empties",
+        measured: notes.join("; "),
+        pass,
+    })
+}
+
+/// The distinct full blocks of the chat prompts sent to one engine, by kvgate's own hashes.
+fn distinct_blocks(artifacts: &Artifacts, bodies: &[Value]) -> anyhow::Result<u64> {
+    let chats: Vec<(&str, &Value)> = bodies.iter().map(|b| ("/v1/chat/completions", b)).collect();
+    distinct_blocks_of(artifacts, &chats)
+}
+
+/// The distinct full blocks of `(path, body)` prompts, by kvgate's own hashes.
+fn distinct_blocks_of(artifacts: &Artifacts, requests: &[(&str, &Value)]) -> anyhow::Result<u64> {
+    let mut all = std::collections::HashSet::new();
+    for (path, b) in requests {
+        let ids: Vec<u32> = kvgate_ids(artifacts, path, b)?.iter().map(|t| *t as u32).collect();
+        all.extend(kvgate_shared::hash::prompt_block_hashes(&ids, BLOCK as usize, kvgate_shared::hash::Salt::NONE));
+    }
+    Ok(all.len() as u64)
+}
+
+/// Check 4: a burst sent straight to both (freshly reset) engines; the index must hold
+/// exactly the full blocks they cached. Returns the row and the expected counts.
+fn events(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<(Row, Vec<u64>)> {
+    let mut expected = Vec::new();
+    let mut notes = Vec::new();
+    let mut pass = true;
+    for (i, engine) in stack.sims.iter().enumerate() {
+        let bodies: Vec<Value> = (0..6)
+            .map(|k| {
+                let shared = document(300 + i as u32, 250);
+                json!({"model": "qwen3", "max_tokens": 1, "messages": [{"role": "system", "content": shared},
+                    {"role": "user", "content": document(400 + 10 * i as u32 + k, 40 + 30 * k as usize)}]})
+            })
+            .collect();
+        for b in &bodies {
+            let reply = post(&engine.url("/v1/chat/completions"), b.to_string(), &[])?;
+            anyhow::ensure!(reply.status == 200, "burst on {}: {}", engine.id, reply.body);
+        }
+        let want = distinct_blocks(artifacts, &bodies)?;
+        let got = wait_blocks(stack, &engine.id, "the burst indexed", |n| n == want);
+        pass &= got.is_ok();
+        notes.push(format!("{}: {} indexed, {want} cached", engine.id, got.unwrap_or_else(|n| n)));
+        expected.push(want);
+    }
+    let row = Row {
+        scenario: "4. events",
+        expected: "after a burst of requests the index holds exactly the full blocks each engine cached",
+        measured: notes.join("; "),
+        pass,
+    };
+    Ok((row, expected))
+}
+
+/// Check 5: the sidecar restarts; a new request to each engine (its first message to the new
+/// sidecar) replays its history, and the index is whole again.
+fn sidecar_restart(stack: &mut Stack, expected: &[u64]) -> anyhow::Result<Row> {
+    stack.restart_sidecar()?;
+    let mut notes = Vec::new();
+    let mut pass = true;
+    for (engine, want) in stack.sims.iter().zip(expected) {
+        // At least one full block, so the engine publishes an event.
+        let probe = json!({"model": "qwen3", "max_tokens": 1, "prompt": document(500 + *want as u32, 60)});
+        post(&engine.url("/v1/completions"), probe.to_string(), &[])?;
+        let got = wait_blocks(stack, &engine.id, "the index rebuilt", |n| n >= *want);
+        pass &= got.is_ok();
+        notes.push(format!("{}: {} of {want} blocks back", engine.id, got.unwrap_or_else(|n| n)));
+    }
+    Ok(Row {
+        scenario: "5. sidecar restart",
+        expected: "the restarted sidecar rebuilds each engine's blocks (replay from seq 0, then live events)",
+        measured: notes.join("; "),
+        pass,
+    })
+}
+
+/// Check 6: restart engine `id`.
+fn engine_restart(stack: &mut Stack, artifacts: &Artifacts, id: &str) -> anyhow::Result<Row> {
+    let doc = document(600, 700);
+    let body = |q: &str| json!({"model": "qwen3", "max_tokens": 1, "messages": [{"role": "system", "content": doc}, {"role": "user", "content": q}]});
+    let before = stack.indexed_blocks(id)?;
+    let warm = post(&stack.sim(id).url("/v1/chat/completions"), body("warm").to_string(), &[])?;
+    let (tokens, _) = usage(&warm);
+    wait_blocks(stack, id, "the warmed prefix", |n| n >= before + tokens / u64::from(BLOCK) - 1)
+        .map_err(|n| anyhow::anyhow!("only {n} blocks indexed on {id}"))?;
+    let seq_before = engine_seq(stack, id);
+    stack.restart_sim(id)?;
+    let reply = post(&stack.gateway("/v1/chat/completions"), body("after the restart").to_string(), &[])?;
+    let credited: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap_or(u64::MAX);
+    // Its first event after the restart starts the sequence over: the replica is cleared.
+    let probe = json!({"model": "qwen3", "max_tokens": 1, "prompt": document(601, 100)});
+    post(&stack.sim(id).url("/v1/completions"), probe.to_string(), &[])?;
+    let seq_after = wait_for("the restarted engine's first event", Duration::from_secs(20), || {
+        engine_seq(stack, id).filter(|s| Some(*s) < seq_before)
+    })
+    .ok();
+    // What the new engine holds: the blocks of the requests it served since its restart.
+    let after = body("after the restart");
+    let mut since: Vec<(&str, &Value)> = vec![("/v1/completions", &probe)];
+    if reply.header("x-kvgate-routed-to") == id {
+        since.push(("/v1/chat/completions", &after));
+    }
+    let want = distinct_blocks_of(artifacts, &since)?;
+    let left = wait_blocks(stack, id, "the restarted engine's blocks", |n| n == want);
+    Ok(Row {
+        scenario: "6. engine restart",
+        expected: "the restarted engine's seq starts over, the sidecar clears it (keeping only what the new engine stored), and the prefix it lost is credited nowhere",
+        measured: format!(
+            "{id}: seq {seq_before:?} before, {seq_after:?} after; the lost prefix was routed to {} with {credited} blocks credited; {} blocks indexed, {want} held by the new engine",
+            reply.header("x-kvgate-routed-to"),
+            left.unwrap_or_else(|n| n)
+        ),
+        pass: reply.status == 200 && credited == 0 && seq_after.is_some() && left.is_ok(),
+    })
+}
+
+fn engine_seq(stack: &Stack, id: &str) -> Option<u64> {
+    let state = stack.sidecar_state().ok()?;
+    state["pools"][0]["replicas"].as_array()?.iter().find(|r| r["id"] == id)?["last_seq"].as_u64()
+}
+
+/// Starts the engines and the gateway, runs every check, and writes `report.md` to
+/// `setup.out`. Returns the rows.
+pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
+    std::fs::create_dir_all(&setup.out)?;
+    let engines = vec![start_engine(setup, "a", 0)?, start_engine(setup, "b", 1)?];
+    let opts = StackOptions { name: "vllm".into(), block_size: BLOCK, route_timeout_ms: 500, ..Default::default() };
+    let mut stack = Stack::start_with_engines(&opts, artifacts, engines)?;
+    let mut rows = Vec::new();
+    let mut done = |row: Row| {
+        eprintln!("{}", crate::faults::table(std::slice::from_ref(&row)));
+        rows.push(row);
+    };
+    done(parity(&stack, artifacts)?);
+    done(routing(&stack, artifacts, 700, "2. routing follows the real cache")?);
+    done(reset(&stack)?);
+    let (row, expected) = events(&stack, artifacts)?;
+    done(row);
+    done(sidecar_restart(&mut stack, &expected)?);
+    done(routing(&stack, artifacts, 800, "5b. routing after the sidecar restart")?);
+    done(engine_restart(&mut stack, artifacts, "b")?);
+    Ok(rows)
+}
+
+/// The report, in Markdown.
+pub fn report(rows: &[Row], facts: &str, path: &Path) -> anyhow::Result<String> {
+    let text = format!("# kvgate against real vLLM\n\n{facts}\n\n{}", crate::faults::table(rows));
+    std::fs::write(path, &text)?;
+    Ok(text)
+}
