@@ -35,6 +35,11 @@ fn block(conv: u32, b: u32) -> Vec<u32> {
 
 /// A vLLM map-format batch storing block `b` of `conv` (engine hash = conv*100 + b).
 fn store(conv: u32, b: u32) -> Vec<u8> {
+    store_sized(conv, b, BS)
+}
+
+/// The same, claiming (and carrying tokens for) block size `bs`.
+fn store_sized(conv: u32, b: u32, bs: usize) -> Vec<u8> {
     let mut buf = Vec::new();
     mp::write_array_len(&mut buf, 3).unwrap();
     mp::write_f64(&mut buf, 1.0).unwrap();
@@ -52,12 +57,12 @@ fn store(conv: u32, b: u32) -> Vec<u8> {
         mp::write_uint(&mut buf, u64::from(conv * 100 + b - 1)).unwrap();
     }
     mp::write_str(&mut buf, "token_ids").unwrap();
-    mp::write_array_len(&mut buf, BS as u32).unwrap();
-    for t in block(conv, b) {
+    mp::write_array_len(&mut buf, bs as u32).unwrap();
+    for t in block(conv, b).into_iter().cycle().take(bs) {
         mp::write_uint(&mut buf, u64::from(t)).unwrap();
     }
     mp::write_str(&mut buf, "block_size").unwrap();
-    mp::write_uint(&mut buf, BS as u64).unwrap();
+    mp::write_uint(&mut buf, bs as u64).unwrap();
     mp::write_str(&mut buf, "medium").unwrap();
     mp::write_str(&mut buf, "GPU").unwrap();
     mp::write_uint(&mut buf, 0).unwrap();
@@ -191,19 +196,28 @@ fn gaps_are_replayed_restarts_clear_and_garbage_is_survived() {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
     assert!(now.abs_diff(at) < 60, "the last event's time is now: {last_event}");
 
-    // Garbage: a bad payload and a bad seq frame are counted; the stream goes on.
+    // Garbage: a bad payload, a bad seq frame and the wrong frame counts are counted; the
+    // stream goes on.
     engine.send(5, b"\xc1 not msgpack", false);
     engine.publisher.send_multipart([&b"topic"[..], b"short", b"x"], 0).unwrap();
+    engine.publisher.send_multipart([&b"topic"[..], &6u64.to_be_bytes()], 0).unwrap();
+    engine.publisher.send_multipart([&b"topic"[..], &6u64.to_be_bytes(), b"x", b"extra"], 0).unwrap();
     engine.send(6, &store(1, 5), false);
     wait_for("seq 6", || rig.last_seq() == Some(6));
     let metrics = rig.metrics.render();
     assert!(metrics.contains("reason=\"decode\"} 1"), "{metrics}");
-    assert!(metrics.contains("reason=\"bad_frames\"} 1"), "{metrics}");
+    assert!(metrics.contains("reason=\"bad_frames\"} 3"), "{metrics}");
     assert!(rig.pool.state().replicas[0].degraded, "an undecodable batch may have held a removal");
     assert_eq!(rig.depth(1, 1), 0, "so the possibly stale blocks were dropped");
     engine.send(7, &store(5, 0), false);
     wait_for("seq 7", || rig.last_seq() == Some(7));
     assert_eq!(rig.depth(5, 1), 1, "the stream goes on after the garbage");
+
+    // A block size other than the pool's is dropped and counted, never mis-chunked.
+    engine.send(8, &store_sized(6, 0, 2 * BS), false);
+    wait_for("seq 8", || rig.last_seq() == Some(8));
+    assert!(rig.metrics.render().contains("reason=\"block_size_mismatch\"} 1"), "{}", rig.metrics.render());
+    assert_eq!(rig.depth(6, 1), 0);
 
     // The engine restarts: seq back to 0 with an empty cache.
     engine.restart();
