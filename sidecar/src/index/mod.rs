@@ -254,6 +254,8 @@ pub struct KvIndex {
     block_size: usize,
     tiers: [Tables; 3],
     replicas: Vec<ReplicaBlocks>,
+    /// Sequence hashes of the event being stored (kept to reuse its allocation).
+    scratch: Vec<u64>,
 }
 
 /// How many prompt blocks are looked up together: independent lookups let the CPU overlap
@@ -267,6 +269,7 @@ impl KvIndex {
             block_size,
             tiers: Default::default(),
             replicas: (0..replicas).map(|_| ReplicaBlocks::default()).collect(),
+            scratch: Vec::new(),
         }
     }
 
@@ -297,19 +300,29 @@ impl KvIndex {
         let t = s.tier.idx();
         let engine = &mut self.replicas[replica].tiers[t];
         let tables = &mut self.tiers[t];
-        for (i, (engine_hash, tokens)) in s.engine_hashes.iter().zip(s.token_ids.chunks_exact(s.block_size)).enumerate()
-        {
+        let mut seqs = std::mem::take(&mut self.scratch);
+        seqs.clear();
+        for (i, tokens) in s.token_ids.chunks_exact(s.block_size).enumerate() {
             let salt = s.salt.combine(s.extra.get(i).copied().unwrap_or(Salt::NONE));
             let seq = next_sequence_hash(parent_seq, local_block_hash(tokens, salt));
+            seqs.push(seq);
+            parent_seq = Some(seq);
+        }
+        // Look every block up once before inserting: the lookups are independent, so the CPU
+        // overlaps their cache misses, and the inserts below find their lines in cache.
+        for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
+            std::hint::black_box((engine.seq.get(engine_hash), tables.blocks.get(seq)));
+        }
+        for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
             match engine.seq.entry(*engine_hash) {
                 Entry::Occupied(_) => *engine.extra_refs.entry(*engine_hash).or_default() += 1,
                 Entry::Vacant(v) => {
-                    v.insert(seq);
-                    tables.add_holder(seq, replica as u32);
+                    v.insert(*seq);
+                    tables.add_holder(*seq, replica as u32);
                 }
             }
-            parent_seq = Some(seq);
         }
+        self.scratch = seqs;
         Ok(())
     }
 
