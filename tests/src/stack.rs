@@ -174,7 +174,24 @@ impl Stack {
         let mut sims = Vec::new();
         for i in 0..opts.replicas {
             let id = ((b'a' + i as u8) as char).to_string();
-            let host = std::net::IpAddr::from([127, 0, 0, 1]);
+            sims.push(Stack::spawn_sim(opts, artifacts, &id, &dir)?);
+        }
+        Stack::front(opts, artifacts, sims, dir)
+    }
+
+    /// Starts one simulated engine on free ports and waits until it is healthy. A port found
+    /// free can be taken by someone else before the engine binds it (other processes open
+    /// connections all the time): an engine that exits while starting is started again on
+    /// other ports, up to three times.
+    fn spawn_sim(
+        opts: &StackOptions,
+        artifacts: &Artifacts,
+        id: &str,
+        dir: &std::path::Path,
+    ) -> anyhow::Result<SimHandle> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
             let (port, events_port, replay_port) = match (opts.envoy_discovery, opts.data_parallel_size) {
                 (true, _) => {
                     let p = free_port_run(3)?;
@@ -188,17 +205,30 @@ impl Stack {
             let mut cmd = Command::new(&artifacts.sim);
             // LoRA adapters may be loaded at run time when a test passes `--enable-lora`.
             cmd.env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True");
-            cmd.args(["--port", &port.to_string(), "--replica", &id, "--model", "qwen3"])
+            cmd.args(["--port", &port.to_string(), "--replica", id, "--model", "qwen3"])
                 .arg("--tokenizer")
                 .arg(&artifacts.model_dir)
                 .args(["--block-size", &opts.block_size.to_string(), "--kv-events-config", &events_config.to_string()])
                 .arg("--enable-prompt-tokens-details")
                 .args(["--data-parallel-size", &opts.data_parallel_size.to_string()])
                 .args(&opts.sim_args);
-            let proc = Proc::spawn(&format!("sim {id}"), cmd, &dir.join(format!("sim-{id}.log")))?;
-            sims.push(SimHandle { id, host, port, events_port, replay_port, proc });
+            let log = dir.join(format!("sim-{id}-{attempt}.log"));
+            let mut sim =
+                SimHandle::new(id, port, events_port, replay_port, Proc::spawn(&format!("sim {id}"), cmd, &log)?);
+            let url = sim.url("/health");
+            let started = wait_for(&format!("sim {id} health"), START_TIMEOUT, || {
+                if sim.proc.check_alive().is_err() {
+                    return Some(false);
+                }
+                http_ok(&url).then_some(true)
+            })?;
+            if started {
+                return Ok(sim);
+            }
+            if attempt == 3 {
+                anyhow::bail!("sim {id} exited while starting, three times; see {}", log.display());
+            }
         }
-        Stack::front(opts, artifacts, sims, dir)
     }
 
     /// Starts the sidecar and Envoy in front of engines the caller started (`opts.replicas`
