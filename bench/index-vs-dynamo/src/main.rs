@@ -6,6 +6,9 @@
 //! holds its block budget, every new request first evicts the oldest request's unique
 //! blocks, one single-hash `BlockRemoved` per block, children first — vLLM's pattern.
 //!
+//! Indexes: kvgate's `KvIndex`, Dynamo's single-thread `RadixTree`, and Dynamo's
+//! `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with 2 threads.
+//!
 //! Reported: apply throughput (blocks/s, including the local-hash computation each side
 //! needs), `find_matches` p50/p99 for a full hit, a shared prefix and a miss, and heap bytes
 //! per indexed block (a counting allocator). Usage:
@@ -17,10 +20,11 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dynamo_kv_router::indexer::RadixTree;
+use dynamo_kv_router::indexer::concurrent_radix_tree_compressed::ConcurrentRadixTreeCompressed;
+use dynamo_kv_router::indexer::{RadixTree, SyncIndexer, ThreadPoolIndexer};
 use dynamo_kv_router::protocols::{
     ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
-    KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+    KvCacheStoredBlockData, LocalBlockHash, OverlapScores, RouterEvent,
 };
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, Salt};
 use kvgate_sidecar::index::{KvIndex, Store, Tier};
@@ -244,6 +248,34 @@ fn dynamo_events(s: &Stream) -> Vec<RouterEvent> {
         .collect()
 }
 
+/// A Dynamo index's report: `elapsed` and `bytes` for applying the stream, lookups through
+/// `find` (returning its overlap scores).
+fn dynamo_report(
+    name: &'static str,
+    s: &Stream,
+    elapsed: Duration,
+    bytes: f64,
+    local_queries: &[(&'static str, Vec<Vec<u64>>)],
+    find: impl Fn(Vec<LocalBlockHash>) -> OverlapScores,
+) -> Report {
+    let find = local_queries
+        .iter()
+        .map(|(query, qs)| {
+            let (p50, p99) = time_queries(qs, |q| {
+                let seq: Vec<LocalBlockHash> = q.iter().map(|h| LocalBlockHash(*h)).collect();
+                find(seq).scores.values().copied().max().unwrap_or(0)
+            });
+            (*query, p50, p99)
+        })
+        .collect();
+    Report {
+        name,
+        apply_blocks_per_s: s.blocks_stored as f64 / elapsed.as_secs_f64(),
+        find,
+        bytes_per_block: bytes / held_blocks(s) as f64,
+    }
+}
+
 fn dynamo_radix(s: &Stream, local_queries: &[(&'static str, Vec<Vec<u64>>)]) -> Report {
     let before = LIVE.load(Ordering::Relaxed);
     let mut tree = RadixTree::new();
@@ -254,23 +286,25 @@ fn dynamo_radix(s: &Stream, local_queries: &[(&'static str, Vec<Vec<u64>>)]) -> 
     }
     let elapsed = t.elapsed();
     let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
-    let held = held_blocks(s);
-    let find = local_queries
-        .iter()
-        .map(|(name, qs)| {
-            let (p50, p99) = time_queries(qs, |q| {
-                let seq: Vec<LocalBlockHash> = q.iter().map(|h| LocalBlockHash(*h)).collect();
-                tree.find_matches(seq, false).scores.values().copied().max().unwrap_or(0)
-            });
-            (*name, p50, p99)
-        })
-        .collect();
-    Report {
-        name: "Dynamo RadixTree",
-        apply_blocks_per_s: s.blocks_stored as f64 / elapsed.as_secs_f64(),
-        find,
-        bytes_per_block: bytes / held as f64,
+    dynamo_report("Dynamo RadixTree", s, elapsed, bytes, local_queries, |seq| tree.find_matches(seq, false))
+}
+
+/// Dynamo's concurrent indexer: `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with 2
+/// threads. Events are enqueued (converted as for the `RadixTree`) and the clock stops when
+/// every thread has applied its share; lookups run inline on the caller's thread, as its
+/// `find_matches` does.
+fn dynamo_thread_pool(s: &Stream, local_queries: &[(&'static str, Vec<Vec<u64>>)]) -> Report {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    let before = LIVE.load(Ordering::Relaxed);
+    let pool = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 2, BS as u32);
+    let t = Instant::now();
+    for ev in dynamo_events(s) {
+        pool.enqueue_event(ev).expect("consistent stream");
     }
+    runtime.block_on(pool.flush_and_wait()).expect("the threads apply everything");
+    let elapsed = t.elapsed();
+    let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
+    dynamo_report("Dynamo ThreadPool", s, elapsed, bytes, local_queries, |seq| pool.backend().find_matches(&seq, false))
 }
 
 /// Blocks held at the end of the stream (the same for both indexes).
@@ -305,7 +339,8 @@ fn main() {
 
     let k = kvgate(&s, replicas, &ours);
     let d = dynamo_radix(&s, &theirs);
-    for r in [&k, &d] {
+    let p = dynamo_thread_pool(&s, &theirs);
+    for r in [&k, &d, &p] {
         println!(
             "{:<18} apply {:>10.0} blocks/s   memory {:>6.1} B/block",
             r.name, r.apply_blocks_per_s, r.bytes_per_block
@@ -324,4 +359,10 @@ fn main() {
         );
     }
     println!("  memory per block  {:.2}x of Dynamo's  (target <= 0.5)", k.bytes_per_block / d.bytes_per_block);
+    println!("\nratios (kvgate, one thread, vs Dynamo ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, 2 threads):");
+    println!("  apply throughput  {:.2}x", k.apply_blocks_per_s / p.apply_blocks_per_s);
+    for ((q, kp50, _), (_, pp50, _)) in k.find.iter().zip(&p.find) {
+        println!("  find_matches p50 {:<13} {:.2}x of its time", q, kp50.as_secs_f64() / pp50.as_secs_f64());
+    }
+    println!("  memory per block  {:.2}x of its", k.bytes_per_block / p.bytes_per_block);
 }
