@@ -294,7 +294,9 @@ pub fn publisher_stalled(artifacts: &Artifacts) -> anyhow::Result<Row> {
     let opts = StackOptions { sidecar_toml: "stall_timeout_secs = 1".into(), ..options("stall") };
     let stack = Stack::start(&opts, artifacts)?;
     chaos(&stack, "b", json!({"stall": true}))?;
-    let load = Load::start(&stack)?;
+    // Mostly new documents: every replica, b included, keeps being sent prompts that must
+    // store blocks (with six shared documents b could end up holding none of them).
+    let load = Load::start_with(&stack, RATE, 400)?;
     let flagged = wait_for("b flagged stalled", Duration::from_secs(15), || {
         replicas(&stack).iter().any(|r| r["id"] == "b" && r["stalled"] == true).then_some(())
     });

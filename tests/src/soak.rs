@@ -8,7 +8,7 @@
 //! get a small cache (1024 blocks), so eviction runs all the time.
 //!
 //! `cargo xtask soak [--minutes N]` runs it (1 hour by default); `cargo xtask test` runs a
-//! 5-minute version.
+//! 3-minute version (CI must stay under 30 minutes on 2 cores).
 
 use std::io::Write as _;
 use std::path::Path;
