@@ -240,15 +240,21 @@ pub fn engine_restarted(artifacts: &Artifacts) -> anyhow::Result<Row> {
     })
 }
 
-/// Drop 5 % of event messages, with replay.
-pub fn events_dropped_with_replay(artifacts: &Artifacts) -> anyhow::Result<Row> {
-    let stack = Stack::start(&options("drops"), artifacts)?;
+/// Runs a stack whose engines drop 5 % of their event messages under 6 s of load.
+fn with_dropped_events(opts: &StackOptions, artifacts: &Artifacts) -> anyhow::Result<(Stack, Vec<Outcome>)> {
+    let stack = Stack::start(opts, artifacts)?;
     for sim in &stack.sims {
         chaos(&stack, &sim.id, json!({"drop_fraction": 0.05}))?;
     }
     let load = Load::start(&stack)?;
     run_for(Duration::from_secs(6));
     let outcomes = load.finish();
+    Ok((stack, outcomes))
+}
+
+/// Drop 5 % of event messages, with replay.
+pub fn events_dropped_with_replay(artifacts: &Artifacts) -> anyhow::Result<Row> {
+    let (stack, outcomes) = with_dropped_events(&options("drops"), artifacts)?;
     let failures = failed(&outcomes).len();
     let replayed = sidecar_metric(&stack, "kvgate_kv_gaps_replayed_total");
     let lost = sidecar_metric(&stack, "kvgate_kv_gaps_lost_total");
@@ -267,13 +273,7 @@ pub fn events_dropped_with_replay(artifacts: &Artifacts) -> anyhow::Result<Row> 
 /// Drop 5 % of event messages, without replay.
 pub fn events_dropped_without_replay(artifacts: &Artifacts) -> anyhow::Result<Row> {
     let opts = StackOptions { replay: false, ..options("drops-noreplay") };
-    let stack = Stack::start(&opts, artifacts)?;
-    for sim in &stack.sims {
-        chaos(&stack, &sim.id, json!({"drop_fraction": 0.05}))?;
-    }
-    let load = Load::start(&stack)?;
-    run_for(Duration::from_secs(6));
-    let outcomes = load.finish();
+    let (stack, outcomes) = with_dropped_events(&opts, artifacts)?;
     let failures = failed(&outcomes).len();
     let lost = sidecar_metric(&stack, "kvgate_kv_gaps_lost_total");
     let degraded = replicas(&stack).iter().filter(|r| r["degraded"] == true).count();
