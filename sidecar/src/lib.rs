@@ -22,6 +22,7 @@ pub mod events;
 pub mod index;
 pub mod load;
 pub mod metrics;
+pub mod poll;
 pub mod pool;
 pub mod score;
 pub mod sync;

@@ -8,10 +8,10 @@
 //! list (it may be restarting; discovery and health checks decide whether it is gone).
 
 use std::collections::{BTreeSet, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::pool::Pool;
 
@@ -46,29 +46,19 @@ pub fn listed_adapters(body: &[u8], base: &str) -> Result<BTreeSet<String>, serd
 
 /// Polls every active engine of `pool` every `interval` until `stop`.
 pub fn spawn(pool: Arc<Pool>, interval: Duration, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new().name(format!("adapters-{}", pool.config.model)).spawn(move || {
-        let client = match reqwest::blocking::Client::builder().timeout(FETCH_TIMEOUT).build() {
-            Ok(c) => c,
-            Err(e) => return tracing::error!(error = %e, "no HTTP client for adapter discovery"),
-        };
-        while !stop.load(Ordering::Relaxed) {
-            let started = Instant::now();
-            // Data-parallel ranks share an endpoint: one call per engine.
-            let endpoints: HashSet<String> =
-                pool.members().iter().filter(|m| m.active).map(|m| m.replica.endpoint.to_string()).collect();
-            for endpoint in endpoints {
-                let url = format!("http://{endpoint}/v1/models");
-                let body = client.get(&url).send().and_then(|r| r.error_for_status()).and_then(|r| r.bytes());
-                match body.map(|b| listed_adapters(&b, &pool.config.model)) {
-                    Ok(Ok(adapters)) => {
-                        pool.set_adapters(&endpoint, &adapters);
-                    }
-                    Ok(Err(e)) => tracing::debug!(%url, error = %e, "unreadable model list"),
-                    Err(e) => tracing::debug!(%url, error = %e, "model list unavailable"),
+    crate::poll::every(format!("adapters-{}", pool.config.model), interval, FETCH_TIMEOUT, stop, move |client| {
+        // Data-parallel ranks share an endpoint: one call per engine.
+        let endpoints: HashSet<String> =
+            pool.members().iter().filter(|m| m.active).map(|m| m.replica.endpoint.to_string()).collect();
+        for endpoint in endpoints {
+            let url = format!("http://{endpoint}/v1/models");
+            let body = client.get(&url).send().and_then(|r| r.error_for_status()).and_then(|r| r.bytes());
+            match body.map(|b| listed_adapters(&b, &pool.config.model)) {
+                Ok(Ok(adapters)) => {
+                    pool.set_adapters(&endpoint, &adapters);
                 }
-            }
-            while started.elapsed() < interval && !stop.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(50));
+                Ok(Err(e)) => tracing::debug!(%url, error = %e, "unreadable model list"),
+                Err(e) => tracing::debug!(%url, error = %e, "model list unavailable"),
             }
         }
     })
