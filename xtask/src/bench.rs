@@ -120,7 +120,22 @@ pub fn sh(program: &str, args: &[&str]) -> String {
         .unwrap_or_default()
 }
 
-fn facts(command: String) -> Facts {
+/// The benchmark's fleet: 4 simulated engines with an 8B model's time model on an H100.
+pub fn fleet(speedup: f64) -> Fleet {
+    Fleet {
+        replicas: 4,
+        block_size: 16,
+        preset: "llama8b-h100".into(),
+        speedup,
+        // 256k tokens: a third of what an H100 holds for an 8B model after its weights.
+        gpu_blocks: 16_384,
+        max_num_seqs: 256,
+        max_num_batched_tokens: 8192,
+    }
+}
+
+/// The exact command, commit and machine, for a report.
+pub fn facts(command: String) -> Facts {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|c| {
@@ -160,16 +175,7 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
         policies,
         qps: args.qps.unwrap_or_else(|| if args.quick { vec![12.0, 20.0, 28.0] } else { vec![2.0, 3.0, 4.0] }),
         repeats: args.repeats.unwrap_or(if args.quick { 1 } else { 3 }),
-        fleet: Fleet {
-            replicas: 4,
-            block_size: 16,
-            preset: "llama8b-h100".into(),
-            speedup,
-            // 256k tokens: a third of what an H100 holds for an 8B model after its weights.
-            gpu_blocks: 16_384,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 8192,
-        },
+        fleet: fleet(speedup),
         max_duration_s: if args.quick { 200.0 } else { 600.0 },
         slo_ttft_s: 2.0,
         trace: repo_root().join("../shared/testdata/traces/mooncake-conversation.jsonl"),

@@ -1,131 +1,84 @@
-//! `cargo xtask demo`: kvgate vs round robin on the same multi-turn chat workload.
+//! `cargo xtask demo`: the benchmark harness, scaled down to under two minutes.
 //!
-//! Four users each hold a conversation with a long private system prompt (~1.5k tokens).
-//! Their turns interleave. With kvgate, every turn after the first lands on the replica that
-//! already holds the conversation's KV blocks; with round robin, two turns out of three land
-//! elsewhere and pay the whole prefill again.
+//! The shared-prefix workload (groups of prompts sharing a long system prompt, arriving at a
+//! rate that queues round robin up) through the same fleet of simulated engines, once per
+//! policy, each on a fresh fleet: Envoy alone with round robin and least request, and kvgate.
+//! Prints the benchmark's summary table and the time kvgate's routing decision takes inside
+//! Envoy. `cargo xtask bench e2e` is the full version, with the peer routers.
 
-use std::time::Duration;
-
-use kvgate_e2e::client::{post, stream};
+use kvgate_e2e::bench::report;
+use kvgate_e2e::bench::workloads::{SharedPrefix, Workload};
+use kvgate_e2e::bench::{self, BenchConfig, Policy};
+use kvgate_e2e::client::post;
 use kvgate_e2e::workload::document;
-use kvgate_e2e::{Artifacts, Routing, Stack, StackOptions};
+use kvgate_e2e::{repo_root, Artifacts, Routing, Stack, StackOptions};
 use serde_json::{json, Value};
 
+use crate::bench::{facts, fleet, sh};
 use crate::{build_wasm, cargo, install};
 
-const USERS: usize = 4;
-const TURNS: usize = 4;
-const BLOCK_SIZE: u64 = 16;
+/// Arrivals per simulated second: past what round robin's four engines absorb without queueing.
+const QPS: f64 = 28.0;
 
-struct Row {
-    user: usize,
-    turn: usize,
-    replica: String,
-    prompt_tokens: u64,
-    cached_tokens: u64,
-    ttft: Duration,
-}
-
-/// Builds, starts, runs both routings, prints, stops.
+/// Builds, runs the three policies, prints the table and the decision time.
 pub fn run() -> anyhow::Result<()> {
     install::all()?;
     build_wasm()?;
     cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
     let artifacts = Artifacts::locate("release");
-
-    println!("\n== kvgate: Envoy + kvgate filter + sidecar + 3 simulated engines ==");
-    let kvgate = {
-        let stack = Stack::start(&options("demo-kvgate", Routing::Kvgate), &artifacts)?;
-        let rows = workload(&stack)?;
-        decision_latency(&stack)?;
-        rows
+    let config = BenchConfig {
+        workloads: vec![Workload::SharedPrefix(SharedPrefix {
+            groups: 24,
+            prompts_per_group: 5,
+            system_tokens: 2000,
+            question_tokens: 400,
+            output_tokens: 100,
+        })],
+        policies: vec![Policy::EnvoyRoundRobin, Policy::EnvoyLeastRequest, Policy::Kvgate("kv_aware")],
+        qps: vec![QPS],
+        repeats: 1,
+        fleet: fleet(2.0),
+        max_duration_s: 60.0,
+        slo_ttft_s: 2.0,
+        trace: repo_root().join("../shared/testdata/traces/mooncake-conversation.jsonl"),
+        seed: 7,
+        peers_venv: bench::peers::venv_dir(&repo_root().join("target")),
     };
-    println!("\n== baseline: the same Envoy and engines, round robin ==");
-    let rr = {
-        let stack = Stack::start(&options("demo-rr", Routing::RoundRobin), &artifacts)?;
-        workload(&stack)?
-    };
-    summary("kvgate", &kvgate);
-    summary("round robin", &rr);
-    let (k, r) = (mean_ttft(&kvgate), mean_ttft(&rr));
     println!(
-        "\nmean TTFT: kvgate {:.1} ms vs round robin {:.1} ms ({:.1}x lower)",
-        ms(k),
-        ms(r),
-        ms(r) / ms(k).max(1e-9)
+        "\n== {} simulated engines; Envoy alone vs Envoy + kvgate, each on a fresh fleet ==",
+        config.fleet.replicas
     );
-    Ok(())
-}
-
-fn options(name: &str, routing: Routing) -> StackOptions {
-    StackOptions {
-        name: name.into(),
-        replicas: 3,
-        block_size: BLOCK_SIZE as u32,
-        routing,
-        route_timeout_ms: 500,
-        ..StackOptions::default()
+    let results = bench::run(&config, &artifacts)?;
+    let dir = repo_root().join("target/demo").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"]));
+    report::write(&dir, &config, &facts("cargo xtask demo".into()), &results)?;
+    let points = report::points(&results);
+    let workload = &config.workloads[0];
+    println!("\n{} at {QPS} req/s ({}), latencies in simulated time:\n", workload.name(), workload.describe());
+    print!("{}", report::table(&points, workload.name(), Some(QPS)));
+    let kvgate = points.iter().find(|p| p.policy == Policy::Kvgate("kv_aware").name());
+    let rr = points.iter().find(|p| p.policy == Policy::EnvoyRoundRobin.name());
+    if let (Some(k), Some(r)) = (kvgate, rr) {
+        println!(
+            "\nkvgate kv_aware vs Envoy round robin: TTFT p90 {:.1}x lower, p50 {:.1}x lower; prefix-cache hit ratio {:.2} vs {:.2}",
+            k.ttft_p90_vs_round_robin.unwrap_or(f64::NAN),
+            k.ttft_p50_vs_round_robin.unwrap_or(f64::NAN),
+            k.median.hit_ratio.unwrap_or(f64::NAN),
+            r.median.hit_ratio.unwrap_or(f64::NAN),
+        );
     }
-}
+    println!("(report with the TTFT CDF chart: {})", dir.join("report.md").display());
 
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
-fn workload(stack: &Stack) -> anyhow::Result<Vec<Row>> {
-    let mut histories: Vec<Vec<Value>> =
-        (0..USERS).map(|u| vec![json!({"role": "system", "content": document(100 + u as u32, 1500)})]).collect();
-    let mut rows = Vec::new();
-    println!("{:>3}  {:>4}  {:>4}  {:>7}  {:>13}  {:>9}", "#", "user", "turn", "replica", "cached/prompt", "TTFT ms");
-    for turn in 0..TURNS {
-        for (user, history) in histories.iter_mut().enumerate() {
-            history.push(json!({"role": "user", "content": format!("Question {turn} from user {user}: what does section {turn} say?")}));
-            let body = json!({"model": "qwen3", "max_tokens": 8, "messages": history});
-            let reply = stream(&stack.gateway("/v1/chat/completions"), body)?;
-            anyhow::ensure!(reply.status == 200, "request failed with {}", reply.status);
-            let row = Row {
-                user,
-                turn,
-                replica: reply.header("x-kvgate-replica").to_owned(),
-                prompt_tokens: reply.usage.as_ref().and_then(|u| u["prompt_tokens"].as_u64()).unwrap_or(0),
-                cached_tokens: reply.cached_tokens(),
-                ttft: reply.ttft,
-            };
-            println!(
-                "{:>3}  {:>4}  {:>4}  {:>7}  {:>6}/{:<6}  {:>9.1}",
-                rows.len() + 1,
-                row.user,
-                row.turn,
-                row.replica,
-                row.cached_tokens / BLOCK_SIZE,
-                row.prompt_tokens.div_ceil(BLOCK_SIZE),
-                ms(row.ttft)
-            );
-            history.push(
-                json!({"role": "assistant", "content": format!("Section {turn} explains the routing of user {user}.")}),
-            );
-            rows.push(row);
-        }
-    }
-    Ok(rows)
-}
-
-fn mean_ttft(rows: &[Row]) -> Duration {
-    rows.iter().map(|r| r.ttft).sum::<Duration>() / rows.len().max(1) as u32
-}
-
-fn summary(name: &str, rows: &[Row]) {
-    let prompt: u64 = rows.iter().map(|r| r.prompt_tokens).sum();
-    let cached: u64 = rows.iter().map(|r| r.cached_tokens).sum();
-    let follow_ups: Vec<&Row> = rows.iter().filter(|r| r.turn > 0).collect();
-    let hits = follow_ups.iter().filter(|r| r.cached_tokens > 0).count();
-    println!(
-        "\n{name}: {:.0}% of prompt tokens served from cache; {hits}/{} follow-up turns hit; mean TTFT {:.1} ms",
-        100.0 * cached as f64 / prompt.max(1) as f64,
-        follow_ups.len(),
-        ms(mean_ttft(rows))
-    );
+    let stack = Stack::start(
+        &StackOptions {
+            name: "demo-decision".into(),
+            replicas: 3,
+            routing: Routing::Kvgate,
+            route_timeout_ms: 500,
+            ..StackOptions::default()
+        },
+        &artifacts,
+    )?;
+    decision_latency(&stack)
 }
 
 /// Time from the end of the request body to the routing decision, inside Envoy (parse,

@@ -4,9 +4,10 @@
 //!   lints, runs the unit and integration tests, builds the filter and runs the end-to-end
 //!   tests and the fault suite through a real Envoy, then a 3-minute soak. `.ci/run` calls
 //!   exactly this.
-//! - `cargo xtask demo`: builds everything in release mode, starts 3 simulated engines, the
-//!   sidecar and Envoy, replays a multi-turn chat workload through kvgate and then through
-//!   plain round robin, and prints the difference.
+//! - `cargo xtask demo`: builds everything in release mode and runs the benchmark harness
+//!   scaled down to about two minutes: a shared-prefix workload through 4 simulated engines
+//!   behind Envoy alone (round robin, least request) and behind Envoy + kvgate, then prints
+//!   the summary table and the routing decision's cost inside Envoy.
 //! - `cargo xtask bench e2e`: the side-by-side benchmark of every routing policy on the same
 //!   simulated fleet (see `bench.rs` for its flags); writes a report under `target/bench/`.
 //! - `cargo xtask faults [SCENARIO…]`: the fault suite under load, with its table of expected

@@ -109,6 +109,38 @@ fn num(v: Option<f64>, digits: usize) -> String {
     v.map_or("–".into(), |v| format!("{v:.digits$}"))
 }
 
+/// The markdown table of one (workload, QPS): a row per policy, medians over repeats.
+pub fn table(points: &[Point], workload: &str, qps: Option<f64>) -> String {
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503) | hit ratio | load max/mean |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for q in points.iter().filter(|q| q.workload == workload && q.qps == qps) {
+        let m = &q.median;
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}) | {} | {} |",
+            q.policy,
+            secs(m.ttft_p50),
+            secs(m.ttft_p90),
+            secs(m.ttft_p99),
+            q.ttft_p90_vs_round_robin.map_or("–".into(), |r| format!("{r:.2}×")),
+            secs(m.itl_p50),
+            secs(m.e2e_p50),
+            secs(m.e2e_p99),
+            m.output_tps,
+            m.goodput,
+            q.errors_total,
+            m.status_503,
+            num(m.hit_ratio, 3),
+            num(m.load_max_over_mean, 2),
+        );
+    }
+    md
+}
+
 /// Writes `report.md`, `results.json` and the charts into `dir`; returns the report's text.
 pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResult]) -> anyhow::Result<String> {
     std::fs::create_dir_all(dir)?;
@@ -155,32 +187,7 @@ pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResu
         }
         seen.push(key.clone());
         let _ = writeln!(md, "## {}{}\n", p.workload, p.qps.map_or(String::new(), |q| format!(" at {q} req/s")));
-        let _ = writeln!(
-            md,
-            "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503) | hit ratio | load max/mean |"
-        );
-        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-        for q in points.iter().filter(|q| (q.workload.clone(), q.qps) == key) {
-            let m = &q.median;
-            let _ = writeln!(
-                md,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}) | {} | {} |",
-                q.policy,
-                secs(m.ttft_p50),
-                secs(m.ttft_p90),
-                secs(m.ttft_p99),
-                q.ttft_p90_vs_round_robin.map_or("–".into(), |r| format!("{r:.2}×")),
-                secs(m.itl_p50),
-                secs(m.e2e_p50),
-                secs(m.e2e_p99),
-                m.output_tps,
-                m.goodput,
-                q.errors_total,
-                m.status_503,
-                num(m.hit_ratio, 3),
-                num(m.load_max_over_mean, 2),
-            );
-        }
+        md.push_str(&table(&points, &key.0, key.1));
         let chart = format!("ttft-cdf-{}{}.svg", key.0, key.1.map_or(String::new(), |q| format!("-{q}qps")));
         ttft_cdf(&dir.join(&chart), &format!("TTFT CDF — {}", key.0), results, &key.0, key.1)?;
         let _ = writeln!(md, "\n![TTFT CDF]({chart})\n");
