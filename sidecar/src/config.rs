@@ -6,8 +6,8 @@
 //! request_expiry_secs = 300         # bookings whose end is never reported are dropped after this
 //! stall_timeout_secs = 30           # no events while blocks are expected: no cache credit
 //!
-//! [scoring]                         # see score::ScoringConfig; Dynamo's defaults
-//! prefill_load_scale = 1.0
+//! [scoring]                         # see score::ScoringConfig; Dynamo's defaults, plus
+//! prefill_load_scale = 1.0          # kvgate's duplicate_penalty = 4.0 (0: Dynamo's cost)
 //!
 //! [[pools]]
 //! model = "qwen3"                   # the OpenAI `model` field
@@ -472,21 +472,28 @@ impl Config {
             self.metrics_listen = Some(v.parse().with_context(|| format!("KVGATE_METRICS_LISTEN={v}"))?);
         }
         let s = &mut self.scoring;
-        let knobs: [(&str, &str, &mut f64); 7] = [
-            ("KVGATE_PREFILL_LOAD_SCALE", "DYN_ROUTER_PREFILL_LOAD_SCALE", &mut s.prefill_load_scale),
-            ("KVGATE_KV_OVERLAP_CREDIT", "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT", &mut s.kv_overlap_credit),
+        // kvgate's name, then Dynamo's for the knobs that are Dynamo's.
+        let knobs: [(&str, Option<&str>, &mut f64); 8] = [
+            ("KVGATE_PREFILL_LOAD_SCALE", Some("DYN_ROUTER_PREFILL_LOAD_SCALE"), &mut s.prefill_load_scale),
+            ("KVGATE_KV_OVERLAP_CREDIT", Some("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT"), &mut s.kv_overlap_credit),
             (
                 "KVGATE_KV_OVERLAP_CREDIT_DECAY",
-                "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY",
+                Some("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY"),
                 &mut s.kv_overlap_credit_decay,
             ),
-            ("KVGATE_ACTIVE_REQUEST_WEIGHT", "DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT", &mut s.active_request_weight),
-            ("KVGATE_HOST_CACHE_HIT_WEIGHT", "DYN_ROUTER_HOST_CACHE_HIT_WEIGHT", &mut s.host_cache_hit_weight),
-            ("KVGATE_DISK_CACHE_HIT_WEIGHT", "DYN_ROUTER_DISK_CACHE_HIT_WEIGHT", &mut s.disk_cache_hit_weight),
-            ("KVGATE_TEMPERATURE", "DYN_ROUTER_TEMPERATURE", &mut s.temperature),
+            (
+                "KVGATE_ACTIVE_REQUEST_WEIGHT",
+                Some("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT"),
+                &mut s.active_request_weight,
+            ),
+            ("KVGATE_HOST_CACHE_HIT_WEIGHT", Some("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT"), &mut s.host_cache_hit_weight),
+            ("KVGATE_DISK_CACHE_HIT_WEIGHT", Some("DYN_ROUTER_DISK_CACHE_HIT_WEIGHT"), &mut s.disk_cache_hit_weight),
+            ("KVGATE_TEMPERATURE", Some("DYN_ROUTER_TEMPERATURE"), &mut s.temperature),
+            ("KVGATE_DUPLICATE_PENALTY", None, &mut s.duplicate_penalty),
         ];
         for (ours, dynamo, slot) in knobs {
-            if let Some((key, v)) = env.var(ours).map(|v| (ours, v)).or_else(|| env.var(dynamo).map(|v| (dynamo, v))) {
+            let found = env.var(ours).map(|v| (ours, v)).or_else(|| dynamo.and_then(|d| env.var(d).map(|v| (d, v))));
+            if let Some((key, v)) = found {
                 *slot = v.parse().with_context(|| format!("{key}={v}"))?;
             }
         }
@@ -526,6 +533,7 @@ impl Config {
             ("host_cache_hit_weight", s.host_cache_hit_weight),
             ("disk_cache_hit_weight", s.disk_cache_hit_weight),
             ("temperature", s.temperature),
+            ("duplicate_penalty", s.duplicate_penalty),
         ] {
             if !v.is_finite() || v < 0.0 {
                 bail!("scoring.{name} must be a finite number >= 0, got {v}");
@@ -690,6 +698,9 @@ mod tests {
         let ours_wins =
             load(BASE, &[("KVGATE_PREFILL_LOAD_SCALE", "3"), ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2")]).unwrap();
         assert_eq!(ours_wins.scoring.prefill_load_scale, 3.0);
+        let penalty = load(BASE, &[("KVGATE_DUPLICATE_PENALTY", "0")]).unwrap();
+        assert_eq!(penalty.scoring.duplicate_penalty, 0.0);
+        assert!(load(BASE, &[("KVGATE_DUPLICATE_PENALTY", "-1")]).is_err(), "negative values are refused");
         assert!(load(BASE, &[("KVGATE_KV_OVERLAP_CREDIT", "x")]).is_err());
         assert!(load(BASE, &[("KVGATE_KV_OVERLAP_CREDIT", "-1")]).is_err());
     }

@@ -647,6 +647,7 @@ impl Pool {
                 kv_overlap_credit: 0.0,
                 host_cache_hit_weight: 0.0,
                 disk_cache_hit_weight: 0.0,
+                duplicate_penalty: 0.0,
                 ..scoring.clone()
             },
             _ => scoring.clone(),

@@ -7,7 +7,13 @@
 //! credit_i = CREDIT · decay_i · dev_i + W_HOST · host_i + W_DISK · disk_i
 //! decay_i  = 1 / (1 + DECAY · ((P_i − min_j P_j) / bs) / max(1, Q))
 //! logit_i  = SCALE · max(0, (P_i + ISL)/bs − credit_i) + D_i + W_REQ · R_i
+//!          + W_DUP · (max_j overlap_j − overlap_i)
 //! ```
+//!
+//! The last term is kvgate's (`W_DUP` = 0 is Dynamo's cost exactly): a replica that would
+//! recompute blocks another candidate holds also *duplicates* them, and with a full cache
+//! every duplicated block evicts some other prefix's block. `W_DUP` charges for that, so a
+//! prefix stays on its replica unless the load difference outweighs the lost cache too.
 //!
 //! `dev_i` is the device-tier overlap in blocks, `host_i`/`disk_i` the blocks continuing it
 //! on lower tiers, `P_i` the booked prefill tokens, `D_i` the
@@ -38,6 +44,12 @@ pub struct ScoringConfig {
     /// `DYN_ROUTER_TEMPERATURE`: 0 picks the cheapest (ties at random); above 0, a softmax
     /// over min-max-normalised costs spreads load across near-equal replicas.
     pub temperature: f64,
+    /// Cost per block that a replica would recompute although another candidate holds it
+    /// (`W_DUP`; overlaps counted as in the credit, lower tiers discounted). 0 = Dynamo's cost;
+    /// the default 4 means recomputing a prefix held elsewhere costs five times its prefill
+    /// (measured in `docs/benchmarks`: higher keeps more prefixes in one place and balances
+    /// load less).
+    pub duplicate_penalty: f64,
 }
 
 impl Default for ScoringConfig {
@@ -50,11 +62,17 @@ impl Default for ScoringConfig {
             host_cache_hit_weight: 0.75,
             disk_cache_hit_weight: 0.25,
             temperature: 0.0,
+            duplicate_penalty: 4.0,
         }
     }
 }
 
 impl ScoringConfig {
+    /// Dynamo 1.6.1's default cost exactly: kvgate's defaults without the duplicate penalty.
+    pub fn dynamo() -> ScoringConfig {
+        ScoringConfig { duplicate_penalty: 0.0, ..ScoringConfig::default() }
+    }
+
     /// This configuration with a request's overrides applied.
     pub fn with_overrides(&self, o: &kvgate_shared::wire::ScoringOverrides) -> ScoringConfig {
         let finite = |v: Option<f64>| v.filter(|v| v.is_finite() && *v >= 0.0);
@@ -109,6 +127,7 @@ pub fn logits(cfg: &ScoringConfig, req: RequestShape, candidates: &[Candidate]) 
     let isl = req.prompt_tokens as f64;
     let q = (req.prompt_tokens.div_ceil(req.block_size.max(1))).max(1) as f64;
     let min_prefill = candidates.iter().map(|c| c.prefill_tokens).min().unwrap_or(0) as f64;
+    let best_overlap = candidates.iter().map(|c| cfg.effective_overlap(c.overlap)).fold(0.0, f64::max);
     candidates
         .iter()
         .map(|c| {
@@ -121,6 +140,7 @@ pub fn logits(cfg: &ScoringConfig, req: RequestShape, candidates: &[Candidate]) 
             cfg.prefill_load_scale * (raw - credit).max(0.0)
                 + c.decode_blocks as f64
                 + cfg.active_request_weight * c.requests as f64
+                + cfg.duplicate_penalty * (best_overlap - cfg.effective_overlap(c.overlap))
         })
         .collect()
 }
@@ -164,7 +184,7 @@ mod tests {
     /// blocks are the decode term on an idle worker).
     #[test]
     fn matches_dynamos_logged_logits() {
-        let cfg = ScoringConfig::default();
+        let cfg = ScoringConfig::dynamo();
         let req = RequestShape { prompt_tokens: 1024, block_size: 16 };
         let c = |device, host, prefill, decode| Candidate {
             overlap: Overlap { device, host, disk: 0 },
@@ -184,7 +204,7 @@ mod tests {
 
     #[test]
     fn decay_and_request_weight() {
-        let cfg = ScoringConfig { kv_overlap_credit_decay: 1.0, active_request_weight: 2.0, ..Default::default() };
+        let cfg = ScoringConfig { kv_overlap_credit_decay: 1.0, active_request_weight: 2.0, ..ScoringConfig::dynamo() };
         let req = RequestShape { prompt_tokens: 64, block_size: 16 };
         let l = logits(
             &cfg,
@@ -206,6 +226,31 @@ mod tests {
         );
         // w0: 4 − 4 + 2 = 2. w1: decay = 1/(1 + 4/4) = 0.5 → 8 − 2 = 6.
         assert_eq!(l, vec![2.0, 6.0]);
+    }
+
+    #[test]
+    fn duplicate_penalty_charges_recomputing_what_another_replica_holds() {
+        // 2400 tokens = 150 blocks; the owner holds the first 125 and is busier.
+        let req = RequestShape { prompt_tokens: 2400, block_size: 16 };
+        let cand = |device, host, decode| Candidate {
+            overlap: Overlap { device, host, disk: 0 },
+            prefill_tokens: 0,
+            decode_blocks: decode,
+            requests: 0,
+        };
+        let (owner, other) = (cand(125, 0, 900), cand(0, 0, 700));
+        // Dynamo's cost: owner 25 + 900, other 150 + 700: the prefix is recomputed elsewhere.
+        assert_eq!(logits(&ScoringConfig::dynamo(), req, &[owner, other]), vec![925.0, 850.0]);
+        // W_DUP = 1: the other also pays for the 125 blocks it would duplicate, and loses.
+        let cfg = ScoringConfig { duplicate_penalty: 1.0, ..ScoringConfig::dynamo() };
+        assert_eq!(logits(&cfg, req, &[owner, other]), vec![925.0, 975.0]);
+        // Held nowhere: nothing is duplicated, the cost is Dynamo's.
+        let cold = [cand(0, 0, 900), other];
+        assert_eq!(logits(&cfg, req, &cold), logits(&ScoringConfig::dynamo(), req, &cold));
+        // Lower tiers count as in the credit: 100 host blocks are 75 device blocks, 50 short
+        // of the owner's 125.
+        let host = cand(0, 100, 700);
+        assert_eq!(logits(&cfg, req, &[owner, host]), vec![925.0, 150.0 - 75.0 + 700.0 + 50.0]);
     }
 
     #[test]

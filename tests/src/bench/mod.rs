@@ -38,11 +38,14 @@ pub enum Policy {
     EnvoyRoundRobin,
     /// Envoy alone, least request.
     EnvoyLeastRequest,
-    /// kvgate with a pool policy (`round_robin`, `least_load`, `kv_aware`, …) and Dynamo's
+    /// kvgate with a pool policy (`round_robin`, `least_load`, `kv_aware`, …) and kvgate's
     /// default scoring.
     Kvgate(&'static str),
     /// kvgate `kv_aware` with `prefill_load_scale = N`: a prefill block costs N decode blocks.
     KvgatePrefillWeighted(u32),
+    /// kvgate `kv_aware` with `duplicate_penalty = N`: recomputing a block another replica
+    /// holds costs N more blocks (0: Dynamo 1.6.1's cost exactly).
+    KvgateDuplicatePenalty(u32),
     /// A peer router in place of Envoy.
     Peer(Peer),
 }
@@ -56,7 +59,7 @@ impl Policy {
         Policy::Kvgate("least_load"),
         Policy::Kvgate("prefix_affinity"),
         Policy::Kvgate("kv_aware"),
-        Policy::KvgatePrefillWeighted(4),
+        Policy::KvgateDuplicatePenalty(0),
         Policy::Peer(Peer::SglangCacheAware),
         Policy::Peer(Peer::VllmRouterCacheAware),
         Policy::Peer(Peer::VllmRouterKvAware),
@@ -69,6 +72,7 @@ impl Policy {
             Policy::EnvoyLeastRequest => "envoy-least-request".into(),
             Policy::Kvgate(p) => format!("kvgate-{}", p.replace('_', "-")),
             Policy::KvgatePrefillWeighted(n) => format!("kvgate-kv-aware-prefill-x{n}"),
+            Policy::KvgateDuplicatePenalty(n) => format!("kvgate-kv-aware-dup-x{n}"),
             Policy::Peer(p) => p.name().into(),
         }
     }
@@ -77,6 +81,9 @@ impl Policy {
     pub fn parse(name: &str) -> anyhow::Result<Policy> {
         if let Some(n) = name.strip_prefix("kvgate-kv-aware-prefill-x").and_then(|n| n.parse().ok()) {
             return Ok(Policy::KvgatePrefillWeighted(n));
+        }
+        if let Some(n) = name.strip_prefix("kvgate-kv-aware-dup-x").and_then(|n| n.parse().ok()) {
+            return Ok(Policy::KvgateDuplicatePenalty(n));
         }
         Policy::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
             let known: Vec<String> = Policy::ALL.iter().map(Policy::name).collect();
@@ -90,10 +97,11 @@ impl Policy {
             Policy::EnvoyRoundRobin | Policy::Peer(_) => (Routing::RoundRobin, "round_robin"),
             Policy::EnvoyLeastRequest => (Routing::LeastRequest, "round_robin"),
             Policy::Kvgate(p) => (Routing::Kvgate, *p),
-            Policy::KvgatePrefillWeighted(_) => (Routing::Kvgate, "kv_aware"),
+            Policy::KvgatePrefillWeighted(_) | Policy::KvgateDuplicatePenalty(_) => (Routing::Kvgate, "kv_aware"),
         };
         let scoring_toml = match self {
             Policy::KvgatePrefillWeighted(n) => format!("prefill_load_scale = {n}.0"),
+            Policy::KvgateDuplicatePenalty(n) => format!("duplicate_penalty = {n}.0"),
             _ => String::new(),
         };
         StackOptions {
@@ -250,7 +258,7 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     });
                     let after = engine_counters(&stack)?;
                     let kvgate_routed = match policy {
-                        Policy::Kvgate(_) | Policy::KvgatePrefillWeighted(_) => {
+                        Policy::Kvgate(_) | Policy::KvgatePrefillWeighted(_) | Policy::KvgateDuplicatePenalty(_) => {
                             let stat = |n: &str| stack.envoy_stat(&format!("wasmcustom.kvgate.requests.{n}"));
                             let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")?;
                             Some((stat("routed")?, other))

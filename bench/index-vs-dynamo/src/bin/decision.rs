@@ -48,7 +48,7 @@ fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration
         .collect();
     let config = PoolConfig { inflight_credit_secs: 0, ..PoolConfig::new("m", "unused", BLOCK, replicas) };
     let pool = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
-    let scoring = ScoringConfig::default();
+    let scoring = ScoringConfig::dynamo();
     let prompt = tokens(prompt_len, 7);
     let mut times = Vec::with_capacity(iterations);
     for i in 0..iterations {
