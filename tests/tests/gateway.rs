@@ -278,7 +278,7 @@ fn repeated_turns_use_the_segment_cache() {
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn bench_harness_runs_policies_side_by_side() {
     use kvgate_e2e::bench::workloads::{SharedPrefix, Workload};
-    use kvgate_e2e::bench::{self, report, BenchConfig, Fleet, Policy};
+    use kvgate_e2e::bench::{self, report, BenchConfig, Fleet, Knob, Policy};
     let config = BenchConfig {
         workloads: vec![Workload::SharedPrefix(SharedPrefix {
             groups: 3,
@@ -287,7 +287,7 @@ fn bench_harness_runs_policies_side_by_side() {
             question_tokens: 40,
             output_tokens: 6,
         })],
-        policies: vec![Policy::EnvoyRoundRobin, Policy::KvgatePrefillWeighted(4)],
+        policies: vec![Policy::EnvoyRoundRobin, Policy::KvgateTuned(Knob::PrefillLoadScale, 4)],
         qps: vec![4.0],
         repeats: 1,
         fleet: Fleet {

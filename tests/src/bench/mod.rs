@@ -41,13 +41,40 @@ pub enum Policy {
     /// kvgate with a pool policy (`round_robin`, `least_load`, `kv_aware`, …) and kvgate's
     /// default scoring.
     Kvgate(&'static str),
-    /// kvgate `kv_aware` with `prefill_load_scale = N`: a prefill block costs N decode blocks.
-    KvgatePrefillWeighted(u32),
-    /// kvgate `kv_aware` with `duplicate_penalty = N`: recomputing a block another replica
-    /// holds costs N more blocks (0: Dynamo 1.6.1's cost exactly).
-    KvgateDuplicatePenalty(u32),
+    /// kvgate `kv_aware` with one scoring knob set to a value.
+    KvgateTuned(Knob, u32),
     /// A peer router in place of Envoy.
     Peer(Peer),
+}
+
+/// A kvgate scoring setting a [`Policy::KvgateTuned`] sets on top of `kv_aware`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Knob {
+    /// `prefill_load_scale = N`: a prefill block costs N decode blocks.
+    PrefillLoadScale,
+    /// `duplicate_penalty = N`: recomputing a block another replica holds costs N more
+    /// blocks (0: Dynamo 1.6.1's cost exactly).
+    DuplicatePenalty,
+}
+
+impl Knob {
+    const ALL: [Knob; 2] = [Knob::PrefillLoadScale, Knob::DuplicatePenalty];
+
+    /// The key in the pool's `[scoring]` table.
+    fn key(self) -> &'static str {
+        match self {
+            Knob::PrefillLoadScale => "prefill_load_scale",
+            Knob::DuplicatePenalty => "duplicate_penalty",
+        }
+    }
+
+    /// The policy name's prefix before the value: `kvgate-kv-aware-dup-x0`.
+    fn name_prefix(self) -> &'static str {
+        match self {
+            Knob::PrefillLoadScale => "kvgate-kv-aware-prefill-x",
+            Knob::DuplicatePenalty => "kvgate-kv-aware-dup-x",
+        }
+    }
 }
 
 impl Policy {
@@ -59,7 +86,7 @@ impl Policy {
         Policy::Kvgate("least_load"),
         Policy::Kvgate("prefix_affinity"),
         Policy::Kvgate("kv_aware"),
-        Policy::KvgateDuplicatePenalty(0),
+        Policy::KvgateTuned(Knob::DuplicatePenalty, 0),
         Policy::Peer(Peer::SglangCacheAware),
         Policy::Peer(Peer::VllmRouterCacheAware),
         Policy::Peer(Peer::VllmRouterKvAware),
@@ -71,19 +98,17 @@ impl Policy {
             Policy::EnvoyRoundRobin => "envoy-round-robin".into(),
             Policy::EnvoyLeastRequest => "envoy-least-request".into(),
             Policy::Kvgate(p) => format!("kvgate-{}", p.replace('_', "-")),
-            Policy::KvgatePrefillWeighted(n) => format!("kvgate-kv-aware-prefill-x{n}"),
-            Policy::KvgateDuplicatePenalty(n) => format!("kvgate-kv-aware-dup-x{n}"),
+            Policy::KvgateTuned(knob, n) => format!("{}{n}", knob.name_prefix()),
             Policy::Peer(p) => p.name().into(),
         }
     }
 
     /// The policy with this name.
     pub fn parse(name: &str) -> anyhow::Result<Policy> {
-        if let Some(n) = name.strip_prefix("kvgate-kv-aware-prefill-x").and_then(|n| n.parse().ok()) {
-            return Ok(Policy::KvgatePrefillWeighted(n));
-        }
-        if let Some(n) = name.strip_prefix("kvgate-kv-aware-dup-x").and_then(|n| n.parse().ok()) {
-            return Ok(Policy::KvgateDuplicatePenalty(n));
+        for knob in Knob::ALL {
+            if let Some(n) = name.strip_prefix(knob.name_prefix()).and_then(|n| n.parse().ok()) {
+                return Ok(Policy::KvgateTuned(knob, n));
+            }
         }
         Policy::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
             let known: Vec<String> = Policy::ALL.iter().map(Policy::name).collect();
@@ -91,17 +116,21 @@ impl Policy {
         })
     }
 
-    fn stack_options(&self, name: &str, fleet: &Fleet, gpu_blocks: usize) -> StackOptions {
-        let (routing, pool_policy) = match self {
+    /// How the stack's Envoy routes under this policy, and the kvgate pool policy.
+    fn routing(&self) -> (Routing, &'static str) {
+        match self {
             // A peer replaces Envoy: the stack's Envoy idles.
             Policy::EnvoyRoundRobin | Policy::Peer(_) => (Routing::RoundRobin, "round_robin"),
             Policy::EnvoyLeastRequest => (Routing::LeastRequest, "round_robin"),
-            Policy::Kvgate(p) => (Routing::Kvgate, *p),
-            Policy::KvgatePrefillWeighted(_) | Policy::KvgateDuplicatePenalty(_) => (Routing::Kvgate, "kv_aware"),
-        };
+            Policy::Kvgate(p) => (Routing::Kvgate, p),
+            Policy::KvgateTuned(..) => (Routing::Kvgate, "kv_aware"),
+        }
+    }
+
+    fn stack_options(&self, name: &str, fleet: &Fleet, gpu_blocks: usize) -> StackOptions {
+        let (routing, pool_policy) = self.routing();
         let scoring_toml = match self {
-            Policy::KvgatePrefillWeighted(n) => format!("prefill_load_scale = {n}.0"),
-            Policy::KvgateDuplicatePenalty(n) => format!("duplicate_penalty = {n}.0"),
+            Policy::KvgateTuned(knob, n) => format!("{} = {n}.0", knob.key()),
             _ => String::new(),
         };
         StackOptions {
@@ -257,13 +286,12 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                         }
                     });
                     let after = engine_counters(&stack)?;
-                    let kvgate_routed = match policy {
-                        Policy::Kvgate(_) | Policy::KvgatePrefillWeighted(_) | Policy::KvgateDuplicatePenalty(_) => {
-                            let stat = |n: &str| stack.envoy_stat(&format!("wasmcustom.kvgate.requests.{n}"));
-                            let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")?;
-                            Some((stat("routed")?, other))
-                        }
-                        _ => None,
+                    let kvgate_routed = if policy.routing().0 == Routing::Kvgate {
+                        let stat = |n: &str| stack.envoy_stat(&format!("wasmcustom.kvgate.requests.{n}"));
+                        let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")?;
+                        Some((stat("routed")?, other))
+                    } else {
+                        None
                     };
                     let work: Vec<EngineWork> = after
                         .iter()
@@ -316,4 +344,39 @@ fn engine_counters(stack: &Stack) -> anyhow::Result<Vec<EngineWork>> {
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_names_parse_back() {
+        let tuned = Knob::ALL.into_iter().flat_map(|k| [Policy::KvgateTuned(k, 0), Policy::KvgateTuned(k, 12)]);
+        for policy in Policy::ALL.into_iter().chain(tuned) {
+            assert_eq!(Policy::parse(&policy.name()).unwrap(), policy, "{}", policy.name());
+        }
+        assert_eq!(Policy::KvgateTuned(Knob::DuplicatePenalty, 0).name(), "kvgate-kv-aware-dup-x0");
+        assert!(Policy::parse("kvgate-kv-aware-dup-xfour").is_err());
+    }
+
+    #[test]
+    fn tuned_policies_set_their_knob_on_kv_aware() {
+        let fleet = Fleet {
+            replicas: 2,
+            block_size: 16,
+            preset: "p".into(),
+            speedup: 1.0,
+            gpu_blocks: 100,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 2048,
+        };
+        let o = Policy::KvgateTuned(Knob::DuplicatePenalty, 3).stack_options("x", &fleet, 100);
+        assert_eq!(
+            (o.routing, o.pool_policy.as_str(), o.scoring_toml.as_str()),
+            (Routing::Kvgate, "kv_aware", "duplicate_penalty = 3.0")
+        );
+        let o = Policy::Peer(Peer::SglangCacheAware).stack_options("x", &fleet, 100);
+        assert_eq!((o.routing, o.scoring_toml.as_str()), (Routing::RoundRobin, ""));
+    }
 }
