@@ -10,7 +10,8 @@
 //! `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with 2 threads.
 //!
 //! Reported: apply throughput (blocks/s, including the local-hash computation each side
-//! needs), `find_matches` p50/p99 for a full hit, a shared prefix and a miss, and heap bytes
+//! needs; each event is timed, which both sides pay), the longest single event's apply (what a
+//! routing decision waiting on the index's lock would wait), `find_matches` p50/p99 for a full hit, a shared prefix and a miss, and heap bytes
 //! per indexed block (a counting allocator). Usage:
 //! `cargo run --release -- [replicas] [blocks_per_replica]` (default 64 × 100000).
 //! The full routing decision is compared by `src/bin/decision.rs` (`--bin decision`).
@@ -154,6 +155,8 @@ fn percentile(mut samples: Vec<Duration>, p: f64) -> Duration {
 struct Report {
     name: &'static str,
     apply_blocks_per_s: f64,
+    /// The longest single event's apply: what a reader of the index waits behind.
+    longest_event: Option<Duration>,
     find: Vec<(&'static str, Duration, Duration)>,
     bytes_per_block: f64,
 }
@@ -178,8 +181,10 @@ fn time_queries(queries: &[Vec<u64>], mut f: impl FnMut(&[u64]) -> u32) -> (Dura
 fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<u64>>)]) -> Report {
     let before = LIVE.load(Ordering::Relaxed);
     let mut index = KvIndex::new(BS, replicas);
+    let mut longest = Duration::ZERO;
     let t = Instant::now();
     for ev in &s.events {
+        let started = Instant::now();
         match ev {
             Ev::Stored { replica, parent, hashes, tokens } => {
                 let store = Store {
@@ -195,6 +200,7 @@ fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<u64>>)]
             }
             Ev::Removed { replica, hash } => index.remove(*replica, Tier::Device, &[*hash]),
         }
+        longest = longest.max(started.elapsed());
     }
     let elapsed = t.elapsed();
     let held: usize = (0..replicas).map(|r| index.replica_blocks(r)).sum();
@@ -210,6 +216,7 @@ fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<u64>>)]
     Report {
         name: "kvgate KvIndex",
         apply_blocks_per_s: s.blocks_stored as f64 / elapsed.as_secs_f64(),
+        longest_event: Some(longest),
         find,
         bytes_per_block: bytes / held as f64,
     }
@@ -254,6 +261,7 @@ fn dynamo_report(
     name: &'static str,
     s: &Stream,
     elapsed: Duration,
+    longest_event: Option<Duration>,
     bytes: f64,
     local_queries: &[(&'static str, Vec<Vec<u64>>)],
     find: impl Fn(Vec<LocalBlockHash>) -> OverlapScores,
@@ -271,6 +279,7 @@ fn dynamo_report(
     Report {
         name,
         apply_blocks_per_s: s.blocks_stored as f64 / elapsed.as_secs_f64(),
+        longest_event,
         find,
         bytes_per_block: bytes / held_blocks(s) as f64,
     }
@@ -281,12 +290,15 @@ fn dynamo_radix(s: &Stream, local_queries: &[(&'static str, Vec<Vec<u64>>)]) -> 
     let mut tree = RadixTree::new();
     let t = Instant::now();
     // Converting (hashing tokens) is timed with the apply, as kvgate's store hashes too.
+    let mut longest = Duration::ZERO;
     for ev in dynamo_events(s) {
+        let started = Instant::now();
         tree.apply_event(ev).expect("consistent stream");
+        longest = longest.max(started.elapsed());
     }
     let elapsed = t.elapsed();
     let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
-    dynamo_report("Dynamo RadixTree", s, elapsed, bytes, local_queries, |seq| tree.find_matches(seq, false))
+    dynamo_report("Dynamo RadixTree", s, elapsed, Some(longest), bytes, local_queries, |seq| tree.find_matches(seq, false))
 }
 
 /// Dynamo's concurrent indexer: `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with 2
@@ -304,7 +316,8 @@ fn dynamo_thread_pool(s: &Stream, local_queries: &[(&'static str, Vec<Vec<u64>>)
     runtime.block_on(pool.flush_and_wait()).expect("the threads apply everything");
     let elapsed = t.elapsed();
     let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
-    dynamo_report("Dynamo ThreadPool", s, elapsed, bytes, local_queries, |seq| pool.backend().find_matches(&seq, false))
+    // Its events are applied on its own threads: no single event's time to take.
+    dynamo_report("Dynamo ThreadPool", s, elapsed, None, bytes, local_queries, |seq| pool.backend().find_matches(&seq, false))
 }
 
 /// Blocks held at the end of the stream (the same for both indexes).
@@ -345,6 +358,9 @@ fn main() {
             "{:<18} apply {:>10.0} blocks/s   memory {:>6.1} B/block",
             r.name, r.apply_blocks_per_s, r.bytes_per_block
         );
+        if let Some(longest) = r.longest_event {
+            println!("{:<18}   longest single event {:>9.2?}", "", longest);
+        }
         for (q, p50, p99) in &r.find {
             println!("{:<18}   find_matches {:<13} p50 {:>9.2?}  p99 {:>9.2?}", "", q, p50, p99);
         }
@@ -359,6 +375,9 @@ fn main() {
         );
     }
     println!("  memory per block  {:.2}x of Dynamo's  (target <= 0.5)", k.bytes_per_block / d.bytes_per_block);
+    if let (Some(kl), Some(dl)) = (k.longest_event, d.longest_event) {
+        println!("  longest event     {:.2}x of Dynamo's", kl.as_secs_f64() / dl.as_secs_f64());
+    }
     println!("\nratios (kvgate, one thread, vs Dynamo ThreadPoolIndexer<ConcurrentRadixTreeCompressed>, 2 threads):");
     println!("  apply throughput  {:.2}x", k.apply_blocks_per_s / p.apply_blocks_per_s);
     for ((q, kp50, _), (_, pp50, _)) in k.find.iter().zip(&p.find) {

@@ -15,13 +15,13 @@
 //! O(matched depth × replicas still matching); clearing a replica is O(its blocks).
 
 pub mod approx;
+mod sharded;
 
 use std::collections::hash_map::Entry;
-use std::collections::HashMap;
 
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, Salt};
-use nohash_hasher::BuildNoHashHasher;
 use serde::Serialize;
+use sharded::{Map, Sharded};
 
 /// A replica's position in its pool (the order of the config).
 pub type ReplicaIdx = usize;
@@ -146,10 +146,10 @@ pub struct Store<'a> {
     pub tier: Tier,
 }
 
-type NoHash = BuildNoHashHasher<u64>;
-/// Keys are xxh3 or engine (SHA-256-derived) hashes: already uniform, so hashing them again
-/// would only cost time.
-type Map<V> = HashMap<u64, V, NoHash>;
+/// Shards of the holder table: at 10 M blocks a shard's rehash moves ~40 k entries.
+const HOLDER_SHARDS: usize = 256;
+/// Shards of a replica's engine map.
+const ENGINE_SHARDS: usize = 16;
 
 /// High bit of a holder word: the rest indexes [`Tables::spill`] instead of naming a replica.
 const SPILLED: u32 = 1 << 31;
@@ -159,19 +159,22 @@ const SPILLED: u32 = 1 << 31;
 struct Tables {
     /// Sequence hash → its holders: a replica index, or (with [`SPILLED`]) a slot of
     /// `spill`. Most blocks have one holder, so the entry stays 16 bytes.
-    blocks: Map<u32>,
+    blocks: Sharded<u32, HOLDER_SHARDS>,
     /// Holder lists of blocks held more than once, sorted; duplicates allowed (two engine
     /// hashes of one replica may name the same content).
     spill: Vec<Vec<u32>>,
     /// Free slots of `spill`.
     spill_free: Vec<u32>,
+    /// Blocks in `blocks` (counting them would visit every shard).
+    len: usize,
 }
 
 impl Tables {
     fn add_holder(&mut self, seq: u64, replica: u32) {
-        let mut entry = match self.blocks.entry(seq) {
+        let mut entry = match self.blocks.shard_mut(seq).entry(seq) {
             Entry::Vacant(v) => {
                 v.insert(replica);
+                self.len += 1;
                 return;
             }
             Entry::Occupied(o) => o,
@@ -198,10 +201,11 @@ impl Tables {
     }
 
     fn remove_holder(&mut self, seq: u64, replica: u32) {
-        let Some(word) = self.blocks.get(&seq).copied() else { return };
+        let Some(word) = self.blocks.shard(seq).get(&seq).copied() else { return };
         if word & SPILLED == 0 {
             if word == replica {
-                self.blocks.remove(&seq);
+                self.blocks.shard_mut(seq).remove(&seq);
+                self.len -= 1;
             }
             return;
         }
@@ -212,11 +216,12 @@ impl Tables {
         }
         match list.as_slice() {
             [] => {
-                self.blocks.remove(&seq);
+                self.blocks.shard_mut(seq).remove(&seq);
+                self.len -= 1;
             }
             [only] => {
                 let only = *only;
-                self.blocks.insert(seq, only);
+                self.blocks.shard_mut(seq).insert(seq, only);
             }
             _ => return,
         }
@@ -238,7 +243,7 @@ impl Tables {
 #[derive(Debug, Default)]
 struct EngineBlocks {
     /// Engine hash → sequence hash.
-    seq: Map<u64>,
+    seq: Sharded<u64, ENGINE_SHARDS>,
     /// Engine hashes stored more than once (reported twice, removed twice): extra count.
     extra_refs: Map<u32>,
 }
@@ -281,7 +286,7 @@ impl KvIndex {
 
     /// The sequence hash of a replica's engine block, on any tier.
     fn lookup(&self, replica: ReplicaIdx, engine_hash: u64) -> Option<u64> {
-        self.replicas[replica].tiers.iter().find_map(|t| t.seq.get(&engine_hash)).copied()
+        self.replicas[replica].tiers.iter().find_map(|t| t.seq.shard(engine_hash).get(&engine_hash)).copied()
     }
 
     /// Applies a `BlockStored`: `engine_hashes[i]` names the block of
@@ -311,10 +316,10 @@ impl KvIndex {
         // Look every block up once before inserting: the lookups are independent, so the CPU
         // overlaps their cache misses, and the inserts below find their lines in cache.
         for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
-            std::hint::black_box((engine.seq.get(engine_hash), tables.blocks.get(seq)));
+            std::hint::black_box((engine.seq.shard(*engine_hash).get(engine_hash), tables.blocks.shard(*seq).get(seq)));
         }
         for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
-            match engine.seq.entry(*engine_hash) {
+            match engine.seq.shard_mut(*engine_hash).entry(*engine_hash) {
                 Entry::Occupied(_) => *engine.extra_refs.entry(*engine_hash).or_default() += 1,
                 Entry::Vacant(v) => {
                     v.insert(*seq);
@@ -338,7 +343,7 @@ impl KvIndex {
                 }
                 continue;
             }
-            if let Some(seq) = engine.seq.remove(engine_hash) {
+            if let Some(seq) = engine.seq.shard_mut(*engine_hash).remove(engine_hash) {
                 self.tiers[t].remove_holder(seq, replica as u32);
             }
         }
@@ -357,7 +362,7 @@ impl KvIndex {
     /// Whether `replica` holds `seq` on tier `t`.
     fn holds(&self, t: usize, seq: u64, replica: ReplicaIdx) -> bool {
         let tables = &self.tiers[t];
-        tables.blocks.get(&seq).is_some_and(|w| tables.holders(w).binary_search(&(replica as u32)).is_ok())
+        tables.blocks.shard(seq).get(&seq).is_some_and(|w| tables.holders(w).binary_search(&(replica as u32)).is_ok())
     }
 
     /// Each replica's [`Overlap`] with the prompt (given as sequence hashes), in replica order.
@@ -376,7 +381,7 @@ impl KvIndex {
         let mut out: Vec<(u32, Overlap)> = Vec::new();
         let device = &self.tiers[0];
         // The first block decides the candidates; most misses end here.
-        let mut active: Vec<u32> = match hashes.first().and_then(|h| device.blocks.get(h)) {
+        let mut active: Vec<u32> = match hashes.first().and_then(|h| device.blocks.shard(*h).get(h)) {
             Some(word) => device.holders(word).to_vec(),
             None => Vec::new(),
         };
@@ -388,7 +393,7 @@ impl KvIndex {
             }
             let mut found = [None; LOOKUP_BATCH];
             for (slot, h) in found.iter_mut().zip(chunk) {
-                *slot = device.blocks.get(h);
+                *slot = device.blocks.shard(*h).get(h);
             }
             for word in &found[..chunk.len()] {
                 let Some(word) = word else { break 'walk };
@@ -409,7 +414,7 @@ impl KvIndex {
             }
         }
         out.extend(active.iter().map(|r| (*r, Overlap { device: depth as u32, host: 0, disk: 0 })));
-        if self.tiers[1].blocks.is_empty() && self.tiers[2].blocks.is_empty() {
+        if self.tiers[1].len == 0 && self.tiers[2].len == 0 {
             return out;
         }
         let mut dense = vec![Overlap::default(); self.replicas.len()];
