@@ -25,11 +25,11 @@ enum Op {
         path: Vec<u8>,
         skip: usize,
     },
-    /// Remove one block (by the engine hash of the chain `path`).
+    /// Remove blocks, in order, in one call (by the engine hashes of the chains `paths`).
     Remove {
         replica: usize,
         tier: usize,
-        path: Vec<u8>,
+        paths: Vec<Vec<u8>>,
     },
     Clear {
         replica: usize,
@@ -85,7 +85,7 @@ fn op() -> impl Strategy<Value = Op> {
             let skip = skip.min(path.len() - 1);
             Op::Store { replica, tier, path, skip }
         }),
-        3 => (0..REPLICAS, 0usize..3, path).prop_map(|(replica, tier, path)| Op::Remove { replica, tier, path }),
+        3 => (0..REPLICAS, 0usize..3, prop::collection::vec(path, 1..4)).prop_map(|(replica, tier, paths)| Op::Remove { replica, tier, paths }),
         1 => (0..REPLICAS).prop_map(|replica| Op::Clear { replica }),
     ]
 }
@@ -114,13 +114,15 @@ proptest! {
                         }
                     }
                 }
-                Op::Remove { replica, tier: t, path } => {
-                    let engine = engine_of(&path);
-                    index.remove(replica, tier(t), &[engine]);
-                    if let Some(e) = model.entries.get_mut(&(replica, t, engine)) {
-                        e.1 -= 1;
-                        if e.1 == 0 {
-                            model.entries.remove(&(replica, t, engine));
+                Op::Remove { replica, tier: t, paths } => {
+                    let engines: Vec<u64> = paths.iter().map(|p| engine_of(p)).collect();
+                    index.remove(replica, tier(t), &engines);
+                    for engine in engines {
+                        if let Some(e) = model.entries.get_mut(&(replica, t, engine)) {
+                            e.1 -= 1;
+                            if e.1 == 0 {
+                                model.entries.remove(&(replica, t, engine));
+                            }
                         }
                     }
                 }

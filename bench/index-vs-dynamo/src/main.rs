@@ -185,8 +185,9 @@ fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<u64>>)]
     let before = LIVE.load(Ordering::Relaxed);
     let mut index = KvIndex::new(BS, replicas);
     let mut longest = Duration::ZERO;
+    let mut removed = Vec::new();
     let t = Instant::now();
-    for ev in &s.events {
+    for (i, ev) in s.events.iter().enumerate() {
         let started = Instant::now();
         match ev {
             Ev::Stored { replica, parent, hashes, tokens } => {
@@ -201,7 +202,14 @@ fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<u64>>)]
                 };
                 index.store(*replica, store).expect("consistent stream");
             }
-            Ev::Removed { replica, hash } => index.remove(*replica, Tier::Device, &[*hash]),
+            // The sidecar applies a batch's consecutive removals of one tier in one call.
+            Ev::Removed { replica, hash } => {
+                removed.push(*hash);
+                if !matches!(s.events.get(i + 1), Some(Ev::Removed { replica: next, .. }) if next == replica) {
+                    index.remove(*replica, Tier::Device, &removed);
+                    removed.clear();
+                }
+            }
         }
         longest = longest.max(started.elapsed());
     }

@@ -150,12 +150,12 @@ impl Ingest {
                 return;
             }
         };
+        // Consecutive removals on one tier are applied in one call, which overlaps their
+        // cache misses (an engine step evicts many blocks, one `BlockRemoved` each). Anything
+        // else applies the run first, so events still take effect in order.
+        let mut removals: Option<(Tier, Vec<u64>)> = None;
         for event in batch.events {
             match event {
-                KvEvent::BlockStored(s) => match self.store(&s, index) {
-                    Ok(()) => out.applied += 1,
-                    Err(reason) => out.dropped.push(reason),
-                },
                 KvEvent::BlockRemoved(r) => {
                     let Some(tier) = Tier::from_medium(r.medium.as_deref()) else {
                         out.dropped.push("unknown_medium");
@@ -165,16 +165,38 @@ impl Ingest {
                         out.dropped.push("other_kv_group");
                         continue;
                     }
-                    index.remove(self.replica, tier, &r.block_hashes);
+                    match &mut removals {
+                        Some((run_tier, hashes)) if *run_tier == tier => hashes.extend(r.block_hashes),
+                        _ => {
+                            self.remove_run(removals.take(), index);
+                            removals = Some((tier, r.block_hashes));
+                        }
+                    }
                     out.applied += 1;
                 }
+                KvEvent::BlockStored(s) => {
+                    self.remove_run(removals.take(), index);
+                    match self.store(&s, index) {
+                        Ok(()) => out.applied += 1,
+                        Err(reason) => out.dropped.push(reason),
+                    }
+                }
                 KvEvent::AllBlocksCleared => {
+                    self.remove_run(removals.take(), index);
                     index.clear_replica(self.replica);
                     self.degraded = false;
                     out.cleared = true;
                     out.applied += 1;
                 }
             }
+        }
+        self.remove_run(removals, index);
+    }
+
+    /// Applies a run of consecutive removals on one tier (see `apply_payload`).
+    fn remove_run(&self, run: Option<(Tier, Vec<u64>)>, index: &mut KvIndex) {
+        if let Some((tier, hashes)) = run {
+            index.remove(self.replica, tier, &hashes);
         }
     }
 
@@ -270,10 +292,41 @@ mod tests {
     /// A map-format batch with one BlockStored (optionally more keys) — enough to drive the
     /// state machine.
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], extra: &[(&str, &str)]) -> Vec<u8> {
+        batch(&[stored_event(hashes, parent, tokens, extra)])
+    }
+
+    /// A map-format batch of encoded events.
+    fn batch(events: &[Vec<u8>]) -> Vec<u8> {
         let mut b = Vec::new();
         mp::write_array_len(&mut b, 3).unwrap();
         mp::write_f64(&mut b, 1.0).unwrap();
-        mp::write_array_len(&mut b, 1).unwrap();
+        mp::write_array_len(&mut b, events.len() as u32).unwrap();
+        for e in events {
+            b.extend_from_slice(e);
+        }
+        mp::write_uint(&mut b, 0).unwrap();
+        b
+    }
+
+    /// A BlockRemoved event, map format.
+    fn removed_event(hashes: &[u64], medium: &str) -> Vec<u8> {
+        let mut b = Vec::new();
+        mp::write_map_len(&mut b, 3).unwrap();
+        mp::write_str(&mut b, "type").unwrap();
+        mp::write_str(&mut b, "BlockRemoved").unwrap();
+        mp::write_str(&mut b, "block_hashes").unwrap();
+        mp::write_array_len(&mut b, hashes.len() as u32).unwrap();
+        for h in hashes {
+            mp::write_uint(&mut b, *h).unwrap();
+        }
+        mp::write_str(&mut b, "medium").unwrap();
+        mp::write_str(&mut b, medium).unwrap();
+        b
+    }
+
+    /// A BlockStored event, map format, with optional extra keys.
+    fn stored_event(hashes: &[u64], parent: Option<u64>, tokens: &[u32], extra: &[(&str, &str)]) -> Vec<u8> {
+        let mut b = Vec::new();
         let own_medium = extra.iter().any(|(k, _)| *k == "medium");
         mp::write_map_len(&mut b, 6 + u32::from(!own_medium) + extra.len() as u32).unwrap();
         mp::write_str(&mut b, "type").unwrap();
@@ -305,7 +358,6 @@ mod tests {
             mp::write_str(&mut b, k).unwrap();
             mp::write_str(&mut b, v).unwrap();
         }
-        mp::write_uint(&mut b, 0).unwrap();
         b
     }
 
@@ -419,6 +471,37 @@ mod tests {
         assert_eq!(out.dropped, vec!["remote_locality"]);
         let out = ingest.on_message(2, &stored(&[3], None, &toks(2), &[("medium", "tape")]), &mut index, &mut NoReplay);
         assert_eq!(out.dropped, vec!["unknown_medium"]);
+    }
+
+    #[test]
+    fn a_batch_applies_in_order_with_removal_runs_batched() {
+        let mut index = KvIndex::new(4, 1);
+        let mut ingest = Ingest::new(0, 4);
+        let host = [("medium", "CPU")];
+        let events = [
+            stored_event(&[1, 2, 3], None, &(0..3).flat_map(toks).collect::<Vec<_>>(), &[]),
+            stored_event(&[1], None, &toks(0), &host),
+            // A run of removals, the last one of another tier; the stores after it see it
+            // applied: block 2 is no parent any more, and can be stored again.
+            removed_event(&[3], "GPU"),
+            removed_event(&[2, 99], "GPU"),
+            removed_event(&[1], "CPU"),
+            stored_event(&[4], Some(2), &toks(2), &[]),
+            stored_event(&[2], Some(1), &toks(1), &[]),
+            removed_event(&[1], "tape"),
+        ];
+        let out = ingest.on_message(0, &batch(&events), &mut index, &mut NoReplay);
+        assert_eq!((out.applied, out.dropped.clone()), (6, vec!["parent_unknown", "unknown_medium"]));
+        assert_eq!(depth(&index, 3), 2, "block 3 removed, block 2 removed then stored again");
+        assert_eq!(index.replica_tier_blocks(0, Tier::Host), 0, "the host-tier removal in the run applied");
+        let out = ingest.on_message(
+            1,
+            &batch(&[removed_event(&[2], "GPU"), removed_event(&[1], "GPU")]),
+            &mut index,
+            &mut NoReplay,
+        );
+        assert_eq!(out.applied, 2);
+        assert_eq!(depth(&index, 1), 0, "a run that ends the batch is applied");
     }
 
     #[test]

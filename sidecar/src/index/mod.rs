@@ -331,10 +331,24 @@ impl KvIndex {
         Ok(())
     }
 
-    /// Applies a `BlockRemoved`. Unknown hashes are ignored (they may predate us).
+    /// Applies a `BlockRemoved` (or several in a row: their hashes, in order). Unknown hashes
+    /// are ignored (they may predate us).
     pub fn remove(&mut self, replica: ReplicaIdx, tier: Tier, engine_hashes: &[u64]) {
         let t = tier.idx();
         let engine = &mut self.replicas[replica].tiers[t];
+        if engine_hashes.len() > 1 {
+            // Look everything up before changing anything, in two passes (the engine entries,
+            // then the holder entries they name): lookups within a pass are independent, so
+            // the CPU overlaps their cache misses, and the removals below find their lines
+            // in cache.
+            let mut seqs = std::mem::take(&mut self.scratch);
+            seqs.clear();
+            seqs.extend(engine_hashes.iter().filter_map(|h| engine.seq.shard(*h).get(h)));
+            for seq in &seqs {
+                std::hint::black_box(self.tiers[t].blocks.shard(*seq).get(seq));
+            }
+            self.scratch = seqs;
+        }
         for engine_hash in engine_hashes {
             if let Some(extra) = engine.extra_refs.get_mut(engine_hash) {
                 *extra -= 1;
