@@ -21,7 +21,7 @@ use std::collections::hash_map::Entry;
 
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, Salt};
 use serde::Serialize;
-use sharded::{Map, Sharded};
+use sharded::{Map, PackedMap, Sharded};
 
 /// A replica's position in its pool (the order of the config).
 pub type ReplicaIdx = usize;
@@ -158,8 +158,8 @@ const SPILLED: u32 = 1 << 31;
 #[derive(Debug, Default)]
 struct Tables {
     /// Sequence hash → its holders: a replica index, or (with [`SPILLED`]) a slot of
-    /// `spill`. Most blocks have one holder, so the entry stays 16 bytes.
-    blocks: Sharded<u32, HOLDER_SHARDS>,
+    /// `spill`. Most blocks have one holder, so the entry stays 12 bytes.
+    blocks: Sharded<PackedMap, HOLDER_SHARDS>,
     /// Holder lists of blocks held more than once, sorted; duplicates allowed (two engine
     /// hashes of one replica may name the same content).
     spill: Vec<Vec<u32>>,
@@ -171,15 +171,10 @@ struct Tables {
 
 impl Tables {
     fn add_holder(&mut self, seq: u64, replica: u32) {
-        let mut entry = match self.blocks.shard_mut(seq).entry(seq) {
-            Entry::Vacant(v) => {
-                v.insert(replica);
-                self.len += 1;
-                return;
-            }
-            Entry::Occupied(o) => o,
+        let Some(word) = self.blocks.shard_mut(seq).try_insert(seq, replica) else {
+            self.len += 1;
+            return;
         };
-        let word = *entry.get();
         if word & SPILLED == 0 {
             let list = if word < replica { vec![word, replica] } else { vec![replica, word] };
             let slot = match self.spill_free.pop() {
@@ -192,7 +187,7 @@ impl Tables {
                     (self.spill.len() - 1) as u32
                 }
             };
-            entry.insert(slot | SPILLED);
+            self.blocks.shard_mut(seq).insert(seq, slot | SPILLED);
         } else {
             let list = &mut self.spill[(word & !SPILLED) as usize];
             let at = list.partition_point(|r| *r < replica);
@@ -201,10 +196,10 @@ impl Tables {
     }
 
     fn remove_holder(&mut self, seq: u64, replica: u32) {
-        let Some(word) = self.blocks.shard(seq).get(&seq).copied() else { return };
+        let Some(word) = self.blocks.shard(seq).get(seq) else { return };
         if word & SPILLED == 0 {
             if word == replica {
-                self.blocks.shard_mut(seq).remove(&seq);
+                self.blocks.shard_mut(seq).remove(seq);
                 self.len -= 1;
             }
             return;
@@ -216,7 +211,7 @@ impl Tables {
         }
         match list.as_slice() {
             [] => {
-                self.blocks.shard_mut(seq).remove(&seq);
+                self.blocks.shard_mut(seq).remove(seq);
                 self.len -= 1;
             }
             [only] => {
@@ -243,7 +238,7 @@ impl Tables {
 #[derive(Debug, Default)]
 struct EngineBlocks {
     /// Engine hash → sequence hash.
-    seq: Sharded<u64, ENGINE_SHARDS>,
+    seq: Sharded<Map<u64>, ENGINE_SHARDS>,
     /// Engine hashes stored more than once (reported twice, removed twice): extra count.
     extra_refs: Map<u32>,
 }
@@ -316,7 +311,10 @@ impl KvIndex {
         // Look every block up once before inserting: the lookups are independent, so the CPU
         // overlaps their cache misses, and the inserts below find their lines in cache.
         for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
-            std::hint::black_box((engine.seq.shard(*engine_hash).get(engine_hash), tables.blocks.shard(*seq).get(seq)));
+            std::hint::black_box((
+                engine.seq.shard(*engine_hash).get(engine_hash),
+                tables.blocks.shard(*seq).get(*seq),
+            ));
         }
         for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
             match engine.seq.shard_mut(*engine_hash).entry(*engine_hash) {
@@ -345,7 +343,7 @@ impl KvIndex {
             seqs.clear();
             seqs.extend(engine_hashes.iter().filter_map(|h| engine.seq.shard(*h).get(h)));
             for seq in &seqs {
-                std::hint::black_box(self.tiers[t].blocks.shard(*seq).get(seq));
+                std::hint::black_box(self.tiers[t].blocks.shard(*seq).get(*seq));
             }
             self.scratch = seqs;
         }
@@ -376,7 +374,7 @@ impl KvIndex {
     /// Whether `replica` holds `seq` on tier `t`.
     fn holds(&self, t: usize, seq: u64, replica: ReplicaIdx) -> bool {
         let tables = &self.tiers[t];
-        tables.blocks.shard(seq).get(&seq).is_some_and(|w| tables.holders(w).binary_search(&(replica as u32)).is_ok())
+        tables.blocks.shard(seq).get(seq).is_some_and(|w| tables.holders(&w).binary_search(&(replica as u32)).is_ok())
     }
 
     /// Each replica's [`Overlap`] with the prompt (given as sequence hashes), in replica order.
@@ -395,8 +393,8 @@ impl KvIndex {
         let mut out: Vec<(u32, Overlap)> = Vec::new();
         let device = &self.tiers[0];
         // The first block decides the candidates; most misses end here.
-        let mut active: Vec<u32> = match hashes.first().and_then(|h| device.blocks.shard(*h).get(h)) {
-            Some(word) => device.holders(word).to_vec(),
+        let mut active: Vec<u32> = match hashes.first().and_then(|h| device.blocks.shard(*h).get(*h)) {
+            Some(word) => device.holders(&word).to_vec(),
             None => Vec::new(),
         };
         active.dedup();
@@ -407,7 +405,7 @@ impl KvIndex {
             }
             let mut found = [None; LOOKUP_BATCH];
             for (slot, h) in found.iter_mut().zip(chunk) {
-                *slot = device.blocks.shard(*h).get(h);
+                *slot = device.blocks.shard(*h).get(*h);
             }
             for word in &found[..chunk.len()] {
                 let Some(word) = word else { break 'walk };
