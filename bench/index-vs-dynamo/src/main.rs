@@ -309,7 +309,9 @@ fn dynamo_radix(s: &Stream, local_queries: &[(&'static str, Vec<Vec<u64>>)]) -> 
     }
     let elapsed = t.elapsed();
     let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
-    dynamo_report("Dynamo RadixTree", s, elapsed, Some(longest), bytes, local_queries, |seq| tree.find_matches(seq, false))
+    dynamo_report("Dynamo RadixTree", s, elapsed, Some(longest), bytes, local_queries, |seq| {
+        tree.find_matches(seq, false)
+    })
 }
 
 /// Dynamo's concurrent indexer: `ThreadPoolIndexer<ConcurrentRadixTreeCompressed>` with 2
@@ -328,7 +330,9 @@ fn dynamo_thread_pool(s: &Stream, local_queries: &[(&'static str, Vec<Vec<u64>>)
     let elapsed = t.elapsed();
     let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
     // Its events are applied on its own threads: no single event's time to take.
-    dynamo_report("Dynamo ThreadPool", s, elapsed, None, bytes, local_queries, |seq| pool.backend().find_matches(&seq, false))
+    dynamo_report("Dynamo ThreadPool", s, elapsed, None, bytes, local_queries, |seq| {
+        pool.backend().find_matches(&seq, false)
+    })
 }
 
 /// The report with the fastest apply, with the median of the reports' longest events.
@@ -336,7 +340,8 @@ fn best<'a>(reports: impl Iterator<Item = &'a Report>) -> Report {
     let reports: Vec<&Report> = reports.collect();
     let mut longest: Vec<Duration> = reports.iter().filter_map(|r| r.longest_event).collect();
     longest.sort_unstable();
-    let fastest = reports.iter().max_by(|a, b| a.apply_blocks_per_s.total_cmp(&b.apply_blocks_per_s)).expect("a repeat");
+    let fastest =
+        reports.iter().max_by(|a, b| a.apply_blocks_per_s.total_cmp(&b.apply_blocks_per_s)).expect("a repeat");
     Report { longest_event: longest.get(longest.len() / 2).copied(), ..(*fastest).clone() }
 }
 
