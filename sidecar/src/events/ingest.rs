@@ -308,17 +308,23 @@ mod tests {
         b
     }
 
-    /// A BlockRemoved event, map format.
-    fn removed_event(hashes: &[u64], medium: &str) -> Vec<u8> {
+    /// An event map of `keys` entries, its first two written: `type` and `block_hashes`.
+    fn event_head(keys: u32, kind: &str, hashes: &[u64]) -> Vec<u8> {
         let mut b = Vec::new();
-        mp::write_map_len(&mut b, 3).unwrap();
+        mp::write_map_len(&mut b, keys).unwrap();
         mp::write_str(&mut b, "type").unwrap();
-        mp::write_str(&mut b, "BlockRemoved").unwrap();
+        mp::write_str(&mut b, kind).unwrap();
         mp::write_str(&mut b, "block_hashes").unwrap();
         mp::write_array_len(&mut b, hashes.len() as u32).unwrap();
         for h in hashes {
             mp::write_uint(&mut b, *h).unwrap();
         }
+        b
+    }
+
+    /// A BlockRemoved event, map format.
+    fn removed_event(hashes: &[u64], medium: &str) -> Vec<u8> {
+        let mut b = event_head(3, "BlockRemoved", hashes);
         mp::write_str(&mut b, "medium").unwrap();
         mp::write_str(&mut b, medium).unwrap();
         b
@@ -326,16 +332,8 @@ mod tests {
 
     /// A BlockStored event, map format, with optional extra keys.
     fn stored_event(hashes: &[u64], parent: Option<u64>, tokens: &[u32], extra: &[(&str, &str)]) -> Vec<u8> {
-        let mut b = Vec::new();
         let own_medium = extra.iter().any(|(k, _)| *k == "medium");
-        mp::write_map_len(&mut b, 6 + u32::from(!own_medium) + extra.len() as u32).unwrap();
-        mp::write_str(&mut b, "type").unwrap();
-        mp::write_str(&mut b, "BlockStored").unwrap();
-        mp::write_str(&mut b, "block_hashes").unwrap();
-        mp::write_array_len(&mut b, hashes.len() as u32).unwrap();
-        for h in hashes {
-            mp::write_uint(&mut b, *h).unwrap();
-        }
+        let mut b = event_head(6 + u32::from(!own_medium) + extra.len() as u32, "BlockStored", hashes);
         mp::write_str(&mut b, "parent_block_hash").unwrap();
         match parent {
             Some(p) => drop(mp::write_uint(&mut b, p).unwrap()),
