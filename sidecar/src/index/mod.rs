@@ -21,7 +21,7 @@ use std::collections::hash_map::Entry;
 
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, Salt};
 use serde::Serialize;
-use sharded::{Map, PackedMap, Sharded};
+use sharded::{EngineShards, HolderMap, HolderShards, Map};
 
 /// A replica's position in its pool (the order of the config).
 pub type ReplicaIdx = usize;
@@ -146,90 +146,77 @@ pub struct Store<'a> {
     pub tier: Tier,
 }
 
-/// Shards of the holder table: at 10 M blocks a shard's rehash moves ~40 k entries.
-const HOLDER_SHARDS: usize = 256;
-/// Shards of a replica's engine map.
-const ENGINE_SHARDS: usize = 16;
-
-/// High bit of a holder word: the rest indexes [`Tables::spill`] instead of naming a replica.
-const SPILLED: u32 = 1 << 31;
+/// The holder code of a block held by several replicas, or by one whose index is above the
+/// codes (its holders are in [`Tables::spill`]).
+const SPILLED: u32 = HolderMap::MAX_CODE;
 
 /// One tier's tables.
 #[derive(Debug, Default)]
 struct Tables {
-    /// Sequence hash → its holders: a replica index, or (with [`SPILLED`]) a slot of
-    /// `spill`. Most blocks have one holder, so the entry stays 12 bytes.
-    blocks: Sharded<PackedMap, HOLDER_SHARDS>,
-    /// Holder lists of blocks held more than once, sorted; duplicates allowed (two engine
-    /// hashes of one replica may name the same content).
-    spill: Vec<Vec<u32>>,
-    /// Free slots of `spill`.
-    spill_free: Vec<u32>,
+    /// Sequence hash → its holder code: the replica index of its only holder, or
+    /// [`SPILLED`]. Most blocks have one holder, so an entry is 8 bytes (the code lives in
+    /// the key bits the shard implies).
+    blocks: HolderShards,
+    /// Holder lists of spilled blocks, sorted; duplicates allowed (two engine hashes of one
+    /// replica may name the same content).
+    spill: Map<Vec<u32>>,
     /// Blocks in `blocks` (counting them would visit every shard).
     len: usize,
 }
 
 impl Tables {
+    fn code(replica: u32) -> u32 {
+        replica.min(SPILLED)
+    }
+
     fn add_holder(&mut self, seq: u64, replica: u32) {
-        let Some(word) = self.blocks.shard_mut(seq).try_insert(seq, replica) else {
+        let Some(code) = self.blocks.shard_mut(seq).try_insert(seq, Self::code(replica)) else {
+            if Self::code(replica) == SPILLED {
+                self.spill.insert(seq, vec![replica]);
+            }
             self.len += 1;
             return;
         };
-        if word & SPILLED == 0 {
-            let list = if word < replica { vec![word, replica] } else { vec![replica, word] };
-            let slot = match self.spill_free.pop() {
-                Some(slot) => {
-                    self.spill[slot as usize] = list;
-                    slot
-                }
-                None => {
-                    self.spill.push(list);
-                    (self.spill.len() - 1) as u32
-                }
-            };
-            self.blocks.shard_mut(seq).insert(seq, slot | SPILLED);
+        if code == SPILLED {
+            let list = self.spill.entry(seq).or_default();
+            list.insert(list.partition_point(|r| *r < replica), replica);
         } else {
-            let list = &mut self.spill[(word & !SPILLED) as usize];
-            let at = list.partition_point(|r| *r < replica);
-            list.insert(at, replica);
+            self.spill.insert(seq, if code < replica { vec![code, replica] } else { vec![replica, code] });
+            self.blocks.shard_mut(seq).set(seq, SPILLED);
         }
     }
 
     fn remove_holder(&mut self, seq: u64, replica: u32) {
-        let Some(word) = self.blocks.shard(seq).get(seq) else { return };
-        if word & SPILLED == 0 {
-            if word == replica {
+        let Some(code) = self.blocks.shard(seq).get(seq) else { return };
+        if code != SPILLED {
+            if code == replica {
                 self.blocks.shard_mut(seq).remove(seq);
                 self.len -= 1;
             }
             return;
         }
-        let slot = word & !SPILLED;
-        let list = &mut self.spill[slot as usize];
+        let Some(list) = self.spill.get_mut(&seq) else { return };
         if let Ok(at) = list.binary_search(&replica) {
             list.remove(at);
         }
-        match list.as_slice() {
+        match *list.as_slice() {
             [] => {
                 self.blocks.shard_mut(seq).remove(seq);
                 self.len -= 1;
             }
-            [only] => {
-                let only = *only;
-                self.blocks.shard_mut(seq).insert(seq, only);
-            }
+            [only] if only < SPILLED => self.blocks.shard_mut(seq).set(seq, only),
             _ => return,
         }
-        self.spill[slot as usize] = Vec::new();
-        self.spill_free.push(slot);
+        self.spill.remove(&seq);
     }
 
-    /// The holders of a block, sorted (a one-element slice for a single holder).
-    fn holders<'a>(&'a self, word: &'a u32) -> &'a [u32] {
-        if word & SPILLED == 0 {
-            std::slice::from_ref(word)
+    /// The holders of block `seq` whose holder code is `code`, sorted (a one-element slice
+    /// for a single holder).
+    fn holders<'a>(&'a self, seq: u64, code: &'a u32) -> &'a [u32] {
+        if *code != SPILLED {
+            std::slice::from_ref(code)
         } else {
-            &self.spill[(word & !SPILLED) as usize]
+            self.spill.get(&seq).map_or(&[], Vec::as_slice)
         }
     }
 }
@@ -238,7 +225,7 @@ impl Tables {
 #[derive(Debug, Default)]
 struct EngineBlocks {
     /// Engine hash → sequence hash.
-    seq: Sharded<Map<u64>, ENGINE_SHARDS>,
+    seq: EngineShards,
     /// Engine hashes stored more than once (reported twice, removed twice): extra count.
     extra_refs: Map<u32>,
 }
@@ -374,7 +361,11 @@ impl KvIndex {
     /// Whether `replica` holds `seq` on tier `t`.
     fn holds(&self, t: usize, seq: u64, replica: ReplicaIdx) -> bool {
         let tables = &self.tiers[t];
-        tables.blocks.shard(seq).get(seq).is_some_and(|w| tables.holders(&w).binary_search(&(replica as u32)).is_ok())
+        tables
+            .blocks
+            .shard(seq)
+            .get(seq)
+            .is_some_and(|c| tables.holders(seq, &c).binary_search(&(replica as u32)).is_ok())
     }
 
     /// Each replica's [`Overlap`] with the prompt (given as sequence hashes), in replica order.
@@ -393,9 +384,9 @@ impl KvIndex {
         let mut out: Vec<(u32, Overlap)> = Vec::new();
         let device = &self.tiers[0];
         // The first block decides the candidates; most misses end here.
-        let mut active: Vec<u32> = match hashes.first().and_then(|h| device.blocks.shard(*h).get(*h)) {
-            Some(word) => device.holders(&word).to_vec(),
-            None => Vec::new(),
+        let mut active: Vec<u32> = match hashes.first().map(|h| (*h, device.blocks.shard(*h).get(*h))) {
+            Some((seq, Some(code))) => device.holders(seq, &code).to_vec(),
+            _ => Vec::new(),
         };
         active.dedup();
         let mut depth = usize::from(!active.is_empty());
@@ -407,9 +398,9 @@ impl KvIndex {
             for (slot, h) in found.iter_mut().zip(chunk) {
                 *slot = device.blocks.shard(*h).get(*h);
             }
-            for word in &found[..chunk.len()] {
-                let Some(word) = word else { break 'walk };
-                let holders = device.holders(word);
+            for (code, seq) in found.iter().zip(chunk) {
+                let Some(code) = code else { break 'walk };
+                let holders = device.holders(*seq, code);
                 if holders != active.as_slice() {
                     active.retain(|r| {
                         let keep = holders.binary_search(r).is_ok();
@@ -528,6 +519,28 @@ mod tests {
         idx.clear_replica(0);
         assert_eq!(devices(&idx.find_matches(&base)), vec![0, 0, 0]);
         assert_eq!(idx.replica_blocks(1), 1);
+    }
+
+    #[test]
+    fn replicas_past_the_inline_holder_codes_still_match() {
+        // Replica 1023 and up do not fit an entry's holder code: their blocks are listed in
+        // the spill, alone or with others.
+        let mut idx = KvIndex::new(4, 1100);
+        let t = tokens(8);
+        let prompt = prompt_block_hashes(&t, 4, Salt::NONE);
+        let at = |idx: &KvIndex, rs: [usize; 4]| rs.map(|r| idx.find_matches(&prompt)[r].device);
+        idx.store(1023, store(None, &[1, 2], &t, 4)).unwrap();
+        idx.store(3, store(None, &[1], &t[..4], 4)).unwrap();
+        idx.store(1022, store(None, &[5, 6], &t, 4)).unwrap();
+        assert_eq!(at(&idx, [1023, 3, 1022, 1099]), [2, 1, 2, 0]);
+        idx.remove(3, Tier::Device, &[1]);
+        idx.remove(1022, Tier::Device, &[6]);
+        assert_eq!(at(&idx, [1023, 3, 1022, 1099]), [2, 0, 1, 0]);
+        idx.remove(1023, Tier::Device, &[2, 1]);
+        assert_eq!(at(&idx, [1023, 3, 1022, 1099]), [0, 0, 1, 0]);
+        idx.clear_replica(1022);
+        assert_eq!(at(&idx, [1023, 3, 1022, 1099]), [0, 0, 0, 0]);
+        assert_eq!((idx.tiers[0].len, idx.tiers[0].spill.len()), (0, 0), "nothing left behind");
     }
 
     #[test]
