@@ -165,8 +165,14 @@ struct Tables {
 }
 
 impl Tables {
+    /// The holder code of a replica.
     fn code(replica: u32) -> u32 {
         replica.min(SPILLED)
+    }
+
+    /// The holder code of block `seq`, if any replica holds it.
+    fn get(&self, seq: u64) -> Option<u32> {
+        self.blocks.shard(seq).get(seq)
     }
 
     fn add_holder(&mut self, seq: u64, replica: u32) {
@@ -187,7 +193,7 @@ impl Tables {
     }
 
     fn remove_holder(&mut self, seq: u64, replica: u32) {
-        let Some(code) = self.blocks.shard(seq).get(seq) else { return };
+        let Some(code) = self.get(seq) else { return };
         if code != SPILLED {
             if code == replica {
                 self.blocks.shard_mut(seq).remove(seq);
@@ -298,10 +304,7 @@ impl KvIndex {
         // Look every block up once before inserting: the lookups are independent, so the CPU
         // overlaps their cache misses, and the inserts below find their lines in cache.
         for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
-            std::hint::black_box((
-                engine.seq.shard(*engine_hash).get(engine_hash),
-                tables.blocks.shard(*seq).get(*seq),
-            ));
+            std::hint::black_box((engine.seq.shard(*engine_hash).get(engine_hash), tables.get(*seq)));
         }
         for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
             match engine.seq.shard_mut(*engine_hash).entry(*engine_hash) {
@@ -330,7 +333,7 @@ impl KvIndex {
             seqs.clear();
             seqs.extend(engine_hashes.iter().filter_map(|h| engine.seq.shard(*h).get(h)));
             for seq in &seqs {
-                std::hint::black_box(self.tiers[t].blocks.shard(*seq).get(*seq));
+                std::hint::black_box(self.tiers[t].get(*seq));
             }
             self.scratch = seqs;
         }
@@ -361,11 +364,7 @@ impl KvIndex {
     /// Whether `replica` holds `seq` on tier `t`.
     fn holds(&self, t: usize, seq: u64, replica: ReplicaIdx) -> bool {
         let tables = &self.tiers[t];
-        tables
-            .blocks
-            .shard(seq)
-            .get(seq)
-            .is_some_and(|c| tables.holders(seq, &c).binary_search(&(replica as u32)).is_ok())
+        tables.get(seq).is_some_and(|c| tables.holders(seq, &c).binary_search(&(replica as u32)).is_ok())
     }
 
     /// Each replica's [`Overlap`] with the prompt (given as sequence hashes), in replica order.
@@ -384,10 +383,8 @@ impl KvIndex {
         let mut out: Vec<(u32, Overlap)> = Vec::new();
         let device = &self.tiers[0];
         // The first block decides the candidates; most misses end here.
-        let mut active: Vec<u32> = match hashes.first().map(|h| (*h, device.blocks.shard(*h).get(*h))) {
-            Some((seq, Some(code))) => device.holders(seq, &code).to_vec(),
-            _ => Vec::new(),
-        };
+        let first = hashes.first().and_then(|h| Some((*h, device.get(*h)?)));
+        let mut active: Vec<u32> = first.map_or(Vec::new(), |(seq, code)| device.holders(seq, &code).to_vec());
         active.dedup();
         let mut depth = usize::from(!active.is_empty());
         'walk: for chunk in hashes[depth.min(hashes.len())..].chunks(LOOKUP_BATCH) {
@@ -396,7 +393,7 @@ impl KvIndex {
             }
             let mut found = [None; LOOKUP_BATCH];
             for (slot, h) in found.iter_mut().zip(chunk) {
-                *slot = device.blocks.shard(*h).get(*h);
+                *slot = device.get(*h);
             }
             for (code, seq) in found.iter().zip(chunk) {
                 let Some(code) = code else { break 'walk };
