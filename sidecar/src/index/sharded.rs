@@ -175,9 +175,10 @@ mod tests {
         assert_eq!(shards.shard_mut(keys[3]).try_insert(keys[3], 9), Some(code(keys[3])), "try_insert keeps the code");
         shards.shard_mut(keys[3]).set(keys[3], HolderMap::MAX_CODE);
         assert_eq!(shards.shard(keys[3]).get(keys[3]), Some(HolderMap::MAX_CODE));
-        // A key of the same shard whose other bits match but whose shard bits differ is
-        // another shard's key.
+        // Keys that differ from keys[3] only in the shard bits are other blocks: found with
+        // their own codes when stored, not found when not.
         assert_eq!(shards.shard(keys[3] ^ 1 << 32).get(keys[3] ^ 1 << 32), Some(code(keys[3] ^ 1 << 32)));
+        assert_eq!(shards.shard(keys[3] ^ 512 << 32).get(keys[3] ^ 512 << 32), None);
         assert_eq!(shards.shard_mut(keys[5]).remove(keys[5]), Some(code(keys[5])));
         assert_eq!(shards.shard(keys[5]).get(keys[5]), None);
         assert_eq!(shards.shards.iter().map(|s| s.table.len()).sum::<usize>(), keys.len() - 1);
