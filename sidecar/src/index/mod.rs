@@ -176,8 +176,9 @@ impl Tables {
     }
 
     fn add_holder(&mut self, seq: u64, replica: u32) {
-        let Some(code) = self.blocks.shard_mut(seq).try_insert(seq, Self::code(replica)) else {
-            if Self::code(replica) == SPILLED {
+        let own = Self::code(replica);
+        let Some(code) = self.blocks.shard_mut(seq).try_insert(seq, own) else {
+            if own == SPILLED {
                 self.spill.insert(seq, vec![replica]);
             }
             self.len += 1;
