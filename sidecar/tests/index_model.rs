@@ -9,9 +9,9 @@ use proptest::prelude::*;
 
 const BS: usize = 2;
 const REPLICAS: usize = 3;
-/// The index's replica number of each of the model's replicas: the last two sit at and past
-/// the end of the holder codes an index entry holds inline (1023 and up are spilled).
-const IDS: [usize; REPLICAS] = [0, 1022, 1023];
+/// The index's replica number of each of the model's replicas: two share a word of the
+/// lookup's replica bitset, and the pool is large enough for that bitset to live on the heap.
+const IDS: [usize; REPLICAS] = [0, 63, 1100];
 
 /// Chains over a tiny alphabet so prompts share prefixes a lot.
 fn block_tokens(symbol: u8) -> Vec<u32> {
@@ -33,6 +33,14 @@ enum Op {
         replica: usize,
         tier: usize,
         paths: Vec<Vec<u8>>,
+    },
+    /// Remove blocks the replica holds on a tier (the `picks`-th of them, modulo their
+    /// number, in one call), as an engine evicts: slots die in the middle of chains, and
+    /// arenas fill with removed slots until they are compacted.
+    Evict {
+        replica: usize,
+        tier: usize,
+        picks: Vec<usize>,
     },
     Clear {
         replica: usize,
@@ -89,6 +97,7 @@ fn op() -> impl Strategy<Value = Op> {
             Op::Store { replica, tier, path, skip }
         }),
         3 => (0..REPLICAS, 0usize..3, prop::collection::vec(path, 1..4)).prop_map(|(replica, tier, paths)| Op::Remove { replica, tier, paths }),
+        3 => (0..REPLICAS, 0usize..3, prop::collection::vec(0usize..64, 1..8)).prop_map(|(replica, tier, picks)| Op::Evict { replica, tier, picks }),
         1 => (0..REPLICAS).prop_map(|replica| Op::Clear { replica }),
     ]
 }
@@ -119,14 +128,14 @@ proptest! {
                 }
                 Op::Remove { replica, tier: t, paths } => {
                     let engines: Vec<u64> = paths.iter().map(|p| engine_of(p)).collect();
-                    index.remove(IDS[replica], tier(t), &engines);
-                    for engine in engines {
-                        if let Some(e) = model.entries.get_mut(&(replica, t, engine)) {
-                            e.1 -= 1;
-                            if e.1 == 0 {
-                                model.entries.remove(&(replica, t, engine));
-                            }
-                        }
+                    remove(&mut index, &mut model, replica, t, engines);
+                }
+                Op::Evict { replica, tier: t, picks } => {
+                    let mut held: Vec<u64> = model.entries.keys().filter(|(r, tt, _)| *r == replica && *tt == t).map(|(_, _, e)| *e).collect();
+                    held.sort_unstable();
+                    if !held.is_empty() {
+                        let engines = picks.iter().map(|p| held[p % held.len()]).collect();
+                        remove(&mut index, &mut model, replica, t, engines);
                     }
                 }
                 Op::Clear { replica } => {
@@ -143,6 +152,19 @@ proptest! {
         }
         for (r, id) in IDS.iter().enumerate() {
             prop_assert_eq!(index.replica_blocks(*id), model.entries.keys().filter(|(rr, _, _)| *rr == r).count());
+        }
+    }
+}
+
+/// Removes `engines` of a replica's tier from the index and the model.
+fn remove(index: &mut KvIndex, model: &mut Model, replica: usize, t: usize, engines: Vec<u64>) {
+    index.remove(IDS[replica], tier(t), &engines);
+    for engine in engines {
+        if let Some(e) = model.entries.get_mut(&(replica, t, engine)) {
+            e.1 -= 1;
+            if e.1 == 0 {
+                model.entries.remove(&(replica, t, engine));
+            }
         }
     }
 }

@@ -6,22 +6,31 @@
 //! down the prompt's hashes that keeps the replicas still matching. See `README.md` beside
 //! this file for the design and its measurements.
 //!
-//! The engine's own block hash is opaque to us: each replica keeps a map from engine hash to
-//! sequence hash, used to find a stored block's parent and to apply removals. Engines may store
-//! the same block twice (two requests computing it concurrently) and then remove it twice, so
-//! each (replica, tier, block) is reference-counted.
+//! Each replica keeps, per tier, an **arena**: its blocks' sequence hashes in the order they
+//! were stored, so an event's chain of blocks is one run of memory. A block whose parent is
+//! not the slot before it **heads** a chain, and the tier's head table lists it under its
+//! sequence hash. A lookup starts at the heads of the prompt's first block, reads each
+//! replica's chain slot by slot while it holds the prompt's next block, and where a chain
+//! breaks, goes on from that replica's head of the next block, if any.
 //!
-//! Cost: `store`/`remove` are O(blocks in the event); [`KvIndex::find_matches`] is
-//! O(matched depth × replicas still matching); clearing a replica is O(its blocks).
+//! The engine's own block hash is opaque to us: each replica maps engine hash → arena slot,
+//! to find a stored block's parent and to apply removals. Engines may store the same block
+//! twice (two requests computing it concurrently) and then remove it twice, so each
+//! (replica, tier, block) is reference-counted.
+//!
+//! Cost: `store`/`remove` are O(blocks in the event), plus compacting an arena now and then
+//! (O(1) a removal, amortized); [`KvIndex::find_matches`] is O(replicas holding the first
+//! block × matched depth), with a small constant: a chain is read as contiguous memory;
+//! clearing a replica is O(its blocks).
 
 pub mod approx;
+mod arena;
 mod sharded;
 
-use std::collections::hash_map::Entry;
-
+use arena::{Arena, DEAD};
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, Salt};
 use serde::Serialize;
-use sharded::{EngineShards, HolderMap, HolderShards, Map};
+use sharded::{EngineShards, Head, HeadShards, Map};
 
 /// A replica's position in its pool (the order of the config).
 pub type ReplicaIdx = usize;
@@ -146,122 +155,84 @@ pub struct Store<'a> {
     pub tier: Tier,
 }
 
-/// The holder code of a block held by several replicas, or by one whose index is above the
-/// codes (its holders are in [`Tables::spill`]).
-const SPILLED: u32 = HolderMap::MAX_CODE;
-
-/// One tier's tables.
+/// One replica's blocks on one tier.
 #[derive(Debug, Default)]
-struct Tables {
-    /// Sequence hash → its holder code: the replica index of its only holder, or
-    /// [`SPILLED`]. Most blocks have one holder, so an entry is 8 bytes (the code lives in
-    /// the key bits the shard implies).
-    blocks: HolderShards,
-    /// Holder lists of spilled blocks, sorted; duplicates allowed (two engine hashes of one
-    /// replica may name the same content).
-    spill: Map<Vec<u32>>,
-    /// Blocks in `blocks` (counting them would visit every shard).
-    len: usize,
-}
-
-impl Tables {
-    /// The holder code of a replica.
-    fn code(replica: u32) -> u32 {
-        replica.min(SPILLED)
-    }
-
-    /// The holder code of block `seq`, if any replica holds it.
-    fn get(&self, seq: u64) -> Option<u32> {
-        self.blocks.shard(seq).get(seq)
-    }
-
-    fn add_holder(&mut self, seq: u64, replica: u32) {
-        let own = Self::code(replica);
-        let Some(code) = self.blocks.shard_mut(seq).try_insert(seq, own) else {
-            if own == SPILLED {
-                self.spill.insert(seq, vec![replica]);
-            }
-            self.len += 1;
-            return;
-        };
-        if code == SPILLED {
-            let list = self.spill.entry(seq).or_default();
-            list.insert(list.partition_point(|r| *r < replica), replica);
-        } else {
-            self.spill.insert(seq, if code < replica { vec![code, replica] } else { vec![replica, code] });
-            self.blocks.shard_mut(seq).set(seq, SPILLED);
-        }
-    }
-
-    fn remove_holder(&mut self, seq: u64, replica: u32) {
-        let Some(code) = self.get(seq) else { return };
-        if code != SPILLED {
-            if code == replica {
-                self.blocks.shard_mut(seq).remove(seq);
-                self.len -= 1;
-            }
-            return;
-        }
-        let Some(list) = self.spill.get_mut(&seq) else { return };
-        if let Ok(at) = list.binary_search(&replica) {
-            list.remove(at);
-        }
-        match *list.as_slice() {
-            [] => {
-                self.blocks.shard_mut(seq).remove(seq);
-                self.len -= 1;
-            }
-            [only] if only < SPILLED => self.blocks.shard_mut(seq).set(seq, only),
-            _ => return,
-        }
-        self.spill.remove(&seq);
-    }
-
-    /// The holders of block `seq` whose holder code is `code`, sorted (a one-element slice
-    /// for a single holder).
-    fn holders<'a>(&'a self, seq: u64, code: &'a u32) -> &'a [u32] {
-        if *code != SPILLED {
-            std::slice::from_ref(code)
-        } else {
-            self.spill.get(&seq).map_or(&[], Vec::as_slice)
-        }
-    }
-}
-
-/// One replica's engine-hash bookkeeping on one tier.
-#[derive(Debug, Default)]
-struct EngineBlocks {
-    /// Engine hash → sequence hash.
-    seq: EngineShards,
+struct ReplicaTier {
+    /// Engine hash → the block's slot in `arena`.
+    engine: EngineShards,
     /// Engine hashes stored more than once (reported twice, removed twice): extra count.
     extra_refs: Map<u32>,
+    /// The blocks' sequence hashes, in store order.
+    arena: Arena,
+}
+
+impl ReplicaTier {
+    /// Removes the block at `slot` (its engine entry is gone already), keeping the chain
+    /// heads of tier table `heads` right.
+    fn kill(&mut self, slot: u32, replica: u32, heads: &mut HeadShards) {
+        let (seq, head) = self.arena.kill(slot);
+        if head {
+            heads.shard_mut(seq).remove(Head { seq, replica, slot });
+        }
+        // The block after it, if it continued this one, now heads a chain.
+        let after = slot + 1;
+        if after < self.arena.next_slot() && !self.arena.is_head(after) {
+            let seq = self.arena.get(after);
+            if seq != DEAD {
+                self.arena.set_head(after);
+                heads.shard_mut(seq).insert(Head { seq, replica, slot: after });
+            }
+        }
+    }
+
+    /// Drops removed slots at the end, and compacts the arena when removed slots outnumber
+    /// live ones, moving the engine entries and heads that point into it.
+    fn tidy(&mut self, replica: u32, heads: &mut HeadShards) {
+        if !self.arena.trim() {
+            return;
+        }
+        let moved = self.arena.compact();
+        for (seq, old, new) in moved.heads {
+            heads.shard_mut(seq).move_to(Head { seq, replica, slot: old }, new);
+        }
+        for shard in self.engine.shards_mut() {
+            shard.slots_mut().for_each(|slot| *slot = moved.remap[*slot as usize]);
+        }
+    }
 }
 
 #[derive(Debug, Default)]
 struct ReplicaBlocks {
-    tiers: [EngineBlocks; 3],
+    tiers: [ReplicaTier; 3],
 }
 
 /// The index of one pool (one model, one block size).
 #[derive(Debug)]
 pub struct KvIndex {
     block_size: usize,
-    tiers: [Tables; 3],
+    /// Per tier: the chain heads of every replica.
+    heads: [HeadShards; 3],
+    /// Per tier: blocks held, all replicas together.
+    live: [usize; 3],
     replicas: Vec<ReplicaBlocks>,
     /// Sequence hashes of the event being stored (kept to reuse its allocation).
     scratch: Vec<u64>,
 }
 
-/// How many prompt blocks are looked up together: independent lookups let the CPU overlap
-/// their cache misses.
-const LOOKUP_BATCH: usize = 8;
+/// The heads of the block at one prompt position, fetched once for every replica whose chain
+/// breaks there.
+struct HeadsAt {
+    pos: usize,
+    heads: Vec<(u32, u32)>,
+}
 
 impl KvIndex {
     /// An empty index for `replicas` replicas with the pool's `block_size`.
     pub fn new(block_size: usize, replicas: usize) -> Self {
         KvIndex {
             block_size,
-            tiers: Default::default(),
+            heads: Default::default(),
+            live: [0; 3],
             replicas: (0..replicas).map(|_| ReplicaBlocks::default()).collect(),
             scratch: Vec::new(),
         }
@@ -273,9 +244,12 @@ impl KvIndex {
         self.replicas.len() - 1
     }
 
-    /// The sequence hash of a replica's engine block, on any tier.
-    fn lookup(&self, replica: ReplicaIdx, engine_hash: u64) -> Option<u64> {
-        self.replicas[replica].tiers.iter().find_map(|t| t.seq.shard(engine_hash).get(&engine_hash)).copied()
+    /// Where a replica's engine block is: its tier and slot, looking on `tier` first.
+    fn locate(&self, replica: ReplicaIdx, tier: usize, engine_hash: u64) -> Option<(usize, u32)> {
+        let tiers = &self.replicas[replica].tiers;
+        [tier, 0, 1, 2]
+            .into_iter()
+            .find_map(|t| tiers[t].engine.shard(engine_hash).get(engine_hash).map(|slot| (t, slot)))
     }
 
     /// Applies a `BlockStored`: `engine_hashes[i]` names the block of
@@ -287,13 +261,12 @@ impl KvIndex {
         if s.token_ids.len() != s.engine_hashes.len() * s.block_size {
             return Err(ApplyError::TokenCountMismatch);
         }
-        let mut parent_seq = match s.parent {
-            None => None,
-            Some(p) => Some(self.lookup(replica, p).ok_or(ApplyError::ParentUnknown)?),
-        };
         let t = s.tier.idx();
-        let engine = &mut self.replicas[replica].tiers[t];
-        let tables = &mut self.tiers[t];
+        let parent = match s.parent {
+            None => None,
+            Some(p) => Some(self.locate(replica, t, p).ok_or(ApplyError::ParentUnknown)?),
+        };
+        let mut parent_seq = parent.map(|(pt, slot)| self.replicas[replica].tiers[pt].arena.get(slot));
         let mut seqs = std::mem::take(&mut self.scratch);
         seqs.clear();
         for (i, tokens) in s.token_ids.chunks_exact(s.block_size).enumerate() {
@@ -302,17 +275,28 @@ impl KvIndex {
             seqs.push(seq);
             parent_seq = Some(seq);
         }
-        // Look every block up once before inserting: the lookups are independent, so the CPU
-        // overlaps their cache misses, and the inserts below find their lines in cache.
+        let rt = &mut self.replicas[replica].tiers[t];
+        let heads = &mut self.heads[t];
+        // The slot of the block the next one chains to, if it is on this tier.
+        let mut prev = parent.and_then(|(pt, slot)| (pt == t).then_some(slot));
         for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
-            std::hint::black_box((engine.seq.shard(*engine_hash).get(engine_hash), tables.get(*seq)));
-        }
-        for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
-            match engine.seq.shard_mut(*engine_hash).entry(*engine_hash) {
-                Entry::Occupied(_) => *engine.extra_refs.entry(*engine_hash).or_default() += 1,
-                Entry::Vacant(v) => {
-                    v.insert(*seq);
-                    tables.add_holder(*seq, replica as u32);
+            let slot = rt.arena.next_slot();
+            match rt.engine.shard_mut(*engine_hash).try_insert(*engine_hash, || slot) {
+                Some(stored) => {
+                    *rt.extra_refs.entry(*engine_hash).or_default() += 1;
+                    prev = Some(stored);
+                }
+                None => {
+                    // A block continues its chain if its parent is the slot before; otherwise
+                    // it heads one, and lookups find it through the head table.
+                    let head = prev.is_none_or(|p| p + 1 != slot);
+                    rt.arena.push(*seq, head);
+                    if head {
+                        let seq = rt.arena.get(slot);
+                        heads.shard_mut(seq).insert(Head { seq, replica: replica as u32, slot });
+                    }
+                    self.live[t] += 1;
+                    prev = Some(slot);
                 }
             }
         }
@@ -324,48 +308,33 @@ impl KvIndex {
     /// are ignored (they may predate us).
     pub fn remove(&mut self, replica: ReplicaIdx, tier: Tier, engine_hashes: &[u64]) {
         let t = tier.idx();
-        let engine = &mut self.replicas[replica].tiers[t];
-        if engine_hashes.len() > 1 {
-            // Look everything up before changing anything, in two passes (the engine entries,
-            // then the holder entries they name): lookups within a pass are independent, so
-            // the CPU overlaps their cache misses, and the removals below find their lines
-            // in cache.
-            let mut seqs = std::mem::take(&mut self.scratch);
-            seqs.clear();
-            seqs.extend(engine_hashes.iter().filter_map(|h| engine.seq.shard(*h).get(h)));
-            for seq in &seqs {
-                std::hint::black_box(self.tiers[t].get(*seq));
-            }
-            self.scratch = seqs;
-        }
+        let rt = &mut self.replicas[replica].tiers[t];
+        let heads = &mut self.heads[t];
         for engine_hash in engine_hashes {
-            if let Some(extra) = engine.extra_refs.get_mut(engine_hash) {
+            if let Some(extra) = rt.extra_refs.get_mut(engine_hash) {
                 *extra -= 1;
                 if *extra == 0 {
-                    engine.extra_refs.remove(engine_hash);
+                    rt.extra_refs.remove(engine_hash);
                 }
                 continue;
             }
-            if let Some(seq) = engine.seq.shard_mut(*engine_hash).remove(engine_hash) {
-                self.tiers[t].remove_holder(seq, replica as u32);
+            if let Some(slot) = rt.engine.shard_mut(*engine_hash).remove(*engine_hash) {
+                rt.kill(slot, replica as u32, heads);
+                self.live[t] -= 1;
             }
         }
+        rt.tidy(replica as u32, heads);
     }
 
     /// Forgets everything a replica holds (`AllBlocksCleared`, restart, removal).
     pub fn clear_replica(&mut self, replica: ReplicaIdx) {
         let tiers = std::mem::take(&mut self.replicas[replica].tiers);
-        for (t, engine) in tiers.into_iter().enumerate() {
-            for seq in engine.seq.into_values() {
-                self.tiers[t].remove_holder(seq, replica as u32);
+        for (t, rt) in tiers.into_iter().enumerate() {
+            self.live[t] -= rt.engine.len();
+            for (slot, seq) in rt.arena.heads() {
+                self.heads[t].shard_mut(seq).remove(Head { seq, replica: replica as u32, slot });
             }
         }
-    }
-
-    /// Whether `replica` holds `seq` on tier `t`.
-    fn holds(&self, t: usize, seq: u64, replica: ReplicaIdx) -> bool {
-        let tables = &self.tiers[t];
-        tables.get(seq).is_some_and(|c| tables.holders(seq, &c).binary_search(&(replica as u32)).is_ok())
     }
 
     /// Each replica's [`Overlap`] with the prompt (given as sequence hashes), in replica order.
@@ -378,70 +347,124 @@ impl KvIndex {
     }
 
     /// The replicas with a non-zero [`Overlap`] with the prompt, with it (no allocation for a
-    /// miss). The device walk keeps the replicas holding every block so far and stops as soon
-    /// as none is left.
+    /// miss).
+    ///
+    /// A replica's device overlap is the length of its chain through the prompt: it starts at
+    /// a head of the first block, goes on slot by slot while the replica's arena holds the
+    /// prompt's next block in the next slot, and when it does not, goes on from the replica's
+    /// head of that block, if any.
     pub fn find_overlaps(&self, hashes: &[u64]) -> Vec<(u32, Overlap)> {
         let mut out: Vec<(u32, Overlap)> = Vec::new();
-        let device = &self.tiers[0];
-        // The first block decides the candidates; most misses end here.
-        let first = hashes.first().and_then(|h| Some((*h, device.get(*h)?)));
-        let mut active: Vec<u32> = first.map_or(Vec::new(), |(seq, code)| device.holders(seq, &code).to_vec());
-        active.dedup();
-        let mut depth = usize::from(!active.is_empty());
-        'walk: for chunk in hashes[depth.min(hashes.len())..].chunks(LOOKUP_BATCH) {
-            if active.is_empty() {
-                break;
-            }
-            let mut found = [None; LOOKUP_BATCH];
-            for (slot, h) in found.iter_mut().zip(chunk) {
-                *slot = device.get(*h);
-            }
-            for (code, seq) in found.iter().zip(chunk) {
-                let Some(code) = code else { break 'walk };
-                let holders = device.holders(*seq, code);
-                if holders != active.as_slice() {
-                    active.retain(|r| {
-                        let keep = holders.binary_search(r).is_ok();
-                        if !keep {
-                            out.push((*r, Overlap { device: depth as u32, host: 0, disk: 0 }));
-                        }
-                        keep
-                    });
-                    if active.is_empty() {
-                        break 'walk;
+        if let Some(first) = hashes.first() {
+            let mut starts = self.heads[0].shard(*first).of(*first).peekable();
+            if starts.peek().is_some() {
+                let hashes = &hashes[..hashes.iter().position(|h| *h == DEAD).unwrap_or(hashes.len())];
+                // Replicas with a chain so far, as bits (on the stack for pools of up to 1024).
+                let (mut small, mut large) = ([0u64; 16], Vec::new());
+                let words = self.replicas.len().div_ceil(64);
+                let seen: &mut [u64] = if words <= small.len() {
+                    &mut small[..words]
+                } else {
+                    large.resize(words, 0);
+                    &mut large
+                };
+                let mut memo = HeadsAt { pos: usize::MAX, heads: Vec::new() };
+                for &Head { replica: r, slot, .. } in starts {
+                    let device = self.chain_end(0, r, slot, 0, hashes, &mut memo) as u32;
+                    let (word, bit) = (r as usize / 64, 1 << (r % 64));
+                    if seen[word] & bit == 0 {
+                        seen[word] |= bit;
+                        out.push((r, Overlap { device, host: 0, disk: 0 }));
+                    } else if let Some((_, o)) = out.iter_mut().find(|(rr, _)| *rr == r) {
+                        // Two heads of the first block (two engine hashes for one content).
+                        o.device = o.device.max(device);
                     }
                 }
-                depth += 1;
             }
         }
-        out.extend(active.iter().map(|r| (*r, Overlap { device: depth as u32, host: 0, disk: 0 })));
-        if self.tiers[1].len == 0 && self.tiers[2].len == 0 {
+        if self.live[1] == 0 && self.live[2] == 0 {
             return out;
         }
         let mut dense = vec![Overlap::default(); self.replicas.len()];
         for (r, o) in out {
             dense[r as usize] = o;
         }
-        for (r, overlap) in dense.iter_mut().enumerate() {
-            let mut pos = overlap.device as usize;
-            let host = hashes[pos..].iter().take_while(|h| self.holds(1, **h, r)).count();
-            pos += host;
-            let disk = hashes[pos..].iter().take_while(|h| self.holds(2, **h, r)).count();
-            overlap.host = host as u32;
-            overlap.disk = disk as u32;
-        }
+        self.lower_tier(Tier::Host, hashes, &mut dense);
+        self.lower_tier(Tier::Disk, hashes, &mut dense);
         dense.into_iter().enumerate().filter(|(_, o)| *o != Overlap::default()).map(|(r, o)| (r as u32, o)).collect()
+    }
+
+    /// Where replica `r`'s chain on tier `t` through the prompt ends (an index into `hashes`,
+    /// exclusive), starting from `hashes[pos]` at `slot` of its arena.
+    fn chain_end(&self, t: usize, r: u32, mut slot: u32, mut pos: usize, hashes: &[u64], memo: &mut HeadsAt) -> usize {
+        let seqs = self.replicas[r as usize].tiers[t].arena.seqs();
+        loop {
+            // The run of prompt blocks in the slots after this one.
+            pos += 1 + common_prefix(&seqs[slot as usize + 1..], &hashes[pos + 1..]);
+            if pos == hashes.len() {
+                return pos;
+            }
+            // The chain breaks at `pos`: go on from the replica's head of that block, if any.
+            if memo.pos != pos {
+                memo.pos = pos;
+                memo.heads.clear();
+                memo.heads.extend(self.heads[t].shard(hashes[pos]).of(hashes[pos]).map(|h| (h.replica, h.slot)));
+            }
+            match memo.heads.iter().find(|(rr, _)| *rr == r) {
+                Some((_, s)) => slot = *s,
+                None => return pos,
+            }
+        }
+    }
+
+    /// Fills in each replica's overlap on lower tier `tier`: the prompt blocks it holds
+    /// there, consecutively from where the better tiers' match ends. A replica's chain on the
+    /// tier may start anywhere up to that point, so the prompt's heads on it are looked up at
+    /// every position up to the furthest one.
+    fn lower_tier(&self, tier: Tier, hashes: &[u64], dense: &mut [Overlap]) {
+        let t = tier.idx();
+        if self.live[t] == 0 {
+            return;
+        }
+        let from = |o: &Overlap| (if tier == Tier::Host { o.device } else { o.device + o.host }) as usize;
+        let hashes = &hashes[..hashes.iter().position(|h| *h == DEAD).unwrap_or(hashes.len())];
+        let furthest = dense.iter().map(&from).max().unwrap_or(0);
+        let mut memo = HeadsAt { pos: usize::MAX, heads: Vec::new() };
+        for pos in 0..hashes.len().min(furthest + 1) {
+            for head in self.heads[t].shard(hashes[pos]).of(hashes[pos]) {
+                let o = &mut dense[head.replica as usize];
+                let start = from(o);
+                if pos > start || start >= hashes.len() {
+                    continue;
+                }
+                let end = self.chain_end(t, head.replica, head.slot, pos, hashes, &mut memo);
+                let held = if tier == Tier::Host { &mut o.host } else { &mut o.disk };
+                *held = (*held).max(end.saturating_sub(start) as u32);
+            }
+        }
     }
 
     /// Blocks indexed for a replica, on all tiers.
     pub fn replica_blocks(&self, replica: ReplicaIdx) -> usize {
-        self.replicas[replica].tiers.iter().map(|t| t.seq.len()).sum()
+        self.replicas[replica].tiers.iter().map(|t| t.engine.len()).sum()
     }
 
     /// Blocks indexed for a replica on one tier.
     pub fn replica_tier_blocks(&self, replica: ReplicaIdx, tier: Tier) -> usize {
-        self.replicas[replica].tiers[tier.idx()].seq.len()
+        self.replicas[replica].tiers[tier.idx()].engine.len()
     }
+}
+
+/// How many leading elements `a` and `b` have in common. Compares four at a time (without
+/// branching between them, so the compiler can use one vector compare).
+fn common_prefix(a: &[u64], b: &[u64]) -> usize {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut i = 0;
+    while i + 4 <= n && (a[i] == b[i]) & (a[i + 1] == b[i + 1]) & (a[i + 2] == b[i + 2]) & (a[i + 3] == b[i + 3]) {
+        i += 4;
+    }
+    i + a[i..].iter().zip(&b[i..]).take_while(|(x, y)| x == y).count()
 }
 
 #[cfg(test)]
@@ -519,26 +542,76 @@ mod tests {
         assert_eq!(idx.replica_blocks(1), 1);
     }
 
+    /// Every head of tier `t`, sorted: (sequence hash, replica, slot).
+    fn heads(idx: &KvIndex, t: usize) -> Vec<(u64, u32, u32)> {
+        let mut v: Vec<_> =
+            idx.heads[t].shards.iter().flat_map(|s| s.iter()).map(|h| (h.seq, h.replica, h.slot)).collect();
+        v.sort_unstable();
+        v
+    }
+
     #[test]
-    fn replicas_past_the_inline_holder_codes_still_match() {
-        // Replica 1023 and up do not fit an entry's holder code: their blocks are listed in
-        // the spill, alone or with others.
-        let mut idx = KvIndex::new(4, 1100);
-        let t = tokens(8);
+    fn chains_break_where_blocks_are_removed_and_heal_when_compacted() {
+        let mut idx = KvIndex::new(4, 2);
+        let t = tokens(24);
         let prompt = prompt_block_hashes(&t, 4, Salt::NONE);
-        let at = |idx: &KvIndex, rs: [usize; 4]| rs.map(|r| idx.find_matches(&prompt)[r].device);
-        idx.store(1023, store(None, &[1, 2], &t, 4)).unwrap();
-        idx.store(3, store(None, &[1], &t[..4], 4)).unwrap();
-        idx.store(1022, store(None, &[5, 6], &t, 4)).unwrap();
-        assert_eq!(at(&idx, [1023, 3, 1022, 1099]), [2, 1, 2, 0]);
-        idx.remove(3, Tier::Device, &[1]);
-        idx.remove(1022, Tier::Device, &[6]);
-        assert_eq!(at(&idx, [1023, 3, 1022, 1099]), [2, 0, 1, 0]);
-        idx.remove(1023, Tier::Device, &[2, 1]);
-        assert_eq!(at(&idx, [1023, 3, 1022, 1099]), [0, 0, 1, 0]);
-        idx.clear_replica(1022);
-        assert_eq!(at(&idx, [1023, 3, 1022, 1099]), [0, 0, 0, 0]);
-        assert_eq!((idx.tiers[0].len, idx.tiers[0].spill.len()), (0, 0), "nothing left behind");
+        // Replica 0: blocks 0-3 in one event (one chain, one head), then 4-5 after block 3.
+        idx.store(0, store(None, &[1, 2, 3, 4], &t[..16], 4)).unwrap();
+        idx.store(0, store(Some(4), &[5, 6], &t[16..], 4)).unwrap();
+        assert_eq!(heads(&idx, 0), [(prompt[0], 0, 0)], "block 4 continues the chain of block 3");
+        // Replica 1 stores 0-1, then 0-2 again: block 2 follows block 1 of the second copy.
+        idx.store(1, store(None, &[1, 2], &t[..8], 4)).unwrap();
+        idx.store(1, store(Some(2), &[3], &t[8..12], 4)).unwrap();
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![6, 3]);
+        // Removing block 1 of replica 0 ends its chain there; block 2 heads the rest.
+        idx.remove(0, Tier::Device, &[2]);
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![1, 3]);
+        assert!(heads(&idx, 0).contains(&(prompt[2], 0, 2)));
+        // Storing block 1 again (at the end of the arena) makes 0-5 whole again, through heads.
+        idx.store(0, store(Some(1), &[2], &t[4..8], 4)).unwrap();
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![6, 3]);
+        // Remove blocks until removed slots outnumber live ones: the arena is compacted, and
+        // the heads and engine entries follow their blocks.
+        idx.remove(0, Tier::Device, &[5, 3, 6]);
+        assert_eq!(idx.replicas[0].tiers[0].arena.seqs(), [prompt[0], prompt[3], prompt[1]]);
+        assert_eq!(heads(&idx, 0), {
+            let mut v = vec![(prompt[0], 0, 0), (prompt[3], 0, 1), (prompt[1], 0, 2), (prompt[0], 1, 0)];
+            v.sort_unstable();
+            v
+        });
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![2, 3]);
+        idx.store(0, store(Some(2), &[3], &t[8..12], 4)).unwrap();
+        idx.store(0, store(Some(4), &[5, 6], &t[16..], 4)).unwrap();
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![6, 3]);
+        idx.clear_replica(0);
+        idx.remove(1, Tier::Device, &[3, 2, 1]);
+        assert_eq!(heads(&idx, 0), [], "nothing left behind");
+        assert_eq!(idx.live, [0; 3]);
+    }
+
+    #[test]
+    fn a_replica_holding_a_block_twice_is_never_credited_with_more_than_it_holds() {
+        // Two engine hashes for one content (engines hash content, so this takes an engine
+        // bug): each copy is a block of its own.
+        let mut idx = KvIndex::new(4, 1);
+        let t = tokens(12);
+        let prompt = prompt_block_hashes(&t, 4, Salt::NONE);
+        idx.store(0, store(None, &[1, 2], &t[..8], 4)).unwrap();
+        idx.store(0, store(None, &[7], &t[..4], 4)).unwrap();
+        idx.store(0, store(Some(7), &[8, 9], &t[4..], 4)).unwrap();
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![3], "the longer chain of the two first blocks");
+        idx.remove(0, Tier::Device, &[9, 1]);
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![2], "the copies left still chain");
+        idx.remove(0, Tier::Device, &[7]);
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![0], "block 1 without block 0 is no match");
+        // A second copy in the middle of a chain: the walk follows the first copy's chain,
+        // so it may stop early, but it never credits a block the replica does not hold.
+        let mut idx = KvIndex::new(4, 1);
+        idx.store(0, store(None, &[1, 2], &t[..8], 4)).unwrap();
+        idx.store(0, store(Some(1), &[8, 9], &t[4..], 4)).unwrap();
+        assert!((2..=3).contains(&idx.find_matches(&prompt)[0].device));
+        idx.remove(0, Tier::Device, &[2, 8]);
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![1]);
     }
 
     #[test]

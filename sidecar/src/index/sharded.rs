@@ -1,15 +1,15 @@
-//! The index's hash maps: [`Sharded`] maps that grow one shard at a time, and [`HolderMap`],
-//! whose entries (sequence hash → holder code) take 8 bytes.
+//! The index's hash tables: [`Sharded`] tables that grow one shard at a time; [`EngineMap`]
+//! (engine hash → arena slot, 12 bytes an entry); [`HeadMap`] (sequence hash → the chain
+//! heads that hold it, several per key).
 //!
-//! A hash map doubles when it fills and moves every entry as it does. For the index's holder
-//! table at millions of blocks that is one `BlockStored` taking half a second, and it happens
-//! under the pool's write lock, so every routing decision of the pool waits for it. Split
-//! into `S` shards by some bits of the key, each shard grows on its own: the same number of
-//! moves, in pieces `1/S` the size, at different events. A small shard's rehash also stays in
-//! the CPU cache. A lookup pays a shift and a mask.
+//! A hash table doubles when it fills and moves every entry as it does. For a table of
+//! millions of entries that is one `BlockStored` taking a large fraction of a second, under
+//! the pool's write lock, so every routing decision of the pool waits for it. Split into `S`
+//! shards by some bits of the key, each shard grows on its own: the same number of moves, in
+//! pieces `1/S` the size, at different events. A small shard's rehash also stays in the CPU
+//! cache. A lookup pays a shift and a mask.
 //!
-//! Every key in a shard has the same shard bits, so an entry need not store them: the holder
-//! table keeps a block's holder there.
+//! Keys are already uniform hashes, so every table here uses the key itself as its hash.
 
 use std::collections::HashMap;
 
@@ -19,14 +19,14 @@ use nohash_hasher::BuildNoHashHasher;
 /// A map from already-uniform `u64` hashes: hashing them again would only cost time.
 pub(super) type Map<V> = HashMap<u64, V, BuildNoHashHasher<u64>>;
 
-/// `S` maps `M` (`S` a power of two), each holding the keys whose bits `SHIFT..` select it.
+/// `S` tables `M` (`S` a power of two), each holding the keys whose bits `SHIFT..` select it.
 /// hashbrown places an entry by the low bits of its hash and tags it with the top seven, so
 /// the shard bits must be neither. The shards are allocated on the first insert: a replica's
-/// unused tiers cost no more than one empty map.
+/// unused tiers cost no more than one empty table.
 #[derive(Debug)]
 pub(super) struct Sharded<M, const S: usize, const SHIFT: u32> {
-    /// Empty until the first insert, then `S` maps.
-    shards: Box<[M]>,
+    /// Empty until the first insert, then `S` tables.
+    pub(super) shards: Box<[M]>,
     /// What every shard is before the first insert.
     empty: M,
 }
@@ -49,9 +49,6 @@ impl<M: Default, const S: usize, const SHIFT: u32> Sharded<M, S, SHIFT> {
 }
 
 impl<M, const S: usize, const SHIFT: u32> Sharded<M, S, SHIFT> {
-    /// The key bits that choose a shard (and that its entries need not store).
-    pub(super) const MASK: u64 = (S as u64 - 1) << SHIFT;
-
     fn index(key: u64) -> usize {
         (key >> SHIFT) as usize & (S - 1)
     }
@@ -60,89 +57,121 @@ impl<M, const S: usize, const SHIFT: u32> Sharded<M, S, SHIFT> {
     pub(super) fn shard(&self, key: u64) -> &M {
         self.shards.get(Self::index(key)).unwrap_or(&self.empty)
     }
+
+    /// Every shard, to change (none before the first insert).
+    pub(super) fn shards_mut(&mut self) -> impl Iterator<Item = &mut M> {
+        self.shards.iter_mut()
+    }
 }
 
-/// Shards of a replica's engine map (engine hash bits 48..52): engine hash → sequence hash.
-pub(super) type EngineShards = Sharded<Map<u64>, 16, 48>;
+/// A replica's engine hashes on one tier, sharded by bits 48..52.
+pub(super) type EngineShards = Sharded<EngineMap, 16, 48>;
 
-/// Shards of a holder table (sequence hash bits 32..42): 1024, so an entry has 10 bits for
-/// its holder code and a table of 10 M blocks re-places ~10 k entries when a shard grows.
-pub(super) type HolderShards = Sharded<HolderMap, 1024, 32>;
+/// A tier's chain heads, sharded by sequence-hash bits 40..48.
+pub(super) type HeadShards = Sharded<HeadMap, 256, 40>;
 
-/// One holder shard: sequence hash → a 10-bit holder code, in one `u64` an entry — the key with
-/// its shard bits (32..42) replaced by the code.
+impl EngineShards {
+    /// Entries in all shards.
+    pub(super) fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.table.len()).sum()
+    }
+}
+
+/// An [`EngineMap`] entry: 12 bytes, where a `(u64, u32)` tuple would take 16.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, packed(4))]
+struct EngineEntry {
+    engine: u64,
+    slot: u32,
+}
+
+/// One shard of a replica's engine map: the engine's block hash → the block's slot in the
+/// replica's arena.
 #[derive(Debug, Default)]
-pub(super) struct HolderMap {
-    table: HashTable<u64>,
+pub(super) struct EngineMap {
+    table: HashTable<EngineEntry>,
 }
 
-impl HolderMap {
-    const MASK: u64 = HolderShards::MASK;
-    const SHIFT: u32 = Self::MASK.trailing_zeros();
-    /// The largest holder code.
-    pub(super) const MAX_CODE: u32 = (Self::MASK >> Self::SHIFT) as u32;
-
-    /// The key bits an entry stores, which are also its hash: the shard's bits are the same
-    /// for every key here, and the rest are uniform.
-    fn stored(seq: u64) -> u64 {
-        seq & !Self::MASK
+impl EngineMap {
+    /// The slot of `engine`.
+    pub(super) fn get(&self, engine: u64) -> Option<u32> {
+        self.table.find(engine, |e| { e.engine } == engine).map(|e| e.slot)
     }
 
-    fn code(entry: u64) -> u32 {
-        ((entry & Self::MASK) >> Self::SHIFT) as u32
-    }
-
-    fn entry(seq: u64, code: u32) -> u64 {
-        debug_assert!(code <= Self::MAX_CODE);
-        Self::stored(seq) | u64::from(code) << Self::SHIFT
-    }
-
-    /// The code of `seq`.
-    pub(super) fn get(&self, seq: u64) -> Option<u32> {
-        let key = Self::stored(seq);
-        self.table.find(key, |e| Self::stored(*e) == key).map(|e| Self::code(*e))
-    }
-
-    /// Sets the code of `seq` (present or not).
-    pub(super) fn set(&mut self, seq: u64, code: u32) {
-        let key = Self::stored(seq);
-        match self.table.entry(key, |e| Self::stored(*e) == key, |e| Self::stored(*e)) {
-            Entry::Occupied(mut o) => *o.get_mut() = Self::entry(seq, code),
+    /// Inserts `engine` at the slot `slot()` returns, unless it is present; returns its slot
+    /// if it was (nothing changed).
+    pub(super) fn try_insert(&mut self, engine: u64, slot: impl FnOnce() -> u32) -> Option<u32> {
+        match self.table.entry(engine, |e| { e.engine } == engine, |e| e.engine) {
+            Entry::Occupied(o) => Some(o.get().slot),
             Entry::Vacant(v) => {
-                v.insert(Self::entry(seq, code));
-            }
-        }
-    }
-
-    /// Sets the code of `seq` unless it has one already; returns that code (nothing changed)
-    /// or `None` (inserted).
-    pub(super) fn try_insert(&mut self, seq: u64, code: u32) -> Option<u32> {
-        let key = Self::stored(seq);
-        match self.table.entry(key, |e| Self::stored(*e) == key, |e| Self::stored(*e)) {
-            Entry::Occupied(o) => Some(Self::code(*o.get())),
-            Entry::Vacant(v) => {
-                v.insert(Self::entry(seq, code));
+                v.insert(EngineEntry { engine, slot: slot() });
                 None
             }
         }
     }
 
-    /// Removes `seq`; returns its code.
-    pub(super) fn remove(&mut self, seq: u64) -> Option<u32> {
-        let key = Self::stored(seq);
-        self.table.find_entry(key, |e| Self::stored(*e) == key).ok().map(|o| Self::code(o.remove().0))
+    /// Removes `engine`; returns its slot.
+    pub(super) fn remove(&mut self, engine: u64) -> Option<u32> {
+        self.table.find_entry(engine, |e| { e.engine } == engine).ok().map(|o| o.remove().0.slot)
+    }
+
+    /// Every entry's slot, to change.
+    pub(super) fn slots_mut(&mut self) -> impl Iterator<Item = &mut u32> {
+        // A packed field cannot be borrowed in place; `slot` is 4-aligned within the 4-aligned
+        // entry, so a reference to it is sound.
+        self.table.iter_mut().map(|e| {
+            let entry: *mut EngineEntry = e;
+            // SAFETY: `slot` is at offset 8 of a `repr(C, packed(4))` struct whose alignment is
+            // 4, so the field is 4-aligned, as `u32` requires; the borrow is unique via `e`.
+            unsafe { &mut *std::ptr::addr_of_mut!((*entry).slot) }
+        })
     }
 }
 
-impl<V, const S: usize, const SHIFT: u32> Sharded<Map<V>, S, SHIFT> {
-    /// Entries in all shards.
-    pub(super) fn len(&self) -> usize {
-        self.shards.iter().map(Map::len).sum()
+/// A chain head: block `seq` of replica `replica` is at `slot` of its arena and cannot be
+/// reached from the slot before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Head {
+    /// The block's sequence hash.
+    pub(super) seq: u64,
+    /// The replica holding it.
+    pub(super) replica: u32,
+    /// Its slot in the replica's arena of this tier.
+    pub(super) slot: u32,
+}
+
+/// One shard of a tier's head table: a multimap from sequence hash to every [`Head`] with
+/// that hash (one per replica whose chain starts there).
+#[derive(Debug, Default)]
+pub(super) struct HeadMap {
+    table: HashTable<Head>,
+}
+
+impl HeadMap {
+    /// Every head in this shard.
+    #[cfg(test)]
+    pub(super) fn iter(&self) -> impl Iterator<Item = &Head> {
+        self.table.iter()
     }
 
-    /// Every value, shard after shard.
-    pub(super) fn into_values(self) -> impl Iterator<Item = V> {
-        self.shards.into_vec().into_iter().flat_map(Map::into_values)
+    /// Every head of block `seq`.
+    pub(super) fn of(&self, seq: u64) -> impl Iterator<Item = &Head> {
+        self.table.iter_hash(seq).filter(move |h| h.seq == seq)
+    }
+
+    /// Adds a head (the caller knows it is not present).
+    pub(super) fn insert(&mut self, head: Head) {
+        self.table.insert_unique(head.seq, head, |h| h.seq);
+    }
+
+    /// Removes a head; returns whether it was present.
+    pub(super) fn remove(&mut self, head: Head) -> bool {
+        self.table.find_entry(head.seq, |h| *h == head).map(|o| o.remove()).is_ok()
+    }
+
+    /// Moves a head to another slot; returns whether it was present.
+    pub(super) fn move_to(&mut self, head: Head, slot: u32) -> bool {
+        self.table.find_mut(head.seq, |h| *h == head).map(|h| h.slot = slot).is_some()
     }
 }
 
@@ -163,42 +192,49 @@ mod tests {
     }
 
     #[test]
-    fn holder_map_keeps_codes_in_the_shard_bits() {
-        assert_eq!(HolderMap::MAX_CODE, 1023);
-        let mut shards = HolderShards::default();
-        let keys = keys(32, 10);
-        let code = |k: u64| (k ^ k >> 36) as u32 & HolderMap::MAX_CODE;
-        for k in &keys {
-            assert_eq!(shards.shard_mut(*k).try_insert(*k, code(*k)), None, "{k:#x} is new");
+    fn engine_map_entries_are_12_bytes_and_keep_every_key() {
+        assert_eq!(std::mem::size_of::<EngineEntry>(), 12);
+        let mut m = EngineShards::default();
+        assert_eq!((m.shards.len(), m.shard(5).get(5), m.len()), (0, None, 0), "nothing allocated yet");
+        let keys = keys(48, 4);
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(m.shard_mut(*k).try_insert(*k, || i as u32), None, "{k:#x} is new");
         }
-        assert!(keys.iter().all(|k| shards.shard(*k).get(*k) == Some(code(*k))));
-        assert_eq!(shards.shard_mut(keys[3]).try_insert(keys[3], 9), Some(code(keys[3])), "try_insert keeps the code");
-        shards.shard_mut(keys[3]).set(keys[3], HolderMap::MAX_CODE);
-        assert_eq!(shards.shard(keys[3]).get(keys[3]), Some(HolderMap::MAX_CODE));
-        // Keys that differ from keys[3] only in the shard bits are other blocks: found with
-        // their own codes when stored, not found when not.
-        assert_eq!(shards.shard(keys[3] ^ 1 << 32).get(keys[3] ^ 1 << 32), Some(code(keys[3] ^ 1 << 32)));
-        assert_eq!(shards.shard(keys[3] ^ 512 << 32).get(keys[3] ^ 512 << 32), None);
-        assert_eq!(shards.shard_mut(keys[5]).remove(keys[5]), Some(code(keys[5])));
-        assert_eq!(shards.shard(keys[5]).get(keys[5]), None);
-        assert_eq!(shards.shards.iter().map(|s| s.table.len()).sum::<usize>(), keys.len() - 1);
+        assert_eq!((m.shards.len(), m.len()), (16, keys.len()));
+        assert!(m.shards.iter().all(|s| !s.table.is_empty()), "one key per shard at least");
+        assert!(keys.iter().enumerate().all(|(i, k)| m.shard(*k).get(*k) == Some(i as u32)));
+        assert_eq!(m.shard_mut(keys[3]).try_insert(keys[3], || 99), Some(3), "present: unchanged");
+        assert_eq!(m.shard(keys[3] | 1 << 62).get(keys[3] | 1 << 62), None, "a key never stored");
+        for shard in m.shards_mut() {
+            shard.slots_mut().for_each(|s| *s += 1000);
+        }
+        assert_eq!(m.shard_mut(keys[5]).remove(keys[5]), Some(1005));
+        assert_eq!(m.shard(keys[5]).get(keys[5]), None);
+        assert_eq!(m.shard(keys[6]).get(keys[6]), Some(1006));
+        assert_eq!(m.len(), keys.len() - 1);
     }
 
     #[test]
-    fn shards_are_allocated_on_the_first_insert_and_keep_every_key() {
-        let mut m: Sharded<Map<u64>, 16, 48> = Sharded::default();
-        assert_eq!((m.shards.len(), m.shard(5).get(&5), m.len()), (0, None, 0), "nothing allocated yet");
-        let keys = keys(48, 4);
+    fn head_map_holds_several_heads_per_block() {
+        let mut heads = HeadShards::default();
+        let keys = keys(40, 8);
+        let head = |seq: u64, replica: u32| Head { seq, replica, slot: replica * 10 };
         for k in &keys {
-            m.shard_mut(*k).insert(*k, k.wrapping_mul(3));
+            for r in 0..3 {
+                heads.shard_mut(*k).insert(head(*k, r));
+            }
         }
-        assert_eq!((m.shards.len(), m.len()), (16, keys.len()));
-        assert!(keys.iter().all(|k| m.shard(*k).get(k) == Some(&k.wrapping_mul(3))));
-        assert!(m.shards.iter().all(|s| !s.is_empty()), "one key per shard at least");
-        let mut values: Vec<u64> = m.into_values().collect();
-        values.sort_unstable();
-        let mut expected: Vec<u64> = keys.iter().map(|k| k.wrapping_mul(3)).collect();
-        expected.sort_unstable();
-        assert_eq!(values, expected);
+        let of = |heads: &HeadShards, k: u64| {
+            let mut v: Vec<(u32, u32)> = heads.shard(k).of(k).map(|h| (h.replica, h.slot)).collect();
+            v.sort_unstable();
+            v
+        };
+        assert!(keys.iter().all(|k| of(&heads, *k) == [(0, 0), (1, 10), (2, 20)]));
+        assert!(heads.shard_mut(keys[4]).remove(head(keys[4], 1)));
+        assert!(!heads.shard_mut(keys[4]).remove(head(keys[4], 1)), "already gone");
+        assert!(heads.shard_mut(keys[4]).move_to(head(keys[4], 2), 7));
+        assert_eq!(of(&heads, keys[4]), [(0, 0), (2, 7)]);
+        assert_eq!(of(&heads, keys[5]), [(0, 0), (1, 10), (2, 20)], "the key one shard over");
+        assert!(of(&heads, 12345).is_empty());
     }
 }
