@@ -15,10 +15,11 @@
 //! slow the throughput pass), `find_matches` p50/p99 for a full
 //! hit, a shared prefix and a miss, and heap bytes per indexed block (a counting allocator).
 //! Usage:
-//! `cargo run --release -- [replicas] [blocks_per_replica] [repeats]` (default 64 × 100000,
-//! 3 repeats: each index applies the stream that many times, alternating with the others, and
-//! its fastest apply and lowest lookup percentiles are compared; every repeat's apply ratios
-//! are printed too).
+//! `cargo run --release -- [replicas] [blocks_per_replica] [repeats] [churn_percent]` (default
+//! 64 × 100000, 3 repeats: each index applies the stream that many times, alternating with the
+//! others, and its fastest apply and lowest lookup percentiles are compared; every repeat's
+//! apply ratios are printed too. After filling its budget a replica serves `churn_percent` %
+//! more of it, default 10, evicting as it goes).
 //! The full routing decision is compared by `src/bin/decision.rs` (`--bin decision`).
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -95,9 +96,10 @@ struct Stream {
     misses: Vec<Vec<u32>>,
 }
 
-fn stream(replicas: usize, budget: usize) -> Stream {
+fn stream(replicas: usize, budget: usize, churn_percent: usize) -> Stream {
     let groups: Vec<Vec<u32>> = (0..GROUPS).map(|g| tokens_of(1_000 + u64::from(g), PREFIX)).collect();
-    let requests_per_replica = budget / UNIQUE + budget / UNIQUE / 10; // fill, then 10% churn
+    // Fill the budget, then go on for `churn_percent` % of it.
+    let requests_per_replica = budget / UNIQUE + budget / UNIQUE * churn_percent / 100;
     let mut events = Vec::new();
     let mut blocks_stored = 0;
     let mut hits = Vec::new();
@@ -394,8 +396,9 @@ fn main() {
     let replicas = args.first().copied().unwrap_or(64);
     let budget = args.get(1).copied().unwrap_or(100_000);
     let repeats = args.get(2).copied().unwrap_or(3).max(1);
+    let churn_percent = args.get(3).copied().unwrap_or(10);
     eprintln!("building the stream: {replicas} replicas x {budget} blocks ...");
-    let s = stream(replicas, budget);
+    let s = stream(replicas, budget, churn_percent);
     eprintln!("{} events, {} blocks stored", s.events.len(), s.blocks_stored);
     let seq = |ts: &[Vec<u32>]| {
         ts.iter().map(|t| kvgate_shared::hash::prompt_block_hashes(t, BS, Salt::NONE)).collect::<Vec<_>>()
