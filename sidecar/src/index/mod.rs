@@ -172,7 +172,8 @@ impl ReplicaTier {
     fn kill(&mut self, slot: u32, replica: u32, heads: &mut HeadShards) {
         let (seq, head) = self.arena.kill(slot);
         if head {
-            heads.shard_mut(seq).remove(Head { seq, replica, slot });
+            let removed = heads.shard_mut(seq).remove(Head { seq, replica, slot });
+            debug_assert!(removed, "a head bit without its head");
         }
         // The block after it, if it continued this one, now heads a chain.
         let after = slot + 1;
@@ -193,7 +194,8 @@ impl ReplicaTier {
         }
         let moved = self.arena.compact();
         for (seq, old, new) in moved.heads {
-            heads.shard_mut(seq).move_to(Head { seq, replica, slot: old }, new);
+            let moved = heads.shard_mut(seq).move_to(Head { seq, replica, slot: old }, new);
+            debug_assert!(moved, "a head bit without its head");
         }
         for shard in self.engine.shards_mut() {
             shard.slots_mut().for_each(|slot| *slot = moved.remap[*slot as usize]);
@@ -332,7 +334,8 @@ impl KvIndex {
         for (t, rt) in tiers.into_iter().enumerate() {
             self.live[t] -= rt.engine.len();
             for (slot, seq) in rt.arena.heads() {
-                self.heads[t].shard_mut(seq).remove(Head { seq, replica: replica as u32, slot });
+                let removed = self.heads[t].shard_mut(seq).remove(Head { seq, replica: replica as u32, slot });
+                debug_assert!(removed, "a head bit without its head");
             }
         }
     }

@@ -77,12 +77,22 @@ impl EngineShards {
     }
 }
 
-/// An [`EngineMap`] entry: 12 bytes, where a `(u64, u32)` tuple would take 16.
+/// An [`EngineMap`] entry: 12 bytes, where a `(u64, u32)` tuple would take 16 (the engine
+/// hash is kept as two 4-byte halves, so the entry needs only 4-byte alignment).
 #[derive(Debug, Clone, Copy)]
-#[repr(C, packed(4))]
 struct EngineEntry {
-    engine: u64,
+    engine: [u32; 2],
     slot: u32,
+}
+
+impl EngineEntry {
+    fn new(engine: u64, slot: u32) -> Self {
+        EngineEntry { engine: [engine as u32, (engine >> 32) as u32], slot }
+    }
+
+    fn engine(&self) -> u64 {
+        u64::from(self.engine[0]) | u64::from(self.engine[1]) << 32
+    }
 }
 
 /// One shard of a replica's engine map: the engine's block hash → the block's slot in the
@@ -95,16 +105,16 @@ pub(super) struct EngineMap {
 impl EngineMap {
     /// The slot of `engine`.
     pub(super) fn get(&self, engine: u64) -> Option<u32> {
-        self.table.find(engine, |e| { e.engine } == engine).map(|e| e.slot)
+        self.table.find(engine, |e| e.engine() == engine).map(|e| e.slot)
     }
 
     /// Inserts `engine` at the slot `slot()` returns, unless it is present; returns its slot
     /// if it was (nothing changed).
     pub(super) fn try_insert(&mut self, engine: u64, slot: impl FnOnce() -> u32) -> Option<u32> {
-        match self.table.entry(engine, |e| { e.engine } == engine, |e| e.engine) {
+        match self.table.entry(engine, |e| e.engine() == engine, EngineEntry::engine) {
             Entry::Occupied(o) => Some(o.get().slot),
             Entry::Vacant(v) => {
-                v.insert(EngineEntry { engine, slot: slot() });
+                v.insert(EngineEntry::new(engine, slot()));
                 None
             }
         }
@@ -112,19 +122,12 @@ impl EngineMap {
 
     /// Removes `engine`; returns its slot.
     pub(super) fn remove(&mut self, engine: u64) -> Option<u32> {
-        self.table.find_entry(engine, |e| { e.engine } == engine).ok().map(|o| o.remove().0.slot)
+        self.table.find_entry(engine, |e| e.engine() == engine).ok().map(|o| o.remove().0.slot)
     }
 
     /// Every entry's slot, to change.
     pub(super) fn slots_mut(&mut self) -> impl Iterator<Item = &mut u32> {
-        // A packed field cannot be borrowed in place; `slot` is 4-aligned within the 4-aligned
-        // entry, so a reference to it is sound.
-        self.table.iter_mut().map(|e| {
-            let entry: *mut EngineEntry = e;
-            // SAFETY: `slot` is at offset 8 of a `repr(C, packed(4))` struct whose alignment is
-            // 4, so the field is 4-aligned, as `u32` requires; the borrow is unique via `e`.
-            unsafe { &mut *std::ptr::addr_of_mut!((*entry).slot) }
-        })
+        self.table.iter_mut().map(|e| &mut e.slot)
     }
 }
 
