@@ -217,8 +217,6 @@ pub struct KvIndex {
     /// Per tier: blocks held, all replicas together.
     live: [usize; 3],
     replicas: Vec<ReplicaBlocks>,
-    /// Sequence hashes of the event being stored (kept to reuse its allocation).
-    scratch: Vec<u64>,
 }
 
 /// The heads of the block at one prompt position, fetched once for every replica whose chain
@@ -236,7 +234,6 @@ impl KvIndex {
             heads: Default::default(),
             live: [0; 3],
             replicas: (0..replicas).map(|_| ReplicaBlocks::default()).collect(),
-            scratch: Vec::new(),
         }
     }
 
@@ -269,19 +266,15 @@ impl KvIndex {
             Some(p) => Some(self.locate(replica, t, p).ok_or(ApplyError::ParentUnknown)?),
         };
         let mut parent_seq = parent.map(|(pt, slot)| self.replicas[replica].tiers[pt].arena.get(slot));
-        let mut seqs = std::mem::take(&mut self.scratch);
-        seqs.clear();
-        for (i, tokens) in s.token_ids.chunks_exact(s.block_size).enumerate() {
-            let salt = s.salt.combine(s.extra.get(i).copied().unwrap_or(Salt::NONE));
-            let seq = next_sequence_hash(parent_seq, local_block_hash(tokens, salt));
-            seqs.push(seq);
-            parent_seq = Some(seq);
-        }
         let rt = &mut self.replicas[replica].tiers[t];
         let heads = &mut self.heads[t];
         // The slot of the block the next one chains to, if it is on this tier.
         let mut prev = parent.and_then(|(pt, slot)| (pt == t).then_some(slot));
-        for (engine_hash, seq) in s.engine_hashes.iter().zip(&seqs) {
+        for (i, (engine_hash, tokens)) in s.engine_hashes.iter().zip(s.token_ids.chunks_exact(s.block_size)).enumerate()
+        {
+            let salt = s.salt.combine(s.extra.get(i).copied().unwrap_or(Salt::NONE));
+            let seq = next_sequence_hash(parent_seq, local_block_hash(tokens, salt));
+            parent_seq = Some(seq);
             let slot = rt.arena.next_slot();
             match rt.engine.shard_mut(*engine_hash).try_insert(*engine_hash, || slot) {
                 Some(stored) => {
@@ -292,7 +285,7 @@ impl KvIndex {
                     // A block continues its chain if its parent is the slot before; otherwise
                     // it heads one, and lookups find it through the head table.
                     let head = prev.is_none_or(|p| p + 1 != slot);
-                    rt.arena.push(*seq, head);
+                    rt.arena.push(seq, head);
                     if head {
                         let seq = rt.arena.get(slot);
                         heads.shard_mut(seq).insert(Head { seq, replica: replica as u32, slot });
@@ -302,7 +295,6 @@ impl KvIndex {
                 }
             }
         }
-        self.scratch = seqs;
         Ok(())
     }
 
@@ -358,34 +350,38 @@ impl KvIndex {
     /// head of that block, if any.
     pub fn find_overlaps(&self, hashes: &[u64]) -> Vec<(u32, Overlap)> {
         let mut out: Vec<(u32, Overlap)> = Vec::new();
-        if let Some(first) = hashes.first() {
-            let mut starts = self.heads[0].shard(*first).of(*first).peekable();
-            if starts.peek().is_some() {
-                let hashes = &hashes[..hashes.iter().position(|h| *h == DEAD).unwrap_or(hashes.len())];
-                // Replicas with a chain so far, as bits (on the stack for pools of up to 1024).
-                let (mut small, mut large) = ([0u64; 16], Vec::new());
-                let words = self.replicas.len().div_ceil(64);
-                let seen: &mut [u64] = if words <= small.len() {
-                    &mut small[..words]
-                } else {
-                    large.resize(words, 0);
-                    &mut large
-                };
-                let mut memo = HeadsAt { pos: usize::MAX, heads: Vec::new() };
-                for &Head { replica: r, slot, .. } in starts {
-                    let device = self.chain_end(0, r, slot, 0, hashes, &mut memo) as u32;
-                    let (word, bit) = (r as usize / 64, 1 << (r % 64));
-                    if seen[word] & bit == 0 {
-                        seen[word] |= bit;
-                        out.push((r, Overlap { device, host: 0, disk: 0 }));
-                    } else if let Some((_, o)) = out.iter_mut().find(|(rr, _)| *rr == r) {
-                        // Two heads of the first block (two engine hashes for one content).
-                        o.device = o.device.max(device);
-                    }
+        let mut starts = hashes.first().into_iter().flat_map(|first| self.heads[0].shard(*first).of(*first)).peekable();
+        let lower_tiers = self.live[1] != 0 || self.live[2] != 0;
+        if starts.peek().is_none() && !lower_tiers {
+            return out;
+        }
+        // A hash equal to the removed-slot marker would match removed slots: the walk stops
+        // before it (no block is stored under it).
+        let hashes = &hashes[..hashes.iter().position(|h| *h == DEAD).unwrap_or(hashes.len())];
+        if starts.peek().is_some() {
+            // Replicas with a chain so far, as bits (on the stack for pools of up to 1024).
+            let (mut small, mut large) = ([0u64; 16], Vec::new());
+            let words = self.replicas.len().div_ceil(64);
+            let seen: &mut [u64] = if words <= small.len() {
+                &mut small[..words]
+            } else {
+                large.resize(words, 0);
+                &mut large
+            };
+            let mut memo = HeadsAt { pos: usize::MAX, heads: Vec::new() };
+            for &Head { replica: r, slot, .. } in starts {
+                let device = self.chain_end(0, r, slot, 0, hashes, &mut memo) as u32;
+                let (word, bit) = (r as usize / 64, 1 << (r % 64));
+                if seen[word] & bit == 0 {
+                    seen[word] |= bit;
+                    out.push((r, Overlap { device, host: 0, disk: 0 }));
+                } else if let Some((_, o)) = out.iter_mut().find(|(rr, _)| *rr == r) {
+                    // Two heads of the first block (two engine hashes for one content).
+                    o.device = o.device.max(device);
                 }
             }
         }
-        if self.live[1] == 0 && self.live[2] == 0 {
+        if !lower_tiers {
             return out;
         }
         let mut dense = vec![Overlap::default(); self.replicas.len()];
@@ -420,7 +416,8 @@ impl KvIndex {
         }
     }
 
-    /// Fills in each replica's overlap on lower tier `tier`: the prompt blocks it holds
+    /// Fills in each replica's overlap on lower tier `tier` (`hashes` already cut at any
+    /// [`DEAD`]): the prompt blocks it holds
     /// there, consecutively from where the better tiers' match ends. A replica's chain on the
     /// tier may start anywhere up to that point, so the prompt's heads on it are looked up at
     /// every position up to the furthest one.
@@ -430,7 +427,6 @@ impl KvIndex {
             return;
         }
         let from = |o: &Overlap| (if tier == Tier::Host { o.device } else { o.device + o.host }) as usize;
-        let hashes = &hashes[..hashes.iter().position(|h| *h == DEAD).unwrap_or(hashes.len())];
         let furthest = dense.iter().map(&from).max().unwrap_or(0);
         let mut memo = HeadsAt { pos: usize::MAX, heads: Vec::new() };
         for pos in 0..hashes.len().min(furthest + 1) {
