@@ -10,12 +10,14 @@
 //! |---|---|
 //! | [`config`] | the plugin configuration |
 //! | [`plan`] | body → route request (pure, natively testable) |
+//! | [`fetches`] | when to (re)fetch each model's tokenizer (pure) |
 //! | [`root`] | tokenizer loading, lifecycle batching (one per VM) |
 //! | [`http`] | the per-request state machine |
 //! | [`host`] | header hostcalls that return errors instead of panicking |
 //! | [`metrics`] | the filter's counters and histograms in Envoy's stats |
 
 pub mod config;
+pub mod fetches;
 pub mod host;
 pub mod http;
 pub mod metrics;

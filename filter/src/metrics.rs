@@ -13,6 +13,7 @@
 //! | `kvgate.tokenize_us` | histogram | parse + template + tokenize + hash, µs |
 //! | `kvgate.sidecar_us` | histogram | the sidecar round trip, µs |
 //! | `kvgate.segment_cache.hits` / `.misses` | counter | prompt pieces served / tokenized |
+//! | `kvgate.tokenizer_missing.<model>` | gauge | 1 while the model's tokenizer cannot be loaded (its requests are routed on load alone); defined on the first failure. `<model>` is the name with every character but `[A-Za-z0-9_-]` replaced by `_` |
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
@@ -98,6 +99,18 @@ impl FilterMetrics {
     /// Counts a request whose prompt was forwarded as token ids.
     pub fn forwarded(&self) {
         let _ = hostcalls::increment_metric(self.forwarded, 1);
+    }
+
+    /// Defines the `kvgate.tokenizer_missing.<model>` gauge.
+    pub fn define_tokenizer_missing(model: &str) -> Option<u32> {
+        let name: String =
+            model.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+        hostcalls::define_metric(MetricType::Gauge, &format!("kvgate.tokenizer_missing.{name}")).ok()
+    }
+
+    /// Sets a gauge.
+    pub fn set_gauge(id: u32, value: u64) {
+        let _ = hostcalls::record_metric(id, value);
     }
 
     /// Records the sidecar round trip.

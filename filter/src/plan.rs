@@ -184,23 +184,33 @@ pub fn with_token_prompt(body: &[u8], ids: &[u32]) -> Option<Vec<u8>> {
     serde_json::to_vec(&request).ok()
 }
 
-/// Plans an offload: the whole body goes to the sidecar, which tokenizes it. The body is
-/// still parsed here (cheap next to tokenizing) so that unroutable requests and models kvgate
-/// does not route pass through exactly as [`plan`] would let them.
-pub fn offload(
+/// What the filter reads of a body it offloads: the model, nothing else. Every other field
+/// is skipped unread (`serde` ignores unknown fields), so no tree of the body is built in the
+/// VM, whose memory is never given back.
+#[derive(serde::Deserialize)]
+struct Envelope<'a> {
+    #[serde(borrow)]
+    model: std::borrow::Cow<'a, str>,
+}
+
+/// Plans an offload: the whole body goes to the sidecar, which parses and tokenizes it. Here
+/// only its `model` is read, so that bodies that are not JSON objects with a model, and models
+/// kvgate does not route, pass through as [`plan`] would let them; anything else the sidecar
+/// rejects falls back to Envoy's LB.
+pub fn offload<'a>(
     endpoint: Endpoint,
-    body: &[u8],
+    body: &'a [u8],
     hints: &HeaderHints,
     listed: Option<&HashSet<String>>,
-) -> Result<RouteBodyRequest, Skip> {
-    let parsed = parse(endpoint, body).map_err(|e| Skip::Unroutable(e.to_string()))?;
-    if listed.is_some_and(|names| !names.contains(&parsed.model)) {
-        return Err(Skip::Unroutable(format!("model {:?} is not routed by kvgate", parsed.model)));
+) -> Result<RouteBodyRequest<'a>, Skip> {
+    let envelope: Envelope = serde_json::from_slice(body).map_err(|e| Skip::Unroutable(e.to_string()))?;
+    if listed.is_some_and(|names| !names.contains(envelope.model.as_ref())) {
+        return Err(Skip::Unroutable(format!("model {:?} is not routed by kvgate", envelope.model)));
     }
     Ok(RouteBodyRequest {
         request_id: hints.request_id.clone(),
         chat: endpoint == Endpoint::ChatCompletions,
-        body: body.to_vec(),
+        body: std::borrow::Cow::Borrowed(body),
         session: hints.session.clone(),
         overrides: hints.overrides,
     })

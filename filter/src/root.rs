@@ -1,10 +1,13 @@
 //! The root context (one per Envoy worker VM): loads tokenizers from the sidecar and sends
 //! lifecycle reports in batches.
 //!
-//! - **Tokenizers.** On configure, on every tick until all are loaded, and every
-//!   `models_refresh_ms` after that, it asks the sidecar for its models and LoRA adapters
-//!   (`GET /v1/models`) and fetches each missing bundle (`GET /v1/models/{model}/tokenizer`).
-//!   Until a model is loaded its requests are routed on load alone; they are never held back.
+//! - **Tokenizers.** On configure, and every `models_refresh_ms` after that (every tick until
+//!   the first list arrives), it asks the sidecar for its models and LoRA adapters
+//!   (`GET /v1/models`) and fetches each missing bundle (`GET /v1/models/{model}/tokenizer`,
+//!   the name percent-encoded). Until a model is loaded its requests are routed on load alone;
+//!   they are never held back. A fetch that fails is logged with the model and the cause,
+//!   shows in the gauge `kvgate.tokenizer_missing.<model>` (1 while missing) and is retried
+//!   with exponential backoff ([`crate::fetches`]).
 //!   An adapter shares its base model's tokenizer; adapters (and models) the sidecar no longer
 //!   lists are dropped, so their requests pass through again.
 //! - **Lifecycle.** HTTP contexts push reports onto a shared queue; the root drains it when
@@ -19,12 +22,15 @@ use std::time::{Duration, SystemTime};
 use kvgate_shared::codec;
 use kvgate_shared::hash::Salt;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
-use kvgate_shared::wire::{Adapter, LifecycleBatch, LifecycleEvent, ModelBundle, ModelList, CONTENT_TYPE};
+use kvgate_shared::wire::{
+    tokenizer_path, Adapter, LifecycleBatch, LifecycleEvent, ModelBundle, ModelList, CONTENT_TYPE,
+};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, MapType};
 
 use crate::config::FilterConfig;
+use crate::fetches::Fetches;
 use crate::http::RequestContext;
 use crate::metrics::FilterMetrics;
 use crate::plan::LoadedModel;
@@ -56,11 +62,14 @@ enum Call {
 pub struct Root {
     shared: Rc<RefCell<Shared>>,
     calls: HashMap<u32, Call>,
-    fetching: HashSet<String>,
-    /// When the model list was last applied (`None`: never, or a tokenizer failed and the
-    /// list must be fetched again on the next tick).
+    fetches: Fetches,
+    /// When the model list was last applied (`None`: never).
     listed_at: Option<SystemTime>,
+    /// The base models of the last list, whose tokenizers the filter loads.
+    base_models: Vec<String>,
     adapters: Vec<Adapter>,
+    /// `kvgate.tokenizer_missing.<model>` gauge ids, defined on a model's first failure.
+    missing_gauges: HashMap<String, u32>,
 }
 
 impl Root {
@@ -75,9 +84,11 @@ impl Root {
                 metrics: None,
             })),
             calls: HashMap::new(),
-            fetching: HashSet::new(),
+            fetches: Fetches::default(),
             listed_at: None,
+            base_models: Vec::new(),
             adapters: Vec::new(),
+            missing_gauges: HashMap::new(),
         }
     }
 
@@ -94,9 +105,47 @@ impl Root {
             Err(status) => {
                 log::warn!("kvgate: GET {path} to {cluster} failed to dispatch: {status:?}");
                 if let Call::Tokenizer(model) = call {
-                    self.fetching.remove(&model);
+                    self.tokenizer_failed(&model, format!("cannot reach cluster {cluster:?}: {status:?}"));
                 }
             }
+        }
+    }
+
+    /// Fetches the tokenizers of listed models that are not loaded and not backing off.
+    fn fetch_tokenizers(&mut self) {
+        let due = {
+            let shared = self.shared.borrow();
+            let wanted = self.base_models.iter().map(String::as_str).filter(|m| !shared.models.contains_key(*m));
+            self.fetches.due(wanted, self.get_current_time())
+        };
+        for model in due {
+            self.get(&tokenizer_path(&model), Call::Tokenizer(model));
+        }
+    }
+
+    /// A tokenizer fetch failed: says so (log line, gauge) and backs off.
+    fn tokenizer_failed(&mut self, model: &str, cause: String) {
+        let retry = Duration::from_millis(self.shared.borrow().config.retry_ms);
+        let wait = self.fetches.failed(model, cause.clone(), retry, self.get_current_time());
+        log::warn!(
+            "kvgate: no tokenizer for model {model:?} ({cause}); its requests are routed on load alone; retrying in {} ms",
+            wait.as_millis()
+        );
+        self.set_missing_gauge(model, true);
+    }
+
+    fn set_missing_gauge(&mut self, model: &str, missing: bool) {
+        if !self.missing_gauges.contains_key(model) {
+            if !missing {
+                return;
+            }
+            match FilterMetrics::define_tokenizer_missing(model) {
+                Some(id) => self.missing_gauges.insert(model.to_owned(), id),
+                None => return,
+            };
+        }
+        if let Some(id) = self.missing_gauges.get(model) {
+            FilterMetrics::set_gauge(*id, u64::from(missing));
         }
     }
 
@@ -149,19 +198,16 @@ impl Root {
         self.listed_at = Some(self.get_current_time());
         let names: HashSet<String> =
             list.models.iter().cloned().chain(list.adapters.iter().map(|a| a.name.clone())).collect();
+        self.fetches.retain(|m| names.contains(m));
         {
             let mut shared = self.shared.borrow_mut();
             shared.models.retain(|name, _| names.contains(name));
             shared.listed = Some(names);
         }
         self.adapters = list.adapters;
+        self.base_models = list.models;
         self.link_adapters();
-        for model in list.models {
-            let loaded = self.shared.borrow().models.contains_key(&model);
-            if !loaded && self.fetching.insert(model.clone()) {
-                self.get(&format!("/v1/models/{model}/tokenizer"), Call::Tokenizer(model));
-            }
-        }
+        self.fetch_tokenizers();
     }
 
     fn on_tokenizer(&mut self, model: String, body: &[u8]) {
@@ -173,16 +219,14 @@ impl Root {
         match loaded {
             Ok((block_size, tokenizer)) if block_size > 0 => {
                 log::info!("kvgate: tokenizer for {model:?} loaded (block size {block_size})");
+                self.fetches.loaded(&model);
+                self.set_missing_gauge(&model, false);
                 let loaded = LoadedModel { tokenizer: Rc::new(tokenizer), block_size, salt: Salt::NONE };
                 self.shared.borrow_mut().models.insert(model, loaded);
                 self.link_adapters();
             }
-            Ok(_) => log::warn!("kvgate: bundle for {model:?} has block size 0"),
-            Err(e) => {
-                log::warn!("kvgate: tokenizer for {model:?} unusable: {e}");
-                // Retried on the next model listing.
-                self.listed_at = None;
-            }
+            Ok(_) => self.tokenizer_failed(&model, "the bundle has block size 0".into()),
+            Err(e) => self.tokenizer_failed(&model, format!("the bundle does not load: {e}")),
         }
     }
 }
@@ -222,13 +266,13 @@ impl Context for Root {
         };
         match (call, body) {
             (Call::Models, Some(body)) => self.on_models(&body),
-            (Call::Tokenizer(model), Some(body)) => {
-                self.fetching.remove(&model);
-                self.on_tokenizer(model, &body);
-            }
+            (Call::Tokenizer(model), Some(body)) => self.on_tokenizer(model, &body),
             (Call::Tokenizer(model), None) => {
-                self.fetching.remove(&model);
-                self.listed_at = None;
+                let cause = match status {
+                    Some(status) => format!("the sidecar answered {status}"),
+                    None => "the sidecar did not answer".to_owned(),
+                };
+                self.tokenizer_failed(&model, cause);
             }
             (Call::Lifecycle, _) if status.as_deref() != Some("204") => {
                 log::warn!("kvgate: lifecycle batch answered {status:?}");
@@ -268,6 +312,7 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         self.refresh_models();
+        self.fetch_tokenizers();
         self.flush_lifecycle();
     }
 

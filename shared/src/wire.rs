@@ -9,11 +9,34 @@
 //! | `POST /v1/lifecycle` | [`LifecycleBatch`] | empty (204) |
 //! | `GET /v1/models` | — | [`ModelList`] |
 //! | `GET /v1/models/{model}/tokenizer` | — | [`ModelBundle`] |
+//!
+//! A model name goes into the tokenizer path percent-encoded ([`tokenizer_path`]): vLLM serves
+//! Hugging Face names such as `Qwen/Qwen3-8B` as they are, slashes included.
 
 use serde::{Deserialize, Serialize};
 
 /// Content type of every codec-encoded body.
 pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
+
+/// The largest request body Envoy buffers for the filter (`request_body_buffer_limit` in
+/// `envoy/`): the sidecar accepts an offloaded body this large, plus its envelope.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// What [`tokenizer_path`] escapes: everything but RFC 3986's unreserved characters.
+const PATH_SEGMENT: &percent_encoding::AsciiSet =
+    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
+/// The sidecar path of `model`'s [`ModelBundle`], the name percent-encoded as one path segment.
+///
+/// ```
+/// use kvgate_shared::wire::tokenizer_path;
+///
+/// assert_eq!(tokenizer_path("Qwen/Qwen3-8B"), "/v1/models/Qwen%2FQwen3-8B/tokenizer");
+/// assert_eq!(tokenizer_path("qwen3"), "/v1/models/qwen3/tokenizer");
+/// ```
+pub fn tokenizer_path(model: &str) -> String {
+    format!("/v1/models/{}/tokenizer", percent_encoding::utf8_percent_encode(model, PATH_SEGMENT))
+}
 
 /// The request header Envoy's `override_host` load-balancing policy reads: `ip:port`.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -50,14 +73,18 @@ pub struct RouteRequest {
 /// Asks the sidecar to route a request the filter hands over whole: a prompt too big to
 /// tokenize on an Envoy worker thread (the filter's `offload_bytes`) is tokenized on the
 /// sidecar's own threads instead, with the same code.
+///
+/// The body is borrowed where the filter builds the message (a 16 MiB body is not copied
+/// once more before it is encoded) and owned where the sidecar decodes it; the encoding is
+/// the same.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RouteBodyRequest {
+pub struct RouteBodyRequest<'a> {
     /// Envoy's `x-request-id`.
     pub request_id: String,
     /// True for `/v1/chat/completions`, false for `/v1/completions`.
     pub chat: bool,
     /// The OpenAI request body, as the client sent it.
-    pub body: Vec<u8>,
+    pub body: std::borrow::Cow<'a, [u8]>,
     /// The `x-session-id` header, if any (the body's `session_id`/`user` are read by the
     /// sidecar).
     pub session: Option<String>,

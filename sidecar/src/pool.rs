@@ -144,7 +144,9 @@ pub struct Pool {
     /// The replicas' slots, by replica index (the config's replicas first).
     members: RwLock<Vec<Member>>,
     /// The encoded [`kvgate_shared::wire::ModelBundle`] served to filters.
-    pub bundle: Vec<u8>,
+    bundle: Vec<u8>,
+    /// How often filters fetched it (a model no filter ever fetched routes on load alone).
+    bundles_served: AtomicU64,
     /// The same tokenizer, loaded on first use, for prompts the filter offloads.
     tokenizer: std::sync::OnceLock<Result<ModelTokenizer, String>>,
     metrics: Arc<Metrics>,
@@ -252,6 +254,9 @@ pub struct PoolState {
     pub model: String,
     /// Block size.
     pub block_size: u32,
+    /// How often filters fetched the model's tokenizer bundle: 0 means every request of the
+    /// model was routed on load alone (see the filter's `kvgate.tokenizer_missing.*` gauges).
+    pub tokenizer_fetches: u64,
     /// Active replicas, in slot order (the config's first).
     pub replicas: Vec<ReplicaState>,
 }
@@ -277,6 +282,7 @@ impl Pool {
             members: RwLock::new(initial.into_iter().map(Member::new).collect()),
             config,
             bundle,
+            bundles_served: AtomicU64::new(0),
             tokenizer: std::sync::OnceLock::new(),
             metrics,
             started: Instant::now(),
@@ -455,6 +461,12 @@ impl Pool {
         }
     }
 
+    /// The encoded bundle, for a filter that fetches it (counted for `/debug/state`).
+    pub fn served_bundle(&self) -> Vec<u8> {
+        self.bundles_served.fetch_add(1, Ordering::Relaxed);
+        self.bundle.clone()
+    }
+
     /// The pool's tokenizer (with a segment cache), loaded from its bundle on first use.
     /// Blocking: call it off the async runtime.
     pub fn tokenizer(&self) -> Result<&ModelTokenizer, String> {
@@ -474,7 +486,7 @@ impl Pool {
     pub fn route_body(
         &self,
         parsed: &ParsedRequest,
-        req: &RouteBodyRequest,
+        req: &RouteBodyRequest<'_>,
         scoring: &ScoringConfig,
     ) -> Result<RouteResponse, String> {
         let tokens = self.tokenizer()?.prompt_tokens(parsed).map_err(|e| e.to_string())?;
@@ -847,7 +859,12 @@ impl Pool {
                 }
             })
             .collect();
-        PoolState { model: self.config.model.clone(), block_size: self.config.block_size, replicas }
+        PoolState {
+            model: self.config.model.clone(),
+            block_size: self.config.block_size,
+            tokenizer_fetches: self.bundles_served.load(Ordering::Relaxed),
+            replicas,
+        }
     }
 }
 

@@ -54,7 +54,7 @@ fn offload(body: &str) -> Vec<u8> {
     let request = RouteBodyRequest {
         request_id: "r1".into(),
         chat: true,
-        body: body.as_bytes().to_vec(),
+        body: body.as_bytes().into(),
         session: None,
         overrides: None,
     };

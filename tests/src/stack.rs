@@ -29,6 +29,9 @@ pub enum Routing {
 pub struct StackOptions {
     /// A name for the log directory.
     pub name: String,
+    /// The model name the engines serve and the pool routes (`qwen3`; a Hugging Face name
+    /// such as `Qwen/Qwen3-0.6B` works the same).
+    pub model: String,
     /// Number of simulated engines.
     pub replicas: usize,
     /// KV block size (engines and pool).
@@ -70,6 +73,7 @@ impl Default for StackOptions {
     fn default() -> Self {
         StackOptions {
             name: "stack".into(),
+            model: "qwen3".into(),
             replicas: 3,
             block_size: 16,
             routing: Routing::Kvgate,
@@ -137,6 +141,8 @@ impl SimHandle {
 
 /// A running deployment; dropping it stops everything.
 pub struct Stack {
+    /// The model name the engines serve.
+    pub model: String,
     /// The engines, in pool order.
     pub sims: Vec<SimHandle>,
     sidecar: Option<Proc>,
@@ -205,7 +211,7 @@ impl Stack {
             let mut cmd = Command::new(&artifacts.sim);
             // LoRA adapters may be loaded at run time when a test passes `--enable-lora`.
             cmd.env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True");
-            cmd.args(["--port", &port.to_string(), "--replica", id, "--model", "qwen3"])
+            cmd.args(["--port", &port.to_string(), "--replica", id, "--model", &opts.model])
                 .arg("--tokenizer")
                 .arg(&artifacts.model_dir)
                 .args(["--block-size", &opts.block_size.to_string(), "--kv-events-config", &events_config.to_string()])
@@ -270,9 +276,10 @@ impl Stack {
             Routing::RoundRobin | Routing::LeastRequest => None,
             Routing::Kvgate => {
                 let config = format!(
-                    "listen = \"127.0.0.1:{sidecar_port}\"\n{}\n\n[scoring]\n{}\n\n[[pools]]\nmodel = \"qwen3\"\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{replicas_toml}",
+                    "listen = \"127.0.0.1:{sidecar_port}\"\n{}\n\n[scoring]\n{}\n\n[[pools]]\nmodel = {:?}\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{replicas_toml}",
                     opts.sidecar_toml,
                     opts.scoring_toml,
+                    opts.model,
                     artifacts.model_dir.display(),
                     opts.block_size,
                     opts.pool_policy,
@@ -338,6 +345,7 @@ impl Stack {
         })?;
 
         let stack = Stack {
+            model: opts.model.clone(),
             sims,
             sidecar,
             sidecar_port,
@@ -360,8 +368,8 @@ impl Stack {
 
     /// Waits until a request through the gateway reports a tokenized prompt.
     fn wait_tokenizer_loaded(&self) -> anyhow::Result<()> {
-        let probe =
-            json!({"model": "qwen3", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}).to_string();
+        let probe = json!({"model": self.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
+            .to_string();
         let url = self.gateway("/v1/chat/completions");
         wait_for("the filter's tokenizer", START_TIMEOUT, || {
             let reply = client::post(&url, probe.clone(), &[]).ok()?;

@@ -146,6 +146,41 @@ fn filter_token_count_matches_engine() {
     }
 }
 
+/// A Hugging Face model name (`org/name`, as `vllm serve Qwen/Qwen3-0.6B` serves it) gets
+/// its tokenizer, and its requests are routed by kvgate on their cache overlap.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn hugging_face_model_names_are_routed_on_their_cache() {
+    let model = "Qwen/Qwen3-0.6B";
+    let opts = StackOptions { name: "hf-name".into(), model: model.into(), ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let doc = document(21, 600);
+    let body = |question: &str| {
+        json!({"model": model, "max_tokens": 2, "messages": [
+            {"role": "system", "content": doc}, {"role": "user", "content": question}]})
+    };
+    let warm = post(&stack.sim("c").url("/v1/chat/completions"), body("first").to_string(), &[]).unwrap();
+    assert_eq!(warm.status, 200, "{}", warm.body);
+    let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    stack.wait_indexed("c", prompt_tokens / 16).unwrap();
+    for i in 0..3 {
+        let reply = stream(&stack.gateway("/v1/chat/completions"), body(&format!("follow-up {i}"))).unwrap();
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.header("x-kvgate-routed-to"), "c", "routed by kvgate to the replica holding the prefix");
+        let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap();
+        assert!(overlap >= prompt_tokens / 16 - 1, "the sidecar saw the cached prefix: {overlap} blocks");
+        assert!(!reply.header("x-kvgate-prompt-tokens").is_empty(), "tokenized in the filter");
+    }
+    let fetches = stack.sidecar_state().unwrap()["pools"][0]["tokenizer_fetches"].as_u64().unwrap();
+    assert!(fetches >= 1, "the filter fetched the tokenizer of {model}");
+    // Both spellings of the name reach the same bundle.
+    for path in ["/v1/models/Qwen%2FQwen3-0.6B/tokenizer", "/v1/models/Qwen/Qwen3-0.6B/tokenizer"] {
+        let reply = client().get(stack.sidecar_url(path)).send().unwrap();
+        assert_eq!(reply.status().as_u16(), 200, "{path}");
+    }
+    assert_eq!(client().get(stack.sidecar_url("/v1/models/nope/tokenizer")).send().unwrap().status().as_u16(), 404);
+}
+
 /// 5. Malformed JSON passes through untouched and the engine answers 400; other methods,
 ///    paths and content types are not touched at all.
 #[test]
@@ -701,7 +736,12 @@ fn lora_adapters_are_learned_from_the_engines() {
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn abusive_bodies_get_documented_answers() {
-    let stack = start("abuse");
+    // Room for the sidecar to tokenize a megabyte even on a loaded CI machine: this test is
+    // about what it accepts, not how fast.
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("offload_timeout_ms".into(), json!(30_000));
+    let opts = StackOptions { name: "abuse".into(), filter_config, ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
     let chat_url = stack.gateway("/v1/chat/completions");
     let engine_answered = |r: &kvgate_e2e::client::Reply| !r.header("x-kvgate-replica").is_empty();
 
@@ -741,6 +781,13 @@ fn abusive_bodies_get_documented_answers() {
         let reply = post(url, body, &[]).unwrap();
         assert_eq!((reply.status, engine_answered(&reply)), (400, true), "{what}: {}", reply.body);
         assert_eq!(reply.header("x-kvgate-offloaded"), "true", "{what} goes to the sidecar");
+        let routed_to = reply.header("x-kvgate-routed-to");
+        assert_eq!(routed_to, reply.header("x-kvgate-replica"), "{what}: the sidecar decided where it went");
+        let last = client().get(stack.sidecar_url("/debug/explain?last=1")).send().unwrap().text().unwrap();
+        let last: Value = serde_json::from_str(&last).unwrap();
+        let decision = &last["decisions"][0];
+        assert_eq!(decision["chosen"], routed_to, "{what}: the sidecar's last decision");
+        assert!(decision["prompt_tokens"].as_u64().unwrap() > 100_000, "{what}: tokenized whole: {decision}");
     }
 
     let over = chat(&"a".repeat(17 << 20), "q").to_string();

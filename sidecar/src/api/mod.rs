@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -17,7 +17,7 @@ use axum::{Json, Router};
 use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::{parse, Endpoint};
 use kvgate_shared::wire::{
-    Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteBodyRequest, RouteRequest, CONTENT_TYPE,
+    Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteBodyRequest, RouteRequest, CONTENT_TYPE, MAX_BODY_BYTES,
 };
 
 use crate::metrics::{FallbackLabels, Metrics, ReasonLabels};
@@ -51,13 +51,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/route_body", post(route_body))
         .route("/v1/lifecycle", post(lifecycle))
         .route("/v1/models", get(models))
-        .route("/v1/models/{model}/tokenizer", get(tokenizer))
+        // A Hugging Face name (`org/name`) arrives percent-encoded from the filter; its
+        // slashes may also arrive as they are, from other clients: both name the model.
+        .route("/v1/models/{*model_path}", get(tokenizer))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/debug/state", get(debug_state))
         .route("/debug/explain", get(debug_explain))
+        // Offloaded bodies and lifecycle batches are as large as Envoy buffers, plus the
+        // envelope (axum's own default is 2 MiB).
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES + ENVELOPE_BYTES))
         .with_state(state)
 }
+
+/// Room for a [`RouteBodyRequest`]'s fields around the body it carries.
+const ENVELOPE_BYTES: usize = 64 << 10;
 
 /// The read-only routes of the optional `metrics_listen` listener: `/metrics` and `/healthz`.
 pub fn metrics_router(state: Arc<AppState>) -> Router {
@@ -97,7 +105,7 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
 /// neither an Envoy worker nor this runtime's threads stall on it.
 async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let started = Instant::now();
-    let req: RouteBodyRequest = match codec::decode(&body) {
+    let req: RouteBodyRequest<'static> = match codec::decode(&body) {
         Ok(r) => r,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
@@ -155,9 +163,14 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     encoded(&ModelList { models, adapters })
 }
 
-async fn tokenizer(State(state): State<Arc<AppState>>, Path(model): Path<String>) -> Response {
-    match state.pools.get(&model) {
-        Some(pool) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], pool.bundle.clone()).into_response(),
+/// `GET /v1/models/{model}/tokenizer`: `model_path` is everything after `/v1/models/`,
+/// percent-decoded.
+async fn tokenizer(State(state): State<Arc<AppState>>, Path(model_path): Path<String>) -> Response {
+    let Some(model) = model_path.strip_suffix("/tokenizer") else {
+        return (StatusCode::NOT_FOUND, format!("no such resource: /v1/models/{model_path}")).into_response();
+    };
+    match state.pools.get(model) {
+        Some(pool) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], pool.served_bundle()).into_response(),
         None => (StatusCode::NOT_FOUND, format!("no pool for model {model:?}")).into_response(),
     }
 }
