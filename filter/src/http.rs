@@ -28,7 +28,7 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::host;
 use crate::metrics::Outcome;
-use crate::plan::{offload, plan, routable, streamed_tokens, with_token_prompt, HeaderHints, Skip};
+use crate::plan::{booking_id, offload, plan, routable, streamed_tokens, with_token_prompt, HeaderHints, Skip};
 use crate::root::Shared;
 
 /// What the filter did with a request, for debug headers and lifecycle reports.
@@ -57,8 +57,9 @@ pub struct RequestContext {
     context_id: u32,
     endpoint: Option<Endpoint>,
     hints: HeaderHints,
-    /// The sidecar was asked, so it may have booked load: report the end either way.
-    booked: bool,
+    /// The model the sidecar was asked about (so it may have booked load in that model's
+    /// pool): report the end either way.
+    booked: Option<String>,
     first_token_reported: bool,
     /// Decode progress: output tokens streamed so far, and the pool's block size.
     output_tokens: u32,
@@ -75,7 +76,7 @@ impl RequestContext {
             context_id,
             endpoint: None,
             hints: HeaderHints::default(),
-            booked: false,
+            booked: None,
             first_token_reported: false,
             output_tokens: 0,
             block_size: 0,
@@ -89,8 +90,9 @@ impl RequestContext {
     }
 
     fn report(&self, kind: LifecycleKind) {
+        let Some(model) = self.booked.clone() else { return };
         let Some(queue) = self.shared.borrow().queue else { return };
-        let event = LifecycleEvent { request_id: self.hints.request_id.clone(), kind };
+        let event = LifecycleEvent { model, request_id: self.hints.request_id.clone(), kind };
         if let Ok(bytes) = codec::encode(&event) {
             if let Err(status) = hostcalls::enqueue_shared_queue(queue, Some(&bytes)) {
                 log::warn!("kvgate: lifecycle report lost: {status:?}");
@@ -105,8 +107,9 @@ impl RequestContext {
         }
     }
 
-    /// Asks the sidecar; returns true if a call is in flight (the request stays paused).
-    fn ask_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> bool {
+    /// Asks the sidecar; returns the model asked about if a call is in flight (the request
+    /// stays paused).
+    fn ask_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> Option<String> {
         if body.len() > self.shared.borrow().config.offload_bytes {
             return self.offload_to_sidecar(endpoint, body);
         }
@@ -150,7 +153,7 @@ impl RequestContext {
             self.forward_tokens(body, ids);
         }
         let timeout = self.shared.borrow().config.route_timeout_ms;
-        self.dispatch("/v1/route", &planned.request, timeout)
+        self.dispatch("/v1/route", &planned.request, timeout).then_some(planned.request.model)
     }
 
     /// Token forwarding: replaces the body's string prompt with its token ids. The body stays
@@ -173,9 +176,9 @@ impl RequestContext {
     }
 
     /// Hands a big body to the sidecar (`/v1/route_body`) instead of tokenizing it here.
-    fn offload_to_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> bool {
+    fn offload_to_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> Option<String> {
         let request = offload(endpoint, body, &self.hints, self.shared.borrow().listed.as_ref());
-        let request = match request {
+        let (model, request) = match request {
             Ok(r) => r,
             Err(Skip::Unroutable(why)) => return self.pass_through(&why),
         };
@@ -184,7 +187,7 @@ impl RequestContext {
         }
         self.decision.offloaded = true;
         let timeout = self.shared.borrow().config.offload_timeout_ms;
-        self.dispatch("/v1/route_body", &request, timeout)
+        self.dispatch("/v1/route_body", &request, timeout).then_some(model)
     }
 
     /// Counts a request's outcome (when metrics are on).
@@ -195,10 +198,11 @@ impl RequestContext {
     }
 
     /// Leaves a request kvgate does not route to Envoy's own load balancer.
-    fn pass_through(&self, why: &str) -> bool {
-        log::debug!("kvgate: not routing request {}: {why}", self.hints.request_id);
+    fn pass_through(&self, why: &str) -> Option<String> {
+        let client_id = self.hints.client_request_id.as_deref().unwrap_or("-");
+        log::debug!("kvgate: not routing request {client_id}: {why}");
         self.count(Outcome::Passthrough);
-        false
+        None
     }
 
     /// Calls the sidecar with an encoded `message`; true if the call is in flight.
@@ -295,15 +299,10 @@ impl HttpContext for RequestContext {
             self.endpoint = None;
             return Action::Continue;
         }
-        let request_id = self.request_header("x-request-id").unwrap_or_else(|| {
-            let nanos = hostcalls::get_current_time()
-                .ok()
-                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                .map_or(0, |d| d.as_nanos());
-            format!("kvgate-{}-{nanos}", self.context_id)
-        });
+        let vm_tag = self.shared.borrow().vm_tag;
         self.hints = HeaderHints {
-            request_id,
+            request_id: booking_id(vm_tag, self.context_id),
+            client_request_id: self.request_header("x-request-id"),
             session: self.request_header(SESSION_HEADER),
             overrides: HeaderHints::parse_overrides(self.request_header(OVERRIDES_HEADER).as_deref()),
         };
@@ -317,8 +316,8 @@ impl HttpContext for RequestContext {
         }
         self.body_done_at = Some(Instant::now());
         let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
-        if self.ask_sidecar(endpoint, &body) {
-            self.booked = true;
+        self.booked = self.ask_sidecar(endpoint, &body);
+        if self.booked.is_some() {
             Action::Pause
         } else {
             Action::Continue
@@ -330,6 +329,7 @@ impl HttpContext for RequestContext {
             let d = &self.decision;
             let headers = [
                 ("x-kvgate-routed-to", d.replica.clone().unwrap_or_else(|| "fallback".into())),
+                ("x-kvgate-booking-id", self.hints.request_id.clone()),
                 ("x-kvgate-prompt-tokens", d.prompt_tokens.map(|n| n.to_string()).unwrap_or_default()),
                 ("x-kvgate-prompt-digest", d.prompt_digest.map(|n| format!("{n:016x}")).unwrap_or_default()),
                 ("x-kvgate-overlap-blocks", d.overlap_blocks.to_string()),
@@ -350,11 +350,12 @@ impl HttpContext for RequestContext {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
-        if self.booked && !self.first_token_reported && body_size > 0 {
+        let booked = self.booked.is_some();
+        if booked && !self.first_token_reported && body_size > 0 {
             self.first_token_reported = true;
             self.report(LifecycleKind::FirstToken);
         }
-        if self.booked && self.block_size > 0 && body_size > 0 && self.shared.borrow().config.decode_progress {
+        if booked && self.block_size > 0 && body_size > 0 && self.shared.borrow().config.decode_progress {
             let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size).ok().flatten();
             let before = self.output_tokens;
             self.output_tokens += chunk.as_deref().map_or(0, streamed_tokens);
@@ -367,8 +368,6 @@ impl HttpContext for RequestContext {
     }
 
     fn on_log(&mut self) {
-        if self.booked {
-            self.report(LifecycleKind::Done);
-        }
+        self.report(LifecycleKind::Done);
     }
 }

@@ -80,12 +80,25 @@ fn estimate_tokens(body_len: usize) -> u32 {
 /// What the request's headers contribute.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HeaderHints {
-    /// `x-request-id`.
+    /// The booking key the filter generated for this stream (see [`booking_id`]).
     pub request_id: String,
+    /// The client's (or Envoy's) `x-request-id`, for logs only.
+    pub client_request_id: Option<String>,
     /// `x-session-id`.
     pub session: Option<String>,
     /// `x-kvgate-scoring`, parsed (an invalid value is ignored).
     pub overrides: Option<ScoringOverrides>,
+}
+
+/// The booking key of one stream: the VM's random tag and the stream's context id, which
+/// Envoy never reuses within a VM. Unique across the workers' VMs and across Envoy restarts,
+/// and nothing a client sends goes into it.
+///
+/// ```
+/// assert_eq!(kvgate_filter::plan::booking_id(0xabc, 7), "0000000000000abc-7");
+/// ```
+pub fn booking_id(vm_tag: u64, context_id: u32) -> String {
+    format!("{vm_tag:016x}-{context_id}")
 }
 
 impl HeaderHints {
@@ -111,6 +124,7 @@ pub fn plan(
     let load_only = |block_size: u32| Plan {
         request: RouteRequest {
             request_id: hints.request_id.clone(),
+            client_request_id: hints.client_request_id.clone(),
             model: parsed.model.clone(),
             prompt_tokens: estimate_tokens(body.len()),
             block_hashes: Vec::new(),
@@ -134,6 +148,7 @@ pub fn plan(
         truncated: head.truncated,
         request: RouteRequest {
             request_id: hints.request_id.clone(),
+            client_request_id: hints.client_request_id.clone(),
             model: parsed.model.clone(),
             prompt_tokens: u32::try_from(head.estimated_total).unwrap_or(u32::MAX),
             block_hashes: prompt_block_hashes(&head.tokens, model.block_size as usize, model.salt),
@@ -196,24 +211,26 @@ struct Envelope<'a> {
 /// Plans an offload: the whole body goes to the sidecar, which parses and tokenizes it. Here
 /// only its `model` is read, so that bodies that are not JSON objects with a model, and models
 /// kvgate does not route, pass through as [`plan`] would let them; anything else the sidecar
-/// rejects falls back to Envoy's LB.
+/// rejects falls back to Envoy's LB. Returns the model with the request.
 pub fn offload<'a>(
     endpoint: Endpoint,
     body: &'a [u8],
     hints: &HeaderHints,
     listed: Option<&HashSet<String>>,
-) -> Result<RouteBodyRequest<'a>, Skip> {
+) -> Result<(String, RouteBodyRequest<'a>), Skip> {
     let envelope: Envelope = serde_json::from_slice(body).map_err(|e| Skip::Unroutable(e.to_string()))?;
     if listed.is_some_and(|names| !names.contains(envelope.model.as_ref())) {
         return Err(Skip::Unroutable(format!("model {:?} is not routed by kvgate", envelope.model)));
     }
-    Ok(RouteBodyRequest {
+    let request = RouteBodyRequest {
         request_id: hints.request_id.clone(),
+        client_request_id: hints.client_request_id.clone(),
         chat: endpoint == Endpoint::ChatCompletions,
         body: std::borrow::Cow::Borrowed(body),
         session: hints.session.clone(),
         overrides: hints.overrides,
-    })
+    };
+    Ok((envelope.model.into_owned(), request))
 }
 
 #[cfg(test)]
@@ -358,12 +375,19 @@ mod tests {
     #[test]
     fn offload_hands_over_the_body_and_respects_the_model_list() {
         let body = br#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"user":"u1"}"#;
-        let hints = HeaderHints { request_id: "r9".into(), session: Some("s".into()), overrides: None };
-        let req = offload(Endpoint::ChatCompletions, body, &hints, None).unwrap();
+        let hints = HeaderHints {
+            request_id: "r9".into(),
+            client_request_id: Some("client".into()),
+            session: Some("s".into()),
+            overrides: None,
+        };
+        let (model, req) = offload(Endpoint::ChatCompletions, body, &hints, None).unwrap();
         assert_eq!((req.request_id.as_str(), req.chat, req.session.as_deref()), ("r9", true, Some("s")));
-        assert_eq!(req.body, body.to_vec());
+        assert_eq!((model.as_str(), req.client_request_id.as_deref()), ("qwen3", Some("client")));
+        assert_eq!(req.body.as_ref(), body);
         let listed = HashSet::from(["other".to_owned()]);
         assert!(offload(Endpoint::ChatCompletions, body, &hints, Some(&listed)).is_err(), "unlisted model");
         assert!(offload(Endpoint::Completions, b"{oops", &hints, None).is_err(), "unparsable body");
+        assert!(offload(Endpoint::Completions, br#"{"model":7}"#, &hints, None).is_err(), "no model name");
     }
 }

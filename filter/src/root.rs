@@ -50,6 +50,16 @@ pub struct Shared {
     pub queue: Option<u32>,
     /// Metric ids, once defined.
     pub metrics: Option<FilterMetrics>,
+    /// This VM's random tag, the first half of every booking key it generates
+    /// ([`crate::plan::booking_id`]).
+    pub vm_tag: u64,
+}
+
+/// A random number from the host (WASI `random_get` in Envoy, the OS natively): std's
+/// hash-map keys are seeded from it.
+fn random_tag() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new().build_hasher().finish()
 }
 
 enum Call {
@@ -82,6 +92,7 @@ impl Root {
                 listed: None,
                 queue: None,
                 metrics: None,
+                vm_tag: random_tag(),
             })),
             calls: HashMap::new(),
             fetches: Fetches::default(),

@@ -155,6 +155,7 @@ proptest! {
         }
         let hints = HeaderHints {
             request_id: "r".into(),
+            client_request_id: None,
             session,
             overrides: HeaderHints::parse_overrides(overrides.as_deref()),
         };

@@ -55,6 +55,7 @@ mod tests {
     fn round_trips_route_messages() {
         let req = RouteRequest {
             request_id: "r1".into(),
+            client_request_id: None,
             model: "m".into(),
             prompt_tokens: 42,
             block_hashes: vec![u64::MAX, 0, 7],

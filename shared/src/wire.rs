@@ -47,8 +47,12 @@ pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 /// Asks the sidecar where one LLM request should go.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouteRequest {
-    /// Envoy's `x-request-id`: the key of later [`LifecycleEvent`]s.
+    /// The booking key: an id the filter generates, unique per stream, and the key of later
+    /// [`LifecycleEvent`]s. Never the client's `x-request-id`, which a client may reuse (two
+    /// requests would then release each other's load) or omit.
     pub request_id: String,
+    /// The request's `x-request-id`, for logs and `/debug/explain`: it keys nothing.
+    pub client_request_id: Option<String>,
     /// The `model` field of the OpenAI body.
     pub model: String,
     /// Number of prompt tokens (ISL). When the prompt could not be tokenized this is an
@@ -79,8 +83,10 @@ pub struct RouteRequest {
 /// the same.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouteBodyRequest<'a> {
-    /// Envoy's `x-request-id`.
+    /// The booking key, as in [`RouteRequest`].
     pub request_id: String,
+    /// The request's `x-request-id`, as in [`RouteRequest`].
+    pub client_request_id: Option<String>,
     /// True for `/v1/chat/completions`, false for `/v1/completions`.
     pub chat: bool,
     /// The OpenAI request body, as the client sent it.
@@ -139,6 +145,8 @@ pub enum LifecycleKind {
 /// One lifecycle report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LifecycleEvent {
+    /// The `model` of the matching [`RouteRequest`]: only that model's pool applies it.
+    pub model: String,
     /// The `request_id` of the matching [`RouteRequest`].
     pub request_id: String,
     /// What happened.

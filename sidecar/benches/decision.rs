@@ -65,6 +65,7 @@ fn bench(c: &mut Criterion) {
             t.extend(tokens(42, prompt_tokens - 16 * BS));
             let request = RouteRequest {
                 request_id: "bench".into(),
+                client_request_id: None,
                 model: "m".into(),
                 prompt_tokens: prompt_tokens as u32,
                 block_hashes: prompt_block_hashes(&t, BS, Salt::NONE),

@@ -170,6 +170,7 @@ const EXPLANATIONS: usize = 256;
 #[derive(Debug)]
 struct Kept {
     request_id: String,
+    client_request_id: Option<String>,
     policy: Policy,
     prompt_tokens: u64,
     chosen: ReplicaIdx,
@@ -199,8 +200,10 @@ pub struct CandidateTerms {
 /// Why a request went where it went.
 #[derive(Debug, Clone, Serialize)]
 pub struct Explanation {
-    /// The request id.
+    /// The booking key the filter generated (`x-kvgate-booking-id` among its debug headers).
     pub request_id: String,
+    /// The request's `x-request-id`, if it had one.
+    pub client_request_id: Option<String>,
     /// The policy that decided.
     pub policy: Policy,
     /// Prompt tokens.
@@ -257,6 +260,11 @@ pub struct PoolState {
     /// How often filters fetched the model's tokenizer bundle: 0 means every request of the
     /// model was routed on load alone (see the filter's `kvgate.tokenizer_missing.*` gauges).
     pub tokenizer_fetches: u64,
+    /// Bookings held (every routed request until its end is reported or it expires).
+    pub bookings: usize,
+    /// Ends reported before their booking, remembered (at most 4096) so a late booking is not
+    /// leaked.
+    pub ended_early: usize,
     /// Active replicas, in slot order (the config's first).
     pub replicas: Vec<ReplicaState>,
 }
@@ -494,6 +502,7 @@ impl Pool {
         let salt = if parsed.model == self.config.model { Salt::NONE } else { Salt::for_lora(Some(&parsed.model)) };
         let route = RouteRequest {
             request_id: req.request_id.clone(),
+            client_request_id: req.client_request_id.clone(),
             model: parsed.model.clone(),
             prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
             block_hashes: prompt_block_hashes(&tokens, self.config.block_size as usize, salt),
@@ -505,17 +514,19 @@ impl Pool {
         Ok(self.route(&route, scoring))
     }
 
-    /// The kept decision for `request_id`, or the most recent `last` decisions (newest first).
+    /// The kept decisions for `request_id` (a booking key or a client's `x-request-id`), or the
+    /// most recent `last` decisions (newest first).
     pub fn explain(&self, request_id: Option<&str>, last: usize) -> Vec<Explanation> {
         let kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
         let members = self.members();
         let name = |i: ReplicaIdx| members[i].replica.id.clone();
         kept.iter()
             .rev()
-            .filter(|e| request_id.is_none_or(|id| e.request_id == id))
+            .filter(|e| request_id.is_none_or(|id| e.request_id == id || e.client_request_id.as_deref() == Some(id)))
             .take(last)
             .map(|k| Explanation {
                 request_id: k.request_id.clone(),
+                client_request_id: k.client_request_id.clone(),
                 policy: k.policy,
                 prompt_tokens: k.prompt_tokens,
                 chosen: Some(name(k.chosen)),
@@ -757,6 +768,7 @@ impl Pool {
         self.metrics.chosen_overlap_blocks.observe(f64::from(overlap.device));
         let explanation = Kept {
             request_id: req.request_id.clone(),
+            client_request_id: req.client_request_id.clone(),
             policy,
             prompt_tokens: u64::from(req.prompt_tokens),
             chosen: best,
@@ -859,10 +871,13 @@ impl Pool {
                 }
             })
             .collect();
+        let (bookings, ended_early) = load.bookkeeping();
         PoolState {
             model: self.config.model.clone(),
             block_size: self.config.block_size,
             tokenizer_fetches: self.bundles_served.load(Ordering::Relaxed),
+            bookings,
+            ended_early,
             replicas,
         }
     }
@@ -905,6 +920,7 @@ mod tests {
     fn request(id: &str, tokens: &[u32]) -> RouteRequest {
         RouteRequest {
             request_id: id.into(),
+            client_request_id: None,
             model: "m".into(),
             prompt_tokens: tokens.len() as u32,
             block_hashes: prompt_block_hashes(tokens, 4, Salt::NONE),

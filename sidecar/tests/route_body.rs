@@ -53,6 +53,7 @@ async fn post(state: Arc<AppState>, body: Vec<u8>) -> (StatusCode, Vec<u8>) {
 fn offload(body: &str) -> Vec<u8> {
     let request = RouteBodyRequest {
         request_id: "r1".into(),
+        client_request_id: None,
         chat: true,
         body: body.as_bytes().into(),
         session: None,

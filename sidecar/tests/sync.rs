@@ -32,6 +32,7 @@ fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
     let tokens: Vec<u32> = (0..64).map(|t| seed * 1000 + t).collect();
     RouteRequest {
         request_id: id.into(),
+        client_request_id: None,
         model: "m".into(),
         prompt_tokens: 64,
         block_hashes: prompt_block_hashes(&tokens, 4, Salt::NONE),

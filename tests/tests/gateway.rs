@@ -181,6 +181,37 @@ fn hugging_face_model_names_are_routed_on_their_cache() {
     assert_eq!(client().get(stack.sidecar_url("/v1/models/nope/tokenizer")).send().unwrap().status().as_u16(), 404);
 }
 
+/// Requests that share one client `x-request-id` are booked and released each on its own:
+/// the filter keys bookings by an id of its own, never by a header the client controls.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn a_reused_client_request_id_keys_nothing() {
+    let stack = start("request-id");
+    let url = stack.gateway("/v1/chat/completions");
+    let replies: Vec<kvgate_e2e::client::Reply> = std::thread::scope(|s| {
+        let sent: Vec<_> = (0..8)
+            .map(|i| {
+                let (url, body) = (&url, chat(&document(40 + i, 200), "q").to_string());
+                s.spawn(move || post(url, body, &[("x-request-id", "the-same-id")]).unwrap())
+            })
+            .collect();
+        sent.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let keys: std::collections::HashSet<&str> = replies.iter().map(|r| r.header("x-kvgate-booking-id")).collect();
+    assert_eq!(keys.len(), 8, "eight bookings, eight keys: {keys:?}");
+    assert!(replies.iter().all(|r| r.status == 200 && r.header("x-kvgate-routed-to") != "fallback"));
+    let explained = client().get(stack.sidecar_url("/debug/explain?request=the-same-id&last=100")).send().unwrap();
+    let explained: Value = serde_json::from_str(&explained.text().unwrap()).unwrap();
+    assert_eq!(explained["decisions"].as_array().unwrap().len(), 8, "each was decided and kept: {explained}");
+    wait_for("every booking released", Duration::from_secs(10), || {
+        let pool = &stack.sidecar_state().unwrap()["pools"][0];
+        let active: u64 =
+            pool["replicas"].as_array().unwrap().iter().map(|r| r["active_requests"].as_u64().unwrap()).sum();
+        (pool["bookings"] == 0 && active == 0).then_some(())
+    })
+    .unwrap();
+}
+
 /// 5. Malformed JSON passes through untouched and the engine answers 400; other methods,
 ///    paths and content types are not touched at all.
 #[test]

@@ -138,10 +138,12 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
     };
     for event in &batch.events {
         let id = &event.request_id;
+        // Only the pool of the request's model applies its report.
+        let pool = state.pool_for(&event.model);
         let (kind, known) = match event.kind {
-            LifecycleKind::FirstToken => ("first_token", state.pools.values().any(|p| p.lifecycle(id, true))),
-            LifecycleKind::Done => ("done", state.pools.values().any(|p| p.lifecycle(id, false))),
-            LifecycleKind::Progress(n) => ("progress", state.pools.values().any(|p| p.progress(id, n))),
+            LifecycleKind::FirstToken => ("first_token", pool.is_some_and(|p| p.lifecycle(id, true))),
+            LifecycleKind::Done => ("done", pool.is_some_and(|p| p.lifecycle(id, false))),
+            LifecycleKind::Progress(n) => ("progress", pool.is_some_and(|p| p.progress(id, n))),
         };
         let reason = format!("{kind}/{}", if known { "known" } else { "unknown" });
         let labels = ReasonLabels { model: String::new(), replica: String::new(), reason };

@@ -72,12 +72,50 @@ pub struct LoadTable {
     /// Prompt blocks of all bookings (for the mean an external request is charged).
     blocks_booked: u64,
     /// Requests whose end was reported before they were booked (a lifecycle batch can
-    /// overtake a slow decision): booking them later must not leak load. Oldest first.
-    ended_early: VecDeque<String>,
+    /// overtake a slow decision): booking them later must not leak load.
+    ended_early: EndedEarly,
 }
 
 /// How many early ends are remembered.
 const ENDED_EARLY: usize = 4096;
+
+/// The ids of [`LoadTable::finish`]es that came before their booking, the oldest forgotten
+/// first: O(1) to check and to add, whatever its size.
+#[derive(Debug, Default)]
+struct EndedEarly {
+    /// Id → when it was remembered (a running count).
+    ids: HashMap<String, u64>,
+    /// (when, id), oldest first; entries of ids taken since are skipped when they age out.
+    order: VecDeque<(u64, String)>,
+    next: u64,
+}
+
+impl EndedEarly {
+    fn insert(&mut self, id: &str) {
+        if self.ids.contains_key(id) {
+            return;
+        }
+        while self.ids.len() >= ENDED_EARLY || self.order.len() >= 2 * ENDED_EARLY {
+            let Some((at, oldest)) = self.order.pop_front() else { break };
+            if self.ids.get(&oldest) == Some(&at) {
+                self.ids.remove(&oldest);
+            }
+        }
+        self.next += 1;
+        self.ids.insert(id.to_owned(), self.next);
+        self.order.push_back((self.next, id.to_owned()));
+    }
+
+    /// Whether `id` ended early; forgets it (its late booking is the one it was waiting for).
+    /// Its place in `order` ages out later: removing it now would be O(n).
+    fn take(&mut self, id: &str) -> bool {
+        self.ids.remove(id).is_some()
+    }
+
+    fn len(&self) -> usize {
+        self.ids.len()
+    }
+}
 
 /// A request to book on a replica.
 #[derive(Debug, Clone)]
@@ -101,7 +139,7 @@ impl LoadTable {
             replicas: (0..replicas).map(|_| Replica::default()).collect(),
             bookings: HashMap::new(),
             blocks_booked: 0,
-            ended_early: VecDeque::new(),
+            ended_early: EndedEarly::default(),
         }
     }
 
@@ -182,8 +220,7 @@ impl LoadTable {
     /// Books a request on a replica. Booking an id again first releases the old booking.
     /// Returns false (and books nothing) if the request already ended.
     pub fn book(&mut self, replica: ReplicaIdx, booking: NewBooking<'_>, now: Instant) -> bool {
-        if let Some(at) = self.ended_early.iter().position(|id| id == booking.request_id) {
-            self.ended_early.remove(at);
+        if self.ended_early.take(booking.request_id) {
             return false;
         }
         self.release(booking.request_id);
@@ -213,6 +250,11 @@ impl LoadTable {
         true
     }
 
+    /// Its bookkeeping: bookings held, and ends remembered that came before their booking.
+    pub fn bookkeeping(&self) -> (usize, usize) {
+        (self.bookings.len(), self.ended_early.len())
+    }
+
     /// The replica a request is booked on, if it is.
     pub fn replica_of(&self, request_id: &str) -> Option<ReplicaIdx> {
         self.bookings.get(request_id).map(|b| b.replica)
@@ -234,10 +276,7 @@ impl LoadTable {
         if self.release(request_id) {
             return true;
         }
-        if self.ended_early.len() == ENDED_EARLY {
-            self.ended_early.pop_front();
-        }
-        self.ended_early.push_back(request_id.to_owned());
+        self.ended_early.insert(request_id);
         false
     }
 

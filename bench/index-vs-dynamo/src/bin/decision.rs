@@ -56,6 +56,7 @@ fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration
         let started = Instant::now();
         let request = RouteRequest {
             request_id: id.clone(),
+            client_request_id: None,
             model: "m".into(),
             prompt_tokens: prompt.len() as u32,
             block_hashes: prompt_block_hashes(&prompt, BLOCK as usize, Salt::NONE),
