@@ -22,7 +22,7 @@ use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteRequest, RouteResp
 use serde::Serialize;
 
 use crate::config::{Policy, PoolConfig, ReplicaConfig};
-use crate::events::ingest::{Ingest, Outcome};
+use crate::events::ingest::{Outcome, Progress};
 use crate::index::approx::ApproxIndex;
 use crate::index::{KvIndex, Overlap, ReplicaIdx, Tier};
 use crate::load::{LoadTable, NewBooking, ReplicaLoad};
@@ -566,11 +566,11 @@ impl Pool {
     }
 
     /// Records what one ingested message did to a replica's health.
-    pub fn after_ingest(&self, replica: ReplicaIdx, ingest: &Ingest, outcome: &Outcome) {
+    pub fn after_ingest(&self, replica: ReplicaIdx, progress: Progress, outcome: &Outcome) {
         let h = self.members()[replica].health.clone();
         h.events_applied.fetch_add(outcome.applied, Ordering::Relaxed);
-        h.last_seq.store(ingest.last_seq().unwrap_or(NONE), Ordering::Relaxed);
-        h.degraded.store(ingest.degraded(), Ordering::Relaxed);
+        h.last_seq.store(progress.last_seq.unwrap_or(NONE), Ordering::Relaxed);
+        h.degraded.store(progress.degraded, Ordering::Relaxed);
         h.awaiting_events_since.store(NONE, Ordering::Relaxed);
         h.stalled.store(false, Ordering::Relaxed);
         h.disconnected.store(false, Ordering::Relaxed);
@@ -1076,8 +1076,7 @@ mod tests {
         }
         assert!(!p.members()[0].health.trusted());
         // Any event brings it back.
-        let ingest = Ingest::new(0, 4);
-        p.after_ingest(0, &ingest, &Outcome::default());
+        p.after_ingest(0, Progress::default(), &Outcome::default());
         assert!(!p.state().replicas[0].stalled);
     }
 

@@ -3,7 +3,7 @@
 //! and the per-replica state machine.
 
 use kvgate_sidecar::events::decode::decode_batch;
-use kvgate_sidecar::events::ingest::{Ingest, NoReplay};
+use kvgate_sidecar::events::ingest::{apply, Ingest, NoReplay};
 use kvgate_sidecar::index::KvIndex;
 use proptest::prelude::*;
 
@@ -22,7 +22,8 @@ proptest! {
     fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
         let _ = decode_batch(&bytes);
         let mut index = KvIndex::new(4, 1);
-        Ingest::new(0, 4).on_message(0, &bytes, &mut index, &mut NoReplay);
+        let planned = Ingest::new(4).on_message(0, &bytes, &mut NoReplay);
+        apply(0, &planned.changes, &mut index);
     }
 
     #[test]
@@ -34,9 +35,11 @@ proptest! {
         }
         let _ = decode_batch(&payload);
         let mut index = KvIndex::new(4, 1);
-        let mut ingest = Ingest::new(0, 4);
-        ingest.on_message(seq, &hex(POSITIONAL), &mut index, &mut NoReplay);
-        ingest.on_message(seq + 1, &payload, &mut index, &mut NoReplay);
+        let mut ingest = Ingest::new(4);
+        for (seq, payload) in [(seq, hex(POSITIONAL)), (seq + 1, payload)] {
+            let planned = ingest.on_message(seq, &payload, &mut NoReplay);
+            apply(0, &planned.changes, &mut index);
+        }
         let _ = index.find_matches(&[1, 2]);
     }
 }

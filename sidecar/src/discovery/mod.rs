@@ -28,22 +28,31 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::config::{Config, DiscoveryKind, Env, ReplicaConfig};
+use crate::events::apply::Applier;
 use crate::events::transport::{self, Source};
 use crate::metrics::{DiscoveryLabels, Metrics};
 use crate::pool::Pool;
 
-/// Starts and stops one pool's event threads as its membership changes.
+/// Starts and stops one pool's event threads as its membership changes: the pool's applier,
+/// and each replica's reader and ingester.
 pub struct Supervisor {
     ctx: zmq::Context,
     pool: Arc<Pool>,
     metrics: Arc<Metrics>,
+    applier: Applier,
+    /// Stops the applier (shutdown).
+    stop_applier: Arc<AtomicBool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Supervisor {
-    /// A supervisor for `pool`; starts the event threads of its configured replicas.
+    /// A supervisor for `pool`; starts its applier and the event threads of its configured
+    /// replicas.
     pub fn start(ctx: zmq::Context, pool: Arc<Pool>, metrics: Arc<Metrics>) -> std::io::Result<Supervisor> {
-        let supervisor = Supervisor { ctx, pool, metrics, threads: Mutex::new(Vec::new()) };
+        let stop_applier = Arc::new(AtomicBool::new(false));
+        let (applier, thread) = Applier::spawn(pool.clone(), metrics.clone(), stop_applier.clone())?;
+        let threads = Mutex::new(vec![thread]);
+        let supervisor = Supervisor { ctx, pool, metrics, applier, stop_applier, threads };
         let initial = supervisor.pool.active();
         supervisor.spawn(initial)?;
         Ok(supervisor)
@@ -84,7 +93,8 @@ impl Supervisor {
         threads.retain(|t| !t.is_finished());
         for (replica, config, stop) in sources.into_iter().filter(|_| self.pool.config.reads_events()) {
             let source = Source { replica, config, stop };
-            threads.extend(transport::spawn(self.ctx.clone(), self.pool.clone(), source, self.metrics.clone())?);
+            let (ctx, pool, metrics) = (self.ctx.clone(), self.pool.clone(), self.metrics.clone());
+            threads.extend(transport::spawn(ctx, pool, source, metrics, self.applier.clone())?);
         }
         let active = self.pool.members().iter().filter(|m| m.active).count();
         self.metrics.replicas.get_or_create(&self.labels(self.pool.config.discovery.kind)).set(active as i64);
@@ -94,6 +104,7 @@ impl Supervisor {
     /// Stops every event thread and waits for them.
     pub fn shutdown(&self) {
         self.pool.stop_all();
+        self.stop_applier.store(true, Ordering::Relaxed);
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         for t in threads {
             let _ = t.join();

@@ -1,6 +1,8 @@
-//! One replica's event stream → its index entries: sequence tracking, replay of gaps, and the
-//! conversion of decoded events into index operations. No sockets here (see
-//! [`super::transport`]), so every rule is unit-tested.
+//! One replica's event stream → the index changes it implies: sequence tracking, replay of
+//! gaps, and the conversion of decoded events into [`Change`]s. No sockets and no index here:
+//! [`Ingest::on_message`] runs with no lock held (decoding and replay take as long as they
+//! take), and the pool's applier ([`super::apply`]) applies the changes under the index lock,
+//! in bounded batches. Every rule is unit-tested.
 //!
 //! Sequence rules, per replica:
 //! - **first message**: replay from 0 if a replay endpoint is configured (rebuilds the state
@@ -40,6 +42,97 @@ pub struct Outcome {
     pub cleared: bool,
 }
 
+impl Outcome {
+    /// Counts the stores the index refused when the changes were applied ([`apply`]): they
+    /// were counted as applied when planned.
+    pub fn refused(&mut self, reasons: Vec<&'static str>) {
+        self.applied -= reasons.len() as u64;
+        self.dropped.extend(reasons);
+    }
+}
+
+/// A change to one replica's index entries, decoded from its events.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Change {
+    /// Drop every block of the replica (restart, lost events, `AllBlocksCleared`).
+    Clear,
+    /// A `BlockStored`.
+    Store(StoredBlocks),
+    /// A run of consecutive `BlockRemoved`s on one tier, applied in one call (an engine step
+    /// evicts many blocks, one event each; the index overlaps their cache misses).
+    Remove {
+        /// Their tier.
+        tier: Tier,
+        /// The engine hashes removed.
+        engine_hashes: Vec<u64>,
+    },
+}
+
+/// A `BlockStored`, owned, with its salts worked out: [`Store`] without the borrow.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredBlocks {
+    /// See [`Store::parent`].
+    pub parent: Option<u64>,
+    /// See [`Store::engine_hashes`].
+    pub engine_hashes: Vec<u64>,
+    /// See [`Store::token_ids`].
+    pub token_ids: Vec<u32>,
+    /// See [`Store::block_size`].
+    pub block_size: usize,
+    /// See [`Store::salt`].
+    pub salt: Salt,
+    /// See [`Store::extra`].
+    pub extra: Vec<Salt>,
+    /// See [`Store::tier`].
+    pub tier: Tier,
+}
+
+impl Change {
+    /// How many blocks it touches: what a batch's time under the index lock is measured in.
+    pub fn blocks(&self) -> usize {
+        match self {
+            Change::Clear => 1,
+            Change::Store(s) => s.engine_hashes.len(),
+            Change::Remove { engine_hashes, .. } => engine_hashes.len(),
+        }
+    }
+
+    /// Applies it to `replica`'s entries; `Err` names why the index refused a store.
+    pub fn apply(&self, replica: ReplicaIdx, index: &mut KvIndex) -> Result<(), &'static str> {
+        match self {
+            Change::Clear => index.clear_replica(replica),
+            Change::Remove { tier, engine_hashes } => index.remove(replica, *tier, engine_hashes),
+            Change::Store(s) => {
+                let store = Store {
+                    parent: s.parent,
+                    engine_hashes: &s.engine_hashes,
+                    token_ids: &s.token_ids,
+                    block_size: s.block_size,
+                    salt: s.salt,
+                    extra: &s.extra,
+                    tier: s.tier,
+                };
+                return index.store(replica, store).map_err(|e| e.label());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Applies `changes` to `replica`'s entries in order; returns the reasons of refused stores.
+pub fn apply(replica: ReplicaIdx, changes: &[Change], index: &mut KvIndex) -> Vec<&'static str> {
+    changes.iter().filter_map(|c| c.apply(replica, index).err()).collect()
+}
+
+/// One message's changes, in order, and what happened to it.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Planned {
+    /// The index changes, to apply in order.
+    pub changes: Vec<Change>,
+    /// For metrics; stores the index refuses are counted when applied ([`Outcome::refused`]).
+    pub outcome: Outcome,
+}
+
 /// A source of past messages (the engine's replay socket). `Ok` holds the messages it had,
 /// in order, from `start` on.
 pub trait Replay {
@@ -56,10 +149,18 @@ impl Replay for NoReplay {
     }
 }
 
+/// A replica's ingestion state after a message, as its health reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// The last sequence number applied.
+    pub last_seq: Option<u64>,
+    /// Whether a lost range may have left stale blocks in the index.
+    pub degraded: bool,
+}
+
 /// The ingestion state of one replica.
 #[derive(Debug)]
 pub struct Ingest {
-    replica: ReplicaIdx,
     block_size: usize,
     last_seq: Option<u64>,
     degraded: bool,
@@ -72,9 +173,9 @@ fn is_full_attention(kind: &str) -> bool {
 }
 
 impl Ingest {
-    /// A replica seen for the first time.
-    pub fn new(replica: ReplicaIdx, block_size: usize) -> Ingest {
-        Ingest { replica, block_size, last_seq: None, degraded: false, group_kinds: HashMap::new() }
+    /// A replica seen for the first time, in a pool of `block_size`.
+    pub fn new(block_size: usize) -> Ingest {
+        Ingest { block_size, last_seq: None, degraded: false, group_kinds: HashMap::new() }
     }
 
     /// Whether a lost range may have left stale blocks in the index.
@@ -87,12 +188,18 @@ impl Ingest {
         self.last_seq
     }
 
-    /// Handles one message received live.
-    pub fn on_message(&mut self, seq: u64, payload: &[u8], index: &mut KvIndex, replay: &mut dyn Replay) -> Outcome {
-        let mut out = Outcome::default();
+    /// The state health reports.
+    pub fn progress(&self) -> Progress {
+        Progress { last_seq: self.last_seq, degraded: self.degraded }
+    }
+
+    /// Handles one message received live: the changes it implies, replayed gaps included.
+    pub fn on_message(&mut self, seq: u64, payload: &[u8], replay: &mut dyn Replay) -> Planned {
+        let mut planned = Planned::default();
+        let (changes, out) = (&mut planned.changes, &mut planned.outcome);
         if let Some(last) = self.last_seq {
             if seq <= last {
-                index.clear_replica(self.replica);
+                changes.push(Change::Clear);
                 self.last_seq = None;
                 self.degraded = false;
                 out.cleared = true;
@@ -104,7 +211,7 @@ impl Ingest {
                 if seq > 0 {
                     if let Ok(messages) = replay.replay(0) {
                         for (s, p) in messages.into_iter().filter(|(s, _)| *s < seq) {
-                            self.apply_payload(s, &p, index, &mut out);
+                            self.apply_payload(s, &p, changes, out);
                         }
                     }
                 }
@@ -117,43 +224,47 @@ impl Ingest {
                     if s != expected {
                         break;
                     }
-                    self.apply_payload(s, &p, index, &mut out);
+                    self.apply_payload(s, &p, changes, out);
                     expected += 1;
                 }
                 if expected == missing.end {
                     out.gaps_replayed += 1;
                 } else {
                     out.gaps_lost += 1;
-                    self.lose(index, &mut out.cleared);
+                    self.lose(changes, &mut out.cleared);
                 }
             }
             Some(_) => {}
         }
-        self.apply_payload(seq, payload, index, &mut out);
-        out
+        self.apply_payload(seq, payload, changes, out);
+        planned
     }
 
     /// Events were lost: what is indexed may be stale. Forget it and say so.
-    fn lose(&mut self, index: &mut KvIndex, cleared: &mut bool) {
-        index.clear_replica(self.replica);
+    fn lose(&mut self, changes: &mut Vec<Change>, cleared: &mut bool) {
+        changes.push(Change::Clear);
         self.degraded = true;
         *cleared = true;
     }
 
-    fn apply_payload(&mut self, seq: u64, payload: &[u8], index: &mut KvIndex, out: &mut Outcome) {
+    fn apply_payload(&mut self, seq: u64, payload: &[u8], changes: &mut Vec<Change>, out: &mut Outcome) {
         self.last_seq = Some(seq);
         let batch = match decode_batch(payload) {
             Ok(b) => b,
             Err(_) => {
                 out.dropped.push("decode");
-                self.lose(index, &mut out.cleared);
+                self.lose(changes, &mut out.cleared);
                 return;
             }
         };
-        // Consecutive removals on one tier are applied in one call, which overlaps their
-        // cache misses (an engine step evicts many blocks, one `BlockRemoved` each). Anything
-        // else applies the run first, so events still take effect in order.
+        // Consecutive removals on one tier become one change. Anything else ends the run, so
+        // events still take effect in order.
         let mut removals: Option<(Tier, Vec<u64>)> = None;
+        let end_run = |removals: &mut Option<(Tier, Vec<u64>)>, changes: &mut Vec<Change>| {
+            if let Some((tier, engine_hashes)) = removals.take() {
+                changes.push(Change::Remove { tier, engine_hashes });
+            }
+        };
         for event in batch.events {
             match event {
                 KvEvent::BlockRemoved(r) => {
@@ -168,36 +279,32 @@ impl Ingest {
                     match &mut removals {
                         Some((run_tier, hashes)) if *run_tier == tier => hashes.extend(r.block_hashes),
                         _ => {
-                            self.remove_run(removals.take(), index);
+                            end_run(&mut removals, changes);
                             removals = Some((tier, r.block_hashes));
                         }
                     }
                     out.applied += 1;
                 }
                 KvEvent::BlockStored(s) => {
-                    self.remove_run(removals.take(), index);
-                    match self.store(&s, index) {
-                        Ok(()) => out.applied += 1,
+                    end_run(&mut removals, changes);
+                    match self.store(s) {
+                        Ok(stored) => {
+                            changes.push(Change::Store(stored));
+                            out.applied += 1;
+                        }
                         Err(reason) => out.dropped.push(reason),
                     }
                 }
                 KvEvent::AllBlocksCleared => {
-                    self.remove_run(removals.take(), index);
-                    index.clear_replica(self.replica);
+                    end_run(&mut removals, changes);
+                    changes.push(Change::Clear);
                     self.degraded = false;
                     out.cleared = true;
                     out.applied += 1;
                 }
             }
         }
-        self.remove_run(removals, index);
-    }
-
-    /// Applies a run of consecutive removals on one tier (see `apply_payload`).
-    fn remove_run(&self, run: Option<(Tier, Vec<u64>)>, index: &mut KvIndex) {
-        if let Some((tier, hashes)) = run {
-            index.remove(self.replica, tier, &hashes);
-        }
+        end_run(&mut removals, changes);
     }
 
     /// Whether events of KV group `group` belong to the main full-attention group. Kinds are
@@ -217,7 +324,7 @@ impl Ingest {
         }
     }
 
-    fn store(&mut self, s: &BlockStored, index: &mut KvIndex) -> Result<(), &'static str> {
+    fn store(&mut self, s: BlockStored) -> Result<StoredBlocks, &'static str> {
         let tier = Tier::from_medium(s.medium.as_deref()).ok_or("unknown_medium")?;
         if s.locality.as_deref().is_some_and(|l| !l.eq_ignore_ascii_case("LOCAL")) {
             return Err("remote_locality");
@@ -232,55 +339,50 @@ impl Ingest {
         {
             return Err("partial_block");
         }
-        let lora = match (&s.lora_name, s.lora_id) {
+        let salt = match (&s.lora_name, s.lora_id) {
             (Some(name), _) => Salt::for_lora(Some(name)),
             (None, Some(id)) => Salt::for_lora(Some(&format!("lora-id:{id}"))),
             (None, None) => Salt::NONE,
         };
-        let extra = self.extra_salts(s);
-        index
-            .store(
-                self.replica,
-                Store {
-                    parent: s.parent_block_hash,
-                    engine_hashes: &s.block_hashes,
-                    token_ids: &s.token_ids,
-                    block_size: s.block_size as usize,
-                    salt: lora,
-                    extra: &extra,
-                    tier,
-                },
-            )
-            .map_err(|e| e.label())
+        let extra = extra_salts(&s);
+        Ok(StoredBlocks {
+            parent: s.parent_block_hash,
+            engine_hashes: s.block_hashes,
+            token_ids: s.token_ids,
+            block_size: s.block_size as usize,
+            salt,
+            extra,
+            tier,
+        })
     }
+}
 
-    /// Per-block salts from vLLM's `extra_keys` (minus the LoRA name, which is the base salt)
-    /// and SGLang's `cache_salt` (on the prompt's first block).
-    fn extra_salts(&self, s: &BlockStored) -> Vec<Salt> {
-        let mut salts: Vec<Salt> = match &s.extra_keys {
-            Some(per_block) => per_block
-                .iter()
-                .map(|keys| {
-                    let keys: Vec<ExtraKey> = keys
-                        .iter()
-                        .flatten()
-                        .filter(|k| !matches!((k, &s.lora_name), (ExtraKey::Str(a), Some(b)) if a == b))
-                        .cloned()
-                        .collect();
-                    Salt::for_extra_keys(&keys)
-                })
-                .collect(),
-            None => Vec::new(),
-        };
-        if let (Some(salt), None) = (&s.cache_salt, s.parent_block_hash) {
-            let cache = Salt::for_extra_keys(&[ExtraKey::Str(salt.clone())]);
-            match salts.first_mut() {
-                Some(first) => *first = first.combine(cache),
-                None => salts.push(cache),
-            }
+/// Per-block salts from vLLM's `extra_keys` (minus the LoRA name, which is the base salt)
+/// and SGLang's `cache_salt` (on the prompt's first block).
+fn extra_salts(s: &BlockStored) -> Vec<Salt> {
+    let mut salts: Vec<Salt> = match &s.extra_keys {
+        Some(per_block) => per_block
+            .iter()
+            .map(|keys| {
+                let keys: Vec<ExtraKey> = keys
+                    .iter()
+                    .flatten()
+                    .filter(|k| !matches!((k, &s.lora_name), (ExtraKey::Str(a), Some(b)) if a == b))
+                    .cloned()
+                    .collect();
+                Salt::for_extra_keys(&keys)
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    if let (Some(salt), None) = (&s.cache_salt, s.parent_block_hash) {
+        let cache = Salt::for_extra_keys(&[ExtraKey::Str(salt.clone())]);
+        match salts.first_mut() {
+            Some(first) => *first = first.combine(cache),
+            None => salts.push(cache),
         }
-        salts
     }
+    salts
 }
 
 #[cfg(test)]
@@ -371,6 +473,13 @@ mod tests {
         b
     }
 
+    /// Plans one message and applies its changes, as the transport does.
+    fn feed(ingest: &mut Ingest, seq: u64, payload: &[u8], index: &mut KvIndex, replay: &mut dyn Replay) -> Outcome {
+        let Planned { changes, mut outcome } = ingest.on_message(seq, payload, replay);
+        outcome.refused(apply(0, &changes, index));
+        outcome
+    }
+
     /// A replay source holding some messages.
     struct Buffer(Vec<(u64, Vec<u8>)>);
     impl Replay for Buffer {
@@ -391,12 +500,12 @@ mod tests {
     #[test]
     fn gap_is_replayed() {
         let mut index = KvIndex::new(4, 1);
-        let mut ingest = Ingest::new(0, 4);
+        let mut ingest = Ingest::new(4);
         let m: Vec<Vec<u8>> =
             (0..3).map(|i| stored(&[i as u64 + 1], (i > 0).then_some(i as u64), &toks(i), &[])).collect();
-        ingest.on_message(0, &m[0], &mut index, &mut NoReplay);
+        feed(&mut ingest, 0, &m[0], &mut index, &mut NoReplay);
         let mut buffer = Buffer(vec![(1, m[1].clone())]);
-        let out = ingest.on_message(2, &m[2], &mut index, &mut buffer);
+        let out = feed(&mut ingest, 2, &m[2], &mut index, &mut buffer);
         assert_eq!((out.gaps_replayed, out.gaps_lost, out.applied), (1, 0, 2));
         assert_eq!(depth(&index, 3), 3);
         assert!(!ingest.degraded());
@@ -405,9 +514,9 @@ mod tests {
     #[test]
     fn unrecoverable_gap_drops_possibly_stale_blocks_and_degrades_until_cleared() {
         let mut index = KvIndex::new(4, 1);
-        let mut ingest = Ingest::new(0, 4);
-        ingest.on_message(0, &stored(&[1], None, &toks(0), &[]), &mut index, &mut NoReplay);
-        let out = ingest.on_message(5, &stored(&[9], None, &toks(9), &[]), &mut index, &mut NoReplay);
+        let mut ingest = Ingest::new(4);
+        feed(&mut ingest, 0, &stored(&[1], None, &toks(0), &[]), &mut index, &mut NoReplay);
+        let out = feed(&mut ingest, 5, &stored(&[9], None, &toks(9), &[]), &mut index, &mut NoReplay);
         assert_eq!(out.gaps_lost, 1);
         assert!(ingest.degraded());
         assert_eq!(depth(&index, 1), 0, "a removal of block 0 may have been lost: it earns no credit");
@@ -417,22 +526,22 @@ mod tests {
             1,
             "blocks stored after the loss count"
         );
-        let out = ingest.on_message(6, &cleared(), &mut index, &mut NoReplay);
+        let out = feed(&mut ingest, 6, &cleared(), &mut index, &mut NoReplay);
         assert!(out.cleared && !ingest.degraded());
     }
 
     #[test]
     fn restart_clears_and_first_contact_replays() {
         let mut index = KvIndex::new(4, 1);
-        let mut ingest = Ingest::new(0, 4);
+        let mut ingest = Ingest::new(4);
         let mut buffer =
             Buffer(vec![(0, stored(&[1], None, &toks(0), &[])), (1, stored(&[2], Some(1), &toks(1), &[]))]);
         // First contact at seq 2: seqs 0 and 1 come from the replay buffer.
-        let out = ingest.on_message(2, &stored(&[3], Some(2), &toks(2), &[]), &mut index, &mut buffer);
+        let out = feed(&mut ingest, 2, &stored(&[3], Some(2), &toks(2), &[]), &mut index, &mut buffer);
         assert_eq!(out.applied, 3);
         assert_eq!(depth(&index, 3), 3);
         // The engine restarts: seq back to 0, cache empty.
-        let out = ingest.on_message(0, &stored(&[7], None, &toks(7), &[]), &mut index, &mut NoReplay);
+        let out = feed(&mut ingest, 0, &stored(&[7], None, &toks(7), &[]), &mut index, &mut NoReplay);
         assert!(out.cleared);
         assert_eq!(depth(&index, 1), 0);
         assert_eq!(ingest.last_seq(), Some(0));
@@ -441,13 +550,13 @@ mod tests {
     #[test]
     fn garbage_is_counted_not_fatal() {
         let mut index = KvIndex::new(4, 1);
-        let mut ingest = Ingest::new(0, 4);
-        ingest.on_message(0, &stored(&[1], None, &toks(0), &[]), &mut index, &mut NoReplay);
-        let out = ingest.on_message(1, b"\xc1garbage", &mut index, &mut NoReplay);
+        let mut ingest = Ingest::new(4);
+        feed(&mut ingest, 0, &stored(&[1], None, &toks(0), &[]), &mut index, &mut NoReplay);
+        let out = feed(&mut ingest, 1, b"\xc1garbage", &mut index, &mut NoReplay);
         assert_eq!(out.dropped, vec!["decode"]);
         assert!(ingest.degraded(), "an undecodable batch may have held a removal");
         assert_eq!(depth(&index, 1), 0);
-        let out = ingest.on_message(2, &stored(&[1], None, &toks(0), &[]), &mut index, &mut NoReplay);
+        let out = feed(&mut ingest, 2, &stored(&[1], None, &toks(0), &[]), &mut index, &mut NoReplay);
         assert_eq!(out.applied, 1);
         assert_eq!(depth(&index, 1), 1);
     }
@@ -455,9 +564,9 @@ mod tests {
     #[test]
     fn salts_and_tiers_and_locality() {
         let mut index = KvIndex::new(4, 1);
-        let mut ingest = Ingest::new(0, 4);
+        let mut ingest = Ingest::new(4);
         let out =
-            ingest.on_message(0, &stored(&[1], None, &toks(0), &[("cache_salt", "tenant")]), &mut index, &mut NoReplay);
+            feed(&mut ingest, 0, &stored(&[1], None, &toks(0), &[("cache_salt", "tenant")]), &mut index, &mut NoReplay);
         assert_eq!(out.applied, 1);
         assert_eq!(depth(&index, 1), 0, "a salted block never matches an unsalted prompt");
         let tenant = [Salt::for_extra_keys(&["tenant".into()])];
@@ -465,16 +574,16 @@ mod tests {
             kvgate_shared::hash::next_sequence_hash(None, kvgate_shared::hash::local_block_hash(&toks(0), tenant[0]));
         assert_eq!(index.find_matches(&[h])[0].device, 1, "but matches the same salt");
         let out =
-            ingest.on_message(1, &stored(&[2], None, &toks(1), &[("locality", "REMOTE")]), &mut index, &mut NoReplay);
+            feed(&mut ingest, 1, &stored(&[2], None, &toks(1), &[("locality", "REMOTE")]), &mut index, &mut NoReplay);
         assert_eq!(out.dropped, vec!["remote_locality"]);
-        let out = ingest.on_message(2, &stored(&[3], None, &toks(2), &[("medium", "tape")]), &mut index, &mut NoReplay);
+        let out = feed(&mut ingest, 2, &stored(&[3], None, &toks(2), &[("medium", "tape")]), &mut index, &mut NoReplay);
         assert_eq!(out.dropped, vec!["unknown_medium"]);
     }
 
     #[test]
     fn a_batch_applies_in_order_with_removal_runs_batched() {
         let mut index = KvIndex::new(4, 1);
-        let mut ingest = Ingest::new(0, 4);
+        let mut ingest = Ingest::new(4);
         let host = [("medium", "CPU")];
         let events = [
             stored_event(&[1, 2, 3], None, &(0..3).flat_map(toks).collect::<Vec<_>>(), &[]),
@@ -488,11 +597,13 @@ mod tests {
             stored_event(&[2], Some(1), &toks(1), &[]),
             removed_event(&[1], "tape"),
         ];
-        let out = ingest.on_message(0, &batch(&events), &mut index, &mut NoReplay);
-        assert_eq!((out.applied, out.dropped.clone()), (6, vec!["parent_unknown", "unknown_medium"]));
+        let out = feed(&mut ingest, 0, &batch(&events), &mut index, &mut NoReplay);
+        // What decoding drops is counted first, what the index refuses when it is applied.
+        assert_eq!((out.applied, out.dropped.clone()), (6, vec!["unknown_medium", "parent_unknown"]));
         assert_eq!(depth(&index, 3), 2, "block 3 removed, block 2 removed then stored again");
         assert_eq!(index.replica_tier_blocks(0, Tier::Host), 0, "the host-tier removal in the run applied");
-        let out = ingest.on_message(
+        let out = feed(
+            &mut ingest,
             1,
             &batch(&[removed_event(&[2], "GPU"), removed_event(&[1], "GPU")]),
             &mut index,
@@ -504,7 +615,7 @@ mod tests {
 
     #[test]
     fn only_the_main_attention_group_is_indexed() {
-        let mut ingest = Ingest::new(0, 4);
+        let mut ingest = Ingest::new(4);
         assert!(ingest.main_group(None, None));
         assert!(ingest.main_group(Some(0), None), "unknown kind: group 0 only");
         assert!(!ingest.main_group(Some(1), None));

@@ -2,11 +2,17 @@
 //!
 //! - [`decode`]: one msgpack payload → an [`decode::EventBatch`], for every vLLM layout from
 //!   0.9 (positional arrays) to 0.33 (tagged maps), and SGLang's.
-//! - [`ingest`]: one replica's stream → index operations: sequence numbers, replay of gaps,
-//!   restarts, degraded state, tiers, salts, KV-group filtering. Pure, unit-tested.
-//! - [`transport`]: the ZMQ sockets and threads (SUB reader → bounded queue → applier; DEALER
-//!   replay).
+//! - [`ingest`]: one replica's stream → index [`ingest::Change`]s: sequence numbers, replay of
+//!   gaps, restarts, degraded state, tiers, salts, KV-group filtering. Pure, unit-tested.
+//! - [`transport`]: per replica, the ZMQ sockets and two threads: the reader (SUB socket →
+//!   an inbox bounded in bytes) and the ingester (decode and replay, no lock held → jobs).
+//! - [`apply`]: per pool, the one thread that writes the index: jobs applied in bounded
+//!   batches under its write lock.
+//!
+//! Writes flow one way: socket → reader → inbox → ingester → applier → index. Routing only
+//! reads the index, and waits for at most one batch.
 
+pub mod apply;
 pub mod decode;
 pub mod ingest;
 pub mod transport;

@@ -1,8 +1,10 @@
-//! ZMQ transport: per replica, a reader thread on a SUB socket feeding a bounded queue, and an
-//! applier thread that runs [`super::ingest::Ingest`] against the pool's index.
+//! ZMQ transport, per replica: a reader thread on a SUB socket feeding an inbox bounded in
+//! bytes, and an ingester thread that runs [`super::ingest::Ingest`] — decoding, replaying
+//! gaps — with no lock held, and hands the changes to the pool's [`Applier`].
 //!
-//! - The reader never waits for the index: when the queue is full the message is dropped and
-//!   counted, and the applier sees a sequence gap, which it replays like any other.
+//! - The reader never waits: when the inbox is full (in bytes or in messages) the message is
+//!   dropped and counted (`reason="inbox_full"`), and the ingester sees a sequence gap, which
+//!   it replays like any other.
 //! - Messages must be exactly `[topic, seq (8 bytes, big-endian), payload]`.
 //! - A ZMQ socket monitor watches the connection: when it drops (the engine died or
 //!   restarted, or the network failed) the replica earns no cache credit until its next
@@ -10,15 +12,17 @@
 //!   (a restart: the replica is cleared).
 //! - Replay uses a DEALER: send `["", start_seq_be8]`, read until the end marker (seq
 //!   `ff…ff`, empty payload). Both reply layouts are accepted: `["", seq, payload]` (vLLM ≤
-//!   0.25) and `["", topic, seq, payload]` (0.26+).
+//!   0.25) and `["", topic, seq, payload]` (0.26+). A replay is bounded in time, messages and
+//!   bytes; past a bound it counts as lost (the replica is degraded, not stalled).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::ingest::{Ingest, NoReplay, Outcome, Replay};
+use super::apply::{Applier, Job};
+use super::ingest::{Ingest, NoReplay, Replay};
 use crate::config::{EventsMode, ReplicaConfig};
 use crate::index::ReplicaIdx;
 use crate::metrics::Metrics;
@@ -26,14 +30,21 @@ use crate::pool::Pool;
 
 /// Largest message accepted from a publisher; ZMQ drops larger ones itself.
 const MAX_MESSAGE_BYTES: i64 = 64 << 20;
-/// Messages buffered between a reader and its applier.
-const QUEUE_MESSAGES: usize = 10_000;
+/// Messages ZMQ itself buffers on the SUB socket (the reader drains it into the inbox as
+/// they come, so this only fills if the reader is starved of CPU).
+const SOCKET_MESSAGES: i32 = 10_000;
+/// Bytes buffered between a reader and its ingester.
+pub const INBOX_BYTES: usize = 64 << 20;
+/// Messages buffered between a reader and its ingester.
+const INBOX_MESSAGES: usize = 10_000;
 /// How often blocked calls wake up to check for shutdown.
 const POLL: Duration = Duration::from_millis(200);
 /// How long a replay may take in all.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// The most messages one replay returns (vLLM buffers 10 000 by default).
 const REPLAY_MAX_MESSAGES: usize = 100_000;
+/// The most payload bytes one replay returns.
+const REPLAY_MAX_BYTES: usize = 256 << 20;
 
 /// One replica's event source: its slot, its endpoints, and the flag that stops its threads
 /// (set when it leaves the pool, or at shutdown).
@@ -47,32 +58,41 @@ pub struct Source {
     pub stop: Arc<AtomicBool>,
 }
 
-/// Starts the reader and applier threads of one replica. They run until its stop flag is set.
+/// The reader's side of the inbox: a bounded channel and the bytes in it.
+struct Inbox {
+    tx: SyncSender<(u64, Vec<u8>)>,
+    bytes: Arc<AtomicUsize>,
+}
+
+/// Starts the reader and ingester threads of one replica. They run until its stop flag is set.
 pub fn spawn(
     ctx: zmq::Context,
     pool: Arc<Pool>,
     source: Source,
     metrics: Arc<Metrics>,
+    applier: Applier,
 ) -> std::io::Result<Vec<JoinHandle<()>>> {
-    let (tx, rx) = sync_channel::<(u64, Vec<u8>)>(QUEUE_MESSAGES);
+    let (tx, rx) = sync_channel::<(u64, Vec<u8>)>(INBOX_MESSAGES);
+    let bytes = Arc::new(AtomicUsize::new(0));
     let id = source.config.id.clone();
     let reader = {
         let (ctx, pool, metrics, source) = (ctx.clone(), pool.clone(), metrics.clone(), source.clone());
+        let inbox = Inbox { tx, bytes: bytes.clone() };
         std::thread::Builder::new()
             .name(format!("kv-read-{id}"))
-            .spawn(move || read_loop(&ctx, &pool, &source, &metrics, tx))?
+            .spawn(move || read_loop(&ctx, &pool, &source, &metrics, &inbox))?
     };
-    let applier = std::thread::Builder::new()
-        .name(format!("kv-apply-{id}"))
-        .spawn(move || apply_loop(&ctx, &pool, &source, &metrics, rx))?;
-    Ok(vec![reader, applier])
+    let ingester = std::thread::Builder::new()
+        .name(format!("kv-ingest-{id}"))
+        .spawn(move || ingest_loop(&ctx, &pool, &source, &rx, &bytes, &applier))?;
+    Ok(vec![reader, ingester])
 }
 
 fn open_sub(ctx: &zmq::Context, r: &ReplicaConfig) -> zmq::Result<zmq::Socket> {
     let socket = ctx.socket(zmq::SUB)?;
     socket.set_maxmsgsize(MAX_MESSAGE_BYTES)?;
     socket.set_rcvtimeo(POLL.as_millis() as i32)?;
-    socket.set_rcvhwm(100_000)?;
+    socket.set_rcvhwm(SOCKET_MESSAGES)?;
     socket.set_linger(0)?;
     socket.set_subscribe(r.kv_events_topic.as_bytes())?;
     match r.kv_events_mode {
@@ -103,7 +123,7 @@ fn disconnected(monitor: &zmq::Socket) -> bool {
     dropped
 }
 
-fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics, tx: SyncSender<(u64, Vec<u8>)>) {
+fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics, inbox: &Inbox) {
     let (replica, stop) = (source.replica, &source.stop);
     while !stop.load(Ordering::Relaxed) {
         let opened = open_sub(ctx, &source.config).and_then(|s| Ok((monitor(ctx, &s, &source.config.id)?, s)));
@@ -140,18 +160,34 @@ fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics
                 metrics.dropped(pool, replica, "bad_frames");
                 continue;
             };
-            match tx.try_send((seq, payload)) {
+            let len = payload.len();
+            if inbox.bytes.load(Ordering::Relaxed) + len > INBOX_BYTES {
+                metrics.dropped(pool, replica, "inbox_full");
+                continue;
+            }
+            inbox.bytes.fetch_add(len, Ordering::Relaxed);
+            match inbox.tx.try_send((seq, payload)) {
                 Ok(()) => {}
-                Err(TrySendError::Full(_)) => metrics.dropped(pool, replica, "queue_full"),
+                Err(TrySendError::Full(_)) => {
+                    inbox.bytes.fetch_sub(len, Ordering::Relaxed);
+                    metrics.dropped(pool, replica, "inbox_full");
+                }
                 Err(TrySendError::Disconnected(_)) => return,
             }
         }
     }
 }
 
-fn apply_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics, rx: Receiver<(u64, Vec<u8>)>) {
+fn ingest_loop(
+    ctx: &zmq::Context,
+    pool: &Pool,
+    source: &Source,
+    rx: &Receiver<(u64, Vec<u8>)>,
+    bytes: &AtomicUsize,
+    applier: &Applier,
+) {
     let (replica, stop) = (source.replica, &source.stop);
-    let mut ingest = Ingest::new(replica, pool.config.block_size as usize);
+    let mut ingest = Ingest::new(pool.config.block_size as usize);
     let replay_endpoint = source.config.kv_replay.clone();
     while !stop.load(Ordering::Relaxed) {
         let (seq, payload) = match rx.recv_timeout(POLL) {
@@ -159,30 +195,16 @@ fn apply_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metric
             Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) => return,
         };
-        let outcome = {
-            let mut index = pool.index_mut();
-            // The replica may have left while this message waited: its slot was cleared
-            // under this lock after the flag was set, so nothing may be written now.
-            if stop.load(Ordering::Relaxed) {
-                return;
-            }
-            match &replay_endpoint {
-                Some(endpoint) => ingest.on_message(seq, &payload, &mut index, &mut Dealer { ctx, endpoint }),
-                None => ingest.on_message(seq, &payload, &mut index, &mut NoReplay),
-            }
+        bytes.fetch_sub(payload.len(), Ordering::Relaxed);
+        // Decoding and replay take as long as they take: no lock is held here.
+        let planned = match &replay_endpoint {
+            Some(endpoint) => ingest.on_message(seq, &payload, &mut Dealer { ctx, endpoint }),
+            None => ingest.on_message(seq, &payload, &mut NoReplay),
         };
-        pool.after_ingest(replica, &ingest, &outcome);
-        record(metrics, pool, replica, &outcome);
-    }
-}
-
-fn record(metrics: &Metrics, pool: &Pool, replica: ReplicaIdx, outcome: &Outcome) {
-    let labels = pool.labels(replica);
-    metrics.events_applied.get_or_create(&labels).inc_by(outcome.applied);
-    metrics.gaps_replayed.get_or_create(&labels).inc_by(outcome.gaps_replayed);
-    metrics.gaps_lost.get_or_create(&labels).inc_by(outcome.gaps_lost);
-    for reason in &outcome.dropped {
-        metrics.dropped(pool, replica, reason);
+        let job = Job { replica, stop: stop.clone(), planned, progress: ingest.progress() };
+        if !applier.send(job) {
+            return;
+        }
     }
 }
 
@@ -207,10 +229,10 @@ pub fn replay(ctx: &zmq::Context, endpoint: &str, start: u64) -> anyhow::Result<
     socket.connect(endpoint)?;
     socket.send_multipart([&b""[..], &start.to_be_bytes()], 0)?;
     let deadline = std::time::Instant::now() + REPLAY_TIMEOUT;
-    let mut out = Vec::new();
+    let (mut out, mut bytes) = (Vec::new(), 0usize);
     loop {
-        if std::time::Instant::now() > deadline || out.len() > REPLAY_MAX_MESSAGES {
-            anyhow::bail!("replay from {endpoint} did not finish");
+        if std::time::Instant::now() > deadline || out.len() > REPLAY_MAX_MESSAGES || bytes > REPLAY_MAX_BYTES {
+            anyhow::bail!("replay from {endpoint} did not finish within its bounds");
         }
         let frames = socket.recv_multipart(0)?;
         let frames: Vec<&Vec<u8>> = frames.iter().skip_while(|f| f.is_empty()).collect();
@@ -225,6 +247,7 @@ pub fn replay(ctx: &zmq::Context, endpoint: &str, start: u64) -> anyhow::Result<
         if seq == u64::MAX && payload.is_empty() {
             return Ok(out);
         }
+        bytes += payload.len();
         out.push((seq, payload.to_vec()));
     }
 }
