@@ -177,7 +177,8 @@ impl RequestContext {
 
     /// Hands a big body to the sidecar (`/v1/route_body`) instead of tokenizing it here.
     fn offload_to_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> Option<String> {
-        let request = offload(endpoint, body, &self.hints, self.shared.borrow().listed.as_ref());
+        let timeout = self.shared.borrow().config.offload_timeout_ms;
+        let request = offload(endpoint, body, &self.hints, self.shared.borrow().listed.as_ref(), timeout);
         let (model, request) = match request {
             Ok(r) => r,
             Err(Skip::Unroutable(why)) => return self.pass_through(&why),
@@ -186,7 +187,6 @@ impl RequestContext {
             m.offloaded();
         }
         self.decision.offloaded = true;
-        let timeout = self.shared.borrow().config.offload_timeout_ms;
         self.dispatch("/v1/route_body", &request, timeout).then_some(model)
     }
 

@@ -217,6 +217,7 @@ pub fn offload<'a>(
     body: &'a [u8],
     hints: &HeaderHints,
     listed: Option<&HashSet<String>>,
+    budget_ms: u64,
 ) -> Result<(String, RouteBodyRequest<'a>), Skip> {
     let envelope: Envelope = serde_json::from_slice(body).map_err(|e| Skip::Unroutable(e.to_string()))?;
     if listed.is_some_and(|names| !names.contains(envelope.model.as_ref())) {
@@ -229,6 +230,7 @@ pub fn offload<'a>(
         body: std::borrow::Cow::Borrowed(body),
         session: hints.session.clone(),
         overrides: hints.overrides,
+        budget_ms: u32::try_from(budget_ms).unwrap_or(u32::MAX),
     };
     Ok((envelope.model.into_owned(), request))
 }
@@ -381,13 +383,13 @@ mod tests {
             session: Some("s".into()),
             overrides: None,
         };
-        let (model, req) = offload(Endpoint::ChatCompletions, body, &hints, None).unwrap();
+        let (model, req) = offload(Endpoint::ChatCompletions, body, &hints, None, 1000).unwrap();
         assert_eq!((req.request_id.as_str(), req.chat, req.session.as_deref()), ("r9", true, Some("s")));
         assert_eq!((model.as_str(), req.client_request_id.as_deref()), ("qwen3", Some("client")));
         assert_eq!(req.body.as_ref(), body);
         let listed = HashSet::from(["other".to_owned()]);
-        assert!(offload(Endpoint::ChatCompletions, body, &hints, Some(&listed)).is_err(), "unlisted model");
-        assert!(offload(Endpoint::Completions, b"{oops", &hints, None).is_err(), "unparsable body");
-        assert!(offload(Endpoint::Completions, br#"{"model":7}"#, &hints, None).is_err(), "no model name");
+        assert!(offload(Endpoint::ChatCompletions, body, &hints, Some(&listed), 1000).is_err(), "unlisted model");
+        assert!(offload(Endpoint::Completions, b"{oops", &hints, None, 1000).is_err(), "unparsable body");
+        assert!(offload(Endpoint::Completions, br#"{"model":7}"#, &hints, None, 1000).is_err(), "no model name");
     }
 }

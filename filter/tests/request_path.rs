@@ -125,7 +125,7 @@ fn check(endpoint: Endpoint, body: &[u8], hints: &HeaderHints, max_bytes: usize)
                 let again = plan(endpoint, &rewritten, hints, &models, Some(&listed), max_bytes).unwrap();
                 assert_eq!(again.request.block_hashes, p.request.block_hashes, "forwarded ids hash the same");
             }
-            assert!(offload(endpoint, body, hints, Some(&listed)).is_ok(), "offload accepts what plan accepts");
+            assert!(offload(endpoint, body, hints, Some(&listed), 1000).is_ok(), "offload accepts what plan accepts");
         }
         Err(Skip::Unroutable(why)) => assert!(!why.is_empty()),
     }

@@ -96,6 +96,9 @@ pub struct RouteBodyRequest<'a> {
     pub session: Option<String>,
     /// Per-request scoring overrides, as in [`RouteRequest`].
     pub overrides: Option<ScoringOverrides>,
+    /// How long the filter waits for the answer (its `offload_timeout_ms`): work that cannot
+    /// finish by then is skipped and nothing is booked, since the request has gone on.
+    pub budget_ms: u32,
 }
 
 /// Scoring knobs a request may override (Dynamo's `router_config_override`).

@@ -240,12 +240,7 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         }
     });
 
-    let state = Arc::new(api::AppState {
-        pools,
-        scoring: config.scoring.clone(),
-        allow_request_overrides: config.allow_request_overrides,
-        metrics,
-    });
+    let state = Arc::new(api::AppState::new(pools, config.scoring.clone(), config.allow_request_overrides, metrics));
     if let Some(addr) = config.metrics_listen {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
         let app = api::metrics_router(state.clone());

@@ -163,6 +163,17 @@ pub struct Pool {
     affinity: Mutex<ApproxIndex>,
 }
 
+/// Why an offloaded prompt was not routed.
+#[derive(Debug, thiserror::Error)]
+pub enum OffloadError {
+    /// The pool's tokenizer failed to load, or failed on this prompt.
+    #[error("cannot tokenize the prompt: {0}")]
+    Tokenizer(String),
+    /// The filter's budget ran out before the decision: nothing was booked.
+    #[error("the filter's deadline passed before the prompt was routed")]
+    Late,
+}
+
 /// Decisions kept for `/debug/explain`.
 const EXPLANATIONS: usize = 256;
 
@@ -489,15 +500,25 @@ impl Pool {
             .map_err(Clone::clone)
     }
 
-    /// Routes a whole request body (the filter's offload): parses and tokenizes it exactly
-    /// as the filter would, then decides as [`Pool::route`]. Blocking (it tokenizes).
+    /// Routes a whole request body (the filter's offload): tokenizes it exactly as the filter
+    /// would, then decides as [`Pool::route`] — unless `deadline` has passed by then (the
+    /// filter has routed the request without us: booking it would count load that is not
+    /// there). Blocking (it tokenizes).
     pub fn route_body(
         &self,
         parsed: &ParsedRequest,
         req: &RouteBodyRequest<'_>,
         scoring: &ScoringConfig,
-    ) -> Result<RouteResponse, String> {
-        let tokens = self.tokenizer()?.prompt_tokens(parsed).map_err(|e| e.to_string())?;
+        deadline: Instant,
+    ) -> Result<RouteResponse, OffloadError> {
+        if Instant::now() >= deadline {
+            return Err(OffloadError::Late);
+        }
+        let tokenizer = self.tokenizer().map_err(OffloadError::Tokenizer)?;
+        let tokens = tokenizer.prompt_tokens(parsed).map_err(|e| OffloadError::Tokenizer(e.to_string()))?;
+        if Instant::now() >= deadline {
+            return Err(OffloadError::Late);
+        }
         // A LoRA adapter's blocks are salted with its name, as its engine salts them.
         let salt = if parsed.model == self.config.model { Salt::NONE } else { Salt::for_lora(Some(&parsed.model)) };
         let route = RouteRequest {

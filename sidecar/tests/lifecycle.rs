@@ -34,7 +34,7 @@ fn state() -> Arc<AppState> {
             ((*model).to_owned(), Arc::new(Pool::new(config, Vec::new(), metrics.clone())))
         })
         .collect();
-    Arc::new(AppState { pools, scoring: ScoringConfig::default(), allow_request_overrides: false, metrics })
+    Arc::new(AppState::new(pools, ScoringConfig::default(), false, metrics))
 }
 
 async fn post(state: &Arc<AppState>, path: &str, body: Vec<u8>) -> (StatusCode, Vec<u8>) {
@@ -125,4 +125,27 @@ async fn a_lifecycle_batch_as_large_as_envoy_buffers_is_accepted() {
     assert_eq!(status, StatusCode::NO_CONTENT);
     let (status, _) = post(&state, "/v1/lifecycle", vec![0; MAX_BODY_BYTES + (1 << 20)]).await;
     assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "past the cap");
+}
+
+#[tokio::test]
+async fn a_panic_in_one_requests_handling_leaves_the_sidecar_serving() {
+    let state = state();
+    // A handler with a bug, served beside the API the way axum serves every route.
+    let bug = || async {
+        if std::hint::black_box(true) {
+            panic!("a bug in one request");
+        }
+        StatusCode::OK
+    };
+    let app = router(state.clone()).route("/bug", axum::routing::get(bug));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = reqwest::Client::new();
+    assert!(client.get(format!("http://{addr}/bug")).send().await.is_err(), "that request fails");
+    let body = codec::encode(&route_request(MODELS[0], "after", "c")).unwrap();
+    let answer = client.post(format!("http://{addr}/v1/route")).body(body).send().await.unwrap();
+    assert_eq!(answer.status().as_u16(), 200, "the next one is routed");
+    let decision: RouteResponse = codec::decode(&answer.bytes().await.unwrap()).unwrap();
+    assert!(decision.endpoint.is_some());
 }

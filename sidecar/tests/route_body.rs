@@ -17,7 +17,7 @@ use kvgate_sidecar::api::{router, AppState};
 use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::index::{Store, Tier};
 use kvgate_sidecar::metrics::Metrics;
-use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::pool::{OffloadError, Pool};
 use kvgate_sidecar::score::ScoringConfig;
 use tower::ServiceExt;
 
@@ -39,7 +39,7 @@ fn state() -> (Arc<AppState>, Arc<Pool>) {
     let metrics = Arc::new(Metrics::default());
     let pool = Arc::new(Pool::new(config, bundle, metrics.clone()));
     let pools = HashMap::from([("qwen3".to_owned(), pool.clone())]);
-    let state = AppState { pools, scoring: ScoringConfig::default(), allow_request_overrides: false, metrics };
+    let state = AppState::new(pools, ScoringConfig::default(), false, metrics);
     (Arc::new(state), pool)
 }
 
@@ -58,6 +58,7 @@ fn offload(body: &str) -> Vec<u8> {
         body: body.as_bytes().into(),
         session: None,
         overrides: None,
+        budget_ms: 30_000,
     };
     codec::encode(&request).unwrap()
 }
@@ -104,4 +105,19 @@ async fn bad_input_gets_a_clear_4xx() {
         post(state, offload(r#"{"model":"other","messages":[{"role":"user","content":"hi"}]}"#)).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(String::from_utf8_lossy(&message).contains("other"));
+}
+
+#[tokio::test]
+async fn work_past_the_filters_deadline_is_skipped_and_not_booked() {
+    let (state, pool) = state();
+    let body = r#"{"model":"qwen3","messages":[{"role":"user","content":"hello"}]}"#;
+    let request: RouteBodyRequest<'static> = codec::decode(&offload(body)).unwrap();
+    let parsed = parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
+    let late = pool.route_body(&parsed, &request, &ScoringConfig::default(), std::time::Instant::now());
+    assert!(matches!(late, Err(OffloadError::Late)), "{late:?}");
+    assert_eq!(pool.state().bookings, 0, "the filter has gone on without us: nothing booked");
+    // Within its budget the same prompt is routed and booked.
+    let (status, _) = post(state, offload(body)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(pool.state().bookings, 1);
 }

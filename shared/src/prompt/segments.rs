@@ -9,13 +9,25 @@
 //! In a multi-turn chat every earlier turn is a piece seen before: only the new turn is
 //! tokenized. Pieces are kept in an LRU bounded by a byte budget.
 
+//!
+//! The cache is shared by threads (the sidecar tokenizes offloaded prompts on several): its
+//! lock is held only to look pieces up and to keep new ones, never while a piece is
+//! tokenized, so two prompts tokenize at once.
+
+use std::sync::{Arc, Mutex};
+
 use aho_corasick::{AhoCorasick, MatchKind};
 use lru::LruCache;
 
 /// Tokenized pieces, keyed by their exact text.
 pub struct SegmentCache {
     splitter: AhoCorasick,
-    pieces: LruCache<String, Vec<u32>>,
+    pieces: Mutex<Pieces>,
+}
+
+/// What the lock guards.
+struct Pieces {
+    lru: LruCache<String, Arc<[u32]>>,
     bytes: usize,
     budget: usize,
     hits: u64,
@@ -24,7 +36,8 @@ pub struct SegmentCache {
 
 impl std::fmt::Debug for SegmentCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SegmentCache").field("bytes", &self.bytes).field("budget", &self.budget).finish()
+        let stats = self.stats();
+        f.debug_struct("SegmentCache").field("bytes", &stats.bytes).finish()
     }
 }
 
@@ -55,55 +68,74 @@ impl SegmentCache {
             .match_kind(MatchKind::LeftmostLongest)
             .build(special.iter().map(|t| t.content.as_str()))
             .ok()?;
-        Some(SegmentCache { splitter, pieces: LruCache::unbounded(), bytes: 0, budget, hits: 0, misses: 0 })
+        let pieces = Pieces { lru: LruCache::unbounded(), bytes: 0, budget, hits: 0, misses: 0 };
+        Some(SegmentCache { splitter, pieces: Mutex::new(pieces) })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pieces> {
+        self.pieces.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The cache's counters.
     pub fn stats(&self) -> SegmentStats {
-        SegmentStats { hits: self.hits, misses: self.misses, bytes: self.bytes }
+        let p = self.lock();
+        SegmentStats { hits: p.hits, misses: p.misses, bytes: p.bytes }
     }
 
-    /// Encodes `text` (without added special tokens) piece by piece, through the cache.
-    pub fn encode<E>(
-        &mut self,
-        text: &str,
-        mut encode: impl FnMut(&str) -> Result<Vec<u32>, E>,
-    ) -> Result<Vec<u32>, E> {
+    /// Encodes `text` (without added special tokens) piece by piece, through the cache: the
+    /// pieces it holds are looked up, the others tokenized with no lock held, then kept.
+    pub fn encode<E>(&self, text: &str, mut encode: impl FnMut(&str) -> Result<Vec<u32>, E>) -> Result<Vec<u32>, E> {
         let mut cuts: Vec<usize> = self.splitter.find_iter(text).map(|m| m.start()).collect();
         if cuts.first() != Some(&0) {
             cuts.insert(0, 0);
         }
         cuts.push(text.len());
+        let pieces: Vec<&str> = cuts.windows(2).map(|w| &text[w[0]..w[1]]).filter(|p| !p.is_empty()).collect();
+        let cached: Vec<Option<Arc<[u32]>>> = {
+            let mut p = self.lock();
+            pieces.iter().map(|piece| p.lookup(piece)).collect()
+        };
         let mut ids = Vec::new();
-        for w in cuts.windows(2) {
-            let piece = &text[w[0]..w[1]];
-            if piece.is_empty() {
-                continue;
+        let mut new = Vec::new();
+        for (piece, cached) in pieces.iter().zip(cached) {
+            match cached {
+                Some(piece_ids) => ids.extend_from_slice(&piece_ids),
+                None => {
+                    let piece_ids = encode(piece)?;
+                    ids.extend_from_slice(&piece_ids);
+                    new.push((*piece, piece_ids));
+                }
             }
-            if let Some(cached) = self.pieces.get(piece) {
-                self.hits += 1;
-                ids.extend_from_slice(cached);
-                continue;
+        }
+        if !new.is_empty() {
+            let mut p = self.lock();
+            for (piece, piece_ids) in new {
+                p.insert(piece, piece_ids);
             }
-            self.misses += 1;
-            let piece_ids = encode(piece)?;
-            ids.extend_from_slice(&piece_ids);
-            self.insert(piece.to_owned(), piece_ids);
         }
         Ok(ids)
     }
+}
 
-    fn insert(&mut self, piece: String, ids: Vec<u32>) {
+impl Pieces {
+    fn lookup(&mut self, piece: &str) -> Option<Arc<[u32]>> {
+        let found = self.lru.get(piece).cloned();
+        match found {
+            Some(_) => self.hits += 1,
+            None => self.misses += 1,
+        }
+        found
+    }
+
+    fn insert(&mut self, piece: &str, ids: Vec<u32>) {
         let size = piece.len() + ids.len() * 4 + 64;
-        if size > self.budget {
+        if size > self.budget || self.lru.contains(piece) {
             return;
         }
         self.bytes += size;
-        if let Some((old_piece, old_ids)) = self.pieces.push(piece, ids) {
-            self.bytes -= old_piece.len() + old_ids.len() * 4 + 64;
-        }
+        self.lru.push(piece.to_owned(), ids.into());
         while self.bytes > self.budget {
-            let Some((p, v)) = self.pieces.pop_lru() else { break };
+            let Some((p, v)) = self.lru.pop_lru() else { break };
             self.bytes -= p.len() + v.len() * 4 + 64;
         }
     }

@@ -1,7 +1,6 @@
 //! A model's tokenizer plus chat template: turns a parsed request into prompt token ids.
 
 use std::path::Path;
-use std::sync::Mutex;
 
 use serde_json::Value;
 
@@ -16,7 +15,7 @@ use crate::wire::ModelBundle;
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
     template: Option<ChatTemplate>,
-    segments: Option<Mutex<SegmentCache>>,
+    segments: Option<SegmentCache>,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -43,13 +42,13 @@ impl ModelTokenizer {
     /// Caches tokenized chat segments, up to `budget` bytes (see [`SegmentCache`]). A
     /// tokenizer whose special tokens make that inexact keeps encoding in one go.
     pub fn with_segment_cache(mut self, budget: usize) -> Self {
-        self.segments = SegmentCache::for_tokenizer(&self.tokenizer, budget).map(Mutex::new);
+        self.segments = SegmentCache::for_tokenizer(&self.tokenizer, budget);
         self
     }
 
     /// The segment cache's counters, if it is on.
     pub fn segment_stats(&self) -> Option<SegmentStats> {
-        self.segments.as_ref().map(|c| c.lock().unwrap_or_else(|e| e.into_inner()).stats())
+        self.segments.as_ref().map(SegmentCache::stats)
     }
 
     /// The prompt token ids vLLM would compute for this request.
@@ -76,10 +75,7 @@ impl ModelTokenizer {
         };
         let head = &text[..safe_cut(&text, max_bytes)];
         let tokens = match (&self.segments, add_special_tokens) {
-            (Some(cache), false) => {
-                let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
-                cache.encode(head, |piece| self.encode(piece, false))?
-            }
+            (Some(cache), false) => cache.encode(head, |piece| self.encode(piece, false))?,
             _ => self.encode(head, add_special_tokens)?,
         };
         let truncated = head.len() < text.len();

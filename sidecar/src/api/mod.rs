@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
@@ -21,7 +21,7 @@ use kvgate_shared::wire::{
 };
 
 use crate::metrics::{FallbackLabels, Metrics, ReasonLabels};
-use crate::pool::Pool;
+use crate::pool::{OffloadError, Pool};
 use crate::score::ScoringConfig;
 
 /// What every handler shares.
@@ -34,9 +34,23 @@ pub struct AppState {
     pub allow_request_overrides: bool,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// Offloaded prompts tokenized at once: one per core. Others wait, up to their deadline.
+    offload_slots: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
+    /// The state of a sidecar routing `pools`.
+    pub fn new(
+        pools: HashMap<String, Arc<Pool>>,
+        scoring: ScoringConfig,
+        allow_request_overrides: bool,
+        metrics: Arc<Metrics>,
+    ) -> AppState {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let offload_slots = Arc::new(tokio::sync::Semaphore::new(cores));
+        AppState { pools, scoring, allow_request_overrides, metrics, offload_slots }
+    }
+
     /// The pool a request's `model` routes in: the pool of that base model, else the pool
     /// that serves an adapter of that name (configured or learned from its engines).
     pub fn pool_for(&self, model: &str) -> Option<&Arc<Pool>> {
@@ -101,14 +115,24 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     encoded(&decision)
 }
 
+/// The deadline of an offload whose request names no budget.
+const DEFAULT_OFFLOAD_BUDGET: Duration = Duration::from_secs(1);
+
 /// A prompt the filter offloaded: parsed and tokenized here, on a blocking thread, so that
-/// neither an Envoy worker nor this runtime's threads stall on it.
+/// neither an Envoy worker nor this runtime's threads stall on it. At most one prompt per
+/// core is tokenized at once; a prompt that cannot be routed within the filter's budget is
+/// skipped (`late`, 503) and not booked: the filter has given up on it.
 async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let started = Instant::now();
     let req: RouteBodyRequest<'static> = match codec::decode(&body) {
         Ok(r) => r,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
+    let budget = match req.budget_ms {
+        0 => DEFAULT_OFFLOAD_BUDGET,
+        ms => Duration::from_millis(u64::from(ms)),
+    };
+    let deadline = started + budget;
     let endpoint = if req.chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
     let parsed = match parse(endpoint, &req.body) {
         Ok(p) => p,
@@ -122,11 +146,20 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
         (Some(o), true) => state.scoring.with_overrides(o),
         _ => state.scoring.clone(),
     };
-    let decided = tokio::task::spawn_blocking(move || pool.route_body(&parsed, &req, &scoring)).await;
+    let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
+    let Ok(Ok(slot)) = slot else {
+        return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
+    };
+    let decided = tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        pool.route_body(&parsed, &req, &scoring, deadline)
+    })
+    .await;
     state.metrics.route_seconds.observe(started.elapsed().as_secs_f64());
     match decided {
         Ok(Ok(decision)) => encoded(&decision),
-        Ok(Err(e)) => fallback(&state, "tokenize_failed", StatusCode::UNPROCESSABLE_ENTITY, e),
+        Ok(Err(e @ OffloadError::Late)) => fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        Ok(Err(e)) => fallback(&state, "tokenize_failed", StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
         Err(e) => fallback(&state, "internal", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
 }

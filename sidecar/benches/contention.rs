@@ -1,0 +1,250 @@
+//! Routing decisions while the pool ingests: does a decision wait on event ingestion?
+//!
+//! A pool of 64 replicas, each fed by its own in-process ZMQ publisher through the sidecar's
+//! real transport (reader, ingester, applier), with vLLM's map-format messages: each stores a
+//! 16-block prompt and removes the one stored 64 messages earlier, so the index stays the
+//! same size. The index also holds, per replica, 64 prompts of the measured size sharing
+//! group prefixes (as `decision.rs`), which the decided prompt partly matches.
+//!
+//! Three phases, each measuring every decision's latency (route + release) on this thread:
+//! 1. **idle**: no events.
+//! 2. **ingest**: one thread publishes to all 64 replicas as fast as it can.
+//! 3. **hung replay**: the same, and replica 0's stream skips a sequence number, so its
+//!    ingester replays from a socket that never answers (2 s, the replay timeout).
+//!
+//! It prints p50 / p99 / p99.9 / max per phase and the events applied per second under
+//! ingest. Run: `cargo bench -p kvgate-sidecar --bench contention [-- SECONDS]` (default 3
+//! per phase).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::wire::RouteRequest;
+use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
+use kvgate_sidecar::discovery::Supervisor;
+use kvgate_sidecar::index::{Store, Tier};
+use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::score::ScoringConfig;
+use rmp::encode as mp;
+
+const BS: usize = 16;
+const REPLICAS: usize = 64;
+/// Blocks per published message, and how many messages a prompt stays stored.
+const MESSAGE_BLOCKS: u64 = 16;
+const WINDOW: u64 = 64;
+
+fn tokens(seed: u64, n: usize) -> Vec<u32> {
+    (0..n as u64).map(|i| (seed.wrapping_mul(0x9e37_79b9).wrapping_add(i * 7919) % 150_000) as u32).collect()
+}
+
+fn endpoint(kind: &str, r: usize) -> String {
+    format!("inproc://bench-{kind}-{r}")
+}
+
+/// The pool, with its preloaded prompts.
+fn pool(prompt_tokens: usize) -> Arc<Pool> {
+    let configs = (0..REPLICAS)
+        .map(|i| {
+            let address = format!("10.0.{}.{}:8000", i / 250, i % 250 + 1).parse().expect("valid address");
+            let mut r = ReplicaConfig::new(&format!("r{i}"), address, &endpoint("pub", i));
+            r.kv_replay = (i == 0).then(|| endpoint("replay", i));
+            r
+        })
+        .collect();
+    let config = PoolConfig::new("m", "unused", BS as u32, configs);
+    let p = Arc::new(Pool::new(config, Vec::new(), Arc::new(Metrics::default())));
+    let mut index = p.index_mut();
+    for r in 0..REPLICAS {
+        for q in 0..64u64 {
+            let mut t = tokens(q % 8, 16 * BS);
+            t.extend(tokens(1_000_000 + r as u64 * 1000 + q, prompt_tokens - 16 * BS));
+            // Engine hashes of the preloaded prompts stay clear of the published ones (bit 62).
+            let engine: Vec<u64> = (0..t.len() / BS).map(|b| 1 << 62 | (r as u64) << 40 | q << 20 | b as u64).collect();
+            let store = Store {
+                parent: None,
+                engine_hashes: &engine,
+                token_ids: &t[..engine.len() * BS],
+                block_size: BS,
+                salt: Salt::NONE,
+                extra: &[],
+                tier: Tier::Device,
+            };
+            index.store(r, store).expect("consistent");
+        }
+    }
+    drop(index);
+    p
+}
+
+fn write_hashes(b: &mut Vec<u8>, hash: impl Fn(u64) -> u64) {
+    mp::write_array_len(b, MESSAGE_BLOCKS as u32).unwrap();
+    for i in 0..MESSAGE_BLOCKS {
+        mp::write_uint(b, hash(i)).unwrap();
+    }
+}
+
+/// Message `k` of replica `r`: store prompt `k`, remove prompt `k - WINDOW`.
+fn message(r: usize, k: u64) -> Vec<u8> {
+    let hash = |k: u64, b: u64| (r as u64) << 40 | (k % (2 * WINDOW)) << 8 | b;
+    let mut b = Vec::new();
+    mp::write_array_len(&mut b, 3).unwrap();
+    mp::write_f64(&mut b, 1.0).unwrap();
+    mp::write_array_len(&mut b, if k >= WINDOW { 2 } else { 1 }).unwrap();
+    mp::write_map_len(&mut b, 7).unwrap();
+    mp::write_str(&mut b, "type").unwrap();
+    mp::write_str(&mut b, "BlockStored").unwrap();
+    mp::write_str(&mut b, "block_hashes").unwrap();
+    write_hashes(&mut b, |i| hash(k, i));
+    mp::write_str(&mut b, "parent_block_hash").unwrap();
+    mp::write_nil(&mut b).unwrap();
+    mp::write_str(&mut b, "token_ids").unwrap();
+    let t = tokens(7_000_000 + r as u64 * 10_000 + k % (2 * WINDOW), MESSAGE_BLOCKS as usize * BS);
+    mp::write_array_len(&mut b, t.len() as u32).unwrap();
+    for id in t {
+        mp::write_uint(&mut b, u64::from(id)).unwrap();
+    }
+    mp::write_str(&mut b, "block_size").unwrap();
+    mp::write_uint(&mut b, BS as u64).unwrap();
+    mp::write_str(&mut b, "lora_id").unwrap();
+    mp::write_nil(&mut b).unwrap();
+    mp::write_str(&mut b, "medium").unwrap();
+    mp::write_str(&mut b, "GPU").unwrap();
+    if k >= WINDOW {
+        mp::write_map_len(&mut b, 3).unwrap();
+        mp::write_str(&mut b, "type").unwrap();
+        mp::write_str(&mut b, "BlockRemoved").unwrap();
+        mp::write_str(&mut b, "block_hashes").unwrap();
+        write_hashes(&mut b, |i| hash(k - WINDOW, i));
+        mp::write_str(&mut b, "medium").unwrap();
+        mp::write_str(&mut b, "GPU").unwrap();
+    }
+    mp::write_uint(&mut b, 0).unwrap();
+    b
+}
+
+/// Publishes to every replica, round robin, as fast as it can while `run` is set. Replica 0
+/// skips one sequence number whenever `skip` is set (and clears it).
+struct Publisher {
+    run: Arc<AtomicBool>,
+    skip: Arc<AtomicBool>,
+    sent: Arc<AtomicU64>,
+}
+
+fn publish(ctx: &zmq::Context, p: &Publisher, stop: &AtomicBool) {
+    let sockets: Vec<zmq::Socket> = (0..REPLICAS)
+        .map(|r| {
+            let s = ctx.socket(zmq::PUB).unwrap();
+            s.set_sndhwm(100_000).unwrap();
+            s.bind(&endpoint("pub", r)).unwrap();
+            s
+        })
+        .collect();
+    // Messages are encoded once: from WINDOW on, message k and k + 2·WINDOW are the same.
+    let messages: Vec<Vec<Vec<u8>>> = (0..REPLICAS).map(|r| (0..3 * WINDOW).map(|k| message(r, k)).collect()).collect();
+    let mut seq = vec![0u64; REPLICAS];
+    let mut k = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        if !p.run.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
+        for (r, socket) in sockets.iter().enumerate() {
+            if r == 0 && p.skip.swap(false, Ordering::Relaxed) {
+                seq[0] += 1;
+            }
+            let i = if k < 3 * WINDOW { k } else { WINDOW + (k - WINDOW) % (2 * WINDOW) };
+            let payload = &messages[r][i as usize];
+            let frames: [&[u8]; 3] = [b"", &seq[r].to_be_bytes(), payload];
+            socket.send_multipart(frames, 0).unwrap();
+            seq[r] += 1;
+        }
+        k += 1;
+        p.sent.fetch_add(REPLICAS as u64, Ordering::Relaxed);
+    }
+}
+
+/// Latencies of decisions made for `secs`, sorted.
+fn decide_for(pool: &Pool, request: &RouteRequest, secs: f64) -> Vec<Duration> {
+    let scoring = ScoringConfig::default();
+    let until = Instant::now() + Duration::from_secs_f64(secs);
+    let mut times = Vec::new();
+    while Instant::now() < until {
+        let started = Instant::now();
+        let decision = pool.route(request, &scoring);
+        pool.lifecycle(&request.request_id, false);
+        times.push(started.elapsed());
+        assert!(decision.endpoint.is_some());
+    }
+    times.sort_unstable();
+    times
+}
+
+fn applied(pool: &Pool) -> u64 {
+    pool.state().replicas.iter().map(|r| r.events_applied).sum()
+}
+
+fn row(phase: &str, prompt_tokens: usize, t: &[Duration], rate: Option<f64>) {
+    let q = |f: f64| t[((t.len() as f64 * f) as usize).min(t.len() - 1)].as_secs_f64() * 1e6;
+    let rate = rate.map_or("—".to_owned(), |r| format!("{:.0}k events/s", r / 1e3));
+    println!(
+        "| {phase} | {prompt_tokens} | {} | {:.1} µs | {:.1} µs | {:.1} µs | {:.1} µs | {rate} |",
+        t.len(),
+        q(0.5),
+        q(0.99),
+        q(0.999),
+        q(1.0)
+    );
+}
+
+fn main() {
+    let secs: f64 = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(3.0);
+    println!("| phase | prompt tokens | decisions | p50 | p99 | p99.9 | max | events applied |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for prompt_tokens in [1024usize, 8192] {
+        let ctx = zmq::Context::new();
+        // The replay socket of replica 0 never answers.
+        let hung = ctx.socket(zmq::ROUTER).unwrap();
+        hung.bind(&endpoint("replay", 0)).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let publisher = Publisher { run: Arc::default(), skip: Arc::default(), sent: Arc::default() };
+        let (run, skip) = (publisher.run.clone(), publisher.skip.clone());
+        let publishing = {
+            let (ctx, stop) = (ctx.clone(), stop.clone());
+            std::thread::spawn(move || publish(&ctx, &publisher, &stop))
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        let p = pool(prompt_tokens);
+        let supervisor = Supervisor::start(ctx.clone(), p.clone(), Arc::new(Metrics::default())).unwrap();
+        let mut t = tokens(3, 16 * BS);
+        t.extend(tokens(42, prompt_tokens - 16 * BS));
+        let request = RouteRequest {
+            request_id: "bench".into(),
+            client_request_id: None,
+            model: "m".into(),
+            prompt_tokens: prompt_tokens as u32,
+            block_hashes: prompt_block_hashes(&t, BS, Salt::NONE),
+            block_size: BS as u32,
+            session: None,
+            overrides: None,
+            max_tokens: None,
+        };
+        row("idle", prompt_tokens, &decide_for(&p, &request, secs), None);
+        run.store(true, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(500));
+        let (before, started) = (applied(&p), Instant::now());
+        let times = decide_for(&p, &request, secs);
+        let rate = (applied(&p) - before) as f64 / started.elapsed().as_secs_f64();
+        row("ingest", prompt_tokens, &times, Some(rate));
+        skip.store(true, Ordering::Relaxed);
+        let (before, started) = (applied(&p), Instant::now());
+        let times = decide_for(&p, &request, 2.5);
+        let rate = (applied(&p) - before) as f64 / started.elapsed().as_secs_f64();
+        row("ingest + hung replay", prompt_tokens, &times, Some(rate));
+        stop.store(true, Ordering::Relaxed);
+        supervisor.shutdown();
+        publishing.join().unwrap();
+    }
+}
