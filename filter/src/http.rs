@@ -29,7 +29,7 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 use crate::host;
 use crate::metrics::Outcome;
 use crate::plan::{booking_id, offload, plan, routable, streamed_tokens, with_token_prompt, HeaderHints, Skip};
-use crate::root::Shared;
+use crate::shared::Shared;
 
 /// What the filter did with a request, for debug headers and lifecycle reports.
 #[derive(Debug, Default)]

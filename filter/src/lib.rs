@@ -12,6 +12,7 @@
 //! | [`plan`] | body → route request (pure, natively testable) |
 //! | [`fetches`] | when to (re)fetch each model's tokenizer (pure) |
 //! | [`root`] | tokenizer loading, lifecycle batching (one per VM) |
+//! | [`shared`] | what the root and the HTTP contexts of one VM share |
 //! | [`http`] | the per-request state machine |
 //! | [`host`] | header hostcalls that return errors instead of panicking |
 //! | [`metrics`] | the filter's counters and histograms in Envoy's stats |
@@ -23,6 +24,7 @@ pub mod http;
 pub mod metrics;
 pub mod plan;
 pub mod root;
+pub mod shared;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);

@@ -188,11 +188,10 @@ impl Default for Metrics {
 
 impl Metrics {
     /// Counts a dropped event or message of a replica.
-    pub fn dropped(&self, pool: &crate::pool::Pool, replica: usize, reason: &str) {
-        let l = pool.labels(replica);
-        self.events_dropped
-            .get_or_create(&ReasonLabels { model: l.model, replica: l.replica, reason: reason.to_owned() })
-            .inc();
+    pub fn dropped(&self, replica: &ReplicaLabels, reason: &str) {
+        let labels =
+            ReasonLabels { model: replica.model.clone(), replica: replica.replica.clone(), reason: reason.to_owned() };
+        self.events_dropped.get_or_create(&labels).inc();
     }
 
     /// The OpenMetrics text exposition.

@@ -28,7 +28,7 @@ use crate::index::{KvIndex, Overlap, ReplicaIdx, Tier};
 use crate::load::{LoadTable, NewBooking, ReplicaLoad};
 use crate::metrics::{DecisionLabels, Metrics, ReasonLabels, ReplicaLabels};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
-use crate::sync::{Outbox, SyncEvent};
+use crate::sync::event::{Outbox, SyncEvent};
 
 /// No value yet, in the atomics below.
 const NONE: u64 = u64::MAX;

@@ -14,10 +14,10 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use crate::histogram::Histogram;
 use crate::kv_cache::KvCache;
 use crate::kv_events::Publisher;
 use crate::lora::Lora;
-use crate::metrics::Histogram;
 use crate::scheduler::{blocks_needed, Emitted, Limits, Scheduler, SeqId};
 use crate::time_model::StepCost;
 use crate::vllm_hash::VllmHasher;

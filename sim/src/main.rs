@@ -20,6 +20,7 @@
 
 mod api;
 mod engine;
+mod histogram;
 mod kv_cache;
 mod kv_events;
 mod lora;

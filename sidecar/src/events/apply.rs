@@ -145,6 +145,6 @@ fn finish(pool: &Pool, metrics: &Metrics, done: InProgress) {
     metrics.gaps_replayed.get_or_create(&labels).inc_by(outcome.gaps_replayed);
     metrics.gaps_lost.get_or_create(&labels).inc_by(outcome.gaps_lost);
     for reason in &outcome.dropped {
-        metrics.dropped(pool, job.replica, reason);
+        metrics.dropped(&labels, reason);
     }
 }

@@ -157,12 +157,12 @@ fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics
             };
             let [_topic, seq, payload] = <[Vec<u8>; 3]>::try_from(frames).unwrap_or_default();
             let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()).map(u64::from_be_bytes) else {
-                metrics.dropped(pool, replica, "bad_frames");
+                metrics.dropped(&pool.labels(replica), "bad_frames");
                 continue;
             };
             let len = payload.len();
             if inbox.bytes.load(Ordering::Relaxed) + len > INBOX_BYTES {
-                metrics.dropped(pool, replica, "inbox_full");
+                metrics.dropped(&pool.labels(replica), "inbox_full");
                 continue;
             }
             inbox.bytes.fetch_add(len, Ordering::Relaxed);
@@ -170,7 +170,7 @@ fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics
                 Ok(()) => {}
                 Err(TrySendError::Full(_)) => {
                     inbox.bytes.fetch_sub(len, Ordering::Relaxed);
-                    metrics.dropped(pool, replica, "inbox_full");
+                    metrics.dropped(&pool.labels(replica), "inbox_full");
                 }
                 Err(TrySendError::Disconnected(_)) => return,
             }

@@ -20,15 +20,16 @@
 use std::collections::{BTreeSet, HashMap};
 use std::net::ToSocketAddrs;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+pub mod event;
 
 use crate::config::SyncConfig;
 use crate::pool::Pool;
+use event::{Outbox, SyncBatch, SyncEvent};
 
 /// ZMQ topic of sync messages.
 const TOPIC: &[u8] = b"kvgate-sync";
@@ -41,62 +42,6 @@ const OUTBOX: usize = 65_536;
 /// How often blocked calls wake up to check for shutdown, and `peers_dns` is re-resolved.
 const POLL: Duration = Duration::from_millis(100);
 const RESOLVE_EVERY: Duration = Duration::from_secs(5);
-
-/// What one sidecar tells the others.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum SyncEvent {
-    /// A request was booked on a routing target.
-    Booked {
-        /// The pool's model.
-        model: String,
-        /// The target's id (`replica` or `replica#rank`).
-        target: String,
-        /// The origin's request id.
-        request_id: String,
-        /// Prefill tokens booked (after the target's cache overlap).
-        prefill_tokens: u64,
-        /// The prompt's block hashes.
-        hashes: Vec<u64>,
-        /// All blocks the prompt occupies.
-        total_blocks: u64,
-    },
-    /// The request's first token arrived.
-    FirstToken {
-        /// The pool's model.
-        model: String,
-        /// The origin's request id.
-        request_id: String,
-    },
-    /// The request ended.
-    Done {
-        /// The pool's model.
-        model: String,
-        /// The origin's request id.
-        request_id: String,
-    },
-}
-
-/// One published message.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SyncBatch {
-    /// The publishing sidecar's id.
-    pub origin: String,
-    /// Its events, in order.
-    pub events: Vec<SyncEvent>,
-}
-
-/// Where pools put the events to publish.
-#[derive(Debug, Clone)]
-pub struct Outbox(SyncSender<SyncEvent>);
-
-impl Outbox {
-    /// Queues an event; if the queue is full the event is dropped (peers' TTL sweeps cover it).
-    pub fn send(&self, event: SyncEvent) {
-        if let Err(TrySendError::Full(_)) = self.0.try_send(event) {
-            tracing::debug!("sync outbox full; event dropped");
-        }
-    }
-}
 
 /// Starts the publisher and the subscriber, and hands every pool its outbox.
 pub fn start(

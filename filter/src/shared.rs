@@ -1,0 +1,33 @@
+//! The state one VM's root context and its HTTP contexts share (one thread, behind an
+//! `Rc<RefCell<…>>`): the settings, the loaded models, the lifecycle queue, the metric ids.
+//! The root context writes it; the HTTP contexts read it.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::config::FilterConfig;
+use crate::metrics::FilterMetrics;
+use crate::plan::LoadedModel;
+
+/// State shared by the root and the HTTP contexts of one VM (one thread).
+pub struct Shared {
+    /// Settings.
+    pub config: FilterConfig,
+    /// Loaded models by name.
+    pub models: HashMap<String, LoadedModel>,
+    /// Every model and adapter the sidecar routes, once listed.
+    pub listed: Option<HashSet<String>>,
+    /// The lifecycle queue id, once registered.
+    pub queue: Option<u32>,
+    /// Metric ids, once defined.
+    pub metrics: Option<FilterMetrics>,
+    /// This VM's random tag, the first half of every booking key it generates
+    /// ([`crate::plan::booking_id`]).
+    pub vm_tag: u64,
+}
+
+/// A random number from the host (WASI `random_get` in Envoy, the OS natively): std's
+/// hash-map keys are seeded from it.
+pub fn random_tag() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new().build_hasher().finish()
+}

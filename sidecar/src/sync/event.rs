@@ -1,0 +1,62 @@
+//! What sidecars tell each other ([`SyncEvent`], batched as [`SyncBatch`]), and the
+//! [`Outbox`] a pool queues its events in. Pure types: the sockets are in [`super`].
+
+use std::sync::mpsc::{SyncSender, TrySendError};
+
+use serde::{Deserialize, Serialize};
+
+/// What one sidecar tells the others.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SyncEvent {
+    /// A request was booked on a routing target.
+    Booked {
+        /// The pool's model.
+        model: String,
+        /// The target's id (`replica` or `replica#rank`).
+        target: String,
+        /// The origin's request id.
+        request_id: String,
+        /// Prefill tokens booked (after the target's cache overlap).
+        prefill_tokens: u64,
+        /// The prompt's block hashes.
+        hashes: Vec<u64>,
+        /// All blocks the prompt occupies.
+        total_blocks: u64,
+    },
+    /// The request's first token arrived.
+    FirstToken {
+        /// The pool's model.
+        model: String,
+        /// The origin's request id.
+        request_id: String,
+    },
+    /// The request ended.
+    Done {
+        /// The pool's model.
+        model: String,
+        /// The origin's request id.
+        request_id: String,
+    },
+}
+
+/// One published message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncBatch {
+    /// The publishing sidecar's id.
+    pub origin: String,
+    /// Its events, in order.
+    pub events: Vec<SyncEvent>,
+}
+
+/// Where pools put the events to publish.
+#[derive(Debug, Clone)]
+pub struct Outbox(pub(super) SyncSender<SyncEvent>);
+
+impl Outbox {
+    /// Queues an event; if the queue is full the event is dropped (peers' TTL sweeps cover it).
+    pub fn send(&self, event: SyncEvent) {
+        if let Err(TrySendError::Full(_)) = self.0.try_send(event) {
+            tracing::debug!("sync outbox full; event dropped");
+        }
+    }
+}
