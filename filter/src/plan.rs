@@ -4,9 +4,10 @@
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
-use kvgate_shared::hash::{prompt_block_hashes, prompt_digest, Salt};
+use kvgate_shared::hash::{prompt_digest, Salt};
 use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::route::{route_request, PromptTokens, RequestKeys};
 use kvgate_shared::wire::{RouteBodyRequest, RouteRequest, ScoringOverrides};
 
 /// A model (or LoRA adapter) the filter can tokenize for.
@@ -102,6 +103,16 @@ pub fn booking_id(vm_tag: u64, context_id: u32) -> String {
 }
 
 impl HeaderHints {
+    /// The keys of the route request.
+    pub fn keys(&self) -> RequestKeys {
+        RequestKeys {
+            request_id: self.request_id.clone(),
+            client_request_id: self.client_request_id.clone(),
+            session: self.session.clone(),
+            overrides: self.overrides,
+        }
+    }
+
     /// Parses the `x-kvgate-scoring` header value; anything invalid is dropped.
     pub fn parse_overrides(value: Option<&str>) -> Option<ScoringOverrides> {
         value.and_then(|v| serde_json::from_str(v).ok())
@@ -120,19 +131,13 @@ pub fn plan(
     if listed.is_some_and(|names| !names.contains(&parsed.model)) {
         return Err(Skip::Unroutable(format!("model {:?} is not routed by kvgate", parsed.model)));
     }
-    let session = hints.session.clone().or_else(|| parsed.session.clone());
+    let keys = hints.keys();
     let load_only = |block_size: u32| Plan {
-        request: RouteRequest {
-            request_id: hints.request_id.clone(),
-            client_request_id: hints.client_request_id.clone(),
-            model: parsed.model.clone(),
-            prompt_tokens: estimate_tokens(body.len()),
-            block_hashes: Vec::new(),
-            block_size,
-            session: session.clone(),
-            overrides: hints.overrides,
-            max_tokens: parsed.max_tokens,
-        },
+        request: route_request(
+            &parsed,
+            &keys,
+            PromptTokens::Estimated { tokens: estimate_tokens(body.len()), block_size },
+        ),
         tokenized: false,
         truncated: false,
         forwardable: None,
@@ -146,17 +151,16 @@ pub fn plan(
     let single_text = matches!(parsed.prompt, Prompt::Text { .. }) && parsed.prompt_count == 1;
     Ok(Plan {
         truncated: head.truncated,
-        request: RouteRequest {
-            request_id: hints.request_id.clone(),
-            client_request_id: hints.client_request_id.clone(),
-            model: parsed.model.clone(),
-            prompt_tokens: u32::try_from(head.estimated_total).unwrap_or(u32::MAX),
-            block_hashes: prompt_block_hashes(&head.tokens, model.block_size as usize, model.salt),
-            block_size: model.block_size,
-            session,
-            overrides: hints.overrides,
-            max_tokens: parsed.max_tokens,
-        },
+        request: route_request(
+            &parsed,
+            &keys,
+            PromptTokens::Tokenized {
+                tokens: &head.tokens,
+                total: head.estimated_total,
+                block_size: model.block_size,
+                salt: model.salt,
+            },
+        ),
         tokenized: true,
         digest: Some(prompt_digest(&head.tokens)),
         forwardable: (single_text && !head.truncated).then_some(head.tokens),

@@ -6,14 +6,16 @@
 //! same size. The index also holds, per replica, 64 prompts of the measured size sharing
 //! group prefixes (as `decision.rs`), which the decided prompt partly matches.
 //!
-//! Three phases, each measuring every decision's latency (route + release) on this thread:
+//! Four phases, each measuring every decision's latency (route + release) on this thread:
 //! 1. **idle**: no events.
-//! 2. **ingest**: one thread publishes to all 64 replicas as fast as it can.
-//! 3. **hung replay**: the same, and replica 0's stream skips a sequence number, so its
-//!    ingester replays from a socket that never answers (2 s, the replay timeout).
+//! 2. **full-speed ingest**: one thread publishes to all 64 replicas as fast as it can (more
+//!    than the transport takes on 2 cores: the rest is dropped, and the gaps lost or replayed).
+//! 3. **steady ingest**: 8 000 messages/s in all, a rate the transport keeps up with.
+//! 4. **steady ingest + hung replay**: the same, and replica 0's stream skips a sequence
+//!    number, so its ingester replays from a socket that never answers (2 s, the replay
+//!    timeout).
 //!
-//! It prints p50 / p99 / p99.9 / max per phase and the events applied per second under
-//! ingest. Run: `cargo bench -p kvgate-sidecar --bench contention [-- SECONDS]` (default 3
+//! It prints p50 / p99 / p99.9 / max per phase and the events applied per second. Run: `cargo bench -p kvgate-sidecar --bench contention [-- SECONDS]` (default 3
 //! per phase).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -35,6 +37,9 @@ const REPLICAS: usize = 64;
 /// Blocks per published message, and how many messages a prompt stays stored.
 const MESSAGE_BLOCKS: u64 = 16;
 const WINDOW: u64 = 64;
+/// Messages per second, all replicas together, that the transport keeps up with on the
+/// 2-core machine (unthrottled, about half are dropped and replayed or lost).
+const SUSTAINED_RATE: u64 = 8_000;
 
 fn tokens(seed: u64, n: usize) -> Vec<u32> {
     (0..n as u64).map(|i| (seed.wrapping_mul(0x9e37_79b9).wrapping_add(i * 7919) % 150_000) as u32).collect()
@@ -56,7 +61,6 @@ fn pool(prompt_tokens: usize) -> Arc<Pool> {
         .collect();
     let config = PoolConfig::new("m", "unused", BS as u32, configs);
     let p = Arc::new(Pool::new(config, Vec::new(), Arc::new(Metrics::default())));
-    let mut index = p.index_mut();
     for r in 0..REPLICAS {
         for q in 0..64u64 {
             let mut t = tokens(q % 8, 16 * BS);
@@ -72,10 +76,9 @@ fn pool(prompt_tokens: usize) -> Arc<Pool> {
                 extra: &[],
                 tier: Tier::Device,
             };
-            index.store(r, store).expect("consistent");
+            p.store_blocks(r, store).expect("consistent");
         }
     }
-    drop(index);
     p
 }
 
@@ -125,10 +128,12 @@ fn message(r: usize, k: u64) -> Vec<u8> {
     b
 }
 
-/// Publishes to every replica, round robin, as fast as it can while `run` is set. Replica 0
-/// skips one sequence number whenever `skip` is set (and clears it).
+/// Publishes to every replica, round robin, while `run` is set: as fast as it can, or at
+/// `rate` messages per second in all. Replica 0 skips one sequence number whenever `skip` is
+/// set (and clears it).
 struct Publisher {
     run: Arc<AtomicBool>,
+    rate: Arc<AtomicU64>,
     skip: Arc<AtomicBool>,
     sent: Arc<AtomicU64>,
 }
@@ -146,10 +151,17 @@ fn publish(ctx: &zmq::Context, p: &Publisher, stop: &AtomicBool) {
     let messages: Vec<Vec<Vec<u8>>> = (0..REPLICAS).map(|r| (0..3 * WINDOW).map(|k| message(r, k)).collect()).collect();
     let mut seq = vec![0u64; REPLICAS];
     let mut k = 0u64;
+    let mut next_round = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         if !p.run.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(1));
             continue;
+        }
+        let rate = p.rate.load(Ordering::Relaxed);
+        if rate > 0 {
+            next_round = next_round.max(Instant::now() - Duration::from_millis(10));
+            next_round += Duration::from_secs_f64(REPLICAS as f64 / rate as f64);
+            std::thread::sleep(next_round.saturating_duration_since(Instant::now()));
         }
         for (r, socket) in sockets.iter().enumerate() {
             if r == 0 && p.skip.swap(false, Ordering::Relaxed) {
@@ -186,6 +198,11 @@ fn applied(pool: &Pool) -> u64 {
     pool.state().replicas.iter().map(|r| r.events_applied).sum()
 }
 
+/// Events applied per second since `started`, when `before` had been.
+fn rate_since(pool: &Pool, before: u64, started: Instant) -> f64 {
+    (applied(pool) - before) as f64 / started.elapsed().as_secs_f64()
+}
+
 fn row(phase: &str, prompt_tokens: usize, t: &[Duration], rate: Option<f64>) {
     let q = |f: f64| t[((t.len() as f64 * f) as usize).min(t.len() - 1)].as_secs_f64() * 1e6;
     let rate = rate.map_or("—".to_owned(), |r| format!("{:.0}k events/s", r / 1e3));
@@ -209,8 +226,9 @@ fn main() {
         let hung = ctx.socket(zmq::ROUTER).unwrap();
         hung.bind(&endpoint("replay", 0)).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
-        let publisher = Publisher { run: Arc::default(), skip: Arc::default(), sent: Arc::default() };
-        let (run, skip) = (publisher.run.clone(), publisher.skip.clone());
+        let publisher =
+            Publisher { run: Arc::default(), rate: Arc::default(), skip: Arc::default(), sent: Arc::default() };
+        let (run, rate, skip) = (publisher.run.clone(), publisher.rate.clone(), publisher.skip.clone());
         let publishing = {
             let (ctx, stop) = (ctx.clone(), stop.clone());
             std::thread::spawn(move || publish(&ctx, &publisher, &stop))
@@ -236,13 +254,20 @@ fn main() {
         std::thread::sleep(Duration::from_millis(500));
         let (before, started) = (applied(&p), Instant::now());
         let times = decide_for(&p, &request, secs);
-        let rate = (applied(&p) - before) as f64 / started.elapsed().as_secs_f64();
-        row("ingest", prompt_tokens, &times, Some(rate));
+        row("full-speed ingest", prompt_tokens, &times, Some(rate_since(&p, before, started)));
+        // A rate the transport keeps up with, so replica 0 sees the skipped number at once;
+        // its replay then hangs for the replay timeout.
+        rate.store(SUSTAINED_RATE, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_secs(2));
+        let (before, started) = (applied(&p), Instant::now());
+        row("steady ingest", prompt_tokens, &decide_for(&p, &request, secs), Some(rate_since(&p, before, started)));
+        let degraded_before = p.state().replicas[0].degraded;
         skip.store(true, Ordering::Relaxed);
         let (before, started) = (applied(&p), Instant::now());
         let times = decide_for(&p, &request, 2.5);
-        let rate = (applied(&p) - before) as f64 / started.elapsed().as_secs_f64();
-        row("ingest + hung replay", prompt_tokens, &times, Some(rate));
+        row("steady ingest + hung replay", prompt_tokens, &times, Some(rate_since(&p, before, started)));
+        let hung = p.state().replicas[0].degraded && !degraded_before;
+        eprintln!("replica 0's replay hung and failed during the last phase: {hung}");
         stop.store(true, Ordering::Relaxed);
         supervisor.shutdown();
         publishing.join().unwrap();

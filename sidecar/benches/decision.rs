@@ -30,24 +30,21 @@ fn pool(replicas: usize, prompt_tokens: usize) -> Pool {
         .collect();
     let config = PoolConfig::new("m", "unused", BS as u32, configs);
     let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
-    {
-        let mut index = p.index_mut();
-        for r in 0..replicas {
-            for q in 0..64u64 {
-                let mut t = tokens(q % 8, 16 * BS);
-                t.extend(tokens(1_000_000 + r as u64 * 1000 + q, prompt_tokens - 16 * BS));
-                let engine: Vec<u64> = (0..t.len() / BS).map(|b| (r as u64) << 40 | q << 20 | b as u64).collect();
-                let store = Store {
-                    parent: None,
-                    engine_hashes: &engine,
-                    token_ids: &t[..engine.len() * BS],
-                    block_size: BS,
-                    salt: Salt::NONE,
-                    extra: &[],
-                    tier: Tier::Device,
-                };
-                index.store(r, store).expect("consistent");
-            }
+    for r in 0..replicas {
+        for q in 0..64u64 {
+            let mut t = tokens(q % 8, 16 * BS);
+            t.extend(tokens(1_000_000 + r as u64 * 1000 + q, prompt_tokens - 16 * BS));
+            let engine: Vec<u64> = (0..t.len() / BS).map(|b| (r as u64) << 40 | q << 20 | b as u64).collect();
+            let store = Store {
+                parent: None,
+                engine_hashes: &engine,
+                token_ids: &t[..engine.len() * BS],
+                block_size: BS,
+                salt: Salt::NONE,
+                extra: &[],
+                tier: Tier::Device,
+            };
+            p.store_blocks(r, store).expect("consistent");
         }
     }
     p

@@ -169,7 +169,7 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         let warming = pool.clone();
         tokio::task::spawn_blocking(move || {
             if let Err(e) = warming.tokenizer() {
-                tracing::error!(model = %warming.config.model, error = %e, "cannot load the tokenizer for offloaded prompts");
+                tracing::error!(model = %warming.config().model, error = %e, "cannot load the tokenizer for offloaded prompts");
             }
         });
         pools.insert(pool_config.model.clone(), pool);
@@ -182,7 +182,7 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let mut watchers = Vec::new();
     for pool in pools.values() {
         let supervisor = Arc::new(Supervisor::start(zmq_ctx.clone(), pool.clone(), metrics.clone())?);
-        match pool.config.discovery.kind {
+        match pool.config().discovery.kind {
             DiscoveryKind::Static => {}
             DiscoveryKind::Dns => {
                 watchers.push(discovery::dns::spawn(supervisor.clone(), SystemResolver, stop.clone())?)
@@ -192,9 +192,9 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         supervisors.push(supervisor);
     }
     let static_pools: Vec<Arc<Supervisor>> =
-        supervisors.iter().filter(|s| s.pool().config.discovery.kind == DiscoveryKind::Static).cloned().collect();
+        supervisors.iter().filter(|s| s.pool().config().discovery.kind == DiscoveryKind::Static).cloned().collect();
     if !static_pools.is_empty() {
-        let interval = Duration::from_secs(static_pools[0].pool().config.discovery.interval_secs);
+        let interval = Duration::from_secs(static_pools[0].pool().config().discovery.interval_secs);
         watchers.push(discovery::watch_file(
             config_path,
             Box::new(ProcessEnv),
@@ -204,12 +204,12 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
             stop.clone(),
         )?);
     }
-    for pool in pools.values().filter(|p| p.config.adapters_poll_secs > 0) {
-        let interval = Duration::from_secs(pool.config.adapters_poll_secs);
+    for pool in pools.values().filter(|p| p.config().adapters_poll_secs > 0) {
+        let interval = Duration::from_secs(pool.config().adapters_poll_secs);
         watchers.push(discovery::adapters::spawn(pool.clone(), interval, stop.clone())?);
     }
-    for pool in pools.values().filter(|p| p.config.engine_metrics_secs > 0) {
-        let interval = Duration::from_secs(pool.config.engine_metrics_secs);
+    for pool in pools.values().filter(|p| p.config().engine_metrics_secs > 0) {
+        let interval = Duration::from_secs(pool.config().engine_metrics_secs);
         watchers.push(kvgate_sidecar::load::engine_metrics::spawn(pool.clone(), interval, stop.clone())?);
     }
     if let Some(sync) = &config.sync {
@@ -234,7 +234,7 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
                 pool.check_stalls(stall);
                 let n = pool.expire(expiry);
                 if n > 0 {
-                    tracing::warn!(model = %pool.config.model, n, "released bookings whose end was never reported");
+                    tracing::warn!(model = %pool.config().model, n, "released bookings whose end was never reported");
                 }
             }
         }

@@ -84,7 +84,7 @@ async fn an_offloaded_prompt_follows_its_cached_prefix() {
         extra: &[],
         tier: Tier::Device,
     };
-    pool.index_mut().store(2, store).unwrap();
+    pool.store_blocks(2, store).unwrap();
 
     let (status, answer) = post(state, offload(&body)).await;
     assert_eq!(status, StatusCode::OK);

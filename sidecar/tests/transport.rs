@@ -148,7 +148,7 @@ impl Rig {
 
     fn depth(&self, conv: u32, blocks: u32) -> u32 {
         let tokens: Vec<u32> = (0..blocks).flat_map(|b| block(conv, b)).collect();
-        self.pool.index.read().unwrap().find_matches(&prompt_block_hashes(&tokens, BS, Salt::NONE))[0].device
+        self.pool.find_matches(&prompt_block_hashes(&tokens, BS, Salt::NONE))[0].device
     }
 
     fn last_seq(&self) -> Option<u64> {

@@ -191,7 +191,7 @@ async fn models(State(state): State<Arc<AppState>>) -> Response {
     let mut adapters: Vec<Adapter> = state
         .pools
         .values()
-        .flat_map(|p| p.adapters().into_iter().map(|a| Adapter { name: a, base: p.config.model.clone() }))
+        .flat_map(|p| p.adapters().into_iter().map(|a| Adapter { name: a, base: p.config().model.clone() }))
         .collect();
     adapters.sort_by(|a, b| a.name.cmp(&b.name));
     adapters.dedup_by(|a, b| a.name == b.name);

@@ -46,14 +46,14 @@ pub fn listed_adapters(body: &[u8], base: &str) -> Result<BTreeSet<String>, serd
 
 /// Polls every active engine of `pool` every `interval` until `stop`.
 pub fn spawn(pool: Arc<Pool>, interval: Duration, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
-    crate::poll::every(format!("adapters-{}", pool.config.model), interval, FETCH_TIMEOUT, stop, move |client| {
+    crate::poll::every(format!("adapters-{}", pool.config().model), interval, FETCH_TIMEOUT, stop, move |client| {
         // Data-parallel ranks share an endpoint: one call per engine.
         let endpoints: HashSet<String> =
             pool.members().iter().filter(|m| m.active).map(|m| m.replica.endpoint.to_string()).collect();
         for endpoint in endpoints {
             let url = format!("http://{endpoint}/v1/models");
             let body = client.get(&url).send().and_then(|r| r.error_for_status()).and_then(|r| r.bytes());
-            match body.map(|b| listed_adapters(&b, &pool.config.model)) {
+            match body.map(|b| listed_adapters(&b, &pool.config().model)) {
                 Ok(Ok(adapters)) => {
                     pool.set_adapters(&endpoint, &adapters);
                 }

@@ -40,7 +40,7 @@ pub fn spawn(
     mut resolver: impl Resolver,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
-    let config = supervisor.pool().config.discovery.clone();
+    let config = supervisor.pool().config().discovery.clone();
     let interval = Duration::from_secs(config.interval_secs);
     poll(&config.name.clone(), interval, stop, move || {
         let found = replicas(&config, &mut resolver).map_err(|e| format!("resolving {}: {e}", config.name));

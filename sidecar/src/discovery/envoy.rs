@@ -75,7 +75,7 @@ pub fn replicas(config: &DiscoveryConfig, client: &reqwest::blocking::Client) ->
 
 /// Polls the admin API every `interval_secs` and applies the result until `stop`.
 pub fn spawn(supervisor: Arc<Supervisor>, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
-    let config = supervisor.pool().config.discovery.clone();
+    let config = supervisor.pool().config().discovery.clone();
     let interval = Duration::from_secs(config.interval_secs);
     // Built on the polling thread: a blocking client must not be created on the runtime.
     let mut client = None;

@@ -80,24 +80,24 @@ impl Supervisor {
 
     /// Counts a failed refresh (the membership stays as it was).
     pub fn failed(&self, kind: DiscoveryKind, error: &dyn std::fmt::Display) {
-        tracing::warn!(model = %self.pool.config.model, kind = kind.label(), %error, "discovery failed; keeping the replicas we have");
+        tracing::warn!(model = %self.pool.config().model, kind = kind.label(), %error, "discovery failed; keeping the replicas we have");
         self.metrics.discovery_errors.get_or_create(&self.labels(kind)).inc();
     }
 
     fn labels(&self, kind: DiscoveryKind) -> DiscoveryLabels {
-        DiscoveryLabels { model: self.pool.config.model.clone(), kind: kind.label().into() }
+        DiscoveryLabels { model: self.pool.config().model.clone(), kind: kind.label().into() }
     }
 
     fn spawn(&self, sources: Vec<(usize, ReplicaConfig, Arc<AtomicBool>)>) -> std::io::Result<()> {
         let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
         threads.retain(|t| !t.is_finished());
-        for (replica, config, stop) in sources.into_iter().filter(|_| self.pool.config.reads_events()) {
+        for (replica, config, stop) in sources.into_iter().filter(|_| self.pool.config().reads_events()) {
             let source = Source { replica, config, stop };
             let (ctx, pool, metrics) = (self.ctx.clone(), self.pool.clone(), self.metrics.clone());
             threads.extend(transport::spawn(ctx, pool, source, metrics, self.applier.clone())?);
         }
         let active = self.pool.members().iter().filter(|m| m.active).count();
-        self.metrics.replicas.get_or_create(&self.labels(self.pool.config.discovery.kind)).set(active as i64);
+        self.metrics.replicas.get_or_create(&self.labels(self.pool.config().discovery.kind)).set(active as i64);
         Ok(())
     }
 
@@ -169,7 +169,7 @@ pub fn watch_file(
 /// Applies a re-read config's replica lists to the static pools.
 fn apply_static(config: &Config, supervisors: &[Arc<Supervisor>]) {
     for s in supervisors {
-        let current = &s.pool().config;
+        let current = s.pool().config();
         let Some(new) = config.pools.iter().find(|p| p.model == current.model) else {
             tracing::warn!(model = %current.model, "pool removed from the config file; restart the sidecar to drop it");
             continue;

@@ -65,7 +65,7 @@ impl Applier {
         stop: Arc<AtomicBool>,
     ) -> std::io::Result<(Applier, JoinHandle<()>)> {
         let (tx, rx) = sync_channel(QUEUED_JOBS);
-        let name = format!("kv-apply-{}", pool.config.model);
+        let name = format!("kv-apply-{}", pool.config().model);
         let thread = std::thread::Builder::new().name(name).spawn(move || run(&pool, &metrics, &rx, &stop))?;
         Ok((Applier { tx }, thread))
     }

@@ -187,7 +187,7 @@ fn ingest_loop(
     applier: &Applier,
 ) {
     let (replica, stop) = (source.replica, &source.stop);
-    let mut ingest = Ingest::new(pool.config.block_size as usize);
+    let mut ingest = Ingest::new(pool.config().block_size as usize);
     let replay_endpoint = source.config.kv_replay.clone();
     while !stop.load(Ordering::Relaxed) {
         let (seq, payload) = match rx.recv_timeout(POLL) {

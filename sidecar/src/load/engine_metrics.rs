@@ -52,34 +52,40 @@ pub fn requests_by_engine(page: &str) -> HashMap<String, u64> {
 /// Scrapes every active engine of `pool` every `interval` until `stop`, and books what they
 /// report beyond kvgate's own bookings as external load.
 pub fn spawn(pool: Arc<Pool>, interval: Duration, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
-    crate::poll::every(format!("engine-metrics-{}", pool.config.model), interval, SCRAPE_TIMEOUT, stop, move |client| {
-        let targets: Vec<(usize, String, Option<u32>)> = pool
-            .members()
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.active)
-            .map(|(i, m)| (i, m.replica.endpoint.to_string(), m.rank))
-            .collect();
-        let mut pages: HashMap<String, Option<HashMap<String, u64>>> = HashMap::new();
-        for (slot, endpoint, rank) in targets {
-            let counts = pages.entry(endpoint.clone()).or_insert_with(|| {
-                let url = format!("http://{endpoint}/metrics");
-                match client.get(&url).send().and_then(|r| r.error_for_status()).and_then(|r| r.text()) {
-                    Ok(page) => Some(requests_by_engine(&page)),
-                    Err(e) => {
-                        tracing::debug!(%url, error = %e, "engine metrics unavailable");
-                        None
+    crate::poll::every(
+        format!("engine-metrics-{}", pool.config().model),
+        interval,
+        SCRAPE_TIMEOUT,
+        stop,
+        move |client| {
+            let targets: Vec<(usize, String, Option<u32>)> = pool
+                .members()
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| m.active)
+                .map(|(i, m)| (i, m.replica.endpoint.to_string(), m.rank))
+                .collect();
+            let mut pages: HashMap<String, Option<HashMap<String, u64>>> = HashMap::new();
+            for (slot, endpoint, rank) in targets {
+                let counts = pages.entry(endpoint.clone()).or_insert_with(|| {
+                    let url = format!("http://{endpoint}/metrics");
+                    match client.get(&url).send().and_then(|r| r.error_for_status()).and_then(|r| r.text()) {
+                        Ok(page) => Some(requests_by_engine(&page)),
+                        Err(e) => {
+                            tracing::debug!(%url, error = %e, "engine metrics unavailable");
+                            None
+                        }
                     }
+                });
+                // An engine we cannot read keeps its last figure rather than dropping to zero.
+                if let Some(counts) = counts {
+                    let running = match rank {
+                        Some(r) => counts.get(&r.to_string()).copied().unwrap_or(0),
+                        None => counts.values().sum(),
+                    };
+                    pool.observe_engine(slot, running);
                 }
-            });
-            // An engine we cannot read keeps its last figure rather than dropping to zero.
-            if let Some(counts) = counts {
-                let running = match rank {
-                    Some(r) => counts.get(&r.to_string()).copied().unwrap_or(0),
-                    None => counts.values().sum(),
-                };
-                pool.observe_engine(slot, running);
             }
-        }
-    })
+        },
+    )
 }

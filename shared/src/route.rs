@@ -1,0 +1,86 @@
+//! The one way a [`RouteRequest`] is built from a parsed OpenAI request. The filter (a prompt
+//! tokenized in Envoy, or one it could not tokenize) and the sidecar's offload path (a body
+//! tokenized there) both call [`route_request`], so the two can never disagree on what is
+//! booked, salted or keyed.
+
+use crate::hash::{prompt_block_hashes, Salt};
+use crate::prompt::openai::ParsedRequest;
+use crate::wire::{RouteRequest, ScoringOverrides};
+
+/// What identifies and steers one request, besides its body.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestKeys {
+    /// The booking key the filter generated for the stream.
+    pub request_id: String,
+    /// The client's `x-request-id`, for logs.
+    pub client_request_id: Option<String>,
+    /// The `x-session-id` header: it takes precedence over the body's `session_id`/`user`.
+    pub session: Option<String>,
+    /// The `x-kvgate-scoring` header, parsed.
+    pub overrides: Option<ScoringOverrides>,
+}
+
+/// The prompt as far as it is known.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PromptTokens<'a> {
+    /// Tokenized: `tokens` (the whole prompt, or its head when `total` is larger), hashed in
+    /// blocks of `block_size` with `salt` (a LoRA adapter's name, or none).
+    Tokenized {
+        /// The prompt's first tokens (all of them unless truncated).
+        tokens: &'a [u32],
+        /// All its tokens, counted or extrapolated.
+        total: usize,
+        /// The pool's block size.
+        block_size: u32,
+        /// The hash salt.
+        salt: Salt,
+    },
+    /// Not tokenized: an estimate of its size, routed on load alone.
+    Estimated {
+        /// Estimated prompt tokens.
+        tokens: u32,
+        /// The pool's block size, if known (0 if not).
+        block_size: u32,
+    },
+}
+
+/// The route request for `parsed`.
+pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptTokens<'_>) -> RouteRequest {
+    let (prompt_tokens, block_hashes, block_size) = match prompt {
+        PromptTokens::Tokenized { tokens, total, block_size, salt } => {
+            let hashes = prompt_block_hashes(tokens, block_size as usize, salt);
+            (u32::try_from(total).unwrap_or(u32::MAX), hashes, block_size)
+        }
+        PromptTokens::Estimated { tokens, block_size } => (tokens, Vec::new(), block_size),
+    };
+    RouteRequest {
+        request_id: keys.request_id.clone(),
+        client_request_id: keys.client_request_id.clone(),
+        model: parsed.model.clone(),
+        prompt_tokens,
+        block_hashes,
+        block_size,
+        session: keys.session.clone().or_else(|| parsed.session.clone()),
+        overrides: keys.overrides,
+        max_tokens: parsed.max_tokens,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prompt::openai::{parse, Endpoint};
+
+    #[test]
+    fn the_header_session_wins_and_the_body_fills_in() {
+        let parsed = parse(Endpoint::Completions, br#"{"model":"m","prompt":"hi","user":"u","max_tokens":7}"#).unwrap();
+        let keys = RequestKeys { request_id: "k".into(), ..RequestKeys::default() };
+        let prompt = PromptTokens::Tokenized { tokens: &[1, 2, 3, 4, 5], total: 9, block_size: 2, salt: Salt::NONE };
+        let r = route_request(&parsed, &keys, prompt);
+        assert_eq!((r.session.as_deref(), r.max_tokens, r.prompt_tokens), (Some("u"), Some(7), 9));
+        assert_eq!(r.block_hashes.len(), 2, "full blocks of the tokens known");
+        let keys = RequestKeys { session: Some("header".into()), ..keys };
+        let r = route_request(&parsed, &keys, PromptTokens::Estimated { tokens: 40, block_size: 0 });
+        assert_eq!((r.session.as_deref(), r.prompt_tokens, r.block_hashes.len()), (Some("header"), 40, 0));
+    }
+}

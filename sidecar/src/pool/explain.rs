@@ -1,0 +1,129 @@
+//! `/debug/explain`: the last decisions with every candidate's cost terms. Owns the
+//! `explanations` ring; the decision writes it ([`Pool::record`]), operators read it.
+
+use serde::Serialize;
+
+use kvgate_shared::wire::RouteRequest;
+
+use super::route::Scored;
+use super::Pool;
+use crate::config::Policy;
+use crate::index::{Overlap, ReplicaIdx};
+use crate::metrics::DecisionLabels;
+
+/// Decisions kept for `/debug/explain`.
+pub(super) const EXPLANATIONS: usize = 256;
+
+/// A kept decision, before names are attached.
+#[derive(Debug)]
+pub(super) struct Kept {
+    request_id: String,
+    client_request_id: Option<String>,
+    policy: Policy,
+    prompt_tokens: u64,
+    chosen: ReplicaIdx,
+    /// Every candidate's cost inputs and cost.
+    candidates: Vec<Scored>,
+}
+
+/// One candidate's cost terms in a decision.
+#[derive(Debug, Clone, Serialize)]
+pub struct CandidateTerms {
+    /// Replica id.
+    pub replica: String,
+    /// Whether its cache credit counted (false while its publisher is stalled).
+    pub trusted: bool,
+    /// Overlap in blocks per tier.
+    pub overlap: Overlap,
+    /// Booked prefill tokens before this request (`P_i`).
+    pub prefill_tokens: u64,
+    /// Active blocks plus this request's new ones (`D_i`).
+    pub decode_blocks: u64,
+    /// Active requests (`R_i`).
+    pub requests: u64,
+    /// The cost; lowest wins under `kv_aware` and `least_load`.
+    pub logit: f64,
+}
+
+/// Why a request went where it went.
+#[derive(Debug, Clone, Serialize)]
+pub struct Explanation {
+    /// The booking key the filter generated (`x-kvgate-booking-id` among its debug headers).
+    pub request_id: String,
+    /// The request's `x-request-id`, if it had one.
+    pub client_request_id: Option<String>,
+    /// The policy that decided.
+    pub policy: Policy,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// The chosen replica.
+    pub chosen: Option<String>,
+    /// Every candidate, in pool order.
+    pub candidates: Vec<CandidateTerms>,
+}
+
+impl Pool {
+    /// The kept decisions for `request_id` (a booking key or a client's `x-request-id`), or the
+    /// most recent `last` decisions (newest first).
+    pub fn explain(&self, request_id: Option<&str>, last: usize) -> Vec<Explanation> {
+        let kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
+        let members = self.members();
+        let name = |i: ReplicaIdx| members[i].replica.id.clone();
+        kept.iter()
+            .rev()
+            .filter(|e| request_id.is_none_or(|id| e.request_id == id || e.client_request_id.as_deref() == Some(id)))
+            .take(last)
+            .map(|k| Explanation {
+                request_id: k.request_id.clone(),
+                client_request_id: k.client_request_id.clone(),
+                policy: k.policy,
+                prompt_tokens: k.prompt_tokens,
+                chosen: Some(name(k.chosen)),
+                candidates: k
+                    .candidates
+                    .iter()
+                    .map(|s| CandidateTerms {
+                        replica: name(s.slot),
+                        trusted: s.trusted,
+                        overlap: s.inputs.overlap,
+                        prefill_tokens: s.inputs.prefill_tokens,
+                        decode_blocks: s.inputs.decode_blocks,
+                        requests: s.inputs.requests,
+                        logit: s.logit,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    pub(super) fn record(
+        &self,
+        req: &RouteRequest,
+        policy: Policy,
+        candidates: Vec<Scored>,
+        best: ReplicaIdx,
+        overlap: Overlap,
+    ) {
+        let labels = self.labels(best);
+        self.metrics.route_decisions.get_or_create(&labels).inc();
+        let outcome = if overlap.device > 0 { "hit" } else { "miss" };
+        let policy_name =
+            serde_json::to_value(policy).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+        let decision = DecisionLabels { model: labels.model, policy: policy_name, outcome: outcome.to_owned() };
+        self.metrics.decisions.get_or_create(&decision).inc();
+        self.metrics.chosen_overlap_blocks.observe(f64::from(overlap.device));
+        let explanation = Kept {
+            request_id: req.request_id.clone(),
+            client_request_id: req.client_request_id.clone(),
+            policy,
+            prompt_tokens: u64::from(req.prompt_tokens),
+            chosen: best,
+            candidates,
+        };
+        let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() == EXPLANATIONS {
+            kept.pop_front();
+        }
+        kept.push_back(explanation);
+    }
+}

@@ -1,0 +1,73 @@
+//! Each replica's ingestion health (events applied, last sequence number, degraded, stalled,
+//! disconnected): written by the applier and the transport, read by routing (`trusted`) and
+//! `/debug/state`. The flags live in each member's `ReplicaHealth` (atomics); this file keeps
+//! them and their gauges in step.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::members::NONE;
+use super::{read, Member, Pool};
+use crate::events::ingest::{Outcome, Progress};
+use crate::index::ReplicaIdx;
+use crate::metrics::ReasonLabels;
+
+impl Pool {
+    /// Records what one ingested message did to a replica's health.
+    pub fn after_ingest(&self, replica: ReplicaIdx, progress: Progress, outcome: &Outcome) {
+        let h = self.members()[replica].health.clone();
+        h.events_applied.fetch_add(outcome.applied, Ordering::Relaxed);
+        h.last_seq.store(progress.last_seq.unwrap_or(NONE), Ordering::Relaxed);
+        h.degraded.store(progress.degraded, Ordering::Relaxed);
+        h.awaiting_events_since.store(NONE, Ordering::Relaxed);
+        h.stalled.store(false, Ordering::Relaxed);
+        h.disconnected.store(false, Ordering::Relaxed);
+        let blocks = read(&self.index).replica_blocks(replica);
+        let labels = self.labels(replica);
+        self.metrics.index_blocks.get_or_create(&labels).set(blocks as i64);
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        self.metrics.last_event.get_or_create(&labels).set(now as i64);
+        self.publish_health(replica);
+    }
+
+    /// Flags replicas whose publisher has been silent for `timeout` while they were expected
+    /// to store blocks.
+    pub fn check_stalls(&self, timeout: Duration) {
+        let now = self.now_ms();
+        let stalled: Vec<ReplicaIdx> = {
+            let members = self.members();
+            let newly_stalled = |m: &Member| {
+                let since = m.health.awaiting_events_since.load(Ordering::Relaxed);
+                m.active
+                    && since != NONE
+                    && now.saturating_sub(since) > timeout.as_millis() as u64
+                    && !m.health.stalled.swap(true, Ordering::Relaxed)
+            };
+            members.iter().enumerate().filter(|(_, m)| newly_stalled(m)).map(|(i, _)| i).collect()
+        };
+        for i in stalled {
+            tracing::warn!(replica = %self.labels(i).replica, "KV-event publisher stalled; routing on load only");
+            self.publish_health(i);
+        }
+    }
+
+    /// Records that the connection to a replica's publisher dropped: it earns no cache
+    /// credit until its next message shows whether its engine restarted.
+    pub fn publisher_disconnected(&self, replica: ReplicaIdx) {
+        let h = self.members()[replica].health.clone();
+        if !h.disconnected.swap(true, Ordering::Relaxed) {
+            tracing::warn!(replica = %self.labels(replica).replica, "KV-event publisher disconnected; no cache credit until it is back");
+            self.publish_health(replica);
+        }
+    }
+
+    fn publish_health(&self, replica: ReplicaIdx) {
+        let h = self.members()[replica].health.clone();
+        let l = self.labels(replica);
+        for (reason, flag) in [("lost_events", &h.degraded), ("stalled", &h.stalled), ("disconnected", &h.disconnected)]
+        {
+            let labels = ReasonLabels { model: l.model.clone(), replica: l.replica.clone(), reason: reason.into() };
+            self.metrics.degraded.get_or_create(&labels).set(i64::from(flag.load(Ordering::Relaxed)));
+        }
+    }
+}

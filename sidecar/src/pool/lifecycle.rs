@@ -1,0 +1,130 @@
+//! What happens to a booking after the decision: first token, decode progress, end, expiry;
+//! the same for other gateways' bookings (sync); and load the engines report that kvgate did
+//! not book. Every write goes to the load table, then the replica's gauges are published
+//! (never while the table is held).
+
+use std::time::{Duration, Instant};
+
+use super::Pool;
+use crate::index::ReplicaIdx;
+use crate::load::{NewBooking, ReplicaLoad};
+use crate::sync::event::{Outbox, SyncEvent};
+
+impl Pool {
+    /// Records what an engine reports it is running (see [`crate::load::engine_metrics`]).
+    pub fn observe_engine(&self, slot: ReplicaIdx, running: u64) {
+        let figures = {
+            let mut load = self.load_table();
+            load.observe(slot, running);
+            load.load(slot)
+        };
+        self.publish_load(slot, figures);
+        self.metrics.external_requests.get_or_create(&self.labels(slot)).set(figures.external as i64);
+    }
+
+    /// Publishes this pool's bookings and their lifecycle to the other gateways from now on.
+    pub fn set_outbox(&self, outbox: Outbox) {
+        let _ = self.outbox.set(outbox);
+    }
+
+    /// Applies another gateway's booking or lifecycle event to the load table, under
+    /// `origin/request_id`. A booking on a target this pool does not have is ignored.
+    pub fn apply_remote(&self, origin: &str, event: &SyncEvent) {
+        // Lock order: members before load.
+        let target_slot = match event {
+            SyncEvent::Booked { target, .. } => self.members().iter().position(|m| m.active && m.replica.id == *target),
+            _ => None,
+        };
+        let mut load = self.load_table();
+        let touched = match event {
+            SyncEvent::Booked { request_id, prefill_tokens, hashes, total_blocks, .. } => {
+                let Some(slot) = target_slot else { return };
+                let id = format!("{origin}/{request_id}");
+                // Decode progress is not shared between gateways (as in Dynamo's replica sync).
+                let booking = NewBooking {
+                    request_id: &id,
+                    prefill_tokens: *prefill_tokens,
+                    hashes,
+                    total_blocks: *total_blocks,
+                    max_tokens: None,
+                };
+                load.book(slot, booking, Instant::now());
+                Some(slot)
+            }
+            SyncEvent::FirstToken { request_id, .. } => {
+                let id = format!("{origin}/{request_id}");
+                let slot = load.replica_of(&id);
+                load.prefill_done(&id);
+                slot
+            }
+            SyncEvent::Done { request_id, .. } => {
+                let id = format!("{origin}/{request_id}");
+                let slot = load.replica_of(&id);
+                load.finish(&id);
+                slot
+            }
+        };
+        let figures = touched.map(|slot| (slot, load.load(slot)));
+        drop(load);
+        if let Some((slot, figures)) = figures {
+            self.publish_load(slot, figures);
+        }
+    }
+
+    /// Applies a decode-progress report (see [`LoadTable::progress`]). Returns false if the
+    /// request is not booked in this pool.
+    pub fn progress(&self, request_id: &str, output_tokens: u32) -> bool {
+        let (known, figures) = {
+            let mut load = self.load_table();
+            let known = load.progress(request_id, u64::from(output_tokens), u64::from(self.config.block_size));
+            (known, load.replica_of(request_id).map(|r| (r, load.load(r))))
+        };
+        if let Some((r, figures)) = figures {
+            self.publish_load(r, figures);
+        }
+        known
+    }
+
+    /// Applies a lifecycle report. Returns false if the request is not booked in this pool.
+    pub fn lifecycle(&self, request_id: &str, first_token: bool) -> bool {
+        let mut load = self.load_table();
+        let replica = load.replica_of(request_id);
+        let known = if first_token { load.prefill_done(request_id) } else { load.finish(request_id) };
+        let figures = replica.map(|r| (r, load.load(r)));
+        drop(load);
+        if let Some((r, figures)) = figures {
+            self.publish_load(r, figures);
+        }
+        if let (true, Some(outbox)) = (known, self.outbox.get()) {
+            let (model, request_id) = (self.config.model.clone(), request_id.to_owned());
+            outbox.send(if first_token {
+                SyncEvent::FirstToken { model, request_id }
+            } else {
+                SyncEvent::Done { model, request_id }
+            });
+        }
+        known
+    }
+
+    /// Releases bookings older than `max_age`.
+    pub fn expire(&self, max_age: Duration) -> usize {
+        let slots = self.members().len();
+        let (n, figures) = {
+            let mut load = self.load_table();
+            let n = load.expire(Instant::now(), max_age);
+            (n, (0..slots).map(|i| load.load(i)).collect::<Vec<_>>())
+        };
+        for (i, f) in figures.into_iter().enumerate() {
+            self.publish_load(i, f);
+        }
+        n
+    }
+
+    /// Sets a replica's load gauges. Takes the members lock: never call it holding the load
+    /// table (the lock order is members, index, affinity, load).
+    pub(super) fn publish_load(&self, replica: ReplicaIdx, l: ReplicaLoad) {
+        let labels = self.labels(replica);
+        self.metrics.active_requests.get_or_create(&labels).set((l.requests - l.external) as i64);
+        self.metrics.prefill_tokens.get_or_create(&labels).set(l.prefill_tokens as i64);
+    }
+}

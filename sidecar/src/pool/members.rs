@@ -1,0 +1,222 @@
+//! Who is in the pool: each slot's replica, rank, health flags, stop flag and learned LoRA
+//! adapters. Owns the `members` lock; writes come from discovery ([`Pool::set_members`]) and
+//! the adapter poller ([`Pool::set_adapters`]).
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::{read, Pool};
+use crate::config::{PoolConfig, ReplicaConfig};
+use crate::index::ReplicaIdx;
+use crate::metrics::ReplicaLabels;
+
+pub(super) const NONE: u64 = u64::MAX;
+
+/// Per-replica ingestion state visible to routing and `/debug/state`.
+#[derive(Debug)]
+pub struct ReplicaHealth {
+    /// Events applied to the index.
+    pub events_applied: AtomicU64,
+    /// The last sequence number applied.
+    pub last_seq: AtomicU64,
+    /// Messages were lost and could not be replayed (the blocks indexed before were dropped).
+    pub degraded: AtomicBool,
+    /// Requests that must create blocks were routed here, but no event came.
+    pub stalled: AtomicBool,
+    /// The connection to its publisher dropped (the engine may have restarted with an empty
+    /// cache). Cleared by the next message, which either continues the sequence or — a
+    /// restart — clears the replica.
+    pub disconnected: AtomicBool,
+    /// Since when (ms since the pool started) events are expected; `NONE` if not.
+    pub(super) awaiting_events_since: AtomicU64,
+}
+
+impl Default for ReplicaHealth {
+    fn default() -> Self {
+        ReplicaHealth {
+            events_applied: AtomicU64::new(0),
+            last_seq: AtomicU64::new(NONE),
+            degraded: AtomicBool::new(false),
+            stalled: AtomicBool::new(false),
+            disconnected: AtomicBool::new(false),
+            awaiting_events_since: AtomicU64::new(NONE),
+        }
+    }
+}
+
+impl ReplicaHealth {
+    /// Whether the replica's index entries may be trusted for cache credit: not while its
+    /// publisher is stalled (its removals may be pending), nor while its connection is down
+    /// (its engine may have restarted empty). A degraded replica's possibly stale blocks
+    /// were already dropped, so what remains is trusted.
+    pub fn trusted(&self) -> bool {
+        !self.stalled.load(Ordering::Relaxed) && !self.disconnected.load(Ordering::Relaxed)
+    }
+}
+
+/// One routing target's slot: a replica, or one data-parallel rank of it.
+#[derive(Debug)]
+pub struct Member {
+    /// Where it is and where its events come from (a rank's own endpoints, id `replica#rank`).
+    pub replica: ReplicaConfig,
+    /// Its data-parallel rank, for engines that have ranks.
+    pub rank: Option<u32>,
+    /// In the pool now (false: it left; its slot is empty).
+    pub active: bool,
+    /// Its ingestion health.
+    pub health: Arc<ReplicaHealth>,
+    /// Set to stop its event threads (when it leaves or its endpoints change).
+    pub stop: Arc<AtomicBool>,
+    /// LoRA adapters its engine lists in `/v1/models` (see `adapters_poll_secs`).
+    pub adapters: BTreeSet<String>,
+}
+
+impl Member {
+    pub(super) fn new((replica, rank): (ReplicaConfig, Option<u32>)) -> Member {
+        Member { replica, rank, active: true, health: Arc::default(), stop: Arc::default(), adapters: BTreeSet::new() }
+    }
+
+    /// Whether it can serve a request for `model` in `pool`: the base model and configured
+    /// adapters everywhere, learned adapters where its engine lists them.
+    pub(super) fn serves(&self, model: &str, pool: &PoolConfig) -> bool {
+        model == pool.model || pool.adapters.iter().any(|a| a == model) || self.adapters.contains(model)
+    }
+}
+
+/// The routing targets of replicas: each replica itself, or — with `data_parallel_size` N > 1
+/// — one target per rank: id `replica#r`, events and replay at vLLM's per-rank endpoints
+/// (port + r), the replica's HTTP endpoint, and `X-data-parallel-rank: r` on the request.
+pub fn targets(replicas: &[ReplicaConfig]) -> Vec<(ReplicaConfig, Option<u32>)> {
+    let mut out = Vec::new();
+    for r in replicas {
+        if r.data_parallel_size <= 1 {
+            out.push((r.clone(), None));
+            continue;
+        }
+        for rank in 0..r.data_parallel_size {
+            // Validation guarantees offsettable endpoints.
+            let offset = |e: &str| kvgate_shared::endpoint::for_rank(e, rank).unwrap_or_else(|_| e.to_owned());
+            let target = ReplicaConfig {
+                id: format!("{}#{rank}", r.id),
+                kv_events: offset(&r.kv_events),
+                kv_replay: r.kv_replay.as_deref().map(offset),
+                data_parallel_size: 1,
+                ..r.clone()
+            };
+            out.push((target, Some(rank)));
+        }
+    }
+    out
+}
+
+/// A new member's slot contents.
+pub(super) fn member(target: (ReplicaConfig, Option<u32>)) -> Member {
+    Member::new(target)
+}
+
+impl Pool {
+    /// The replicas' slots.
+    pub fn members(&self) -> std::sync::RwLockReadGuard<'_, Vec<Member>> {
+        read(&self.members)
+    }
+
+    /// The active replicas' slots with their event-thread stop flags: what to start
+    /// ingestion for at startup.
+    pub fn active(&self) -> Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)> {
+        let members = self.members();
+        let active = members.iter().enumerate().filter(|(_, m)| m.active);
+        active.map(|(i, m)| (i, m.replica.clone(), m.stop.clone())).collect()
+    }
+
+    /// Makes `replicas` the pool's membership. Unchanged replicas keep everything (index,
+    /// bookings, health). A replica that left has its event threads stopped, its index
+    /// entries and bookings dropped, and is no longer a candidate. A new replica — or one
+    /// whose endpoints changed, which is a new engine as far as its cache goes — starts
+    /// empty. Returns the slots whose event threads must be started, with their config and
+    /// stop flag.
+    pub fn set_members(&self, replicas: &[ReplicaConfig]) -> Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)> {
+        let wanted_targets = targets(replicas);
+        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        let mut start = Vec::new();
+        for (i, m) in members.iter_mut().enumerate() {
+            let wanted = wanted_targets.iter().find(|(r, _)| r.id == m.replica.id);
+            if m.active && wanted.is_some_and(|(r, rank)| *r == m.replica && *rank == m.rank) {
+                continue;
+            }
+            if m.active {
+                self.retire(i, m);
+            }
+            if let Some(target) = wanted {
+                tracing::info!(model = %self.config.model, replica = %target.0.id, endpoint = %target.0.endpoint, "replica joined");
+                *m = Member::new(target.clone());
+                start.push((i, target.0.clone(), m.stop.clone()));
+            }
+        }
+        for target in wanted_targets {
+            if members.iter().all(|m| m.replica.id != target.0.id) {
+                let i = self.index_mut().add_replica();
+                let j = self.load_table().add_replica();
+                debug_assert_eq!((i, j), (members.len(), members.len()), "slots, index and load stay aligned");
+                tracing::info!(model = %self.config.model, replica = %target.0.id, endpoint = %target.0.endpoint, "replica joined");
+                let m = Member::new(target.clone());
+                start.push((members.len(), target.0, m.stop.clone()));
+                members.push(m);
+            }
+        }
+        start
+    }
+
+    /// Takes a replica out: stops its event threads, then (under the index lock, so a
+    /// stopped applier cannot write after it) drops its blocks and bookings.
+    fn retire(&self, i: ReplicaIdx, m: &mut Member) {
+        tracing::info!(model = %self.config.model, replica = %m.replica.id, "replica left");
+        m.stop.store(true, Ordering::Relaxed);
+        m.active = false;
+        self.index_mut().clear_replica(i);
+        self.affinity_index().clear_replica(i);
+        let mut load = self.load_table();
+        load.clear_replica(i);
+        let labels = ReplicaLabels { model: self.config.model.clone(), replica: m.replica.id.clone() };
+        self.metrics.index_blocks.get_or_create(&labels).set(0);
+        self.metrics.active_requests.get_or_create(&labels).set(0);
+        self.metrics.prefill_tokens.get_or_create(&labels).set(0);
+    }
+
+    /// Records the LoRA adapters the engine at `endpoint` lists (every DP rank of it). Returns
+    /// whether anything changed.
+    pub fn set_adapters(&self, endpoint: &str, adapters: &BTreeSet<String>) -> bool {
+        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        let mut changed = false;
+        for m in members.iter_mut().filter(|m| m.active && m.replica.endpoint.to_string() == endpoint) {
+            if m.adapters != *adapters {
+                tracing::info!(model = %self.config.model, replica = %m.replica.id, ?adapters, "LoRA adapters changed");
+                m.adapters.clone_from(adapters);
+                changed = true;
+            }
+        }
+        changed
+    }
+
+    /// Whether `name` is a LoRA adapter of this pool: configured, or listed by an active engine.
+    pub fn serves_adapter(&self, name: &str) -> bool {
+        self.config.adapters.iter().any(|a| a == name)
+            || self.members().iter().any(|m| m.active && m.adapters.contains(name))
+    }
+
+    /// Every LoRA adapter of this pool, configured or learned, sorted.
+    pub fn adapters(&self) -> BTreeSet<String> {
+        let mut all: BTreeSet<String> = self.config.adapters.iter().cloned().collect();
+        for m in self.members().iter().filter(|m| m.active) {
+            all.extend(m.adapters.iter().cloned());
+        }
+        all
+    }
+
+    /// Stops every replica's event threads (shutdown).
+    pub fn stop_all(&self) {
+        for m in self.members().iter() {
+            m.stop.store(true, Ordering::Relaxed);
+        }
+    }
+}

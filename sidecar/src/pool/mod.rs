@@ -1,0 +1,152 @@
+//! One pool: a model's replicas, its KV index and load table, their health, and the routing
+//! decision. See `README.md` beside this file for which file owns which state and which way
+//! writes flow.
+//!
+//! Membership changes at run time (config reload, DNS or Envoy discovery) through
+//! [`Pool::set_members`]. Every replica has a slot: bookings, index entries and metrics refer
+//! to slots by number, so a replica that leaves keeps its slot — emptied, inactive, never a
+//! candidate — and gets it back if it returns.
+//!
+//! Locks are taken in one order — members, index, affinity, load table — and a replica's
+//! metric labels (which read the members) are never looked up while the load table is held,
+//! so a membership change can never deadlock with routing or lifecycle reports. Every lock is
+//! a private field: only this module's files take them.
+
+mod explain;
+mod health;
+mod lifecycle;
+mod members;
+mod offload;
+mod route;
+mod state;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+
+use crate::config::{Policy, PoolConfig};
+use crate::index::approx::ApproxIndex;
+use crate::index::{ApplyError, KvIndex, Overlap, ReplicaIdx, Store};
+use crate::load::LoadTable;
+use crate::metrics::{Metrics, ReplicaLabels};
+use crate::sync::event::Outbox;
+
+pub use explain::{CandidateTerms, Explanation};
+pub use members::{targets, Member, ReplicaHealth};
+pub use offload::OffloadError;
+pub use state::{PoolState, ReplicaState};
+
+use explain::{Kept, EXPLANATIONS};
+use members::member;
+
+/// Segment-cache budget of the tokenizer used for offloaded prompts.
+const OFFLOAD_SEGMENT_CACHE_BYTES: usize = 64 << 20;
+
+/// A model's pool of replicas.
+pub struct Pool {
+    /// The pool's settings.
+    config: PoolConfig,
+    /// Which replica holds which blocks.
+    index: RwLock<KvIndex>,
+    /// What each replica is busy with.
+    load: Mutex<LoadTable>,
+    /// The replicas' slots, by replica index (the config's replicas first).
+    members: RwLock<Vec<Member>>,
+    /// The encoded [`kvgate_shared::wire::ModelBundle`] served to filters.
+    bundle: Vec<u8>,
+    /// How often filters fetched it (a model no filter ever fetched routes on load alone).
+    bundles_served: AtomicU64,
+    /// The same tokenizer, loaded on first use, for prompts the filter offloads.
+    tokenizer: std::sync::OnceLock<Result<ModelTokenizer, String>>,
+    metrics: Arc<Metrics>,
+    started: Instant,
+    /// The last decisions with every candidate's cost terms (`/debug/explain`), kept compact
+    /// (indices, not names) so that recording costs no allocation per candidate.
+    explanations: Mutex<VecDeque<Kept>>,
+    /// The `round_robin` cursor.
+    next: AtomicUsize,
+    /// Where bookings and their lifecycle go for the other gateways (when sync is on).
+    outbox: std::sync::OnceLock<Outbox>,
+    /// Where this gateway sent which blocks: the `prefix_affinity` policy's overlap, or, for
+    /// `kv_aware`, the in-flight credit (`inflight_credit_secs`).
+    affinity: Mutex<ApproxIndex>,
+}
+
+// Locks are only poisoned if a holder panicked; the data is still consistent enough to serve.
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Pool {
+    /// An empty pool.
+    pub fn new(config: PoolConfig, bundle: Vec<u8>, metrics: Arc<Metrics>) -> Pool {
+        let initial = targets(&config.replicas);
+        let n = initial.len();
+        let ttl = match config.policy {
+            Policy::PrefixAffinity => config.affinity_ttl_secs,
+            _ => config.inflight_credit_secs,
+        };
+        let affinity = ApproxIndex::new(config.affinity_blocks, Duration::from_secs(ttl));
+        Pool {
+            index: RwLock::new(KvIndex::new(config.block_size as usize, n)),
+            load: Mutex::new(LoadTable::new(n)),
+            members: RwLock::new(initial.into_iter().map(member).collect()),
+            config,
+            bundle,
+            bundles_served: AtomicU64::new(0),
+            tokenizer: std::sync::OnceLock::new(),
+            metrics,
+            started: Instant::now(),
+            explanations: Mutex::new(VecDeque::with_capacity(EXPLANATIONS)),
+            next: AtomicUsize::new(0),
+            affinity: Mutex::new(affinity),
+            outbox: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The pool's settings.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// Each replica's overlap with a prompt's block hashes, in slot order, as the index holds
+    /// it now (before health and in-flight credit are taken into account).
+    pub fn find_matches(&self, hashes: &[u64]) -> Vec<Overlap> {
+        read(&self.index).find_matches(hashes)
+    }
+
+    /// Stores blocks on a replica directly, as its events would (for tools, tests and
+    /// benchmarks that preload an index).
+    pub fn store_blocks(&self, replica: ReplicaIdx, store: Store<'_>) -> Result<(), ApplyError> {
+        self.index_mut().store(replica, store)
+    }
+
+    fn affinity_index(&self) -> std::sync::MutexGuard<'_, ApproxIndex> {
+        self.affinity.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Metric labels for a replica.
+    pub fn labels(&self, replica: ReplicaIdx) -> ReplicaLabels {
+        ReplicaLabels { model: self.config.model.clone(), replica: self.members()[replica].replica.id.clone() }
+    }
+
+    /// Exclusive access to the index: the pool's applier ([`crate::events::apply`]) and
+    /// membership changes.
+    pub(crate) fn index_mut(&self) -> std::sync::RwLockWriteGuard<'_, KvIndex> {
+        self.index.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn load_table(&self) -> std::sync::MutexGuard<'_, LoadTable> {
+        self.load.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests;

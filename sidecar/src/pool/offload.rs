@@ -1,0 +1,80 @@
+//! Prompts the filter offloads: the pool's own tokenizer (loaded once, from the same bundle
+//! the filters fetch) turns the body into the same `RouteRequest` the filter would have sent.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use kvgate_shared::hash::Salt;
+use kvgate_shared::prompt::openai::ParsedRequest;
+use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::route::{route_request, PromptTokens, RequestKeys};
+use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteResponse};
+
+use super::{Pool, OFFLOAD_SEGMENT_CACHE_BYTES};
+use crate::score::ScoringConfig;
+
+/// Why an offloaded prompt was not routed.
+#[derive(Debug, thiserror::Error)]
+pub enum OffloadError {
+    /// The pool's tokenizer failed to load, or failed on this prompt.
+    #[error("cannot tokenize the prompt: {0}")]
+    Tokenizer(String),
+    /// The filter's budget ran out before the decision: nothing was booked.
+    #[error("the filter's deadline passed before the prompt was routed")]
+    Late,
+}
+
+impl Pool {
+    /// The encoded bundle, for a filter that fetches it (counted for `/debug/state`).
+    pub fn served_bundle(&self) -> Vec<u8> {
+        self.bundles_served.fetch_add(1, Ordering::Relaxed);
+        self.bundle.clone()
+    }
+
+    /// The pool's tokenizer (with a segment cache), loaded from its bundle on first use.
+    /// Blocking: call it off the async runtime.
+    pub fn tokenizer(&self) -> Result<&ModelTokenizer, String> {
+        self.tokenizer
+            .get_or_init(|| {
+                let bundle: ModelBundle = kvgate_shared::codec::decode(&self.bundle).map_err(|e| e.to_string())?;
+                ModelTokenizer::from_bundle(&bundle)
+                    .map(|t| t.with_segment_cache(OFFLOAD_SEGMENT_CACHE_BYTES))
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// Routes a whole request body (the filter's offload): tokenizes it exactly as the filter
+    /// would, then decides as [`Pool::route`] — unless `deadline` has passed by then (the
+    /// filter has routed the request without us: booking it would count load that is not
+    /// there). Blocking (it tokenizes).
+    pub fn route_body(
+        &self,
+        parsed: &ParsedRequest,
+        req: &RouteBodyRequest<'_>,
+        scoring: &ScoringConfig,
+        deadline: Instant,
+    ) -> Result<RouteResponse, OffloadError> {
+        if Instant::now() >= deadline {
+            return Err(OffloadError::Late);
+        }
+        let tokenizer = self.tokenizer().map_err(OffloadError::Tokenizer)?;
+        let tokens = tokenizer.prompt_tokens(parsed).map_err(|e| OffloadError::Tokenizer(e.to_string()))?;
+        if Instant::now() >= deadline {
+            return Err(OffloadError::Late);
+        }
+        // A LoRA adapter's blocks are salted with its name, as its engine salts them.
+        let salt = if parsed.model == self.config.model { Salt::NONE } else { Salt::for_lora(Some(&parsed.model)) };
+        let keys = RequestKeys {
+            request_id: req.request_id.clone(),
+            client_request_id: req.client_request_id.clone(),
+            session: req.session.clone(),
+            overrides: req.overrides,
+        };
+        let prompt =
+            PromptTokens::Tokenized { tokens: &tokens, total: tokens.len(), block_size: self.config.block_size, salt };
+        let route = route_request(parsed, &keys, prompt);
+        Ok(self.route(&route, scoring))
+    }
+}

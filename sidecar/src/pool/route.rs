@@ -1,0 +1,267 @@
+//! The routing decision: candidates → `score::logits` → the pool's policy → the booking.
+//! [`Pool::route`] reads as its steps, one line each; each step is a function below.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use kvgate_shared::wire::{RouteRequest, RouteResponse};
+
+use super::members::NONE;
+use super::{read, Member, Pool};
+use crate::config::Policy;
+use crate::index::{Overlap, ReplicaIdx};
+use crate::load::{LoadTable, NewBooking};
+use crate::score::{self, Candidate, RequestShape, ScoringConfig};
+use crate::sync::event::SyncEvent;
+
+/// A replica the request may go to, and the cache it is credited with.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Eligible {
+    /// Its slot.
+    pub slot: ReplicaIdx,
+    /// Its overlap with the prompt, as credited (none while its events cannot be trusted).
+    pub overlap: Overlap,
+    /// Whether its index entries were trusted.
+    pub trusted: bool,
+}
+
+/// An eligible replica's cost inputs and cost, as `/debug/explain` keeps them.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Scored {
+    /// Its slot.
+    pub slot: ReplicaIdx,
+    /// The cost function's inputs.
+    pub inputs: Candidate,
+    /// The cost.
+    pub logit: f64,
+    /// Whether its cache credit counted.
+    pub trusted: bool,
+}
+
+/// The request as the pool measures it.
+struct Shape<'a> {
+    /// The prompt's block hashes (none if computed with another block size).
+    hashes: &'a [u64],
+    prompt_tokens: u64,
+    block_size: u64,
+    /// `ceil(prompt_tokens / block_size)`.
+    total_blocks: u64,
+}
+
+/// What was booked where.
+struct Booked {
+    slot: ReplicaIdx,
+    overlap: Overlap,
+    prefill_tokens: u64,
+    /// False if the request had already ended (its end overtook the decision).
+    booked: bool,
+}
+
+fn nowhere() -> RouteResponse {
+    RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None }
+}
+
+impl Pool {
+    /// Scores every replica, picks one by the pool's policy, and books the request there,
+    /// atomically (no herding: concurrent requests see each other's bookings).
+    pub fn route(&self, req: &RouteRequest, scoring: &ScoringConfig) -> RouteResponse {
+        // The prompt in the pool's terms: hashes of another block size are dropped.
+        let shape = self.shape(req);
+        // Lock order: members, index, affinity, load.
+        let members = self.members();
+        // Active replicas serving the model, with the cache each is credited.
+        let eligible = self.eligible(&members, req, shape.hashes);
+        if eligible.is_empty() {
+            return nowhere();
+        }
+        // `consistent_hash` without a session key decides as `kv_aware`.
+        let policy = self.policy_for(req);
+        // `least_load` weighs no cache.
+        let scoring = policy_scoring(policy, scoring);
+        let mut load = self.load_table();
+        // Every eligible replica's cost, from its booked load.
+        let scored = score_all(&load, &eligible, &shape, &scoring);
+        // The policy's pick, an index into `eligible`.
+        let Some(choice) = self.choose(policy, req, &members, &eligible, &scored, &scoring) else {
+            return nowhere();
+        };
+        // Reserve the request's load there before anyone else decides.
+        let booked = book(&mut load, req, &shape, &scoring, eligible[choice]);
+        let figures = load.load(booked.slot);
+        drop(load);
+        // Remember where the prefix went, and expect the engine's events for it.
+        self.after_booking(&members[booked.slot], &shape, &booked);
+        let (replica, dp_rank) = (members[booked.slot].replica.clone(), members[booked.slot].rank);
+        drop(members);
+        // Gauges, the other gateways, `/debug/explain`.
+        self.publish_load(booked.slot, figures);
+        self.share_booking(req, &replica.id, &shape, &booked);
+        self.record(req, policy, scored, booked.slot, booked.overlap);
+        RouteResponse {
+            endpoint: Some(replica.endpoint.to_string()),
+            replica: Some(replica.id),
+            overlap_blocks: booked.overlap.device,
+            dp_rank,
+        }
+    }
+
+    fn shape<'a>(&self, req: &'a RouteRequest) -> Shape<'a> {
+        let block_size = u64::from(self.config.block_size);
+        let hashes: &[u64] = if req.block_size == self.config.block_size { &req.block_hashes } else { &[] };
+        let prompt_tokens = u64::from(req.prompt_tokens);
+        Shape { hashes, prompt_tokens, block_size, total_blocks: prompt_tokens.div_ceil(block_size) }
+    }
+
+    /// The candidates: active replicas that serve the model (a learned adapter only where it
+    /// is loaded), credited with their overlap — none while their publisher cannot be trusted
+    /// — and, under `kv_aware`, with prefixes routed there moments ago (`inflight_credit_secs`).
+    fn eligible(&self, members: &[Member], req: &RouteRequest, hashes: &[u64]) -> Vec<Eligible> {
+        let affinity = self.config.policy == Policy::PrefixAffinity;
+        let overlaps = if affinity {
+            self.affinity_index().find_matches(hashes, members.len(), Instant::now())
+        } else {
+            read(&self.index).find_matches(hashes)
+        };
+        let mut eligible: Vec<Eligible> = members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.active && m.serves(&req.model, &self.config))
+            .map(|(slot, m)| {
+                // The affinity index does not depend on events, so a silent publisher is moot.
+                let trusted = affinity || m.health.trusted();
+                Eligible { slot, overlap: if trusted { overlaps[slot] } else { Overlap::default() }, trusted }
+            })
+            .collect();
+        if self.inflight_credit() {
+            let recent = self.affinity_index().find_matches(hashes, members.len(), Instant::now());
+            for e in &mut eligible {
+                e.overlap = e.overlap.with_device_at_least(recent[e.slot].device);
+            }
+        }
+        eligible
+    }
+
+    /// Whether prefixes routed moments ago count as cached where they went.
+    fn inflight_credit(&self) -> bool {
+        self.config.policy == Policy::KvAware && self.config.inflight_credit_secs > 0
+    }
+
+    fn policy_for(&self, req: &RouteRequest) -> Policy {
+        match (self.config.policy, &req.session) {
+            (Policy::ConsistentHash, None) => Policy::KvAware,
+            (p, _) => p,
+        }
+    }
+
+    /// The policy's choice among `eligible` (an index into it).
+    fn choose(
+        &self,
+        policy: Policy,
+        req: &RouteRequest,
+        members: &[Member],
+        eligible: &[Eligible],
+        scored: &[Scored],
+        scoring: &ScoringConfig,
+    ) -> Option<usize> {
+        match policy {
+            Policy::KvAware | Policy::LeastLoad | Policy::PrefixAffinity => {
+                let logits: Vec<f64> = scored.iter().map(|s| s.logit).collect();
+                score::select(&logits, scoring.temperature, &mut rand::rng())
+            }
+            Policy::RoundRobin => Some(self.next.fetch_add(1, Ordering::Relaxed) % eligible.len()),
+            Policy::ConsistentHash => req.session.as_deref().map(|key| rendezvous(key, members, eligible)),
+        }
+    }
+
+    /// Records where the prefix went (`prefix_affinity`, in-flight credit), and that events
+    /// are now expected from the replica if its engine must store a new block.
+    fn after_booking(&self, member: &Member, shape: &Shape<'_>, booked: &Booked) {
+        let affinity = self.config.policy == Policy::PrefixAffinity;
+        if affinity || self.inflight_credit() {
+            self.affinity_index().record(booked.slot, shape.hashes, Instant::now());
+        }
+        if !affinity && booked.booked && booked.prefill_tokens >= shape.block_size {
+            let since = &member.health.awaiting_events_since;
+            let _ = since.compare_exchange(NONE, self.now_ms(), Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+
+    /// Tells the other gateways (when sync is on).
+    fn share_booking(&self, req: &RouteRequest, target: &str, shape: &Shape<'_>, booked: &Booked) {
+        let (true, Some(outbox)) = (booked.booked, self.outbox.get()) else { return };
+        outbox.send(SyncEvent::Booked {
+            model: self.config.model.clone(),
+            target: target.to_owned(),
+            request_id: req.request_id.clone(),
+            prefill_tokens: booked.prefill_tokens,
+            hashes: shape.hashes.to_vec(),
+            total_blocks: shape.total_blocks,
+        });
+    }
+}
+
+/// The scoring a policy uses: `least_load` gives no credit for cache.
+fn policy_scoring(policy: Policy, scoring: &ScoringConfig) -> ScoringConfig {
+    match policy {
+        Policy::LeastLoad => ScoringConfig {
+            kv_overlap_credit: 0.0,
+            host_cache_hit_weight: 0.0,
+            disk_cache_hit_weight: 0.0,
+            duplicate_penalty: 0.0,
+            ..scoring.clone()
+        },
+        _ => scoring.clone(),
+    }
+}
+
+/// Every eligible replica's cost inputs (its booked load, this request's new blocks there)
+/// and cost.
+fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring: &ScoringConfig) -> Vec<Scored> {
+    let inputs: Vec<Candidate> = eligible
+        .iter()
+        .map(|e| {
+            let l = load.load(e.slot);
+            Candidate {
+                overlap: e.overlap,
+                prefill_tokens: l.prefill_tokens,
+                decode_blocks: l.active_blocks + load.additional_blocks(e.slot, shape.hashes, shape.total_blocks),
+                requests: l.requests,
+            }
+        })
+        .collect();
+    let request = RequestShape { prompt_tokens: shape.prompt_tokens, block_size: shape.block_size };
+    let logits = score::logits(scoring, request, &inputs);
+    eligible
+        .iter()
+        .zip(inputs)
+        .zip(logits)
+        .map(|((e, inputs), logit)| Scored { slot: e.slot, inputs, logit, trusted: e.trusted })
+        .collect()
+}
+
+/// Books the request on the chosen replica: its prefill left after the overlap, its blocks.
+fn book(load: &mut LoadTable, req: &RouteRequest, shape: &Shape<'_>, scoring: &ScoringConfig, at: Eligible) -> Booked {
+    let prefill_tokens = scoring.prefill_tokens(shape.prompt_tokens, shape.block_size, at.overlap);
+    let booking = NewBooking {
+        request_id: &req.request_id,
+        prefill_tokens,
+        hashes: shape.hashes,
+        total_blocks: shape.total_blocks,
+        max_tokens: req.max_tokens.map(u64::from),
+    };
+    let booked = load.book(at.slot, booking, Instant::now());
+    Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked }
+}
+
+/// Rendezvous (highest-random-weight) hashing over the eligible replicas: a session keeps its
+/// replica, and only the sessions of a replica that leaves move. Returns an index into
+/// `eligible`.
+fn rendezvous(key: &str, members: &[Member], eligible: &[Eligible]) -> usize {
+    let weight = |id: &str| {
+        let mut bytes = key.as_bytes().to_vec();
+        bytes.push(0);
+        bytes.extend_from_slice(id.as_bytes());
+        xxhash_rust::xxh3::xxh3_64(&bytes)
+    };
+    (0..eligible.len()).max_by_key(|&c| weight(&members[eligible[c].slot].replica.id)).unwrap_or(0)
+}

@@ -1,0 +1,110 @@
+//! `/debug/state`: a snapshot of every active replica's index, load and health.
+
+use std::sync::atomic::Ordering;
+
+use serde::Serialize;
+
+use super::members::NONE;
+use super::{read, Pool};
+use crate::index::Tier;
+
+/// One replica in `/debug/state`.
+#[derive(Debug, Serialize)]
+pub struct ReplicaState {
+    /// Replica id.
+    pub id: String,
+    /// `ip:port`.
+    pub endpoint: String,
+    /// Blocks indexed, all tiers.
+    pub blocks_indexed: usize,
+    /// Blocks indexed on host memory.
+    pub host_blocks: usize,
+    /// Blocks indexed on disk/external storage.
+    pub disk_blocks: usize,
+    /// Booked, unfinished requests.
+    pub active_requests: u64,
+    /// Requests the engine reports beyond those (`engine_metrics_secs`).
+    pub external_requests: u64,
+    /// Booked prefill tokens.
+    pub prefill_tokens: u64,
+    /// Unique active blocks.
+    pub active_blocks: u64,
+    /// KV events applied.
+    pub events_applied: u64,
+    /// The last event sequence number applied.
+    pub last_seq: Option<u64>,
+    /// Events were lost since the engine's cache was last cleared (blocks indexed before the
+    /// loss were dropped).
+    pub degraded: bool,
+    /// Its publisher went quiet while serving: no cache credit until events resume.
+    pub stalled: bool,
+    /// Its publisher's connection dropped: no cache credit until its next message.
+    pub disconnected: bool,
+    /// LoRA adapters its engine lists.
+    pub adapters: Vec<String>,
+}
+
+/// One pool in `/debug/state`.
+#[derive(Debug, Serialize)]
+pub struct PoolState {
+    /// Model name.
+    pub model: String,
+    /// Block size.
+    pub block_size: u32,
+    /// How often filters fetched the model's tokenizer bundle: 0 means every request of the
+    /// model was routed on load alone (see the filter's `kvgate.tokenizer_missing.*` gauges).
+    pub tokenizer_fetches: u64,
+    /// Bookings held (every routed request until its end is reported or it expires).
+    pub bookings: usize,
+    /// Ends reported before their booking, remembered (at most 4096) so a late booking is not
+    /// leaked.
+    pub ended_early: usize,
+    /// Active replicas, in slot order (the config's first).
+    pub replicas: Vec<ReplicaState>,
+}
+
+impl Pool {
+    /// A snapshot for `/debug/state`.
+    pub fn state(&self) -> PoolState {
+        // Lock order: members, index, load.
+        let members = self.members();
+        let index = read(&self.index);
+        let load = self.load_table();
+        let replicas = members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.active)
+            .map(|(i, m)| {
+                let (r, h) = (&m.replica, &m.health);
+                let l = load.load(i);
+                let last_seq = h.last_seq.load(Ordering::Relaxed);
+                ReplicaState {
+                    id: r.id.clone(),
+                    endpoint: r.endpoint.to_string(),
+                    blocks_indexed: index.replica_blocks(i),
+                    host_blocks: index.replica_tier_blocks(i, Tier::Host),
+                    disk_blocks: index.replica_tier_blocks(i, Tier::Disk),
+                    active_requests: l.requests - l.external,
+                    external_requests: l.external,
+                    prefill_tokens: l.prefill_tokens,
+                    active_blocks: l.active_blocks,
+                    events_applied: h.events_applied.load(Ordering::Relaxed),
+                    last_seq: (last_seq != NONE).then_some(last_seq),
+                    degraded: h.degraded.load(Ordering::Relaxed),
+                    stalled: h.stalled.load(Ordering::Relaxed),
+                    disconnected: h.disconnected.load(Ordering::Relaxed),
+                    adapters: m.adapters.iter().cloned().collect(),
+                }
+            })
+            .collect();
+        let (bookings, ended_early) = load.bookkeeping();
+        PoolState {
+            model: self.config.model.clone(),
+            block_size: self.config.block_size,
+            tokenizer_fetches: self.bundles_served.load(Ordering::Relaxed),
+            bookings,
+            ended_early,
+            replicas,
+        }
+    }
+}

@@ -1,0 +1,360 @@
+//! The pool as a whole: decisions, membership, policies, lifecycle, under concurrency.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::wire::{RouteRequest, RouteResponse};
+
+use super::*;
+use crate::config::ReplicaConfig;
+use crate::events::ingest::{Outcome, Progress};
+use crate::index::{Store, Tier};
+use crate::load::NewBooking;
+use crate::score::ScoringConfig;
+
+fn pool(replicas: usize) -> Pool {
+    pool_with(replicas, Policy::KvAware)
+}
+
+fn pool_with(replicas: usize, policy: Policy) -> Pool {
+    let replicas = (0..replicas)
+        .map(|i| {
+            let endpoint = format!("127.0.0.1:{}", 8000 + i).parse().unwrap();
+            ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
+        })
+        .collect();
+    let config = PoolConfig { policy, ..PoolConfig::new("m", "unused", 4, replicas) };
+    Pool::new(config, Vec::new(), Arc::new(Metrics::default()))
+}
+
+fn request(id: &str, tokens: &[u32]) -> RouteRequest {
+    RouteRequest {
+        request_id: id.into(),
+        client_request_id: None,
+        model: "m".into(),
+        prompt_tokens: tokens.len() as u32,
+        block_hashes: prompt_block_hashes(tokens, 4, Salt::NONE),
+        block_size: 4,
+        session: None,
+        overrides: None,
+        max_tokens: None,
+    }
+}
+
+#[test]
+fn cache_hits_win_and_concurrent_misses_spread() {
+    let p = pool(3);
+    let cached: Vec<u32> = (0..64).collect();
+    p.index_mut()
+        .store(
+            2,
+            Store {
+                parent: None,
+                engine_hashes: &(0..16).collect::<Vec<u64>>(),
+                token_ids: &cached,
+                block_size: 4,
+                salt: Salt::NONE,
+                extra: &[],
+                tier: Tier::Device,
+            },
+        )
+        .unwrap();
+    let cfg = ScoringConfig::default();
+    let hit = p.route(&request("hit", &cached), &cfg);
+    assert_eq!((hit.replica.as_deref(), hit.overlap_blocks), (Some("r2"), 16));
+    // Six distinct uncached prompts in a row, none finished: bookings spread them.
+    let mut per_replica = [0; 3];
+    for i in 0..6u32 {
+        let tokens: Vec<u32> = (0..64).map(|t| 10_000 + i * 100 + t).collect();
+        let r = p.route(&request(&format!("miss{i}"), &tokens), &cfg);
+        per_replica[r.replica.unwrap()[1..].parse::<usize>().unwrap()] += 1;
+    }
+    assert!(per_replica.iter().all(|n| *n >= 1), "no herding onto one replica: {per_replica:?}");
+}
+
+fn cache_on(p: &Pool, replica: ReplicaIdx, tokens: &[u32]) {
+    let engine: Vec<u64> = (0..(tokens.len() / 4) as u64).map(|i| i + 1000 * replica as u64).collect();
+    let store = Store {
+        parent: None,
+        engine_hashes: &engine,
+        token_ids: tokens,
+        block_size: 4,
+        salt: Salt::NONE,
+        extra: &[],
+        tier: Tier::Device,
+    };
+    p.index_mut().store(replica, store).unwrap();
+}
+
+fn chosen(r: &RouteResponse) -> usize {
+    r.replica.as_deref().unwrap()[1..].parse().unwrap()
+}
+
+#[test]
+fn learned_adapters_route_only_where_they_are_loaded() {
+    let p = pool(3);
+    let sql = BTreeSet::from(["sql".to_owned()]);
+    assert!(!p.serves_adapter("sql"));
+    let endpoint = p.members()[1].replica.endpoint.to_string();
+    assert!(p.set_adapters(&endpoint, &sql));
+    assert!(!p.set_adapters(&endpoint, &sql), "the same list changes nothing");
+    assert!(p.serves_adapter("sql"));
+    assert_eq!(p.adapters(), sql);
+    let scoring = ScoringConfig::default();
+    for i in 0..6 {
+        let req = RouteRequest { model: "sql".into(), ..request(&format!("a{i}"), &[i, 2, 3, 4, 5]) };
+        assert_eq!(chosen(&p.route(&req, &scoring)), 1, "only replica 1 has the adapter");
+    }
+    let spread: BTreeSet<usize> =
+        (0..6).map(|i| chosen(&p.route(&request(&format!("b{i}"), &[i, 9, 9, 9, 9]), &scoring))).collect();
+    assert_eq!(spread.len(), 2, "the base model spreads over the other replicas, which are idle");
+    assert!(p.set_adapters(&endpoint, &BTreeSet::new()));
+    assert!(!p.serves_adapter("sql"), "unloaded everywhere: no longer routed");
+    let req = RouteRequest { model: "sql".into(), ..request("c", &[1, 2, 3, 4]) };
+    assert_eq!(p.route(&req, &scoring).endpoint, None);
+}
+
+#[test]
+fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
+    let cached: Vec<u32> = (0..256).collect();
+    for (policy, expected) in [(Policy::KvAware, 0), (Policy::LeastLoad, 1)] {
+        let p = pool_with(2, policy);
+        cache_on(&p, 0, &cached);
+        // r0 is a little busy; its cache saves far more than that.
+        p.load_table().book(
+            0,
+            NewBooking { request_id: "busy", prefill_tokens: 40, hashes: &[], total_blocks: 10, max_tokens: None },
+            Instant::now(),
+        );
+        let r = p.route(&request("q", &cached), &ScoringConfig::default());
+        assert_eq!(chosen(&r), expected, "{policy:?}");
+    }
+}
+
+#[test]
+fn round_robin_cycles_and_still_books_load() {
+    let p = pool_with(3, Policy::RoundRobin);
+    let picks: Vec<usize> = (0..6)
+        .map(|i| chosen(&p.route(&request(&format!("r{i}"), &[1, 2, 3, 4]), &ScoringConfig::default())))
+        .collect();
+    assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+    assert_eq!(p.state().replicas.iter().map(|r| r.active_requests).sum::<u64>(), 6);
+}
+
+#[test]
+fn consistent_hash_keeps_sessions_and_falls_back_without_one() {
+    let p = pool_with(4, Policy::ConsistentHash);
+    let cfg = ScoringConfig::default();
+    let with_session = |id: &str, s: &str| RouteRequest { session: Some(s.into()), ..request(id, &[1, 2, 3, 4]) };
+    let first = chosen(&p.route(&with_session("a0", "alice"), &cfg));
+    for i in 1..10 {
+        assert_eq!(chosen(&p.route(&with_session(&format!("a{i}"), "alice"), &cfg)), first, "sticky");
+    }
+    let spread: std::collections::HashSet<usize> =
+        (0..40).map(|i| chosen(&p.route(&with_session(&format!("u{i}"), &format!("user-{i}")), &cfg))).collect();
+    assert!(spread.len() >= 3, "sessions spread over replicas: {spread:?}");
+    let cached: Vec<u32> = (0..64).collect();
+    cache_on(&p, 2, &cached);
+    let r = p.route(&request("no-session", &cached), &cfg);
+    assert_eq!(chosen(&r), 2, "no session: kv_aware");
+    assert_eq!(p.explain(Some("no-session"), 1)[0].policy, Policy::KvAware);
+}
+
+#[test]
+fn decisions_are_explained() {
+    let p = pool(2);
+    let cached: Vec<u32> = (0..64).collect();
+    cache_on(&p, 1, &cached);
+    p.route(&request("why", &cached), &ScoringConfig::default());
+    let e = &p.explain(Some("why"), 10)[0];
+    assert_eq!(e.chosen.as_deref(), Some("r1"));
+    assert_eq!(e.candidates[1].overlap.device, 16);
+    assert!(e.candidates[1].logit < e.candidates[0].logit);
+    assert!(p.explain(Some("unknown"), 10).is_empty());
+}
+
+#[test]
+fn a_silent_publisher_is_flagged_stalled_and_earns_no_credit() {
+    let p = pool(1);
+    let tokens: Vec<u32> = (0..64).collect();
+    p.route(&request("a", &tokens), &ScoringConfig::default());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !p.state().replicas[0].stalled {
+        assert!(Instant::now() < deadline, "never flagged");
+        p.check_stalls(Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!p.members()[0].health.trusted());
+    // Any event brings it back.
+    p.after_ingest(0, Progress::default(), &Outcome::default());
+    assert!(!p.state().replicas[0].stalled);
+}
+
+#[test]
+fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
+    let p = pool(3);
+    let replicas = p.config.replicas.clone();
+    let prompt: Vec<u32> = (0..64).collect();
+    for r in 0..3 {
+        cache_on(&p, r, &prompt);
+    }
+    let only_r1: Vec<u32> = (500..564).collect();
+    let engine: Vec<u64> = (5000..5016).collect();
+    let store = Store {
+        parent: None,
+        engine_hashes: &engine,
+        token_ids: &only_r1,
+        block_size: 4,
+        salt: Salt::NONE,
+        extra: &[],
+        tier: Tier::Device,
+    };
+    p.index_mut().store(1, store).unwrap();
+    let cfg = ScoringConfig::default();
+    assert_eq!(chosen(&p.route(&request("held", &only_r1), &cfg)), 1);
+    assert!(p.set_members(&replicas).is_empty(), "the same membership changes nothing");
+
+    // r1 leaves, r0's events endpoint changes, r3 joins.
+    let mut moved = replicas[0].clone();
+    moved.kv_events = "tcp://10.9.9.9:5557".into();
+    let newcomer = ReplicaConfig { id: "r3".into(), endpoint: "127.0.0.1:8003".parse().unwrap(), ..moved.clone() };
+    let stop_r1 = p.members()[1].stop.clone();
+    let start = p.set_members(&[moved.clone(), replicas[2].clone(), newcomer.clone()]);
+    let started: Vec<(ReplicaIdx, &str)> = start.iter().map(|(i, r, _)| (*i, r.id.as_str())).collect();
+    assert_eq!(started, [(0, "r0"), (3, "r3")], "a changed replica restarts in its slot; a new one gets a new slot");
+    assert!(stop_r1.load(Ordering::Relaxed), "the leaver's event threads are told to stop");
+    let matches = read(&p.index).find_matches(&prompt_block_hashes(&prompt, 4, Salt::NONE));
+    let device: Vec<u32> = matches.iter().map(|o| o.device).collect();
+    assert_eq!(device, [0, 0, 16, 0], "r2 keeps its blocks; r0 (new engine) and r1 (gone) are emptied");
+    let state: Vec<String> = p.state().replicas.into_iter().map(|r| r.id).collect();
+    assert_eq!(state, ["r0", "r2", "r3"]);
+    assert!(!p.lifecycle("held", false), "r1's booking left with it");
+    for i in 0..30 {
+        let r = p.route(&request(&format!("q{i}"), &[i; 8]), &cfg);
+        assert_ne!(r.replica.as_deref(), Some("r1"), "a replica that left is never chosen");
+    }
+
+    // r1 comes back: its old slot, empty.
+    let start = p.set_members(&[moved, replicas[1].clone(), replicas[2].clone(), newcomer]);
+    assert_eq!(start.iter().map(|(i, _, _)| *i).collect::<Vec<_>>(), [1]);
+    assert_eq!(p.members().len(), 4, "slots are reused, never multiplied");
+    assert_eq!(p.state().replicas.len(), 4);
+}
+
+#[test]
+fn an_empty_pool_routes_nowhere() {
+    let p = pool(2);
+    p.set_members(&[]);
+    let r = p.route(&request("x", &[1, 2, 3, 4]), &ScoringConfig::default());
+    assert_eq!((r.endpoint, r.replica), (None, None));
+    assert!(p.state().replicas.is_empty());
+}
+
+#[test]
+fn prefix_affinity_follows_its_own_routing_not_events() {
+    let p = pool_with(3, Policy::PrefixAffinity);
+    let cfg = ScoringConfig::default();
+    let prompt: Vec<u32> = (0..64).collect();
+    let first = p.route(&request("first", &prompt), &cfg);
+    let home = chosen(&first);
+    assert!(p.lifecycle("first", false));
+    // Events say another replica holds the prompt: this policy does not read them.
+    cache_on(&p, (home + 1) % 3, &prompt);
+    let mut longer = prompt.clone();
+    longer.extend(1000..1016);
+    let again = p.route(&request("again", &longer), &cfg);
+    assert_eq!((chosen(&again), again.overlap_blocks), (home, 16), "where the gateway sent the prefix");
+    // Distinct prompts still spread by load.
+    let mut per_replica = [0; 3];
+    for i in 0..6u32 {
+        let tokens: Vec<u32> = (0..64).map(|t| 20_000 + i * 100 + t).collect();
+        per_replica[chosen(&p.route(&request(&format!("d{i}"), &tokens), &cfg))] += 1;
+    }
+    assert!(per_replica.iter().all(|n| *n >= 1), "{per_replica:?}");
+    let explained = &p.explain(Some("again"), 1)[0];
+    assert_eq!(explained.policy, Policy::PrefixAffinity);
+    assert!(p.state().replicas.iter().all(|r| !r.stalled), "no events expected, none missed");
+}
+
+#[test]
+fn data_parallel_ranks_are_targets_of_their_own() {
+    let mut config = pool(1).config;
+    config.replicas[0].data_parallel_size = 2;
+    config.replicas[0].kv_events = "tcp://10.0.0.7:5557".into();
+    config.replicas[0].kv_replay = Some("tcp://10.0.0.7:5600".into());
+    let t = targets(&config.replicas);
+    let ids: Vec<(&str, &str, Option<&str>, Option<u32>)> =
+        t.iter().map(|(r, rank)| (r.id.as_str(), r.kv_events.as_str(), r.kv_replay.as_deref(), *rank)).collect();
+    assert_eq!(
+        ids,
+        [
+            ("r0#0", "tcp://10.0.0.7:5557", Some("tcp://10.0.0.7:5600"), Some(0)),
+            ("r0#1", "tcp://10.0.0.7:5558", Some("tcp://10.0.0.7:5601"), Some(1))
+        ]
+    );
+    assert!(t.iter().all(|(r, _)| r.endpoint == config.replicas[0].endpoint), "one HTTP endpoint");
+    let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
+    let prompt: Vec<u32> = (0..64).collect();
+    cache_on(&p, 1, &prompt);
+    let r = p.route(&request("dp", &prompt), &ScoringConfig::default());
+    assert_eq!((r.replica.as_deref(), r.dp_rank), (Some("r0#1"), Some(1)), "the rank that holds the prefix");
+    assert_eq!(pool(1).route(&request("x", &prompt), &ScoringConfig::default()).dp_rank, None);
+}
+
+#[test]
+fn kv_aware_credits_prefixes_routed_moments_ago() {
+    let cfg = ScoringConfig::default();
+    let prompt: Vec<u32> = (0..256).collect();
+    let mut longer = prompt.clone();
+    longer.extend(5000..5016);
+    // The first request's prefill is done (it streams its answer) but the engine's events
+    // have not arrived yet.
+    let p = pool(3);
+    let home = chosen(&p.route(&request("first", &prompt), &cfg));
+    assert!(p.lifecycle("first", true));
+    let second = p.route(&request("second", &longer), &cfg);
+    assert_eq!((chosen(&second), second.overlap_blocks), (home, 64), "follows the first before any event");
+    let mut config = pool(3).config;
+    config.inflight_credit_secs = 0;
+    let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
+    p.route(&request("first", &prompt), &cfg);
+    assert!(p.lifecycle("first", true));
+    assert_eq!(p.route(&request("second", &longer), &cfg).overlap_blocks, 0, "no credit without events");
+}
+
+#[test]
+fn membership_changes_under_traffic_do_not_deadlock() {
+    let p = Arc::new(pool(4));
+    let all = p.config.replicas.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for w in 0..3u32 {
+        let (p, tx) = (p.clone(), tx.clone());
+        std::thread::spawn(move || {
+            for i in 0..1500u32 {
+                let id = format!("w{w}-{i}");
+                p.route(&request(&id, &[i % 50; 8]), &ScoringConfig::default());
+                p.lifecycle(&id, true);
+                p.lifecycle(&id, false);
+                if i % 100 == 0 {
+                    p.expire(Duration::from_secs(300));
+                    p.state();
+                    p.observe_engine(0, 3);
+                }
+            }
+            tx.send(()).unwrap();
+        });
+    }
+    let changer = p.clone();
+    std::thread::spawn(move || {
+        for k in 0..600 {
+            changer.set_members(&all[..2 + k % 3]);
+        }
+        tx.send(()).unwrap();
+    });
+    for _ in 0..4 {
+        rx.recv_timeout(Duration::from_secs(60)).expect("routing and membership changes deadlocked");
+    }
+}
