@@ -28,7 +28,10 @@ use proxy_wasm::types::{Action, BufferType, MapType};
 
 use crate::host;
 use crate::metrics::Outcome;
-use crate::plan::{booking_id, offload, plan, routable, streamed_tokens, with_token_prompt, HeaderHints, Skip};
+use crate::plan::{
+    booking_id, engine_usage, offload, plan, routable, streamed_tokens, with_token_prompt, HeaderHints, Skip,
+    USAGE_TAIL_BYTES,
+};
 use crate::shared::Shared;
 
 /// What the filter did with a request, for debug headers and lifecycle reports.
@@ -63,6 +66,8 @@ pub struct RequestContext {
     first_token_reported: bool,
     /// Decode progress: output tokens streamed so far, and the pool's block size.
     output_tokens: u32,
+    /// The response's last bytes, where the engine's `usage` is.
+    tail: Vec<u8>,
     block_size: u32,
     body_done_at: Option<Instant>,
     decision: Decision,
@@ -79,6 +84,7 @@ impl RequestContext {
             booked: None,
             first_token_reported: false,
             output_tokens: 0,
+            tail: Vec::new(),
             block_size: 0,
             body_done_at: None,
             decision: Decision::default(),
@@ -98,6 +104,17 @@ impl RequestContext {
                 log::warn!("kvgate: lifecycle report lost: {status:?}");
             }
         }
+    }
+
+    /// Keeps the last [`USAGE_TAIL_BYTES`] of the response, reading only that much of a chunk.
+    fn keep_tail(&mut self, chunk_size: usize) {
+        let take = chunk_size.min(USAGE_TAIL_BYTES);
+        let Ok(Some(end)) = hostcalls::get_buffer(BufferType::HttpResponseBody, chunk_size - take, take) else {
+            return;
+        };
+        self.tail.extend_from_slice(&end);
+        let excess = self.tail.len().saturating_sub(USAGE_TAIL_BYTES);
+        self.tail.drain(..excess);
     }
 
     /// Resumes the paused request, routed or not.
@@ -351,6 +368,9 @@ impl HttpContext for RequestContext {
 
     fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
         let booked = self.booked.is_some();
+        if booked && body_size > 0 {
+            self.keep_tail(body_size);
+        }
         if booked && !self.first_token_reported && body_size > 0 {
             self.first_token_reported = true;
             self.report(LifecycleKind::FirstToken);
@@ -368,6 +388,9 @@ impl HttpContext for RequestContext {
     }
 
     fn on_log(&mut self) {
+        if let Some((prompt_tokens, cached_tokens)) = engine_usage(&self.tail) {
+            self.report(LifecycleKind::Usage { prompt_tokens, cached_tokens });
+        }
         self.report(LifecycleKind::Done);
     }
 }

@@ -187,6 +187,38 @@ pub fn streamed_tokens(chunk: &[u8]) -> u32 {
     n
 }
 
+/// How much of a response's end the filter keeps to find the engine's `usage` in.
+pub const USAGE_TAIL_BYTES: usize = 4096;
+
+/// The engine's `usage` (`prompt_tokens`, and `prompt_tokens_details.cached_tokens` if
+/// reported) from the end of a response: the JSON body, or a stream's last events (a stream
+/// carries usage when the client asked for `stream_options.include_usage`). `None` if the
+/// tail holds no usage.
+///
+/// ```
+/// let tail = br#"data: {"choices":[],"usage":{"prompt_tokens":1215,"total_tokens":1217,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":1200}}}
+///
+/// data: [DONE]"#;
+/// assert_eq!(kvgate_filter::plan::engine_usage(tail), Some((1215, Some(1200))));
+/// assert_eq!(kvgate_filter::plan::engine_usage(br#"{"usage":{"prompt_tokens":7}}"#), Some((7, None)));
+/// assert_eq!(kvgate_filter::plan::engine_usage(b"data: [DONE]"), None);
+/// ```
+pub fn engine_usage(tail: &[u8]) -> Option<(u32, Option<u32>)> {
+    let at = find_last(tail, b"\"usage\"")?;
+    let usage = &tail[at..];
+    let number_after = |key: &[u8]| -> Option<u32> {
+        let from = find_last(usage, key)? + key.len();
+        let rest = usage[from..].trim_ascii_start().strip_prefix(b":")?.trim_ascii_start();
+        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+        std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+    };
+    Some((number_after(b"\"prompt_tokens\"")?, number_after(b"\"cached_tokens\"")))
+}
+
+fn find_last(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).rposition(|w| w == needle)
+}
+
 /// Token forwarding: `body` with its `prompt` replaced by token ids (vLLM accepts token-id
 /// prompts and does not tokenize them again). `None` if the body is not a JSON object.
 ///

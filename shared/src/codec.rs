@@ -58,6 +58,7 @@ mod tests {
             client_request_id: None,
             model: "m".into(),
             prompt_tokens: 42,
+            prompt_count: crate::wire::PromptCount::Exact,
             block_hashes: vec![u64::MAX, 0, 7],
             block_size: 16,
             session: Some("s".into()),

@@ -5,7 +5,7 @@
 
 use crate::hash::{prompt_block_hashes, Salt};
 use crate::prompt::openai::ParsedRequest;
-use crate::wire::{RouteRequest, ScoringOverrides};
+use crate::wire::{PromptCount, RouteRequest, ScoringOverrides};
 
 /// What identifies and steers one request, besides its body.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -46,18 +46,20 @@ pub enum PromptTokens<'a> {
 
 /// The route request for `parsed`.
 pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptTokens<'_>) -> RouteRequest {
-    let (prompt_tokens, block_hashes, block_size) = match prompt {
+    let (prompt_tokens, prompt_count, block_hashes, block_size) = match prompt {
         PromptTokens::Tokenized { tokens, total, block_size, salt } => {
             let hashes = prompt_block_hashes(tokens, block_size as usize, salt);
-            (u32::try_from(total).unwrap_or(u32::MAX), hashes, block_size)
+            let count = if total == tokens.len() { PromptCount::Exact } else { PromptCount::Head };
+            (u32::try_from(total).unwrap_or(u32::MAX), count, hashes, block_size)
         }
-        PromptTokens::Estimated { tokens, block_size } => (tokens, Vec::new(), block_size),
+        PromptTokens::Estimated { tokens, block_size } => (tokens, PromptCount::Estimated, Vec::new(), block_size),
     };
     RouteRequest {
         request_id: keys.request_id.clone(),
         client_request_id: keys.client_request_id.clone(),
         model: parsed.model.clone(),
         prompt_tokens,
+        prompt_count,
         block_hashes,
         block_size,
         session: keys.session.clone().or_else(|| parsed.session.clone()),
@@ -78,9 +80,11 @@ mod tests {
         let prompt = PromptTokens::Tokenized { tokens: &[1, 2, 3, 4, 5], total: 9, block_size: 2, salt: Salt::NONE };
         let r = route_request(&parsed, &keys, prompt);
         assert_eq!((r.session.as_deref(), r.max_tokens, r.prompt_tokens), (Some("u"), Some(7), 9));
+        assert_eq!(r.prompt_count, PromptCount::Head, "9 tokens, 5 of them tokenized");
         assert_eq!(r.block_hashes.len(), 2, "full blocks of the tokens known");
         let keys = RequestKeys { session: Some("header".into()), ..keys };
         let r = route_request(&parsed, &keys, PromptTokens::Estimated { tokens: 40, block_size: 0 });
         assert_eq!((r.session.as_deref(), r.prompt_tokens, r.block_hashes.len()), (Some("header"), 40, 0));
+        assert_eq!(r.prompt_count, PromptCount::Estimated);
     }
 }

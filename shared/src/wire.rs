@@ -58,6 +58,8 @@ pub struct RouteRequest {
     /// Number of prompt tokens (ISL). When the prompt could not be tokenized this is an
     /// estimate and `block_hashes` is empty: the sidecar then routes on load alone.
     pub prompt_tokens: u32,
+    /// How `prompt_tokens` was arrived at.
+    pub prompt_count: PromptCount,
     /// Sequence hashes ([`crate::hash::prompt_block_hashes`]) of the prompt's full blocks.
     pub block_hashes: Vec<u64>,
     /// The block size the hashes were computed with. The sidecar ignores hashes whose block
@@ -72,6 +74,19 @@ pub struct RouteRequest {
     /// The request's `max_tokens` (or `max_completion_tokens`): with decode progress, a
     /// request's decode load is weighted by `1 − output/max_tokens`.
     pub max_tokens: Option<u32>,
+}
+
+/// How a [`RouteRequest`]'s `prompt_tokens` was arrived at: what its prediction of the
+/// engine's `usage` can be checked against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PromptCount {
+    /// Tokenized whole: the count the engine should report.
+    Exact,
+    /// Only the prompt's head was tokenized (`max_tokenize_bytes`): the hashes are exact, the
+    /// count extrapolated.
+    Head,
+    /// Not tokenized: an estimate from the body's size, no hashes.
+    Estimated,
 }
 
 /// Asks the sidecar to route a request the filter hands over whole: a prompt too big to
@@ -143,6 +158,15 @@ pub enum LifecycleKind {
     /// Decode progress (the filter's `decode_progress`): output tokens streamed so far,
     /// reported each time the sequence crosses a KV block boundary.
     Progress(u32),
+    /// What the engine reported in the response's `usage`, sent before [`LifecycleKind::Done`]
+    /// when the response carried it: checked against the sidecar's prediction.
+    Usage {
+        /// `usage.prompt_tokens`.
+        prompt_tokens: u32,
+        /// `usage.prompt_tokens_details.cached_tokens` (vLLM's
+        /// `--enable-prompt-tokens-details`); `None` when the engine reported no details.
+        cached_tokens: Option<u32>,
+    },
 }
 
 /// One lifecycle report.

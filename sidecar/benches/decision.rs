@@ -65,6 +65,7 @@ fn bench(c: &mut Criterion) {
                 client_request_id: None,
                 model: "m".into(),
                 prompt_tokens: prompt_tokens as u32,
+                prompt_count: kvgate_shared::wire::PromptCount::Exact,
                 block_hashes: prompt_block_hashes(&t, BS, Salt::NONE),
                 block_size: BS as u32,
                 session: None,

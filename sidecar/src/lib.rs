@@ -3,9 +3,10 @@
 //!
 //! | module | responsibility |
 //! |---|---|
+//! | [`accuracy`] | each prediction checked against the engine's `usage`, and the alarm |
 //! | [`config`] | the TOML file + `KVGATE_*` environment, validated |
 //! | [`discovery`] | each pool's replicas at run time: file reload, DNS, the local Envoy |
-//! | [`events`] | ZMQ subscription and vLLM KV-event decoding |
+//! | [`events`] | KV events: decoding, ingestion, the ZMQ transport, the pool's applier |
 //! | [`index`] | which replica holds which prefix blocks |
 //! | [`load`] | per-replica token load from route decisions and lifecycle reports |
 //! | [`score`] | Dynamo's cost function and the argmin |
@@ -15,6 +16,7 @@
 //! | [`sync`] | bookings shared with the other gateways' sidecars |
 //! | [`tools`] | operator CLI tools (`events decode`, `events tap`) |
 
+pub mod accuracy;
 pub mod api;
 pub mod config;
 pub mod discovery;

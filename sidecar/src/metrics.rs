@@ -93,6 +93,31 @@ pub struct Metrics {
     pub replicas: Family<DiscoveryLabels, Gauge>,
     /// Discovery refreshes that failed (the last membership was kept).
     pub discovery_errors: Family<DiscoveryLabels, Counter>,
+    /// Predicted minus engine-reported cached prompt tokens, per chosen replica.
+    pub prediction_error: Family<ReplicaLabels, Histogram, fn() -> Histogram>,
+    /// Predictions checked against the engine, per replica (`reason`: exact, over, under).
+    pub predictions: Family<ReasonLabels, Counter>,
+    /// Exactly counted prompts whose token count the engine reported differently.
+    pub prompt_token_mismatches: Family<ReplicaLabels, Counter>,
+    /// 1 while a pool's predictions keep missing what its engines report.
+    pub prediction_alarm: Family<PoolLabels, Gauge>,
+}
+
+/// Labels naming a pool.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// The pool's model.
+    pub model: String,
+}
+
+/// Buckets of the prediction error, in tokens: symmetric around the exact 0.
+fn prediction_error_histogram() -> Histogram {
+    let up = [1.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0];
+    let mut bounds: Vec<f64> = up.iter().rev().map(|b| -b - 0.5).collect();
+    bounds.push(-0.5);
+    bounds.push(0.5);
+    bounds.extend(up.iter().map(|b| b - 0.5 + 1.0));
+    Histogram::new(bounds)
 }
 
 impl Default for Metrics {
@@ -116,6 +141,31 @@ impl Default for Metrics {
         let lifecycle_events = Family::default();
         let replicas = Family::default();
         let discovery_errors = Family::default();
+        let prediction_error: Family<ReplicaLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(prediction_error_histogram);
+        let predictions = Family::default();
+        let prompt_token_mismatches = Family::default();
+        let prediction_alarm = Family::default();
+        registry.register(
+            "prediction_error_tokens",
+            "Predicted minus engine-reported cached prompt tokens (usage.prompt_tokens_details), per chosen replica",
+            prediction_error.clone(),
+        );
+        registry.register(
+            "predictions",
+            "Cache predictions checked against the engine's usage (reason: exact, over, under)",
+            predictions.clone(),
+        );
+        registry.register(
+            "prompt_token_mismatches",
+            "Prompts tokenized whole whose token count the engine reported differently (template or tokenizer drift)",
+            prompt_token_mismatches.clone(),
+        );
+        registry.register(
+            "prediction_alarm",
+            "1 while a pool's cache predictions keep missing what its engines report",
+            prediction_alarm.clone(),
+        );
         registry.register("replicas", "Active replicas per pool", replicas.clone());
         registry.register(
             "discovery_errors",
@@ -182,6 +232,10 @@ impl Default for Metrics {
             lifecycle_events,
             replicas,
             discovery_errors,
+            prediction_error,
+            predictions,
+            prompt_token_mismatches,
+            prediction_alarm,
         }
     }
 }

@@ -50,6 +50,7 @@ fn route_request(model: &str, id: &str, client_id: &str) -> RouteRequest {
         client_request_id: Some(client_id.into()),
         model: model.into(),
         prompt_tokens: 64,
+        prompt_count: kvgate_shared::wire::PromptCount::Exact,
         block_hashes: (0..16).collect(),
         block_size: 4,
         session: None,

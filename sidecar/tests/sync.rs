@@ -35,6 +35,7 @@ fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
         client_request_id: None,
         model: "m".into(),
         prompt_tokens: 64,
+        prompt_count: kvgate_shared::wire::PromptCount::Exact,
         block_hashes: prompt_block_hashes(&tokens, 4, Salt::NONE),
         block_size: 4,
         session: session.map(str::to_owned),

@@ -36,6 +36,9 @@ pub struct StackOptions {
     pub replicas: usize,
     /// KV block size (engines and pool).
     pub block_size: u32,
+    /// A pool block size other than the engines' (a misconfiguration, for tests of what
+    /// kvgate says about it).
+    pub pool_block_size: Option<u32>,
     /// Routing mode.
     pub routing: Routing,
     /// Filter decision timeout.
@@ -76,6 +79,7 @@ impl Default for StackOptions {
             model: "qwen3".into(),
             replicas: 3,
             block_size: 16,
+            pool_block_size: None,
             routing: Routing::Kvgate,
             route_timeout_ms: 500,
             pool_policy: "kv_aware".into(),
@@ -281,7 +285,7 @@ impl Stack {
                     opts.scoring_toml,
                     opts.model,
                     artifacts.model_dir.display(),
-                    opts.block_size,
+                    opts.pool_block_size.unwrap_or(opts.block_size),
                     opts.pool_policy,
                     opts.pool_toml
                 );

@@ -212,6 +212,76 @@ fn a_reused_client_request_id_keys_nothing() {
     .unwrap();
 }
 
+/// Mixed traffic: repeated documents, streamed (with usage) and not.
+fn send_repeated_documents(stack: &Stack, documents: u32, rounds: usize) -> usize {
+    let url = stack.gateway("/v1/chat/completions");
+    let mut sent = 0;
+    for round in 0..rounds {
+        for d in 0..documents {
+            let body = chat(&document(60 + d, 300), &format!("question {round}"));
+            let status = if round % 2 == 0 {
+                post(&url, body.to_string(), &[]).unwrap().status
+            } else {
+                stream(&url, body).unwrap().status
+            };
+            assert_eq!(status, 200);
+            sent += 1;
+        }
+    }
+    sent
+}
+
+/// The pool's prediction record in `/debug/state`, once `n` requests have been checked.
+fn predictions_after(stack: &Stack, n: u64) -> Value {
+    wait_for("every prediction checked", Duration::from_secs(20), || {
+        let prediction = stack.sidecar_state().ok()?["pools"][0]["prediction"].clone();
+        (prediction["checked"].as_u64()? >= n).then_some(prediction)
+    })
+    .unwrap()
+}
+
+/// kvgate predicts, for every request, how many prompt tokens the engine will find cached;
+/// the filter reports what the engine said (`usage`) and the sidecar checks. On a correctly
+/// configured pool the predictions are exact.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn cache_predictions_match_what_the_engines_report() {
+    let stack = start("predictions");
+    let sent = send_repeated_documents(&stack, 3, 12);
+    let prediction = predictions_after(&stack, sent as u64);
+    eprintln!("predictions on a correct pool: {prediction}");
+    let exact = prediction["exact"].as_u64().unwrap() as f64 / prediction["checked"].as_u64().unwrap() as f64;
+    assert!(exact >= 0.99, "exact on {:.1} % of {sent} requests: {prediction}", exact * 100.0);
+    assert_eq!(prediction["prompt_mismatches"], 0, "the filter counts prompts as the engine does: {prediction}");
+    assert_eq!(prediction["alarm"], false);
+    let explained = client().get(stack.sidecar_url("/debug/explain?last=1")).send().unwrap().text().unwrap();
+    let explained: Value = serde_json::from_str(&explained).unwrap();
+    let checked = &explained["decisions"][0]["checked"];
+    assert_eq!(checked["check"]["cached_error"], 0, "{explained}");
+    assert!(checked["engine"]["cached_tokens"].as_u64().unwrap() > 0, "a repeated document was cached: {checked}");
+    let metrics = client().get(stack.sidecar_url("/metrics")).send().unwrap().text().unwrap();
+    assert!(metrics.contains("kvgate_predictions_total{"), "exported");
+}
+
+/// A pool configured with another block size than its engines' never gets the cache right;
+/// kvgate says so: the alarm in `/debug/state` and `kvgate_prediction_alarm`.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn a_wrong_block_size_raises_the_prediction_alarm() {
+    let opts = StackOptions { name: "wrong-block-size".into(), pool_block_size: Some(32), ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let sent = send_repeated_documents(&stack, 2, 20);
+    let prediction = predictions_after(&stack, sent as u64);
+    eprintln!("predictions with the wrong block size: {prediction}");
+    assert_eq!(prediction["alarm"], true, "{prediction}");
+    assert!(
+        prediction["under"].as_u64().unwrap() >= 32,
+        "the engines found cached what kvgate could not: {prediction}"
+    );
+    let metrics = client().get(stack.sidecar_url("/metrics")).send().unwrap().text().unwrap();
+    assert!(metrics.contains("kvgate_prediction_alarm{model=\"qwen3\"} 1"), "{metrics}");
+}
+
 /// 5. Malformed JSON passes through untouched and the engine answers 400; other methods,
 ///    paths and content types are not touched at all.
 #[test]

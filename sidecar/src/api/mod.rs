@@ -20,6 +20,7 @@ use kvgate_shared::wire::{
     Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteBodyRequest, RouteRequest, CONTENT_TYPE, MAX_BODY_BYTES,
 };
 
+use crate::accuracy::EngineUsage;
 use crate::metrics::{FallbackLabels, Metrics, ReasonLabels};
 use crate::pool::{OffloadError, Pool};
 use crate::score::ScoringConfig;
@@ -177,6 +178,13 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
             LifecycleKind::FirstToken => ("first_token", pool.is_some_and(|p| p.lifecycle(id, true))),
             LifecycleKind::Done => ("done", pool.is_some_and(|p| p.lifecycle(id, false))),
             LifecycleKind::Progress(n) => ("progress", pool.is_some_and(|p| p.progress(id, n))),
+            LifecycleKind::Usage { prompt_tokens, cached_tokens } => {
+                let usage = EngineUsage {
+                    prompt_tokens: u64::from(prompt_tokens),
+                    cached_tokens: u64::from(cached_tokens.unwrap_or(0)),
+                };
+                ("usage", pool.is_some_and(|p| p.engine_usage(id, usage)))
+            }
         };
         let reason = format!("{kind}/{}", if known { "known" } else { "unknown" });
         let labels = ReasonLabels { model: String::new(), replica: String::new(), reason };

@@ -18,6 +18,7 @@ pub mod engine_metrics;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
 
 /// What a replica is busy with, as the scorer sees it.
@@ -47,6 +48,8 @@ struct Booking {
     output_blocks: u64,
     discounted: u64,
     max_tokens: Option<u64>,
+    /// What the engine should report for it.
+    prediction: Option<Prediction>,
 }
 
 #[derive(Debug, Default)]
@@ -130,6 +133,8 @@ pub struct NewBooking<'a> {
     pub total_blocks: u64,
     /// The request's `max_tokens`, for decode progress.
     pub max_tokens: Option<u64>,
+    /// What the engine should report for it (checked by [`crate::accuracy`]).
+    pub prediction: Option<Prediction>,
 }
 
 impl LoadTable {
@@ -245,9 +250,15 @@ impl LoadTable {
                 output_blocks: 0,
                 discounted: 0,
                 max_tokens: booking.max_tokens,
+                prediction: booking.prediction,
             },
         );
         true
+    }
+
+    /// The replica a request is booked on and what was predicted for it there.
+    pub fn prediction(&self, request_id: &str) -> Option<(ReplicaIdx, Prediction)> {
+        self.bookings.get(request_id).and_then(|b| Some((b.replica, b.prediction?)))
     }
 
     /// Its bookkeeping: bookings held, and ends remembered that came before their booking.
@@ -322,7 +333,14 @@ mod tests {
     use super::*;
 
     fn booking<'a>(id: &'a str, prefill: u64, hashes: &'a [u64], total: u64) -> NewBooking<'a> {
-        NewBooking { request_id: id, prefill_tokens: prefill, hashes, total_blocks: total, max_tokens: None }
+        NewBooking {
+            request_id: id,
+            prefill_tokens: prefill,
+            hashes,
+            total_blocks: total,
+            max_tokens: None,
+            prediction: None,
+        }
     }
 
     #[test]

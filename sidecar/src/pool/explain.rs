@@ -7,6 +7,7 @@ use kvgate_shared::wire::RouteRequest;
 
 use super::route::Scored;
 use super::Pool;
+use crate::accuracy::{Check, EngineUsage};
 use crate::config::Policy;
 use crate::index::{Overlap, ReplicaIdx};
 use crate::metrics::DecisionLabels;
@@ -24,6 +25,19 @@ pub(super) struct Kept {
     chosen: ReplicaIdx,
     /// Every candidate's cost inputs and cost.
     candidates: Vec<Scored>,
+    /// The prediction, once the engine's report has been checked against it.
+    checked: Option<Checked>,
+}
+
+/// A decision's prediction against what the engine reported.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Checked {
+    /// Prompt tokens kvgate predicted the engine would find cached.
+    pub predicted_cached_tokens: u64,
+    /// What the engine reported.
+    pub engine: EngineUsage,
+    /// The comparison.
+    pub check: Check,
 }
 
 /// One candidate's cost terms in a decision.
@@ -60,6 +74,8 @@ pub struct Explanation {
     pub chosen: Option<String>,
     /// Every candidate, in pool order.
     pub candidates: Vec<CandidateTerms>,
+    /// The prediction against the engine's report, once the request has ended.
+    pub checked: Option<Checked>,
 }
 
 impl Pool {
@@ -79,6 +95,7 @@ impl Pool {
                 policy: k.policy,
                 prompt_tokens: k.prompt_tokens,
                 chosen: Some(name(k.chosen)),
+                checked: k.checked,
                 candidates: k
                     .candidates
                     .iter()
@@ -119,11 +136,20 @@ impl Pool {
             prompt_tokens: u64::from(req.prompt_tokens),
             chosen: best,
             candidates,
+            checked: None,
         };
         let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
         if kept.len() == EXPLANATIONS {
             kept.pop_front();
         }
         kept.push_back(explanation);
+    }
+
+    /// Attaches a check to the kept decision of `request_id`, if it is still kept.
+    pub(super) fn checked(&self, request_id: &str, predicted_cached_tokens: u64, engine: EngineUsage, check: Check) {
+        let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = kept.iter_mut().rev().find(|k| k.request_id == request_id) {
+            k.checked = Some(Checked { predicted_cached_tokens, engine, check });
+        }
     }
 }

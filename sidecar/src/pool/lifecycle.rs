@@ -6,11 +6,54 @@
 use std::time::{Duration, Instant};
 
 use super::Pool;
+use crate::accuracy::{AlarmChange, Check, EngineUsage};
 use crate::index::ReplicaIdx;
 use crate::load::{NewBooking, ReplicaLoad};
+use crate::metrics::{PoolLabels, ReasonLabels};
 use crate::sync::event::{Outbox, SyncEvent};
 
 impl Pool {
+    /// Checks what the engine reported for a request (its response's `usage`) against what
+    /// was predicted when it was booked: metrics, `/debug/explain`, the pool's alarm. Returns
+    /// false if the request is not booked here (or nothing was predicted for it).
+    pub fn engine_usage(&self, request_id: &str, usage: EngineUsage) -> bool {
+        let Some((slot, predicted)) = self.load_table().prediction(request_id) else { return false };
+        let check = Check::new(predicted, usage);
+        let labels = self.labels(slot);
+        self.metrics.prediction_error.get_or_create(&labels).observe(check.cached_error as f64);
+        let outcome = ReasonLabels {
+            model: labels.model.clone(),
+            replica: labels.replica.clone(),
+            reason: check.outcome().into(),
+        };
+        self.metrics.predictions.get_or_create(&outcome).inc();
+        if check.prompt_mismatch {
+            self.metrics.prompt_token_mismatches.get_or_create(&labels).inc();
+        }
+        let change = self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).record(check);
+        let pool = PoolLabels { model: self.config.model.clone() };
+        match change {
+            AlarmChange::Raised => {
+                tracing::warn!(
+                    model = %self.config.model,
+                    "kvgate's cache predictions keep missing what the engines report (see /debug/state and \
+                     kvgate_prediction_error_tokens): check that the pool's block_size equals the engines' \
+                     --block-size, that the engines run with prefix caching, and that the chat template and \
+                     tokenizer are the engines' (kvgate_prompt_token_mismatches_total counts prompts they \
+                     count differently)"
+                );
+                self.metrics.prediction_alarm.get_or_create(&pool).set(1);
+            }
+            AlarmChange::Cleared => {
+                tracing::info!(model = %self.config.model, "cache predictions match the engines again");
+                self.metrics.prediction_alarm.get_or_create(&pool).set(0);
+            }
+            AlarmChange::None => {}
+        }
+        self.checked(request_id, predicted.cached_tokens, usage, check);
+        true
+    }
+
     /// Records what an engine reports it is running (see [`crate::load::engine_metrics`]).
     pub fn observe_engine(&self, slot: ReplicaIdx, running: u64) {
         let figures = {
@@ -47,6 +90,7 @@ impl Pool {
                     hashes,
                     total_blocks: *total_blocks,
                     max_tokens: None,
+                    prediction: None,
                 };
                 load.book(slot, booking, Instant::now());
                 Some(slot)

@@ -7,7 +7,8 @@
 //! to slots by number, so a replica that leaves keeps its slot — emptied, inactive, never a
 //! candidate — and gets it back if it returns.
 //!
-//! Locks are taken in one order — members, index, affinity, load table — and a replica's
+//! Locks are taken in one order — members, index, affinity, load table, accuracy,
+//! explanations — and a replica's
 //! metric labels (which read the members) are never looked up while the load table is held,
 //! so a membership change can never deadlock with routing or lifecycle reports. Every lock is
 //! a private field: only this module's files take them.
@@ -27,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 
+use crate::accuracy::Accuracy;
 use crate::config::{Policy, PoolConfig};
 use crate::index::approx::ApproxIndex;
 use crate::index::{ApplyError, KvIndex, Overlap, ReplicaIdx, Store};
@@ -34,7 +36,7 @@ use crate::load::LoadTable;
 use crate::metrics::{Metrics, ReplicaLabels};
 use crate::sync::event::Outbox;
 
-pub use explain::{CandidateTerms, Explanation};
+pub use explain::{CandidateTerms, Checked, Explanation};
 pub use members::{targets, Member, ReplicaHealth};
 pub use offload::OffloadError;
 pub use state::{PoolState, ReplicaState};
@@ -73,6 +75,8 @@ pub struct Pool {
     /// Where this gateway sent which blocks: the `prefix_affinity` policy's overlap, or, for
     /// `kv_aware`, the in-flight credit (`inflight_credit_secs`).
     affinity: Mutex<ApproxIndex>,
+    /// Every prediction checked against what the engine reported, and the alarm.
+    accuracy: Mutex<Accuracy>,
 }
 
 // Locks are only poisoned if a holder panicked; the data is still consistent enough to serve.
@@ -103,6 +107,7 @@ impl Pool {
             explanations: Mutex::new(VecDeque::with_capacity(EXPLANATIONS)),
             next: AtomicUsize::new(0),
             affinity: Mutex::new(affinity),
+            accuracy: Mutex::default(),
             outbox: std::sync::OnceLock::new(),
         }
     }

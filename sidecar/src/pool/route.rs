@@ -4,10 +4,11 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use kvgate_shared::wire::{RouteRequest, RouteResponse};
+use kvgate_shared::wire::{PromptCount, RouteRequest, RouteResponse};
 
 use super::members::NONE;
 use super::{read, Member, Pool};
+use crate::accuracy::Prediction;
 use crate::config::Policy;
 use crate::index::{Overlap, ReplicaIdx};
 use crate::load::{LoadTable, NewBooking};
@@ -43,6 +44,8 @@ struct Shape<'a> {
     /// The prompt's block hashes (none if computed with another block size).
     hashes: &'a [u64],
     prompt_tokens: u64,
+    /// How `prompt_tokens` was counted.
+    prompt_count: PromptCount,
     block_size: u64,
     /// `ceil(prompt_tokens / block_size)`.
     total_blocks: u64,
@@ -109,7 +112,8 @@ impl Pool {
         let block_size = u64::from(self.config.block_size);
         let hashes: &[u64] = if req.block_size == self.config.block_size { &req.block_hashes } else { &[] };
         let prompt_tokens = u64::from(req.prompt_tokens);
-        Shape { hashes, prompt_tokens, block_size, total_blocks: prompt_tokens.div_ceil(block_size) }
+        let (prompt_count, total_blocks) = (req.prompt_count, prompt_tokens.div_ceil(block_size));
+        Shape { hashes, prompt_tokens, prompt_count, block_size, total_blocks }
     }
 
     /// The candidates: active replicas that serve the model (a learned adapter only where it
@@ -242,12 +246,18 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
 /// Books the request on the chosen replica: its prefill left after the overlap, its blocks.
 fn book(load: &mut LoadTable, req: &RouteRequest, shape: &Shape<'_>, scoring: &ScoringConfig, at: Eligible) -> Booked {
     let prefill_tokens = scoring.prefill_tokens(shape.prompt_tokens, shape.block_size, at.overlap);
+    // What the engine should report: a prompt that was not tokenized predicts nothing.
+    let prediction = (shape.prompt_count != PromptCount::Estimated).then(|| {
+        let exact = shape.prompt_count == PromptCount::Exact;
+        Prediction::new(u64::from(at.overlap.device), shape.block_size, shape.prompt_tokens, exact)
+    });
     let booking = NewBooking {
         request_id: &req.request_id,
         prefill_tokens,
         hashes: shape.hashes,
         total_blocks: shape.total_blocks,
         max_tokens: req.max_tokens.map(u64::from),
+        prediction,
     };
     let booked = load.book(at.slot, booking, Instant::now());
     Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked }

@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use super::members::NONE;
 use super::{read, Pool};
+use crate::accuracy::AccuracyTotals;
 use crate::index::Tier;
 
 /// One replica in `/debug/state`.
@@ -59,6 +60,8 @@ pub struct PoolState {
     /// Ends reported before their booking, remembered (at most 4096) so a late booking is not
     /// leaked.
     pub ended_early: usize,
+    /// Cache predictions checked against the engines' reports, and the alarm.
+    pub prediction: AccuracyTotals,
     /// Active replicas, in slot order (the config's first).
     pub replicas: Vec<ReplicaState>,
 }
@@ -98,12 +101,15 @@ impl Pool {
             })
             .collect();
         let (bookings, ended_early) = load.bookkeeping();
+        drop(load);
+        let prediction = self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).totals();
         PoolState {
             model: self.config.model.clone(),
             block_size: self.config.block_size,
             tokenizer_fetches: self.bundles_served.load(Ordering::Relaxed),
             bookings,
             ended_early,
+            prediction,
             replicas,
         }
     }

@@ -36,6 +36,7 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
         client_request_id: None,
         model: "m".into(),
         prompt_tokens: tokens.len() as u32,
+        prompt_count: kvgate_shared::wire::PromptCount::Exact,
         block_hashes: prompt_block_hashes(tokens, 4, Salt::NONE),
         block_size: 4,
         session: None,
@@ -126,7 +127,14 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
         // r0 is a little busy; its cache saves far more than that.
         p.load_table().book(
             0,
-            NewBooking { request_id: "busy", prefill_tokens: 40, hashes: &[], total_blocks: 10, max_tokens: None },
+            NewBooking {
+                request_id: "busy",
+                prefill_tokens: 40,
+                hashes: &[],
+                total_blocks: 10,
+                max_tokens: None,
+                prediction: None,
+            },
             Instant::now(),
         );
         let r = p.route(&request("q", &cached), &ScoringConfig::default());

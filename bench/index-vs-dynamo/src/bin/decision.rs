@@ -59,6 +59,7 @@ fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration
             client_request_id: None,
             model: "m".into(),
             prompt_tokens: prompt.len() as u32,
+            prompt_count: kvgate_shared::wire::PromptCount::Exact,
             block_hashes: prompt_block_hashes(&prompt, BLOCK as usize, Salt::NONE),
             block_size: BLOCK,
             session: None,
