@@ -38,6 +38,10 @@ use crate::shared::Shared;
 #[derive(Debug, Default)]
 struct Decision {
     replica: Option<String>,
+    /// The sidecar's choice, `ip:port`.
+    endpoint: Option<String>,
+    /// Where the request ran, when Envoy sent it elsewhere (a retry, or its fallback balancer).
+    ran_on: Option<String>,
     prompt_tokens: Option<u32>,
     prompt_digest: Option<u64>,
     overlap_blocks: u32,
@@ -103,6 +107,21 @@ impl RequestContext {
             if let Err(status) = hostcalls::enqueue_shared_queue(queue, Some(&bytes)) {
                 log::warn!("kvgate: lifecycle report lost: {status:?}");
             }
+        }
+    }
+
+    /// Reports where a booked request really ran when that is not where the sidecar sent it
+    /// (or the sidecar's answer did not arrive, and Envoy's balancer chose): the sidecar moves
+    /// its booking there.
+    fn check_upstream(&mut self) {
+        if self.booked.is_none() {
+            return;
+        }
+        let upstream = hostcalls::get_property(vec!["upstream", "address"]).ok().flatten();
+        let Some(upstream) = upstream.and_then(|a| String::from_utf8(a).ok()) else { return };
+        if self.decision.endpoint.as_deref() != Some(upstream.as_str()) {
+            self.report(LifecycleKind::RanOn(upstream.clone()));
+            self.decision.ran_on = Some(upstream);
         }
     }
 
@@ -275,6 +294,7 @@ impl RequestContext {
         match host::set_request_header(DESTINATION_HEADER, endpoint) {
             Ok(()) => {
                 self.decision.replica = answer.replica.clone();
+                self.decision.endpoint = answer.endpoint.clone();
                 self.decision.overlap_blocks = answer.overlap_blocks;
                 Outcome::Routed
             }
@@ -342,11 +362,13 @@ impl HttpContext for RequestContext {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.check_upstream();
         if self.endpoint.is_some() && self.shared.borrow().config.debug_headers {
             let d = &self.decision;
             let headers = [
                 ("x-kvgate-routed-to", d.replica.clone().unwrap_or_else(|| "fallback".into())),
                 ("x-kvgate-booking-id", self.hints.request_id.clone()),
+                ("x-kvgate-ran-on", d.ran_on.clone().unwrap_or_default()),
                 ("x-kvgate-prompt-tokens", d.prompt_tokens.map(|n| n.to_string()).unwrap_or_default()),
                 ("x-kvgate-prompt-digest", d.prompt_digest.map(|n| format!("{n:016x}")).unwrap_or_default()),
                 ("x-kvgate-overlap-blocks", d.overlap_blocks.to_string()),

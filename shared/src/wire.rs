@@ -149,7 +149,7 @@ pub struct RouteResponse {
 }
 
 /// A point in a routed request's life, reported by the filter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LifecycleKind {
     /// The first response body byte arrived: prefill is done.
     FirstToken,
@@ -158,6 +158,10 @@ pub enum LifecycleKind {
     /// Decode progress (the filter's `decode_progress`): output tokens streamed so far,
     /// reported each time the sequence crosses a KV block boundary.
     Progress(u32),
+    /// The request ran on another host than the one the sidecar chose (`ip:port`, Envoy's
+    /// `upstream.address`): Envoy retried it elsewhere, or the chosen host was unhealthy and
+    /// the fallback balancer picked. Its booking moves there.
+    RanOn(String),
     /// What the engine reported in the response's `usage`, sent before [`LifecycleKind::Done`]
     /// when the response carried it: checked against the sidecar's prediction.
     Usage {

@@ -174,13 +174,14 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
         let id = &event.request_id;
         // Only the pool of the request's model applies its report.
         let pool = state.pool_for(&event.model);
-        let (kind, known) = match event.kind {
+        let (kind, known) = match &event.kind {
             LifecycleKind::FirstToken => ("first_token", pool.is_some_and(|p| p.lifecycle(id, true))),
             LifecycleKind::Done => ("done", pool.is_some_and(|p| p.lifecycle(id, false))),
-            LifecycleKind::Progress(n) => ("progress", pool.is_some_and(|p| p.progress(id, n))),
+            LifecycleKind::Progress(n) => ("progress", pool.is_some_and(|p| p.progress(id, *n))),
+            LifecycleKind::RanOn(endpoint) => ("ran_on", pool.is_some_and(|p| p.ran_on(id, endpoint))),
             LifecycleKind::Usage { prompt_tokens, cached_tokens } => {
                 let usage = EngineUsage {
-                    prompt_tokens: u64::from(prompt_tokens),
+                    prompt_tokens: u64::from(*prompt_tokens),
                     cached_tokens: u64::from(cached_tokens.unwrap_or(0)),
                 };
                 ("usage", pool.is_some_and(|p| p.engine_usage(id, usage)))

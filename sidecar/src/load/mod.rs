@@ -291,9 +291,46 @@ impl LoadTable {
         false
     }
 
+    /// The request ran on another replica than the one it was booked on (Envoy retried it
+    /// elsewhere, or its host was unhealthy and Envoy's fallback balancer picked): its load
+    /// moves there, as it stands (prefill done or not, decode progress). Its prediction was for
+    /// the first replica and is dropped. Returns the replica it left and the prompt's hashes,
+    /// or `None` if it is not booked or already there.
+    pub fn move_booking(&mut self, request_id: &str, to: ReplicaIdx) -> Option<(ReplicaIdx, Vec<u64>)> {
+        let mut b = self.bookings.remove(request_id)?;
+        let from = b.replica;
+        if from == to {
+            self.bookings.insert(request_id.to_owned(), b);
+            return None;
+        }
+        self.detach(&b);
+        b.replica = to;
+        b.prediction = None;
+        let r = &mut self.replicas[to];
+        if !b.prefill_done {
+            r.prefill_tokens += b.prefill_tokens;
+        }
+        r.requests += 1;
+        r.private_blocks += b.private_blocks;
+        r.output_blocks += b.output_blocks;
+        r.discounted += b.discounted;
+        for h in &b.hashes {
+            *r.shared_blocks.entry(*h).or_default() += 1;
+        }
+        let hashes = b.hashes.clone();
+        self.bookings.insert(request_id.to_owned(), b);
+        Some((from, hashes))
+    }
+
     fn release(&mut self, request_id: &str) -> bool {
         let Some(b) = self.bookings.remove(request_id) else { return false };
         self.blocks_booked -= b.hashes.len() as u64 + b.private_blocks;
+        self.detach(&b);
+        true
+    }
+
+    /// Takes a booking's load off its replica.
+    fn detach(&mut self, b: &Booking) {
         let r = &mut self.replicas[b.replica];
         if !b.prefill_done {
             r.prefill_tokens -= b.prefill_tokens;
@@ -310,7 +347,6 @@ impl LoadTable {
                 }
             }
         }
-        true
     }
 
     /// Releases bookings older than `max_age` (their end was never reported). Returns how many.
@@ -341,6 +377,23 @@ mod tests {
             max_tokens: None,
             prediction: None,
         }
+    }
+
+    #[test]
+    fn a_booking_moves_with_its_request() {
+        let mut t = LoadTable::new(2);
+        let now = Instant::now();
+        let prompt: Vec<u64> = (0..8).collect();
+        assert!(t.book(0, booking("r", 100, &prompt, 10), now));
+        assert!(t.prefill_done("r"));
+        let before = t.load(0);
+        assert_eq!(t.move_booking("r", 1), Some((0, prompt.clone())));
+        assert_eq!(t.load(0), ReplicaLoad::default(), "nothing stays on the replica it left");
+        assert_eq!(t.load(1), before, "it carries its load as it stands (prefill done)");
+        assert_eq!(t.move_booking("r", 1), None, "already there");
+        assert_eq!(t.move_booking("unknown", 0), None);
+        assert!(t.finish("r"));
+        assert_eq!((t.load(0), t.load(1)), (ReplicaLoad::default(), ReplicaLoad::default()));
     }
 
     #[test]

@@ -54,6 +54,26 @@ impl Pool {
         true
     }
 
+    /// The request ran on the replica at `endpoint` (`ip:port`), not where it was booked: its
+    /// booking moves there, and so does the credit for its prefix. Returns false if it is not
+    /// booked here, or was already there, or `endpoint` is no active replica of this pool.
+    pub fn ran_on(&self, request_id: &str, endpoint: &str) -> bool {
+        let to = self.members().iter().position(|m| m.active && m.replica.endpoint.to_string() == endpoint);
+        let Some(to) = to else { return false };
+        let moved = self.load_table().move_booking(request_id, to);
+        let Some((from, hashes)) = moved else { return false };
+        if self.config.policy == crate::config::Policy::PrefixAffinity || self.inflight_credit() {
+            self.affinity_index().record(to, &hashes, Instant::now());
+        }
+        let figures = {
+            let load = self.load_table();
+            (load.load(from), load.load(to))
+        };
+        self.publish_load(from, figures.0);
+        self.publish_load(to, figures.1);
+        true
+    }
+
     /// Records what an engine reports it is running (see [`crate::load::engine_metrics`]).
     pub fn observe_engine(&self, slot: ReplicaIdx, running: u64) {
         let figures = {

@@ -146,7 +146,7 @@ impl Pool {
     }
 
     /// Whether prefixes routed moments ago count as cached where they went.
-    fn inflight_credit(&self) -> bool {
+    pub(super) fn inflight_credit(&self) -> bool {
         self.config.policy == Policy::KvAware && self.config.inflight_credit_secs > 0
     }
 
