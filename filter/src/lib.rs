@@ -11,6 +11,7 @@
 //! | [`config`] | the plugin configuration |
 //! | [`plan`] | body → route request (pure, natively testable) |
 //! | [`fetches`] | when to (re)fetch each model's tokenizer (pure) |
+//! | [`redelivery`] | lifecycle batches to send again, with backoff (pure) |
 //! | [`root`] | tokenizer loading, lifecycle batching (one per VM) |
 //! | [`shared`] | what the root and the HTTP contexts of one VM share |
 //! | [`http`] | the per-request state machine |
@@ -23,6 +24,7 @@ pub mod host;
 pub mod http;
 pub mod metrics;
 pub mod plan;
+pub mod redelivery;
 pub mod root;
 pub mod shared;
 

@@ -13,6 +13,7 @@
 //! | `kvgate.tokenize_us` | histogram | parse + template + tokenize + hash, µs |
 //! | `kvgate.sidecar_us` | histogram | the sidecar round trip, µs |
 //! | `kvgate.segment_cache.hits` / `.misses` | counter | prompt pieces served / tokenized |
+//! | `kvgate.lifecycle.retried` / `.dropped` | counter | lifecycle batches that did not reach the sidecar: kept to send again / given up on |
 //! | `kvgate.tokenizer_missing.<model>` | gauge | 1 while the model's tokenizer cannot be loaded (its requests are routed on load alone); defined on the first failure. `<model>` is the name with every character but `[A-Za-z0-9_-]` replaced by `_` |
 
 use proxy_wasm::hostcalls;
@@ -32,6 +33,8 @@ pub struct FilterMetrics {
     sidecar_us: u32,
     segment_hits: u32,
     segment_misses: u32,
+    lifecycle_retried: u32,
+    lifecycle_dropped: u32,
 }
 
 /// How a request left the filter.
@@ -64,6 +67,8 @@ impl FilterMetrics {
             sidecar_us: histogram("kvgate.sidecar_us")?,
             segment_hits: counter("kvgate.segment_cache.hits")?,
             segment_misses: counter("kvgate.segment_cache.misses")?,
+            lifecycle_retried: counter("kvgate.lifecycle.retried")?,
+            lifecycle_dropped: counter("kvgate.lifecycle.dropped")?,
         })
     }
 
@@ -99,6 +104,11 @@ impl FilterMetrics {
     /// Counts a request whose prompt was forwarded as token ids.
     pub fn forwarded(&self) {
         let _ = hostcalls::increment_metric(self.forwarded, 1);
+    }
+
+    /// Counts a lifecycle batch that did not arrive: kept to send again, or dropped.
+    pub fn lifecycle_failed(&self, dropped: bool) {
+        let _ = hostcalls::increment_metric(if dropped { self.lifecycle_dropped } else { self.lifecycle_retried }, 1);
     }
 
     /// Defines the `kvgate.tokenizer_missing.<model>` gauge.

@@ -12,7 +12,8 @@
 //!   lists are dropped, so their requests pass through again.
 //! - **Lifecycle.** HTTP contexts push reports onto a shared queue; the root drains it when
 //!   Envoy signals the queue and on every tick, and POSTs one batch. (Calls made from a dying
-//!   HTTP context are cancelled by Envoy, so they must not send them themselves.)
+//!   HTTP context are cancelled by Envoy, so they must not send them themselves.) A batch
+//!   that does not arrive is sent again with backoff ([`crate::redelivery`]).
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -34,6 +35,7 @@ use crate::fetches::Fetches;
 use crate::http::RequestContext;
 use crate::metrics::FilterMetrics;
 use crate::plan::LoadedModel;
+use crate::redelivery::Redelivery;
 use crate::shared::{random_tag, Shared};
 
 /// Name of the shared queue carrying encoded [`LifecycleEvent`]s.
@@ -42,7 +44,8 @@ pub const LIFECYCLE_QUEUE: &str = "kvgate_lifecycle";
 enum Call {
     Models,
     Tokenizer(String),
-    Lifecycle,
+    /// A lifecycle batch: its body and how many times it has been sent.
+    Lifecycle(Vec<u8>, u32),
 }
 
 /// The root context.
@@ -50,6 +53,8 @@ pub struct Root {
     shared: Rc<RefCell<Shared>>,
     calls: HashMap<u32, Call>,
     fetches: Fetches,
+    /// Lifecycle batches to send again.
+    redelivery: Redelivery,
     /// When the model list was last applied (`None`: never).
     listed_at: Option<SystemTime>,
     /// The base models of the last list, whose tokenizers the filter loads.
@@ -73,6 +78,7 @@ impl Root {
             })),
             calls: HashMap::new(),
             fetches: Fetches::default(),
+            redelivery: Redelivery::default(),
             listed_at: None,
             base_models: Vec::new(),
             adapters: Vec::new(),
@@ -148,22 +154,31 @@ impl Root {
         }
     }
 
+    /// Sends the queued lifecycle reports as one batch, and the batches due to be sent again.
     fn flush_lifecycle(&mut self) {
-        let (queue, cluster, authority, timeout) = {
-            let s = self.shared.borrow();
-            let Some(q) = s.queue else { return };
-            (q, s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
-        };
+        let Some(queue) = self.shared.borrow().queue else { return };
         let mut batch = LifecycleBatch::default();
         while let Ok(Some(item)) = hostcalls::dequeue_shared_queue(queue) {
             if let Ok(event) = codec::decode::<LifecycleEvent>(&item) {
                 batch.events.push(event);
             }
         }
-        if batch.events.is_empty() {
-            return;
+        if !batch.events.is_empty() {
+            if let Ok(body) = codec::encode(&batch) {
+                self.post_lifecycle(body, 1);
+            }
         }
-        let Ok(body) = codec::encode(&batch) else { return };
+        for again in self.redelivery.due(self.get_current_time()) {
+            self.post_lifecycle(again.body, again.attempts + 1);
+        }
+    }
+
+    /// POSTs one lifecycle batch (its `attempt`-th send); a failure keeps it for later.
+    fn post_lifecycle(&mut self, body: Vec<u8>, attempt: u32) {
+        let (cluster, authority, timeout) = {
+            let s = self.shared.borrow();
+            (s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
+        };
         let headers = vec![
             (":method", "POST"),
             (":path", "/v1/lifecycle"),
@@ -172,9 +187,25 @@ impl Root {
         ];
         match hostcalls::dispatch_http_call(&cluster, headers, Some(&body), vec![], Duration::from_millis(timeout)) {
             Ok(token) => {
-                self.calls.insert(token, Call::Lifecycle);
+                self.calls.insert(token, Call::Lifecycle(body, attempt));
             }
-            Err(status) => log::warn!("kvgate: dropped {} lifecycle reports: {status:?}", batch.events.len()),
+            Err(status) => self.lifecycle_failed(body, attempt, &format!("not dispatched: {status:?}")),
+        }
+    }
+
+    /// A lifecycle batch did not arrive: it is sent again later (see [`crate::redelivery`]).
+    fn lifecycle_failed(&mut self, body: Vec<u8>, attempt: u32, cause: &str) {
+        let retry = Duration::from_millis(self.shared.borrow().config.retry_ms);
+        let kept = self.redelivery.failed(body, attempt, retry, self.get_current_time());
+        if kept {
+            log::debug!("kvgate: lifecycle batch {cause}; sending it again later (send {attempt})");
+        } else {
+            log::warn!(
+                "kvgate: lifecycle batch {cause} after {attempt} sends; dropped (bookings expire on the sidecar)"
+            );
+        }
+        if let Some(m) = &self.shared.borrow().metrics {
+            m.lifecycle_failed(!kept);
         }
     }
 
@@ -262,8 +293,12 @@ impl Context for Root {
                 };
                 self.tokenizer_failed(&model, cause);
             }
-            (Call::Lifecycle, _) if status.as_deref() != Some("204") => {
-                log::warn!("kvgate: lifecycle batch answered {status:?}");
+            (Call::Lifecycle(body, attempt), _) if status.as_deref() != Some("204") => {
+                let cause = match status {
+                    Some(status) => format!("answered {status}"),
+                    None => "was not answered".to_owned(),
+                };
+                self.lifecycle_failed(body, attempt, &cause);
             }
             _ => {}
         }

@@ -325,6 +325,38 @@ fn a_retried_request_is_booked_where_it_ran() {
     .unwrap();
 }
 
+/// Lifecycle reports that cannot reach the sidecar are sent again: streams that end while
+/// the sidecar is down have their reports delivered once it is back, and no booking is left.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn lifecycle_reports_are_delivered_after_a_sidecar_outage() {
+    let mut stack = start("redelivery");
+    let url = stack.gateway("/v1/chat/completions");
+    let open = |seed: u32| {
+        let mut body = chat(&document(seed, 100), "go on");
+        body["max_tokens"] = json!(800);
+        body["stream"] = json!(true);
+        client().post(&url).header("content-type", "application/json").body(body.to_string()).send().unwrap()
+    };
+    let streams = [open(110), open(111)];
+    assert!(streams.iter().all(|r| r.status().as_u16() == 200));
+    stack.kill_sidecar();
+    // They end while the sidecar is down: their reports cannot be delivered now.
+    for s in streams {
+        assert!(s.text().unwrap().contains("[DONE]"), "the engines answer without kvgate");
+    }
+    stack.restart_sidecar().unwrap();
+    let delivered = || -> Option<u64> {
+        let metrics = client().get(stack.sidecar_url("/metrics")).send().ok()?.text().ok()?;
+        let line =
+            metrics.lines().find(|l| l.starts_with("kvgate_lifecycle_events_total{") && l.contains("done/unknown"))?;
+        line.rsplit(' ').next()?.parse().ok()
+    };
+    wait_for("the reports sent during the outage", Duration::from_secs(20), || delivered().filter(|n| *n >= 2))
+        .unwrap();
+    assert_eq!(stack.sidecar_state().unwrap()["pools"][0]["bookings"], 0, "nothing booked is left over");
+}
+
 /// 5. Malformed JSON passes through untouched and the engine answers 400; other methods,
 ///    paths and content types are not touched at all.
 #[test]
