@@ -1,11 +1,18 @@
-//! Header mutations that cannot panic.
+//! The host behind a trait, and header mutations that cannot panic.
 //!
-//! proxy-wasm's own wrappers `panic!` on any status but `Ok`, and a panic kills the VM (every
-//! later request then fails or bypasses the filter). Envoy answers `BadArgument` when headers
-//! can no longer be changed, so these two calls go through our own imports and return the
+//! [`Host`] is everything the per-request state machine asks of Envoy, so the state machine
+//! runs natively against a fake in unit tests; [`Envoy`] is the real one.
+//!
+//! proxy-wasm's own header wrappers `panic!` on any status but `Ok`, and a panic kills the VM
+//! (every later request then fails or bypasses the filter). Envoy answers `BadArgument` when
+//! headers can no longer be changed, so those calls go through our own imports and return the
 //! status instead.
 
-use proxy_wasm::types::MapType;
+use std::time::Duration;
+
+use kvgate_shared::wire::CONTENT_TYPE;
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType};
 
 // The same imports proxy-wasm declares, with the status as a plain u32 so that an unexpected
 // value from the host is data, not undefined behaviour.
@@ -66,4 +73,133 @@ pub fn set_response_header(name: &str, value: &str) -> Result<(), HostStatus> {
             value.len(),
         )
     })
+}
+
+/// Where the filter's counters and histograms go.
+pub trait MetricSink {
+    /// Adds `by` to a counter.
+    fn increment(&self, id: u32, by: i64);
+    /// Records a histogram value, or sets a gauge.
+    fn record(&self, id: u32, value: u64);
+}
+
+/// What the per-request state machine ([`crate::http::RequestContext`]) needs from its host:
+/// Envoy, through proxy-wasm, in production ([`Envoy`]); a fake in native unit tests. Every
+/// call returns what the host said instead of panicking.
+pub trait Host: MetricSink {
+    /// A request header.
+    fn request_header(&self, name: &str) -> Option<String>;
+    /// Sets (replaces) a request header.
+    fn set_request_header(&self, name: &str, value: &str) -> Result<(), HostStatus>;
+    /// Removes a request header (absent is fine).
+    fn remove_request_header(&self, name: &str) -> Result<(), HostStatus>;
+    /// Sets a response header.
+    fn set_response_header(&self, name: &str, value: &str) -> Result<(), HostStatus>;
+    /// The buffered request body, `size` bytes.
+    fn request_body(&self, size: usize) -> Vec<u8>;
+    /// Replaces the first `old_len` bytes of the request body with `body`.
+    fn replace_request_body(&self, old_len: usize, body: &[u8]) -> Result<(), HostStatus>;
+    /// `size` bytes of the current response body chunk, from `start`.
+    fn response_body(&self, start: usize, size: usize) -> Option<Vec<u8>>;
+    /// POSTs `body` to `path` on `cluster`; the answer comes to `on_http_call_response`.
+    fn dispatch(
+        &self,
+        cluster: &str,
+        path: &str,
+        authority: &str,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, HostStatus>;
+    /// The `:status` of the call being answered.
+    fn call_status(&self) -> Option<String>;
+    /// The body of the call being answered.
+    fn call_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// Resumes the paused request.
+    fn resume(&self) -> Result<(), HostStatus>;
+    /// The upstream host the request went to (Envoy's `upstream.address`), once known.
+    fn upstream_address(&self) -> Option<String>;
+    /// Pushes an item onto a shared queue.
+    fn enqueue(&self, queue: u32, item: &[u8]) -> Result<(), HostStatus>;
+}
+
+/// Envoy, through proxy-wasm's host calls.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Envoy;
+
+fn status(s: proxy_wasm::types::Status) -> HostStatus {
+    HostStatus(s as u32)
+}
+
+impl MetricSink for Envoy {
+    fn increment(&self, id: u32, by: i64) {
+        let _ = hostcalls::increment_metric(id, by);
+    }
+
+    fn record(&self, id: u32, value: u64) {
+        let _ = hostcalls::record_metric(id, value);
+    }
+}
+
+impl Host for Envoy {
+    fn request_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+    }
+
+    fn set_request_header(&self, name: &str, value: &str) -> Result<(), HostStatus> {
+        set_request_header(name, value)
+    }
+
+    fn remove_request_header(&self, name: &str) -> Result<(), HostStatus> {
+        remove_request_header(name)
+    }
+
+    fn set_response_header(&self, name: &str, value: &str) -> Result<(), HostStatus> {
+        set_response_header(name, value)
+    }
+
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn replace_request_body(&self, old_len: usize, body: &[u8]) -> Result<(), HostStatus> {
+        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, old_len, body).map_err(status)
+    }
+
+    fn response_body(&self, start: usize, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpResponseBody, start, size).ok().flatten()
+    }
+
+    fn dispatch(
+        &self,
+        cluster: &str,
+        path: &str,
+        authority: &str,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, HostStatus> {
+        let headers =
+            vec![(":method", "POST"), (":path", path), (":authority", authority), ("content-type", CONTENT_TYPE)];
+        hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).map_err(status)
+    }
+
+    fn call_status(&self) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten()
+    }
+
+    fn call_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten()
+    }
+
+    fn resume(&self) -> Result<(), HostStatus> {
+        hostcalls::resume_http_request().map_err(status)
+    }
+
+    fn upstream_address(&self) -> Option<String> {
+        let address = hostcalls::get_property(vec!["upstream", "address"]).ok().flatten()?;
+        String::from_utf8(address).ok()
+    }
+
+    fn enqueue(&self, queue: u32, item: &[u8]) -> Result<(), HostStatus> {
+        hostcalls::enqueue_shared_queue(queue, Some(item)).map_err(status)
+    }
 }

@@ -19,14 +19,12 @@ use std::time::{Duration, Instant};
 use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::wire::{
-    LifecycleEvent, LifecycleKind, RouteResponse, CONTENT_TYPE, DESTINATION_HEADER, DP_RANK_HEADER, OVERRIDES_HEADER,
-    SESSION_HEADER,
+    LifecycleEvent, LifecycleKind, RouteResponse, DESTINATION_HEADER, DP_RANK_HEADER, OVERRIDES_HEADER, SESSION_HEADER,
 };
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::{Action, BufferType, MapType};
+use proxy_wasm::types::Action;
 
-use crate::host;
+use crate::host::{Envoy, Host};
 use crate::metrics::Outcome;
 use crate::plan::{
     booking_id, engine_usage, offload, plan, routable, streamed_tokens, with_token_prompt, HeaderHints, Skip,
@@ -58,8 +56,9 @@ struct Decision {
     forwarded: bool,
 }
 
-/// One HTTP exchange.
-pub struct RequestContext {
+/// One HTTP exchange, against its host (Envoy, or a fake in tests).
+pub struct RequestContext<H: Host = Envoy> {
+    host: H,
     shared: Rc<RefCell<Shared>>,
     context_id: u32,
     endpoint: Option<Endpoint>,
@@ -77,10 +76,18 @@ pub struct RequestContext {
     decision: Decision,
 }
 
-impl RequestContext {
-    /// A context for a new stream.
+impl RequestContext<Envoy> {
+    /// A context for a new stream in Envoy.
     pub fn new(shared: Rc<RefCell<Shared>>, context_id: u32) -> Self {
+        RequestContext::with_host(Envoy, shared, context_id)
+    }
+}
+
+impl<H: Host> RequestContext<H> {
+    /// A context for a new stream on `host`.
+    pub fn with_host(host: H, shared: Rc<RefCell<Shared>>, context_id: u32) -> Self {
         RequestContext {
+            host,
             shared,
             context_id,
             endpoint: None,
@@ -96,7 +103,7 @@ impl RequestContext {
     }
 
     fn request_header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+        self.host.request_header(name)
     }
 
     fn report(&self, kind: LifecycleKind) {
@@ -104,7 +111,7 @@ impl RequestContext {
         let Some(queue) = self.shared.borrow().queue else { return };
         let event = LifecycleEvent { model, request_id: self.hints.request_id.clone(), kind };
         if let Ok(bytes) = codec::encode(&event) {
-            if let Err(status) = hostcalls::enqueue_shared_queue(queue, Some(&bytes)) {
+            if let Err(status) = self.host.enqueue(queue, &bytes) {
                 log::warn!("kvgate: lifecycle report lost: {status:?}");
             }
         }
@@ -117,8 +124,7 @@ impl RequestContext {
         if self.booked.is_none() {
             return;
         }
-        let upstream = hostcalls::get_property(vec!["upstream", "address"]).ok().flatten();
-        let Some(upstream) = upstream.and_then(|a| String::from_utf8(a).ok()) else { return };
+        let Some(upstream) = self.host.upstream_address() else { return };
         if self.decision.endpoint.as_deref() != Some(upstream.as_str()) {
             self.report(LifecycleKind::RanOn(upstream.clone()));
             self.decision.ran_on = Some(upstream);
@@ -128,9 +134,7 @@ impl RequestContext {
     /// Keeps the last [`USAGE_TAIL_BYTES`] of the response, reading only that much of a chunk.
     fn keep_tail(&mut self, chunk_size: usize) {
         let take = chunk_size.min(USAGE_TAIL_BYTES);
-        let Ok(Some(end)) = hostcalls::get_buffer(BufferType::HttpResponseBody, chunk_size - take, take) else {
-            return;
-        };
+        let Some(end) = self.host.response_body(chunk_size - take, take) else { return };
         self.tail.extend_from_slice(&end);
         let excess = self.tail.len().saturating_sub(USAGE_TAIL_BYTES);
         self.tail.drain(..excess);
@@ -138,7 +142,7 @@ impl RequestContext {
 
     /// Resumes the paused request, routed or not.
     fn resume(&self) {
-        if let Err(status) = hostcalls::resume_http_request() {
+        if let Err(status) = self.host.resume() {
             log::warn!("kvgate: resume failed: {status:?}");
         }
     }
@@ -171,7 +175,13 @@ impl RequestContext {
             let after = stats();
             self.decision.segment_hits = after.0 - before.0;
             if let (Ok(p), Some(m)) = (&planned, &shared.metrics) {
-                m.planned(self.decision.plan_micros as u64, p.truncated, after.0 - before.0, after.1 - before.1);
+                m.planned(
+                    &self.host,
+                    self.decision.plan_micros as u64,
+                    p.truncated,
+                    after.0 - before.0,
+                    after.1 - before.1,
+                );
             }
             planned
         };
@@ -196,18 +206,18 @@ impl RequestContext {
     /// valid whatever the sidecar answers, so a failure here just leaves the text.
     fn forward_tokens(&mut self, body: &[u8], ids: &[u32]) {
         let Some(forwarded) = with_token_prompt(body, ids) else { return };
-        if let Err(status) = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body.len(), &forwarded) {
+        if let Err(status) = self.host.replace_request_body(body.len(), &forwarded) {
             log::warn!("kvgate: cannot forward token ids: {status:?}");
             return;
         }
         if self.request_header("content-length").is_some() {
-            if let Err(status) = host::set_request_header("content-length", &forwarded.len().to_string()) {
+            if let Err(status) = self.host.set_request_header("content-length", &forwarded.len().to_string()) {
                 log::warn!("kvgate: cannot update content-length after forwarding tokens: {status:?}");
             }
         }
         self.decision.forwarded = true;
         if let Some(m) = &self.shared.borrow().metrics {
-            m.forwarded();
+            m.forwarded(&self.host);
         }
     }
 
@@ -220,7 +230,7 @@ impl RequestContext {
             Err(Skip::Unroutable(why)) => return self.pass_through(&why),
         };
         if let Some(m) = &self.shared.borrow().metrics {
-            m.offloaded();
+            m.offloaded(&self.host);
         }
         self.decision.offloaded = true;
         self.dispatch("/v1/route_body", &request, timeout).then_some(model)
@@ -229,7 +239,7 @@ impl RequestContext {
     /// Counts a request's outcome (when metrics are on).
     fn count(&self, outcome: Outcome) {
         if let Some(m) = &self.shared.borrow().metrics {
-            m.outcome(outcome);
+            m.outcome(&self.host, outcome);
         }
     }
 
@@ -248,19 +258,13 @@ impl RequestContext {
             return false;
         };
         let shared = self.shared.borrow();
-        let headers = vec![
-            (":method", "POST"),
-            (":path", path),
-            (":authority", shared.config.sidecar_authority.as_str()),
-            ("content-type", CONTENT_TYPE),
-        ];
-        let timeout = Duration::from_millis(timeout_ms);
-        match hostcalls::dispatch_http_call(&shared.config.sidecar_cluster, headers, Some(&encoded), vec![], timeout) {
+        let (cluster, authority) = (&shared.config.sidecar_cluster, &shared.config.sidecar_authority);
+        match self.host.dispatch(cluster, path, authority, &encoded, Duration::from_millis(timeout_ms)) {
             Ok(_) => true,
             Err(status) => {
                 log::warn!("kvgate: sidecar call failed to dispatch: {status:?}");
                 if let Some(m) = &shared.metrics {
-                    m.outcome(Outcome::FallbackError);
+                    m.outcome(&self.host, Outcome::FallbackError);
                 }
                 false
             }
@@ -272,12 +276,12 @@ impl RequestContext {
             log::debug!("kvgate: sidecar timed out; falling back");
             return Outcome::FallbackTimeout;
         }
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten();
+        let status = self.host.call_status();
         if status.as_deref() != Some("200") {
             log::debug!("kvgate: sidecar answered {status:?}; falling back");
             return Outcome::FallbackError;
         }
-        let Some(body) = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten() else {
+        let Some(body) = self.host.call_body(body_size) else {
             return Outcome::FallbackError;
         };
         let Ok(answer) = codec::decode::<RouteResponse>(&body) else {
@@ -286,12 +290,12 @@ impl RequestContext {
         };
         let Some(endpoint) = &answer.endpoint else { return Outcome::FallbackError };
         if let Some(rank) = answer.dp_rank {
-            if let Err(status) = host::set_request_header(DP_RANK_HEADER, &rank.to_string()) {
+            if let Err(status) = self.host.set_request_header(DP_RANK_HEADER, &rank.to_string()) {
                 log::warn!("kvgate: cannot set {DP_RANK_HEADER}: {status:?}");
                 return Outcome::FallbackError;
             }
         }
-        match host::set_request_header(DESTINATION_HEADER, endpoint) {
+        match self.host.set_request_header(DESTINATION_HEADER, endpoint) {
             Ok(()) => {
                 self.decision.replica = answer.replica.clone();
                 self.decision.endpoint = answer.endpoint.clone();
@@ -306,25 +310,25 @@ impl RequestContext {
     }
 }
 
-impl Context for RequestContext {
+impl<H: Host> Context for RequestContext<H> {
     fn on_http_call_response(&mut self, _token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
         let outcome = self.apply_decision(num_headers, body_size);
         if let Some(t) = self.body_done_at {
             self.decision.micros = t.elapsed().as_micros();
         }
         if let Some(m) = &self.shared.borrow().metrics {
-            m.outcome(outcome);
-            m.sidecar(self.decision.micros.saturating_sub(self.decision.plan_micros) as u64);
+            m.outcome(&self.host, outcome);
+            m.sidecar(&self.host, self.decision.micros.saturating_sub(self.decision.plan_micros) as u64);
         }
         self.resume();
     }
 }
 
-impl HttpContext for RequestContext {
+impl<H: Host> HttpContext for RequestContext<H> {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         // Never let a client pick the upstream (host or data-parallel rank), whatever happens next.
         for header in [DESTINATION_HEADER, DP_RANK_HEADER] {
-            if let Err(status) = host::remove_request_header(header) {
+            if let Err(status) = self.host.remove_request_header(header) {
                 log::warn!("kvgate: cannot strip {header}: {status:?}");
             }
         }
@@ -352,7 +356,7 @@ impl HttpContext for RequestContext {
             return Action::Pause;
         }
         self.body_done_at = Some(Instant::now());
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
+        let body = self.host.request_body(body_size);
         self.booked = self.ask_sidecar(endpoint, &body);
         if self.booked.is_some() {
             Action::Pause
@@ -380,7 +384,7 @@ impl HttpContext for RequestContext {
                 ("x-kvgate-forwarded-tokens", d.forwarded.to_string()),
             ];
             for (name, value) in headers {
-                if let Err(status) = host::set_response_header(name, &value) {
+                if let Err(status) = self.host.set_response_header(name, &value) {
                     log::debug!("kvgate: cannot set {name}: {status:?}");
                 }
             }
@@ -398,7 +402,7 @@ impl HttpContext for RequestContext {
             self.report(LifecycleKind::FirstToken);
         }
         if booked && self.block_size > 0 && body_size > 0 && self.shared.borrow().config.decode_progress {
-            let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size).ok().flatten();
+            let chunk = self.host.response_body(0, body_size);
             let before = self.output_tokens;
             self.output_tokens += chunk.as_deref().map_or(0, streamed_tokens);
             // Once per KV block of output.

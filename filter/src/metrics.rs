@@ -17,6 +17,8 @@
 //! | `kvgate.tokenizer_missing.<model>` | gauge | 1 while the model's tokenizer cannot be loaded (its requests are routed on load alone); defined on the first failure. `<model>` is the name with every character but `[A-Za-z0-9_-]` replaced by `_` |
 
 use proxy_wasm::hostcalls;
+
+use crate::host::MetricSink;
 use proxy_wasm::types::MetricType;
 
 /// Metric ids, defined once per VM.
@@ -73,42 +75,42 @@ impl FilterMetrics {
     }
 
     /// Counts a request's outcome.
-    pub fn outcome(&self, outcome: Outcome) {
+    pub fn outcome(&self, sink: &impl MetricSink, outcome: Outcome) {
         let id = match outcome {
             Outcome::Routed => self.routed,
             Outcome::Passthrough => self.passthrough,
             Outcome::FallbackTimeout => self.fallback_timeout,
             Outcome::FallbackError => self.fallback_error,
         };
-        let _ = hostcalls::increment_metric(id, 1);
+        sink.increment(id, 1);
     }
 
     /// Records the planning step.
-    pub fn planned(&self, tokenize_us: u64, truncated: bool, hits: u64, misses: u64) {
-        let _ = hostcalls::record_metric(self.tokenize_us, tokenize_us);
+    pub fn planned(&self, sink: &impl MetricSink, tokenize_us: u64, truncated: bool, hits: u64, misses: u64) {
+        sink.record(self.tokenize_us, tokenize_us);
         if truncated {
-            let _ = hostcalls::increment_metric(self.truncated, 1);
+            sink.increment(self.truncated, 1);
         }
         for (id, n) in [(self.segment_hits, hits), (self.segment_misses, misses)] {
             if n > 0 {
-                let _ = hostcalls::increment_metric(id, n as i64);
+                sink.increment(id, n as i64);
             }
         }
     }
 
     /// Counts a request whose body was handed to the sidecar to tokenize.
-    pub fn offloaded(&self) {
-        let _ = hostcalls::increment_metric(self.offloaded, 1);
+    pub fn offloaded(&self, sink: &impl MetricSink) {
+        sink.increment(self.offloaded, 1);
     }
 
     /// Counts a request whose prompt was forwarded as token ids.
-    pub fn forwarded(&self) {
-        let _ = hostcalls::increment_metric(self.forwarded, 1);
+    pub fn forwarded(&self, sink: &impl MetricSink) {
+        sink.increment(self.forwarded, 1);
     }
 
     /// Counts a lifecycle batch that did not arrive: kept to send again, or dropped.
-    pub fn lifecycle_failed(&self, dropped: bool) {
-        let _ = hostcalls::increment_metric(if dropped { self.lifecycle_dropped } else { self.lifecycle_retried }, 1);
+    pub fn lifecycle_failed(&self, sink: &impl MetricSink, dropped: bool) {
+        sink.increment(if dropped { self.lifecycle_dropped } else { self.lifecycle_retried }, 1);
     }
 
     /// Defines the `kvgate.tokenizer_missing.<model>` gauge.
@@ -119,12 +121,12 @@ impl FilterMetrics {
     }
 
     /// Sets a gauge.
-    pub fn set_gauge(id: u32, value: u64) {
-        let _ = hostcalls::record_metric(id, value);
+    pub fn set_gauge(sink: &impl MetricSink, id: u32, value: u64) {
+        sink.record(id, value);
     }
 
     /// Records the sidecar round trip.
-    pub fn sidecar(&self, micros: u64) {
-        let _ = hostcalls::record_metric(self.sidecar_us, micros);
+    pub fn sidecar(&self, sink: &impl MetricSink, micros: u64) {
+        sink.record(self.sidecar_us, micros);
     }
 }

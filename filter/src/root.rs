@@ -32,6 +32,7 @@ use proxy_wasm::types::{BufferType, ContextType, MapType};
 
 use crate::config::FilterConfig;
 use crate::fetches::Fetches;
+use crate::host::Envoy;
 use crate::http::RequestContext;
 use crate::metrics::FilterMetrics;
 use crate::plan::LoadedModel;
@@ -139,7 +140,7 @@ impl Root {
             };
         }
         if let Some(id) = self.missing_gauges.get(model) {
-            FilterMetrics::set_gauge(*id, u64::from(missing));
+            FilterMetrics::set_gauge(&Envoy, *id, u64::from(missing));
         }
     }
 
@@ -205,7 +206,7 @@ impl Root {
             );
         }
         if let Some(m) = &self.shared.borrow().metrics {
-            m.lifecycle_failed(!kept);
+            m.lifecycle_failed(&Envoy, !kept);
         }
     }
 

@@ -1,0 +1,286 @@
+//! The per-request state machine run natively against a fake host: what it asks the sidecar,
+//! what it does with each kind of answer (routes, or fails open), and what it reports.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::rc::Rc;
+use std::time::Duration;
+
+use kvgate_filter::config::FilterConfig;
+use kvgate_filter::host::{Host, HostStatus, MetricSink};
+use kvgate_filter::http::RequestContext;
+use kvgate_filter::plan::LoadedModel;
+use kvgate_filter::shared::Shared;
+use kvgate_shared::codec;
+use kvgate_shared::hash::Salt;
+use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::wire::{
+    LifecycleEvent, LifecycleKind, ModelBundle, PromptCount, RouteBodyRequest, RouteRequest, RouteResponse,
+    DESTINATION_HEADER,
+};
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::Action;
+
+const BLOCK: u32 = 16;
+const QUEUE: u32 = 7;
+
+/// What the fake Envoy holds and what the filter did to it.
+#[derive(Default)]
+struct State {
+    request_headers: HashMap<String, String>,
+    response_headers: HashMap<String, String>,
+    request_body: Vec<u8>,
+    response_chunk: Vec<u8>,
+    /// (path, body) of each sidecar call.
+    calls: Vec<(String, Vec<u8>)>,
+    dispatch_fails: bool,
+    /// The sidecar's answer: status and body.
+    answer: Option<(String, Vec<u8>)>,
+    resumed: u32,
+    upstream: Option<String>,
+    queued: Vec<LifecycleEvent>,
+}
+
+#[derive(Clone, Default)]
+struct Fake(Rc<RefCell<State>>);
+
+impl MetricSink for Fake {
+    fn increment(&self, _: u32, _: i64) {}
+    fn record(&self, _: u32, _: u64) {}
+}
+
+impl Host for Fake {
+    fn request_header(&self, name: &str) -> Option<String> {
+        self.0.borrow().request_headers.get(name).cloned()
+    }
+    fn set_request_header(&self, name: &str, value: &str) -> Result<(), HostStatus> {
+        self.0.borrow_mut().request_headers.insert(name.into(), value.into());
+        Ok(())
+    }
+    fn remove_request_header(&self, name: &str) -> Result<(), HostStatus> {
+        self.0.borrow_mut().request_headers.remove(name);
+        Ok(())
+    }
+    fn set_response_header(&self, name: &str, value: &str) -> Result<(), HostStatus> {
+        self.0.borrow_mut().response_headers.insert(name.into(), value.into());
+        Ok(())
+    }
+    fn request_body(&self, size: usize) -> Vec<u8> {
+        self.0.borrow().request_body[..size].to_vec()
+    }
+    fn replace_request_body(&self, old_len: usize, body: &[u8]) -> Result<(), HostStatus> {
+        self.0.borrow_mut().request_body.splice(..old_len, body.iter().copied());
+        Ok(())
+    }
+    fn response_body(&self, start: usize, size: usize) -> Option<Vec<u8>> {
+        Some(self.0.borrow().response_chunk[start..start + size].to_vec())
+    }
+    fn dispatch(&self, _: &str, path: &str, _: &str, body: &[u8], _: Duration) -> Result<u32, HostStatus> {
+        let mut s = self.0.borrow_mut();
+        if s.dispatch_fails {
+            return Err(HostStatus(2));
+        }
+        s.calls.push((path.into(), body.to_vec()));
+        Ok(s.calls.len() as u32)
+    }
+    fn call_status(&self) -> Option<String> {
+        self.0.borrow().answer.as_ref().map(|a| a.0.clone())
+    }
+    fn call_body(&self, size: usize) -> Option<Vec<u8>> {
+        self.0.borrow().answer.as_ref().map(|a| a.1[..size].to_vec())
+    }
+    fn resume(&self) -> Result<(), HostStatus> {
+        self.0.borrow_mut().resumed += 1;
+        Ok(())
+    }
+    fn upstream_address(&self) -> Option<String> {
+        self.0.borrow().upstream.clone()
+    }
+    fn enqueue(&self, queue: u32, item: &[u8]) -> Result<(), HostStatus> {
+        assert_eq!(queue, QUEUE);
+        self.0.borrow_mut().queued.push(codec::decode(item).unwrap());
+        Ok(())
+    }
+}
+
+fn shared(config: FilterConfig) -> Rc<RefCell<Shared>> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3-0.6b");
+    let bundle = ModelBundle::from_dir("Qwen/Qwen3-0.6B", &dir, BLOCK).unwrap();
+    let tokenizer = Rc::new(ModelTokenizer::from_bundle(&bundle).unwrap());
+    let model = LoadedModel { tokenizer, block_size: BLOCK, salt: Salt::NONE };
+    Rc::new(RefCell::new(Shared {
+        config,
+        models: HashMap::from([("Qwen/Qwen3-0.6B".to_owned(), model)]),
+        listed: Some(HashSet::from(["Qwen/Qwen3-0.6B".to_owned()])),
+        queue: Some(QUEUE),
+        metrics: None,
+        vm_tag: 0xfeed,
+    }))
+}
+
+/// A context on a fake host with a POST of `body` and the client's headers.
+fn request(body: &str, headers: &[(&str, &str)], config: FilterConfig) -> (RequestContext<Fake>, Fake) {
+    let fake = Fake::default();
+    {
+        let mut s = fake.0.borrow_mut();
+        s.request_headers.extend(
+            [(":method", "POST"), (":path", "/v1/chat/completions"), ("content-type", "application/json")]
+                .iter()
+                .chain(headers)
+                .map(|(k, v)| (k.to_string(), v.to_string())),
+        );
+        s.request_body = body.as_bytes().to_vec();
+    }
+    (RequestContext::with_host(fake.clone(), shared(config), 42), fake)
+}
+
+fn chat(content: &str) -> String {
+    serde_json::json!({"model": "Qwen/Qwen3-0.6B", "messages": [{"role": "user", "content": content}]}).to_string()
+}
+
+/// Runs the request path up to the sidecar's answer (if any is set).
+fn send(ctx: &mut RequestContext<Fake>, fake: &Fake) -> Action {
+    assert_eq!(ctx.on_http_request_headers(4, false), Action::Pause, "a routable request is paused for its body");
+    let size = fake.0.borrow().request_body.len();
+    ctx.on_http_request_body(size, true)
+}
+
+fn answer(fake: &Fake, status: &str, response: &RouteResponse) -> usize {
+    let body = codec::encode(response).unwrap();
+    let size = body.len();
+    fake.0.borrow_mut().answer = Some((status.into(), body));
+    size
+}
+
+fn routed_to(endpoint: &str) -> RouteResponse {
+    RouteResponse { endpoint: Some(endpoint.into()), replica: Some("b".into()), overlap_blocks: 3, dp_rank: None }
+}
+
+/// Runs the response: headers, one body chunk, the end.
+fn respond(ctx: &mut RequestContext<Fake>, fake: &Fake, upstream: &str, chunk: &str) {
+    fake.0.borrow_mut().upstream = Some(upstream.into());
+    fake.0.borrow_mut().response_chunk = chunk.as_bytes().to_vec();
+    ctx.on_http_response_headers(3, false);
+    ctx.on_http_response_body(chunk.len(), true);
+    ctx.on_log();
+}
+
+fn kinds(fake: &Fake) -> Vec<LifecycleKind> {
+    fake.0.borrow().queued.iter().map(|e| e.kind.clone()).collect()
+}
+
+#[test]
+fn a_routed_request_is_booked_under_its_own_key_and_reports_its_life() {
+    let (mut ctx, fake) = request(
+        &chat("hello there, how are you today?"),
+        &[("x-request-id", "client-id"), (DESTINATION_HEADER, "10.0.0.1:1")],
+        FilterConfig::default(),
+    );
+    assert_eq!(send(&mut ctx, &fake), Action::Pause, "waits for the sidecar");
+    assert!(!fake.0.borrow().request_headers.contains_key(DESTINATION_HEADER), "the client's header is stripped");
+    let (path, body) = fake.0.borrow().calls[0].clone();
+    assert_eq!(path, "/v1/route");
+    let sent: RouteRequest = codec::decode(&body).unwrap();
+    assert_eq!(sent.request_id, "000000000000feed-42", "keyed by the filter's own id");
+    assert_eq!(sent.client_request_id.as_deref(), Some("client-id"));
+    assert_eq!((sent.model.as_str(), sent.prompt_count), ("Qwen/Qwen3-0.6B", PromptCount::Exact));
+    let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
+    ctx.on_http_call_response(1, 2, size, 0);
+    let s = fake.0.borrow();
+    assert_eq!(s.request_headers.get(DESTINATION_HEADER).map(String::as_str), Some("127.0.0.1:8001"));
+    assert_eq!(s.resumed, 1);
+    drop(s);
+    let usage = r#"{"choices":[],"usage":{"prompt_tokens":17,"prompt_tokens_details":{"cached_tokens":16}}}"#;
+    respond(&mut ctx, &fake, "127.0.0.1:8001", usage);
+    assert_eq!(
+        kinds(&fake),
+        [
+            LifecycleKind::FirstToken,
+            LifecycleKind::Usage { prompt_tokens: 17, cached_tokens: Some(16) },
+            LifecycleKind::Done
+        ],
+        "ran where it was sent: no move"
+    );
+    assert!(fake.0.borrow().queued.iter().all(|e| e.model == "Qwen/Qwen3-0.6B" && e.request_id == sent.request_id));
+}
+
+#[test]
+fn a_request_that_ran_elsewhere_is_reported_where_it_ran() {
+    let (mut ctx, fake) = request(&chat("hi"), &[], FilterConfig::default());
+    send(&mut ctx, &fake);
+    let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
+    ctx.on_http_call_response(1, 2, size, 0);
+    respond(&mut ctx, &fake, "127.0.0.1:8002", "data: [DONE]\n\n");
+    assert_eq!(kinds(&fake)[0], LifecycleKind::RanOn("127.0.0.1:8002".into()));
+    assert_eq!(kinds(&fake).last(), Some(&LifecycleKind::Done));
+}
+
+#[test]
+fn every_sidecar_failure_fails_open_and_still_releases() {
+    let bad_answers: [(&str, Option<Vec<u8>>, usize); 3] =
+        [("200", Some(b"not bincode".to_vec()), 2), ("503", Some(Vec::new()), 2), ("200", None, 0)];
+    for (status, body, headers) in bad_answers {
+        let (mut ctx, fake) = request(&chat("hi"), &[], FilterConfig::default());
+        send(&mut ctx, &fake);
+        let size = body.as_ref().map_or(0, Vec::len);
+        fake.0.borrow_mut().answer = body.map(|b| (status.to_owned(), b));
+        // No headers at all: the call timed out.
+        ctx.on_http_call_response(1, headers, size, 0);
+        let s = fake.0.borrow();
+        assert!(!s.request_headers.contains_key(DESTINATION_HEADER), "{status}: Envoy's balancer routes");
+        assert_eq!(s.resumed, 1, "{status}: the request goes on");
+        drop(s);
+        respond(&mut ctx, &fake, "127.0.0.1:8003", "{}");
+        assert_eq!(
+            kinds(&fake).last(),
+            Some(&LifecycleKind::Done),
+            "{status}: whatever the sidecar booked is released"
+        );
+    }
+    // A sidecar answer without a replica routes nowhere either.
+    let (mut ctx, fake) = request(&chat("hi"), &[], FilterConfig::default());
+    send(&mut ctx, &fake);
+    let nowhere = RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None };
+    let size = answer(&fake, "200", &nowhere);
+    ctx.on_http_call_response(1, 2, size, 0);
+    assert!(!fake.0.borrow().request_headers.contains_key(DESTINATION_HEADER));
+}
+
+#[test]
+fn a_call_that_cannot_be_dispatched_continues_at_once_and_books_nothing() {
+    let (mut ctx, fake) = request(&chat("hi"), &[], FilterConfig::default());
+    fake.0.borrow_mut().dispatch_fails = true;
+    assert_eq!(send(&mut ctx, &fake), Action::Continue);
+    respond(&mut ctx, &fake, "127.0.0.1:8001", "{}");
+    assert!(kinds(&fake).is_empty(), "nothing was booked, nothing to report");
+}
+
+#[test]
+fn unroutable_requests_pass_through_untouched() {
+    for body in ["{not json", r#"{"model":"someone-else","prompt":"hi"}"#] {
+        let (mut ctx, fake) = request(body, &[], FilterConfig::default());
+        assert_eq!(send(&mut ctx, &fake), Action::Continue, "{body}");
+        assert!(fake.0.borrow().calls.is_empty(), "{body}: the sidecar is not asked");
+        respond(&mut ctx, &fake, "127.0.0.1:8001", "{}");
+        assert!(kinds(&fake).is_empty());
+    }
+    // Other methods and paths are not even buffered.
+    let (mut ctx, fake) = request(&chat("hi"), &[(":method", "GET")], FilterConfig::default());
+    assert_eq!(ctx.on_http_request_headers(3, false), Action::Continue);
+    assert!(fake.0.borrow().calls.is_empty());
+}
+
+#[test]
+fn a_big_body_is_offloaded_with_the_filters_deadline() {
+    let config = FilterConfig { offload_bytes: 64, offload_timeout_ms: 750, ..FilterConfig::default() };
+    let (mut ctx, fake) = request(&chat(&"many words ".repeat(20)), &[], config);
+    assert_eq!(send(&mut ctx, &fake), Action::Pause);
+    let (path, body) = fake.0.borrow().calls[0].clone();
+    assert_eq!(path, "/v1/route_body");
+    let sent: RouteBodyRequest<'static> = codec::decode(&body).unwrap();
+    assert_eq!((sent.budget_ms, sent.chat, sent.body.len()), (750, true, fake.0.borrow().request_body.len()));
+    let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
+    ctx.on_http_call_response(1, 2, size, 0);
+    assert!(fake.0.borrow().request_headers.contains_key(DESTINATION_HEADER));
+}
