@@ -282,6 +282,15 @@ fn a_wrong_block_size_raises_the_prediction_alarm() {
     assert!(metrics.contains("kvgate_prediction_alarm{model=\"qwen3\"} 1"), "{metrics}");
 }
 
+/// A streamed chat of `max_tokens` about document `seed`, its headers read and its body left
+/// to read: a request that stays in flight while the test looks at the sidecar.
+fn open_stream(url: &str, seed: u32, max_tokens: u32) -> reqwest::blocking::Response {
+    let mut body = chat(&document(seed, 100), "go on");
+    body["max_tokens"] = json!(max_tokens);
+    body["stream"] = json!(true);
+    client().post(url).header("content-type", "application/json").body(body.to_string()).send().unwrap()
+}
+
 /// Envoy retries a request that kvgate sent to an engine that just died on another engine:
 /// the booking follows the request, so its load is counted where it runs and nothing stays
 /// booked on the dead host.
@@ -290,12 +299,7 @@ fn a_wrong_block_size_raises_the_prediction_alarm() {
 fn a_retried_request_is_booked_where_it_ran() {
     let mut stack = start("ran-on");
     let url = stack.gateway("/v1/chat/completions");
-    let open = |seed: u32| {
-        let mut body = chat(&document(seed, 100), "go on");
-        body["max_tokens"] = json!(1500);
-        body["stream"] = json!(true);
-        client().post(&url).header("content-type", "application/json").body(body.to_string()).send().unwrap()
-    };
+    let open = |seed: u32| open_stream(&url, seed, 1500);
     let header = |r: &reqwest::blocking::Response, name: &str| {
         r.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned()
     };
@@ -332,12 +336,7 @@ fn a_retried_request_is_booked_where_it_ran() {
 fn lifecycle_reports_are_delivered_after_a_sidecar_outage() {
     let mut stack = start("redelivery");
     let url = stack.gateway("/v1/chat/completions");
-    let open = |seed: u32| {
-        let mut body = chat(&document(seed, 100), "go on");
-        body["max_tokens"] = json!(800);
-        body["stream"] = json!(true);
-        client().post(&url).header("content-type", "application/json").body(body.to_string()).send().unwrap()
-    };
+    let open = |seed: u32| open_stream(&url, seed, 800);
     let streams = [open(110), open(111)];
     assert!(streams.iter().all(|r| r.status().as_u16() == 200));
     stack.kill_sidecar();
