@@ -129,6 +129,11 @@ pub struct PoolConfig {
     /// see no overlap anywhere and spread, duplicating the prefix across engines.
     #[serde(default = "default_inflight_credit")]
     pub inflight_credit_secs: u64,
+    /// A replica that leaves the pool (health checks, outlier ejection, a DNS change) stops
+    /// being routed to at once, but keeps its index and event subscription this long (default
+    /// 30 s): if it comes back within that, it comes back warm. 0 empties it at once.
+    #[serde(default = "default_leave_grace")]
+    pub leave_grace_secs: u64,
     /// Poll each engine's `/metrics` this often and count the requests it runs beyond those
     /// kvgate booked as load (traffic that bypasses kvgate). 0 (default) turns it off.
     #[serde(default)]
@@ -266,6 +271,7 @@ impl PoolConfig {
             affinity_ttl_secs: default_affinity_ttl(),
             affinity_blocks: default_affinity_blocks(),
             inflight_credit_secs: default_inflight_credit(),
+            leave_grace_secs: default_leave_grace(),
             engine_metrics_secs: 0,
             discovery: DiscoveryConfig::default(),
             adapters: Vec::new(),
@@ -401,6 +407,10 @@ fn default_affinity_ttl() -> u64 {
 
 fn default_inflight_credit() -> u64 {
     10
+}
+
+fn default_leave_grace() -> u64 {
+    30
 }
 
 fn default_adapters_poll() -> u64 {

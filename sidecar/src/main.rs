@@ -232,6 +232,7 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
             tick.tick().await;
             for pool in &expiring {
                 pool.check_stalls(stall);
+                pool.retire_departed();
                 let n = pool.expire(expiry);
                 if n > 0 {
                     tracing::warn!(model = %pool.config().model, n, "released bookings whose end was never reported");

@@ -145,6 +145,12 @@ impl Pool {
         kept.push_back(explanation);
     }
 
+    /// Drops the kept decisions that name slot `slot` (it is being given to another replica).
+    pub(super) fn forget_slot(&self, slot: ReplicaIdx) {
+        let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
+        kept.retain(|k| k.chosen != slot && k.candidates.iter().all(|c| c.slot != slot));
+    }
+
     /// Attaches a check to the kept decision of `request_id`, if it is still kept.
     pub(super) fn checked(&self, request_id: &str, predicted_cached_tokens: u64, engine: EngineUsage, check: Check) {
         let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());

@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::{read, Pool};
 use crate::config::{PoolConfig, ReplicaConfig};
@@ -62,8 +63,12 @@ pub struct Member {
     pub replica: ReplicaConfig,
     /// Its data-parallel rank, for engines that have ranks.
     pub rank: Option<u32>,
-    /// In the pool now (false: it left; its slot is empty).
+    /// In the pool now, routable (false: it left).
     pub active: bool,
+    /// When it left, while its grace period runs (`leave_grace_secs`): not routable, but its
+    /// index and event subscription are kept in case it comes back. `None` once its slot is
+    /// emptied (then the slot may be given to a newcomer).
+    pub leaving_since: Option<Instant>,
     /// Its ingestion health.
     pub health: Arc<ReplicaHealth>,
     /// Set to stop its event threads (when it leaves or its endpoints change).
@@ -74,7 +79,15 @@ pub struct Member {
 
 impl Member {
     pub(super) fn new((replica, rank): (ReplicaConfig, Option<u32>)) -> Member {
-        Member { replica, rank, active: true, health: Arc::default(), stop: Arc::default(), adapters: BTreeSet::new() }
+        Member {
+            replica,
+            rank,
+            active: true,
+            leaving_since: None,
+            health: Arc::default(),
+            stop: Arc::default(),
+            adapters: BTreeSet::new(),
+        }
     }
 
     /// Whether it can serve a request for `model` in `pool`: the base model and configured
@@ -129,50 +142,103 @@ impl Pool {
         active.map(|(i, m)| (i, m.replica.clone(), m.stop.clone())).collect()
     }
 
-    /// Makes `replicas` the pool's membership. Unchanged replicas keep everything (index,
-    /// bookings, health). A replica that left has its event threads stopped, its index
-    /// entries and bookings dropped, and is no longer a candidate. A new replica — or one
-    /// whose endpoints changed, which is a new engine as far as its cache goes — starts
-    /// empty. Returns the slots whose event threads must be started, with their config and
-    /// stop flag.
+    /// Makes `replicas` the pool's membership, and returns the slots whose event threads must
+    /// be started, with their config and stop flag.
+    ///
+    /// - An unchanged replica keeps everything (index, bookings, health).
+    /// - A replica that left stops being a candidate at once. For `leave_grace_secs` it keeps
+    ///   its index and event threads: back within that (a health-check flap, an outlier
+    ///   ejection) it is routable again, warm. After that its slot is emptied
+    ///   ([`Pool::retire_departed`]): threads stopped, index and bookings dropped.
+    /// - A new replica — or one whose endpoints changed, which is a new engine as far as its
+    ///   cache goes — starts empty, in an emptied slot if there is one (so pod rollouts do not
+    ///   grow the slots every decision scans), else a new one.
     pub fn set_members(&self, replicas: &[ReplicaConfig]) -> Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)> {
+        self.retire_departed();
         let wanted_targets = targets(replicas);
+        let grace = Duration::from_secs(self.config.leave_grace_secs);
         let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
         let mut start = Vec::new();
         for (i, m) in members.iter_mut().enumerate() {
             let wanted = wanted_targets.iter().find(|(r, _)| r.id == m.replica.id);
-            if m.active && wanted.is_some_and(|(r, rank)| *r == m.replica && *rank == m.rank) {
-                continue;
-            }
-            if m.active {
-                self.retire(i, m);
-            }
-            if let Some(target) = wanted {
-                tracing::info!(model = %self.config.model, replica = %target.0.id, endpoint = %target.0.endpoint, "replica joined");
-                *m = Member::new(target.clone());
-                start.push((i, target.0.clone(), m.stop.clone()));
+            let kept = m.active || m.leaving_since.is_some();
+            match wanted {
+                Some((r, rank)) if m.active && *r == m.replica && *rank == m.rank => {}
+                Some((r, rank)) if m.leaving_since.is_some() && *r == m.replica && *rank == m.rank => {
+                    tracing::info!(model = %self.config.model, replica = %r.id, "replica back within its grace period; its index was kept");
+                    m.leaving_since = None;
+                    m.active = true;
+                }
+                Some(target) => {
+                    if kept {
+                        self.retire(i, m);
+                    }
+                    self.join(i, m, target, &mut start);
+                }
+                None if m.active && !grace.is_zero() => {
+                    tracing::info!(model = %self.config.model, replica = %m.replica.id, grace_secs = grace.as_secs(), "replica left; not routed to, its index kept for the grace period");
+                    m.active = false;
+                    m.leaving_since = Some(Instant::now());
+                }
+                None if kept => self.retire(i, m),
+                None => {}
             }
         }
         for target in wanted_targets {
-            if members.iter().all(|m| m.replica.id != target.0.id) {
-                let i = self.index_mut().add_replica();
-                let j = self.load_table().add_replica();
-                debug_assert_eq!((i, j), (members.len(), members.len()), "slots, index and load stay aligned");
-                tracing::info!(model = %self.config.model, replica = %target.0.id, endpoint = %target.0.endpoint, "replica joined");
-                let m = Member::new(target.clone());
-                start.push((members.len(), target.0, m.stop.clone()));
-                members.push(m);
+            if members.iter().any(|m| m.replica.id == target.0.id) {
+                continue;
             }
+            let free = members.iter().position(|m| !m.active && m.leaving_since.is_none());
+            let slot = match free {
+                Some(slot) => {
+                    // What the decisions kept name by slot would now name the newcomer.
+                    self.forget_slot(slot);
+                    slot
+                }
+                None => {
+                    let i = self.index_mut().add_replica();
+                    let j = self.load_table().add_replica();
+                    debug_assert_eq!((i, j), (members.len(), members.len()), "slots, index and load stay aligned");
+                    members.push(Member::new(target.clone()));
+                    i
+                }
+            };
+            self.join(slot, &mut members[slot], &target, &mut start);
         }
         start
+    }
+
+    /// Puts a new replica in slot `i` (emptied already) and queues its event threads.
+    fn join(
+        &self,
+        i: ReplicaIdx,
+        m: &mut Member,
+        target: &(ReplicaConfig, Option<u32>),
+        start: &mut Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)>,
+    ) {
+        tracing::info!(model = %self.config.model, replica = %target.0.id, endpoint = %target.0.endpoint, slot = i, "replica joined");
+        *m = Member::new(target.clone());
+        start.push((i, target.0.clone(), m.stop.clone()));
+    }
+
+    /// Empties the slots of replicas whose grace period has run out.
+    pub fn retire_departed(&self) {
+        let grace = Duration::from_secs(self.config.leave_grace_secs);
+        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        for (i, m) in members.iter_mut().enumerate() {
+            if m.leaving_since.is_some_and(|since| since.elapsed() >= grace) {
+                self.retire(i, m);
+            }
+        }
     }
 
     /// Takes a replica out: stops its event threads, then (under the index lock, so a
     /// stopped applier cannot write after it) drops its blocks and bookings.
     fn retire(&self, i: ReplicaIdx, m: &mut Member) {
-        tracing::info!(model = %self.config.model, replica = %m.replica.id, "replica left");
+        tracing::info!(model = %self.config.model, replica = %m.replica.id, "replica removed; its slot is emptied");
         m.stop.store(true, Ordering::Relaxed);
         m.active = false;
+        m.leaving_since = None;
         self.index_mut().clear_replica(i);
         self.affinity_index().clear_replica(i);
         let mut load = self.load_table();

@@ -62,6 +62,9 @@ pub struct PoolState {
     pub ended_early: usize,
     /// Cache predictions checked against the engines' reports, and the alarm.
     pub prediction: AccuracyTotals,
+    /// Replicas that left and are in their grace period (`leave_grace_secs`): not routed to,
+    /// their index kept in case they come back.
+    pub leaving: Vec<String>,
     /// Active replicas, in slot order (the config's first).
     pub replicas: Vec<ReplicaState>,
 }
@@ -102,6 +105,7 @@ impl Pool {
             .collect();
         let (bookings, ended_early) = load.bookkeeping();
         drop(load);
+        let leaving = members.iter().filter(|m| m.leaving_since.is_some()).map(|m| m.replica.id.clone()).collect();
         let prediction = self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).totals();
         PoolState {
             model: self.config.model.clone(),
@@ -110,6 +114,7 @@ impl Pool {
             bookings,
             ended_early,
             prediction,
+            leaving,
             replicas,
         }
     }

@@ -203,7 +203,7 @@ fn a_silent_publisher_is_flagged_stalled_and_earns_no_credit() {
 
 #[test]
 fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
-    let p = pool(3);
+    let p = with_grace(pool(3), 0);
     let replicas = p.config.replicas.clone();
     let prompt: Vec<u32> = (0..64).collect();
     for r in 0..3 {
@@ -232,24 +232,88 @@ fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
     let stop_r1 = p.members()[1].stop.clone();
     let start = p.set_members(&[moved.clone(), replicas[2].clone(), newcomer.clone()]);
     let started: Vec<(ReplicaIdx, &str)> = start.iter().map(|(i, r, _)| (*i, r.id.as_str())).collect();
-    assert_eq!(started, [(0, "r0"), (3, "r3")], "a changed replica restarts in its slot; a new one gets a new slot");
+    assert_eq!(
+        started,
+        [(0, "r0"), (1, "r3")],
+        "a changed replica restarts in its slot; a newcomer takes the slot r1 emptied"
+    );
     assert!(stop_r1.load(Ordering::Relaxed), "the leaver's event threads are told to stop");
     let matches = read(&p.index).find_matches(&prompt_block_hashes(&prompt, 4, Salt::NONE));
     let device: Vec<u32> = matches.iter().map(|o| o.device).collect();
-    assert_eq!(device, [0, 0, 16, 0], "r2 keeps its blocks; r0 (new engine) and r1 (gone) are emptied");
+    assert_eq!(device, [0, 0, 16], "r2 keeps its blocks; r0 (new engine) and r3 (in r1's emptied slot) hold none");
     let state: Vec<String> = p.state().replicas.into_iter().map(|r| r.id).collect();
-    assert_eq!(state, ["r0", "r2", "r3"]);
+    assert_eq!(state, ["r0", "r3", "r2"]);
     assert!(!p.lifecycle("held", false), "r1's booking left with it");
     for i in 0..30 {
         let r = p.route(&request(&format!("q{i}"), &[i; 8]), &cfg);
         assert_ne!(r.replica.as_deref(), Some("r1"), "a replica that left is never chosen");
     }
 
-    // r1 comes back: its old slot, empty.
+    // r1 comes back: no slot is free, so a new one, empty.
     let start = p.set_members(&[moved, replicas[1].clone(), replicas[2].clone(), newcomer]);
-    assert_eq!(start.iter().map(|(i, _, _)| *i).collect::<Vec<_>>(), [1]);
-    assert_eq!(p.members().len(), 4, "slots are reused, never multiplied");
+    assert_eq!(start.iter().map(|(i, _, _)| *i).collect::<Vec<_>>(), [3]);
+    assert_eq!(p.members().len(), 4);
     assert_eq!(p.state().replicas.len(), 4);
+}
+
+/// The same pool with another `leave_grace_secs`.
+fn with_grace(p: Pool, secs: u64) -> Pool {
+    let config = PoolConfig { leave_grace_secs: secs, ..p.config.clone() };
+    Pool::new(config, Vec::new(), Arc::new(Metrics::default()))
+}
+
+#[test]
+fn a_replica_that_flaps_comes_back_warm_and_one_that_stays_away_is_emptied() {
+    let p = pool(3);
+    let replicas = p.config.replicas.clone();
+    let prompt: Vec<u32> = (0..64).collect();
+    cache_on(&p, 1, &prompt);
+    let cfg = ScoringConfig::default();
+    // r1 fails its health checks: it leaves.
+    assert!(p.set_members(&[replicas[0].clone(), replicas[2].clone()]).is_empty());
+    for i in 0..10 {
+        let r = p.route(&request(&format!("away{i}"), &prompt), &cfg);
+        assert_ne!(chosen(&r), 1, "not routed to while it is away");
+    }
+    assert!(!p.members()[1].stop.load(Ordering::Relaxed), "its events are still read");
+    // It passes them again within the grace period: back, warm.
+    assert!(p.set_members(&replicas).is_empty(), "nothing to restart");
+    let r = p.route(&request("back", &prompt), &cfg);
+    assert_eq!((chosen(&r), r.overlap_blocks), (1, 16), "its cache counts at once");
+
+    // With no grace, leaving empties it.
+    let p = with_grace(pool(3), 0);
+    cache_on(&p, 1, &prompt);
+    p.set_members(&[replicas[0].clone(), replicas[2].clone()]);
+    assert!(p.members()[1].stop.load(Ordering::Relaxed));
+    let start = p.set_members(&replicas);
+    assert_eq!(start.iter().map(|(i, _, _)| *i).collect::<Vec<_>>(), [1], "back in its emptied slot, cold");
+    assert_eq!(p.route(&request("cold", &prompt), &cfg).overlap_blocks, 0);
+}
+
+#[test]
+fn pod_rollouts_reuse_slots_and_keep_the_index_exact() {
+    let p = with_grace(pool(3), 0);
+    let prompt: Vec<u32> = (0..64).collect();
+    for rollout in 0..200u32 {
+        // Every rollout replaces each pod by a new one at a new address.
+        let pods: Vec<ReplicaConfig> = (0..3u32)
+            .map(|i| {
+                let n = rollout * 3 + i;
+                let endpoint = format!("10.1.{}.{}:8000", n / 250, n % 250 + 1).parse().unwrap();
+                ReplicaConfig::new(&format!("pod-{n}"), endpoint, &format!("tcp://10.1.0.1:{}", 5000 + n))
+            })
+            .collect();
+        let started = p.set_members(&pods);
+        assert_eq!(started.len(), 3, "rollout {rollout}: three new pods");
+        // The new pods cache the prompt; the index holds what they hold, nothing of the old.
+        let holder = (rollout % 3) as usize;
+        cache_on(&p, started[holder].0, &prompt);
+        let matches = read(&p.index).find_matches(&prompt_block_hashes(&prompt, 4, Salt::NONE));
+        let holding: Vec<usize> = (0..matches.len()).filter(|i| matches[*i].device > 0).collect();
+        assert_eq!(holding, [started[holder].0], "rollout {rollout}: only the pod that cached it");
+    }
+    assert!(p.members().len() <= 6, "slots stay bounded: {}", p.members().len());
 }
 
 #[test]
