@@ -7,6 +7,8 @@
 //! - [`prompt`]: the pure request → token ids pipeline (OpenAI body, chat template, tokenizer)
 //!   that the filter, the simulator and the CLI all run, so they can never disagree.
 
+#![forbid(unsafe_code)]
+
 pub mod codec;
 pub mod endpoint;
 pub mod hash;

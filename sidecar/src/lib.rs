@@ -16,6 +16,8 @@
 //! | [`sync`] | bookings shared with the other gateways' sidecars |
 //! | [`tools`] | operator CLI tools (`events decode`, `events tap`) |
 
+#![forbid(unsafe_code)]
+
 pub mod accuracy;
 pub mod api;
 pub mod config;

@@ -5,6 +5,8 @@
 //! kvgate-sidecar --config kvgate.toml
 //! ```
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -18,6 +18,8 @@
 //! | `vllm_hash` | vLLM's block hashes (sha256 over pickle or CBOR) |
 //! | `metrics` | vLLM's Prometheus metrics |
 
+#![forbid(unsafe_code)]
+
 mod api;
 mod engine;
 mod histogram;

@@ -21,6 +21,8 @@
 //! - `cargo xtask install`: only the installation step.
 //! - `cargo xtask build-wasm`: only the filter build.
 
+#![forbid(unsafe_code)]
+
 mod bench;
 mod demo;
 mod e2e_vllm;
