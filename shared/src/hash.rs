@@ -182,6 +182,24 @@ pub fn prompt_block_hashes(tokens: &[u32], block_size: usize, salt: Salt) -> Vec
     sequence_hashes(&local_block_hashes(tokens, block_size, salt))
 }
 
+/// The salt vLLM's `cache_salt` adds to a prompt's first block: the extra key its events
+/// carry there (the index salts stored blocks from those extra keys the same way).
+pub fn cache_salt(salt: &str) -> Salt {
+    Salt::for_extra_keys(&[ExtraKey::Str(salt.to_owned())])
+}
+
+/// [`prompt_block_hashes`] with `first` combined into the first block's salt only (a
+/// [`cache_salt`]): every later block differs through the chain.
+pub fn prompt_block_hashes_first_salted(tokens: &[u32], block_size: usize, salt: Salt, first: Salt) -> Vec<u64> {
+    assert!(block_size > 0, "block_size must be positive");
+    let locals: Vec<u64> = tokens
+        .chunks_exact(block_size)
+        .enumerate()
+        .map(|(i, block)| local_block_hash(block, if i == 0 { salt.combine(first) } else { salt }))
+        .collect();
+    sequence_hashes(&locals)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,7 @@
 //! tokenized there) both call [`route_request`], so the two can never disagree on what is
 //! booked, salted or keyed.
 
-use crate::hash::{prompt_block_hashes, Salt};
+use crate::hash::{cache_salt, prompt_block_hashes_first_salted, Salt};
 use crate::prompt::openai::ParsedRequest;
 use crate::wire::{PromptCount, RouteRequest, ScoringOverrides};
 
@@ -24,7 +24,8 @@ pub struct RequestKeys {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PromptTokens<'a> {
     /// Tokenized: `tokens` (the whole prompt, or its head when `total` is larger), hashed in
-    /// blocks of `block_size` with `salt` (a LoRA adapter's name, or none).
+    /// blocks of `block_size` with `salt` (a LoRA adapter's name, or none) — and the request's
+    /// `cache_salt` on the first block, as vLLM hashes it.
     Tokenized {
         /// The prompt's first tokens (all of them unless truncated).
         tokens: &'a [u32],
@@ -48,7 +49,8 @@ pub enum PromptTokens<'a> {
 pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptTokens<'_>) -> RouteRequest {
     let (prompt_tokens, prompt_count, block_hashes, block_size) = match prompt {
         PromptTokens::Tokenized { tokens, total, block_size, salt } => {
-            let hashes = prompt_block_hashes(tokens, block_size as usize, salt);
+            let first = parsed.cache_salt.as_deref().map_or(Salt::NONE, cache_salt);
+            let hashes = prompt_block_hashes_first_salted(tokens, block_size as usize, salt, first);
             let count = if total == tokens.len() { PromptCount::Exact } else { PromptCount::Head };
             (u32::try_from(total).unwrap_or(u32::MAX), count, hashes, block_size)
         }
@@ -72,6 +74,27 @@ pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptT
 mod tests {
     use super::*;
     use crate::prompt::openai::{parse, Endpoint};
+
+    #[test]
+    fn a_cache_salt_salts_the_first_block_only() {
+        let body = |salt: &str| format!(r#"{{"model":"m","prompt":"hi"{salt}}}"#);
+        let keys = RequestKeys::default();
+        let tokens: Vec<u32> = (0..8).collect();
+        let prompt = PromptTokens::Tokenized { tokens: &tokens, total: 8, block_size: 4, salt: Salt::NONE };
+        let hashes =
+            |b: &str| route_request(&parse(Endpoint::Completions, b.as_bytes()).unwrap(), &keys, prompt).block_hashes;
+        let plain = hashes(&body(""));
+        let salted = hashes(&body(r#","cache_salt":"tenant-a""#));
+        let other = hashes(&body(r#","cache_salt":"tenant-b""#));
+        assert_eq!(plain, crate::hash::prompt_block_hashes(&tokens, 4, Salt::NONE));
+        assert!(salted.iter().zip(&plain).all(|(s, p)| s != p), "every block differs through the chain");
+        assert_ne!(salted, other, "tenants do not share");
+        let first = crate::hash::local_block_hash(&tokens[..4], cache_salt("tenant-a"));
+        assert_eq!(salted[0], first, "the first block is salted as the index salts a stored one");
+        let rest = crate::hash::local_block_hash(&tokens[4..], Salt::NONE);
+        assert_eq!(salted[1], crate::hash::next_sequence_hash(Some(first), rest), "the second is not salted itself");
+        assert!(parse(Endpoint::Completions, body(r#","cache_salt":7"#).as_bytes()).is_err(), "vLLM refuses it too");
+    }
 
     #[test]
     fn the_header_session_wins_and_the_body_fills_in() {

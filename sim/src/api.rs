@@ -28,8 +28,9 @@ use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::engine::{Engine, SubmitError};
+use crate::extra_keys::ExtraKeys;
 use crate::kv_events::Chaos;
-use crate::lora::{Lora, Registry};
+use crate::lora::Registry;
 use crate::scheduler::Emitted;
 
 /// The header naming the replica that served a response.
@@ -129,8 +130,8 @@ impl Refusal {
 struct Admitted {
     request: ParsedRequest,
     tokens: Vec<u32>,
-    /// The adapter its `model` names, if not the base model.
-    lora: Option<Arc<Lora>>,
+    /// The adapter its `model` names (if not the base model) and its `cache_salt`.
+    keys: ExtraKeys,
 }
 
 /// Parses, checks the model (the base model or a loaded adapter) and tokenizes a request the
@@ -153,7 +154,10 @@ fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Ad
     }
     match state.tokenizer.prompt_tokens(&request) {
         Ok(t) if t.is_empty() => Err(Refusal::bad_request("the prompt is empty".into())),
-        Ok(tokens) => Ok(Admitted { request, tokens, lora }),
+        Ok(tokens) => {
+            let keys = ExtraKeys { lora, cache_salt: request.cache_salt.as_deref().map(Arc::from) };
+            Ok(Admitted { request, tokens, keys })
+        }
         Err(e @ (PromptError::Invalid(_) | PromptError::Template(_) | PromptError::NoTemplate)) => {
             Err(Refusal::bad_request(e.to_string()))
         }
@@ -166,7 +170,7 @@ fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Ad
 }
 
 async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Bytes) -> Response {
-    let Admitted { request, tokens, lora } = match prompt_tokens(&state, endpoint, &body) {
+    let Admitted { request, tokens, keys } = match prompt_tokens(&state, endpoint, &body) {
         Ok(r) => r,
         Err(refusal) => return refusal.into_response(&state),
     };
@@ -186,7 +190,7 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
     let mut rng = rand::rngs::StdRng::seed_from_u64(state.seed ^ xxh3_64(&body));
     let output: Vec<u32> = (0..max_tokens).map(|_| rng.random_range(1000..9000)).collect();
     let prompt_len = tokens.len();
-    let mut tokens_rx = match state.engine.submit(rank, tokens, output, lora) {
+    let mut tokens_rx = match state.engine.submit(rank, tokens, output, keys) {
         Ok(rx) => rx,
         Err(e @ SubmitError::TooLong { .. }) => {
             return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string())

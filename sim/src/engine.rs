@@ -14,10 +14,10 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use crate::extra_keys::ExtraKeys;
 use crate::histogram::Histogram;
 use crate::kv_cache::KvCache;
 use crate::kv_events::Publisher;
-use crate::lora::Lora;
 use crate::scheduler::{blocks_needed, Emitted, Limits, Scheduler, SeqId};
 use crate::time_model::StepCost;
 use crate::vllm_hash::VllmHasher;
@@ -93,7 +93,7 @@ enum Command {
     Submit {
         prompt: Vec<u32>,
         output: Vec<u32>,
-        lora: Option<Arc<Lora>>,
+        keys: ExtraKeys,
         arrived: Instant,
         reply: mpsc::UnboundedSender<Emitted>,
     },
@@ -157,7 +157,7 @@ impl Engine {
         rank: &Rank,
         prompt: Vec<u32>,
         output: Vec<u32>,
-        lora: Option<Arc<Lora>>,
+        keys: ExtraKeys,
     ) -> Result<mpsc::UnboundedReceiver<Emitted>, SubmitError> {
         let needed = blocks_needed(prompt.len(), output.len(), self.config.block_size);
         if needed > self.config.num_gpu_blocks {
@@ -165,7 +165,7 @@ impl Engine {
         }
         let (reply, rx) = mpsc::unbounded_channel();
         rank.commands
-            .send(Command::Submit { prompt, output, lora, arrived: Instant::now(), reply })
+            .send(Command::Submit { prompt, output, keys, arrived: Instant::now(), reply })
             .map_err(|_| SubmitError::Stopped)?;
         Ok(rx)
     }
@@ -274,9 +274,9 @@ async fn run(
 
 fn handle(c: Command, scheduler: &mut Scheduler, clients: &mut HashMap<SeqId, Client>, publisher: &Publisher) {
     match c {
-        Command::Submit { prompt, output, lora, arrived, reply } => {
+        Command::Submit { prompt, output, keys, arrived, reply } => {
             // Size was checked by `Engine::submit`; a refusal here just closes the channel.
-            if let Ok(id) = scheduler.add(prompt, output, lora) {
+            if let Ok(id) = scheduler.add(prompt, output, keys) {
                 clients.insert(id, Client { reply, arrived });
             }
         }

@@ -19,12 +19,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroUsize;
-use std::sync::Arc;
 
 use lru::LruCache;
 
+use crate::extra_keys::ExtraKeys;
 use crate::kv_events::{Event, Medium};
-use crate::lora::Lora;
 use crate::vllm_hash::{event_value, Digest, VllmHasher};
 
 #[derive(Debug, Default, Clone)]
@@ -32,7 +31,7 @@ struct Block {
     hash: Option<Digest>,
     parent: Option<Digest>,
     tokens: Vec<u32>,
-    lora: Option<Arc<Lora>>,
+    keys: ExtraKeys,
     refs: u32,
 }
 
@@ -47,8 +46,8 @@ pub struct Allocation {
     pub cached_tokens: usize,
     /// Prompt tokens loaded from the CPU tier at admission (a multiple of the block size).
     pub loaded_tokens: usize,
-    /// The LoRA adapter the request runs under (it salts the blocks' hashes).
-    lora: Option<Arc<Lora>>,
+    /// The request's extra keys (its LoRA adapter, its `cache_salt`): they salt the hashes.
+    keys: ExtraKeys,
 }
 
 impl Allocation {
@@ -99,13 +98,13 @@ impl KvCache {
         self.blocks.len()
     }
 
-    /// Digests of the full blocks of `tokens`, under `lora` if given.
-    fn hashes(&self, tokens: &[u32], lora: Option<&Lora>) -> Vec<Digest> {
+    /// Digests of the full blocks of `tokens`, with the request's extra keys.
+    fn hashes(&self, tokens: &[u32], keys: &ExtraKeys) -> Vec<Digest> {
         let mut parent: Option<Digest> = None;
         tokens
             .chunks_exact(self.block_size)
             .map(|b| {
-                let h = self.hasher.block(parent.as_ref(), b, lora);
+                let h = self.hasher.block(parent.as_ref(), b, keys);
                 parent = Some(h);
                 h
             })
@@ -119,11 +118,11 @@ impl KvCache {
     pub fn allocate(
         &mut self,
         tokens: &[u32],
-        lora: Option<&Arc<Lora>>,
+        keys: &ExtraKeys,
         budget: usize,
         events: &mut Vec<Event>,
     ) -> Result<Allocation, OutOfBlocks> {
-        let hashes = self.hashes(tokens, lora.map(|l| &**l));
+        let hashes = self.hashes(tokens, keys);
         let max_hit_blocks = tokens.len().saturating_sub(1) / self.block_size;
         let hits: Vec<usize> = hashes.iter().take(max_hit_blocks).map_while(|h| self.cached.get(h).copied()).collect();
         let loads = match &self.cpu {
@@ -153,7 +152,7 @@ impl KvCache {
             cached_tokens: hits.len() * self.block_size,
             loaded_tokens: loads * self.block_size,
             blocks: hits,
-            lora: lora.cloned(),
+            keys: keys.clone(),
         };
         for _ in 0..needed {
             let b = self.take_free(events).ok_or(OutOfBlocks)?;
@@ -207,7 +206,7 @@ impl KvCache {
             token_ids: block.tokens,
             block_size: self.block_size as u32,
             medium: Medium::Cpu,
-            lora: block.lora,
+            keys: block.keys,
         };
         if let Some((evicted, ())) = cpu.push(hash, ()) {
             events.push(Event::BlockRemoved { block_hashes: vec![event_value(&evicted)], medium: Medium::Cpu });
@@ -223,7 +222,7 @@ impl KvCache {
         if full <= alloc.committed {
             return;
         }
-        let hashes = self.hashes(&tokens[..full * self.block_size], alloc.lora.as_deref());
+        let hashes = self.hashes(&tokens[..full * self.block_size], &alloc.keys);
         let start = alloc.committed;
         for (i, &h) in hashes.iter().enumerate().skip(start) {
             let b = alloc.blocks[i];
@@ -234,7 +233,7 @@ impl KvCache {
             block.hash = Some(h);
             block.parent = i.checked_sub(1).map(|p| hashes[p]);
             block.tokens = tokens[i * self.block_size..(i + 1) * self.block_size].to_vec();
-            block.lora = alloc.lora.clone();
+            block.keys = alloc.keys.clone();
         }
         events.push(Event::BlockStored {
             block_hashes: hashes[start..].iter().map(event_value).collect(),
@@ -242,7 +241,7 @@ impl KvCache {
             token_ids: tokens[start * self.block_size..full * self.block_size].to_vec(),
             block_size: self.block_size as u32,
             medium: Medium::Gpu,
-            lora: alloc.lora.clone(),
+            keys: alloc.keys.clone(),
         });
         alloc.committed = full;
     }
@@ -297,6 +296,8 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lora::Lora;
+    use std::sync::Arc;
 
     fn hasher() -> VllmHasher {
         VllmHasher::new(crate::vllm_hash::HashAlgo::Sha256, None)
@@ -308,7 +309,7 @@ mod tests {
 
     /// Allocates and computes a whole prompt, as one unchunked prefill.
     fn prefill(c: &mut KvCache, t: &[u32], ev: &mut Vec<Event>) -> Allocation {
-        let mut a = c.allocate(t, None, usize::MAX, ev).unwrap();
+        let mut a = c.allocate(t, &ExtraKeys::default(), usize::MAX, ev).unwrap();
         c.commit(&mut a, t, ev);
         a
     }
@@ -324,7 +325,8 @@ mod tests {
         let lora = Arc::new(Lora { id: 1, name: "sql".into(), path: "/a/sql".into() });
         let mut computed = Vec::new();
         for _ in 0..2 {
-            let mut a = c.allocate(&t, Some(&lora), usize::MAX, &mut ev).unwrap();
+            let mut a =
+                c.allocate(&t, &ExtraKeys { lora: Some(lora.clone()), cache_salt: None }, usize::MAX, &mut ev).unwrap();
             c.commit(&mut a, &t, &mut ev);
             computed.push(a.cached_tokens);
             c.free(a, &mut ev);
@@ -333,7 +335,7 @@ mod tests {
         let stored: Vec<_> = ev
             .iter()
             .filter_map(|e| match e {
-                Event::BlockStored { lora, .. } => Some(lora.as_ref().map(|l| l.name.as_str())),
+                Event::BlockStored { keys, .. } => Some(keys.lora.as_ref().map(|l| l.name.as_str())),
                 _ => None,
             })
             .collect();
@@ -370,7 +372,7 @@ mod tests {
         let mut c = KvCache::new(4, 16, 0, hasher());
         let mut ev = Vec::new();
         let t = toks(20, 1);
-        let mut a = c.allocate(&t, None, 6, &mut ev).unwrap();
+        let mut a = c.allocate(&t, &ExtraKeys::default(), 6, &mut ev).unwrap();
         assert_eq!(a.blocks.len(), 2, "6 tokens need 2 blocks");
         c.commit(&mut a, &t[..6], &mut ev);
         c.ensure(&mut a, 20, &mut ev).unwrap();
@@ -407,7 +409,7 @@ mod tests {
         let t = toks(8, 3);
         let a = prefill(&mut c, &t, &mut ev);
         c.free(a, &mut ev);
-        assert_eq!(c.allocate(&t, None, usize::MAX, &mut ev).unwrap().cached_tokens, 4);
+        assert_eq!(c.allocate(&t, &ExtraKeys::default(), usize::MAX, &mut ev).unwrap().cached_tokens, 4);
     }
 
     #[test]
@@ -419,13 +421,13 @@ mod tests {
         let Event::BlockStored { block_hashes, .. } = ev[0].clone() else { panic!() };
         c.free(a, &mut ev);
         ev.clear();
-        let _b = c.allocate(&toks(4, 9), None, usize::MAX, &mut ev).unwrap();
+        let _b = c.allocate(&toks(4, 9), &ExtraKeys::default(), usize::MAX, &mut ev).unwrap();
         assert_eq!(
             ev,
             vec![Event::BlockRemoved { block_hashes: vec![block_hashes[1]], medium: Medium::Gpu }],
             "child evicted first"
         );
-        assert_eq!(c.allocate(&toks(8, 11), None, usize::MAX, &mut ev).unwrap_err(), OutOfBlocks);
+        assert_eq!(c.allocate(&toks(8, 11), &ExtraKeys::default(), usize::MAX, &mut ev).unwrap_err(), OutOfBlocks);
     }
 
     #[test]
@@ -454,7 +456,7 @@ mod tests {
         c.free(other, &mut ev);
         ev.clear();
         // The first prompt again: its prefix is loaded from CPU, not found on GPU.
-        let a = c.allocate(&t, None, usize::MAX, &mut ev).unwrap();
+        let a = c.allocate(&t, &ExtraKeys::default(), usize::MAX, &mut ev).unwrap();
         assert_eq!((a.cached_tokens, a.loaded_tokens, a.computed_tokens()), (0, 8, 8));
     }
 
@@ -474,7 +476,7 @@ mod tests {
     fn reset_clears_only_when_idle() {
         let mut c = KvCache::new(4, 4, 0, hasher());
         let mut ev = Vec::new();
-        let a = c.allocate(&toks(4, 1), None, usize::MAX, &mut ev).unwrap();
+        let a = c.allocate(&toks(4, 1), &ExtraKeys::default(), usize::MAX, &mut ev).unwrap();
         assert!(!c.reset(&mut ev));
         c.free(a, &mut ev);
         assert!(c.reset(&mut ev));

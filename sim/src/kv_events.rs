@@ -2,12 +2,13 @@
 //! ZMQ PUB socket, the payload `[ts, [event…], dp_rank]` with events as tagged maps.
 
 use std::collections::VecDeque;
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use rand::{Rng, SeedableRng};
 use rmp::encode as mp;
 
+use crate::extra_keys::ExtraKeys;
 use crate::lora::Lora;
 
 /// A KV-cache event, in vLLM's terms.
@@ -25,8 +26,9 @@ pub enum Event {
         block_size: u32,
         /// The tier that now holds them.
         medium: Medium,
-        /// The LoRA adapter they were computed under.
-        lora: Option<Arc<Lora>>,
+        /// The request's extra keys (its LoRA adapter; its `cache_salt`, which vLLM puts in
+        /// the prompt's first block's `extra_keys`).
+        keys: ExtraKeys,
     },
     /// Blocks evicted.
     BlockRemoved {
@@ -84,17 +86,21 @@ fn write_lora_name(buf: &mut Vec<u8>, lora: Option<&Lora>) {
     }
 }
 
-/// vLLM's per-block `extra_keys`: `nil` per block, or `[lora_name]` under an adapter (events
-/// carry the untagged keys).
-fn write_extra_keys(buf: &mut Vec<u8>, blocks: usize, lora: Option<&Lora>) {
+/// vLLM's per-block `extra_keys`, untagged: `nil`, or `[lora_name]` under an adapter, with
+/// the `cache_salt` after it on the prompt's first block (`starts_prompt`: the stored run
+/// begins there).
+fn write_extra_keys(buf: &mut Vec<u8>, blocks: usize, keys: &ExtraKeys, starts_prompt: bool) {
     let _ = mp::write_array_len(buf, blocks as u32);
-    for _ in 0..blocks {
-        match lora {
-            Some(l) => {
-                let _ = mp::write_array_len(buf, 1);
-                write_str(buf, &l.name);
-            }
-            None => drop(mp::write_nil(buf)),
+    for i in 0..blocks {
+        let items: Vec<&str> =
+            keys.lora.iter().map(|l| l.name.as_str()).chain(keys.salt_of(starts_prompt && i == 0)).collect();
+        if items.is_empty() {
+            let _ = mp::write_nil(buf);
+            continue;
+        }
+        let _ = mp::write_array_len(buf, items.len() as u32);
+        for item in items {
+            write_str(buf, item);
         }
     }
 }
@@ -123,7 +129,8 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding)
             continue;
         }
         match event {
-            Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, lora } => {
+            Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, keys } => {
+                let lora = &keys.lora;
                 // msgspec sizes the header by the struct's field count: map16.
                 buf.extend_from_slice(&[0xde, 0x00, 11]);
                 write_str(&mut buf, "type");
@@ -146,7 +153,7 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding)
                 write_str(&mut buf, "lora_name");
                 write_lora_name(&mut buf, lora.as_deref());
                 write_str(&mut buf, "extra_keys");
-                write_extra_keys(&mut buf, block_hashes.len(), lora.as_deref());
+                write_extra_keys(&mut buf, block_hashes.len(), keys, parent_block_hash.is_none());
                 write_str(&mut buf, "group_idx");
                 let _ = mp::write_uint(&mut buf, 0);
                 write_str(&mut buf, "kv_cache_spec_kind");
@@ -177,7 +184,8 @@ pub fn encode_batch(ts: f64, events: &[Event], dp_rank: u32, encoding: Encoding)
 /// vLLM 0.22's positional events: `BlockStored` has 12 elements, `BlockRemoved` 4.
 fn encode_positional(buf: &mut Vec<u8>, event: &Event) {
     match event {
-        Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, lora } => {
+        Event::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, keys } => {
+            let lora = &keys.lora;
             let _ = mp::write_array_len(buf, 12);
             write_str(buf, "BlockStored");
             write_u64s(buf, block_hashes.iter().copied());
@@ -190,7 +198,7 @@ fn encode_positional(buf: &mut Vec<u8>, event: &Event) {
             write_lora_id(buf, lora.as_deref());
             write_str(buf, medium.as_str());
             write_lora_name(buf, lora.as_deref());
-            write_extra_keys(buf, block_hashes.len(), lora.as_deref());
+            write_extra_keys(buf, block_hashes.len(), keys, parent_block_hash.is_none());
             let _ = mp::write_uint(buf, 0); // group_idx
             write_str(buf, "full_attention");
             let _ = mp::write_nil(buf); // kv_cache_spec_sliding_window
@@ -413,6 +421,7 @@ impl PublisherState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn hex(s: &str) -> Vec<u8> {
         let s = s.trim();
@@ -429,7 +438,7 @@ mod tests {
                 token_ids: (1..=8).collect(),
                 block_size: 4,
                 medium: Medium::Gpu,
-                lora: None,
+                keys: ExtraKeys::default(),
             },
             Event::BlockRemoved { block_hashes: vec![9561501211280363793], medium: Medium::Gpu },
             Event::AllBlocksCleared,
@@ -451,7 +460,7 @@ mod tests {
             token_ids: (1..=8).collect(),
             block_size: 4,
             medium: Medium::Gpu,
-            lora: Some(lora),
+            keys: ExtraKeys { lora: Some(lora), cache_salt: None },
         };
         for encoding in [Encoding::Map, Encoding::LegacyArray] {
             let bytes = encode_batch(1.0, std::slice::from_ref(&stored), 0, encoding);

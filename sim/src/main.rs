@@ -22,6 +22,7 @@
 
 mod api;
 mod engine;
+mod extra_keys;
 mod histogram;
 mod kv_cache;
 mod kv_events;

@@ -15,11 +15,10 @@
 //! clock, no I/O, so tests drive it step by step.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 
+use crate::extra_keys::ExtraKeys;
 use crate::kv_cache::{Allocation, KvCache};
 use crate::kv_events::Event;
-use crate::lora::Lora;
 use crate::time_model::{StepCost, StepWork};
 
 /// Batch limits, as vLLM's flags of the same names.
@@ -98,7 +97,8 @@ struct Seq {
     prompt_len: usize,
     alloc: Option<Allocation>,
     cached_tokens: Option<usize>,
-    lora: Option<Arc<Lora>>,
+    /// Its LoRA adapter and `cache_salt`.
+    keys: ExtraKeys,
 }
 
 /// KV blocks a request holds at its longest: the prompt plus every output token but the last
@@ -133,8 +133,9 @@ impl Scheduler {
         }
     }
 
-    /// Queues a request that will produce `output` (at least one token), under `lora` if given.
-    pub fn add(&mut self, prompt: Vec<u32>, output: Vec<u32>, lora: Option<Arc<Lora>>) -> Result<SeqId, TooLong> {
+    /// Queues a request that will produce `output` (at least one token), with its extra keys
+    /// (LoRA adapter, `cache_salt`).
+    pub fn add(&mut self, prompt: Vec<u32>, output: Vec<u32>, keys: ExtraKeys) -> Result<SeqId, TooLong> {
         debug_assert!(!prompt.is_empty() && !output.is_empty());
         let needed = blocks_needed(prompt.len(), output.len(), self.cache.block_size());
         if needed > self.cache.num_blocks() {
@@ -152,7 +153,7 @@ impl Scheduler {
             scheduled: 0,
             alloc: None,
             cached_tokens: None,
-            lora,
+            keys,
         });
         Ok(id)
     }
@@ -276,7 +277,7 @@ impl Scheduler {
     fn schedule_waiting(&mut self, budget: &mut usize, out: &mut StepOutcome) {
         while *budget > 0 && self.running.len() < self.limits.max_num_seqs {
             let Some(seq) = self.waiting.front_mut() else { break };
-            let Ok(mut alloc) = self.cache.allocate(&seq.tokens, seq.lora.as_ref(), *budget, &mut out.events) else {
+            let Ok(mut alloc) = self.cache.allocate(&seq.tokens, &seq.keys, *budget, &mut out.events) else {
                 break;
             };
             let computed = alloc.computed_tokens();
@@ -397,7 +398,7 @@ mod tests {
     #[test]
     fn a_request_prefills_then_decodes_one_token_per_step() {
         let mut s = scheduler(1024, roomy());
-        let id = s.add(prompt(100, 1), output(5), None).unwrap();
+        let id = s.add(prompt(100, 1), output(5), ExtraKeys::default()).unwrap();
         let first = s.step();
         assert_eq!(first.work.prefill_tokens, 100);
         assert_eq!(first.emitted, vec![Emitted { id, token: 5000, index: 1, cached_tokens: 0, finished: false }]);
@@ -410,7 +411,7 @@ mod tests {
     #[test]
     fn chunked_prefill_splits_a_long_prompt_across_steps() {
         let mut s = scheduler(1024, Limits { max_num_seqs: 256, max_num_batched_tokens: 512 });
-        s.add(prompt(1300, 1), output(2), None).unwrap();
+        s.add(prompt(1300, 1), output(2), ExtraKeys::default()).unwrap();
         let chunks: Vec<u64> = (0..3).map(|_| s.step().work.prefill_tokens).collect();
         assert_eq!(chunks, vec![512, 512, 276]);
     }
@@ -418,9 +419,9 @@ mod tests {
     #[test]
     fn a_decode_shares_the_step_with_a_prefill_chunk() {
         let mut s = scheduler(1024, Limits { max_num_seqs: 256, max_num_batched_tokens: 256 });
-        s.add(prompt(32, 1), output(10), None).unwrap();
+        s.add(prompt(32, 1), output(10), ExtraKeys::default()).unwrap();
         s.step();
-        s.add(prompt(1000, 2), output(2), None).unwrap();
+        s.add(prompt(1000, 2), output(2), ExtraKeys::default()).unwrap();
         let mixed = s.step();
         assert_eq!((mixed.work.decode_seqs, mixed.work.prefill_tokens), (1, 255), "decode first, then a chunk");
     }
@@ -429,11 +430,11 @@ mod tests {
     fn prefix_hits_shorten_ttft_and_are_counted() {
         let mut s = scheduler(1024, roomy());
         let p = prompt(4000, 1);
-        s.add(p.clone(), output(1), None).unwrap();
+        s.add(p.clone(), output(1), ExtraKeys::default()).unwrap();
         let (cold, _, _) = run(&mut s);
         let mut warm_prompt = p.clone();
         warm_prompt.extend(prompt(50, 9));
-        s.add(warm_prompt, output(1), None).unwrap();
+        s.add(warm_prompt, output(1), ExtraKeys::default()).unwrap();
         let (warm, _, outcomes) = run(&mut s);
         assert_eq!(outcomes[0].emitted[0].cached_tokens, 4000 / BS * BS);
         assert!(warm * 5.0 < cold, "warm TTFT {warm} µs vs cold {cold} µs");
@@ -449,7 +450,7 @@ mod tests {
         let throughput = |concurrency: usize| {
             let mut s = scheduler(100_000, Limits { max_num_seqs: 8, max_num_batched_tokens: 8192 });
             for i in 0..concurrency {
-                s.add(prompt(64, i as u32), output(64), None).unwrap();
+                s.add(prompt(64, i as u32), output(64), ExtraKeys::default()).unwrap();
             }
             let (t, _, outcomes) = run(&mut s);
             assert!(outcomes.iter().all(|o| o.work.decode_seqs <= 8));
@@ -464,7 +465,7 @@ mod tests {
     fn the_token_budget_caps_prefill_throughput() {
         let mut s = scheduler(100_000, Limits { max_num_seqs: 256, max_num_batched_tokens: 1024 });
         for i in 0..10 {
-            s.add(prompt(1000, i), output(1), None).unwrap();
+            s.add(prompt(1000, i), output(1), ExtraKeys::default()).unwrap();
         }
         let (_, _, outcomes) = run(&mut s);
         assert!(outcomes.iter().all(|o| o.work.prefill_tokens <= 1024));
@@ -475,8 +476,8 @@ mod tests {
     fn out_of_blocks_preempts_the_newest_and_recomputes_it() {
         // 20 blocks of 16: two requests of 120 prompt + 100 output tokens cannot both finish.
         let mut s = scheduler(20, roomy());
-        let a = s.add(prompt(120, 1), output(100), None).unwrap();
-        let b = s.add(prompt(120, 2), output(100), None).unwrap();
+        let a = s.add(prompt(120, 1), output(100), ExtraKeys::default()).unwrap();
+        let b = s.add(prompt(120, 2), output(100), ExtraKeys::default()).unwrap();
         let (_, _, outcomes) = run(&mut s);
         assert!(s.counters().preemptions > 0);
         let tokens = |id| outcomes.iter().flat_map(|o| &o.emitted).filter(|e| e.id == id).count();
@@ -487,13 +488,13 @@ mod tests {
     #[test]
     fn a_prompt_larger_than_the_cache_is_refused() {
         let mut s = scheduler(4, roomy());
-        assert!(s.add(prompt(100, 1), output(1), None).is_err());
+        assert!(s.add(prompt(100, 1), output(1), ExtraKeys::default()).is_err());
     }
 
     #[test]
     fn decode_completed_blocks_are_stored_and_all_blocks_freed_at_the_end() {
         let mut s = scheduler(64, roomy());
-        s.add(prompt(40, 1), output(30), None).unwrap();
+        s.add(prompt(40, 1), output(30), ExtraKeys::default()).unwrap();
         let (_, _, outcomes) = run(&mut s);
         let events: Vec<Event> = outcomes.into_iter().flat_map(|o| o.events).collect();
         // 40 + 29 computed tokens = 4 full blocks of 16.
@@ -504,7 +505,7 @@ mod tests {
     #[test]
     fn abort_frees_the_blocks() {
         let mut s = scheduler(64, roomy());
-        let id = s.add(prompt(100, 1), output(50), None).unwrap();
+        let id = s.add(prompt(100, 1), output(50), ExtraKeys::default()).unwrap();
         s.step();
         assert!(s.cache_usage() > 0.0);
         s.abort(id);

@@ -14,6 +14,7 @@
 
 use sha2::{Digest as _, Sha256};
 
+use crate::extra_keys::ExtraKeys;
 use crate::lora::Lora;
 
 /// A full block digest.
@@ -47,13 +48,15 @@ impl VllmHasher {
         VllmHasher { algo, none_hash: Sha256::digest(bytes).into() }
     }
 
-    /// The digest of a block chained after `parent` (`None`: the first block), computed under
-    /// a LoRA adapter if `lora` is given (extra keys `(("lora", name, path),)`, as vLLM 0.33).
-    pub fn block(&self, parent: Option<&Digest>, tokens: &[u32], lora: Option<&Lora>) -> Digest {
+    /// The digest of a block chained after `parent` (`None`: the first block), with the
+    /// request's extra keys: `("lora", name, path)` under an adapter, then
+    /// `("cache_salt", salt)` on the first block, as vLLM 0.33 (`None` when there are none).
+    pub fn block(&self, parent: Option<&Digest>, tokens: &[u32], keys: &ExtraKeys) -> Digest {
+        let items = tagged(keys.lora.as_deref(), keys.salt_of(parent.is_none()));
         let parent = parent.unwrap_or(&self.none_hash);
         let bytes = match self.algo {
-            HashAlgo::Sha256 => pickle_block(parent, tokens, lora),
-            HashAlgo::Sha256Cbor => cbor_block(parent, tokens, lora),
+            HashAlgo::Sha256 => pickle_block(parent, tokens, &items),
+            HashAlgo::Sha256Cbor => cbor_block(parent, tokens, &items),
         };
         Sha256::digest(bytes).into()
     }
@@ -111,8 +114,26 @@ fn pickle_int(out: &mut Vec<u8>, v: u32) {
     }
 }
 
-/// `(parent_bytes, tuple(tokens), extra_keys)`, extra keys `None` or `(("lora", name, path),)`.
-fn pickle_block(parent: &Digest, tokens: &[u32], lora: Option<&Lora>) -> Vec<u8> {
+/// The tagged extra keys of a block: each a tuple of strings.
+fn tagged<'a>(lora: Option<&'a Lora>, cache_salt: Option<&'a str>) -> Vec<Vec<&'a str>> {
+    let mut items = Vec::new();
+    if let Some(l) = lora {
+        items.push(vec!["lora", l.name.as_str(), l.path.as_str()]);
+    }
+    if let Some(salt) = cache_salt {
+        items.push(vec!["cache_salt", salt]);
+    }
+    items
+}
+
+/// Pickle's opcode that makes a tuple of the last `n` (1 to 3) items.
+fn pickle_tuple(n: usize) -> u8 {
+    0x84 + n as u8
+}
+
+/// `(parent_bytes, tuple(tokens), extra_keys)`, extra keys `None` or a tuple of the tagged
+/// tuples.
+fn pickle_block(parent: &Digest, tokens: &[u32], extra: &[Vec<&str>]) -> Vec<u8> {
     let mut body = vec![b'C', 32]; // SHORT_BINBYTES
     body.extend_from_slice(parent);
     body.push(0x94);
@@ -132,14 +153,16 @@ fn pickle_block(parent: &Digest, tokens: &[u32], lora: Option<&Lora>) -> Vec<u8>
             body.extend_from_slice(&[b't', 0x94]);
         }
     }
-    match lora {
-        None => body.push(b'N'),
-        Some(l) => {
-            for s in ["lora", &l.name, &l.path] {
+    if extra.is_empty() {
+        body.push(b'N');
+    } else {
+        for item in extra {
+            for s in item {
                 pickle_unicode(&mut body, s);
             }
-            body.extend_from_slice(&[0x87, 0x94, 0x85, 0x94]); // TUPLE3, MEMOIZE, TUPLE1, MEMOIZE
+            body.extend_from_slice(&[pickle_tuple(item.len()), 0x94]); // TUPLEn, MEMOIZE
         }
+        body.extend_from_slice(&[pickle_tuple(extra.len()), 0x94]);
     }
     body.extend_from_slice(&[0x87, 0x94]); // TUPLE3, MEMOIZE
     pickle(body)
@@ -172,7 +195,7 @@ fn cbor_str(s: &str) -> Vec<u8> {
     out
 }
 
-fn cbor_block(parent: &Digest, tokens: &[u32], lora: Option<&Lora>) -> Vec<u8> {
+fn cbor_block(parent: &Digest, tokens: &[u32], extra: &[Vec<&str>]) -> Vec<u8> {
     let mut out = vec![0x83];
     cbor_head(&mut out, 2, 32);
     out.extend_from_slice(parent);
@@ -180,11 +203,13 @@ fn cbor_block(parent: &Digest, tokens: &[u32], lora: Option<&Lora>) -> Vec<u8> {
     for t in tokens {
         cbor_head(&mut out, 0, u64::from(*t));
     }
-    match lora {
-        None => out.push(0xf6),
-        Some(l) => {
-            out.extend_from_slice(&[0x81, 0x83]);
-            for s in ["lora", &l.name, &l.path] {
+    if extra.is_empty() {
+        out.push(0xf6);
+    } else {
+        cbor_head(&mut out, 4, extra.len() as u64);
+        for item in extra {
+            cbor_head(&mut out, 4, item.len() as u64);
+            for s in item {
                 out.extend(cbor_str(s));
             }
         }
@@ -198,8 +223,9 @@ mod tests {
 
     fn two_blocks(algo: HashAlgo, seed: Option<&str>) -> (u64, u64) {
         let h = VllmHasher::new(algo, seed);
-        let b0 = h.block(None, &[1, 2, 3, 4], None);
-        let b1 = h.block(Some(&b0), &[5, 6, 7, 8], None);
+        let none = ExtraKeys::default();
+        let b0 = h.block(None, &[1, 2, 3, 4], &none);
+        let b1 = h.block(Some(&b0), &[5, 6, 7, 8], &none);
         (event_value(&b0), event_value(&b1))
     }
 
@@ -219,7 +245,7 @@ mod tests {
         expected.extend_from_slice(&parent);
         expected
             .extend_from_slice(&[0x94, 0x28, 0x4b, 1, 0x4b, 2, 0x4b, 3, 0x4b, 4, 0x74, 0x94, 0x4e, 0x87, 0x94, 0x2e]);
-        assert_eq!(pickle_block(&parent, &[1, 2, 3, 4], None), expected);
+        assert_eq!(pickle_block(&parent, &[1, 2, 3, 4], &[]), expected);
         assert_eq!(&cbor_str("vllm-none-hash")[..1], &[0x6e]);
     }
 
@@ -231,14 +257,34 @@ mod tests {
         let expected = "8005955a000000000000004320abababababababababababababababababababababababababababababababab94\
             284b014b024b034b0474948c046c6f7261948c076d792d6c6f7261948c112f61646170746572732f6d792d6c6f72\
             61948794859487942e";
-        let bytes = pickle_block(&[0xab; 32], &[1, 2, 3, 4], Some(&lora));
+        let bytes = pickle_block(&[0xab; 32], &[1, 2, 3, 4], &tagged(Some(&lora), None));
         let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(hex, expected.split_whitespace().collect::<String>());
         let h = VllmHasher::new(HashAlgo::Sha256, None);
-        let b0 = h.block(None, &[1, 2, 3, 4], Some(&lora));
-        let b1 = h.block(Some(&b0), &[5, 6, 7, 8], Some(&lora));
+        let keys = ExtraKeys { lora: Some(std::sync::Arc::new(lora)), cache_salt: None };
+        let b0 = h.block(None, &[1, 2, 3, 4], &keys);
+        let b1 = h.block(Some(&b0), &[5, 6, 7, 8], &keys);
         assert_eq!((event_value(&b0), event_value(&b1)), (9669051952841315133, 3058926329788360012));
-        assert_ne!(event_value(&h.block(None, &[1, 2, 3, 4], None)), event_value(&b0));
+        assert_ne!(event_value(&h.block(None, &[1, 2, 3, 4], &ExtraKeys::default())), event_value(&b0));
+    }
+
+    /// A `cache_salt` changes the first block's hash, and through the chain every later one;
+    /// the salt itself is in the first block's extra keys only.
+    #[test]
+    fn a_cache_salt_salts_the_first_block() {
+        let h = VllmHasher::new(HashAlgo::Sha256, None);
+        let salted = ExtraKeys { lora: None, cache_salt: Some("tenant-a".into()) };
+        let plain = ExtraKeys::default();
+        let (s0, p0) = (h.block(None, &[1, 2, 3, 4], &salted), h.block(None, &[1, 2, 3, 4], &plain));
+        assert_ne!(s0, p0);
+        assert_eq!(
+            h.block(Some(&s0), &[5, 6, 7, 8], &salted),
+            h.block(Some(&s0), &[5, 6, 7, 8], &plain),
+            "block 1 has no extra keys"
+        );
+        let items = tagged(None, salted.salt_of(true));
+        assert_eq!(items, [vec!["cache_salt", "tenant-a"]]);
+        assert!(salted.salt_of(false).is_none());
     }
 
     /// The real vLLM 0.32 frames (sha256, block size 32): the same tokens give the same
@@ -260,7 +306,7 @@ mod tests {
                     ev["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
                 let mut parent = ev["parent_block_hash"].as_u64().map(|p| digests[&p]);
                 for (block, expected) in tokens.chunks(32).zip(ev["block_hashes"].as_array().unwrap()) {
-                    let d = h.block(parent.as_ref(), block, None);
+                    let d = h.block(parent.as_ref(), block, &ExtraKeys::default());
                     assert_eq!(event_value(&d), expected.as_u64().unwrap());
                     digests.insert(event_value(&d), d);
                     parent = Some(d);

@@ -356,6 +356,38 @@ fn lifecycle_reports_are_delivered_after_a_sidecar_outage() {
     assert_eq!(stack.sidecar_state().unwrap()["pools"][0]["bookings"], 0, "nothing booked is left over");
 }
 
+/// A `cache_salt` keeps tenants' caches apart in vLLM: kvgate credits a salted request only
+/// with blocks cached under the same salt, and its predictions stay exact.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn cache_salts_are_credited_only_within_their_tenant() {
+    let stack = start("cache-salt");
+    let doc = document(120, 600);
+    let salted = |salt: Option<&str>, question: &str| {
+        let mut body = chat(&doc, question);
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        body
+    };
+    let warm =
+        post(&stack.sim("c").url("/v1/chat/completions"), salted(Some("tenant-a"), "first").to_string(), &[]).unwrap();
+    assert_eq!(warm.status, 200, "{}", warm.body);
+    let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    stack.wait_indexed("c", prompt_tokens / 16).unwrap();
+    let url = stack.gateway("/v1/chat/completions");
+    let overlap = |r: &kvgate_e2e::client::Streamed| r.header("x-kvgate-overlap-blocks").parse::<u64>().unwrap();
+    let same = stream(&url, salted(Some("tenant-a"), "again")).unwrap();
+    assert_eq!(same.header("x-kvgate-routed-to"), "c", "the same tenant follows its cache");
+    assert!(overlap(&same) >= prompt_tokens / 16 - 1 && same.cached_tokens() > 0, "{:?}", same.usage);
+    for other in [Some("tenant-b"), None] {
+        let r = stream(&url, salted(other, "again")).unwrap();
+        assert_eq!((overlap(&r), r.cached_tokens()), (0, 0), "{other:?} gets no credit for tenant-a's blocks");
+    }
+    let prediction = predictions_after(&stack, 4);
+    assert_eq!(prediction["exact"], prediction["checked"], "every prediction exact: {prediction}");
+}
+
 /// 5. Malformed JSON passes through untouched and the engine answers 400; other methods,
 ///    paths and content types are not touched at all.
 #[test]

@@ -65,6 +65,9 @@ pub struct ParsedRequest {
     pub include_usage: bool,
     /// The body's `session_id`, else `user`: a session key for sticky policies.
     pub session: Option<String>,
+    /// vLLM's `cache_salt`: the prompt's first block is hashed with it, so only requests
+    /// with the same salt share cached prefixes.
+    pub cache_salt: Option<String>,
 }
 
 /// Parses a request body for `endpoint`.
@@ -96,7 +99,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
         Endpoint::Completions => completion_prompt(&obj)?,
         Endpoint::ChatCompletions => (Prompt::Chat(chat::ChatInput::from_request(&obj)?), 1),
     };
-    Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, include_usage, session })
+    let cache_salt = match obj.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => return Err(PromptError::Invalid("`cache_salt` must be a non-empty string".into())),
+    };
+    Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, include_usage, session, cache_salt })
 }
 
 fn completion_prompt(obj: &Map<String, Value>) -> Result<(Prompt, usize), PromptError> {
