@@ -64,6 +64,8 @@ mod tests {
             session: Some("s".into()),
             overrides: Some(crate::wire::ScoringOverrides { temperature: Some(0.5), ..Default::default() }),
             max_tokens: None,
+            prompts: 1,
+            samples: 1,
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
         let resp =

@@ -67,6 +67,8 @@ pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptT
         session: keys.session.clone().or_else(|| parsed.session.clone()),
         overrides: keys.overrides,
         max_tokens: parsed.max_tokens,
+        prompts: u32::try_from(parsed.prompt_count).unwrap_or(u32::MAX).max(1),
+        samples: parsed.samples,
     }
 }
 

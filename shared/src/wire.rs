@@ -74,6 +74,11 @@ pub struct RouteRequest {
     /// The request's `max_tokens` (or `max_completion_tokens`): with decode progress, a
     /// request's decode load is weighted by `1 − output/max_tokens`.
     pub max_tokens: Option<u32>,
+    /// Prompts in the request (a `/v1/completions` list is one engine request each; the hashes
+    /// and `prompt_tokens` are the first's, the others are booked as its size, uncached).
+    pub prompts: u32,
+    /// Sequences decoded per prompt: `max(n, best_of)`.
+    pub samples: u32,
 }
 
 /// How a [`RouteRequest`]'s `prompt_tokens` was arrived at: what its prediction of the

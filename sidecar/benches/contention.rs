@@ -249,6 +249,8 @@ fn main() {
             session: None,
             overrides: None,
             max_tokens: None,
+            prompts: 1,
+            samples: 1,
         };
         row("idle", prompt_tokens, &decide_for(&p, &request, secs), None);
         run.store(true, Ordering::Relaxed);

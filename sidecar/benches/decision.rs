@@ -71,6 +71,8 @@ fn bench(c: &mut Criterion) {
                 session: None,
                 overrides: None,
                 max_tokens: None,
+                prompts: 1,
+                samples: 1,
             };
             group.bench_function(BenchmarkId::new(format!("{prompt_tokens}_tokens"), replicas), |b| {
                 b.iter(|| {

@@ -56,6 +56,8 @@ fn route_request(model: &str, id: &str, client_id: &str) -> RouteRequest {
         session: None,
         overrides: None,
         max_tokens: None,
+        prompts: 1,
+        samples: 1,
     }
 }
 

@@ -41,6 +41,8 @@ fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
         session: session.map(str::to_owned),
         overrides: None,
         max_tokens: None,
+        prompts: 1,
+        samples: 1,
     }
 }
 

@@ -68,6 +68,8 @@ pub struct ParsedRequest {
     /// vLLM's `cache_salt`: the prompt's first block is hashed with it, so only requests
     /// with the same salt share cached prefixes.
     pub cache_salt: Option<String>,
+    /// Sequences decoded per prompt: `max(n, best_of)` (1 without either).
+    pub samples: u32,
 }
 
 /// Parses a request body for `endpoint`.
@@ -104,7 +106,9 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
         Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
         Some(_) => return Err(PromptError::Invalid("`cache_salt` must be a non-empty string".into())),
     };
-    Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, include_usage, session, cache_salt })
+    let count = |key: &str| obj.get(key).and_then(Value::as_u64).map_or(1, |n| n.clamp(1, 1024) as u32);
+    let samples = count("n").max(count("best_of"));
+    Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, include_usage, session, cache_salt, samples })
 }
 
 fn completion_prompt(obj: &Map<String, Value>) -> Result<(Prompt, usize), PromptError> {
@@ -170,7 +174,12 @@ mod tests {
         let r =
             completion(r#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#).unwrap();
         assert!(r.include_usage);
+        let r = completion(r#"{"model":"m","prompt":"x","n":3}"#).unwrap();
+        assert_eq!(r.samples, 3);
+        let r = completion(r#"{"model":"m","prompt":"x","n":2,"best_of":5}"#).unwrap();
+        assert_eq!(r.samples, 5, "best_of sequences are decoded, n returned");
         let r = completion(r#"{"model":"m","prompt":"x","user":"u1"}"#).unwrap();
+        assert_eq!(r.samples, 1);
         assert!(!r.include_usage);
         assert_eq!(r.session.as_deref(), Some("u1"));
         let r = completion(r#"{"model":"m","prompt":"x","add_special_tokens":false,"unknown":{"a":1}}"#).unwrap();

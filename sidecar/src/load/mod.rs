@@ -50,6 +50,8 @@ struct Booking {
     max_tokens: Option<u64>,
     /// What the engine should report for it.
     prediction: Option<Prediction>,
+    /// Sequences it decodes (prompts × `n`/`best_of`): what it adds to `requests`.
+    sequences: u64,
 }
 
 #[derive(Debug, Default)]
@@ -135,6 +137,8 @@ pub struct NewBooking<'a> {
     pub max_tokens: Option<u64>,
     /// What the engine should report for it (checked by [`crate::accuracy`]).
     pub prediction: Option<Prediction>,
+    /// Sequences it decodes: a list of prompts, `n` or `best_of` above 1 count each.
+    pub sequences: u64,
 }
 
 impl LoadTable {
@@ -231,7 +235,7 @@ impl LoadTable {
         self.release(booking.request_id);
         let r = &mut self.replicas[replica];
         r.prefill_tokens += booking.prefill_tokens;
-        r.requests += 1;
+        r.requests += booking.sequences.max(1);
         for h in booking.hashes {
             *r.shared_blocks.entry(*h).or_default() += 1;
         }
@@ -251,6 +255,7 @@ impl LoadTable {
                 discounted: 0,
                 max_tokens: booking.max_tokens,
                 prediction: booking.prediction,
+                sequences: booking.sequences.max(1),
             },
         );
         true
@@ -310,7 +315,7 @@ impl LoadTable {
         if !b.prefill_done {
             r.prefill_tokens += b.prefill_tokens;
         }
-        r.requests += 1;
+        r.requests += b.sequences;
         r.private_blocks += b.private_blocks;
         r.output_blocks += b.output_blocks;
         r.discounted += b.discounted;
@@ -335,7 +340,7 @@ impl LoadTable {
         if !b.prefill_done {
             r.prefill_tokens -= b.prefill_tokens;
         }
-        r.requests -= 1;
+        r.requests -= b.sequences;
         r.private_blocks -= b.private_blocks;
         r.output_blocks -= b.output_blocks;
         r.discounted -= b.discounted;
@@ -376,6 +381,7 @@ mod tests {
             total_blocks: total,
             max_tokens: None,
             prediction: None,
+            sequences: 1,
         }
     }
 

@@ -111,6 +111,7 @@ impl Pool {
                     total_blocks: *total_blocks,
                     max_tokens: None,
                     prediction: None,
+                    sequences: 1,
                 };
                 load.book(slot, booking, Instant::now());
                 Some(slot)

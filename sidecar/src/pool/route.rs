@@ -43,11 +43,16 @@ pub(super) struct Scored {
 struct Shape<'a> {
     /// The prompt's block hashes (none if computed with another block size).
     hashes: &'a [u64],
+    /// The (first) prompt's tokens.
     prompt_tokens: u64,
+    /// Prompt tokens of all the request's prompts: what its prefill costs, uncached.
+    booked_tokens: u64,
+    /// Sequences it decodes: prompts × samples.
+    sequences: u64,
     /// How `prompt_tokens` was counted.
     prompt_count: PromptCount,
     block_size: u64,
-    /// `ceil(prompt_tokens / block_size)`.
+    /// Blocks of all its prompts.
     total_blocks: u64,
 }
 
@@ -112,8 +117,16 @@ impl Pool {
         let block_size = u64::from(self.config.block_size);
         let hashes: &[u64] = if req.block_size == self.config.block_size { &req.block_hashes } else { &[] };
         let prompt_tokens = u64::from(req.prompt_tokens);
-        let (prompt_count, total_blocks) = (req.prompt_count, prompt_tokens.div_ceil(block_size));
-        Shape { hashes, prompt_tokens, prompt_count, block_size, total_blocks }
+        let prompts = u64::from(req.prompts.max(1));
+        Shape {
+            hashes,
+            prompt_tokens,
+            booked_tokens: prompt_tokens * prompts,
+            sequences: prompts * u64::from(req.samples.max(1)),
+            prompt_count: req.prompt_count,
+            block_size,
+            total_blocks: prompt_tokens.div_ceil(block_size) * prompts,
+        }
     }
 
     /// The candidates: active replicas that serve the model (a learned adapter only where it
@@ -233,7 +246,7 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
             }
         })
         .collect();
-    let request = RequestShape { prompt_tokens: shape.prompt_tokens, block_size: shape.block_size };
+    let request = RequestShape { prompt_tokens: shape.booked_tokens, block_size: shape.block_size };
     let logits = score::logits(scoring, request, &inputs);
     eligible
         .iter()
@@ -245,7 +258,7 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
 
 /// Books the request on the chosen replica: its prefill left after the overlap, its blocks.
 fn book(load: &mut LoadTable, req: &RouteRequest, shape: &Shape<'_>, scoring: &ScoringConfig, at: Eligible) -> Booked {
-    let prefill_tokens = scoring.prefill_tokens(shape.prompt_tokens, shape.block_size, at.overlap);
+    let prefill_tokens = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, at.overlap);
     // What the engine should report: a prompt that was not tokenized predicts nothing.
     let prediction = (shape.prompt_count != PromptCount::Estimated).then(|| {
         let exact = shape.prompt_count == PromptCount::Exact;
@@ -257,6 +270,7 @@ fn book(load: &mut LoadTable, req: &RouteRequest, shape: &Shape<'_>, scoring: &S
         hashes: shape.hashes,
         total_blocks: shape.total_blocks,
         max_tokens: req.max_tokens.map(u64::from),
+        sequences: shape.sequences,
         prediction,
     };
     let booked = load.book(at.slot, booking, Instant::now());

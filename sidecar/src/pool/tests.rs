@@ -42,6 +42,8 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
         session: None,
         overrides: None,
         max_tokens: None,
+        prompts: 1,
+        samples: 1,
     }
 }
 
@@ -134,6 +136,7 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
                 total_blocks: 10,
                 max_tokens: None,
                 prediction: None,
+                sequences: 1,
             },
             Instant::now(),
         );
@@ -429,4 +432,18 @@ fn membership_changes_under_traffic_do_not_deadlock() {
     for _ in 0..4 {
         rx.recv_timeout(Duration::from_secs(60)).expect("routing and membership changes deadlocked");
     }
+}
+
+#[test]
+fn every_prompt_and_every_sample_is_booked() {
+    let p = pool(1);
+    let tokens: Vec<u32> = (0..64).collect();
+    // A list of 3 prompts (the first one's tokens known), each decoded twice (`n` 2).
+    let req = RouteRequest { prompts: 3, samples: 2, ..request("multi", &tokens) };
+    p.route(&req, &ScoringConfig::default());
+    let booked = &p.state().replicas[0];
+    assert_eq!((booked.active_requests, booked.prefill_tokens), (6, 3 * 64), "six sequences, three prefills");
+    assert!(p.lifecycle("multi", false));
+    let released = &p.state().replicas[0];
+    assert_eq!((released.active_requests, released.prefill_tokens, released.active_blocks), (0, 0, 0));
 }

@@ -65,6 +65,8 @@ fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration
             session: None,
             overrides: None,
             max_tokens: None,
+            prompts: 1,
+            samples: 1,
         };
         let decision = pool.route(&request, &scoring);
         pool.lifecycle(&id, false);
