@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::Endpoint;
+use kvgate_shared::route::RequestKeys;
 use kvgate_shared::wire::{
     LifecycleEvent, LifecycleKind, RouteResponse, DESTINATION_HEADER, DP_RANK_HEADER, OVERRIDES_HEADER, SESSION_HEADER,
 };
@@ -27,7 +28,7 @@ use proxy_wasm::types::Action;
 use crate::host::{Envoy, Host};
 use crate::metrics::Outcome;
 use crate::plan::{
-    booking_id, engine_usage, offload, plan, routable, streamed_tokens, with_token_prompt, HeaderHints, Skip,
+    booking_id, engine_usage, offload, parse_overrides, plan, routable, streamed_tokens, with_token_prompt, Skip,
     USAGE_TAIL_BYTES,
 };
 use crate::shared::Shared;
@@ -62,7 +63,7 @@ pub struct RequestContext<H: Host = Envoy> {
     shared: Rc<RefCell<Shared>>,
     context_id: u32,
     endpoint: Option<Endpoint>,
-    hints: HeaderHints,
+    hints: RequestKeys,
     /// The model the sidecar was asked about (so it may have booked load in that model's
     /// pool): report the end either way.
     booked: Option<String>,
@@ -91,7 +92,7 @@ impl<H: Host> RequestContext<H> {
             shared,
             context_id,
             endpoint: None,
-            hints: HeaderHints::default(),
+            hints: RequestKeys::default(),
             booked: None,
             first_token_reported: false,
             output_tokens: 0,
@@ -341,11 +342,11 @@ impl<H: Host> HttpContext for RequestContext<H> {
             return Action::Continue;
         }
         let vm_tag = self.shared.borrow().vm_tag;
-        self.hints = HeaderHints {
+        self.hints = RequestKeys {
             request_id: booking_id(vm_tag, self.context_id),
             client_request_id: self.request_header("x-request-id"),
             session: self.request_header(SESSION_HEADER),
-            overrides: HeaderHints::parse_overrides(self.request_header(OVERRIDES_HEADER).as_deref()),
+            overrides: parse_overrides(self.request_header(OVERRIDES_HEADER).as_deref()),
         };
         Action::Pause
     }

@@ -71,26 +71,6 @@ fn estimate_tokens(body_len: usize) -> u32 {
     u32::try_from(body_len / 4).unwrap_or(u32::MAX)
 }
 
-/// Plans the routing call for one request body. `listed` is the sidecar's model list once
-/// known: a request for any other model passes through to Envoy's own routing.
-///
-/// Without a loaded tokenizer for the model the plan routes on load alone with an estimated
-/// prompt size; requests are never held back. A prompt longer than `max_tokenize_bytes` is
-/// routed on its head (exactly its first tokens) with an extrapolated size, which bounds the
-/// time an Envoy worker spends tokenizing.
-/// What the request's headers contribute.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct HeaderHints {
-    /// The booking key the filter generated for this stream (see [`booking_id`]).
-    pub request_id: String,
-    /// The client's (or Envoy's) `x-request-id`, for logs only.
-    pub client_request_id: Option<String>,
-    /// `x-session-id`.
-    pub session: Option<String>,
-    /// `x-kvgate-scoring`, parsed (an invalid value is ignored).
-    pub overrides: Option<ScoringOverrides>,
-}
-
 /// The booking key of one stream: the VM's random tag and the stream's context id, which
 /// Envoy never reuses within a VM. Unique across the workers' VMs and across Envoy restarts,
 /// and nothing a client sends goes into it.
@@ -102,27 +82,22 @@ pub fn booking_id(vm_tag: u64, context_id: u32) -> String {
     format!("{vm_tag:016x}-{context_id}")
 }
 
-impl HeaderHints {
-    /// The keys of the route request.
-    pub fn keys(&self) -> RequestKeys {
-        RequestKeys {
-            request_id: self.request_id.clone(),
-            client_request_id: self.client_request_id.clone(),
-            session: self.session.clone(),
-            overrides: self.overrides,
-        }
-    }
-
-    /// Parses the `x-kvgate-scoring` header value; anything invalid is dropped.
-    pub fn parse_overrides(value: Option<&str>) -> Option<ScoringOverrides> {
-        value.and_then(|v| serde_json::from_str(v).ok())
-    }
+/// Parses the `x-kvgate-scoring` header value; anything invalid is dropped.
+pub fn parse_overrides(value: Option<&str>) -> Option<ScoringOverrides> {
+    value.and_then(|v| serde_json::from_str(v).ok())
 }
 
+/// Plans the routing call for one request body. `listed` is the sidecar's model list once
+/// known: a request for any other model passes through to Envoy's own routing.
+///
+/// Without a loaded tokenizer for the model the plan routes on load alone with an estimated
+/// prompt size; requests are never held back. A prompt longer than `max_tokenize_bytes` is
+/// routed on its head (exactly its first tokens) with an extrapolated size, which bounds the
+/// time an Envoy worker spends tokenizing.
 pub fn plan(
     endpoint: Endpoint,
     body: &[u8],
-    hints: &HeaderHints,
+    hints: &RequestKeys,
     models: &HashMap<String, LoadedModel>,
     listed: Option<&HashSet<String>>,
     max_tokenize_bytes: usize,
@@ -131,11 +106,10 @@ pub fn plan(
     if listed.is_some_and(|names| !names.contains(&parsed.model)) {
         return Err(Skip::Unroutable(format!("model {:?} is not routed by kvgate", parsed.model)));
     }
-    let keys = hints.keys();
     let load_only = |block_size: u32| Plan {
         request: route_request(
             &parsed,
-            &keys,
+            hints,
             PromptTokens::Estimated { tokens: estimate_tokens(body.len()), block_size },
         ),
         tokenized: false,
@@ -153,7 +127,7 @@ pub fn plan(
         truncated: head.truncated,
         request: route_request(
             &parsed,
-            &keys,
+            hints,
             PromptTokens::Tokenized {
                 tokens: &head.tokens,
                 total: head.estimated_total,
@@ -251,7 +225,7 @@ struct Envelope<'a> {
 pub fn offload<'a>(
     endpoint: Endpoint,
     body: &'a [u8],
-    hints: &HeaderHints,
+    hints: &RequestKeys,
     listed: Option<&HashSet<String>>,
     budget_ms: u64,
 ) -> Result<(String, RouteBodyRequest<'a>), Skip> {
@@ -289,8 +263,8 @@ mod tests {
         ])
     }
 
-    fn hints() -> HeaderHints {
-        HeaderHints { request_id: "r".into(), ..Default::default() }
+    fn hints() -> RequestKeys {
+        RequestKeys { request_id: "r".into(), ..Default::default() }
     }
 
     #[test]
@@ -330,14 +304,14 @@ mod tests {
             plan(Endpoint::Completions, body, &hints(), &m, None, 1 << 20).unwrap().request.session.as_deref(),
             Some("alice")
         );
-        let h = HeaderHints { session: Some("s-1".into()), ..hints() };
+        let h = RequestKeys { session: Some("s-1".into()), ..hints() };
         assert_eq!(
             plan(Endpoint::Completions, body, &h, &m, None, 1 << 20).unwrap().request.session.as_deref(),
             Some("s-1")
         );
-        assert_eq!(HeaderHints::parse_overrides(Some(r#"{"temperature": 0.5}"#)).unwrap().temperature, Some(0.5));
-        assert_eq!(HeaderHints::parse_overrides(Some(r#"{"nope": 1}"#)), None);
-        assert_eq!(HeaderHints::parse_overrides(Some("garbage")), None);
+        assert_eq!(parse_overrides(Some(r#"{"temperature": 0.5}"#)).unwrap().temperature, Some(0.5));
+        assert_eq!(parse_overrides(Some(r#"{"nope": 1}"#)), None);
+        assert_eq!(parse_overrides(Some("garbage")), None);
     }
 
     #[test]
@@ -413,7 +387,7 @@ mod tests {
     #[test]
     fn offload_hands_over_the_body_and_respects_the_model_list() {
         let body = br#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"user":"u1"}"#;
-        let hints = HeaderHints {
+        let hints = RequestKeys {
             request_id: "r9".into(),
             client_request_id: Some("client".into()),
             session: Some("s".into()),

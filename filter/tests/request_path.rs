@@ -7,10 +7,11 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::rc::Rc;
 
-use kvgate_filter::plan::{offload, plan, routable, with_token_prompt, HeaderHints, LoadedModel, Skip};
+use kvgate_filter::plan::{offload, parse_overrides, plan, routable, with_token_prompt, LoadedModel, Skip};
 use kvgate_shared::hash::Salt;
 use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::route::RequestKeys;
 use kvgate_shared::wire::ModelBundle;
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
@@ -111,7 +112,7 @@ fn any_body() -> impl Strategy<Value = Vec<u8>> {
     prop_oneof![request_body(), prop::collection::vec(any::<u8>(), 0..512)]
 }
 
-fn check(endpoint: Endpoint, body: &[u8], hints: &HeaderHints, max_bytes: usize) {
+fn check(endpoint: Endpoint, body: &[u8], hints: &RequestKeys, max_bytes: usize) {
     let models = models();
     let listed: HashSet<String> = ["qwen3".to_owned()].into();
     match plan(endpoint, body, hints, &models, Some(&listed), max_bytes) {
@@ -137,7 +138,7 @@ proptest! {
     #[test]
     fn bodies_never_panic(body in any_body(), chat in any::<bool>(), small in any::<bool>()) {
         let endpoint = if chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
-        let hints = HeaderHints { request_id: "r".into(), ..HeaderHints::default() };
+        let hints = RequestKeys { request_id: "r".into(), ..RequestKeys::default() };
         check(endpoint, &body, &hints, if small { 7 } else { 1 << 20 });
     }
 
@@ -153,11 +154,11 @@ proptest! {
         if endpoint.is_some() {
             prop_assert_eq!(method.as_deref(), Some("POST"));
         }
-        let hints = HeaderHints {
+        let hints = RequestKeys {
             request_id: "r".into(),
             client_request_id: None,
             session,
-            overrides: HeaderHints::parse_overrides(overrides.as_deref()),
+            overrides: parse_overrides(overrides.as_deref()),
         };
         let body = br#"{"model":"qwen3","prompt":"hello there","messages":[{"role":"user","content":"hi"}]}"#;
         check(endpoint.unwrap_or(Endpoint::Completions), body, &hints, 1 << 20);
