@@ -193,6 +193,13 @@ impl<H: Host> RequestContext<H> {
         if planned.tokenized {
             self.decision.prompt_tokens = Some(planned.request.prompt_tokens);
         }
+        if let Some(why) = &planned.untokenizable {
+            let client_id = self.hints.client_request_id.as_deref().unwrap_or("-");
+            log::debug!("kvgate: routing request {client_id} on an estimate: {why}");
+            if let Some(m) = &self.shared.borrow().metrics {
+                m.untokenizable(&self.host);
+            }
+        }
         self.decision.truncated = planned.truncated;
         self.decision.prompt_digest = planned.digest;
         self.block_size = planned.request.block_size;

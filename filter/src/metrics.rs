@@ -10,6 +10,7 @@
 //! | `kvgate.requests.truncated` | counter | routed on the prompt's head (`max_tokenize_bytes`) |
 //! | `kvgate.requests.offloaded` | counter | the body was tokenized by the sidecar (`offload_bytes`) |
 //! | `kvgate.requests.tokens_forwarded` | counter | the prompt went upstream as token ids (`forward_tokens`) |
+//! | `kvgate.requests.untokenizable` | counter | a request for a routed model whose prompt kvgate cannot read (content parts it does not render, a failing template): routed and booked on an estimate of its size |
 //! | `kvgate.tokenize_us` | histogram | parse + template + tokenize + hash, µs |
 //! | `kvgate.sidecar_us` | histogram | the sidecar round trip, µs |
 //! | `kvgate.segment_cache.hits` / `.misses` | counter | prompt pieces served / tokenized |
@@ -31,6 +32,7 @@ pub struct FilterMetrics {
     truncated: u32,
     offloaded: u32,
     forwarded: u32,
+    untokenizable: u32,
     tokenize_us: u32,
     sidecar_us: u32,
     segment_hits: u32,
@@ -65,6 +67,7 @@ impl FilterMetrics {
             truncated: counter("kvgate.requests.truncated")?,
             offloaded: counter("kvgate.requests.offloaded")?,
             forwarded: counter("kvgate.requests.tokens_forwarded")?,
+            untokenizable: counter("kvgate.requests.untokenizable")?,
             tokenize_us: histogram("kvgate.tokenize_us")?,
             sidecar_us: histogram("kvgate.sidecar_us")?,
             segment_hits: counter("kvgate.segment_cache.hits")?,
@@ -101,6 +104,11 @@ impl FilterMetrics {
     /// Counts a request whose body was handed to the sidecar to tokenize.
     pub fn offloaded(&self, sink: &impl MetricSink) {
         sink.increment(self.offloaded, 1);
+    }
+
+    /// Counts a request routed on an estimate because its prompt could not be read.
+    pub fn untokenizable(&self, sink: &impl MetricSink) {
+        sink.increment(self.untokenizable, 1);
     }
 
     /// Counts a request whose prompt was forwarded as token ids.

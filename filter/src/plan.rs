@@ -7,7 +7,7 @@ use std::rc::Rc;
 use kvgate_shared::hash::{prompt_digest, Salt};
 use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
-use kvgate_shared::route::{route_request, PromptTokens, RequestKeys};
+use kvgate_shared::route::{estimated_request, route_request, PromptTokens, RequestKeys};
 use kvgate_shared::wire::{RouteBodyRequest, RouteRequest, ScoringOverrides};
 
 /// A model (or LoRA adapter) the filter can tokenize for.
@@ -42,6 +42,9 @@ pub struct Plan {
     pub forwardable: Option<Vec<u32>>,
     /// [`prompt_digest`] of the tokenized prompt (its head, if truncated).
     pub digest: Option<u64>,
+    /// Why the prompt could not be read, when the request is routed (and booked) on an
+    /// estimate of its size: content parts kvgate does not render, a failing template.
+    pub untokenizable: Option<String>,
 }
 
 /// Which requests the filter routes: `POST` to `/v1/completions` or `/v1/chat/completions`
@@ -102,7 +105,10 @@ pub fn plan(
     listed: Option<&HashSet<String>>,
     max_tokenize_bytes: usize,
 ) -> Result<Plan, Skip> {
-    let parsed = parse(endpoint, body).map_err(|e| Skip::Unroutable(e.to_string()))?;
+    let parsed = match parse(endpoint, body) {
+        Ok(parsed) => parsed,
+        Err(e) => return estimated(body, hints, models, listed, e.to_string()),
+    };
     if listed.is_some_and(|names| !names.contains(&parsed.model)) {
         return Err(Skip::Unroutable(format!("model {:?} is not routed by kvgate", parsed.model)));
     }
@@ -116,9 +122,13 @@ pub fn plan(
         truncated: false,
         forwardable: None,
         digest: None,
+        untokenizable: None,
     };
     let Some(model) = models.get(&parsed.model) else { return Ok(load_only(0)) };
-    let head = model.tokenizer.prompt_head(&parsed, max_tokenize_bytes).map_err(|e| Skip::Unroutable(e.to_string()))?;
+    let head = match model.tokenizer.prompt_head(&parsed, max_tokenize_bytes) {
+        Ok(head) => head,
+        Err(e) => return estimated(body, hints, models, listed, e.to_string()),
+    };
     if head.tokens.is_empty() && head.truncated {
         return Ok(load_only(model.block_size));
     }
@@ -138,6 +148,34 @@ pub fn plan(
         tokenized: true,
         digest: Some(prompt_digest(&head.tokens)),
         forwardable: (single_text && !head.truncated).then_some(head.tokens),
+        untokenizable: None,
+    })
+}
+
+/// A body whose prompt cannot be read (`why`): if it is still a request for a model kvgate
+/// routes, it is routed and booked on an estimate of its size; otherwise it passes through.
+fn estimated(
+    body: &[u8],
+    hints: &RequestKeys,
+    models: &HashMap<String, LoadedModel>,
+    listed: Option<&HashSet<String>>,
+    why: String,
+) -> Result<Plan, Skip> {
+    // Not UTF-8 is not JSON, even where serde would skip the bytes unread.
+    let envelope = std::str::from_utf8(body).ok().and_then(|text| serde_json::from_str::<Envelope>(text).ok());
+    let Some(envelope) = envelope else { return Err(Skip::Unroutable(why)) };
+    let model = envelope.model.as_ref();
+    if listed.is_some_and(|names| !names.contains(model)) {
+        return Err(Skip::Unroutable(format!("model {model:?} is not routed by kvgate")));
+    }
+    let block_size = models.get(model).map_or(0, |m| m.block_size);
+    Ok(Plan {
+        request: estimated_request(model, hints, estimate_tokens(body.len()), block_size),
+        tokenized: false,
+        truncated: false,
+        forwardable: None,
+        digest: None,
+        untokenizable: Some(why),
     })
 }
 
@@ -249,6 +287,7 @@ pub fn offload<'a>(
 mod tests {
     use super::*;
     use kvgate_shared::wire::ModelBundle;
+    use kvgate_shared::wire::PromptCount;
     use std::path::Path;
 
     fn models() -> HashMap<String, LoadedModel> {
@@ -358,11 +397,14 @@ mod tests {
     }
 
     #[test]
-    fn malformed_bodies_are_skipped() {
+    fn malformed_bodies_are_skipped_and_invalid_requests_estimated() {
         let m = models();
         assert!(matches!(plan(Endpoint::Completions, b"{oops", &hints(), &m, None, 1 << 20), Err(Skip::Unroutable(_))));
-        assert!(plan(Endpoint::ChatCompletions, br#"{"model":"qwen3","messages":"x"}"#, &hints(), &m, None, 1 << 20)
-            .is_err());
+        // A request for a routed model that the engine will refuse is booked on an estimate
+        // until its 400 ends it: what kvgate cannot read it does not second-guess.
+        let invalid =
+            plan(Endpoint::ChatCompletions, br#"{"model":"qwen3","messages":"x"}"#, &hints(), &m, None, 1 << 20);
+        assert!(invalid.unwrap().untokenizable.is_some());
     }
 
     #[test]
@@ -382,6 +424,21 @@ mod tests {
         let chat = r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}]}"#;
         assert_eq!(p(Endpoint::ChatCompletions, chat, 1 << 20).forwardable, None, "chat");
         assert_eq!(with_token_prompt(b"[1]", &[1]), None);
+    }
+
+    #[test]
+    fn a_request_whose_prompt_cannot_be_read_is_routed_on_an_estimate() {
+        let m = models();
+        let image = br#"{"model":"qwen3","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:x"}}]}]}"#;
+        let p = plan(Endpoint::ChatCompletions, image, &hints(), &m, None, 1 << 20).unwrap();
+        assert!(!p.tokenized && p.untokenizable.is_some(), "routed and booked, on load alone");
+        assert_eq!((p.request.model.as_str(), p.request.prompt_count), ("qwen3", PromptCount::Estimated));
+        assert!(p.request.prompt_tokens > 0 && p.request.block_hashes.is_empty());
+        let listed = HashSet::from(["other".to_owned()]);
+        assert!(plan(Endpoint::ChatCompletions, image, &hints(), &m, Some(&listed), 1 << 20).is_err(), "unlisted");
+        for not_a_request in [&b"{not json"[..], b"[1,2,3]", br#"{"messages":[]}"#] {
+            assert!(plan(Endpoint::ChatCompletions, not_a_request, &hints(), &m, None, 1 << 20).is_err());
+        }
     }
 
     #[test]

@@ -72,6 +72,26 @@ pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptT
     }
 }
 
+/// The route request of a request for `model` whose prompt could not be read (content parts
+/// kvgate does not render, a template that fails): routed and booked on `tokens`, an estimate,
+/// on load alone — its load is real even if its prompt is unknown.
+pub fn estimated_request(model: &str, keys: &RequestKeys, tokens: u32, block_size: u32) -> RouteRequest {
+    RouteRequest {
+        request_id: keys.request_id.clone(),
+        client_request_id: keys.client_request_id.clone(),
+        model: model.to_owned(),
+        prompt_tokens: tokens,
+        prompt_count: PromptCount::Estimated,
+        block_hashes: Vec::new(),
+        block_size,
+        session: keys.session.clone(),
+        overrides: keys.overrides,
+        max_tokens: None,
+        prompts: 1,
+        samples: 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

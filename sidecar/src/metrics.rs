@@ -101,6 +101,9 @@ pub struct Metrics {
     pub prompt_token_mismatches: Family<ReplicaLabels, Counter>,
     /// 1 while a pool's predictions keep missing what its engines report.
     pub prediction_alarm: Family<PoolLabels, Gauge>,
+    /// Offloaded requests routed and booked on an estimate of their size: their prompt could
+    /// not be read (reason `unparsable` or `untokenizable`).
+    pub estimated_requests: Family<FallbackLabels, Counter>,
 }
 
 /// Labels naming a pool.
@@ -146,6 +149,12 @@ impl Default for Metrics {
         let predictions = Family::default();
         let prompt_token_mismatches = Family::default();
         let prediction_alarm = Family::default();
+        let estimated_requests = Family::default();
+        registry.register(
+            "estimated_requests",
+            "Offloaded requests routed on an estimate of their size: their prompt could not be read",
+            estimated_requests.clone(),
+        );
         registry.register(
             "prediction_error_tokens",
             "Predicted minus engine-reported cached prompt tokens (usage.prompt_tokens_details), per chosen replica",
@@ -236,6 +245,7 @@ impl Default for Metrics {
             predictions,
             prompt_token_mismatches,
             prediction_alarm,
+            estimated_requests,
         }
     }
 }

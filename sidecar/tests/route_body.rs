@@ -121,3 +121,15 @@ async fn work_past_the_filters_deadline_is_skipped_and_not_booked() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(pool.state().bookings, 1);
 }
+
+#[tokio::test]
+async fn a_body_whose_prompt_cannot_be_read_is_booked_on_an_estimate() {
+    let (state, pool) = state();
+    let image = r#"{"model":"qwen3","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:x"}}]}]}"#;
+    let (status, answer) = post(state.clone(), offload(image)).await;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&answer));
+    assert!(codec::decode::<RouteResponse>(&answer).unwrap().endpoint.is_some(), "routed on load");
+    assert_eq!(pool.state().bookings, 1, "and booked: its load is real");
+    let metrics = state.metrics.render();
+    assert!(metrics.contains(r#"kvgate_estimated_requests_total{reason="unparsable"} 1"#), "{metrics}");
+}

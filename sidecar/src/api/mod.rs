@@ -116,6 +116,12 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     encoded(&decision)
 }
 
+/// What is read of a body the parser refused: its model.
+#[derive(serde::Deserialize)]
+struct Envelope {
+    model: String,
+}
+
 /// The deadline of an offload whose request names no budget.
 const DEFAULT_OFFLOAD_BUDGET: Duration = Duration::from_secs(1);
 
@@ -137,7 +143,16 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
     let endpoint = if req.chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
     let parsed = match parse(endpoint, &req.body) {
         Ok(p) => p,
-        Err(e) => return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
+        Err(e) => {
+            // Still a request for a model routed here (content parts kvgate does not read, …):
+            // its load is real, so it is booked on an estimate.
+            let text = std::str::from_utf8(&req.body).ok();
+            let model = text.and_then(|t| serde_json::from_str::<Envelope>(t).ok()).map(|e| e.model);
+            if let Some((model, pool)) = model.and_then(|m| Some((m.clone(), state.pool_for(&m)?.clone()))) {
+                return encoded(&pool.route_estimated(&model, &req, &state.scoring, "unparsable"));
+            }
+            return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
+        }
     };
     let Some(pool) = state.pool_for(&parsed.model).cloned() else {
         let message = format!("no pool for model {:?}", parsed.model);

@@ -7,10 +7,11 @@ use std::time::Instant;
 use kvgate_shared::hash::Salt;
 use kvgate_shared::prompt::openai::ParsedRequest;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
-use kvgate_shared::route::{route_request, PromptTokens, RequestKeys};
+use kvgate_shared::route::{estimated_request, route_request, PromptTokens, RequestKeys};
 use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteResponse};
 
 use super::{Pool, OFFLOAD_SEGMENT_CACHE_BYTES};
+use crate::metrics::FallbackLabels;
 use crate::score::ScoringConfig;
 
 /// Why an offloaded prompt was not routed.
@@ -25,6 +26,27 @@ pub enum OffloadError {
 }
 
 impl Pool {
+    /// Routes and books an offloaded request for `model` whose prompt could not be read
+    /// (`reason`) on an estimate of its size, on load alone.
+    pub fn route_estimated(
+        &self,
+        model: &str,
+        req: &RouteBodyRequest<'_>,
+        scoring: &ScoringConfig,
+        reason: &str,
+    ) -> RouteResponse {
+        let keys = RequestKeys {
+            request_id: req.request_id.clone(),
+            client_request_id: req.client_request_id.clone(),
+            session: req.session.clone(),
+            overrides: req.overrides,
+        };
+        let tokens = u32::try_from(req.body.len() / 4).unwrap_or(u32::MAX);
+        let route = estimated_request(model, &keys, tokens, self.config.block_size);
+        self.metrics.estimated_requests.get_or_create(&FallbackLabels { reason: reason.to_owned() }).inc();
+        self.route(&route, scoring)
+    }
+
     /// The encoded bundle, for a filter that fetches it (counted for `/debug/state`).
     pub fn served_bundle(&self) -> Vec<u8> {
         self.bundles_served.fetch_add(1, Ordering::Relaxed);
@@ -60,7 +82,11 @@ impl Pool {
             return Err(OffloadError::Late);
         }
         let tokenizer = self.tokenizer().map_err(OffloadError::Tokenizer)?;
-        let tokens = tokenizer.prompt_tokens(parsed).map_err(|e| OffloadError::Tokenizer(e.to_string()))?;
+        let tokens = match tokenizer.prompt_tokens(parsed) {
+            Ok(tokens) => tokens,
+            // Content parts it does not render, a template that fails: still real load.
+            Err(_) => return Ok(self.route_estimated(&parsed.model, req, scoring, "untokenizable")),
+        };
         if Instant::now() >= deadline {
             return Err(OffloadError::Late);
         }
