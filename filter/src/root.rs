@@ -23,16 +23,14 @@ use std::time::{Duration, SystemTime};
 use kvgate_shared::codec;
 use kvgate_shared::hash::Salt;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
-use kvgate_shared::wire::{
-    tokenizer_path, Adapter, LifecycleBatch, LifecycleEvent, ModelBundle, ModelList, CONTENT_TYPE,
-};
+use kvgate_shared::wire::{tokenizer_path, Adapter, LifecycleBatch, LifecycleEvent, ModelBundle, ModelList};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, MapType};
 
 use crate::config::FilterConfig;
 use crate::fetches::Fetches;
-use crate::host::Envoy;
+use crate::host::{Envoy, Host};
 use crate::http::RequestContext;
 use crate::metrics::FilterMetrics;
 use crate::plan::LoadedModel;
@@ -180,13 +178,7 @@ impl Root {
             let s = self.shared.borrow();
             (s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
         };
-        let headers = vec![
-            (":method", "POST"),
-            (":path", "/v1/lifecycle"),
-            (":authority", authority.as_str()),
-            ("content-type", CONTENT_TYPE),
-        ];
-        match hostcalls::dispatch_http_call(&cluster, headers, Some(&body), vec![], Duration::from_millis(timeout)) {
+        match Envoy.dispatch(&cluster, "/v1/lifecycle", &authority, &body, Duration::from_millis(timeout)) {
             Ok(token) => {
                 self.calls.insert(token, Call::Lifecycle(body, attempt));
             }
