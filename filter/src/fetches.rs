@@ -14,6 +14,12 @@ use std::time::{Duration, SystemTime};
 /// The longest wait between two fetches of a model whose tokenizer keeps failing.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
+/// How long to wait after the `failures`-th failure in a row (1 or more): `retry`, doubling
+/// with each further failure, at most `max`. [`crate::redelivery`] backs off the same way.
+pub fn backoff(retry: Duration, failures: u32, max: Duration) -> Duration {
+    retry.saturating_mul(1 << (failures.max(1) - 1).min(16)).min(max)
+}
+
 /// A model whose last fetch failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Failed {
@@ -57,7 +63,7 @@ impl Fetches {
     pub fn failed(&mut self, model: &str, cause: String, retry: Duration, now: SystemTime) -> Duration {
         self.in_flight.remove(model);
         let failures = self.failed.get(model).map_or(1, |f| f.failures.saturating_add(1));
-        let wait = retry.saturating_mul(1 << (failures - 1).min(16)).min(MAX_BACKOFF);
+        let wait = backoff(retry, failures, MAX_BACKOFF);
         self.failed.insert(model.to_owned(), Failed { failures, retry_at: now + wait, cause });
         wait
     }

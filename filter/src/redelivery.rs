@@ -11,6 +11,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, SystemTime};
 
+use crate::fetches::backoff;
+
 /// Sends of one batch, the first included.
 pub const MAX_ATTEMPTS: u32 = 8;
 /// Batches waiting at most.
@@ -48,7 +50,7 @@ impl Redelivery {
             self.waiting.pop_front();
             self.dropped += 1;
         }
-        let wait = retry.saturating_mul(1 << (attempts.max(1) - 1).min(16)).min(MAX_BACKOFF);
+        let wait = backoff(retry, attempts, MAX_BACKOFF);
         self.waiting.push_back(Pending { body, attempts, at: now + wait });
         true
     }
