@@ -132,11 +132,20 @@ impl<H: Host> RequestContext<H> {
         }
     }
 
-    /// Keeps the last [`USAGE_TAIL_BYTES`] of the response, reading only that much of a chunk.
-    fn keep_tail(&mut self, chunk_size: usize) {
+    /// Keeps the last [`USAGE_TAIL_BYTES`] of the response: from `chunk` when it was read
+    /// whole already, else reading only that much of it.
+    fn keep_tail(&mut self, chunk_size: usize, chunk: Option<&[u8]>) {
         let take = chunk_size.min(USAGE_TAIL_BYTES);
-        let Some(end) = self.host.response_body(chunk_size - take, take) else { return };
-        self.tail.extend_from_slice(&end);
+        let read;
+        let end = match chunk {
+            Some(chunk) => &chunk[chunk.len().saturating_sub(take)..],
+            None => {
+                let Some(end) = self.host.response_body(chunk_size - take, take) else { return };
+                read = end;
+                &read
+            }
+        };
+        self.tail.extend_from_slice(end);
         let excess = self.tail.len().saturating_sub(USAGE_TAIL_BYTES);
         self.tail.drain(..excess);
     }
@@ -401,16 +410,18 @@ impl<H: Host> HttpContext for RequestContext<H> {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
-        let booked = self.booked.is_some();
-        if booked && body_size > 0 {
-            self.keep_tail(body_size);
+        if self.booked.is_none() || body_size == 0 {
+            return Action::Continue;
         }
-        if booked && !self.first_token_reported && body_size > 0 {
+        if !self.first_token_reported {
             self.first_token_reported = true;
             self.report(LifecycleKind::FirstToken);
         }
-        if booked && self.block_size > 0 && body_size > 0 && self.shared.borrow().config.decode_progress {
-            let chunk = self.host.response_body(0, body_size);
+        // Decode progress reads the whole chunk; the usage tail then comes from it.
+        let progress = self.block_size > 0 && self.shared.borrow().config.decode_progress;
+        let chunk = if progress { self.host.response_body(0, body_size) } else { None };
+        self.keep_tail(body_size, chunk.as_deref());
+        if progress {
             let before = self.output_tokens;
             self.output_tokens += chunk.as_deref().map_or(0, streamed_tokens);
             // Once per KV block of output.
