@@ -60,17 +60,16 @@ impl Pool {
     pub fn ran_on(&self, request_id: &str, endpoint: &str) -> bool {
         let to = self.members().iter().position(|m| m.active && m.replica.endpoint.to_string() == endpoint);
         let Some(to) = to else { return false };
-        let moved = self.load_table().move_booking(request_id, to);
-        let Some((from, hashes)) = moved else { return false };
-        if self.config.policy == crate::config::Policy::PrefixAffinity || self.inflight_credit() {
+        let moved = {
+            let mut load = self.load_table();
+            load.move_booking(request_id, to).map(|(from, hashes)| (from, hashes, load.load(from), load.load(to)))
+        };
+        let Some((from, hashes, left, arrived)) = moved else { return false };
+        if self.records_routes() {
             self.affinity_index().record(to, &hashes, Instant::now());
         }
-        let figures = {
-            let load = self.load_table();
-            (load.load(from), load.load(to))
-        };
-        self.publish_load(from, figures.0);
-        self.publish_load(to, figures.1);
+        self.publish_load(from, left);
+        self.publish_load(to, arrived);
         true
     }
 

@@ -158,8 +158,14 @@ impl Pool {
         eligible
     }
 
+    /// Whether the pool remembers where it sent each prefix: the `prefix_affinity` policy's
+    /// overlap, or `kv_aware`'s in-flight credit.
+    pub(super) fn records_routes(&self) -> bool {
+        self.config.policy == Policy::PrefixAffinity || self.inflight_credit()
+    }
+
     /// Whether prefixes routed moments ago count as cached where they went.
-    pub(super) fn inflight_credit(&self) -> bool {
+    fn inflight_credit(&self) -> bool {
         self.config.policy == Policy::KvAware && self.config.inflight_credit_secs > 0
     }
 
@@ -193,11 +199,10 @@ impl Pool {
     /// Records where the prefix went (`prefix_affinity`, in-flight credit), and that events
     /// are now expected from the replica if its engine must store a new block.
     fn after_booking(&self, member: &Member, shape: &Shape<'_>, booked: &Booked) {
-        let affinity = self.config.policy == Policy::PrefixAffinity;
-        if affinity || self.inflight_credit() {
+        if self.records_routes() {
             self.affinity_index().record(booked.slot, shape.hashes, Instant::now());
         }
-        if !affinity && booked.booked && booked.prefill_tokens >= shape.block_size {
+        if self.config.policy != Policy::PrefixAffinity && booked.booked && booked.prefill_tokens >= shape.block_size {
             let since = &member.health.awaiting_events_since;
             let _ = since.compare_exchange(NONE, self.now_ms(), Ordering::Relaxed, Ordering::Relaxed);
         }
