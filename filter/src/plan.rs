@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 use kvgate_shared::hash::{prompt_digest, Salt};
-use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
+use kvgate_shared::prompt::openai::{model_of, parse, Endpoint, Prompt};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::route::{estimated_request, route_request, PromptTokens, RequestKeys};
 use kvgate_shared::wire::{RouteBodyRequest, RouteRequest, ScoringOverrides};
@@ -162,9 +162,8 @@ fn estimated(
     why: String,
 ) -> Result<Plan, Skip> {
     // Not UTF-8 is not JSON, even where serde would skip the bytes unread.
-    let envelope = std::str::from_utf8(body).ok().and_then(|text| serde_json::from_str::<Envelope>(text).ok());
-    let Some(envelope) = envelope else { return Err(Skip::Unroutable(why)) };
-    let model = envelope.model.as_ref();
+    let model = std::str::from_utf8(body).ok().and(model_of(body));
+    let Some(model) = model.as_deref() else { return Err(Skip::Unroutable(why)) };
     if listed.is_some_and(|names| !names.contains(model)) {
         return Err(Skip::Unroutable(format!("model {model:?} is not routed by kvgate")));
     }
@@ -247,17 +246,8 @@ pub fn with_token_prompt(body: &[u8], ids: &[u32]) -> Option<Vec<u8>> {
     serde_json::to_vec(&request).ok()
 }
 
-/// What the filter reads of a body it offloads: the model, nothing else. Every other field
-/// is skipped unread (`serde` ignores unknown fields), so no tree of the body is built in the
-/// VM, whose memory is never given back.
-#[derive(serde::Deserialize)]
-struct Envelope<'a> {
-    #[serde(borrow)]
-    model: std::borrow::Cow<'a, str>,
-}
-
 /// Plans an offload: the whole body goes to the sidecar, which parses and tokenizes it. Here
-/// only its `model` is read, so that bodies that are not JSON objects with a model, and models
+/// only its `model` is read ([`model_of`]: no tree of the body in the VM), so that bodies that are not JSON objects with a model, and models
 /// kvgate does not route, pass through as [`plan`] would let them; anything else the sidecar
 /// rejects falls back to Envoy's LB. Returns the model with the request.
 pub fn offload<'a>(
@@ -267,9 +257,9 @@ pub fn offload<'a>(
     listed: Option<&HashSet<String>>,
     budget_ms: u64,
 ) -> Result<(String, RouteBodyRequest<'a>), Skip> {
-    let envelope: Envelope = serde_json::from_slice(body).map_err(|e| Skip::Unroutable(e.to_string()))?;
-    if listed.is_some_and(|names| !names.contains(envelope.model.as_ref())) {
-        return Err(Skip::Unroutable(format!("model {:?} is not routed by kvgate", envelope.model)));
+    let model = model_of(body).ok_or_else(|| Skip::Unroutable("not a JSON object with a string `model`".into()))?;
+    if listed.is_some_and(|names| !names.contains(model.as_ref())) {
+        return Err(Skip::Unroutable(format!("model {model:?} is not routed by kvgate")));
     }
     let request = RouteBodyRequest {
         request_id: hints.request_id.clone(),
@@ -280,7 +270,7 @@ pub fn offload<'a>(
         overrides: hints.overrides,
         budget_ms: u32::try_from(budget_ms).unwrap_or(u32::MAX),
     };
-    Ok((envelope.model.into_owned(), request))
+    Ok((model.into_owned(), request))
 }
 
 #[cfg(test)]

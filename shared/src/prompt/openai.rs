@@ -111,6 +111,27 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
     Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, include_usage, session, cache_salt, samples })
 }
 
+/// What [`model_of`] reads of a body: its model; every other field is skipped unread.
+#[derive(serde::Deserialize)]
+struct Envelope<'a> {
+    #[serde(borrow)]
+    model: std::borrow::Cow<'a, str>,
+}
+
+/// The `model` of a JSON body, read without building a tree of the rest: for a body too big
+/// to parse where it is (a wasm VM never gives memory back), or one [`parse`] refuses. `None`
+/// if it is not a JSON object with a string `model`. Bytes in the skipped fields are not
+/// checked to be UTF-8.
+///
+/// ```
+/// use kvgate_shared::prompt::openai::model_of;
+/// assert_eq!(model_of(br#"{"messages":[{"content":[{"type":"image_url"}]}],"model":"m"}"#).as_deref(), Some("m"));
+/// assert_eq!(model_of(b"[1,2]"), None);
+/// ```
+pub fn model_of(body: &[u8]) -> Option<std::borrow::Cow<'_, str>> {
+    serde_json::from_slice::<Envelope>(body).ok().map(|e| e.model)
+}
+
 fn completion_prompt(obj: &Map<String, Value>) -> Result<(Prompt, usize), PromptError> {
     let add_special_tokens = obj.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true);
     let text = |s: &str| {

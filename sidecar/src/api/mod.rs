@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvgate_shared::codec;
-use kvgate_shared::prompt::openai::{parse, Endpoint};
+use kvgate_shared::prompt::openai::{model_of, parse, Endpoint};
 use kvgate_shared::wire::{
     Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteBodyRequest, RouteRequest, CONTENT_TYPE, MAX_BODY_BYTES,
 };
@@ -116,12 +116,6 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     encoded(&decision)
 }
 
-/// What is read of a body the parser refused: its model.
-#[derive(serde::Deserialize)]
-struct Envelope {
-    model: String,
-}
-
 /// The deadline of an offload whose request names no budget.
 const DEFAULT_OFFLOAD_BUDGET: Duration = Duration::from_secs(1);
 
@@ -146,10 +140,9 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
         Err(e) => {
             // Still a request for a model routed here (content parts kvgate does not read, …):
             // its load is real, so it is booked on an estimate.
-            let text = std::str::from_utf8(&req.body).ok();
-            let model = text.and_then(|t| serde_json::from_str::<Envelope>(t).ok()).map(|e| e.model);
-            if let Some((model, pool)) = model.and_then(|m| Some((m.clone(), state.pool_for(&m)?.clone()))) {
-                return encoded(&pool.route_estimated(&model, &req, &state.scoring, "unparsable"));
+            let model = std::str::from_utf8(&req.body).ok().and(model_of(&req.body));
+            if let Some((model, pool)) = model.as_deref().and_then(|m| Some((m, state.pool_for(m)?))) {
+                return encoded(&pool.route_estimated(model, &req, &state.scoring, "unparsable"));
             }
             return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
         }
