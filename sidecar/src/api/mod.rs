@@ -134,6 +134,10 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
         ms => Duration::from_millis(u64::from(ms)),
     };
     let deadline = started + budget;
+    let scoring = match (&req.overrides, state.allow_request_overrides) {
+        (Some(o), true) => state.scoring.with_overrides(o),
+        _ => state.scoring.clone(),
+    };
     let endpoint = if req.chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
     let parsed = match parse(endpoint, &req.body) {
         Ok(p) => p,
@@ -142,7 +146,7 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
             // its load is real, so it is booked on an estimate.
             let model = std::str::from_utf8(&req.body).ok().and(model_of(&req.body));
             if let Some((model, pool)) = model.as_deref().and_then(|m| Some((m, state.pool_for(m)?))) {
-                return encoded(&pool.route_estimated(model, &req, &state.scoring, "unparsable"));
+                return encoded(&pool.route_estimated(model, &req, &scoring, "unparsable"));
             }
             return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
         }
@@ -150,10 +154,6 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
     let Some(pool) = state.pool_for(&parsed.model).cloned() else {
         let message = format!("no pool for model {:?}", parsed.model);
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, message);
-    };
-    let scoring = match (&req.overrides, state.allow_request_overrides) {
-        (Some(o), true) => state.scoring.with_overrides(o),
-        _ => state.scoring.clone(),
     };
     let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
     let Ok(Ok(slot)) = slot else {
