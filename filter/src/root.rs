@@ -211,6 +211,12 @@ impl Root {
         let names: HashSet<String> =
             list.models.iter().cloned().chain(list.adapters.iter().map(|a| a.name.clone())).collect();
         self.fetches.retain(|m| names.contains(m));
+        // A model no longer listed is not missing any more.
+        for (model, id) in &self.missing_gauges {
+            if !names.contains(model) {
+                FilterMetrics::set_gauge(&Envoy, *id, 0);
+            }
+        }
         {
             let mut shared = self.shared.borrow_mut();
             shared.models.retain(|name, _| names.contains(name));
