@@ -222,7 +222,7 @@ pub struct ModelBundle {
     pub model: String,
     /// The pool's KV block size in tokens.
     pub block_size: u32,
-    /// The model's `tokenizer.json`, verbatim.
+    /// The model's `tokenizer.json`, in the canonical ("version 2.0") form the tokenizer reads.
     pub tokenizer_json: String,
     /// The Jinja chat template from `tokenizer_config.json`, if the model has one.
     pub chat_template: Option<String>,

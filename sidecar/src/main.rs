@@ -18,6 +18,7 @@ use axum::serve::ListenerExt;
 use clap::{Parser, Subcommand};
 use kvgate_shared::codec;
 use kvgate_shared::prompt::content_format::ContentFormat;
+use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 
 use kvgate_sidecar::config::{Config, DiscoveryKind, ProcessEnv};
 use kvgate_sidecar::discovery::dns::SystemResolver;
@@ -123,8 +124,11 @@ fn main() -> anyhow::Result<()> {
         }
         Command::CheckConfig { file } => {
             let config = Config::load(&file, &ProcessEnv)?;
+            // Load each tokenizer and template as the filter will: a `tokenizer.json` using a
+            // component kvgate's tokenizer does not build in is refused here, by name.
             for pool in &config.pools {
-                pool.bundle().with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
+                let bundle = pool.bundle().with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
+                ModelTokenizer::from_bundle(&bundle).with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
             }
             println!("{}: ok ({} pools)", file.display(), config.pools.len());
             Ok(())

@@ -18,6 +18,8 @@ use std::sync::{Arc, Mutex};
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use lru::LruCache;
+use tokenizers::pipeline::PipelineTokenizer;
+use tokenizers::vocab::bucket_added_vocabulary::AddedToken;
 
 /// Tokenized pieces, keyed by their exact text.
 pub struct SegmentCache {
@@ -55,9 +57,9 @@ pub struct SegmentStats {
 impl SegmentCache {
     /// A cache for `tokenizer` holding at most `budget` bytes, or `None` if its special
     /// tokens make piecewise tokenization inexact (or there are none to split at).
-    pub fn for_tokenizer(tokenizer: &tokenizers::Tokenizer, budget: usize) -> Option<SegmentCache> {
-        let added = tokenizer.get_added_tokens_decoder();
-        let special: Vec<&tokenizers::AddedToken> = added.values().filter(|t| t.special).collect();
+    pub fn for_tokenizer(tokenizer: &PipelineTokenizer, budget: usize) -> Option<SegmentCache> {
+        let added = tokenizer.get_added_vocabulary().get_added_tokens_decoder();
+        let special: Vec<&AddedToken> = added.values().filter(|t| t.special).collect();
         if special.is_empty() || budget == 0 {
             return None;
         }

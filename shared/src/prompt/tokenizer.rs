@@ -1,8 +1,10 @@
 //! A model's tokenizer plus chat template: turns a parsed request into prompt token ids.
 
+use std::cell::RefCell;
 use std::path::Path;
 
 use serde_json::Value;
+use tokenizers::pipeline::{EncodeOptions, PipelineToken, PipelineTokenizer};
 
 use super::content_format::ContentFormat;
 use super::openai::{ParsedRequest, Prompt};
@@ -13,7 +15,7 @@ use crate::wire::ModelBundle;
 
 /// The model's `tokenizer.json` and chat template, loaded and compiled.
 pub struct ModelTokenizer {
-    tokenizer: tokenizers::Tokenizer,
+    tokenizer: PipelineTokenizer,
     template: Option<ChatTemplate>,
     segments: Option<SegmentCache>,
 }
@@ -25,10 +27,10 @@ impl std::fmt::Debug for ModelTokenizer {
 }
 
 impl ModelTokenizer {
-    /// Loads from a bundle as served by the sidecar.
+    /// Loads from a bundle as served by the sidecar. A `tokenizer.json` the tokenizer cannot
+    /// run (a model kind or component not built in) is refused with an error naming it.
     pub fn from_bundle(bundle: &ModelBundle) -> Result<Self, PromptError> {
-        let tokenizer = tokenizers::Tokenizer::from_bytes(bundle.tokenizer_json.as_bytes())
-            .map_err(|e| PromptError::Tokenizer(e.to_string()))?;
+        let tokenizer = load_tokenizer(&bundle.tokenizer_json)?;
         let template = bundle
             .chat_template
             .as_deref()
@@ -88,17 +90,102 @@ impl ModelTokenizer {
         Ok(PromptHead { tokens, estimated_total, truncated })
     }
 
-    /// Encodes text with the model's tokenizer.
+    /// Encodes text with the model's tokenizer (into this thread's reused buffer, then copied
+    /// out at its exact size).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
-        let encoding =
-            self.tokenizer.encode_fast(text, add_special_tokens).map_err(|e| PromptError::Tokenizer(e.to_string()))?;
-        Ok(encoding.get_ids().to_vec())
+        let options = EncodeOptions { add_special_tokens, ..EncodeOptions::default() };
+        ENCODED.with_borrow_mut(|out| {
+            out.clear();
+            self.tokenizer.encode_into(text, &options, out).map_err(|e| PromptError::Tokenizer(e.to_string()))?;
+            let ids = PipelineToken::cast_slice(out).to_vec();
+            if out.capacity() > MAX_KEPT_BUFFER {
+                *out = Vec::new();
+            }
+            Ok(ids)
+        })
     }
 
     /// Decodes token ids to text (used by the simulator to produce output text).
     pub fn decode(&self, ids: &[u32]) -> Result<String, PromptError> {
         self.tokenizer.decode(ids, true).map_err(|e| PromptError::Tokenizer(e.to_string()))
     }
+}
+
+thread_local! {
+    /// The encode buffer, reused across calls on this thread.
+    static ENCODED: RefCell<Vec<PipelineToken>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A buffer grown past this (a huge prompt) is let go rather than kept for the next call.
+const MAX_KEPT_BUFFER: usize = 1 << 20;
+
+/// Reads a `tokenizer.json` into the tokenizer: the canonical ("version 2.0") form directly,
+/// any older form through the upgrade pass first (which [`canonical_tokenizer_json`] does once,
+/// where the sidecar reads the model, so the filter never has to).
+///
+/// A tokenizer that loads but cannot encode (a split pattern its SIMD pre-tokenizer does not
+/// recognise: the reader has no regex engine behind it) is refused here, naming the patterns,
+/// rather than failing on every request.
+pub fn load_tokenizer(json: &str) -> Result<PipelineTokenizer, PromptError> {
+    let tokenizer = match tokenizers::from_json(json) {
+        Ok(tokenizer) => tokenizer,
+        Err(_) if !is_canonical(json) => tokenizers::from_json(&canonical_tokenizer_json(json)?)
+            .map_err(|e| PromptError::Tokenizer(format!("tokenizer.json: {e}")))?,
+        Err(e) => return Err(PromptError::Tokenizer(format!("tokenizer.json: {e}"))),
+    };
+    let mut probe = Vec::new();
+    match tokenizer.encode_into(PROBE, &EncodeOptions::no_specials(), &mut probe) {
+        Ok(()) => Ok(tokenizer),
+        Err(e) => Err(PromptError::Tokenizer(format!(
+            "tokenizer.json loads but cannot encode ({e}); its split patterns: {}",
+            split_patterns(json).join(", ")
+        ))),
+    }
+}
+
+/// Text that reaches every pre-tokenizer and model component.
+const PROBE: &str = "Probe text, 123 ok?\n";
+
+/// The regex split patterns a `tokenizer.json` names, quoted (for an error message).
+fn split_patterns(json: &str) -> Vec<String> {
+    fn walk(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::String(p)) = o.get("pattern").and_then(|p| p.get("Regex")) {
+                    out.push(format!("{p:?}"));
+                }
+                o.values().for_each(|v| walk(v, out));
+            }
+            Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    if let Ok(Value::Object(root)) = serde_json::from_str::<Value>(json) {
+        root.get("pre_tokenizer").into_iter().chain(root.get("normalizer")).for_each(|v| walk(v, &mut out));
+    }
+    out
+}
+
+/// A `tokenizer.json` of any version, rewritten into the canonical form the tokenizer reads
+/// (compact: it travels to every filter). Refuses what the upgrade pass cannot decide.
+pub fn canonical_tokenizer_json(json: &str) -> Result<String, PromptError> {
+    if is_canonical(json) {
+        return Ok(json.to_owned());
+    }
+    let mut value: Value =
+        serde_json::from_str(json).map_err(|e| PromptError::Tokenizer(format!("tokenizer.json: {e}")))?;
+    tokenizers::canonicalize_value(&mut value)
+        .map_err(|e| PromptError::Tokenizer(format!("tokenizer.json cannot be upgraded: {e}")))?;
+    serde_json::to_string(&value).map_err(|e| PromptError::Tokenizer(e.to_string()))
+}
+
+/// Whether the file says it is the canonical form (its first key is `"version": "2.0"`).
+fn is_canonical(json: &str) -> bool {
+    let rest = json.trim_start().strip_prefix('{').map(str::trim_start);
+    let rest = rest.and_then(|r| r.strip_prefix("\"version\"")).map(str::trim_start);
+    let rest = rest.and_then(|r| r.strip_prefix(':')).map(str::trim_start);
+    rest.is_some_and(|r| r.starts_with("\"2.0\""))
 }
 
 /// The head of a prompt, tokenized.
@@ -133,7 +220,7 @@ fn safe_cut(text: &str, max: usize) -> usize {
 }
 
 impl ModelBundle {
-    /// Reads a Hugging Face model directory: `tokenizer.json` and, if present,
+    /// Reads a Hugging Face model directory: `tokenizer.json` (kept in its canonical form) and, if present,
     /// `tokenizer_config.json` (for `chat_template`, `bos_token`, `eos_token`) and
     /// `chat_template.jinja`. The content format is left to detection.
     pub fn from_dir(model: &str, dir: &Path, block_size: u32) -> Result<ModelBundle, PromptError> {
@@ -141,7 +228,7 @@ impl ModelBundle {
             std::fs::read_to_string(dir.join(name))
                 .map_err(|e| PromptError::Tokenizer(format!("{}: {e}", dir.join(name).display())))
         };
-        let tokenizer_json = read("tokenizer.json")?;
+        let tokenizer_json = canonical_tokenizer_json(&read("tokenizer.json")?)?;
         let config: Value = if dir.join("tokenizer_config.json").exists() {
             serde_json::from_str(&read("tokenizer_config.json")?)
                 .map_err(|e| PromptError::Tokenizer(format!("tokenizer_config.json: {e}")))?

@@ -1,0 +1,281 @@
+//! The tokenizer kvgate runs (`tokenizers` 1.0, SIMD pre-tokenizer) gives exactly the ids of
+//! `tokenizers` 0.22 (the library vLLM's Python stack wraps, kept here as `tokenizers-legacy`)
+//! for every tokenizer the repo ships or tests against (`models/` and
+//! `../shared/testdata/tokenizers/`):
+//!
+//! - on every reference text in the repo (the Qwen3 samples, the rendered parity chats);
+//! - on a fixed corpus of adversarial text, with and without added special tokens;
+//! - on random text built from the pieces pre-tokenizers split on (proptest).
+//!
+//! Each tokenizer is loaded the way kvgate loads it: `ModelBundle::from_dir` (which rewrites
+//! the file into the canonical form) and `ModelTokenizer::from_bundle`.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::wire::ModelBundle;
+use proptest::prelude::*;
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// One model's tokenizer, loaded both ways.
+struct Pair {
+    name: String,
+    ours: ModelTokenizer,
+    legacy: tokenizers_legacy::Tokenizer,
+}
+
+impl Pair {
+    fn load(dir: &Path) -> Pair {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let bundle = ModelBundle::from_dir(&name, dir, 16).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let ours = ModelTokenizer::from_bundle(&bundle).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let legacy = tokenizers_legacy::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        Pair { name, ours, legacy }
+    }
+
+    /// `None` if both agree, else where they first differ.
+    fn diverges(&self, text: &str, add_special_tokens: bool) -> Option<String> {
+        let ours = self.ours.encode(text, add_special_tokens).unwrap();
+        let legacy = self.legacy.encode_fast(text, add_special_tokens).unwrap().get_ids().to_vec();
+        (ours != legacy).then(|| {
+            let i = ours.iter().zip(&legacy).position(|(a, b)| a != b).unwrap_or(ours.len().min(legacy.len()));
+            format!(
+                "{} (add_special_tokens={add_special_tokens}) on {:?}: at token {i}, ours {:?} vs 0.22 {:?}",
+                self.name,
+                text.chars().take(80).collect::<String>(),
+                &ours[i..(i + 6).min(ours.len())],
+                &legacy[i..(i + 6).min(legacy.len())]
+            )
+        })
+    }
+}
+
+/// Every tokenizer: the shipped one and the families in the shared test data.
+fn pairs() -> &'static [Pair] {
+    static PAIRS: OnceLock<Vec<Pair>> = OnceLock::new();
+    PAIRS.get_or_init(|| {
+        let mut dirs = vec![repo().join("models/qwen3-0.6b")];
+        let testdata = repo().join("../shared/testdata/tokenizers");
+        let mut more: Vec<PathBuf> = std::fs::read_dir(&testdata)
+            .unwrap_or_else(|e| panic!("{}: {e}", testdata.display()))
+            .map(|entry| entry.unwrap().path())
+            .filter(|dir| dir.join("tokenizer.json").exists())
+            .collect();
+        more.sort();
+        dirs.extend(more);
+        std::thread::scope(|s| {
+            let loading: Vec<_> = dirs.iter().map(|dir| s.spawn(|| Pair::load(dir))).collect();
+            loading.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    })
+}
+
+fn check_all(texts: impl IntoIterator<Item = String>) {
+    let texts: Vec<String> = texts.into_iter().collect();
+    let failures: Vec<String> = pairs()
+        .iter()
+        .flat_map(|pair| {
+            texts.iter().flat_map(move |t| [false, true].into_iter().filter_map(move |add| pair.diverges(t, add)))
+        })
+        .collect();
+    assert!(failures.is_empty(), "{} divergences:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn every_family_is_tested() {
+    let names: Vec<&str> = pairs().iter().map(|p| p.name.as_str()).collect();
+    for family in ["qwen3", "llama-3.2", "gpt-oss", "deepseek-v3", "gemma-3", "mistral-nemo", "phi-3.5"] {
+        assert!(names.iter().any(|n| n.starts_with(family)), "{family} missing from {names:?}");
+    }
+}
+
+#[test]
+fn reference_texts_match() {
+    let mut texts = Vec::new();
+    let qwen: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("../shared/testdata/tokenizers/qwen3-0.6b/reference.json")).unwrap(),
+    )
+    .unwrap();
+    for sample in qwen["samples"].as_object().unwrap().values() {
+        texts.push(sample["text"].as_str().unwrap().to_owned());
+    }
+    for file in ["qwen3-chat.json", "openai-format-chat.json"] {
+        let parity: Value =
+            serde_json::from_str(&std::fs::read_to_string(repo().join("testdata/parity").join(file)).unwrap()).unwrap();
+        for case in parity["cases"].as_array().unwrap() {
+            texts.push(case["rendered"].as_str().unwrap().to_owned());
+        }
+    }
+    assert!(texts.len() > 20, "only {} reference texts", texts.len());
+    check_all(texts);
+}
+
+/// Literal text of every family's special tokens, so each tokenizer meets its own and others'.
+const SPECIALS: &[&str] = &[
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|start|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|end|>",
+    "<|return|>",
+    "<｜begin▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<bos>",
+    "[INST]",
+    "[/INST]",
+    "</s>",
+    "<s>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|system|>",
+];
+
+/// The pieces adversarial text is made of: what pre-tokenizer patterns treat specially.
+const PIECES: &[&str] = &[
+    "'s",
+    "'t",
+    "'re",
+    "'ve",
+    "'m",
+    "'ll",
+    "'d",
+    "'S",
+    "'LL",
+    " it's",
+    "don't",
+    "I'M",
+    "0",
+    "7",
+    "12",
+    "123",
+    "1234",
+    "12345678901234567890",
+    "3.14",
+    "1,000",
+    "٣٤٥",
+    "१२३",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\n\n",
+    "\r\n",
+    "\r",
+    " \n ",
+    "\u{a0}",
+    "\u{3000}",
+    "\u{2028}",
+    "a",
+    "Hello",
+    " world",
+    "WORLD",
+    "_",
+    "__init__",
+    "-",
+    "--",
+    "...",
+    "!?",
+    "“quoted”",
+    "(x)",
+    "e\u{301}",
+    "é",
+    "Å",
+    "ﬁ",
+    "Ｋ",
+    "ǅ",
+    "ß",
+    "İ",
+    "中文",
+    "日本語の",
+    "한국어",
+    "ไทย",
+    "עברית",
+    "العربية",
+    "Ελληνικά",
+    "русский",
+    "😀",
+    "👍🏽",
+    "🇺🇸",
+    "👨\u{200d}👩\u{200d}👧",
+    "\u{fe0f}",
+    "\u{200b}",
+    "\u{feff}",
+    "\u{fffd}",
+    "\u{0}",
+    "\u{1b}[0m",
+    "\u{7f}",
+    "\u{10ffff}",
+    "aGVsbG8gd29ybGQ=",
+    "iVBORw0KGgoAAAANSUhEUgAA",
+    "https://example.com/a?b=c&d=e",
+    "fn main() {\n    println!(\"hi\");\n}",
+    "<div class=\"x\">",
+    "▁",
+    "▁▁word",
+    "Ġ",
+    "Ċ",
+];
+
+#[test]
+fn adversarial_corpus_matches() {
+    let mut texts: Vec<String> = PIECES.iter().chain(SPECIALS).map(|p| p.to_string()).collect();
+    texts.extend([
+        "x".repeat(10_000),
+        "ab".repeat(3_000),
+        "9".repeat(2_000),
+        " ".repeat(1_000),
+        "\n".repeat(500) + "end",
+        "word ".repeat(2_000) + "   ",
+        "aGVsbG8gd29ybGQ=".repeat(500),
+        "😀".repeat(300),
+        "trailing spaces   \n   \n".into(),
+        "   leading spaces".into(),
+        SPECIALS.join(""),
+        SPECIALS.join(" "),
+        SPECIALS.join("\n text "),
+        PIECES.join(""),
+        PIECES.join(" "),
+        std::fs::read_to_string(repo().join("README.md")).unwrap(),
+    ]);
+    check_all(texts);
+}
+
+fn adversarial_text() -> impl Strategy<Value = String> {
+    let piece = prop_oneof![
+        6 => proptest::sample::select(PIECES).prop_map(str::to_owned),
+        1 => proptest::sample::select(SPECIALS).prop_map(str::to_owned),
+        2 => "\\PC{1,12}",
+        1 => "[ \t\r\n]{1,6}",
+        1 => "[0-9]{1,9}",
+    ];
+    proptest::collection::vec(piece, 1..40).prop_map(|pieces| pieces.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 192, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_adversarial_text_matches(text in adversarial_text()) {
+        for pair in pairs() {
+            for add in [false, true] {
+                let divergence = pair.diverges(&text, add);
+                prop_assert!(divergence.is_none(), "{}", divergence.unwrap_or_default());
+            }
+        }
+    }
+}
