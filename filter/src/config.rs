@@ -14,6 +14,7 @@
 //!   "debug_headers": false,
 //!   "segment_cache_bytes": 16777216,
 //!   "forward_tokens": false,
+//!   "forward_chat_tokens": false,
 //!   "decode_progress": false
 //! }
 //! ```
@@ -59,6 +60,11 @@ pub struct FilterConfig {
     /// filter computed, so the engine does not tokenize it again. Off by default: only for
     /// engines that take token-id prompts (vLLM, SGLang) with the same tokenizer.
     pub forward_tokens: bool,
+    /// Token forwarding for chats: a chat tokenized whole in Envoy goes upstream with its ids
+    /// as `kv_transfer_params.prompt_token_ids`, so the engine neither renders nor tokenizes
+    /// it. Off by default: only for vLLM 0.32 or later with the same tokenizer (other engines
+    /// ignore or refuse the field).
+    pub forward_chat_tokens: bool,
     /// Decode progress: count a streamed response's tokens and report them to the sidecar at
     /// each KV block boundary, so a request's decode load decays as it nears `max_tokens`.
     /// Off by default (one more report per block of output).
@@ -80,6 +86,7 @@ impl Default for FilterConfig {
             debug_headers: false,
             segment_cache_bytes: kvgate_shared::prompt::segments::DEFAULT_BUDGET,
             forward_tokens: false,
+            forward_chat_tokens: false,
             decode_progress: false,
         }
     }

@@ -6,7 +6,8 @@
 //! 2. Request body (complete): plan the route ([`crate::plan`]), call the sidecar, pause. A
 //!    body above `offload_bytes` is not tokenized here: it goes whole to the sidecar's
 //!    `/v1/route_body`, so a big prompt never stalls this worker thread.
-//!    With `forward_tokens`, a completions string prompt is replaced by its token ids.
+//!    With `forward_tokens`, a completions string prompt is replaced by its token ids; with
+//!    `forward_chat_tokens`, a chat carries them in `kv_transfer_params.prompt_token_ids`.
 //! 3. Sidecar answer: set the destination header and resume. On *any* failure (bad body,
 //!    sidecar down, timeout, bad answer) resume without it: Envoy's fallback LB routes.
 //! 4. Response: report the first body byte (prefill done) and the end of the exchange to the
@@ -212,17 +213,21 @@ impl<H: Host> RequestContext<H> {
         self.decision.truncated = planned.truncated;
         self.decision.prompt_digest = planned.digest;
         self.block_size = planned.request.block_size;
-        if let Some(ids) = planned.forwardable.as_deref().filter(|_| self.shared.borrow().config.forward_tokens) {
-            self.forward_tokens(body, ids);
+        let forwarding = match endpoint {
+            Endpoint::Completions => self.shared.borrow().config.forward_tokens,
+            Endpoint::ChatCompletions => self.shared.borrow().config.forward_chat_tokens,
+        };
+        if let Some(ids) = planned.forwardable.as_deref().filter(|_| forwarding) {
+            self.forward_tokens(endpoint, body, ids);
         }
         let timeout = self.shared.borrow().config.route_timeout_ms;
         self.dispatch("/v1/route", &planned.request, timeout).then_some(planned.request.model)
     }
 
-    /// Token forwarding: replaces the body's string prompt with its token ids. The body stays
-    /// valid whatever the sidecar answers, so a failure here just leaves the text.
-    fn forward_tokens(&mut self, body: &[u8], ids: &[u32]) {
-        let Some(forwarded) = with_token_prompt(body, ids) else { return };
+    /// Token forwarding: the body carries its prompt as token ids ([`with_token_prompt`]). The
+    /// body stays valid whatever the sidecar answers, so a failure here just leaves the text.
+    fn forward_tokens(&mut self, endpoint: Endpoint, body: &[u8], ids: &[u32]) {
+        let Some(forwarded) = with_token_prompt(endpoint, body, ids) else { return };
         if let Err(status) = self.host.replace_request_body(body.len(), &forwarded) {
             log::warn!("kvgate: cannot forward token ids: {status:?}");
             return;

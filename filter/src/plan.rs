@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 use kvgate_shared::hash::{prompt_digest, Salt};
-use kvgate_shared::prompt::openai::{model_of, parse, Endpoint, Prompt};
+use kvgate_shared::prompt::openai::{model_of, parse, Endpoint, Prompt, FORWARDED_IDS};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::route::{estimated_request, route_request, PromptTokens, RequestKeys};
 use kvgate_shared::wire::{RouteBodyRequest, RouteRequest, ScoringOverrides};
@@ -37,8 +37,8 @@ pub struct Plan {
     /// True when only the prompt's head was tokenized (`max_tokenize_bytes`): the hashes
     /// cover the head, the token count is extrapolated.
     pub truncated: bool,
-    /// The complete prompt token ids of a `/v1/completions` request with one string prompt:
-    /// what token forwarding may send the engine instead of the text.
+    /// The complete prompt token ids of a `/v1/completions` request with one string prompt, or
+    /// of a chat: what token forwarding may send the engine instead of the text.
     pub forwardable: Option<Vec<u32>>,
     /// [`prompt_digest`] of the tokenized prompt (its head, if truncated).
     pub digest: Option<u64>,
@@ -132,7 +132,12 @@ pub fn plan(
     if head.tokens.is_empty() && head.truncated {
         return Ok(load_only(model.block_size));
     }
-    let single_text = matches!(parsed.prompt, Prompt::Text { .. }) && parsed.prompt_count == 1;
+    // One text prompt or a chat, tokenized whole, may go upstream as its ids instead.
+    let forwardable = match parsed.prompt {
+        Prompt::Text { .. } => parsed.prompt_count == 1,
+        Prompt::Chat(_) => true,
+        Prompt::Tokens(_) => false,
+    };
     Ok(Plan {
         truncated: head.truncated,
         request: route_request(
@@ -147,7 +152,7 @@ pub fn plan(
         ),
         tokenized: true,
         digest: Some(prompt_digest(&head.tokens)),
-        forwardable: (single_text && !head.truncated).then_some(head.tokens),
+        forwardable: (forwardable && !head.truncated).then_some(head.tokens),
         untokenizable: None,
     })
 }
@@ -230,19 +235,42 @@ fn find_last(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).rposition(|w| w == needle)
 }
 
-/// Token forwarding: `body` with its `prompt` replaced by token ids (vLLM accepts token-id
-/// prompts and does not tokenize them again). `None` if the body is not a JSON object.
+/// Token forwarding: `body` rewritten to carry its prompt as token ids, so the engine
+/// tokenizes nothing. A completions `prompt` is replaced by the ids (vLLM and SGLang take
+/// token-id prompts); a chat gets them as `kv_transfer_params.prompt_token_ids` beside any
+/// parameters the client sent there (vLLM 0.32 on then skips rendering and tokenizing). `None`
+/// when the body cannot carry them: not a JSON object, a chat with `echo` set (vLLM renders
+/// those anyway) or whose `kv_transfer_params` is not an object.
 ///
 /// ```
+/// use kvgate_shared::prompt::openai::Endpoint;
+/// use kvgate_filter::plan::with_token_prompt;
 /// let body = br#"{"model":"m","prompt":"hello world","max_tokens":4}"#;
-/// let forwarded = kvgate_filter::plan::with_token_prompt(body, &[9707, 1879]).unwrap();
+/// let forwarded = with_token_prompt(Endpoint::Completions, body, &[9707, 1879]).unwrap();
 /// let v: serde_json::Value = serde_json::from_slice(&forwarded).unwrap();
-/// assert_eq!(v["prompt"], serde_json::json!([9707, 1879]));
-/// assert_eq!(v["max_tokens"], 4);
+/// assert_eq!((&v["prompt"], &v["max_tokens"]), (&serde_json::json!([9707, 1879]), &serde_json::json!(4)));
+/// let chat = br#"{"model":"m","messages":[],"kv_transfer_params":{"x":1}}"#;
+/// let v: serde_json::Value = serde_json::from_slice(&with_token_prompt(Endpoint::ChatCompletions, chat, &[7]).unwrap()).unwrap();
+/// assert_eq!(v["kv_transfer_params"], serde_json::json!({"x": 1, "prompt_token_ids": [7]}));
 /// ```
-pub fn with_token_prompt(body: &[u8], ids: &[u32]) -> Option<Vec<u8>> {
-    let mut request: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
-    request.insert("prompt".into(), ids.into());
+pub fn with_token_prompt(endpoint: Endpoint, body: &[u8], ids: &[u32]) -> Option<Vec<u8>> {
+    use serde_json::{Map, Value};
+    let mut request: Map<String, Value> = serde_json::from_slice(body).ok()?;
+    match endpoint {
+        Endpoint::Completions => {
+            request.insert("prompt".into(), ids.into());
+        }
+        Endpoint::ChatCompletions => {
+            if request.get("echo").and_then(Value::as_bool) == Some(true) {
+                return None;
+            }
+            let params = request.entry("kv_transfer_params").or_insert_with(|| Value::Object(Map::new()));
+            if params.is_null() {
+                *params = Value::Object(Map::new());
+            }
+            params.as_object_mut()?.insert(FORWARDED_IDS.into(), ids.into());
+        }
+    }
     serde_json::to_vec(&request).ok()
 }
 
@@ -398,22 +426,35 @@ mod tests {
     }
 
     #[test]
-    fn only_whole_single_string_completions_prompts_are_forwardable() {
+    fn whole_single_string_prompts_and_chats_are_forwardable() {
         let m = models();
         let p = |endpoint, body: &str, max| plan(endpoint, body.as_bytes(), &hints(), &m, None, max).unwrap();
         let text = r#"{"model":"qwen3","prompt":"one two three four five six"}"#;
         let ids = p(Endpoint::Completions, text, 1 << 20).forwardable.unwrap();
         assert_eq!(ids.len(), p(Endpoint::Completions, text, 1 << 20).request.prompt_tokens as usize);
-        let body = with_token_prompt(text.as_bytes(), &ids).unwrap();
+        let body = with_token_prompt(Endpoint::Completions, text.as_bytes(), &ids).unwrap();
         let again = plan(Endpoint::Completions, &body, &hints(), &m, None, 1 << 20).unwrap();
         assert_eq!(again.request.block_hashes, p(Endpoint::Completions, text, 1 << 20).request.block_hashes);
         assert_eq!(again.forwardable, None, "already tokens");
         assert_eq!(p(Endpoint::Completions, text, 12).forwardable, None, "only a head was tokenized");
         let list = r#"{"model":"qwen3","prompt":["one two","three"]}"#;
         assert_eq!(p(Endpoint::Completions, list, 1 << 20).forwardable, None, "several prompts");
-        let chat = r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}]}"#;
-        assert_eq!(p(Endpoint::ChatCompletions, chat, 1 << 20).forwardable, None, "chat");
-        assert_eq!(with_token_prompt(b"[1]", &[1]), None);
+        assert_eq!(with_token_prompt(Endpoint::Completions, b"[1]", &[1]), None);
+
+        let chat = r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"kv_transfer_params":{"k":"v"}}"#;
+        let planned = p(Endpoint::ChatCompletions, chat, 1 << 20);
+        let ids = planned.forwardable.clone().expect("a chat tokenized whole");
+        let body = with_token_prompt(Endpoint::ChatCompletions, chat.as_bytes(), &ids).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["kv_transfer_params"]["k"], "v", "the client's parameters stay");
+        assert_eq!(v["messages"][0]["content"], "hi", "the messages stay (vLLM still validates them)");
+        let again = plan(Endpoint::ChatCompletions, &body, &hints(), &m, None, 1 << 20).unwrap();
+        assert_eq!(again.request.block_hashes, planned.request.block_hashes, "the ids hash as the rendered chat");
+        assert_eq!(again.forwardable, None, "already tokens");
+        let echo = r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"echo":true}"#;
+        assert_eq!(with_token_prompt(Endpoint::ChatCompletions, echo.as_bytes(), &ids), None, "echo renders");
+        let odd = r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"kv_transfer_params":[1]}"#;
+        assert_eq!(with_token_prompt(Endpoint::ChatCompletions, odd.as_bytes(), &ids), None);
     }
 
     #[test]

@@ -213,6 +213,53 @@ fn parity(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<Row> {
     })
 }
 
+/// Check 1b: what chat token forwarding relies on. vLLM takes a chat's
+/// `kv_transfer_params.prompt_token_ids` as its prompt (ids of another chat, so the count
+/// tells which was used), beside other parameters in that object, and renders the messages
+/// instead when `echo` is set; kvgate's parser (the filter's, the sidecar's, the simulator's)
+/// reads such a body the same way.
+fn chat_forwarding(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<Row> {
+    let chat = |text: &str| json!({"model": "qwen3", "max_tokens": 1, "messages": [{"role": "user", "content": text}]});
+    let (asked, other) = (chat("What is a KV cache?"), chat(&"a much longer question about prefix caching ".repeat(8)));
+    let (asked_ids, other_ids) = (kvgate_ids(artifacts, "chat", &asked)?, kvgate_ids(artifacts, "chat", &other)?);
+    let forwarded = |extra: Value| {
+        let mut body = asked.clone();
+        body["kv_transfer_params"] = json!({"note": "kept", "prompt_token_ids": other_ids});
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    let prompt_tokens = |body: &Value| -> anyhow::Result<u64> {
+        let reply = post(&stack.sims[0].url("/v1/chat/completions"), body.to_string(), &[])?;
+        anyhow::ensure!(reply.status == 200, "vLLM answered {}: {}", reply.status, reply.body);
+        Ok(usage(&reply).0)
+    };
+    let used = prompt_tokens(&forwarded(json!({})))?;
+    let echoed = prompt_tokens(&forwarded(json!({"echo": true})))?;
+    let ours = |body: &Value| -> anyhow::Result<usize> {
+        let parsed = kvgate_shared::prompt::openai::parse(
+            kvgate_shared::prompt::openai::Endpoint::ChatCompletions,
+            body.to_string().as_bytes(),
+        )?;
+        Ok(match parsed.prompt {
+            kvgate_shared::prompt::openai::Prompt::Tokens(ids) => ids.len(),
+            _ => asked_ids.len(),
+        })
+    };
+    let expected = (other_ids.len() as u64, asked_ids.len() as u64);
+    let kvgate = (ours(&forwarded(json!({})))? as u64, ours(&forwarded(json!({"echo": true})))? as u64);
+    Ok(Row {
+        scenario: "1b. chat token forwarding",
+        expected: "vLLM counts the forwarded kv_transfer_params.prompt_token_ids as the prompt (not the messages), and the messages when echo is set; kvgate's parser agrees",
+        measured: format!(
+            "forwarded: vLLM {used} tokens (ids {}, messages {}); with echo: vLLM {echoed}; kvgate reads {} and {}",
+            expected.0, expected.1, kvgate.0, kvgate.1
+        ),
+        pass: (used, echoed) == expected && kvgate == expected && expected.0 != expected.1,
+    })
+}
+
 /// Waits until the sidecar's index for `id` satisfies `ok`; returns the last count.
 fn wait_blocks(stack: &Stack, id: &str, what: &str, ok: impl Fn(u64) -> bool) -> Result<u64, u64> {
     let got = wait_for(what, Duration::from_secs(20), || stack.indexed_blocks(id).ok().filter(|n| ok(*n)));
@@ -411,6 +458,7 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
         rows.push(row);
     };
     done(parity(&stack, artifacts)?);
+    done(chat_forwarding(&stack, artifacts)?);
     done(routing(&stack, artifacts, 700, "2. routing follows the real cache")?);
     done(reset(&stack)?);
     let (row, expected) = events(&stack, artifacts)?;

@@ -656,6 +656,48 @@ fn completions_prompts_are_forwarded_as_token_ids() {
     assert_eq!(tokenized(&stack) - before, 2.0);
 }
 
+/// 11b. Token forwarding for chats: with `forward_chat_tokens`, a chat reaches the engine with
+///     the filter's ids in `kv_transfer_params.prompt_token_ids` (beside the client's own
+///     parameters), as vLLM 0.32 takes them: the engine renders and tokenizes nothing and
+///     counts exactly the prompt it would have rendered. A chat with `echo` is left alone.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn chats_are_forwarded_as_token_ids() {
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("forward_chat_tokens".into(), true.into());
+    let opts = StackOptions { name: "forward-chat".into(), filter_config, ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let tokenized = |stack: &Stack| -> f64 {
+        stack.sims.iter().map(|s| s.metric("kvgate_sim:prompts_tokenized_total").unwrap()).sum()
+    };
+    let body = |extra: Value| {
+        let mut b = chat(&document(12, 300), "what does it say?");
+        b["max_tokens"] = 2.into();
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let (before, forwarded) =
+        (tokenized(&stack), stack.envoy_stat("wasmcustom.kvgate.requests.tokens_forwarded").unwrap());
+    let direct = post(&stack.sim("a").url("/v1/chat/completions"), body(json!({})).to_string(), &[]).unwrap();
+    let engine_tokens = direct.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(tokenized(&stack) - before, 1.0, "the direct chat was rendered and tokenized by the engine");
+    for i in 0..3 {
+        let reply =
+            stream(&stack.gateway("/v1/chat/completions"), body(json!({"kv_transfer_params": {"note": i}}))).unwrap();
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.header("x-kvgate-forwarded-tokens"), "true");
+        let prompt_tokens = reply.usage.as_ref().and_then(|u| u["prompt_tokens"].as_u64());
+        assert_eq!(prompt_tokens, Some(engine_tokens), "the same prompt, as ids");
+    }
+    assert_eq!(tokenized(&stack) - before, 1.0, "forwarded chats were not tokenized again");
+    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.tokens_forwarded").unwrap() - forwarded, 3);
+    let echoed = stream(&stack.gateway("/v1/chat/completions"), body(json!({"echo": true}))).unwrap();
+    assert_eq!((echoed.status, echoed.header("x-kvgate-forwarded-tokens")), (200, "false"), "echo: left as text");
+    assert_eq!(tokenized(&stack) - before, 2.0);
+}
+
 /// 12. Parity inside Envoy: every reference chat (`testdata/parity/qwen3-chat.json`, rendered
 ///     by transformers and tokenized by HF tokenizers) gets exactly the reference ids from the
 ///     filter running in Envoy's V8 — compared by count and digest — and from the engine.

@@ -42,7 +42,8 @@ pub enum Prompt {
         /// vLLM's default for completions is `true`.
         add_special_tokens: bool,
     },
-    /// A completions prompt given as token ids: used verbatim.
+    /// Token ids, used verbatim: a completions prompt given as ids, or a chat's forwarded
+    /// `kv_transfer_params.prompt_token_ids`.
     Tokens(Vec<u32>),
     /// A chat conversation, already normalised as vLLM does.
     Chat(chat::ChatInput),
@@ -99,7 +100,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
     let session = ["session_id", "user"].iter().find_map(|k| obj.get(*k).and_then(Value::as_str)).map(str::to_owned);
     let (prompt, prompt_count) = match endpoint {
         Endpoint::Completions => completion_prompt(&obj)?,
-        Endpoint::ChatCompletions => (Prompt::Chat(chat::ChatInput::from_request(&obj)?), 1),
+        Endpoint::ChatCompletions => (chat_prompt(&obj)?, 1),
     };
     let cache_salt = match obj.get("cache_salt") {
         None | Some(Value::Null) => None,
@@ -161,6 +162,27 @@ fn completion_prompt(obj: &Map<String, Value>) -> Result<(Prompt, usize), Prompt
     }
 }
 
+/// A chat's prompt: its messages — or the token ids forwarded with it. vLLM (0.32 on) takes
+/// `kv_transfer_params.prompt_token_ids` on a chat as the prompt and renders and tokenizes
+/// nothing, except when `echo` is set or a message has non-text content (then it renders the
+/// messages; kvgate's renderer refuses such content before the ids are looked at). A value
+/// that is not a non-empty list of token ids is a 400 there, so an error here.
+fn chat_prompt(obj: &Map<String, Value>) -> Result<Prompt, PromptError> {
+    let chat = chat::ChatInput::from_request(obj)?;
+    let echo = obj.get("echo").and_then(Value::as_bool).unwrap_or(false);
+    match obj.get("kv_transfer_params").and_then(|kv| kv.get(FORWARDED_IDS)) {
+        None | Some(Value::Null) => Ok(Prompt::Chat(chat)),
+        Some(_) if echo => Ok(Prompt::Chat(chat)),
+        Some(Value::Array(items)) => Ok(Prompt::Tokens(token_ids(items)?)),
+        Some(_) => {
+            Err(PromptError::Invalid(format!("`kv_transfer_params.{FORWARDED_IDS}` must be a list of token ids")))
+        }
+    }
+}
+
+/// The `kv_transfer_params` key vLLM reads a chat's forwarded prompt token ids from.
+pub const FORWARDED_IDS: &str = "prompt_token_ids";
+
 fn token_ids(items: &[Value]) -> Result<Vec<u32>, PromptError> {
     if items.is_empty() {
         return Err(PromptError::Invalid("token prompt must not be empty".into()));
@@ -181,6 +203,24 @@ mod tests {
 
     fn completion(body: &str) -> Result<ParsedRequest, PromptError> {
         parse(Endpoint::Completions, body.as_bytes())
+    }
+
+    #[test]
+    fn a_chat_with_forwarded_ids_is_those_ids_as_vllm_takes_them() {
+        let chat = |extra: &str| {
+            let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#);
+            parse(Endpoint::ChatCompletions, body.as_bytes())
+        };
+        assert!(matches!(chat("").unwrap().prompt, Prompt::Chat(_)));
+        let forwarded = chat(r#","kv_transfer_params":{"do_remote_decode":false,"prompt_token_ids":[5,6,7]}"#);
+        assert_eq!(forwarded.unwrap().prompt, Prompt::Tokens(vec![5, 6, 7]));
+        assert!(matches!(chat(r#","kv_transfer_params":{"prompt_token_ids":null}"#).unwrap().prompt, Prompt::Chat(_)));
+        let echoed = chat(r#","echo":true,"kv_transfer_params":{"prompt_token_ids":[5]}"#);
+        assert!(matches!(echoed.unwrap().prompt, Prompt::Chat(_)), "vLLM renders the messages when echo is set");
+        for bad in [r#"[]"#, r#"[true]"#, r#"[1.5]"#, r#"[-1]"#, r#""5 6""#] {
+            let body = format!(r#","kv_transfer_params":{{"prompt_token_ids":{bad}}}"#);
+            assert!(matches!(chat(&body), Err(PromptError::Invalid(_))), "{bad} is a 400 in vLLM");
+        }
     }
 
     #[test]
