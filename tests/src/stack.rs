@@ -381,6 +381,16 @@ impl Stack {
         })
     }
 
+    /// The processes on the request path in front of the engines: Envoy and the sidecar.
+    pub fn gateway_pids(&self) -> Vec<u32> {
+        self.envoy.pid().into_iter().chain(self.sidecar.as_ref().and_then(Proc::pid)).collect()
+    }
+
+    /// The engines' processes.
+    pub fn engine_pids(&self) -> Vec<u32> {
+        self.sims.iter().filter_map(|s| s.proc.pid()).collect()
+    }
+
     /// `http://127.0.0.1:<gateway>{path}`.
     pub fn gateway(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.gateway_port)

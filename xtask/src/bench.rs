@@ -210,7 +210,12 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     let artifacts = Artifacts::locate("release");
     let facts = facts(format!("cargo xtask bench filter {}", raw.join(" ")).trim().to_owned());
     let report = kvgate_e2e::bench::filter::run(&artifacts)?;
-    let tables = kvgate_e2e::bench::filter::tables(&report);
+    let throughput = kvgate_e2e::bench::throughput::run(&artifacts)?;
+    let tables = format!(
+        "{}\n{}",
+        kvgate_e2e::bench::filter::tables(&report),
+        kvgate_e2e::bench::throughput::table(&throughput)
+    );
     let md = format!(
         "# kvgate filter overhead\n\n- command: `{}`\n- commit: `{}`\n- machine: {}\n- started: {}\n\n{tables}",
         facts.command, facts.commit, facts.machine, facts.started
@@ -220,7 +225,7 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     std::fs::write(dir.join("filter.md"), &md)?;
     std::fs::write(
         dir.join("filter.json"),
-        serde_json::to_string_pretty(&serde_json::json!({"facts": facts, "report": report}))?,
+        serde_json::to_string_pretty(&serde_json::json!({"facts": facts, "report": report, "throughput": throughput}))?,
     )?;
     println!("{md}\nwritten to {}", dir.display());
     Ok(())

@@ -9,6 +9,7 @@
 //! | `peers` | SGLang's and vLLM's routers, installed from PyPI, on the same fleet |
 //! | `report` | `report.md`, `results.json`, SVG charts |
 //! | `filter` | `cargo xtask bench filter`: latency kvgate adds, tokenization in Envoy vs native |
+//! | `throughput` | `cargo xtask bench filter`, last: routed requests/s one Envoy worker sustains |
 //!
 //! Each (workload, QPS, repeat) starts a fresh fleet per policy, so no policy inherits
 //! another's warm caches; ratios against round robin are taken within the same repeat.
@@ -18,6 +19,7 @@ pub mod loadgen;
 pub mod peers;
 pub mod report;
 pub mod stats;
+pub mod throughput;
 pub mod workloads;
 
 use std::path::PathBuf;

@@ -1,0 +1,222 @@
+//! Gateway throughput (`cargo xtask bench filter`, last section): how many routed requests one
+//! Envoy worker sustains, which is what sizes a gateway tier.
+//!
+//! Distinct ~1k-token chats (a new document each, so no cache of any kind helps), engines that
+//! answer at once with one token. Envoy (one worker) and the sidecar are pinned to core 0; the
+//! engines and this load generator to core 1. Requests are sent open loop at a fixed rate
+//! (each timed from when it was due, so a gateway that falls behind shows its queue), for
+//! Envoy alone and for Envoy with kvgate, and the difference at the same rate is what kvgate
+//! adds. A closed loop of [`CLIENTS`] clients then finds each setup's ceiling.
+
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::json;
+
+use super::stats::percentile;
+use crate::client::client;
+use crate::workload::document;
+use crate::{Artifacts, Routing, Stack, StackOptions};
+
+/// Offered rates, requests per second.
+pub const RATES: [usize; 4] = [250, 500, 1000, 1500];
+/// How long each rate is offered.
+const SECS_PER_RATE: u64 = 4;
+/// Senders of the open loop (the most requests in flight).
+const SENDERS: usize = 64;
+/// Clients of the closed loop.
+pub const CLIENTS: usize = 32;
+/// Words per prompt (about 1k tokens in the chat).
+const WORDS: usize = 1_000;
+
+/// One (setup, rate) cell.
+#[derive(Debug, Clone, Serialize)]
+pub struct Cell {
+    /// `Envoy alone` or `Envoy + kvgate`.
+    pub setup: &'static str,
+    /// Offered requests/s (`None`: the closed loop).
+    pub offered: Option<usize>,
+    /// Completed requests/s.
+    pub achieved: f64,
+    /// Latency from when each request was due to its full answer, ms.
+    pub p50_ms: f64,
+    /// .
+    pub p99_ms: f64,
+    /// Requests that failed or were not answered 200.
+    pub errors: usize,
+}
+
+/// What the section measures.
+#[derive(Debug, Clone, Serialize)]
+pub struct Throughput {
+    /// Every (setup, rate) cell.
+    pub cells: Vec<Cell>,
+    /// Envoy's peak resident memory after each setup's run (`VmHWM`), MB: the difference is
+    /// the filter's VM with its tokenizer and caches.
+    pub envoy_peak_rss_mb: Vec<(&'static str, f64)>,
+}
+
+/// Peak resident memory of `pid`, MB.
+fn peak_rss_mb(pid: u32) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Pins every thread of `pid` to `core` (Linux `taskset`).
+fn pin(pid: u32, core: usize) -> anyhow::Result<()> {
+    let status = Command::new("taskset")
+        .args(["-a", "-p", "-c", &core.to_string(), &pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()?;
+    anyhow::ensure!(status.success(), "taskset {pid} failed");
+    Ok(())
+}
+
+fn options(routing: Routing) -> StackOptions {
+    let sim_args = ["--preset", "test", "--step-base-us", "100", "--prefill-us-per-token", "0"]
+        .into_iter()
+        .chain(["--attn-us-per-token-pair", "0", "--num-gpu-blocks-override", "65536"])
+        .chain(["--max-num-batched-tokens", "262144", "--max-num-seqs", "1024"])
+        .map(String::from)
+        .collect();
+    StackOptions {
+        name: "bench-throughput".into(),
+        replicas: 2,
+        routing,
+        sim_args,
+        route_timeout_ms: 25,
+        ..StackOptions::default()
+    }
+}
+
+/// Distinct chat bodies, `n` of them, seeded apart from every other setup's.
+fn bodies(seed: u32, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            json!({"model": "qwen3", "max_tokens": 1, "messages": [
+                {"role": "system", "content": document(seed + i as u32, WORDS)},
+                {"role": "user", "content": "answer in one word"}]})
+            .to_string()
+        })
+        .collect()
+}
+
+/// Sends `bodies` in order, each at `start + i / rate` (open loop), or as fast as
+/// [`CLIENTS`] clients can (`rate` = `None`). Returns the cell.
+fn offer(url: &str, setup: &'static str, rate: Option<usize>, bodies: Vec<String>) -> Cell {
+    let bodies = Arc::new(bodies);
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now() + Duration::from_millis(50);
+    let threads = if rate.is_some() { SENDERS } else { CLIENTS };
+    let senders: Vec<_> = (0..threads)
+        .map(|_| {
+            let (bodies, next, url) = (bodies.clone(), next.clone(), url.to_owned());
+            std::thread::spawn(move || {
+                let http = client();
+                let mut done = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(body) = bodies.get(i) else { break };
+                    let due = match rate {
+                        Some(r) => start + Duration::from_secs_f64(i as f64 / r as f64),
+                        None => Instant::now().max(start),
+                    };
+                    if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(wait);
+                    }
+                    let ok = http
+                        .post(&url)
+                        .header("content-type", "application/json")
+                        .body(body.clone())
+                        .send()
+                        .and_then(|r| Ok((r.status().is_success(), r.bytes()?)))
+                        .is_ok_and(|(ok, _)| ok);
+                    done.push((ok, due.elapsed(), Instant::now()));
+                }
+                done
+            })
+        })
+        .collect();
+    let results: Vec<(bool, Duration, Instant)> =
+        senders.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect();
+    let last = results.iter().map(|r| r.2).max().unwrap_or(start);
+    let ms: Vec<f64> = results.iter().filter(|r| r.0).map(|r| r.1.as_secs_f64() * 1000.0).collect();
+    let cell = Cell {
+        setup,
+        offered: rate,
+        achieved: ms.len() as f64 / last.saturating_duration_since(start).as_secs_f64().max(1e-3),
+        p50_ms: percentile(&ms, 50.0).unwrap_or(0.0),
+        p99_ms: percentile(&ms, 99.0).unwrap_or(0.0),
+        errors: results.len() - ms.len(),
+    };
+    eprintln!("bench throughput: {cell:?}");
+    cell
+}
+
+/// Runs every setup and rate.
+pub fn run(artifacts: &Artifacts) -> anyhow::Result<Throughput> {
+    pin(std::process::id(), 1)?;
+    let (mut cells, mut envoy_peak_rss_mb) = (Vec::new(), Vec::new());
+    for (setup, routing, seed) in
+        [("Envoy alone", Routing::RoundRobin, 200_000), ("Envoy + kvgate", Routing::Kvgate, 400_000)]
+    {
+        let stack = Stack::start(&options(routing), artifacts)?;
+        for pid in stack.gateway_pids() {
+            pin(pid, 0)?;
+        }
+        for pid in stack.engine_pids() {
+            pin(pid, 1)?;
+        }
+        let url = stack.gateway("/v1/chat/completions");
+        let mut seed = seed;
+        for rate in RATES {
+            let n = rate * SECS_PER_RATE as usize;
+            cells.push(offer(&url, setup, Some(rate), bodies(seed, n)));
+            seed += n as u32;
+        }
+        cells.push(offer(&url, setup, None, bodies(seed, 3_000)));
+        if let Some(mb) = stack.gateway_pids().first().and_then(|pid| peak_rss_mb(*pid)) {
+            envoy_peak_rss_mb.push((setup, mb));
+        }
+    }
+    Ok(Throughput { cells, envoy_peak_rss_mb })
+}
+
+/// The section of the report.
+pub fn table(throughput: &Throughput) -> String {
+    let cells = &throughput.cells;
+    let mut md = format!(
+        "### Gateway throughput (one Envoy worker)\n\n\
+         Distinct ~1k-token chats, engines answering at once with one token; Envoy and the sidecar \
+         on core 0, engines and load generator on core 1. Open loop at each rate for {SECS_PER_RATE} s \
+         (latency from when each request was due), then a closed loop of {CLIENTS} clients.\n\n\
+         | offered | Envoy alone: achieved | p50 | p99 | + kvgate: achieved | p50 | p99 | added p99 | errors |\n\
+         |---|---|---|---|---|---|---|---|---|\n"
+    );
+    let find = |setup: &str, offered| cells.iter().find(|c| c.setup == setup && c.offered == offered);
+    for offered in RATES.iter().map(|r| Some(*r)).chain([None]) {
+        let (Some(a), Some(k)) = (find("Envoy alone", offered), find("Envoy + kvgate", offered)) else { continue };
+        let label = offered.map_or(format!("closed loop ({CLIENTS})"), |r| format!("{r}/s"));
+        md += &format!(
+            "| {label} | {:.0}/s | {:.2} ms | {:.2} ms | {:.0}/s | {:.2} ms | {:.2} ms | {:.2} ms | {} |\n",
+            a.achieved,
+            a.p50_ms,
+            a.p99_ms,
+            k.achieved,
+            k.p50_ms,
+            k.p99_ms,
+            k.p99_ms - a.p99_ms,
+            a.errors + k.errors
+        );
+    }
+    md += "\nEnvoy's peak resident memory:";
+    for (setup, mb) in &throughput.envoy_peak_rss_mb {
+        md += &format!(" {setup} {mb:.0} MB;");
+    }
+    md + "\n"
+}
