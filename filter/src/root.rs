@@ -230,13 +230,15 @@ impl Root {
 
     fn on_tokenizer(&mut self, model: String, body: &[u8]) {
         let budget = self.shared.borrow().config.segment_cache_bytes;
+        let started = std::time::Instant::now();
         let loaded = codec::decode::<ModelBundle>(body).map_err(|e| e.to_string()).and_then(|bundle| {
             let tokenizer = ModelTokenizer::from_bundle(&bundle).map_err(|e| e.to_string())?;
             Ok((bundle.block_size, tokenizer.with_segment_cache(budget)))
         });
         match loaded {
             Ok((block_size, tokenizer)) if block_size > 0 => {
-                log::info!("kvgate: tokenizer for {model:?} loaded (block size {block_size})");
+                let ms = started.elapsed().as_millis();
+                log::info!("kvgate: tokenizer for {model:?} loaded in {ms} ms (block size {block_size})");
                 self.fetches.loaded(&model);
                 self.set_missing_gauge(&model, false);
                 let loaded = LoadedModel { tokenizer: Rc::new(tokenizer), block_size, salt: Salt::NONE };
