@@ -25,6 +25,7 @@ fn repo() -> PathBuf {
 /// One model's tokenizer, loaded both ways.
 struct Pair {
     name: String,
+    dir: PathBuf,
     ours: ModelTokenizer,
     legacy: tokenizers_legacy::Tokenizer,
 }
@@ -35,7 +36,7 @@ impl Pair {
         let bundle = ModelBundle::from_dir(&name, dir, 16).unwrap_or_else(|e| panic!("{name}: {e}"));
         let ours = ModelTokenizer::from_bundle(&bundle).unwrap_or_else(|e| panic!("{name}: {e}"));
         let legacy = tokenizers_legacy::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
-        Pair { name, ours, legacy }
+        Pair { name, dir: dir.to_path_buf(), ours, legacy }
     }
 
     /// `None` if both agree, else where they first differ.
@@ -253,6 +254,43 @@ fn adversarial_corpus_matches() {
         std::fs::read_to_string(repo().join("README.md")).unwrap(),
     ]);
     check_all(texts);
+}
+
+/// The segment cache (pieces cut before each special token, encoded apart) gives the ids of
+/// one whole encode for every family it accepts, and refuses the others.
+#[test]
+fn the_segment_cache_is_exact_where_it_is_on() {
+    use kvgate_shared::prompt::segments::SegmentCache;
+    use kvgate_shared::prompt::tokenizer::load_tokenizer;
+    use tokenizers::pipeline::{EncodeOptions, PipelineToken};
+    let mut failures = Vec::new();
+    let mut cached = Vec::new();
+    for pair in pairs() {
+        let tokenizer = load_tokenizer(&std::fs::read_to_string(pair.dir.join("tokenizer.json")).unwrap()).unwrap();
+        let Some(cache) = SegmentCache::for_tokenizer(&tokenizer, 1 << 20) else { continue };
+        cached.push(pair.name.clone());
+        let encode = |text: &str| -> Result<Vec<u32>, String> {
+            let mut out: Vec<PipelineToken> = Vec::new();
+            tokenizer.encode_into(text, &EncodeOptions::no_specials(), &mut out).map_err(|e| e.to_string())?;
+            Ok(PipelineToken::cast_slice(&out).to_vec())
+        };
+        let turns = |sep: &str| {
+            (0..4)
+                .map(|i| format!("{sep}turn {i}: 'tis   a  test\n\n {}", PIECES[i * 7 % PIECES.len()]))
+                .collect::<String>()
+        };
+        for text in SPECIALS.iter().map(|s| turns(s)).chain([SPECIALS.join("x y "), turns("")]) {
+            let whole = encode(&text).unwrap();
+            for round in ["first", "again"] {
+                let pieces = cache.encode(&text, encode).unwrap();
+                if pieces != whole {
+                    failures.push(format!("{} ({round}) on {:?}", pair.name, &text[..text.len().min(60)]));
+                }
+            }
+        }
+    }
+    assert!(cached.iter().any(|n| n.starts_with("qwen3")), "the cache is on for Qwen3: {cached:?}");
+    assert!(failures.is_empty(), "segment cache diverges:\n{}", failures.join("\n"));
 }
 
 fn adversarial_text() -> impl Strategy<Value = String> {
