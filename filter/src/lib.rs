@@ -22,6 +22,7 @@ pub mod config;
 pub mod fetches;
 pub mod host;
 pub mod http;
+pub mod logger;
 pub mod metrics;
 pub mod plan;
 pub mod redelivery;
@@ -29,6 +30,6 @@ pub mod root;
 pub mod shared;
 
 proxy_wasm::main! {{
-    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+    logger::install();
     proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> { Box::new(root::Root::new()) });
 }}
