@@ -16,6 +16,7 @@ pub mod chat;
 pub mod content_format;
 pub mod openai;
 pub mod segments;
+pub mod strftime;
 pub mod template;
 pub mod tokenizer;
 

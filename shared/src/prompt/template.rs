@@ -1,7 +1,7 @@
 //! Rendering a chat template the way transformers' `apply_chat_template` does.
 //!
 //! transformers renders with a Jinja2 sandbox configured with `trim_blocks` and `lstrip_blocks`,
-//! adds `raise_exception`, `strftime_now` and a `tojson` that is Python's
+//! adds `raise_exception`, `strftime_now` ([`super::strftime`], in UTC) and a `tojson` that is Python's
 //! `json.dumps(ensure_ascii=False)` (`", "` and `": "` separators, keys in insertion order).
 //! minijinja plus its Python-compatibility methods (`.startswith`, `.strip`, …) gives the same
 //! text; the few differences that matter are implemented here.
@@ -51,6 +51,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.to_owned()).map_err(|e| PromptError::Template(e.to_string()))?;
         let knows_developer_role = source.contains("\"developer\"") || source.contains("'developer'");
         let content_format = content_format.resolve(source);
@@ -62,8 +63,14 @@ impl ChatTemplate {
         self.content_format
     }
 
-    /// Renders a normalised chat into the prompt text.
+    /// Renders a normalised chat into the prompt text, now.
     pub fn render(&self, chat: &ChatInput) -> Result<String, PromptError> {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        self.render_at(chat, i64::try_from(now).unwrap_or(i64::MAX))
+    }
+
+    /// Renders as [`ChatTemplate::render`] would at `unix_secs` (what `strftime_now` prints).
+    pub fn render_at(&self, chat: &ChatInput, unix_secs: i64) -> Result<String, PromptError> {
         let mut messages = chat.messages_for(self.content_format, self.knows_developer_role);
         if chat.continue_final_message {
             // transformers 5: mark where the final message ends, render, cut there.
@@ -85,6 +92,7 @@ impl ChatTemplate {
         if let Some(tools) = &chat.tools {
             ctx.insert("tools".into(), Json::Array(tools.clone()));
         }
+        ctx.insert(NOW_VAR.into(), Json::from(unix_secs));
         ctx.insert("add_generation_prompt".into(), Json::Bool(chat.add_generation_prompt));
         ctx.insert("continue_final_message".into(), Json::Bool(chat.continue_final_message));
         for (key, token) in [("bos_token", &self.bos_token), ("eos_token", &self.eos_token)] {
@@ -122,6 +130,14 @@ fn continue_final(rendered: String) -> Result<String, PromptError> {
     } else {
         Ok(rendered[..at].trim_end().to_owned())
     }
+}
+
+/// Where `strftime_now` finds the render's instant (seconds since the epoch).
+const NOW_VAR: &str = "__kvgate_now__";
+
+fn strftime_now(state: &minijinja::State, format: String) -> Result<Value, Error> {
+    let now = state.lookup(NOW_VAR).and_then(|v| v.as_i64()).unwrap_or(0);
+    super::strftime::strftime(&format, now).map(Value::from).map_err(|e| Error::new(ErrorKind::InvalidOperation, e))
 }
 
 fn raise_exception(message: String) -> Result<Value, Error> {
