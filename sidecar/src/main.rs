@@ -129,6 +129,9 @@ fn main() -> anyhow::Result<()> {
             for pool in &config.pools {
                 let bundle = pool.bundle().with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
                 ModelTokenizer::from_bundle(&bundle).with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
+                if let Some(caveat) = bundle.renderer_caveat() {
+                    println!("warning: pool {:?}: {caveat}", pool.model);
+                }
             }
             println!("{}: ok ({} pools)", file.display(), config.pools.len());
             Ok(())
@@ -168,6 +171,9 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     for pool_config in &config.pools {
         let bundle =
             pool_config.bundle().with_context(|| format!("loading the tokenizer of {:?}", pool_config.model))?;
+        if let Some(caveat) = bundle.renderer_caveat() {
+            tracing::warn!(model = %pool_config.model, "{caveat}");
+        }
         let bundle = codec::encode(&bundle)?;
         let pool = Arc::new(Pool::new(pool_config.clone(), bundle, metrics.clone()));
         // Load the tokenizer for offloaded prompts now, off the runtime, so that the first

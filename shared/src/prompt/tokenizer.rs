@@ -251,6 +251,20 @@ impl ModelBundle {
     }
 }
 
+impl ModelBundle {
+    /// Why kvgate's rendering may differ from the engine's for this model, if it knows: a
+    /// harmony template (gpt-oss), which vLLM does not render but replaces with
+    /// openai-harmony. For `check-config` and the sidecar's start-up log.
+    pub fn renderer_caveat(&self) -> Option<&'static str> {
+        let template = self.chat_template.as_deref()?;
+        (template.contains("<|channel|>") && template.contains("<|message|>")).then_some(
+            "a harmony (gpt-oss) template: vLLM renders these models with openai-harmony instead, \
+             which differs from the template on most requests with a system message or tools, \
+             so such prompts will not find their cached prefix",
+        )
+    }
+}
+
 /// Where transformers saves a model's chat template since 4.43; it wins over
 /// `tokenizer_config.json`'s `chat_template`.
 const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
