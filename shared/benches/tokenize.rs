@@ -15,7 +15,6 @@ use std::path::{Path, PathBuf};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
-use kvgate_shared::prompt::template::ChatTemplate;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::ModelBundle;
 use serde_json::{json, Value};
@@ -79,13 +78,7 @@ fn bench(c: &mut Criterion) {
     let dir = repo().join("models/qwen3-0.6b");
     let bundle = ModelBundle::from_dir("qwen3", &dir, 16).expect("the vendored model");
     let legacy = tokenizers_legacy::Tokenizer::from_file(dir.join("tokenizer.json")).expect("tokenizer");
-    let template = ChatTemplate::new(
-        bundle.chat_template.as_deref().expect("template"),
-        bundle.bos_token.clone(),
-        bundle.eos_token.clone(),
-        bundle.content_format,
-    )
-    .expect("template");
+    let template = bundle.template().expect("template").expect("the model has a template");
     let cold = ModelTokenizer::from_bundle(&bundle).expect("tokenizer");
     let cached = ModelTokenizer::from_bundle(&bundle).expect("tokenizer").with_segment_cache(64 << 20);
     let corpus = corpus();

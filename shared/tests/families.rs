@@ -7,7 +7,6 @@
 use std::path::PathBuf;
 
 use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
-use kvgate_shared::prompt::template::ChatTemplate;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::ModelBundle;
 use serde_json::Value;
@@ -25,13 +24,7 @@ fn divergences(family: &str) -> (usize, Vec<String>) {
     let dir = repo().join("../shared/testdata/tokenizers").join(family);
     let bundle = ModelBundle::from_dir(family, &dir, 16).unwrap();
     let tokenizer = ModelTokenizer::from_bundle(&bundle).unwrap();
-    let template = ChatTemplate::new(
-        bundle.chat_template.as_deref().unwrap(),
-        bundle.bos_token.clone(),
-        bundle.eos_token.clone(),
-        bundle.content_format,
-    )
-    .unwrap();
+    let template = bundle.template().unwrap().expect("the model has a template");
     let now = reference["now_unix"].as_i64().unwrap();
     let cases = reference["cases"].as_array().unwrap();
     let mut out = Vec::new();

@@ -9,7 +9,6 @@ use std::path::PathBuf;
 
 use kvgate_shared::prompt::content_format::ContentFormat;
 use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
-use kvgate_shared::prompt::template::ChatTemplate;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::ModelBundle;
 use serde_json::Value;
@@ -30,13 +29,7 @@ fn check(file: &str, expected_format: ContentFormat) -> usize {
         bundle.chat_template = Some(template.to_owned());
     }
     let tokenizer = ModelTokenizer::from_bundle(&bundle).unwrap();
-    let template = ChatTemplate::new(
-        bundle.chat_template.as_deref().unwrap(),
-        bundle.bos_token.clone(),
-        bundle.eos_token.clone(),
-        bundle.content_format,
-    )
-    .unwrap();
+    let template = bundle.template().unwrap().expect("the model has a template");
     assert_eq!(template.content_format(), expected_format, "{file}: detected content format");
     let cases = reference["cases"].as_array().unwrap();
     let mut failures = Vec::new();

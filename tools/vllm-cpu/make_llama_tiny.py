@@ -8,10 +8,13 @@ usage: python make_llama_tiny.py OUT_DIR TOKENIZER_DIR
   TOKENIZER_DIR: ../shared/testdata/tokenizers/llama-3.2-1b-instruct (Llama 3.2 Community
   License; test data, never shipped: the built model stays under target/)
 """
-import hashlib, json, os, shutil, sys
+import json, os, sys
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tiny_common import copy_checked  # noqa: E402
 
 if len(sys.argv) < 3:
     sys.exit(__doc__)
@@ -22,12 +25,7 @@ EXPECTED = {  # sha256 of the official files (SOURCE.md next to them)
     "tokenizer.json": "79e3e522635f3171300913bb421464a87de6222182a0570b9b2ccba2a964b2b4",
     "tokenizer_config.json": "9823dcfdc1121869029da45192238e85cf44f0b232a6d9dc20e4fe6f4242a14e",
 }
-for name, want in EXPECTED.items():
-    src = os.path.join(tok_dir, name)
-    got = hashlib.sha256(open(src, "rb").read()).hexdigest()
-    if got != want:
-        sys.exit(f"{src}: sha256 {got} != expected {want}")
-    shutil.copyfile(src, os.path.join(out, name))
+copy_checked(tok_dir, out, EXPECTED)
 
 tj = json.load(open(os.path.join(tok_dir, "tokenizer.json"), encoding="utf-8"))
 ids = {t["content"]: t["id"] for t in tj["added_tokens"]}

@@ -11,6 +11,9 @@ import hashlib, json, os, shutil, sys
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tiny_common import copy_checked  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TOK = os.path.join(HERE, "..", "..", "models", "qwen3-0.6b")
 
@@ -25,12 +28,7 @@ EXPECTED = {  # sha256 of the official Qwen/Qwen3-0.6B@c1899de files (see SOURCE
     "tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
     "tokenizer_config.json": "d5d09f07b48c3086c508b30d1c9114bd1189145b74e982a265350c923acd8101",
 }
-for name, want in EXPECTED.items():
-    src = os.path.join(tok_dir, name)
-    got = hashlib.sha256(open(src, "rb").read()).hexdigest()
-    if got != want:
-        sys.exit(f"{src}: sha256 {got} != expected {want}")
-    shutil.copyfile(src, os.path.join(out, name))
+copy_checked(tok_dir, out, EXPECTED)
 for name in ("LICENSE", "NOTICE"):  # Apache-2.0 tokenizer: keep the licence with the copy
     if os.path.exists(os.path.join(tok_dir, name)):
         shutil.copyfile(os.path.join(tok_dir, name), os.path.join(out, name))

@@ -31,13 +31,7 @@ impl ModelTokenizer {
     /// run (a model kind or component not built in) is refused with an error naming it.
     pub fn from_bundle(bundle: &ModelBundle) -> Result<Self, PromptError> {
         let tokenizer = load_tokenizer(&bundle.tokenizer_json)?;
-        let template = bundle
-            .chat_template
-            .as_deref()
-            .map(|src| {
-                ChatTemplate::new(src, bundle.bos_token.clone(), bundle.eos_token.clone(), bundle.content_format)
-            })
-            .transpose()?;
+        let template = bundle.template()?;
         Ok(ModelTokenizer { tokenizer, template, segments: None })
     }
 
@@ -252,6 +246,15 @@ impl ModelBundle {
 }
 
 impl ModelBundle {
+    /// The bundle's chat template, compiled with its special tokens and content format
+    /// (`None` if the model has no template).
+    pub fn template(&self) -> Result<Option<ChatTemplate>, PromptError> {
+        self.chat_template
+            .as_deref()
+            .map(|src| ChatTemplate::new(src, self.bos_token.clone(), self.eos_token.clone(), self.content_format))
+            .transpose()
+    }
+
     /// Why kvgate's rendering may differ from the engine's for this model, if it knows: a
     /// harmony template (gpt-oss), which vLLM does not render but replaces with
     /// openai-harmony. For `check-config` and the sidecar's start-up log.
