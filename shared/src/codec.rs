@@ -66,6 +66,7 @@ mod tests {
             max_tokens: None,
             prompts: 1,
             samples: 1,
+            stream: true,
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
         let resp =

@@ -69,6 +69,7 @@ pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptT
         max_tokens: parsed.max_tokens,
         prompts: u32::try_from(parsed.prompt_count).unwrap_or(u32::MAX).max(1),
         samples: parsed.samples,
+        stream: parsed.stream,
     }
 }
 
@@ -89,6 +90,8 @@ pub fn estimated_request(model: &str, keys: &RequestKeys, tokens: u32, block_siz
         max_tokens: None,
         prompts: 1,
         samples: 1,
+        // Unknown: its first token is waited for, as for a streamed one.
+        stream: true,
     }
 }
 

@@ -79,6 +79,9 @@ pub struct RouteRequest {
     pub prompts: u32,
     /// Sequences decoded per prompt: `max(n, best_of)`.
     pub samples: u32,
+    /// Whether the response streams. A non-streamed response's first byte is its last, so
+    /// the sidecar estimates when its prefill ends instead of waiting for that report.
+    pub stream: bool,
 }
 
 /// How a [`RouteRequest`]'s `prompt_tokens` was arrived at: what its prediction of the

@@ -251,6 +251,7 @@ fn main() {
             max_tokens: None,
             prompts: 1,
             samples: 1,
+            stream: true,
         };
         row("idle", prompt_tokens, &decide_for(&p, &request, secs), None);
         run.store(true, Ordering::Relaxed);

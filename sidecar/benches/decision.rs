@@ -73,6 +73,7 @@ fn bench(c: &mut Criterion) {
                 max_tokens: None,
                 prompts: 1,
                 samples: 1,
+                stream: true,
             };
             group.bench_function(BenchmarkId::new(format!("{prompt_tokens}_tokens"), replicas), |b| {
                 b.iter(|| {

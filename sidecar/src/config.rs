@@ -134,6 +134,12 @@ pub struct PoolConfig {
     /// 30 s): if it comes back within that, it comes back warm. 0 empties it at once.
     #[serde(default = "default_leave_grace")]
     pub leave_grace_secs: u64,
+    /// The prefill rate, tokens/s, assumed for a replica until it has served a streamed
+    /// request (default 8 000): a non-streamed response's first byte is its last, so its
+    /// prefill is taken to end after `prefill tokens / rate`, the rate learned per replica
+    /// from streamed requests' time to first token once there is one.
+    #[serde(default = "default_prefill_rate")]
+    pub prefill_tokens_per_sec: f64,
     /// Poll each engine's `/metrics` this often and count the requests it runs beyond those
     /// kvgate booked as load (traffic that bypasses kvgate). 0 (default) turns it off.
     #[serde(default)]
@@ -272,6 +278,7 @@ impl PoolConfig {
             affinity_blocks: default_affinity_blocks(),
             inflight_credit_secs: default_inflight_credit(),
             leave_grace_secs: default_leave_grace(),
+            prefill_tokens_per_sec: default_prefill_rate(),
             engine_metrics_secs: 0,
             discovery: DiscoveryConfig::default(),
             adapters: Vec::new(),
@@ -411,6 +418,10 @@ fn default_inflight_credit() -> u64 {
 
 fn default_leave_grace() -> u64 {
     30
+}
+
+fn default_prefill_rate() -> f64 {
+    8_000.0
 }
 
 fn default_adapters_poll() -> u64 {
@@ -558,6 +569,9 @@ impl Config {
             }
             if pool.block_size == 0 {
                 bail!("pool {:?}: block_size must be positive", pool.model);
+            }
+            if !(pool.prefill_tokens_per_sec.is_finite() && pool.prefill_tokens_per_sec >= 1.0) {
+                bail!("pool {:?}: prefill_tokens_per_sec must be at least 1", pool.model);
             }
             let d = &pool.discovery;
             match d.kind {

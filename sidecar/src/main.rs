@@ -114,7 +114,10 @@ enum EventsCommand {
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        // The tokenizer describes every table it builds at info: not the operator's business.
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,tk_encode=warn".into()),
+        )
         .init();
     let cli = Cli::parse();
     let stdout = &mut std::io::stdout();
@@ -249,6 +252,18 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
                 if n > 0 {
                     tracing::warn!(model = %pool.config().model, n, "released bookings whose end was never reported");
                 }
+            }
+        }
+    });
+
+    // Non-streamed requests' prefills end on estimates: checked ten times a second.
+    let prefilling: Vec<Arc<Pool>> = pools.values().cloned().collect();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tick.tick().await;
+            for pool in &prefilling {
+                pool.end_estimated_prefills();
             }
         }
     });

@@ -58,6 +58,7 @@ fn route_request(model: &str, id: &str, client_id: &str) -> RouteRequest {
         max_tokens: None,
         prompts: 1,
         samples: 1,
+        stream: true,
     }
 }
 

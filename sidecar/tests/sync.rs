@@ -43,6 +43,7 @@ fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
         max_tokens: None,
         prompts: 1,
         samples: 1,
+        stream: true,
     }
 }
 

@@ -183,7 +183,10 @@ impl Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        // The tokenizer describes every table it builds at info: not the operator's business.
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,tk_encode=warn".into()),
+        )
         .init();
     let cli = Cli::parse();
     if cli.list_presets {

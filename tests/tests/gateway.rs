@@ -356,6 +356,51 @@ fn lifecycle_reports_are_delivered_after_a_sidecar_outage() {
     assert_eq!(stack.sidecar_state().unwrap()["pools"][0]["bookings"], 0, "nothing booked is left over");
 }
 
+/// A non-streamed response's first byte is its last: its prefill is booked until the
+/// sidecar's estimate of its end (prompt tokens at the pool's prefill rate), not for the whole
+/// generation, while the request itself stays booked until it ends.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn a_non_streamed_prefill_ends_on_its_estimate() {
+    let opts = StackOptions {
+        name: "non-streamed".into(),
+        replicas: 1,
+        // 20 ms steps: 200 output tokens take 4 s; 1 000 prefill tokens/s until learned.
+        sim_args: ["--preset", "test", "--step-base-us", "20000"].map(String::from).to_vec(),
+        pool_toml: "prefill_tokens_per_sec = 1000".into(),
+        ..Default::default()
+    };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let gauge = |name: &str| -> Option<f64> {
+        let text = client().get(stack.sidecar_url("/metrics")).send().ok()?.text().ok()?;
+        let prefix = format!("kvgate_{name}{{");
+        Some(
+            text.lines()
+                .filter(|l| l.starts_with(&prefix))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum(),
+        )
+    };
+    let mut body = chat(&document(130, 1000), "summarise it");
+    body["max_tokens"] = 200.into();
+    let url = stack.gateway("/v1/chat/completions");
+    let request = std::thread::spawn(move || post(&url, body.to_string(), &[]));
+    let booked = wait_for("the booking, prefill counted", Duration::from_secs(10), || {
+        gauge("prefill_tokens").filter(|n| *n > 0.0)
+    })
+    .unwrap();
+    assert!(booked > 1000.0, "its prompt's prefill is booked: {booked}");
+    wait_for("its prefill to end on the estimate", Duration::from_secs(10), || {
+        (gauge("prefill_tokens") == Some(0.0)).then_some(())
+    })
+    .unwrap();
+    assert!(!request.is_finished(), "the answer is still being generated");
+    assert_eq!(gauge("active_requests"), Some(1.0), "and the request is still booked");
+    let reply = request.join().unwrap().unwrap();
+    assert_eq!(reply.status, 200);
+    wait_for("its release", Duration::from_secs(10), || (gauge("active_requests") == Some(0.0)).then_some(())).unwrap();
+}
+
 /// A `cache_salt` keeps tenants' caches apart in vLLM: kvgate credits a salted request only
 /// with blocks cached under the same salt, and its predictions stay exact.
 #[test]

@@ -8,6 +8,12 @@
 //! Decode load is counted in blocks, deduplicated across requests sharing a prompt prefix on
 //! the same replica (Dynamo's `active_decode_blocks`).
 //!
+//! A non-streamed response's first byte is its last, so its first token is never reported in
+//! time: its prefill is taken to end `prefill_tokens / rate` after it was booked, where `rate`
+//! is the replica's prefill rate learned from streamed requests (an exponential average of
+//! their prefill tokens over the time from booking to first token, queueing included), or the
+//! pool's `prefill_tokens_per_sec` until one is learned ([`LoadTable::end_prefills`]).
+//!
 //! Traffic that does not come through kvgate is invisible to bookings. With
 //! `engine_metrics_secs`, [`engine_metrics`] polls each engine's own request count and
 //! [`LoadTable::observe`] books the difference as *external* requests, each charged the
@@ -15,7 +21,8 @@
 
 pub mod engine_metrics;
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::accuracy::Prediction;
@@ -52,6 +59,9 @@ struct Booking {
     prediction: Option<Prediction>,
     /// Sequences it decodes (prompts × `n`/`best_of`): what it adds to `requests`.
     sequences: u64,
+    /// When its prefill is taken to end, for a response that is not streamed (its first
+    /// token is never reported in time).
+    prefill_ends_at: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -67,7 +77,14 @@ struct Replica {
     discounted: u64,
     /// Sequence hash → how many active requests on this replica include it.
     shared_blocks: HashMap<u64, u32>,
+    /// Prefill tokens per second, learned from streamed requests (`None` until one is).
+    prefill_rate: Option<f64>,
 }
+
+/// Weight of the newest sample in a replica's prefill rate.
+const RATE_WEIGHT: f64 = 0.2;
+/// Streamed requests with fewer prefill tokens say little about the rate.
+const RATE_MIN_TOKENS: u64 = 64;
 
 /// The load table of one pool.
 #[derive(Debug)]
@@ -79,6 +96,10 @@ pub struct LoadTable {
     /// Requests whose end was reported before they were booked (a lifecycle batch can
     /// overtake a slow decision): booking them later must not leak load.
     ended_early: EndedEarly,
+    /// Estimated prefill ends of non-streamed bookings, soonest first.
+    prefill_ends: BinaryHeap<Reverse<(Instant, String)>>,
+    /// The prefill rate assumed for a replica that has not served a streamed request yet.
+    default_prefill_rate: f64,
 }
 
 /// How many early ends are remembered.
@@ -139,17 +160,45 @@ pub struct NewBooking<'a> {
     pub prediction: Option<Prediction>,
     /// Sequences it decodes: a list of prompts, `n` or `best_of` above 1 count each.
     pub sequences: u64,
+    /// Whether the response streams (its first token is reported when it arrives).
+    pub streamed: bool,
 }
 
 impl LoadTable {
-    /// An idle table for `replicas` replicas.
-    pub fn new(replicas: usize) -> Self {
+    /// An idle table for `replicas` replicas, assuming `default_prefill_rate` tokens/s of
+    /// prefill on a replica until it has served a streamed request.
+    pub fn new(replicas: usize, default_prefill_rate: f64) -> Self {
         LoadTable {
             replicas: (0..replicas).map(|_| Replica::default()).collect(),
             bookings: HashMap::new(),
             blocks_booked: 0,
             ended_early: EndedEarly::default(),
+            prefill_ends: BinaryHeap::new(),
+            default_prefill_rate: default_prefill_rate.max(1.0),
         }
+    }
+
+    /// The prefill rate a replica is assumed to run at, tokens/s.
+    pub fn prefill_rate(&self, replica: ReplicaIdx) -> f64 {
+        self.replicas[replica].prefill_rate.unwrap_or(self.default_prefill_rate)
+    }
+
+    /// Ends the estimated prefills due by `now`. Returns the ids ended (for the sync mesh).
+    pub fn end_prefills(&mut self, now: Instant) -> Vec<String> {
+        let mut ended = Vec::new();
+        while let Some(Reverse((at, _))) = self.prefill_ends.peek() {
+            if *at > now {
+                break;
+            }
+            let Some(Reverse((at, id))) = self.prefill_ends.pop() else { break };
+            let Some(b) = self.bookings.get_mut(&id) else { continue };
+            if b.prefill_ends_at == Some(at) && !b.prefill_done {
+                b.prefill_done = true;
+                self.replicas[b.replica].prefill_tokens -= b.prefill_tokens;
+                ended.push(id);
+            }
+        }
+        ended
     }
 
     /// Makes room for one more replica; returns its index.
@@ -242,6 +291,13 @@ impl LoadTable {
         let private_blocks = booking.total_blocks.saturating_sub(booking.hashes.len() as u64);
         r.private_blocks += private_blocks;
         self.blocks_booked += booking.hashes.len() as u64 + private_blocks;
+        let prefill_ends_at = (!booking.streamed).then(|| {
+            let secs = booking.prefill_tokens as f64 / self.prefill_rate(replica);
+            now + Duration::from_secs_f64(secs.min(3_600.0))
+        });
+        if let Some(at) = prefill_ends_at {
+            self.prefill_ends.push(Reverse((at, booking.request_id.to_owned())));
+        }
         self.bookings.insert(
             booking.request_id.to_owned(),
             Booking {
@@ -256,6 +312,7 @@ impl LoadTable {
                 max_tokens: booking.max_tokens,
                 prediction: booking.prediction,
                 sequences: booking.sequences.max(1),
+                prefill_ends_at,
             },
         );
         true
@@ -276,12 +333,19 @@ impl LoadTable {
         self.bookings.get(request_id).map(|b| b.replica)
     }
 
-    /// The request produced its first token. Returns false if the id is unknown.
-    pub fn prefill_done(&mut self, request_id: &str) -> bool {
+    /// The request produced its first token, at `now`. A streamed request's time from booking
+    /// to first token teaches its replica's prefill rate. Returns false if the id is unknown.
+    pub fn prefill_done(&mut self, request_id: &str, now: Instant) -> bool {
         let Some(b) = self.bookings.get_mut(request_id) else { return false };
         if !b.prefill_done {
             b.prefill_done = true;
-            self.replicas[b.replica].prefill_tokens -= b.prefill_tokens;
+            let r = &mut self.replicas[b.replica];
+            r.prefill_tokens -= b.prefill_tokens;
+            let secs = now.saturating_duration_since(b.booked_at).as_secs_f64();
+            if b.prefill_ends_at.is_none() && b.prefill_tokens >= RATE_MIN_TOKENS && secs > 0.0 {
+                let sample = b.prefill_tokens as f64 / secs;
+                r.prefill_rate = Some(r.prefill_rate.map_or(sample, |old| old + RATE_WEIGHT * (sample - old)));
+            }
         }
         true
     }
@@ -382,16 +446,47 @@ mod tests {
             max_tokens: None,
             prediction: None,
             sequences: 1,
+            streamed: true,
         }
     }
 
     #[test]
+    fn a_non_streamed_prefill_ends_at_its_estimate_learned_from_streamed_ones() {
+        let mut t = LoadTable::new(2, 1_000.0);
+        let t0 = Instant::now();
+        let prompt: Vec<u64> = (0..4).collect();
+        let quiet = |id, tokens| NewBooking { streamed: false, ..booking(id, tokens, &prompt, 4) };
+        // Before any streamed request: the pool's default rate, 1 000 tokens/s.
+        assert!(t.book(0, quiet("q1", 500), t0));
+        assert_eq!(t.load(0).prefill_tokens, 500);
+        assert!(t.end_prefills(t0 + Duration::from_millis(499)).is_empty());
+        assert_eq!(t.end_prefills(t0 + Duration::from_millis(500)), ["q1"]);
+        assert_eq!(t.load(0).prefill_tokens, 0, "prefill over, the request still decodes");
+        assert_eq!(t.load(0).requests, 1);
+        assert!(t.prefill_done("q1", t0 + Duration::from_secs(9)), "its first byte, at the end: no double release");
+        assert_eq!(t.prefill_rate(0), 1_000.0, "a non-streamed first byte teaches nothing");
+        // A streamed request: 2 000 prefill tokens, first token 100 ms later → 20 000 tokens/s.
+        assert!(t.book(0, booking("s", 2_000, &prompt, 4), t0));
+        assert!(t.prefill_done("s", t0 + Duration::from_millis(100)));
+        assert!((t.prefill_rate(0) - 20_000.0).abs() < 1.0);
+        assert_eq!(t.prefill_rate(1), 1_000.0, "per replica");
+        assert!(t.book(0, quiet("q2", 4_000), t0));
+        assert!(t.end_prefills(t0 + Duration::from_millis(199)).is_empty());
+        assert_eq!(t.end_prefills(t0 + Duration::from_millis(200)), ["q2"]);
+        // Released or re-booked before its estimate: nothing is ended twice.
+        assert!(t.book(1, quiet("q3", 100), t0));
+        assert!(t.finish("q3"));
+        assert!(t.end_prefills(t0 + Duration::from_secs(60)).is_empty());
+        assert_eq!(t.load(1), ReplicaLoad::default());
+    }
+
+    #[test]
     fn a_booking_moves_with_its_request() {
-        let mut t = LoadTable::new(2);
+        let mut t = LoadTable::new(2, 8_000.0);
         let now = Instant::now();
         let prompt: Vec<u64> = (0..8).collect();
         assert!(t.book(0, booking("r", 100, &prompt, 10), now));
-        assert!(t.prefill_done("r"));
+        assert!(t.prefill_done("r", Instant::now()));
         let before = t.load(0);
         assert_eq!(t.move_booking("r", 1), Some((0, prompt.clone())));
         assert_eq!(t.load(0), ReplicaLoad::default(), "nothing stays on the replica it left");
@@ -404,7 +499,7 @@ mod tests {
 
     #[test]
     fn decode_progress_grows_output_and_decays_the_unique_footprint() {
-        let mut t = LoadTable::new(1);
+        let mut t = LoadTable::new(1, 8_000.0);
         let now = Instant::now();
         let prompt: Vec<u64> = (0..128).collect();
         let mut long = booking("long", 0, &prompt, 128);
@@ -430,7 +525,7 @@ mod tests {
 
     #[test]
     fn engine_reported_requests_beyond_bookings_are_external_load() {
-        let mut t = LoadTable::new(2);
+        let mut t = LoadTable::new(2, 8_000.0);
         let now = Instant::now();
         assert!(t.book(0, booking("a", 0, &[1, 2, 3], 4), now));
         assert!(t.book(0, booking("b", 0, &[1, 2], 2), now));
@@ -449,7 +544,7 @@ mod tests {
 
     #[test]
     fn a_replica_that_leaves_takes_its_bookings_with_it() {
-        let mut t = LoadTable::new(1);
+        let mut t = LoadTable::new(1, 8_000.0);
         let added = t.add_replica();
         assert_eq!(added, 1);
         let now = Instant::now();
@@ -459,26 +554,26 @@ mod tests {
         assert_eq!(t.clear_replica(1), 2);
         assert_eq!(t.load(1), ReplicaLoad::default());
         assert_eq!(t.load(0).requests, 1, "other replicas keep theirs");
-        assert!(!t.prefill_done("b"), "a late report for a dropped booking is unknown");
+        assert!(!t.prefill_done("b", Instant::now()), "a late report for a dropped booking is unknown");
     }
 
     #[test]
     fn lifecycle_releases_load() {
-        let mut t = LoadTable::new(2);
+        let mut t = LoadTable::new(2, 8_000.0);
         let now = Instant::now();
         t.book(1, booking("a", 100, &[1, 2], 3), now);
         assert_eq!(t.load(1), ReplicaLoad { prefill_tokens: 100, active_blocks: 3, requests: 1, external: 0 });
-        assert!(t.prefill_done("a"));
+        assert!(t.prefill_done("a", Instant::now()));
         assert_eq!(t.load(1).prefill_tokens, 0);
         assert!(t.finish("a"));
         assert_eq!(t.load(1), ReplicaLoad::default());
         assert!(!t.finish("a"), "a second end is ignored");
-        assert!(!t.prefill_done("unknown"));
+        assert!(!t.prefill_done("unknown", Instant::now()));
     }
 
     #[test]
     fn shared_prefixes_count_once() {
-        let mut t = LoadTable::new(1);
+        let mut t = LoadTable::new(1, 8_000.0);
         let now = Instant::now();
         t.book(0, booking("a", 10, &[1, 2], 2), now);
         assert_eq!(t.additional_blocks(0, &[1, 2, 3], 4), 2);
@@ -490,7 +585,7 @@ mod tests {
 
     #[test]
     fn an_end_that_overtakes_its_booking_leaks_nothing() {
-        let mut t = LoadTable::new(1);
+        let mut t = LoadTable::new(1, 8_000.0);
         assert!(!t.finish("late"));
         assert!(!t.book(0, booking("late", 100, &[1], 1), Instant::now()));
         assert_eq!(t.load(0), ReplicaLoad::default());
@@ -499,7 +594,7 @@ mod tests {
 
     #[test]
     fn rebooking_and_expiry() {
-        let mut t = LoadTable::new(2);
+        let mut t = LoadTable::new(2, 8_000.0);
         let now = Instant::now();
         t.book(0, booking("a", 10, &[], 1), now);
         t.book(1, booking("a", 20, &[], 1), now);

@@ -111,6 +111,8 @@ impl Pool {
                     max_tokens: None,
                     prediction: None,
                     sequences: 1,
+                    // The origin reports its first token, or its estimated prefill end.
+                    streamed: true,
                 };
                 load.book(slot, booking, Instant::now());
                 Some(slot)
@@ -118,7 +120,7 @@ impl Pool {
             SyncEvent::FirstToken { request_id, .. } => {
                 let id = format!("{origin}/{request_id}");
                 let slot = load.replica_of(&id);
-                load.prefill_done(&id);
+                load.prefill_done(&id, Instant::now());
                 slot
             }
             SyncEvent::Done { request_id, .. } => {
@@ -153,7 +155,7 @@ impl Pool {
     pub fn lifecycle(&self, request_id: &str, first_token: bool) -> bool {
         let mut load = self.load_table();
         let replica = load.replica_of(request_id);
-        let known = if first_token { load.prefill_done(request_id) } else { load.finish(request_id) };
+        let known = if first_token { load.prefill_done(request_id, Instant::now()) } else { load.finish(request_id) };
         let figures = replica.map(|r| (r, load.load(r)));
         drop(load);
         if let Some((r, figures)) = figures {
@@ -168,6 +170,28 @@ impl Pool {
             });
         }
         known
+    }
+
+    /// Ends the estimated prefills of non-streamed requests that are due (see
+    /// [`LoadTable::end_prefills`]), and tells the sync mesh as a first token would.
+    pub fn end_estimated_prefills(&self) {
+        let (ended, figures) = {
+            let mut load = self.load_table();
+            let ended = load.end_prefills(Instant::now());
+            let mut slots: Vec<ReplicaIdx> = ended.iter().filter_map(|id| load.replica_of(id)).collect();
+            slots.sort_unstable();
+            slots.dedup();
+            let figures: Vec<(ReplicaIdx, ReplicaLoad)> = slots.into_iter().map(|r| (r, load.load(r))).collect();
+            (ended, figures)
+        };
+        for (r, f) in figures {
+            self.publish_load(r, f);
+        }
+        if let Some(outbox) = self.outbox.get() {
+            for request_id in ended {
+                outbox.send(SyncEvent::FirstToken { model: self.config.model.clone(), request_id });
+            }
+        }
     }
 
     /// Releases bookings older than `max_age`.

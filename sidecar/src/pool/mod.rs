@@ -96,7 +96,7 @@ impl Pool {
         let affinity = ApproxIndex::new(config.affinity_blocks, Duration::from_secs(ttl));
         Pool {
             index: RwLock::new(KvIndex::new(config.block_size as usize, n)),
-            load: Mutex::new(LoadTable::new(n)),
+            load: Mutex::new(LoadTable::new(n, config.prefill_tokens_per_sec)),
             members: RwLock::new(initial.into_iter().map(member).collect()),
             config,
             bundle,

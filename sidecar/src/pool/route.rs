@@ -277,6 +277,7 @@ fn book(load: &mut LoadTable, req: &RouteRequest, shape: &Shape<'_>, scoring: &S
         max_tokens: req.max_tokens.map(u64::from),
         sequences: shape.sequences,
         prediction,
+        streamed: req.stream,
     };
     let booked = load.book(at.slot, booking, Instant::now());
     Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked }

@@ -44,6 +44,7 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
         max_tokens: None,
         prompts: 1,
         samples: 1,
+        stream: true,
     }
 }
 
@@ -137,6 +138,7 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
                 max_tokens: None,
                 prediction: None,
                 sequences: 1,
+                streamed: true,
             },
             Instant::now(),
         );

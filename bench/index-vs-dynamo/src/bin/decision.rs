@@ -67,6 +67,7 @@ fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration
             max_tokens: None,
             prompts: 1,
             samples: 1,
+            stream: true,
         };
         let decision = pool.route(&request, &scoring);
         pool.lifecycle(&id, false);
