@@ -140,6 +140,12 @@ pub struct PoolConfig {
     /// from streamed requests' time to first token once there is one.
     #[serde(default = "default_prefill_rate")]
     pub prefill_tokens_per_sec: f64,
+    /// The engines' context length (vLLM's `--max-model-len`), if set: a request without
+    /// `max_tokens` is booked with the limit vLLM gives it, the context left after its prompt
+    /// (decode progress weighs a request's footprint by `1 − output / max_tokens`). Unset, such
+    /// a request's footprint keeps its full weight until it ends.
+    #[serde(default)]
+    pub max_model_len: Option<u64>,
     /// Poll each engine's `/metrics` this often and count the requests it runs beyond those
     /// kvgate booked as load (traffic that bypasses kvgate). 0 (default) turns it off.
     #[serde(default)]
@@ -279,6 +285,7 @@ impl PoolConfig {
             inflight_credit_secs: default_inflight_credit(),
             leave_grace_secs: default_leave_grace(),
             prefill_tokens_per_sec: default_prefill_rate(),
+            max_model_len: None,
             engine_metrics_secs: 0,
             discovery: DiscoveryConfig::default(),
             adapters: Vec::new(),

@@ -54,6 +54,9 @@ struct Shape<'a> {
     block_size: u64,
     /// Blocks of all its prompts.
     total_blocks: u64,
+    /// Its output limit: the request's `max_tokens`, else what the engine defaults to (its
+    /// context length left after the prompt, with the pool's `max_model_len`).
+    max_tokens: Option<u64>,
 }
 
 /// What was booked where.
@@ -126,6 +129,10 @@ impl Pool {
             prompt_count: req.prompt_count,
             block_size,
             total_blocks: prompt_tokens.div_ceil(block_size) * prompts,
+            max_tokens: req
+                .max_tokens
+                .map(u64::from)
+                .or_else(|| self.config.max_model_len.map(|len| len.saturating_sub(prompt_tokens).max(1))),
         }
     }
 
@@ -274,7 +281,7 @@ fn book(load: &mut LoadTable, req: &RouteRequest, shape: &Shape<'_>, scoring: &S
         prefill_tokens,
         hashes: shape.hashes,
         total_blocks: shape.total_blocks,
-        max_tokens: req.max_tokens.map(u64::from),
+        max_tokens: shape.max_tokens,
         sequences: shape.sequences,
         prediction,
         streamed: req.stream,

@@ -449,3 +449,21 @@ fn every_prompt_and_every_sample_is_booked() {
     let released = &p.state().replicas[0];
     assert_eq!((released.active_requests, released.prefill_tokens, released.active_blocks), (0, 0, 0));
 }
+
+#[test]
+fn a_request_without_max_tokens_gets_the_engines_default_limit() {
+    let tokens: Vec<u32> = (0..64).collect();
+    // Block size 4: 16 prompt blocks. After 64 output tokens (16 more blocks), a request whose
+    // limit is 64 weighs nothing; one without a known limit keeps its whole footprint.
+    let footprint_after = |max_model_len: Option<u64>| {
+        let base = pool(1);
+        let config = PoolConfig { max_model_len, ..base.config().clone() };
+        let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
+        p.route(&request("r", &tokens), &ScoringConfig::default());
+        assert!(p.progress("r", 64));
+        p.state().replicas[0].active_blocks
+    };
+    assert_eq!(footprint_after(None), 32, "no limit known: prompt and output blocks count");
+    assert_eq!(footprint_after(Some(128)), 0, "vLLM's default: the 64 tokens of context left");
+    assert_eq!(footprint_after(Some(1024)), 30, "960 tokens left: 64 of them done");
+}
