@@ -10,7 +10,10 @@
 
 use std::time::Duration;
 
-use kvgate_shared::wire::CONTENT_TYPE;
+use kvgate_shared::wire::{CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_HEADER};
+
+/// The header every call to the sidecar carries: the wire version this filter encodes.
+pub const WIRE: (&str, &str) = (WIRE_VERSION_HEADER, WIRE_VERSION);
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
 
@@ -178,7 +181,7 @@ impl Host for Envoy {
         timeout: Duration,
     ) -> Result<u32, HostStatus> {
         let headers =
-            vec![(":method", "POST"), (":path", path), (":authority", authority), ("content-type", CONTENT_TYPE)];
+            vec![(":method", "POST"), (":path", path), (":authority", authority), ("content-type", CONTENT_TYPE), WIRE];
         hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).map_err(status)
     }
 

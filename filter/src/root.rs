@@ -90,7 +90,7 @@ impl Root {
             let s = self.shared.borrow();
             (s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
         };
-        let headers = vec![(":method", "GET"), (":path", path), (":authority", authority.as_str())];
+        let headers = vec![(":method", "GET"), (":path", path), (":authority", authority.as_str()), crate::host::WIRE];
         match hostcalls::dispatch_http_call(&cluster, headers, None, vec![], Duration::from_millis(timeout)) {
             Ok(token) => {
                 self.calls.insert(token, call);
@@ -284,6 +284,15 @@ impl Context for Root {
             Some("200") => hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten(),
             _ => None,
         };
+        if status.as_deref() == Some("409") {
+            // Another release's sidecar: its answer says which versions; once per model-list
+            // refresh, so it is in the log while it lasts.
+            if matches!(call, Call::Models) {
+                let said = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size.min(512));
+                let said = said.ok().flatten().map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+                log::error!("kvgate: the sidecar refuses this filter: {said}");
+            }
+        }
         match (call, body) {
             (Call::Models, Some(body)) => self.on_models(&body),
             (Call::Tokenizer(model), Some(body)) => self.on_tokenizer(model, &body),

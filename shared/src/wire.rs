@@ -18,6 +18,14 @@ use serde::{Deserialize, Serialize};
 /// Content type of every codec-encoded body.
 pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 
+/// The version of these types as encoded. The filter sends it on every sidecar call
+/// ([`WIRE_VERSION_HEADER`]); a sidecar of another version answers 409 naming both, instead
+/// of misreading the body. Bump it with any change to an encoded type's fields.
+pub const WIRE_VERSION: &str = "2";
+
+/// The header that carries [`WIRE_VERSION`].
+pub const WIRE_VERSION_HEADER: &str = "x-kvgate-wire";
+
 /// The largest request body Envoy buffers for the filter (`request_body_buffer_limit` in
 /// `envoy/`): the sidecar accepts an offloaded body this large, plus its envelope.
 pub const MAX_BODY_BYTES: usize = 16 << 20;

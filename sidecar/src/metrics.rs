@@ -65,6 +65,8 @@ pub struct Metrics {
     pub chosen_overlap_blocks: Histogram,
     /// Route calls answered without a replica.
     pub route_fallbacks: Family<FallbackLabels, Counter>,
+    /// Calls refused because the filter speaks another wire version (another release).
+    pub wire_mismatches: Counter,
     /// Time to score and book one request.
     pub route_seconds: Histogram,
     /// KV events applied to the index.
@@ -128,6 +130,7 @@ impl Default for Metrics {
         let mut registry = Registry::with_prefix("kvgate");
         let route_decisions = Family::default();
         let route_fallbacks = Family::default();
+        let wire_mismatches = Counter::default();
         let decisions = Family::default();
         let chosen_overlap_blocks = Histogram::new([0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0]);
         let route_seconds = Histogram::new(exponential_buckets(5e-6, 2.0, 16));
@@ -184,6 +187,11 @@ impl Default for Metrics {
         registry.register("route_decisions", "Route decisions per chosen replica", route_decisions.clone());
         registry.register("route_fallbacks", "Route calls answered without a replica", route_fallbacks.clone());
         registry.register(
+            "wire_mismatches",
+            "Calls refused: the filter speaks another wire version (deploy both from one release)",
+            wire_mismatches.clone(),
+        );
+        registry.register(
             "decisions",
             "Decisions by policy and outcome (hit: the chosen replica held part of the prompt)",
             decisions.clone(),
@@ -225,6 +233,7 @@ impl Default for Metrics {
             registry,
             route_decisions,
             route_fallbacks,
+            wire_mismatches,
             decisions,
             chosen_overlap_blocks,
             route_seconds,

@@ -133,3 +133,28 @@ async fn a_body_whose_prompt_cannot_be_read_is_booked_on_an_estimate() {
     let metrics = state.metrics.render();
     assert!(metrics.contains(r#"kvgate_estimated_requests_total{reason="unparsable"} 1"#), "{metrics}");
 }
+
+/// A filter of another release is refused by name (409), before its body is misread; the
+/// same call with this release's version, or with none (curl), is served.
+#[tokio::test]
+async fn a_filter_of_another_wire_version_is_refused_by_name() {
+    use kvgate_shared::wire::{WIRE_VERSION, WIRE_VERSION_HEADER};
+    let (state, _) = state();
+    let body = r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}]}"#;
+    let call = |version: Option<&str>| {
+        let mut request = Request::post("/v1/route_body");
+        if let Some(v) = version {
+            request = request.header(WIRE_VERSION_HEADER, v);
+        }
+        router(state.clone()).oneshot(request.body(Body::from(offload(body))).unwrap())
+    };
+    let refused = call(Some("1")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::CONFLICT);
+    let said = String::from_utf8(to_bytes(refused.into_body(), 1 << 16).await.unwrap().to_vec()).unwrap();
+    assert!(said.contains("speaks 1") && said.contains(WIRE_VERSION), "{said}");
+    let metrics = state.metrics.render();
+    assert!(metrics.contains("kvgate_wire_mismatches_total 1"), "{metrics}");
+    for version in [Some(WIRE_VERSION), None] {
+        assert_eq!(call(version).await.unwrap().status(), StatusCode::OK, "{version:?}");
+    }
+}

@@ -18,6 +18,7 @@ use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::{model_of, parse, Endpoint};
 use kvgate_shared::wire::{
     Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteBodyRequest, RouteRequest, CONTENT_TYPE, MAX_BODY_BYTES,
+    WIRE_VERSION, WIRE_VERSION_HEADER,
 };
 
 use crate::accuracy::EngineUsage;
@@ -76,7 +77,30 @@ pub fn router(state: Arc<AppState>) -> Router {
         // Offloaded bodies and lifecycle batches are as large as Envoy buffers, plus the
         // envelope (axum's own default is 2 MiB).
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES + ENVELOPE_BYTES))
+        // A filter of another release: refused by name before its body is misread.
+        .layer(axum::middleware::from_fn_with_state(state.clone(), same_wire))
         .with_state(state)
+}
+
+/// Refuses a call whose `x-kvgate-wire` names another wire version (409, counted in
+/// `kvgate_wire_mismatches_total`); calls without it (curl, probes) pass.
+async fn same_wire(
+    State(state): State<Arc<AppState>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let theirs = request.headers().get(WIRE_VERSION_HEADER).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    match theirs {
+        Some(v) if v != WIRE_VERSION => {
+            state.metrics.wire_mismatches.inc();
+            let message = format!(
+                "kvgate wire version mismatch: the filter speaks {v}, this sidecar {WIRE_VERSION}; \
+                 deploy the filter and the sidecar from the same release"
+            );
+            (StatusCode::CONFLICT, message).into_response()
+        }
+        _ => next.run(request).await,
+    }
 }
 
 /// Room for a [`RouteBodyRequest`]'s fields around the body it carries.
