@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_common import copy_checked  # noqa: E402
+from tiny_common import TINY_SHAPE, copy_checked  # noqa: E402
 
 if len(sys.argv) < 3:
     sys.exit(__doc__)
@@ -35,14 +35,8 @@ VOCAB = 128256  # Llama 3.2's vocab_size (real config.json)
 torch.manual_seed(0)
 cfg = LlamaConfig(
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
+    **TINY_SHAPE,
     head_dim=32,
-    hidden_act="silu",
-    max_position_embeddings=4096,
     rms_norm_eps=1e-5,
     rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     tie_word_embeddings=True,

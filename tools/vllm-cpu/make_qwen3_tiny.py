@@ -12,7 +12,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_common import copy_checked  # noqa: E402
+from tiny_common import TINY_SHAPE, copy_checked  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_TOK = os.path.join(HERE, "..", "..", "models", "qwen3-0.6b")
@@ -46,14 +46,8 @@ print(f"tokenizer: {len(tj['model']['vocab'])} BPE + {len(tj['added_tokens'])} a
 torch.manual_seed(0)
 cfg = Qwen3Config(
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
+    **TINY_SHAPE,
     head_dim=64,                      # explicit (Qwen3Config defaults to 128); q_proj 64->128, o_proj 128->64
-    hidden_act="silu",
-    max_position_embeddings=4096,
     rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     attention_bias=False,

@@ -13,3 +13,15 @@ def copy_checked(tok_dir, out, expected):
         if got != want:
             sys.exit(f"{src}: sha256 {got} != expected {want}")
         shutil.copyfile(src, os.path.join(out, name))
+
+
+# The shape both tiny models share: two layers of width 64, one KV head.
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    hidden_act="silu",
+    max_position_embeddings=4096,
+)
