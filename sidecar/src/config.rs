@@ -146,6 +146,13 @@ pub struct PoolConfig {
     /// a request's footprint keeps its full weight until it ends.
     #[serde(default)]
     pub max_model_len: Option<u64>,
+    /// The engines' `--tokenizer-mode` (vLLM's names; default `auto`). kvgate renders and
+    /// tokenizes as vLLM's `hf` mode does; `auto` is `hf` unless the tokenizer directory is a
+    /// Mistral repository's (`tekken.json` or `tokenizer.model.v*`: vLLM then picks `mistral`)
+    /// or its `config.json` names an architecture vLLM gives its own encoder. What kvgate
+    /// cannot match is refused at load, by name ([`PoolConfig::check_tokenizer_mode`]).
+    #[serde(default = "default_tokenizer_mode")]
+    pub tokenizer_mode: String,
     /// Poll each engine's `/metrics` this often and count the requests it runs beyond those
     /// kvgate booked as load (traffic that bypasses kvgate). 0 (default) turns it off.
     #[serde(default)]
@@ -286,12 +293,50 @@ impl PoolConfig {
             leave_grace_secs: default_leave_grace(),
             prefill_tokens_per_sec: default_prefill_rate(),
             max_model_len: None,
+            tokenizer_mode: default_tokenizer_mode(),
             engine_metrics_secs: 0,
             discovery: DiscoveryConfig::default(),
             adapters: Vec::new(),
             adapters_poll_secs: default_adapters_poll(),
             replicas,
         }
+    }
+
+    /// Refuses a `tokenizer_mode` whose renderer kvgate does not reproduce: vLLM's `mistral`
+    /// (mistral-common), its DeepSeek V3.2/V4, Kimi, Inkling and Cohere encoders — named, or
+    /// what `auto` resolves to for this tokenizer directory.
+    pub fn check_tokenizer_mode(&self) -> anyhow::Result<()> {
+        let mode = match self.tokenizer_mode.as_str() {
+            "hf" => return Ok(()),
+            "auto" => self.auto_tokenizer_mode(),
+            other => Some(other.to_owned()),
+        };
+        match mode {
+            None => Ok(()),
+            Some(mode) => bail!(
+                "pool {:?}: the engines would tokenize with vLLM's {mode:?} tokenizer mode, which kvgate does not \
+                 reproduce (it renders and tokenizes as the `hf` mode does); if the engines run \
+                 --tokenizer-mode hf, set tokenizer_mode = \"hf\"",
+                self.model
+            ),
+        }
+    }
+
+    /// What vLLM's `auto` tokenizer mode picks for this tokenizer directory, if not `hf`.
+    fn auto_tokenizer_mode(&self) -> Option<String> {
+        let files: Vec<String> = std::fs::read_dir(&self.tokenizer)
+            .map(|d| d.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect())
+            .unwrap_or_default();
+        if files.iter().any(|f| f == "tekken.json" || f.starts_with("tokenizer.model.v")) {
+            return Some("mistral".into());
+        }
+        let config = std::fs::read_to_string(self.tokenizer.join("config.json")).ok()?;
+        let config: serde_json::Value = serde_json::from_str(&config).ok()?;
+        let architectures = config.get("architectures")?.as_array()?;
+        OWN_ENCODER_ARCHITECTURES
+            .iter()
+            .find(|(arch, _)| architectures.iter().any(|a| a.as_str() == Some(arch)))
+            .map(|(_, mode)| (*mode).to_owned())
     }
 
     /// Whether this pool subscribes to its engines' KV events (all but `prefix_affinity`).
@@ -431,6 +476,20 @@ fn default_prefill_rate() -> f64 {
     8_000.0
 }
 
+fn default_tokenizer_mode() -> String {
+    "auto".into()
+}
+
+/// Architectures vLLM's `auto` tokenizer mode gives their own encoder (vLLM 0.32).
+const OWN_ENCODER_ARCHITECTURES: [(&str, &str); 6] = [
+    ("DeepseekV32ForCausalLM", "deepseek_v32"),
+    ("DeepseekV4ForCausalLM", "deepseek_v4"),
+    ("DeepseekV4ForConditionalGeneration", "deepseek_v4"),
+    ("DeepseekV41ForCausalLM", "deepseek_v41"),
+    ("InklingForCausalLM", "inkling"),
+    ("KimiK3ForConditionalGeneration", "kimi_k3"),
+];
+
 fn default_adapters_poll() -> u64 {
     10
 }
@@ -541,6 +600,9 @@ impl Config {
                 "listen = {} is not a loopback address: the API steers routing, so it is meant for the local Envoy only; set allow_non_loopback_api = true to expose it anyway",
                 self.listen
             );
+        }
+        for pool in &self.pools {
+            pool.check_tokenizer_mode()?;
         }
         if let Some(sync) = &self.sync {
             for e in std::iter::once(&sync.listen).chain(&sync.peers) {
@@ -683,6 +745,27 @@ mod tests {
         let result = Config::load(&path, &MapEnv(env.iter().copied().collect()));
         std::fs::remove_dir_all(&dir)?;
         result
+    }
+
+    #[test]
+    fn tokenizer_modes_kvgate_cannot_reproduce_are_refused_by_name() {
+        let dir = std::env::temp_dir().join(format!("kvgate-mode-{}-{}", std::process::id(), rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = |mode: Option<&str>| {
+            let mode = mode.map(|m| format!("tokenizer_mode = {m:?}\n")).unwrap_or_default();
+            BASE.replace("tokenizer = \"tok\"", &format!("tokenizer = {:?}\n{mode}", dir.display().to_string()))
+        };
+        assert!(load(&config(None), &[]).is_ok(), "an ordinary directory: auto is hf");
+        let named = load(&config(Some("mistral")), &[]).unwrap_err().to_string();
+        assert!(named.contains("\"mistral\"") && named.contains("tokenizer_mode = \"hf\""), "{named}");
+        std::fs::write(dir.join("tekken.json"), "{}").unwrap();
+        let auto = load(&config(None), &[]).unwrap_err().to_string();
+        assert!(auto.contains("\"mistral\""), "auto picks mistral for a Mistral repository: {auto}");
+        assert!(load(&config(Some("hf")), &[]).is_ok(), "engines run with --tokenizer-mode hf");
+        std::fs::remove_file(dir.join("tekken.json")).unwrap();
+        std::fs::write(dir.join("config.json"), r#"{"architectures": ["DeepseekV32ForCausalLM"]}"#).unwrap();
+        assert!(load(&config(None), &[]).unwrap_err().to_string().contains("deepseek_v32"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
