@@ -320,6 +320,39 @@ fn routing(stack: &Stack, artifacts: &Artifacts, seed: u32, label: &'static str)
     })
 }
 
+/// Check 2b: every prediction the sidecar made so far, checked against what vLLM reported
+/// (`usage.prompt_tokens_details.cached_tokens` and `prompt_tokens`, read by the filter from
+/// each response): the cached tokens predicted for the chosen engine equal the engine's, and
+/// no prompt was counted differently.
+fn predictions(stack: &Stack, at_least: u64) -> anyhow::Result<Row> {
+    let counters = || -> Option<(u64, u64, u64, u64)> {
+        let text = client::client().get(stack.sidecar_url("/metrics")).send().ok()?.text().ok()?;
+        let sum = |prefix: &str| -> u64 {
+            text.lines()
+                .filter(|l| l.starts_with(prefix))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>() as u64
+        };
+        let reason = |r: &str| {
+            text.lines()
+                .filter(|l| l.starts_with("kvgate_predictions_total{") && l.contains(&format!("reason=\"{r}\"")))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>() as u64
+        };
+        Some((reason("exact"), reason("over"), reason("under"), sum("kvgate_prompt_token_mismatches_total{")))
+    };
+    let seen = wait_for("the predictions checked", Duration::from_secs(20), || {
+        counters().filter(|(e, o, u, _)| e + o + u >= at_least)
+    });
+    let (exact, over, under, mismatches) = seen.unwrap_or_else(|_| counters().unwrap_or_default());
+    Ok(Row {
+        scenario: "2b. predictions",
+        expected: "every cache prediction for the chosen engine equals vLLM's reported cached_tokens; no prompt-token mismatch",
+        measured: format!("{exact} exact, {over} over, {under} under; {mismatches} prompt-token mismatches"),
+        pass: exact >= at_least && over + under + mismatches == 0,
+    })
+}
+
 /// Check 3: reset both engines' prefix caches. vLLM queues `AllBlocksCleared` and publishes
 /// it with the engine's next step, so a short request (no full block) follows the reset.
 fn reset(stack: &Stack) -> anyhow::Result<Row> {
@@ -478,6 +511,8 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
     done(parity(&stack, artifacts, "qwen3", "1. parity")?);
     done(chat_forwarding(&stack, artifacts)?);
     done(routing(&stack, artifacts, 700, "2. routing follows the real cache")?);
+    // The start-up probe, check 1's requests and check 2's follow-ups went through the gateway.
+    done(predictions(&stack, 1 + parity_cases().len() as u64 + stack.sims.len() as u64)?);
     done(reset(&stack)?);
     let (row, expected) = events(&stack, artifacts)?;
     done(row);
