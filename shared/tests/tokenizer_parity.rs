@@ -293,6 +293,33 @@ fn the_segment_cache_is_exact_where_it_is_on() {
     assert!(failures.is_empty(), "segment cache diverges:\n{}", failures.join("\n"));
 }
 
+/// Combining marks whose canonical combining class is newer than the Unicode tables of
+/// `tokenizers` 0.22/0.23 (what vLLM's Python stack runs): next to another combining mark,
+/// 1.0's NFC reorders them as current Unicode says and 0.22 does not, so Qwen3 (the NFC
+/// normalizer among these tokenizers) tokenizes them differently. Found by this property test
+/// and then by trying every code point beside U+0300 against 0.22, for every tokenizer here:
+/// these 69, all for Qwen3. Known and not yet handled (routing loses the prompt's blocks from
+/// such a pair on); the random text leaves them out so the test checks everything else.
+const NEWER_COMBINING_MARKS: [u32; 69] = [
+    0x7fd, 0x899, 0x89a, 0x89b, 0x8cf, 0x8d0, 0x8d1, 0x8d2, 0x8d3, 0xc3c, 0xd3b, 0xd3c, 0xeba, 0x1715, 0x1abf, 0x1ac0,
+    0x1ac3, 0x1ac4, 0x1aca, 0x1add, 0x1ae6, 0x1aeb, 0x1df6, 0x1df7, 0x1df8, 0x1df9, 0x1dfa, 0xa82c, 0x10efa, 0x10efb,
+    0x10efd, 0x10efe, 0x10eff, 0x10f46, 0x10f47, 0x10f4b, 0x10f4d, 0x10f4e, 0x10f4f, 0x10f50, 0x10f83, 0x10f85,
+    0x11070, 0x1133b, 0x113ce, 0x113cf, 0x113d0, 0x11839, 0x1183a, 0x1193d, 0x1193e, 0x11943, 0x119e0, 0x11a34,
+    0x11a47, 0x11a99, 0x11d42, 0x11d44, 0x11d45, 0x11d97, 0x11f41, 0x11f42, 0x1612f, 0x16ff0, 0x16ff1, 0x1e4ec,
+    0x1e4ed, 0x1e4ee, 0x1e5ef,
+];
+
+#[test]
+fn newer_combining_marks_are_the_known_divergence() {
+    let qwen = pairs().iter().find(|p| p.name == "qwen3-0.6b").unwrap();
+    for cp in [0x16ff0, 0x1df6] {
+        let c = char::from_u32(cp).unwrap();
+        let diverges = [format!("\u{300}{c}"), format!("{c}\u{300}")].iter().any(|t| qwen.diverges(t, false).is_some());
+        assert!(diverges, "U+{cp:04X}: fixed upstream? drop it from the list");
+    }
+    assert!(qwen.diverges("\u{a4d}\u{300}", false).is_none(), "older marks agree");
+}
+
 fn adversarial_text() -> impl Strategy<Value = String> {
     let piece = prop_oneof![
         6 => proptest::sample::select(PIECES).prop_map(str::to_owned),
@@ -301,7 +328,9 @@ fn adversarial_text() -> impl Strategy<Value = String> {
         1 => "[ \t\r\n]{1,6}",
         1 => "[0-9]{1,9}",
     ];
-    proptest::collection::vec(piece, 1..40).prop_map(|pieces| pieces.concat())
+    proptest::collection::vec(piece, 1..40).prop_map(|pieces| {
+        pieces.concat().chars().filter(|c| !NEWER_COMBINING_MARKS.contains(&u32::from(*c))).collect()
+    })
 }
 
 proptest! {
