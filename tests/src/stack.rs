@@ -134,13 +134,18 @@ impl SimHandle {
     /// A metric from the engine's `/metrics`, summed over its label sets (DP ranks).
     pub fn metric(&self, name: &str) -> anyhow::Result<f64> {
         let text = client::client().get(self.url("/metrics")).send()?.error_for_status()?.text()?;
-        let prefix = format!("{name}{{");
-        Ok(text
-            .lines()
-            .filter(|line| line.starts_with(&prefix))
-            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum())
+        Ok(metric_sum(&text, name, ""))
     }
+}
+
+/// The sum of metric `name`'s samples in a Prometheus text exposition, over the label sets
+/// whose labels contain `labels` (`""`: all of them).
+pub fn metric_sum(text: &str, name: &str, labels: &str) -> f64 {
+    let prefix = format!("{name}{{");
+    text.lines()
+        .filter(|line| line.starts_with(&prefix) && line.contains(labels))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// A running deployment; dropping it stops everything.
@@ -404,6 +409,11 @@ impl Stack {
     /// `http://127.0.0.1:<sidecar>{path}`.
     pub fn sidecar_url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.sidecar_port)
+    }
+
+    /// The sidecar's `/metrics`, as text (read it with [`metric_sum`]).
+    pub fn sidecar_metrics(&self) -> anyhow::Result<String> {
+        Ok(client::client().get(self.sidecar_url("/metrics")).send()?.error_for_status()?.text()?)
     }
 
     /// The sidecar's `/debug/state`.

@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 use crate::client::{self, post};
 use crate::faults::Row;
 use crate::process::{free_port, wait_for, Proc};
-use crate::stack::SimHandle;
+use crate::stack::{metric_sum, SimHandle};
 use crate::workload::document;
 use crate::{Artifacts, Stack, StackOptions};
 
@@ -326,20 +326,10 @@ fn routing(stack: &Stack, artifacts: &Artifacts, seed: u32, label: &'static str)
 /// no prompt was counted differently.
 fn predictions(stack: &Stack, at_least: u64) -> anyhow::Result<Row> {
     let counters = || -> Option<(u64, u64, u64, u64)> {
-        let text = client::client().get(stack.sidecar_url("/metrics")).send().ok()?.text().ok()?;
-        let sum = |prefix: &str| -> u64 {
-            text.lines()
-                .filter(|l| l.starts_with(prefix))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>() as u64
-        };
-        let reason = |r: &str| {
-            text.lines()
-                .filter(|l| l.starts_with("kvgate_predictions_total{") && l.contains(&format!("reason=\"{r}\"")))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>() as u64
-        };
-        Some((reason("exact"), reason("over"), reason("under"), sum("kvgate_prompt_token_mismatches_total{")))
+        let text = stack.sidecar_metrics().ok()?;
+        let reason = |r: &str| metric_sum(&text, "kvgate_predictions_total", &format!("reason=\"{r}\"")) as u64;
+        let mismatches = metric_sum(&text, "kvgate_prompt_token_mismatches_total", "") as u64;
+        Some((reason("exact"), reason("over"), reason("under"), mismatches))
     };
     let seen = wait_for("the predictions checked", Duration::from_secs(20), || {
         counters().filter(|(e, o, u, _)| e + o + u >= at_least)

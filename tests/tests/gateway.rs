@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use kvgate_e2e::client::{client, post, stream};
 use kvgate_e2e::process::wait_for;
+use kvgate_e2e::stack::metric_sum;
 use kvgate_e2e::workload::document;
 use kvgate_e2e::{Artifacts, Stack, StackOptions};
 use kvgate_shared::hash::prompt_digest;
@@ -372,14 +373,7 @@ fn a_non_streamed_prefill_ends_on_its_estimate() {
     };
     let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
     let gauge = |name: &str| -> Option<f64> {
-        let text = client().get(stack.sidecar_url("/metrics")).send().ok()?.text().ok()?;
-        let prefix = format!("kvgate_{name}{{");
-        Some(
-            text.lines()
-                .filter(|l| l.starts_with(&prefix))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum(),
-        )
+        stack.sidecar_metrics().ok().map(|text| metric_sum(&text, &format!("kvgate_{name}"), ""))
     };
     let mut body = chat(&document(130, 1000), "summarise it");
     body["max_tokens"] = 200.into();
@@ -660,6 +654,11 @@ fn big_prompts_are_tokenized_by_the_sidecar() {
     assert_eq!(small.header("x-kvgate-offloaded"), "false", "small prompts are tokenized in Envoy");
 }
 
+/// Prompts the engines rendered or tokenized themselves (not given as ids).
+fn prompts_tokenized(stack: &Stack) -> f64 {
+    stack.sims.iter().map(|s| s.metric("kvgate_sim:prompts_tokenized_total").unwrap()).sum()
+}
+
 /// 11. Token forwarding: a completions string prompt reaches the engine as the filter's
 ///     token ids, so the engine tokenizes nothing, and answers (and caches) exactly as for
 ///     the text.
@@ -670,11 +669,8 @@ fn completions_prompts_are_forwarded_as_token_ids() {
     filter_config.insert("forward_tokens".into(), true.into());
     let opts = StackOptions { name: "forward".into(), filter_config, ..Default::default() };
     let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
-    let tokenized = |stack: &Stack| -> f64 {
-        stack.sims.iter().map(|s| s.metric("kvgate_sim:prompts_tokenized_total").unwrap()).sum()
-    };
     let text = document(11, 400);
-    let before = tokenized(&stack);
+    let before = prompts_tokenized(&stack);
     let direct = post(
         &stack.sim("a").url("/v1/completions"),
         json!({"model": "qwen3", "max_tokens": 1, "prompt": text}).to_string(),
@@ -682,7 +678,7 @@ fn completions_prompts_are_forwarded_as_token_ids() {
     )
     .unwrap();
     let engine_tokens = direct.json()["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert_eq!(tokenized(&stack) - before, 1.0, "the direct text request was tokenized by the engine");
+    assert_eq!(prompts_tokenized(&stack) - before, 1.0, "the direct text request was tokenized by the engine");
     for i in 0..3 {
         let body = json!({"model": "qwen3", "max_tokens": 2, "prompt": text});
         let reply = stream(&stack.gateway("/v1/completions"), body).unwrap();
@@ -694,11 +690,11 @@ fn completions_prompts_are_forwarded_as_token_ids() {
             assert!(reply.cached_tokens() >= engine_tokens / 2, "repeats hit the cache: {:?}", reply.usage);
         }
     }
-    assert_eq!(tokenized(&stack) - before, 1.0, "forwarded prompts were not tokenized again");
+    assert_eq!(prompts_tokenized(&stack) - before, 1.0, "forwarded prompts were not tokenized again");
     assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.tokens_forwarded").unwrap(), 3);
     let chat = post(&stack.gateway("/v1/chat/completions"), chat("sys", "q").to_string(), &[]).unwrap();
     assert_eq!((chat.status, chat.header("x-kvgate-forwarded-tokens")), (200, "false"), "chats are never rewritten");
-    assert_eq!(tokenized(&stack) - before, 2.0);
+    assert_eq!(prompts_tokenized(&stack) - before, 2.0);
 }
 
 /// 11b. Token forwarding for chats: with `forward_chat_tokens`, a chat reaches the engine with
@@ -712,9 +708,6 @@ fn chats_are_forwarded_as_token_ids() {
     filter_config.insert("forward_chat_tokens".into(), true.into());
     let opts = StackOptions { name: "forward-chat".into(), filter_config, ..Default::default() };
     let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
-    let tokenized = |stack: &Stack| -> f64 {
-        stack.sims.iter().map(|s| s.metric("kvgate_sim:prompts_tokenized_total").unwrap()).sum()
-    };
     let body = |extra: Value| {
         let mut b = chat(&document(12, 300), "what does it say?");
         b["max_tokens"] = 2.into();
@@ -724,10 +717,10 @@ fn chats_are_forwarded_as_token_ids() {
         b
     };
     let (before, forwarded) =
-        (tokenized(&stack), stack.envoy_stat("wasmcustom.kvgate.requests.tokens_forwarded").unwrap());
+        (prompts_tokenized(&stack), stack.envoy_stat("wasmcustom.kvgate.requests.tokens_forwarded").unwrap());
     let direct = post(&stack.sim("a").url("/v1/chat/completions"), body(json!({})).to_string(), &[]).unwrap();
     let engine_tokens = direct.json()["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert_eq!(tokenized(&stack) - before, 1.0, "the direct chat was rendered and tokenized by the engine");
+    assert_eq!(prompts_tokenized(&stack) - before, 1.0, "the direct chat was rendered and tokenized by the engine");
     for i in 0..3 {
         let reply =
             stream(&stack.gateway("/v1/chat/completions"), body(json!({"kv_transfer_params": {"note": i}}))).unwrap();
@@ -736,11 +729,11 @@ fn chats_are_forwarded_as_token_ids() {
         let prompt_tokens = reply.usage.as_ref().and_then(|u| u["prompt_tokens"].as_u64());
         assert_eq!(prompt_tokens, Some(engine_tokens), "the same prompt, as ids");
     }
-    assert_eq!(tokenized(&stack) - before, 1.0, "forwarded chats were not tokenized again");
+    assert_eq!(prompts_tokenized(&stack) - before, 1.0, "forwarded chats were not tokenized again");
     assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.tokens_forwarded").unwrap() - forwarded, 3);
     let echoed = stream(&stack.gateway("/v1/chat/completions"), body(json!({"echo": true}))).unwrap();
     assert_eq!((echoed.status, echoed.header("x-kvgate-forwarded-tokens")), (200, "false"), "echo: left as text");
-    assert_eq!(tokenized(&stack) - before, 2.0);
+    assert_eq!(prompts_tokenized(&stack) - before, 2.0);
 }
 
 /// 12. Parity inside Envoy: every reference chat (`testdata/parity/qwen3-chat.json`, rendered

@@ -162,15 +162,20 @@ impl Setup {
     }
 }
 
+/// Simulator flags for engines that answer at once (100 µs steps, no compute cost per token),
+/// then `sizes` (cache and batch limits).
+pub fn instant_engines(sizes: &[&str]) -> Vec<String> {
+    ["--preset", "test", "--step-base-us", "100", "--prefill-us-per-token", "0", "--attn-us-per-token-pair", "0"]
+        .iter()
+        .chain(sizes)
+        .map(|s| s.to_string())
+        .collect()
+}
+
 /// Runs the measurement.
 pub fn run(artifacts: &Artifacts) -> anyhow::Result<Report> {
     // Engines that answer at once and hold a 400 KB prompt.
-    let sim_args = ["--preset", "test", "--step-base-us", "100", "--prefill-us-per-token", "0"]
-        .into_iter()
-        .chain(["--attn-us-per-token-pair", "0", "--num-gpu-blocks-override", "16384"])
-        .chain(["--max-num-batched-tokens", "131072"])
-        .map(String::from)
-        .collect::<Vec<_>>();
+    let sim_args = instant_engines(&["--num-gpu-blocks-override", "16384", "--max-num-batched-tokens", "131072"]);
     let bundle = ModelBundle::from_dir("qwen3", &artifacts.model_dir, 16)?;
     let native = ModelTokenizer::from_bundle(&bundle)?.with_segment_cache(16 << 20);
     let mut rows: Vec<Row> = Vec::new();

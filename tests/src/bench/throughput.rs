@@ -78,12 +78,14 @@ fn pin(pid: u32, core: usize) -> anyhow::Result<()> {
 }
 
 fn options(routing: Routing) -> StackOptions {
-    let sim_args = ["--preset", "test", "--step-base-us", "100", "--prefill-us-per-token", "0"]
-        .into_iter()
-        .chain(["--attn-us-per-token-pair", "0", "--num-gpu-blocks-override", "65536"])
-        .chain(["--max-num-batched-tokens", "262144", "--max-num-seqs", "1024"])
-        .map(String::from)
-        .collect();
+    let sim_args = super::filter::instant_engines(&[
+        "--num-gpu-blocks-override",
+        "65536",
+        "--max-num-batched-tokens",
+        "262144",
+        "--max-num-seqs",
+        "1024",
+    ]);
     StackOptions {
         name: "bench-throughput".into(),
         replicas: 2,
