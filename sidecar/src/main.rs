@@ -167,6 +167,18 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// Runs `work` on every pool each `period`, for as long as the runtime runs.
+fn every(pools: &HashMap<String, Arc<Pool>>, period: Duration, work: impl Fn(&Pool) + Send + 'static) {
+    let pools: Vec<Arc<Pool>> = pools.values().cloned().collect();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        loop {
+            tick.tick().await;
+            pools.iter().for_each(|pool| work(pool));
+        }
+    });
+}
+
 async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::default());
 
@@ -240,33 +252,16 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
 
     let expiry = Duration::from_secs(config.request_expiry_secs);
     let stall = Duration::from_secs(config.stall_timeout_secs);
-    let expiring: Vec<Arc<Pool>> = pools.values().cloned().collect();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
-        loop {
-            tick.tick().await;
-            for pool in &expiring {
-                pool.check_stalls(stall);
-                pool.retire_departed();
-                let n = pool.expire(expiry);
-                if n > 0 {
-                    tracing::warn!(model = %pool.config().model, n, "released bookings whose end was never reported");
-                }
-            }
+    every(&pools, Duration::from_secs(1), move |pool| {
+        pool.check_stalls(stall);
+        pool.retire_departed();
+        let n = pool.expire(expiry);
+        if n > 0 {
+            tracing::warn!(model = %pool.config().model, n, "released bookings whose end was never reported");
         }
     });
-
     // Non-streamed requests' prefills end on estimates: checked ten times a second.
-    let prefilling: Vec<Arc<Pool>> = pools.values().cloned().collect();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        loop {
-            tick.tick().await;
-            for pool in &prefilling {
-                pool.end_estimated_prefills();
-            }
-        }
-    });
+    every(&pools, Duration::from_millis(100), Pool::end_estimated_prefills);
 
     let state = Arc::new(api::AppState::new(pools, config.scoring.clone(), config.allow_request_overrides, metrics));
     if let Some(addr) = config.metrics_listen {

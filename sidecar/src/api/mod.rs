@@ -89,18 +89,15 @@ async fn same_wire(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let theirs = request.headers().get(WIRE_VERSION_HEADER).map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-    match theirs {
-        Some(v) if v != WIRE_VERSION => {
-            state.metrics.wire_mismatches.inc();
-            let message = format!(
-                "kvgate wire version mismatch: the filter speaks {v}, this sidecar {WIRE_VERSION}; \
-                 deploy the filter and the sidecar from the same release"
-            );
-            (StatusCode::CONFLICT, message).into_response()
-        }
-        _ => next.run(request).await,
-    }
+    let other = request.headers().get(WIRE_VERSION_HEADER).filter(|v| v.as_bytes() != WIRE_VERSION.as_bytes());
+    let Some(theirs) = other else { return next.run(request).await };
+    state.metrics.wire_mismatches.inc();
+    let message = format!(
+        "kvgate wire version mismatch: the filter speaks {}, this sidecar {WIRE_VERSION}; \
+         deploy the filter and the sidecar from the same release",
+        String::from_utf8_lossy(theirs.as_bytes())
+    );
+    (StatusCode::CONFLICT, message).into_response()
 }
 
 /// Room for a [`RouteBodyRequest`]'s fields around the body it carries.

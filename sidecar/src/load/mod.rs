@@ -191,10 +191,10 @@ impl LoadTable {
                 break;
             }
             let Some(Reverse((at, id))) = self.prefill_ends.pop() else { break };
-            let Some(b) = self.bookings.get_mut(&id) else { continue };
-            if b.prefill_ends_at == Some(at) && !b.prefill_done {
-                b.prefill_done = true;
-                self.replicas[b.replica].prefill_tokens -= b.prefill_tokens;
+            // Still the booking this estimate was made for, still in prefill.
+            let due = self.bookings.get(&id).is_some_and(|b| b.prefill_ends_at == Some(at) && !b.prefill_done);
+            if due {
+                self.prefill_done(&id, now);
                 ended.push(id);
             }
         }
