@@ -284,14 +284,12 @@ impl Context for Root {
             Some("200") => hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten(),
             _ => None,
         };
-        if status.as_deref() == Some("409") {
-            // Another release's sidecar: its answer says which versions; once per model-list
-            // refresh, so it is in the log while it lasts.
-            if matches!(call, Call::Models) {
-                let said = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size.min(512));
-                let said = said.ok().flatten().map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
-                log::error!("kvgate: the sidecar refuses this filter: {said}");
-            }
+        // Another release's sidecar: its answer says which versions. Logged once per model-list
+        // refresh, so it is in the log while it lasts.
+        if status.as_deref() == Some("409") && matches!(call, Call::Models) {
+            let said = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size.min(512));
+            let said = said.ok().flatten().map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+            log::error!("kvgate: the sidecar refuses this filter: {said}");
         }
         match (call, body) {
             (Call::Models, Some(body)) => self.on_models(&body),

@@ -1,5 +1,6 @@
 //! A model's tokenizer plus chat template: turns a parsed request into prompt token ids.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::path::Path;
 
@@ -121,12 +122,9 @@ const MAX_KEPT_BUFFER: usize = 1 << 20;
 /// recognise: the reader has no regex engine behind it) is refused here, naming the patterns,
 /// rather than failing on every request.
 pub fn load_tokenizer(json: &str) -> Result<PipelineTokenizer, PromptError> {
-    let tokenizer = match tokenizers::from_json(json) {
-        Ok(tokenizer) => tokenizer,
-        Err(_) if !is_canonical(json) => tokenizers::from_json(&canonical_tokenizer_json(json)?)
-            .map_err(|e| PromptError::Tokenizer(format!("tokenizer.json: {e}")))?,
-        Err(e) => return Err(PromptError::Tokenizer(format!("tokenizer.json: {e}"))),
-    };
+    let canonical = canonical(json)?;
+    let tokenizer =
+        tokenizers::from_json(&canonical).map_err(|e| PromptError::Tokenizer(format!("tokenizer.json: {e}")))?;
     let mut probe = Vec::new();
     match tokenizer.encode_into(PROBE, &EncodeOptions::no_specials(), &mut probe) {
         Ok(()) => Ok(tokenizer),
@@ -164,14 +162,20 @@ fn split_patterns(json: &str) -> Vec<String> {
 /// A `tokenizer.json` of any version, rewritten into the canonical form the tokenizer reads
 /// (compact: it travels to every filter). Refuses what the upgrade pass cannot decide.
 pub fn canonical_tokenizer_json(json: &str) -> Result<String, PromptError> {
+    canonical(json).map(Cow::into_owned)
+}
+
+/// [`canonical_tokenizer_json`], borrowing a file that is canonical already (no copy of a
+/// many-megabyte string in a wasm VM).
+fn canonical(json: &str) -> Result<Cow<'_, str>, PromptError> {
     if is_canonical(json) {
-        return Ok(json.to_owned());
+        return Ok(Cow::Borrowed(json));
     }
     let mut value: Value =
         serde_json::from_str(json).map_err(|e| PromptError::Tokenizer(format!("tokenizer.json: {e}")))?;
     tokenizers::canonicalize_value(&mut value)
         .map_err(|e| PromptError::Tokenizer(format!("tokenizer.json cannot be upgraded: {e}")))?;
-    serde_json::to_string(&value).map_err(|e| PromptError::Tokenizer(e.to_string()))
+    serde_json::to_string(&value).map(Cow::Owned).map_err(|e| PromptError::Tokenizer(e.to_string()))
 }
 
 /// Whether the file says it is the canonical form (its first key is `"version": "2.0"`).
