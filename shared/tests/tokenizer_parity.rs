@@ -296,17 +296,24 @@ fn the_segment_cache_is_exact_where_it_is_on() {
 /// Combining marks whose canonical combining class is newer than the Unicode tables of
 /// `tokenizers` 0.22/0.23 (what vLLM's Python stack runs): next to another combining mark,
 /// 1.0's NFC reorders them as current Unicode says and 0.22 does not, so Qwen3 (the NFC
-/// normalizer among these tokenizers) tokenizes them differently. Found by this property test
-/// and then by trying every code point beside U+0300 against 0.22, for every tokenizer here:
-/// these 69, all for Qwen3. Known and not yet handled (routing loses the prompt's blocks from
-/// such a pair on); the random text leaves them out so the test checks everything else.
-const NEWER_COMBINING_MARKS: [u32; 69] = [
-    0x7fd, 0x899, 0x89a, 0x89b, 0x8cf, 0x8d0, 0x8d1, 0x8d2, 0x8d3, 0xc3c, 0xd3b, 0xd3c, 0xeba, 0x1715, 0x1abf, 0x1ac0,
-    0x1ac3, 0x1ac4, 0x1aca, 0x1add, 0x1ae6, 0x1aeb, 0x1df6, 0x1df7, 0x1df8, 0x1df9, 0x1dfa, 0xa82c, 0x10efa, 0x10efb,
-    0x10efd, 0x10efe, 0x10eff, 0x10f46, 0x10f47, 0x10f4b, 0x10f4d, 0x10f4e, 0x10f4f, 0x10f50, 0x10f83, 0x10f85,
-    0x11070, 0x1133b, 0x113ce, 0x113cf, 0x113d0, 0x11839, 0x1183a, 0x1193d, 0x1193e, 0x11943, 0x119e0, 0x11a34,
-    0x11a47, 0x11a99, 0x11d42, 0x11d44, 0x11d45, 0x11d97, 0x11f41, 0x11f42, 0x1612f, 0x16ff0, 0x16ff1, 0x1e4ec,
-    0x1e4ed, 0x1e4ee, 0x1e5ef,
+/// normalizer among these tokenizers) tokenizes them differently. The complete list, from
+/// [`scan_every_code_point_for_divergence`] over every tokenizer here: these 154, all for Qwen3.
+/// Known and not handled: a prompt with such a mark beside another mark hashes differently
+/// from that point on, so kvgate credits only the blocks before it. The random text leaves them
+/// out so the test checks everything else.
+const NEWER_COMBINING_MARKS: [u32; 154] = [
+    0x7fd, 0x897, 0x898, 0x899, 0x89a, 0x89b, 0x89c, 0x89d, 0x89e, 0x89f, 0x8ca, 0x8cb, 0x8cc, 0x8cd, 0x8ce, 0x8cf,
+    0x8d0, 0x8d1, 0x8d2, 0x8d3, 0x9fe, 0xc3c, 0xd3b, 0xd3c, 0xeba, 0x1715, 0x1abf, 0x1ac0, 0x1ac1, 0x1ac2, 0x1ac3,
+    0x1ac4, 0x1ac5, 0x1ac6, 0x1ac7, 0x1ac8, 0x1ac9, 0x1aca, 0x1acb, 0x1acc, 0x1acd, 0x1ace, 0x1acf, 0x1ad0, 0x1ad1,
+    0x1ad2, 0x1ad3, 0x1ad4, 0x1ad5, 0x1ad6, 0x1ad7, 0x1ad8, 0x1ad9, 0x1ada, 0x1adb, 0x1adc, 0x1add, 0x1ae0, 0x1ae1,
+    0x1ae2, 0x1ae3, 0x1ae4, 0x1ae5, 0x1ae6, 0x1ae7, 0x1ae8, 0x1ae9, 0x1aea, 0x1aeb, 0x1df6, 0x1df7, 0x1df8, 0x1df9,
+    0x1dfa, 0xa82c, 0x10d24, 0x10d25, 0x10d26, 0x10d27, 0x10d69, 0x10d6a, 0x10d6b, 0x10d6c, 0x10d6d, 0x10eab, 0x10eac,
+    0x10efa, 0x10efb, 0x10efd, 0x10efe, 0x10eff, 0x10f46, 0x10f47, 0x10f48, 0x10f49, 0x10f4a, 0x10f4b, 0x10f4c,
+    0x10f4d, 0x10f4e, 0x10f4f, 0x10f50, 0x10f82, 0x10f83, 0x10f84, 0x10f85, 0x11070, 0x1133b, 0x113ce, 0x113cf,
+    0x113d0, 0x1145e, 0x11839, 0x1183a, 0x1193d, 0x1193e, 0x11943, 0x119e0, 0x11a34, 0x11a47, 0x11a99, 0x11d42,
+    0x11d44, 0x11d45, 0x11d97, 0x11f41, 0x11f42, 0x1612f, 0x16ff0, 0x16ff1, 0x1e08f, 0x1e130, 0x1e131, 0x1e132,
+    0x1e133, 0x1e134, 0x1e135, 0x1e136, 0x1e2ae, 0x1e2ec, 0x1e2ed, 0x1e2ee, 0x1e2ef, 0x1e4ec, 0x1e4ed, 0x1e4ee,
+    0x1e4ef, 0x1e5ee, 0x1e5ef, 0x1e6e3, 0x1e6e6, 0x1e6ee, 0x1e6ef, 0x1e6f5,
 ];
 
 #[test]
@@ -318,6 +325,45 @@ fn newer_combining_marks_are_the_known_divergence() {
         assert!(diverges, "U+{cp:04X}: fixed upstream? drop it from the list");
     }
     assert!(qwen.diverges("\u{a4d}\u{300}", false).is_none(), "older marks agree");
+}
+
+/// Marks of every canonical combining class that occurs in the tables; a code point whose class
+/// differs between the two libraries reorders differently beside at least one of them.
+const PROBE_MARKS: [char; 9] =
+    ['\u{334}', '\u{93c}', '\u{5b0}', '\u{5bc}', '\u{316}', '\u{300}', '\u{35c}', '\u{35d}', '\u{345}'];
+
+/// Regenerates [`NEWER_COMBINING_MARKS`]: every code point that, alone or on either side of a
+/// probe mark, tokenizes differently under 1.0 and 0.22, for any tokenizer here. Slow (every
+/// code point); run it when either library moves:
+/// `cargo test --release -p kvgate-shared --test tokenizer_parity -- --ignored --nocapture scan`.
+#[test]
+#[ignore = "scans every code point; run by hand when a tokenizer library moves"]
+fn scan_every_code_point_for_divergence() {
+    let mut found: Vec<u32> = std::thread::scope(|s| {
+        let scans: Vec<_> = pairs()
+            .iter()
+            .map(|pair| {
+                s.spawn(move || {
+                    (0..=0x10ffff_u32)
+                        .filter_map(char::from_u32)
+                        .filter(|c| {
+                            let alone = std::iter::once(c.to_string());
+                            let beside = PROBE_MARKS.iter().flat_map(|m| [format!("{c}{m}"), format!("{m}{c}")]);
+                            alone.chain(beside).any(|t| pair.diverges(&t, false).is_some())
+                        })
+                        .map(u32::from)
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        scans.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    found.sort_unstable();
+    found.dedup();
+    let listed: Vec<u32> = NEWER_COMBINING_MARKS.to_vec();
+    let hex: Vec<String> = found.iter().map(|cp| format!("{cp:#x}")).collect();
+    println!("{} code points diverge: {}", found.len(), hex.join(", "));
+    assert_eq!(found, listed, "NEWER_COMBINING_MARKS is out of date: paste the list above");
 }
 
 fn adversarial_text() -> impl Strategy<Value = String> {
@@ -334,7 +380,13 @@ fn adversarial_text() -> impl Strategy<Value = String> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 192, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: 192,
+        failure_persistence: None,
+        // One fixed stream of cases, so CI is the same on every run; change the seed to explore.
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x6b76_6761_7465),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn random_adversarial_text_matches(text in adversarial_text()) {
