@@ -49,7 +49,14 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hash::SequenceHash;
     use crate::wire::{RouteRequest, RouteResponse};
+
+    #[test]
+    fn a_hash_is_a_bare_u64_on_the_wire() {
+        let hashes = [u64::MAX, 0, 7];
+        assert_eq!(encode(&hashes.map(SequenceHash).to_vec()).unwrap(), encode(&hashes.to_vec()).unwrap());
+    }
 
     #[test]
     fn round_trips_route_messages() {
@@ -59,7 +66,7 @@ mod tests {
             model: "m".into(),
             prompt_tokens: 42,
             prompt_count: crate::wire::PromptCount::Exact,
-            block_hashes: vec![u64::MAX, 0, 7],
+            block_hashes: [u64::MAX, 0, 7].map(SequenceHash).to_vec(),
             block_size: 16,
             session: Some("s".into()),
             overrides: Some(crate::wire::ScoringOverrides { temperature: Some(0.5), ..Default::default() }),

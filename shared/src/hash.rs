@@ -9,13 +9,55 @@
 //!   whole prefix, which is what the index is keyed by.
 //!
 //! ```
-//! use kvgate_shared::hash::{local_block_hashes, sequence_hashes, Salt};
+//! use kvgate_shared::hash::{local_block_hashes, sequence_hashes, LocalBlockHash, Salt, SequenceHash};
 //! let local = local_block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9], 4, Salt::NONE);
-//! assert_eq!(local, vec![14643705804678351452, 16777012769546811212]); // the 9th token is partial
-//! assert_eq!(sequence_hashes(&local)[1], 4945711292740353085);
+//! // The 9th token is a partial block.
+//! assert_eq!(local, [LocalBlockHash(14643705804678351452), LocalBlockHash(16777012769546811212)]);
+//! assert_eq!(sequence_hashes(&local)[1], SequenceHash(4945711292740353085));
 //! ```
+//!
+//! Three kinds of 64-bit hash name a block, each its own type so one is never taken for
+//! another: [`LocalBlockHash`] (one block's tokens), [`SequenceHash`] (the prefix ending at a
+//! block: what the index is keyed by and the filter sends) and [`EngineHash`] (the engine's own
+//! name for a block, opaque to kvgate, from its KV events). On the wire each is a bare `u64`.
 
+use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// A 64-bit hash newtype: `u64` on the wire, hashed as itself in `nohash` tables.
+macro_rules! hash_type {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+        #[serde(transparent)]
+        #[repr(transparent)]
+        pub struct $name(pub u64);
+
+        impl nohash_hasher::IsEnabled for $name {}
+
+        impl std::fmt::LowerHex for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                std::fmt::LowerHex::fmt(&self.0, f)
+            }
+        }
+    };
+}
+
+hash_type!(
+    /// The hash of one block's tokens (and salt), alone.
+    LocalBlockHash
+);
+hash_type!(
+    /// The hash of the prefix that ends at a block: its local hash chained after its parent's
+    /// sequence hash. Equal sequence hashes mean equal prefixes.
+    SequenceHash
+);
+hash_type!(
+    /// The engine's own name for a block (vLLM's `block_hashes`, SGLang's), as its KV events
+    /// carry it: opaque, unique per engine only, used to find a stored block's parent and to
+    /// apply removals.
+    EngineHash
+);
 
 /// Dynamo's `XXH3_SEED`, used for local and chained hashes.
 pub const SEED: u64 = 1337;
@@ -121,15 +163,15 @@ impl ExtraKey {
 }
 
 /// The local hash of one block's tokens.
-pub fn local_block_hash(tokens: &[u32], salt: Salt) -> u64 {
-    xxh3_64_with_seed(&le_bytes(tokens), salt.seed())
+pub fn local_block_hash(tokens: &[u32], salt: Salt) -> LocalBlockHash {
+    LocalBlockHash(xxh3_64_with_seed(&le_bytes(tokens), salt.seed()))
 }
 
 /// A digest of prompt token ids: the local hash of one block holding them all. The filter's
 /// `x-kvgate-prompt-digest` debug header and `kvgate-sidecar tokenize` print it (hex), so two
 /// pipelines' ids can be compared without shipping them.
 pub fn prompt_digest(ids: &[u32]) -> u64 {
-    local_block_hash(ids, Salt::NONE)
+    local_block_hash(ids, Salt::NONE).0
 }
 
 /// The tokens as little-endian bytes: a free view on little-endian machines (x86, ARM, wasm).
@@ -147,26 +189,26 @@ fn le_bytes(tokens: &[u32]) -> std::borrow::Cow<'_, [u8]> {
 ///
 /// # Panics
 /// If `block_size` is 0.
-pub fn local_block_hashes(tokens: &[u32], block_size: usize, salt: Salt) -> Vec<u64> {
+pub fn local_block_hashes(tokens: &[u32], block_size: usize, salt: Salt) -> Vec<LocalBlockHash> {
     assert!(block_size > 0, "block_size must be positive");
     tokens.chunks_exact(block_size).map(|block| local_block_hash(block, salt)).collect()
 }
 
 /// The next sequence hash after `parent` (None for the first block).
-pub fn next_sequence_hash(parent: Option<u64>, local: u64) -> u64 {
+pub fn next_sequence_hash(parent: Option<SequenceHash>, local: LocalBlockHash) -> SequenceHash {
     match parent {
-        None => local,
+        None => SequenceHash(local.0),
         Some(parent) => {
             let mut bytes = [0u8; 16];
-            bytes[..8].copy_from_slice(&parent.to_le_bytes());
-            bytes[8..].copy_from_slice(&local.to_le_bytes());
-            xxh3_64_with_seed(&bytes, SEED)
+            bytes[..8].copy_from_slice(&parent.0.to_le_bytes());
+            bytes[8..].copy_from_slice(&local.0.to_le_bytes());
+            SequenceHash(xxh3_64_with_seed(&bytes, SEED))
         }
     }
 }
 
 /// Chains local hashes into sequence hashes, starting from the root.
-pub fn sequence_hashes(local: &[u64]) -> Vec<u64> {
+pub fn sequence_hashes(local: &[LocalBlockHash]) -> Vec<SequenceHash> {
     let mut out = Vec::with_capacity(local.len());
     let mut parent = None;
     for &l in local {
@@ -178,7 +220,7 @@ pub fn sequence_hashes(local: &[u64]) -> Vec<u64> {
 }
 
 /// Sequence hashes of every full block of `tokens`: what the filter sends and the index keys by.
-pub fn prompt_block_hashes(tokens: &[u32], block_size: usize, salt: Salt) -> Vec<u64> {
+pub fn prompt_block_hashes(tokens: &[u32], block_size: usize, salt: Salt) -> Vec<SequenceHash> {
     sequence_hashes(&local_block_hashes(tokens, block_size, salt))
 }
 
@@ -190,9 +232,14 @@ pub fn cache_salt(salt: &str) -> Salt {
 
 /// [`prompt_block_hashes`] with `first` combined into the first block's salt only (a
 /// [`cache_salt`]): every later block differs through the chain.
-pub fn prompt_block_hashes_first_salted(tokens: &[u32], block_size: usize, salt: Salt, first: Salt) -> Vec<u64> {
+pub fn prompt_block_hashes_first_salted(
+    tokens: &[u32],
+    block_size: usize,
+    salt: Salt,
+    first: Salt,
+) -> Vec<SequenceHash> {
     assert!(block_size > 0, "block_size must be positive");
-    let locals: Vec<u64> = tokens
+    let locals: Vec<LocalBlockHash> = tokens
         .chunks_exact(block_size)
         .enumerate()
         .map(|(i, block)| local_block_hash(block, if i == 0 { salt.combine(first) } else { salt }))
@@ -206,17 +253,17 @@ mod tests {
 
     #[test]
     fn dynamo_test_vectors() {
-        assert_eq!(local_block_hash(&[1, 2, 3, 4], Salt::NONE), 14643705804678351452);
-        assert_eq!(local_block_hash(&[5, 6, 7, 8], Salt::NONE), 16777012769546811212);
+        assert_eq!(local_block_hash(&[1, 2, 3, 4], Salt::NONE), LocalBlockHash(14643705804678351452));
+        assert_eq!(local_block_hash(&[5, 6, 7, 8], Salt::NONE), LocalBlockHash(16777012769546811212));
         let seq = prompt_block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, Salt::NONE);
-        assert_eq!(seq, vec![14643705804678351452, 4945711292740353085]);
+        assert_eq!(seq, [SequenceHash(14643705804678351452), SequenceHash(4945711292740353085)]);
     }
 
     #[test]
     fn lora_salt_matches_dynamo() {
         let salt = Salt::for_lora(Some("my-lora"));
         assert_eq!(salt.seed(), 12827409268353072861);
-        assert_eq!(local_block_hash(&[1, 2, 3, 4], salt), 15671544057904749233);
+        assert_eq!(local_block_hash(&[1, 2, 3, 4], salt), LocalBlockHash(15671544057904749233));
         assert_eq!(Salt::for_lora(Some("")), Salt::NONE);
         assert_eq!(Salt::for_lora(None), Salt::NONE);
     }

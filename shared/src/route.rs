@@ -114,7 +114,8 @@ mod tests {
         assert_eq!(plain, crate::hash::prompt_block_hashes(&tokens, 4, Salt::NONE));
         assert!(salted.iter().zip(&plain).all(|(s, p)| s != p), "every block differs through the chain");
         assert_ne!(salted, other, "tenants do not share");
-        let first = crate::hash::local_block_hash(&tokens[..4], cache_salt("tenant-a"));
+        let first =
+            crate::hash::next_sequence_hash(None, crate::hash::local_block_hash(&tokens[..4], cache_salt("tenant-a")));
         assert_eq!(salted[0], first, "the first block is salted as the index salts a stored one");
         let rest = crate::hash::local_block_hash(&tokens[4..], Salt::NONE);
         assert_eq!(salted[1], crate::hash::next_sequence_hash(Some(first), rest), "the second is not salted itself");

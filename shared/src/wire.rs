@@ -69,7 +69,7 @@ pub struct RouteRequest {
     /// How `prompt_tokens` was arrived at.
     pub prompt_count: PromptCount,
     /// Sequence hashes ([`crate::hash::prompt_block_hashes`]) of the prompt's full blocks.
-    pub block_hashes: Vec<u64>,
+    pub block_hashes: Vec<crate::hash::SequenceHash>,
     /// The block size the hashes were computed with. The sidecar ignores hashes whose block
     /// size differs from the pool's rather than mis-scoring them.
     pub block_size: u32,

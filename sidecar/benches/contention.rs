@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::hash::{prompt_block_hashes, EngineHash, Salt};
 use kvgate_shared::wire::RouteRequest;
 use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::discovery::Supervisor;
@@ -66,7 +66,8 @@ fn pool(prompt_tokens: usize) -> Arc<Pool> {
             let mut t = tokens(q % 8, 16 * BS);
             t.extend(tokens(1_000_000 + r as u64 * 1000 + q, prompt_tokens - 16 * BS));
             // Engine hashes of the preloaded prompts stay clear of the published ones (bit 62).
-            let engine: Vec<u64> = (0..t.len() / BS).map(|b| 1 << 62 | (r as u64) << 40 | q << 20 | b as u64).collect();
+            let engine: Vec<EngineHash> =
+                (0..t.len() / BS).map(|b| EngineHash(1 << 62 | (r as u64) << 40 | q << 20 | b as u64)).collect();
             let store = Store {
                 parent: None,
                 engine_hashes: &engine,

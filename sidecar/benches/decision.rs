@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::hash::{prompt_block_hashes, EngineHash, Salt};
 use kvgate_shared::wire::RouteRequest;
 use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::index::{Store, Tier};
@@ -34,7 +34,8 @@ fn pool(replicas: usize, prompt_tokens: usize) -> Pool {
         for q in 0..64u64 {
             let mut t = tokens(q % 8, 16 * BS);
             t.extend(tokens(1_000_000 + r as u64 * 1000 + q, prompt_tokens - 16 * BS));
-            let engine: Vec<u64> = (0..t.len() / BS).map(|b| (r as u64) << 40 | q << 20 | b as u64).collect();
+            let engine: Vec<EngineHash> =
+                (0..t.len() / BS).map(|b| EngineHash((r as u64) << 40 | q << 20 | b as u64)).collect();
             let store = Store {
                 parent: None,
                 engine_hashes: &engine,

@@ -126,7 +126,7 @@ pub fn tokenize(
     let request = parse(endpoint, body)?;
     let ids = tokenizer.prompt_tokens(&request)?;
     let hashes: Vec<String> =
-        prompt_block_hashes(&ids, block_size as usize, Salt::NONE).iter().map(u64::to_string).collect();
+        prompt_block_hashes(&ids, block_size as usize, Salt::NONE).iter().map(|h| h.0.to_string()).collect();
     let digest = format!("{:016x}", prompt_digest(&ids));
     Ok(json!({"num_tokens": ids.len(), "token_ids": ids, "block_hashes": hashes, "digest": digest}))
 }

@@ -2,6 +2,7 @@
 //! arbitrary bytes, and valid vLLM payloads with random bytes overwritten, through the decoder
 //! and the per-replica state machine.
 
+use kvgate_shared::hash::SequenceHash;
 use kvgate_sidecar::events::decode::decode_batch;
 use kvgate_sidecar::events::ingest::{apply, Ingest, NoReplay};
 use kvgate_sidecar::index::KvIndex;
@@ -40,6 +41,6 @@ proptest! {
             let planned = ingest.on_message(seq, &payload, &mut NoReplay);
             apply(0, &planned.changes, &mut index);
         }
-        let _ = index.find_matches(&[1, 2]);
+        let _ = index.find_matches(&[SequenceHash(1), SequenceHash(2)]);
     }
 }

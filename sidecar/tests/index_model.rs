@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use kvgate_shared::hash::{local_block_hash, next_sequence_hash, prompt_block_hashes, Salt};
+use kvgate_shared::hash::{local_block_hash, next_sequence_hash, prompt_block_hashes, EngineHash, Salt, SequenceHash};
 use kvgate_sidecar::index::{KvIndex, Overlap, Store, Tier};
 use proptest::prelude::*;
 
@@ -47,15 +47,15 @@ enum Op {
     },
 }
 
-fn seq_of(path: &[u8]) -> u64 {
+fn seq_of(path: &[u8]) -> SequenceHash {
     path.iter()
         .fold(None, |parent, s| Some(next_sequence_hash(parent, local_block_hash(&block_tokens(*s), Salt::NONE))))
         .unwrap()
 }
 
 /// Engines hash content too, just differently: engine hash = f(seq).
-fn engine_of(path: &[u8]) -> u64 {
-    seq_of(path).rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15
+fn engine_of(path: &[u8]) -> EngineHash {
+    EngineHash(seq_of(path).0.rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15)
 }
 
 fn tier(i: usize) -> Tier {
@@ -65,19 +65,19 @@ fn tier(i: usize) -> Tier {
 /// The reference: a flat multiset of (replica, tier, engine hash, seq hash).
 #[derive(Default)]
 struct Model {
-    entries: HashMap<(usize, usize, u64), (u64, u32)>,
+    entries: HashMap<(usize, usize, EngineHash), (SequenceHash, u32)>,
 }
 
 impl Model {
-    fn lookup(&self, replica: usize, engine: u64) -> Option<u64> {
+    fn lookup(&self, replica: usize, engine: EngineHash) -> Option<SequenceHash> {
         (0..3).find_map(|t| self.entries.get(&(replica, t, engine)).map(|(s, _)| *s))
     }
 
-    fn holds(&self, replica: usize, t: usize, seq: u64) -> bool {
+    fn holds(&self, replica: usize, t: usize, seq: SequenceHash) -> bool {
         self.entries.iter().any(|((r, tt, _), (s, _))| *r == replica && *tt == t && *s == seq)
     }
 
-    fn matches(&self, hashes: &[u64]) -> Vec<Overlap> {
+    fn matches(&self, hashes: &[SequenceHash]) -> Vec<Overlap> {
         (0..REPLICAS)
             .map(|r| {
                 let device = hashes.iter().take_while(|h| self.holds(r, 0, **h)).count();
@@ -113,7 +113,7 @@ proptest! {
                 Op::Store { replica, tier: t, path, skip } => {
                     let parent = (skip > 0).then(|| engine_of(&path[..skip]));
                     let new = &path[skip..];
-                    let engine_hashes: Vec<u64> = (skip..path.len()).map(|i| engine_of(&path[..=i])).collect();
+                    let engine_hashes: Vec<EngineHash> = (skip..path.len()).map(|i| engine_of(&path[..=i])).collect();
                     let tokens: Vec<u32> = new.iter().flat_map(|s| block_tokens(*s)).collect();
                     let store = Store { parent, engine_hashes: &engine_hashes, token_ids: &tokens, block_size: BS, salt: Salt::NONE, extra: &[], tier: tier(t) };
                     let parent_known = parent.is_none_or(|p| model.lookup(replica, p).is_some());
@@ -127,11 +127,11 @@ proptest! {
                     }
                 }
                 Op::Remove { replica, tier: t, paths } => {
-                    let engines: Vec<u64> = paths.iter().map(|p| engine_of(p)).collect();
+                    let engines: Vec<EngineHash> = paths.iter().map(|p| engine_of(p)).collect();
                     remove(&mut index, &mut model, replica, t, engines);
                 }
                 Op::Evict { replica, tier: t, picks } => {
-                    let mut held: Vec<u64> = model.entries.keys().filter(|(r, tt, _)| *r == replica && *tt == t).map(|(_, _, e)| *e).collect();
+                    let mut held: Vec<EngineHash> = model.entries.keys().filter(|(r, tt, _)| *r == replica && *tt == t).map(|(_, _, e)| *e).collect();
                     held.sort_unstable();
                     if !held.is_empty() {
                         let engines = picks.iter().map(|p| held[p % held.len()]).collect();
@@ -157,7 +157,7 @@ proptest! {
 }
 
 /// Removes `engines` of a replica's tier from the index and the model.
-fn remove(index: &mut KvIndex, model: &mut Model, replica: usize, t: usize, engines: Vec<u64>) {
+fn remove(index: &mut KvIndex, model: &mut Model, replica: usize, t: usize, engines: Vec<EngineHash>) {
     index.remove(IDS[replica], tier(t), &engines);
     for engine in engines {
         if let Some(e) = model.entries.get_mut(&(replica, t, engine)) {

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use axum::body::{to_bytes, Body};
 use axum::http::{Request, StatusCode};
 use kvgate_shared::codec;
+use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::wire::{LifecycleBatch, LifecycleEvent, LifecycleKind, RouteRequest, RouteResponse, MAX_BODY_BYTES};
 use kvgate_sidecar::api::{router, AppState};
 use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
@@ -51,7 +52,7 @@ fn route_request(model: &str, id: &str, client_id: &str) -> RouteRequest {
         model: model.into(),
         prompt_tokens: 64,
         prompt_count: kvgate_shared::wire::PromptCount::Exact,
-        block_hashes: (0..16).collect(),
+        block_hashes: (0..16).map(SequenceHash).collect(),
         block_size: 4,
         session: None,
         overrides: None,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use axum::body::{to_bytes, Body};
 use axum::http::{Request, StatusCode};
 use kvgate_shared::codec;
-use kvgate_shared::hash::Salt;
+use kvgate_shared::hash::{EngineHash, Salt};
 use kvgate_shared::prompt::openai::{parse, Endpoint};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteResponse};
@@ -74,7 +74,7 @@ async fn an_offloaded_prompt_follows_its_cached_prefix() {
     let tokenizer = ModelTokenizer::from_bundle(&ModelBundle::from_dir("qwen3", &model_dir(), BLOCK).unwrap()).unwrap();
     let tokens = tokenizer.prompt_tokens(&parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap()).unwrap();
     let full = tokens.len() / BLOCK as usize;
-    let engine_hashes: Vec<u64> = (1..=full as u64).collect();
+    let engine_hashes: Vec<EngineHash> = (1..=full as u64).map(EngineHash).collect();
     let store = Store {
         parent: None,
         engine_hashes: &engine_hashes,

@@ -33,7 +33,7 @@ use dynamo_kv_router::protocols::{
     ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
     KvCacheStoredBlockData, LocalBlockHash, OverlapScores, RouterEvent,
 };
-use kvgate_shared::hash::{local_block_hash, next_sequence_hash, Salt};
+use kvgate_shared::hash::{local_block_hash, next_sequence_hash, EngineHash, Salt, SequenceHash};
 use kvgate_sidecar::index::{KvIndex, Store, Tier};
 
 struct Counting;
@@ -64,8 +64,8 @@ const UNIQUE: usize = 48;
 
 /// One event, in a neutral form both indexes are fed from.
 enum Ev {
-    Stored { replica: usize, parent: Option<u64>, hashes: Vec<u64>, tokens: Vec<u32> },
-    Removed { replica: usize, hash: u64 },
+    Stored { replica: usize, parent: Option<EngineHash>, hashes: Vec<EngineHash>, tokens: Vec<u32> },
+    Removed { replica: usize, hash: EngineHash },
 }
 
 fn tokens_of(seed: u64, blocks: usize) -> Vec<u32> {
@@ -75,14 +75,14 @@ fn tokens_of(seed: u64, blocks: usize) -> Vec<u32> {
 }
 
 /// Content-derived engine hashes (identical on every replica, as with a fixed PYTHONHASHSEED).
-fn engine_hashes(tokens: &[u32]) -> Vec<u64> {
+fn engine_hashes(tokens: &[u32]) -> Vec<EngineHash> {
     let mut parent = None;
     tokens
         .chunks(BS)
         .map(|b| {
-            let h = next_sequence_hash(parent, local_block_hash(b, Salt::NONE)).rotate_left(29) ^ 0xa5a5_a5a5;
-            parent = Some(h);
-            h
+            let seq = next_sequence_hash(parent, local_block_hash(b, Salt::NONE));
+            parent = Some(seq);
+            EngineHash(seq.0.rotate_left(29) ^ 0xa5a5_a5a5)
         })
         .collect()
 }
@@ -105,7 +105,7 @@ fn stream(replicas: usize, budget: usize, churn_percent: usize) -> Stream {
     let mut hits = Vec::new();
     for r in 0..replicas {
         let mut cached_groups = vec![false; GROUPS as usize];
-        let mut live: VecDeque<Vec<u64>> = VecDeque::new();
+        let mut live: VecDeque<Vec<EngineHash>> = VecDeque::new();
         let mut held = 0usize;
         for q in 0..requests_per_replica {
             let g = (q * 7 + r) % GROUPS as usize;
@@ -171,7 +171,7 @@ struct Report {
 
 /// Each sample is the mean of 16 back-to-back runs of one query, so the clock's own cost
 /// (~20-40 ns) does not swamp sub-100 ns lookups.
-fn time_queries(queries: &[Vec<u64>], mut f: impl FnMut(&[u64]) -> u32) -> (Duration, Duration) {
+fn time_queries<H>(queries: &[Vec<H>], mut f: impl FnMut(&[H]) -> u32) -> (Duration, Duration) {
     const REPEAT: u32 = 16;
     let mut samples = Vec::with_capacity(queries.len());
     let mut sink = 0u64;
@@ -206,7 +206,7 @@ fn timed(clock: Clock, longest: &mut Duration, apply: impl FnOnce()) {
     }
 }
 
-fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<u64>>)], clock: Clock) -> Report {
+fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<SequenceHash>>)], clock: Clock) -> Report {
     let before = LIVE.load(Ordering::Relaxed);
     let mut index = KvIndex::new(BS, replicas);
     let mut longest = Duration::ZERO;
@@ -269,13 +269,13 @@ fn dynamo_events(s: &Stream) -> Vec<RouterEvent> {
                     .iter()
                     .zip(tokens.chunks(BS))
                     .map(|(h, b)| KvCacheStoredBlockData {
-                        block_hash: ExternalSequenceBlockHash(*h),
-                        tokens_hash: LocalBlockHash(local_block_hash(b, Salt::NONE)),
+                        block_hash: ExternalSequenceBlockHash(h.0),
+                        tokens_hash: LocalBlockHash(local_block_hash(b, Salt::NONE).0),
                         mm_extra_info: None,
                     })
                     .collect();
                 let data = KvCacheEventData::Stored(KvCacheStoreData {
-                    parent_hash: parent.map(ExternalSequenceBlockHash),
+                    parent_hash: parent.map(|p| ExternalSequenceBlockHash(p.0)),
                     start_position: None,
                     blocks,
                 });
@@ -283,7 +283,7 @@ fn dynamo_events(s: &Stream) -> Vec<RouterEvent> {
             }
             Ev::Removed { replica, hash } => {
                 let data = KvCacheEventData::Removed(KvCacheRemoveData {
-                    block_hashes: vec![ExternalSequenceBlockHash(*hash)],
+                    block_hashes: vec![ExternalSequenceBlockHash(hash.0)],
                 });
                 RouterEvent::new(*replica as u64, KvCacheEvent { event_id: i as u64, data, dp_rank: 0 })
             }
@@ -404,7 +404,9 @@ fn main() {
         ts.iter().map(|t| kvgate_shared::hash::prompt_block_hashes(t, BS, Salt::NONE)).collect::<Vec<_>>()
     };
     let local = |ts: &[Vec<u32>]| {
-        ts.iter().map(|t| kvgate_shared::hash::local_block_hashes(t, BS, Salt::NONE)).collect::<Vec<_>>()
+        ts.iter()
+            .map(|t| kvgate_shared::hash::local_block_hashes(t, BS, Salt::NONE).iter().map(|h| h.0).collect())
+            .collect::<Vec<Vec<u64>>>()
     };
     let ours = [("full hit", seq(&s.hits)), ("shared prefix", seq(&s.shared)), ("miss", seq(&s.misses))];
     let theirs = [("full hit", local(&s.hits)), ("shared prefix", local(&s.shared)), ("miss", local(&s.misses))];

@@ -5,7 +5,7 @@
 //! tails may be short (missing trailing fields are `None`); map keys may come in any order and
 //! unknown keys are ignored. Hashes may be u64, i64 or bin (last 8 bytes, big-endian).
 
-use kvgate_shared::hash::ExtraKey;
+use kvgate_shared::hash::{EngineHash, ExtraKey};
 use rmpv::Value;
 use serde::Serialize;
 
@@ -51,9 +51,9 @@ pub enum KvEvent {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BlockStored {
     /// The engine's hashes of the new blocks, in order (opaque ids).
-    pub block_hashes: Vec<u64>,
+    pub block_hashes: Vec<EngineHash>,
     /// The engine hash of the block before the first new one; `None` at the root.
-    pub parent_block_hash: Option<u64>,
+    pub parent_block_hash: Option<EngineHash>,
     /// The new blocks' tokens, concatenated.
     pub token_ids: Vec<u32>,
     /// Tokens per block.
@@ -81,7 +81,7 @@ pub struct BlockStored {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BlockRemoved {
     /// Engine hashes of the evicted blocks.
-    pub block_hashes: Vec<u64>,
+    pub block_hashes: Vec<EngineHash>,
     /// Storage tier.
     pub medium: Option<String>,
     /// KV-cache group.
@@ -214,18 +214,20 @@ fn string(v: Option<&Value>) -> Option<String> {
 }
 
 /// A block hash: u64, i64 (reinterpreted), or bytes (last 8, big-endian, as vLLM's int mode).
-fn hash(v: &Value) -> Result<u64, DecodeError> {
+fn hash(v: &Value) -> Result<EngineHash, DecodeError> {
     match v {
-        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|s| s as u64)).ok_or_else(|| shape("bad hash")),
+        Value::Integer(i) => {
+            i.as_u64().or_else(|| i.as_i64().map(|s| s as u64)).map(EngineHash).ok_or_else(|| shape("bad hash"))
+        }
         Value::Binary(b) if !b.is_empty() => {
             let tail = &b[b.len().saturating_sub(8)..];
-            Ok(tail.iter().fold(0u64, |acc, byte| (acc << 8) | u64::from(*byte)))
+            Ok(EngineHash(tail.iter().fold(0u64, |acc, byte| (acc << 8) | u64::from(*byte))))
         }
         _ => Err(shape("hash is not an integer or bytes")),
     }
 }
 
-fn hashes(v: Option<&Value>, name: &str) -> Result<Vec<u64>, DecodeError> {
+fn hashes(v: Option<&Value>, name: &str) -> Result<Vec<EngineHash>, DecodeError> {
     match v {
         Some(Value::Array(items)) => items.iter().map(hash).collect(),
         _ => Err(shape(format!("{name} is not an array"))),
@@ -256,7 +258,7 @@ mod tests {
             ts: 1700000000.5,
             events: vec![
                 KvEvent::BlockStored(BlockStored {
-                    block_hashes: vec![9561501211280363793, 15292913576410714033],
+                    block_hashes: vec![EngineHash(9561501211280363793), EngineHash(15292913576410714033)],
                     parent_block_hash: None,
                     token_ids: (1..=8).collect(),
                     block_size: 4,
@@ -270,7 +272,7 @@ mod tests {
                     kv_cache_spec_kind: Some("full_attention".into()),
                 }),
                 KvEvent::BlockRemoved(BlockRemoved {
-                    block_hashes: vec![9561501211280363793],
+                    block_hashes: vec![EngineHash(9561501211280363793)],
                     medium: Some("GPU".into()),
                     group_idx: Some(0),
                 }),
@@ -301,11 +303,14 @@ mod tests {
             hex("92cb3ff000000000000091 96ab426c6f636b53746f72656491ffc0920102 02c0".replace(' ', "").as_str());
         let batch = decode_batch(&payload).unwrap();
         let KvEvent::BlockStored(s) = &batch.events[0] else { panic!() };
-        assert_eq!((s.block_hashes[0], s.medium.as_deref(), batch.data_parallel_rank), (u64::MAX, None, None));
+        assert_eq!(
+            (s.block_hashes[0], s.medium.as_deref(), batch.data_parallel_rank),
+            (EngineHash(u64::MAX), None, None)
+        );
         // bin hash: last 8 bytes big-endian.
         let payload = hex("92cb3ff00000000000009192ac426c6f636b52656d6f76656491c40a0000000000000000002a");
         let KvEvent::BlockRemoved(r) = &decode_batch(&payload).unwrap().events[0] else { panic!() };
-        assert_eq!(r.block_hashes, vec![42]);
+        assert_eq!(r.block_hashes, [EngineHash(42)]);
     }
 
     /// SGLang 0.5.23: map events with `cache_salt`, signed hashes, one event per page.
@@ -334,8 +339,8 @@ mod tests {
         rmp::encode::write_sint(w, 3).unwrap(); // attn_dp_rank
         let batch = decode_batch(&b).unwrap();
         let KvEvent::BlockStored(s) = &batch.events[0] else { panic!("{batch:?}") };
-        assert_eq!(s.block_hashes, vec![-5i64 as u64]);
-        assert_eq!(s.parent_block_hash, Some(-6i64 as u64));
+        assert_eq!(s.block_hashes, [EngineHash(-5i64 as u64)]);
+        assert_eq!(s.parent_block_hash, Some(EngineHash(-6i64 as u64)));
         assert_eq!((s.cache_salt.as_deref(), s.medium.as_deref()), (Some("tenant-7"), Some("CPU_PINNED")));
         assert_eq!(batch.data_parallel_rank, Some(3));
     }

@@ -22,7 +22,7 @@
 
 use std::collections::HashMap;
 
-use kvgate_shared::hash::{ExtraKey, Salt};
+use kvgate_shared::hash::{EngineHash, ExtraKey, Salt};
 
 use super::decode::{decode_batch, BlockStored, KvEvent};
 use crate::index::{KvIndex, ReplicaIdx, Store, Tier};
@@ -64,7 +64,7 @@ pub enum Change {
         /// Their tier.
         tier: Tier,
         /// The engine hashes removed.
-        engine_hashes: Vec<u64>,
+        engine_hashes: Vec<EngineHash>,
     },
 }
 
@@ -72,9 +72,9 @@ pub enum Change {
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredBlocks {
     /// See [`Store::parent`].
-    pub parent: Option<u64>,
+    pub parent: Option<EngineHash>,
     /// See [`Store::engine_hashes`].
-    pub engine_hashes: Vec<u64>,
+    pub engine_hashes: Vec<EngineHash>,
     /// See [`Store::token_ids`].
     pub token_ids: Vec<u32>,
     /// See [`Store::block_size`].
@@ -259,8 +259,8 @@ impl Ingest {
         };
         // Consecutive removals on one tier become one change. Anything else ends the run, so
         // events still take effect in order.
-        let mut removals: Option<(Tier, Vec<u64>)> = None;
-        let end_run = |removals: &mut Option<(Tier, Vec<u64>)>, changes: &mut Vec<Change>| {
+        let mut removals: Option<(Tier, Vec<EngineHash>)> = None;
+        let end_run = |removals: &mut Option<(Tier, Vec<EngineHash>)>, changes: &mut Vec<Change>| {
             if let Some((tier, engine_hashes)) = removals.take() {
                 changes.push(Change::Remove { tier, engine_hashes });
             }

@@ -12,6 +12,7 @@
 use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};
 
+use kvgate_shared::hash::SequenceHash;
 use lru::LruCache;
 
 use super::{Overlap, ReplicaIdx};
@@ -20,7 +21,7 @@ use super::{Overlap, ReplicaIdx};
 #[derive(Debug)]
 pub struct ApproxIndex {
     /// Sequence hash → the replicas it was sent to, with when.
-    blocks: LruCache<u64, Vec<(ReplicaIdx, Instant)>>,
+    blocks: LruCache<SequenceHash, Vec<(ReplicaIdx, Instant)>>,
     ttl: Duration,
 }
 
@@ -32,7 +33,7 @@ impl ApproxIndex {
 
     /// Each of `replicas` replicas' overlap with the prompt: its leading blocks recorded on that
     /// replica and not expired at `now` (reported as device blocks).
-    pub fn find_matches(&self, hashes: &[u64], replicas: usize, now: Instant) -> Vec<Overlap> {
+    pub fn find_matches(&self, hashes: &[SequenceHash], replicas: usize, now: Instant) -> Vec<Overlap> {
         let mut out = vec![Overlap::default(); replicas];
         let mut still: Vec<bool> = vec![true; replicas];
         for h in hashes {
@@ -53,7 +54,7 @@ impl ApproxIndex {
     }
 
     /// Records that the prompt's blocks were sent to `replica` at `now`.
-    pub fn record(&mut self, replica: ReplicaIdx, hashes: &[u64], now: Instant) {
+    pub fn record(&mut self, replica: ReplicaIdx, hashes: &[SequenceHash], now: Instant) {
         for h in hashes {
             let holders = self.blocks.get_or_insert_mut(*h, Vec::new);
             holders.retain(|(r, at)| *r != replica && now.saturating_duration_since(*at) <= self.ttl);
@@ -83,30 +84,38 @@ impl ApproxIndex {
 mod tests {
     use super::*;
 
+    fn h(hashes: &[u64]) -> Vec<SequenceHash> {
+        hashes.iter().copied().map(SequenceHash).collect()
+    }
+
     #[test]
     fn overlap_is_the_leading_blocks_sent_to_each_replica() {
         let mut idx = ApproxIndex::new(100, Duration::from_secs(60));
         let t = Instant::now();
-        idx.record(1, &[1, 2, 3, 4], t);
-        idx.record(0, &[1, 2, 9], t);
-        let o = idx.find_matches(&[1, 2, 3, 5], 3, t);
+        idx.record(1, &h(&[1, 2, 3, 4]), t);
+        idx.record(0, &h(&[1, 2, 9]), t);
+        let o = idx.find_matches(&h(&[1, 2, 3, 5]), 3, t);
         assert_eq!(o.iter().map(|o| o.device).collect::<Vec<_>>(), [2, 3, 0]);
-        assert_eq!(idx.find_matches(&[7, 1], 3, t), vec![Overlap::default(); 3], "a miss on the first block ends it");
+        assert_eq!(
+            idx.find_matches(&h(&[7, 1]), 3, t),
+            vec![Overlap::default(); 3],
+            "a miss on the first block ends it"
+        );
         idx.clear_replica(1);
-        assert_eq!(idx.find_matches(&[1, 2, 3], 3, t)[1].device, 0);
+        assert_eq!(idx.find_matches(&h(&[1, 2, 3]), 3, t)[1].device, 0);
     }
 
     #[test]
     fn entries_expire_and_the_size_is_bounded() {
         let mut idx = ApproxIndex::new(3, Duration::from_secs(10));
         let t = Instant::now();
-        idx.record(0, &[1, 2], t);
-        assert_eq!(idx.find_matches(&[1, 2], 1, t + Duration::from_secs(5))[0].device, 2);
-        assert_eq!(idx.find_matches(&[1, 2], 1, t + Duration::from_secs(11))[0].device, 0, "expired");
-        idx.record(0, &[1, 2], t + Duration::from_secs(11));
-        assert_eq!(idx.find_matches(&[1, 2], 1, t + Duration::from_secs(12))[0].device, 2, "refreshed");
-        idx.record(0, &[5, 6], t + Duration::from_secs(12));
+        idx.record(0, &h(&[1, 2]), t);
+        assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(5))[0].device, 2);
+        assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(11))[0].device, 0, "expired");
+        idx.record(0, &h(&[1, 2]), t + Duration::from_secs(11));
+        assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(12))[0].device, 2, "refreshed");
+        idx.record(0, &h(&[5, 6]), t + Duration::from_secs(12));
         assert_eq!(idx.len(), 3, "the least recently routed block went");
-        assert_eq!(idx.find_matches(&[1, 2], 1, t + Duration::from_secs(12))[0].device, 0);
+        assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(12))[0].device, 0);
     }
 }

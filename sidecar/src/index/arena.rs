@@ -13,16 +13,18 @@
 
 /// What a removed slot holds. A block whose sequence hash happens to be this (probability
 /// 2⁻⁶⁴) is stored as [`DEAD_STAND_IN`]: indexed, but never matched.
-pub(super) const DEAD: u64 = 0;
+pub(super) const DEAD: SequenceHash = SequenceHash(0);
 
 /// What a block whose sequence hash is [`DEAD`] is stored as.
-pub(super) const DEAD_STAND_IN: u64 = u64::MAX;
+pub(super) const DEAD_STAND_IN: SequenceHash = SequenceHash(u64::MAX);
+
+use kvgate_shared::hash::SequenceHash;
 
 /// One replica's blocks on one tier, in store order.
 #[derive(Debug, Default)]
 pub(super) struct Arena {
     /// Slot → the sequence hash of the block there, or [`DEAD`].
-    seqs: Vec<u64>,
+    seqs: Vec<SequenceHash>,
     /// One bit a slot: the slot heads a chain.
     heads: Vec<u64>,
     /// Removed slots not yet compacted away.
@@ -35,12 +37,12 @@ pub(super) struct Compacted {
     /// Old slot → new slot (`u32::MAX` for removed slots).
     pub(super) remap: Vec<u32>,
     /// The heads that moved: (sequence hash, old slot, new slot), by old slot.
-    pub(super) heads: Vec<(u64, u32, u32)>,
+    pub(super) heads: Vec<(SequenceHash, u32, u32)>,
 }
 
 impl Arena {
     /// The sequence hashes of every slot, [`DEAD`] for removed ones.
-    pub(super) fn seqs(&self) -> &[u64] {
+    pub(super) fn seqs(&self) -> &[SequenceHash] {
         &self.seqs
     }
 
@@ -50,7 +52,7 @@ impl Arena {
     }
 
     /// The sequence hash at `slot` ([`DEAD`] if removed).
-    pub(super) fn get(&self, slot: u32) -> u64 {
+    pub(super) fn get(&self, slot: u32) -> SequenceHash {
         self.seqs[slot as usize]
     }
 
@@ -66,7 +68,7 @@ impl Arena {
 
     /// Appends a block; returns its slot. The arena grows by a quarter at a time, so the
     /// room it keeps spare stays small.
-    pub(super) fn push(&mut self, seq: u64, head: bool) -> u32 {
+    pub(super) fn push(&mut self, seq: SequenceHash, head: bool) -> u32 {
         let slot = self.next_slot();
         if self.seqs.len() == self.seqs.capacity() {
             self.seqs.reserve_exact((self.seqs.len() / 4).max(64));
@@ -82,7 +84,7 @@ impl Arena {
     }
 
     /// Removes the block at `slot`; returns its sequence hash and whether it headed a chain.
-    pub(super) fn kill(&mut self, slot: u32) -> (u64, bool) {
+    pub(super) fn kill(&mut self, slot: u32) -> (SequenceHash, bool) {
         let seq = std::mem::replace(&mut self.seqs[slot as usize], DEAD);
         debug_assert_ne!(seq, DEAD, "slot {slot} removed twice");
         let head = self.is_head(slot);
@@ -126,7 +128,7 @@ impl Arena {
     }
 
     /// Every head: (slot, sequence hash).
-    pub(super) fn heads(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+    pub(super) fn heads(&self) -> impl Iterator<Item = (u32, SequenceHash)> + '_ {
         self.seqs.iter().enumerate().filter(|(slot, _)| self.is_head(*slot as u32)).map(|(s, seq)| (s as u32, *seq))
     }
 }
@@ -135,29 +137,33 @@ impl Arena {
 mod tests {
     use super::*;
 
+    const fn h(n: u64) -> SequenceHash {
+        SequenceHash(n)
+    }
+
     #[test]
     fn removed_slots_are_trimmed_at_the_end_and_compacted_away_elsewhere() {
         let mut a = Arena::default();
         for seq in 1..=10u64 {
-            assert_eq!(a.push(seq, seq % 4 == 1), seq as u32 - 1);
+            assert_eq!(a.push(h(seq), seq % 4 == 1), seq as u32 - 1);
         }
-        assert_eq!(a.heads().collect::<Vec<_>>(), [(0, 1), (4, 5), (8, 9)]);
-        assert_eq!(a.kill(9), (10, false));
-        assert_eq!(a.kill(8), (9, true));
+        assert_eq!(a.heads().collect::<Vec<_>>(), [(0, h(1)), (4, h(5)), (8, h(9))]);
+        assert_eq!(a.kill(9), (h(10), false));
+        assert_eq!(a.kill(8), (h(9), true));
         assert!(!a.trim(), "only the end was removed");
         assert_eq!(a.next_slot(), 8, "the removed end is gone");
         for slot in [0, 1, 2, 5, 6] {
             a.kill(slot);
         }
         assert!(a.trim(), "5 removed, 3 live");
-        assert_eq!(a.seqs(), [DEAD, DEAD, DEAD, 4, 5, DEAD, DEAD, 8]);
+        assert_eq!(a.seqs(), [DEAD, DEAD, DEAD, h(4), h(5), DEAD, DEAD, h(8)]);
         let moved = a.compact();
-        assert_eq!(a.seqs(), [4, 5, 8]);
+        assert_eq!(a.seqs(), [h(4), h(5), h(8)]);
         assert_eq!(moved.remap, [u32::MAX, u32::MAX, u32::MAX, 0, 1, u32::MAX, u32::MAX, 2]);
-        assert_eq!(moved.heads, [(5, 4, 1)]);
+        assert_eq!(moved.heads, [(h(5), 4, 1)]);
         assert!(a.is_head(1) && !a.is_head(0) && !a.is_head(2));
-        assert_eq!(a.push(11, true), 3);
-        assert_eq!(a.heads().collect::<Vec<_>>(), [(1, 5), (3, 11)]);
+        assert_eq!(a.push(h(11), true), 3);
+        assert_eq!(a.heads().collect::<Vec<_>>(), [(1, h(5)), (3, h(11))]);
     }
 
     #[test]

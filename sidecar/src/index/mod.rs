@@ -28,7 +28,7 @@ mod arena;
 mod sharded;
 
 use arena::{Arena, DEAD};
-use kvgate_shared::hash::{local_block_hash, next_sequence_hash, Salt};
+use kvgate_shared::hash::{local_block_hash, next_sequence_hash, EngineHash, Salt, SequenceHash};
 use serde::Serialize;
 use sharded::{EngineShards, Head, HeadShards, Map};
 
@@ -139,9 +139,9 @@ impl ApplyError {
 #[derive(Debug, Clone, Copy)]
 pub struct Store<'a> {
     /// Engine hash of the block before the first new one (`None`: the prompt's start).
-    pub parent: Option<u64>,
+    pub parent: Option<EngineHash>,
     /// Engine hashes of the new blocks.
-    pub engine_hashes: &'a [u64],
+    pub engine_hashes: &'a [EngineHash],
     /// Their tokens, concatenated.
     pub token_ids: &'a [u32],
     /// The event's block size.
@@ -161,7 +161,7 @@ struct ReplicaTier {
     /// Engine hash → the block's slot in `arena`.
     engine: EngineShards,
     /// Engine hashes stored more than once (reported twice, removed twice): extra count.
-    extra_refs: Map<u32>,
+    extra_refs: Map<EngineHash, u32>,
     /// The blocks' sequence hashes, in store order.
     arena: Arena,
 }
@@ -244,7 +244,7 @@ impl KvIndex {
     }
 
     /// Where a replica's engine block is: its tier and slot, looking on `tier` first.
-    fn locate(&self, replica: ReplicaIdx, tier: usize, engine_hash: u64) -> Option<(usize, u32)> {
+    fn locate(&self, replica: ReplicaIdx, tier: usize, engine_hash: EngineHash) -> Option<(usize, u32)> {
         let tiers = &self.replicas[replica].tiers;
         [tier, 0, 1, 2]
             .into_iter()
@@ -300,7 +300,7 @@ impl KvIndex {
 
     /// Applies a `BlockRemoved` (or several in a row: their hashes, in order). Unknown hashes
     /// are ignored (they may predate us).
-    pub fn remove(&mut self, replica: ReplicaIdx, tier: Tier, engine_hashes: &[u64]) {
+    pub fn remove(&mut self, replica: ReplicaIdx, tier: Tier, engine_hashes: &[EngineHash]) {
         let t = tier.idx();
         let rt = &mut self.replicas[replica].tiers[t];
         let heads = &mut self.heads[t];
@@ -333,7 +333,7 @@ impl KvIndex {
     }
 
     /// Each replica's [`Overlap`] with the prompt (given as sequence hashes), in replica order.
-    pub fn find_matches(&self, hashes: &[u64]) -> Vec<Overlap> {
+    pub fn find_matches(&self, hashes: &[SequenceHash]) -> Vec<Overlap> {
         let mut out = vec![Overlap::default(); self.replicas.len()];
         for (r, o) in self.find_overlaps(hashes) {
             out[r as usize] = o;
@@ -348,7 +348,7 @@ impl KvIndex {
     /// a head of the first block, goes on slot by slot while the replica's arena holds the
     /// prompt's next block in the next slot, and when it does not, goes on from the replica's
     /// head of that block, if any.
-    pub fn find_overlaps(&self, hashes: &[u64]) -> Vec<(u32, Overlap)> {
+    pub fn find_overlaps(&self, hashes: &[SequenceHash]) -> Vec<(u32, Overlap)> {
         let mut out: Vec<(u32, Overlap)> = Vec::new();
         let mut starts = hashes.first().into_iter().flat_map(|first| self.heads[0].shard(*first).of(*first)).peekable();
         let lower_tiers = self.live[1] != 0 || self.live[2] != 0;
@@ -395,7 +395,15 @@ impl KvIndex {
 
     /// Where replica `r`'s chain on tier `t` through the prompt ends (an index into `hashes`,
     /// exclusive), starting from `hashes[pos]` at `slot` of its arena.
-    fn chain_end(&self, t: usize, r: u32, mut slot: u32, mut pos: usize, hashes: &[u64], memo: &mut HeadsAt) -> usize {
+    fn chain_end(
+        &self,
+        t: usize,
+        r: u32,
+        mut slot: u32,
+        mut pos: usize,
+        hashes: &[SequenceHash],
+        memo: &mut HeadsAt,
+    ) -> usize {
         let seqs = self.replicas[r as usize].tiers[t].arena.seqs();
         loop {
             // The run of prompt blocks in the slots after this one.
@@ -421,7 +429,7 @@ impl KvIndex {
     /// there, consecutively from where the better tiers' match ends. A replica's chain on the
     /// tier may start anywhere up to that point, so the prompt's heads on it are looked up at
     /// every position up to the furthest one.
-    fn lower_tier(&self, tier: Tier, hashes: &[u64], dense: &mut [Overlap]) {
+    fn lower_tier(&self, tier: Tier, hashes: &[SequenceHash], dense: &mut [Overlap]) {
         let t = tier.idx();
         if self.live[t] == 0 {
             return;
@@ -456,7 +464,7 @@ impl KvIndex {
 
 /// How many leading elements `a` and `b` have in common. Compares four at a time (without
 /// branching between them, so the compiler can use one vector compare).
-fn common_prefix(a: &[u64], b: &[u64]) -> usize {
+fn common_prefix(a: &[SequenceHash], b: &[SequenceHash]) -> usize {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let mut i = 0;
@@ -475,10 +483,16 @@ mod tests {
         (100..100 + n).collect()
     }
 
-    fn store<'a>(parent: Option<u64>, hashes: &'a [u64], tokens: &'a [u32], bs: usize) -> Store<'a> {
+    /// Engine hashes from plain numbers.
+    fn e(hashes: &[u64]) -> Vec<EngineHash> {
+        hashes.iter().copied().map(EngineHash).collect()
+    }
+
+    /// A device-tier store of `hashes` after `parent` (the hashes live as long as the test).
+    fn store<'a>(parent: Option<u64>, hashes: &[u64], tokens: &'a [u32], bs: usize) -> Store<'a> {
         Store {
-            parent,
-            engine_hashes: hashes,
+            parent: parent.map(EngineHash),
+            engine_hashes: e(hashes).leak(),
             token_ids: tokens,
             block_size: bs,
             salt: Salt::NONE,
@@ -519,10 +533,10 @@ mod tests {
         let prompt = prompt_block_hashes(&tokens(4), 4, Salt::NONE);
         idx.store(0, store(None, &[7], &tokens(4), 4)).unwrap();
         idx.store(0, store(None, &[7], &tokens(4), 4)).unwrap();
-        idx.remove(0, Tier::Device, &[7]);
+        idx.remove(0, Tier::Device, &e(&[7]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![1]);
-        idx.remove(0, Tier::Device, &[7]);
-        idx.remove(0, Tier::Device, &[7, 12345]);
+        idx.remove(0, Tier::Device, &e(&[7]));
+        idx.remove(0, Tier::Device, &e(&[7, 12345]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![0]);
     }
 
@@ -542,7 +556,7 @@ mod tests {
     }
 
     /// Every head of tier `t`, sorted: (sequence hash, replica, slot).
-    fn heads(idx: &KvIndex, t: usize) -> Vec<(u64, u32, u32)> {
+    fn heads(idx: &KvIndex, t: usize) -> Vec<(SequenceHash, u32, u32)> {
         let mut v: Vec<_> =
             idx.heads[t].shards.iter().flat_map(|s| s.iter()).map(|h| (h.seq, h.replica, h.slot)).collect();
         v.sort_unstable();
@@ -563,7 +577,7 @@ mod tests {
         idx.store(1, store(Some(2), &[3], &t[8..12], 4)).unwrap();
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![6, 3]);
         // Removing block 1 of replica 0 ends its chain there; block 2 heads the rest.
-        idx.remove(0, Tier::Device, &[2]);
+        idx.remove(0, Tier::Device, &e(&[2]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![1, 3]);
         assert!(heads(&idx, 0).contains(&(prompt[2], 0, 2)));
         // Storing block 1 again (at the end of the arena) makes 0-5 whole again, through heads.
@@ -571,7 +585,7 @@ mod tests {
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![6, 3]);
         // Remove blocks until removed slots outnumber live ones: the arena is compacted, and
         // the heads and engine entries follow their blocks.
-        idx.remove(0, Tier::Device, &[5, 3, 6]);
+        idx.remove(0, Tier::Device, &e(&[5, 3, 6]));
         assert_eq!(idx.replicas[0].tiers[0].arena.seqs(), [prompt[0], prompt[3], prompt[1]]);
         assert_eq!(heads(&idx, 0), {
             let mut v = vec![(prompt[0], 0, 0), (prompt[3], 0, 1), (prompt[1], 0, 2), (prompt[0], 1, 0)];
@@ -583,7 +597,7 @@ mod tests {
         idx.store(0, store(Some(4), &[5, 6], &t[16..], 4)).unwrap();
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![6, 3]);
         idx.clear_replica(0);
-        idx.remove(1, Tier::Device, &[3, 2, 1]);
+        idx.remove(1, Tier::Device, &e(&[3, 2, 1]));
         assert_eq!(heads(&idx, 0), [], "nothing left behind");
         assert_eq!(idx.live, [0; 3]);
     }
@@ -599,9 +613,9 @@ mod tests {
         idx.store(0, store(None, &[7], &t[..4], 4)).unwrap();
         idx.store(0, store(Some(7), &[8, 9], &t[4..], 4)).unwrap();
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![3], "the longer chain of the two first blocks");
-        idx.remove(0, Tier::Device, &[9, 1]);
+        idx.remove(0, Tier::Device, &e(&[9, 1]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![2], "the copies left still chain");
-        idx.remove(0, Tier::Device, &[7]);
+        idx.remove(0, Tier::Device, &e(&[7]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![0], "block 1 without block 0 is no match");
         // A second copy in the middle of a chain: the walk follows the first copy's chain,
         // so it may stop early, but it never credits a block the replica does not hold.
@@ -609,7 +623,7 @@ mod tests {
         idx.store(0, store(None, &[1, 2], &t[..8], 4)).unwrap();
         idx.store(0, store(Some(1), &[8, 9], &t[4..], 4)).unwrap();
         assert!((2..=3).contains(&idx.find_matches(&prompt)[0].device));
-        idx.remove(0, Tier::Device, &[2, 8]);
+        idx.remove(0, Tier::Device, &e(&[2, 8]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![1]);
     }
 
@@ -626,7 +640,7 @@ mod tests {
         let o = idx.find_matches(&prompt);
         assert_eq!(o[0], Overlap { device: 2, host: 1, disk: 1 });
         assert_eq!(o[1], Overlap { device: 0, host: 4, disk: 0 });
-        idx.remove(0, Tier::Host, &[3]);
+        idx.remove(0, Tier::Host, &e(&[3]));
         assert_eq!(idx.find_matches(&prompt)[0], Overlap { device: 2, host: 0, disk: 0 }, "a hole stops the walk");
         assert_eq!(idx.replica_tier_blocks(0, Tier::Disk), 1);
     }

@@ -14,10 +14,28 @@
 use std::collections::HashMap;
 
 use hashbrown::hash_table::{Entry, HashTable};
+use kvgate_shared::hash::{EngineHash, SequenceHash};
 use nohash_hasher::BuildNoHashHasher;
 
-/// A map from already-uniform `u64` hashes: hashing them again would only cost time.
-pub(super) type Map<V> = HashMap<u64, V, BuildNoHashHasher<u64>>;
+/// A map from already-uniform hashes: hashing them again would only cost time.
+pub(super) type Map<K, V> = HashMap<K, V, BuildNoHashHasher<K>>;
+
+/// A key of a [`Sharded`] table: an already-uniform hash, whose bits place it.
+pub(super) trait Key: Copy {
+    fn bits(self) -> u64;
+}
+
+impl Key for SequenceHash {
+    fn bits(self) -> u64 {
+        self.0
+    }
+}
+
+impl Key for EngineHash {
+    fn bits(self) -> u64 {
+        self.0
+    }
+}
 
 /// `S` tables `M` (`S` a power of two), each holding the keys whose bits `SHIFT..` select it.
 /// hashbrown places an entry by the low bits of its hash and tags it with the top seven, so
@@ -40,7 +58,7 @@ impl<M: Default, const S: usize, const SHIFT: u32> Default for Sharded<M, S, SHI
 
 impl<M: Default, const S: usize, const SHIFT: u32> Sharded<M, S, SHIFT> {
     /// The shard that holds `key`, to change.
-    pub(super) fn shard_mut(&mut self, key: u64) -> &mut M {
+    pub(super) fn shard_mut(&mut self, key: impl Key) -> &mut M {
         if self.shards.is_empty() {
             self.shards = (0..S).map(|_| M::default()).collect();
         }
@@ -49,12 +67,12 @@ impl<M: Default, const S: usize, const SHIFT: u32> Sharded<M, S, SHIFT> {
 }
 
 impl<M, const S: usize, const SHIFT: u32> Sharded<M, S, SHIFT> {
-    fn index(key: u64) -> usize {
-        (key >> SHIFT) as usize & (S - 1)
+    fn index(key: impl Key) -> usize {
+        (key.bits() >> SHIFT) as usize & (S - 1)
     }
 
     /// The shard that holds `key`, if anything does.
-    pub(super) fn shard(&self, key: u64) -> &M {
+    pub(super) fn shard(&self, key: impl Key) -> &M {
         self.shards.get(Self::index(key)).unwrap_or(&self.empty)
     }
 
@@ -86,7 +104,7 @@ struct EngineEntry {
 }
 
 impl EngineEntry {
-    fn new(engine: u64, slot: u32) -> Self {
+    fn new(EngineHash(engine): EngineHash, slot: u32) -> Self {
         EngineEntry { engine: [engine as u32, (engine >> 32) as u32], slot }
     }
 
@@ -104,24 +122,25 @@ pub(super) struct EngineMap {
 
 impl EngineMap {
     /// The slot of `engine`.
-    pub(super) fn get(&self, engine: u64) -> Option<u32> {
+    pub(super) fn get(&self, EngineHash(engine): EngineHash) -> Option<u32> {
         self.table.find(engine, |e| e.engine() == engine).map(|e| e.slot)
     }
 
     /// Inserts `engine` at the slot `slot()` returns, unless it is present; returns its slot
     /// if it was (nothing changed).
-    pub(super) fn try_insert(&mut self, engine: u64, slot: impl FnOnce() -> u32) -> Option<u32> {
+    pub(super) fn try_insert(&mut self, key: EngineHash, slot: impl FnOnce() -> u32) -> Option<u32> {
+        let engine = key.0;
         match self.table.entry(engine, |e| e.engine() == engine, EngineEntry::engine) {
             Entry::Occupied(o) => Some(o.get().slot),
             Entry::Vacant(v) => {
-                v.insert(EngineEntry::new(engine, slot()));
+                v.insert(EngineEntry::new(key, slot()));
                 None
             }
         }
     }
 
     /// Removes `engine`; returns its slot.
-    pub(super) fn remove(&mut self, engine: u64) -> Option<u32> {
+    pub(super) fn remove(&mut self, EngineHash(engine): EngineHash) -> Option<u32> {
         self.table.find_entry(engine, |e| e.engine() == engine).ok().map(|o| o.remove().0.slot)
     }
 
@@ -136,7 +155,7 @@ impl EngineMap {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Head {
     /// The block's sequence hash.
-    pub(super) seq: u64,
+    pub(super) seq: SequenceHash,
     /// The replica holding it.
     pub(super) replica: u32,
     /// Its slot in the replica's arena of this tier.
@@ -158,23 +177,23 @@ impl HeadMap {
     }
 
     /// Every head of block `seq`.
-    pub(super) fn of(&self, seq: u64) -> impl Iterator<Item = &Head> {
-        self.table.iter_hash(seq).filter(move |h| h.seq == seq)
+    pub(super) fn of(&self, seq: SequenceHash) -> impl Iterator<Item = &Head> {
+        self.table.iter_hash(seq.0).filter(move |h| h.seq == seq)
     }
 
     /// Adds a head (the caller knows it is not present).
     pub(super) fn insert(&mut self, head: Head) {
-        self.table.insert_unique(head.seq, head, |h| h.seq);
+        self.table.insert_unique(head.seq.0, head, |h| h.seq.0);
     }
 
     /// Removes a head; returns whether it was present.
     pub(super) fn remove(&mut self, head: Head) -> bool {
-        self.table.find_entry(head.seq, |h| *h == head).map(|o| o.remove()).is_ok()
+        self.table.find_entry(head.seq.0, |h| *h == head).map(|o| o.remove()).is_ok()
     }
 
     /// Moves a head to another slot; returns whether it was present.
     pub(super) fn move_to(&mut self, head: Head, slot: u32) -> bool {
-        self.table.find_mut(head.seq, |h| *h == head).map(|h| h.slot = slot).is_some()
+        self.table.find_mut(head.seq.0, |h| *h == head).map(|h| h.slot = slot).is_some()
     }
 }
 
@@ -198,8 +217,9 @@ mod tests {
     fn engine_map_entries_are_12_bytes_and_keep_every_key() {
         assert_eq!(std::mem::size_of::<EngineEntry>(), 12);
         let mut m = EngineShards::default();
-        assert_eq!((m.shards.len(), m.shard(5).get(5), m.len()), (0, None, 0), "nothing allocated yet");
-        let keys = keys(48, 4);
+        let five = EngineHash(5);
+        assert_eq!((m.shards.len(), m.shard(five).get(five), m.len()), (0, None, 0), "nothing allocated yet");
+        let keys: Vec<EngineHash> = keys(48, 4).into_iter().map(EngineHash).collect();
         for (i, k) in keys.iter().enumerate() {
             assert_eq!(m.shard_mut(*k).try_insert(*k, || i as u32), None, "{k:#x} is new");
         }
@@ -207,7 +227,8 @@ mod tests {
         assert!(m.shards.iter().all(|s| !s.table.is_empty()), "one key per shard at least");
         assert!(keys.iter().enumerate().all(|(i, k)| m.shard(*k).get(*k) == Some(i as u32)));
         assert_eq!(m.shard_mut(keys[3]).try_insert(keys[3], || 99), Some(3), "present: unchanged");
-        assert_eq!(m.shard(keys[3] | 1 << 62).get(keys[3] | 1 << 62), None, "a key never stored");
+        let never = EngineHash(keys[3].0 | 1 << 62);
+        assert_eq!(m.shard(never).get(never), None, "a key never stored");
         for shard in m.shards_mut() {
             shard.slots_mut().for_each(|s| *s += 1000);
         }
@@ -220,14 +241,14 @@ mod tests {
     #[test]
     fn head_map_holds_several_heads_per_block() {
         let mut heads = HeadShards::default();
-        let keys = keys(40, 8);
-        let head = |seq: u64, replica: u32| Head { seq, replica, slot: replica * 10 };
+        let keys: Vec<SequenceHash> = keys(40, 8).into_iter().map(SequenceHash).collect();
+        let head = |seq: SequenceHash, replica: u32| Head { seq, replica, slot: replica * 10 };
         for k in &keys {
             for r in 0..3 {
                 heads.shard_mut(*k).insert(head(*k, r));
             }
         }
-        let of = |heads: &HeadShards, k: u64| {
+        let of = |heads: &HeadShards, k: SequenceHash| {
             let mut v: Vec<(u32, u32)> = heads.shard(k).of(k).map(|h| (h.replica, h.slot)).collect();
             v.sort_unstable();
             v
@@ -238,6 +259,6 @@ mod tests {
         assert!(heads.shard_mut(keys[4]).move_to(head(keys[4], 2), 7));
         assert_eq!(of(&heads, keys[4]), [(0, 0), (2, 7)]);
         assert_eq!(of(&heads, keys[5]), [(0, 0), (1, 10), (2, 20)], "the key one shard over");
-        assert!(of(&heads, 12345).is_empty());
+        assert!(of(&heads, SequenceHash(12345)).is_empty());
     }
 }

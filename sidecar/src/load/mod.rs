@@ -25,6 +25,8 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use kvgate_shared::hash::SequenceHash;
+
 use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
 
@@ -46,7 +48,7 @@ struct Booking {
     replica: ReplicaIdx,
     prefill_tokens: u64,
     prefill_done: bool,
-    hashes: Vec<u64>,
+    hashes: Vec<SequenceHash>,
     /// Blocks of the prompt beyond its full hashed blocks (the partial tail): never shared.
     private_blocks: u64,
     booked_at: Instant,
@@ -76,7 +78,7 @@ struct Replica {
     output_blocks: u64,
     discounted: u64,
     /// Sequence hash → how many active requests on this replica include it.
-    shared_blocks: HashMap<u64, u32>,
+    shared_blocks: HashMap<SequenceHash, u32>,
     /// Prefill tokens per second, learned from streamed requests (`None` until one is).
     prefill_rate: Option<f64>,
 }
@@ -151,7 +153,7 @@ pub struct NewBooking<'a> {
     /// Prefill tokens left after the replica's cache overlap.
     pub prefill_tokens: u64,
     /// The prompt's sequence hashes.
-    pub hashes: &'a [u64],
+    pub hashes: &'a [SequenceHash],
     /// All blocks the prompt occupies, `ceil(ISL / block_size)`.
     pub total_blocks: u64,
     /// The request's `max_tokens`, for decode progress.
@@ -269,7 +271,7 @@ impl LoadTable {
 
     /// How many of the prompt's blocks would be new on this replica's active set: Dynamo's
     /// `additional_active_blocks` (the prompt's total minus its leading blocks already active).
-    pub fn additional_blocks(&self, replica: ReplicaIdx, hashes: &[u64], total_blocks: u64) -> u64 {
+    pub fn additional_blocks(&self, replica: ReplicaIdx, hashes: &[SequenceHash], total_blocks: u64) -> u64 {
         let shared = &self.replicas[replica].shared_blocks;
         let overlap = hashes.iter().take_while(|h| shared.contains_key(h)).count() as u64;
         total_blocks.saturating_sub(overlap)
@@ -365,7 +367,7 @@ impl LoadTable {
     /// moves there, as it stands (prefill done or not, decode progress). Its prediction was for
     /// the first replica and is dropped. Returns the replica it left and the prompt's hashes,
     /// or `None` if it is not booked or already there.
-    pub fn move_booking(&mut self, request_id: &str, to: ReplicaIdx) -> Option<(ReplicaIdx, Vec<u64>)> {
+    pub fn move_booking(&mut self, request_id: &str, to: ReplicaIdx) -> Option<(ReplicaIdx, Vec<SequenceHash>)> {
         let mut b = self.bookings.remove(request_id)?;
         let from = b.replica;
         if from == to {
@@ -437,11 +439,16 @@ impl LoadTable {
 mod tests {
     use super::*;
 
-    fn booking<'a>(id: &'a str, prefill: u64, hashes: &'a [u64], total: u64) -> NewBooking<'a> {
+    fn h(hashes: impl IntoIterator<Item = u64>) -> Vec<SequenceHash> {
+        hashes.into_iter().map(SequenceHash).collect()
+    }
+
+    /// A booking of `hashes` (they live as long as the test).
+    fn booking<'a>(id: &'a str, prefill: u64, hashes: &[u64], total: u64) -> NewBooking<'a> {
         NewBooking {
             request_id: id,
             prefill_tokens: prefill,
-            hashes,
+            hashes: h(hashes.iter().copied()).leak(),
             total_blocks: total,
             max_tokens: None,
             prediction: None,
@@ -485,10 +492,11 @@ mod tests {
         let mut t = LoadTable::new(2, 8_000.0);
         let now = Instant::now();
         let prompt: Vec<u64> = (0..8).collect();
+        let hashes = h(prompt.iter().copied());
         assert!(t.book(0, booking("r", 100, &prompt, 10), now));
         assert!(t.prefill_done("r", Instant::now()));
         let before = t.load(0);
-        assert_eq!(t.move_booking("r", 1), Some((0, prompt.clone())));
+        assert_eq!(t.move_booking("r", 1), Some((0, hashes.clone())));
         assert_eq!(t.load(0), ReplicaLoad::default(), "nothing stays on the replica it left");
         assert_eq!(t.load(1), before, "it carries its load as it stands (prefill done)");
         assert_eq!(t.move_booking("r", 1), None, "already there");
@@ -576,7 +584,7 @@ mod tests {
         let mut t = LoadTable::new(1, 8_000.0);
         let now = Instant::now();
         t.book(0, booking("a", 10, &[1, 2], 2), now);
-        assert_eq!(t.additional_blocks(0, &[1, 2, 3], 4), 2);
+        assert_eq!(t.additional_blocks(0, &h([1, 2, 3]), 4), 2);
         t.book(0, booking("b", 10, &[1, 2, 3], 4), now);
         assert_eq!(t.load(0).active_blocks, 4, "blocks 1,2 shared, 3 and b's tail new");
         t.finish("a");

@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 
 use crate::accuracy::Accuracy;
@@ -119,7 +120,7 @@ impl Pool {
 
     /// Each replica's overlap with a prompt's block hashes, in slot order, as the index holds
     /// it now (before health and in-flight credit are taken into account).
-    pub fn find_matches(&self, hashes: &[u64]) -> Vec<Overlap> {
+    pub fn find_matches(&self, hashes: &[SequenceHash]) -> Vec<Overlap> {
         read(&self.index).find_matches(hashes)
     }
 

@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::wire::{PromptCount, RouteRequest, RouteResponse};
 
 use super::members::NONE;
@@ -42,7 +43,7 @@ pub(super) struct Scored {
 /// The request as the pool measures it.
 struct Shape<'a> {
     /// The prompt's block hashes (none if computed with another block size).
-    hashes: &'a [u64],
+    hashes: &'a [SequenceHash],
     /// The (first) prompt's tokens.
     prompt_tokens: u64,
     /// Prompt tokens of all the request's prompts: what its prefill costs, uncached.
@@ -118,7 +119,7 @@ impl Pool {
 
     fn shape<'a>(&self, req: &'a RouteRequest) -> Shape<'a> {
         let block_size = u64::from(self.config.block_size);
-        let hashes: &[u64] = if req.block_size == self.config.block_size { &req.block_hashes } else { &[] };
+        let hashes: &[SequenceHash] = if req.block_size == self.config.block_size { &req.block_hashes } else { &[] };
         let prompt_tokens = u64::from(req.prompt_tokens);
         let prompts = u64::from(req.prompts.max(1));
         Shape {
@@ -139,7 +140,7 @@ impl Pool {
     /// The candidates: active replicas that serve the model (a learned adapter only where it
     /// is loaded), credited with their overlap — none while their publisher cannot be trusted
     /// — and, under `kv_aware`, with prefixes routed there moments ago (`inflight_credit_secs`).
-    fn eligible(&self, members: &[Member], req: &RouteRequest, hashes: &[u64]) -> Vec<Eligible> {
+    fn eligible(&self, members: &[Member], req: &RouteRequest, hashes: &[SequenceHash]) -> Vec<Eligible> {
         let affinity = self.config.policy == Policy::PrefixAffinity;
         let overlaps = if affinity {
             self.affinity_index().find_matches(hashes, members.len(), Instant::now())

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::hash::{prompt_block_hashes, EngineHash, Salt};
 use kvgate_shared::wire::{RouteRequest, RouteResponse};
 
 use super::*;
@@ -57,7 +57,7 @@ fn cache_hits_win_and_concurrent_misses_spread() {
             2,
             Store {
                 parent: None,
-                engine_hashes: &(0..16).collect::<Vec<u64>>(),
+                engine_hashes: &(0..16).map(EngineHash).collect::<Vec<_>>(),
                 token_ids: &cached,
                 block_size: 4,
                 salt: Salt::NONE,
@@ -80,7 +80,8 @@ fn cache_hits_win_and_concurrent_misses_spread() {
 }
 
 fn cache_on(p: &Pool, replica: ReplicaIdx, tokens: &[u32]) {
-    let engine: Vec<u64> = (0..(tokens.len() / 4) as u64).map(|i| i + 1000 * replica as u64).collect();
+    let engine: Vec<EngineHash> =
+        (0..(tokens.len() / 4) as u64).map(|i| EngineHash(i + 1000 * replica as u64)).collect();
     let store = Store {
         parent: None,
         engine_hashes: &engine,
@@ -215,7 +216,7 @@ fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
         cache_on(&p, r, &prompt);
     }
     let only_r1: Vec<u32> = (500..564).collect();
-    let engine: Vec<u64> = (5000..5016).collect();
+    let engine: Vec<EngineHash> = (5000..5016).map(EngineHash).collect();
     let store = Store {
         parent: None,
         engine_hashes: &engine,

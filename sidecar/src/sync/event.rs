@@ -3,6 +3,7 @@
 
 use std::sync::mpsc::{SyncSender, TrySendError};
 
+use kvgate_shared::hash::SequenceHash;
 use serde::{Deserialize, Serialize};
 
 /// What one sidecar tells the others.
@@ -19,7 +20,7 @@ pub enum SyncEvent {
         /// Prefill tokens booked (after the target's cache overlap).
         prefill_tokens: u64,
         /// The prompt's block hashes.
-        hashes: Vec<u64>,
+        hashes: Vec<SequenceHash>,
         /// All blocks the prompt occupies.
         total_blocks: u64,
     },
