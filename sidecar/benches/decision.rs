@@ -10,7 +10,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use kvgate_shared::hash::{prompt_block_hashes, EngineHash, Salt};
 use kvgate_shared::wire::RouteRequest;
 use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
-use kvgate_sidecar::index::{Store, Tier};
+use kvgate_sidecar::index::{ReplicaIdx, Store, Tier};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::score::ScoringConfig;
@@ -45,7 +45,7 @@ fn pool(replicas: usize, prompt_tokens: usize) -> Pool {
                 extra: &[],
                 tier: Tier::Device,
             };
-            p.store_blocks(r, store).expect("consistent");
+            p.store_blocks(ReplicaIdx::new(r), store).expect("consistent");
         }
     }
     p

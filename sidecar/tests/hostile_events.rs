@@ -5,7 +5,7 @@
 use kvgate_shared::hash::SequenceHash;
 use kvgate_sidecar::events::decode::decode_batch;
 use kvgate_sidecar::events::ingest::{apply, Ingest, NoReplay};
-use kvgate_sidecar::index::KvIndex;
+use kvgate_sidecar::index::{KvIndex, ReplicaIdx};
 use proptest::prelude::*;
 
 /// The vLLM 0.22 (positional) example batch from the spec.
@@ -24,7 +24,7 @@ proptest! {
         let _ = decode_batch(&bytes);
         let mut index = KvIndex::new(4, 1);
         let planned = Ingest::new(4).on_message(0, &bytes, &mut NoReplay);
-        apply(0, &planned.changes, &mut index);
+        apply(ReplicaIdx::new(0), &planned.changes, &mut index);
     }
 
     #[test]
@@ -39,7 +39,7 @@ proptest! {
         let mut ingest = Ingest::new(4);
         for (seq, payload) in [(seq, hex(POSITIONAL)), (seq + 1, payload)] {
             let planned = ingest.on_message(seq, &payload, &mut NoReplay);
-            apply(0, &planned.changes, &mut index);
+            apply(ReplicaIdx::new(0), &planned.changes, &mut index);
         }
         let _ = index.find_matches(&[SequenceHash(1), SequenceHash(2)]);
     }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, prompt_block_hashes, EngineHash, Salt, SequenceHash};
-use kvgate_sidecar::index::{KvIndex, Overlap, Store, Tier};
+use kvgate_sidecar::index::{KvIndex, Overlap, ReplicaIdx, Store, Tier};
 use proptest::prelude::*;
 
 const BS: usize = 2;
@@ -117,7 +117,7 @@ proptest! {
                     let tokens: Vec<u32> = new.iter().flat_map(|s| block_tokens(*s)).collect();
                     let store = Store { parent, engine_hashes: &engine_hashes, token_ids: &tokens, block_size: BS, salt: Salt::NONE, extra: &[], tier: tier(t) };
                     let parent_known = parent.is_none_or(|p| model.lookup(replica, p).is_some());
-                    let result = index.store(IDS[replica], store);
+                    let result = index.store(ReplicaIdx::new(IDS[replica]), store);
                     prop_assert_eq!(result.is_ok(), parent_known);
                     if parent_known {
                         for i in skip..path.len() {
@@ -139,7 +139,7 @@ proptest! {
                     }
                 }
                 Op::Clear { replica } => {
-                    index.clear_replica(IDS[replica]);
+                    index.clear_replica(ReplicaIdx::new(IDS[replica]));
                     model.entries.retain(|(r, _, _), _| *r != replica);
                 }
             }
@@ -151,14 +151,14 @@ proptest! {
             prop_assert_eq!(IDS.map(|r| found[r]).to_vec(), model.matches(&hashes), "query {:?}", q);
         }
         for (r, id) in IDS.iter().enumerate() {
-            prop_assert_eq!(index.replica_blocks(*id), model.entries.keys().filter(|(rr, _, _)| *rr == r).count());
+            prop_assert_eq!(index.replica_blocks(ReplicaIdx::new(*id)), model.entries.keys().filter(|(rr, _, _)| *rr == r).count());
         }
     }
 }
 
 /// Removes `engines` of a replica's tier from the index and the model.
 fn remove(index: &mut KvIndex, model: &mut Model, replica: usize, t: usize, engines: Vec<EngineHash>) {
-    index.remove(IDS[replica], tier(t), &engines);
+    index.remove(ReplicaIdx::new(IDS[replica]), tier(t), &engines);
     for engine in engines {
         if let Some(e) = model.entries.get_mut(&(replica, t, engine)) {
             e.1 -= 1;

@@ -15,7 +15,7 @@ use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteResponse};
 use kvgate_sidecar::api::{router, AppState};
 use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
-use kvgate_sidecar::index::{Store, Tier};
+use kvgate_sidecar::index::{ReplicaIdx, Store, Tier};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::{OffloadError, Pool};
 use kvgate_sidecar::score::ScoringConfig;
@@ -84,7 +84,7 @@ async fn an_offloaded_prompt_follows_its_cached_prefix() {
         extra: &[],
         tier: Tier::Device,
     };
-    pool.store_blocks(2, store).unwrap();
+    pool.store_blocks(ReplicaIdx::new(2), store).unwrap();
 
     let (status, answer) = post(state, offload(&body)).await;
     assert_eq!(status, StatusCode::OK);

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_sidecar::events::decode::{decode_batch, KvEvent};
-use kvgate_sidecar::index::{KvIndex, Store, Tier};
+use kvgate_sidecar::index::{KvIndex, ReplicaIdx, Store, Tier};
 use serde_json::Value;
 
 fn frames_dir() -> PathBuf {
@@ -68,7 +68,7 @@ fn real_vllm_032_frames_decode_and_index() {
                     extra: &[],
                     tier: Tier::Device,
                 };
-                index.store(0, store).unwrap();
+                index.store(ReplicaIdx::new(0), store).unwrap();
                 if s.parent_block_hash.is_none() {
                     stored_tokens.push(s.token_ids.clone());
                 }

@@ -34,7 +34,7 @@ use dynamo_kv_router::protocols::{
     KvCacheStoredBlockData, LocalBlockHash, OverlapScores, RouterEvent,
 };
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, EngineHash, Salt, SequenceHash};
-use kvgate_sidecar::index::{KvIndex, Store, Tier};
+use kvgate_sidecar::index::{KvIndex, ReplicaIdx, Store, Tier};
 
 struct Counting;
 static LIVE: AtomicIsize = AtomicIsize::new(0);
@@ -225,13 +225,13 @@ fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<Sequenc
                         extra: &[],
                         tier: Tier::Device,
                     };
-                    index.store(*replica, store).expect("consistent stream");
+                    index.store(ReplicaIdx::new(*replica), store).expect("consistent stream");
                 }
                 // The sidecar applies a batch's consecutive removals of one tier in one call.
                 Ev::Removed { replica, hash } => {
                     removed.push(*hash);
                     if !matches!(s.events.get(i + 1), Some(Ev::Removed { replica: next, .. }) if next == replica) {
-                        index.remove(*replica, Tier::Device, &removed);
+                        index.remove(ReplicaIdx::new(*replica), Tier::Device, &removed);
                         removed.clear();
                     }
                 }
@@ -239,7 +239,7 @@ fn kvgate(s: &Stream, replicas: usize, queries: &[(&'static str, Vec<Vec<Sequenc
         });
     }
     let elapsed = t.elapsed();
-    let held: usize = (0..replicas).map(|r| index.replica_blocks(r)).sum();
+    let held: usize = (0..replicas).map(|r| index.replica_blocks(ReplicaIdx::new(r))).sum();
     let bytes = (LIVE.load(Ordering::Relaxed) - before) as f64;
     let find = queries
         .iter()

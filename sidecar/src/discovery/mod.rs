@@ -30,6 +30,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::config::{Config, DiscoveryKind, Env, ReplicaConfig};
 use crate::events::apply::Applier;
 use crate::events::transport::{self, Source};
+use crate::index::ReplicaIdx;
 use crate::metrics::{DiscoveryLabels, Metrics};
 use crate::pool::Pool;
 
@@ -88,7 +89,7 @@ impl Supervisor {
         DiscoveryLabels { model: self.pool.config().model.clone(), kind: kind.label().into() }
     }
 
-    fn spawn(&self, sources: Vec<(usize, ReplicaConfig, Arc<AtomicBool>)>) -> std::io::Result<()> {
+    fn spawn(&self, sources: Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)>) -> std::io::Result<()> {
         let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
         threads.retain(|t| !t.is_finished());
         for (replica, config, stop) in sources.into_iter().filter(|_| self.pool.config().reads_events()) {

@@ -476,7 +476,7 @@ mod tests {
     /// Plans one message and applies its changes, as the transport does.
     fn feed(ingest: &mut Ingest, seq: u64, payload: &[u8], index: &mut KvIndex, replay: &mut dyn Replay) -> Outcome {
         let Planned { changes, mut outcome } = ingest.on_message(seq, payload, replay);
-        outcome.refused(apply(0, &changes, index));
+        outcome.refused(apply(ReplicaIdx::new(0), &changes, index));
         outcome
     }
 
@@ -601,7 +601,11 @@ mod tests {
         // What decoding drops is counted first, what the index refuses when it is applied.
         assert_eq!((out.applied, out.dropped.clone()), (6, vec!["unknown_medium", "parent_unknown"]));
         assert_eq!(depth(&index, 3), 2, "block 3 removed, block 2 removed then stored again");
-        assert_eq!(index.replica_tier_blocks(0, Tier::Host), 0, "the host-tier removal in the run applied");
+        assert_eq!(
+            index.replica_tier_blocks(ReplicaIdx::new(0), Tier::Host),
+            0,
+            "the host-tier removal in the run applied"
+        );
         let out = feed(
             &mut ingest,
             1,

@@ -40,7 +40,8 @@ impl ApproxIndex {
             let Some(holders) = self.blocks.peek(h) else { break };
             let mut any = false;
             for (r, s) in still.iter_mut().enumerate() {
-                *s = *s && holders.iter().any(|(hr, at)| *hr == r && now.saturating_duration_since(*at) <= self.ttl);
+                *s = *s
+                    && holders.iter().any(|(hr, at)| hr.get() == r && now.saturating_duration_since(*at) <= self.ttl);
                 if *s {
                     out[r].device += 1;
                     any = true;
@@ -92,8 +93,8 @@ mod tests {
     fn overlap_is_the_leading_blocks_sent_to_each_replica() {
         let mut idx = ApproxIndex::new(100, Duration::from_secs(60));
         let t = Instant::now();
-        idx.record(1, &h(&[1, 2, 3, 4]), t);
-        idx.record(0, &h(&[1, 2, 9]), t);
+        idx.record(ReplicaIdx::new(1), &h(&[1, 2, 3, 4]), t);
+        idx.record(ReplicaIdx::new(0), &h(&[1, 2, 9]), t);
         let o = idx.find_matches(&h(&[1, 2, 3, 5]), 3, t);
         assert_eq!(o.iter().map(|o| o.device).collect::<Vec<_>>(), [2, 3, 0]);
         assert_eq!(
@@ -101,7 +102,7 @@ mod tests {
             vec![Overlap::default(); 3],
             "a miss on the first block ends it"
         );
-        idx.clear_replica(1);
+        idx.clear_replica(ReplicaIdx::new(1));
         assert_eq!(idx.find_matches(&h(&[1, 2, 3]), 3, t)[1].device, 0);
     }
 
@@ -109,12 +110,12 @@ mod tests {
     fn entries_expire_and_the_size_is_bounded() {
         let mut idx = ApproxIndex::new(3, Duration::from_secs(10));
         let t = Instant::now();
-        idx.record(0, &h(&[1, 2]), t);
+        idx.record(ReplicaIdx::new(0), &h(&[1, 2]), t);
         assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(5))[0].device, 2);
         assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(11))[0].device, 0, "expired");
-        idx.record(0, &h(&[1, 2]), t + Duration::from_secs(11));
+        idx.record(ReplicaIdx::new(0), &h(&[1, 2]), t + Duration::from_secs(11));
         assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(12))[0].device, 2, "refreshed");
-        idx.record(0, &h(&[5, 6]), t + Duration::from_secs(12));
+        idx.record(ReplicaIdx::new(0), &h(&[5, 6]), t + Duration::from_secs(12));
         assert_eq!(idx.len(), 3, "the least recently routed block went");
         assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(12))[0].device, 0);
     }

@@ -32,8 +32,26 @@ use kvgate_shared::hash::{local_block_hash, next_sequence_hash, EngineHash, Salt
 use serde::Serialize;
 use sharded::{EngineShards, Head, HeadShards, Map};
 
-/// A replica's position in its pool (the order of the config).
-pub type ReplicaIdx = usize;
+/// A replica's slot in its pool: its position in the pool's member list and in every
+/// per-replica table. The list only grows; a slot emptied when its replica left is taken by
+/// the next replica to join.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct ReplicaIdx(u32);
+
+impl ReplicaIdx {
+    /// The slot at `position` of the member list.
+    ///
+    /// # Panics
+    /// Past 2³² replicas.
+    pub fn new(position: usize) -> ReplicaIdx {
+        ReplicaIdx(u32::try_from(position).expect("fewer than 2^32 replicas in a pool"))
+    }
+
+    /// Its position in the member list (and in every per-replica table).
+    pub fn get(self) -> usize {
+        self.0 as usize
+    }
+}
 
 /// Where a cached block lives. Overlap on a lower tier is worth less (it must be loaded).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -240,12 +258,12 @@ impl KvIndex {
     /// Makes room for one more replica (discovery found a new one); returns its index.
     pub fn add_replica(&mut self) -> ReplicaIdx {
         self.replicas.push(ReplicaBlocks::default());
-        self.replicas.len() - 1
+        ReplicaIdx::new(self.replicas.len() - 1)
     }
 
     /// Where a replica's engine block is: its tier and slot, looking on `tier` first.
     fn locate(&self, replica: ReplicaIdx, tier: usize, engine_hash: EngineHash) -> Option<(usize, u32)> {
-        let tiers = &self.replicas[replica].tiers;
+        let tiers = &self.replicas[replica.get()].tiers;
         [tier, 0, 1, 2]
             .into_iter()
             .find_map(|t| tiers[t].engine.shard(engine_hash).get(engine_hash).map(|slot| (t, slot)))
@@ -265,8 +283,8 @@ impl KvIndex {
             None => None,
             Some(p) => Some(self.locate(replica, t, p).ok_or(ApplyError::ParentUnknown)?),
         };
-        let mut parent_seq = parent.map(|(pt, slot)| self.replicas[replica].tiers[pt].arena.get(slot));
-        let rt = &mut self.replicas[replica].tiers[t];
+        let mut parent_seq = parent.map(|(pt, slot)| self.replicas[replica.get()].tiers[pt].arena.get(slot));
+        let rt = &mut self.replicas[replica.get()].tiers[t];
         let heads = &mut self.heads[t];
         // The slot of the block the next one chains to, if it is on this tier.
         let mut prev = parent.and_then(|(pt, slot)| (pt == t).then_some(slot));
@@ -288,7 +306,7 @@ impl KvIndex {
                     rt.arena.push(seq, head);
                     if head {
                         let seq = rt.arena.get(slot);
-                        heads.shard_mut(seq).insert(Head { seq, replica: replica as u32, slot });
+                        heads.shard_mut(seq).insert(Head { seq, replica: replica.0, slot });
                     }
                     self.live[t] += 1;
                     prev = Some(slot);
@@ -302,7 +320,7 @@ impl KvIndex {
     /// are ignored (they may predate us).
     pub fn remove(&mut self, replica: ReplicaIdx, tier: Tier, engine_hashes: &[EngineHash]) {
         let t = tier.idx();
-        let rt = &mut self.replicas[replica].tiers[t];
+        let rt = &mut self.replicas[replica.get()].tiers[t];
         let heads = &mut self.heads[t];
         for engine_hash in engine_hashes {
             if let Some(extra) = rt.extra_refs.get_mut(engine_hash) {
@@ -313,20 +331,20 @@ impl KvIndex {
                 continue;
             }
             if let Some(slot) = rt.engine.shard_mut(*engine_hash).remove(*engine_hash) {
-                rt.kill(slot, replica as u32, heads);
+                rt.kill(slot, replica.0, heads);
                 self.live[t] -= 1;
             }
         }
-        rt.tidy(replica as u32, heads);
+        rt.tidy(replica.0, heads);
     }
 
     /// Forgets everything a replica holds (`AllBlocksCleared`, restart, removal).
     pub fn clear_replica(&mut self, replica: ReplicaIdx) {
-        let tiers = std::mem::take(&mut self.replicas[replica].tiers);
+        let tiers = std::mem::take(&mut self.replicas[replica.get()].tiers);
         for (t, rt) in tiers.into_iter().enumerate() {
             self.live[t] -= rt.engine.len();
             for (slot, seq) in rt.arena.heads() {
-                let removed = self.heads[t].shard_mut(seq).remove(Head { seq, replica: replica as u32, slot });
+                let removed = self.heads[t].shard_mut(seq).remove(Head { seq, replica: replica.0, slot });
                 debug_assert!(removed, "a head bit without its head");
             }
         }
@@ -453,12 +471,12 @@ impl KvIndex {
 
     /// Blocks indexed for a replica, on all tiers.
     pub fn replica_blocks(&self, replica: ReplicaIdx) -> usize {
-        self.replicas[replica].tiers.iter().map(|t| t.engine.len()).sum()
+        self.replicas[replica.get()].tiers.iter().map(|t| t.engine.len()).sum()
     }
 
     /// Blocks indexed for a replica on one tier.
     pub fn replica_tier_blocks(&self, replica: ReplicaIdx, tier: Tier) -> usize {
-        self.replicas[replica].tiers[tier.idx()].engine.len()
+        self.replicas[replica.get()].tiers[tier.idx()].engine.len()
     }
 }
 
@@ -509,8 +527,8 @@ mod tests {
     fn stored_chain_matches_prompt_hashes() {
         let mut idx = KvIndex::new(4, 2);
         let t = tokens(12);
-        idx.store(1, store(None, &[11, 12], &t[..8], 4)).unwrap();
-        idx.store(1, store(Some(12), &[13], &t[8..12], 4)).unwrap();
+        idx.store(ReplicaIdx::new(1), store(None, &[11, 12], &t[..8], 4)).unwrap();
+        idx.store(ReplicaIdx::new(1), store(Some(12), &[13], &t[8..12], 4)).unwrap();
         let prompt = prompt_block_hashes(&t, 4, Salt::NONE);
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![0, 3]);
         let mut other = t.clone();
@@ -521,22 +539,25 @@ mod tests {
     #[test]
     fn rejects_what_would_be_misplaced() {
         let mut idx = KvIndex::new(4, 1);
-        assert_eq!(idx.store(0, store(Some(99), &[1], &tokens(4), 4)), Err(ApplyError::ParentUnknown));
-        assert_eq!(idx.store(0, store(None, &[1], &tokens(8), 8)), Err(ApplyError::BlockSizeMismatch));
-        assert_eq!(idx.store(0, store(None, &[1, 2], &tokens(4), 4)), Err(ApplyError::TokenCountMismatch));
-        assert_eq!(idx.replica_blocks(0), 0);
+        assert_eq!(idx.store(ReplicaIdx::new(0), store(Some(99), &[1], &tokens(4), 4)), Err(ApplyError::ParentUnknown));
+        assert_eq!(idx.store(ReplicaIdx::new(0), store(None, &[1], &tokens(8), 8)), Err(ApplyError::BlockSizeMismatch));
+        assert_eq!(
+            idx.store(ReplicaIdx::new(0), store(None, &[1, 2], &tokens(4), 4)),
+            Err(ApplyError::TokenCountMismatch)
+        );
+        assert_eq!(idx.replica_blocks(ReplicaIdx::new(0)), 0);
     }
 
     #[test]
     fn duplicate_stores_need_matching_removes() {
         let mut idx = KvIndex::new(4, 1);
         let prompt = prompt_block_hashes(&tokens(4), 4, Salt::NONE);
-        idx.store(0, store(None, &[7], &tokens(4), 4)).unwrap();
-        idx.store(0, store(None, &[7], &tokens(4), 4)).unwrap();
-        idx.remove(0, Tier::Device, &e(&[7]));
+        idx.store(ReplicaIdx::new(0), store(None, &[7], &tokens(4), 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(None, &[7], &tokens(4), 4)).unwrap();
+        idx.remove(ReplicaIdx::new(0), Tier::Device, &e(&[7]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![1]);
-        idx.remove(0, Tier::Device, &e(&[7]));
-        idx.remove(0, Tier::Device, &e(&[7, 12345]));
+        idx.remove(ReplicaIdx::new(0), Tier::Device, &e(&[7]));
+        idx.remove(ReplicaIdx::new(0), Tier::Device, &e(&[7, 12345]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![0]);
     }
 
@@ -544,15 +565,16 @@ mod tests {
     fn clear_and_salt_isolation() {
         let mut idx = KvIndex::new(4, 3);
         let t = tokens(4);
-        idx.store(0, store(None, &[1], &t, 4)).unwrap();
-        idx.store(1, Store { salt: Salt::for_lora(Some("adapter")), ..store(None, &[1], &t, 4) }).unwrap();
+        idx.store(ReplicaIdx::new(0), store(None, &[1], &t, 4)).unwrap();
+        idx.store(ReplicaIdx::new(1), Store { salt: Salt::for_lora(Some("adapter")), ..store(None, &[1], &t, 4) })
+            .unwrap();
         let tenant = [Salt::for_extra_keys(&["tenant-a".into()])];
-        idx.store(2, Store { extra: &tenant, ..store(None, &[1], &t, 4) }).unwrap();
+        idx.store(ReplicaIdx::new(2), Store { extra: &tenant, ..store(None, &[1], &t, 4) }).unwrap();
         let base = prompt_block_hashes(&t, 4, Salt::NONE);
         assert_eq!(devices(&idx.find_matches(&base)), vec![1, 0, 0], "salted blocks never match plain ones");
-        idx.clear_replica(0);
+        idx.clear_replica(ReplicaIdx::new(0));
         assert_eq!(devices(&idx.find_matches(&base)), vec![0, 0, 0]);
-        assert_eq!(idx.replica_blocks(1), 1);
+        assert_eq!(idx.replica_blocks(ReplicaIdx::new(1)), 1);
     }
 
     /// Every head of tier `t`, sorted: (sequence hash, replica, slot).
@@ -569,23 +591,23 @@ mod tests {
         let t = tokens(24);
         let prompt = prompt_block_hashes(&t, 4, Salt::NONE);
         // Replica 0: blocks 0-3 in one event (one chain, one head), then 4-5 after block 3.
-        idx.store(0, store(None, &[1, 2, 3, 4], &t[..16], 4)).unwrap();
-        idx.store(0, store(Some(4), &[5, 6], &t[16..], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(None, &[1, 2, 3, 4], &t[..16], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(Some(4), &[5, 6], &t[16..], 4)).unwrap();
         assert_eq!(heads(&idx, 0), [(prompt[0], 0, 0)], "block 4 continues the chain of block 3");
         // Replica 1 stores 0-1, then 0-2 again: block 2 follows block 1 of the second copy.
-        idx.store(1, store(None, &[1, 2], &t[..8], 4)).unwrap();
-        idx.store(1, store(Some(2), &[3], &t[8..12], 4)).unwrap();
+        idx.store(ReplicaIdx::new(1), store(None, &[1, 2], &t[..8], 4)).unwrap();
+        idx.store(ReplicaIdx::new(1), store(Some(2), &[3], &t[8..12], 4)).unwrap();
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![6, 3]);
         // Removing block 1 of replica 0 ends its chain there; block 2 heads the rest.
-        idx.remove(0, Tier::Device, &e(&[2]));
+        idx.remove(ReplicaIdx::new(0), Tier::Device, &e(&[2]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![1, 3]);
         assert!(heads(&idx, 0).contains(&(prompt[2], 0, 2)));
         // Storing block 1 again (at the end of the arena) makes 0-5 whole again, through heads.
-        idx.store(0, store(Some(1), &[2], &t[4..8], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(Some(1), &[2], &t[4..8], 4)).unwrap();
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![6, 3]);
         // Remove blocks until removed slots outnumber live ones: the arena is compacted, and
         // the heads and engine entries follow their blocks.
-        idx.remove(0, Tier::Device, &e(&[5, 3, 6]));
+        idx.remove(ReplicaIdx::new(0), Tier::Device, &e(&[5, 3, 6]));
         assert_eq!(idx.replicas[0].tiers[0].arena.seqs(), [prompt[0], prompt[3], prompt[1]]);
         assert_eq!(heads(&idx, 0), {
             let mut v = vec![(prompt[0], 0, 0), (prompt[3], 0, 1), (prompt[1], 0, 2), (prompt[0], 1, 0)];
@@ -593,11 +615,11 @@ mod tests {
             v
         });
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![2, 3]);
-        idx.store(0, store(Some(2), &[3], &t[8..12], 4)).unwrap();
-        idx.store(0, store(Some(4), &[5, 6], &t[16..], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(Some(2), &[3], &t[8..12], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(Some(4), &[5, 6], &t[16..], 4)).unwrap();
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![6, 3]);
-        idx.clear_replica(0);
-        idx.remove(1, Tier::Device, &e(&[3, 2, 1]));
+        idx.clear_replica(ReplicaIdx::new(0));
+        idx.remove(ReplicaIdx::new(1), Tier::Device, &e(&[3, 2, 1]));
         assert_eq!(heads(&idx, 0), [], "nothing left behind");
         assert_eq!(idx.live, [0; 3]);
     }
@@ -609,21 +631,21 @@ mod tests {
         let mut idx = KvIndex::new(4, 1);
         let t = tokens(12);
         let prompt = prompt_block_hashes(&t, 4, Salt::NONE);
-        idx.store(0, store(None, &[1, 2], &t[..8], 4)).unwrap();
-        idx.store(0, store(None, &[7], &t[..4], 4)).unwrap();
-        idx.store(0, store(Some(7), &[8, 9], &t[4..], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(None, &[1, 2], &t[..8], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(None, &[7], &t[..4], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(Some(7), &[8, 9], &t[4..], 4)).unwrap();
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![3], "the longer chain of the two first blocks");
-        idx.remove(0, Tier::Device, &e(&[9, 1]));
+        idx.remove(ReplicaIdx::new(0), Tier::Device, &e(&[9, 1]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![2], "the copies left still chain");
-        idx.remove(0, Tier::Device, &e(&[7]));
+        idx.remove(ReplicaIdx::new(0), Tier::Device, &e(&[7]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![0], "block 1 without block 0 is no match");
         // A second copy in the middle of a chain: the walk follows the first copy's chain,
         // so it may stop early, but it never credits a block the replica does not hold.
         let mut idx = KvIndex::new(4, 1);
-        idx.store(0, store(None, &[1, 2], &t[..8], 4)).unwrap();
-        idx.store(0, store(Some(1), &[8, 9], &t[4..], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(None, &[1, 2], &t[..8], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), store(Some(1), &[8, 9], &t[4..], 4)).unwrap();
         assert!((2..=3).contains(&idx.find_matches(&prompt)[0].device));
-        idx.remove(0, Tier::Device, &e(&[2, 8]));
+        idx.remove(ReplicaIdx::new(0), Tier::Device, &e(&[2, 8]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![1]);
     }
 
@@ -633,15 +655,15 @@ mod tests {
         let t = tokens(16);
         let prompt = prompt_block_hashes(&t, 4, Salt::NONE);
         // Replica 0: blocks 0-1 on GPU, 2 on CPU, 3 on disk. Replica 1: block 0-3 on CPU only.
-        idx.store(0, store(None, &[1, 2], &t[..8], 4)).unwrap();
-        idx.store(0, Store { tier: Tier::Host, ..store(Some(2), &[3], &t[8..12], 4) }).unwrap();
-        idx.store(0, Store { tier: Tier::Disk, ..store(Some(3), &[4], &t[12..16], 4) }).unwrap();
-        idx.store(1, Store { tier: Tier::Host, ..store(None, &[1, 2, 3, 4], &t, 4) }).unwrap();
+        idx.store(ReplicaIdx::new(0), store(None, &[1, 2], &t[..8], 4)).unwrap();
+        idx.store(ReplicaIdx::new(0), Store { tier: Tier::Host, ..store(Some(2), &[3], &t[8..12], 4) }).unwrap();
+        idx.store(ReplicaIdx::new(0), Store { tier: Tier::Disk, ..store(Some(3), &[4], &t[12..16], 4) }).unwrap();
+        idx.store(ReplicaIdx::new(1), Store { tier: Tier::Host, ..store(None, &[1, 2, 3, 4], &t, 4) }).unwrap();
         let o = idx.find_matches(&prompt);
         assert_eq!(o[0], Overlap { device: 2, host: 1, disk: 1 });
         assert_eq!(o[1], Overlap { device: 0, host: 4, disk: 0 });
-        idx.remove(0, Tier::Host, &e(&[3]));
+        idx.remove(ReplicaIdx::new(0), Tier::Host, &e(&[3]));
         assert_eq!(idx.find_matches(&prompt)[0], Overlap { device: 2, host: 0, disk: 0 }, "a hole stops the walk");
-        assert_eq!(idx.replica_tier_blocks(0, Tier::Disk), 1);
+        assert_eq!(idx.replica_tier_blocks(ReplicaIdx::new(0), Tier::Disk), 1);
     }
 }

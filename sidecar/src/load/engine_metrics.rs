@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::index::ReplicaIdx;
 use crate::pool::Pool;
 
 /// How long one scrape may take.
@@ -58,12 +59,12 @@ pub fn spawn(pool: Arc<Pool>, interval: Duration, stop: Arc<AtomicBool>) -> std:
         SCRAPE_TIMEOUT,
         stop,
         move |client| {
-            let targets: Vec<(usize, String, Option<u32>)> = pool
+            let targets: Vec<(ReplicaIdx, String, Option<u32>)> = pool
                 .members()
                 .iter()
                 .enumerate()
                 .filter(|(_, m)| m.active)
-                .map(|(i, m)| (i, m.replica.endpoint.to_string(), m.rank))
+                .map(|(i, m)| (ReplicaIdx::new(i), m.replica.endpoint.to_string(), m.rank))
                 .collect();
             let mut pages: HashMap<String, Option<HashMap<String, u64>>> = HashMap::new();
             for (slot, endpoint, rank) in targets {

@@ -182,7 +182,7 @@ impl LoadTable {
 
     /// The prefill rate a replica is assumed to run at, tokens/s.
     pub fn prefill_rate(&self, replica: ReplicaIdx) -> f64 {
-        self.replicas[replica].prefill_rate.unwrap_or(self.default_prefill_rate)
+        self.replicas[replica.get()].prefill_rate.unwrap_or(self.default_prefill_rate)
     }
 
     /// Ends the estimated prefills due by `now`. Returns the ids ended (for the sync mesh).
@@ -206,13 +206,13 @@ impl LoadTable {
     /// Makes room for one more replica; returns its index.
     pub fn add_replica(&mut self) -> ReplicaIdx {
         self.replicas.push(Replica::default());
-        self.replicas.len() - 1
+        ReplicaIdx::new(self.replicas.len() - 1)
     }
 
     /// The replica left the pool: drops every booking on it (their lifecycle reports are
     /// then ignored as unknown) and its external load. Returns how many.
     pub fn clear_replica(&mut self, replica: ReplicaIdx) -> usize {
-        self.replicas[replica].external = 0;
+        self.replicas[replica.get()].external = 0;
         let gone: Vec<String> =
             self.bookings.iter().filter(|(_, b)| b.replica == replica).map(|(id, _)| id.clone()).collect();
         for id in &gone {
@@ -228,7 +228,7 @@ impl LoadTable {
     /// (1 without `max_tokens`), rounded as Dynamo rounds. Returns false for an unknown id.
     pub fn progress(&mut self, request_id: &str, output_tokens: u64, block_size: u64) -> bool {
         let Some(b) = self.bookings.get_mut(request_id) else { return false };
-        let r = &mut self.replicas[b.replica];
+        let r = &mut self.replicas[b.replica.get()];
         let output_blocks = output_tokens.div_ceil(block_size.max(1));
         r.output_blocks += output_blocks.saturating_sub(b.output_blocks);
         b.output_blocks = b.output_blocks.max(output_blocks);
@@ -243,7 +243,7 @@ impl LoadTable {
 
     /// The replica's current load.
     pub fn load(&self, replica: ReplicaIdx) -> ReplicaLoad {
-        let r = &self.replicas[replica];
+        let r = &self.replicas[replica.get()];
         let external_blocks = if r.external == 0 { 0 } else { r.external * self.mean_blocks_per_request() };
         let blocks = r.shared_blocks.len() as u64 + r.private_blocks + r.output_blocks;
         ReplicaLoad {
@@ -257,7 +257,7 @@ impl LoadTable {
     /// The engine reports `running` requests (running + waiting): whatever exceeds the
     /// requests booked here is external load until the next report.
     pub fn observe(&mut self, replica: ReplicaIdx, running: u64) {
-        let r = &mut self.replicas[replica];
+        let r = &mut self.replicas[replica.get()];
         r.external = running.saturating_sub(r.requests);
     }
 
@@ -272,7 +272,7 @@ impl LoadTable {
     /// How many of the prompt's blocks would be new on this replica's active set: Dynamo's
     /// `additional_active_blocks` (the prompt's total minus its leading blocks already active).
     pub fn additional_blocks(&self, replica: ReplicaIdx, hashes: &[SequenceHash], total_blocks: u64) -> u64 {
-        let shared = &self.replicas[replica].shared_blocks;
+        let shared = &self.replicas[replica.get()].shared_blocks;
         let overlap = hashes.iter().take_while(|h| shared.contains_key(h)).count() as u64;
         total_blocks.saturating_sub(overlap)
     }
@@ -284,7 +284,7 @@ impl LoadTable {
             return false;
         }
         self.release(booking.request_id);
-        let r = &mut self.replicas[replica];
+        let r = &mut self.replicas[replica.get()];
         r.prefill_tokens += booking.prefill_tokens;
         r.requests += booking.sequences.max(1);
         for h in booking.hashes {
@@ -341,7 +341,7 @@ impl LoadTable {
         let Some(b) = self.bookings.get_mut(request_id) else { return false };
         if !b.prefill_done {
             b.prefill_done = true;
-            let r = &mut self.replicas[b.replica];
+            let r = &mut self.replicas[b.replica.get()];
             r.prefill_tokens -= b.prefill_tokens;
             let secs = now.saturating_duration_since(b.booked_at).as_secs_f64();
             if b.prefill_ends_at.is_none() && b.prefill_tokens >= RATE_MIN_TOKENS && secs > 0.0 {
@@ -377,7 +377,7 @@ impl LoadTable {
         self.detach(&b);
         b.replica = to;
         b.prediction = None;
-        let r = &mut self.replicas[to];
+        let r = &mut self.replicas[to.get()];
         if !b.prefill_done {
             r.prefill_tokens += b.prefill_tokens;
         }
@@ -402,7 +402,7 @@ impl LoadTable {
 
     /// Takes a booking's load off its replica.
     fn detach(&mut self, b: &Booking) {
-        let r = &mut self.replicas[b.replica];
+        let r = &mut self.replicas[b.replica.get()];
         if !b.prefill_done {
             r.prefill_tokens -= b.prefill_tokens;
         }
@@ -464,27 +464,27 @@ mod tests {
         let prompt: Vec<u64> = (0..4).collect();
         let quiet = |id, tokens| NewBooking { streamed: false, ..booking(id, tokens, &prompt, 4) };
         // Before any streamed request: the pool's default rate, 1 000 tokens/s.
-        assert!(t.book(0, quiet("q1", 500), t0));
-        assert_eq!(t.load(0).prefill_tokens, 500);
+        assert!(t.book(ReplicaIdx::new(0), quiet("q1", 500), t0));
+        assert_eq!(t.load(ReplicaIdx::new(0)).prefill_tokens, 500);
         assert!(t.end_prefills(t0 + Duration::from_millis(499)).is_empty());
         assert_eq!(t.end_prefills(t0 + Duration::from_millis(500)), ["q1"]);
-        assert_eq!(t.load(0).prefill_tokens, 0, "prefill over, the request still decodes");
-        assert_eq!(t.load(0).requests, 1);
+        assert_eq!(t.load(ReplicaIdx::new(0)).prefill_tokens, 0, "prefill over, the request still decodes");
+        assert_eq!(t.load(ReplicaIdx::new(0)).requests, 1);
         assert!(t.prefill_done("q1", t0 + Duration::from_secs(9)), "its first byte, at the end: no double release");
-        assert_eq!(t.prefill_rate(0), 1_000.0, "a non-streamed first byte teaches nothing");
+        assert_eq!(t.prefill_rate(ReplicaIdx::new(0)), 1_000.0, "a non-streamed first byte teaches nothing");
         // A streamed request: 2 000 prefill tokens, first token 100 ms later → 20 000 tokens/s.
-        assert!(t.book(0, booking("s", 2_000, &prompt, 4), t0));
+        assert!(t.book(ReplicaIdx::new(0), booking("s", 2_000, &prompt, 4), t0));
         assert!(t.prefill_done("s", t0 + Duration::from_millis(100)));
-        assert!((t.prefill_rate(0) - 20_000.0).abs() < 1.0);
-        assert_eq!(t.prefill_rate(1), 1_000.0, "per replica");
-        assert!(t.book(0, quiet("q2", 4_000), t0));
+        assert!((t.prefill_rate(ReplicaIdx::new(0)) - 20_000.0).abs() < 1.0);
+        assert_eq!(t.prefill_rate(ReplicaIdx::new(1)), 1_000.0, "per replica");
+        assert!(t.book(ReplicaIdx::new(0), quiet("q2", 4_000), t0));
         assert!(t.end_prefills(t0 + Duration::from_millis(199)).is_empty());
         assert_eq!(t.end_prefills(t0 + Duration::from_millis(200)), ["q2"]);
         // Released or re-booked before its estimate: nothing is ended twice.
-        assert!(t.book(1, quiet("q3", 100), t0));
+        assert!(t.book(ReplicaIdx::new(1), quiet("q3", 100), t0));
         assert!(t.finish("q3"));
         assert!(t.end_prefills(t0 + Duration::from_secs(60)).is_empty());
-        assert_eq!(t.load(1), ReplicaLoad::default());
+        assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
     }
 
     #[test]
@@ -493,16 +493,19 @@ mod tests {
         let now = Instant::now();
         let prompt: Vec<u64> = (0..8).collect();
         let hashes = h(prompt.iter().copied());
-        assert!(t.book(0, booking("r", 100, &prompt, 10), now));
+        assert!(t.book(ReplicaIdx::new(0), booking("r", 100, &prompt, 10), now));
         assert!(t.prefill_done("r", Instant::now()));
-        let before = t.load(0);
-        assert_eq!(t.move_booking("r", 1), Some((0, hashes.clone())));
-        assert_eq!(t.load(0), ReplicaLoad::default(), "nothing stays on the replica it left");
-        assert_eq!(t.load(1), before, "it carries its load as it stands (prefill done)");
-        assert_eq!(t.move_booking("r", 1), None, "already there");
-        assert_eq!(t.move_booking("unknown", 0), None);
+        let before = t.load(ReplicaIdx::new(0));
+        assert_eq!(t.move_booking("r", ReplicaIdx::new(1)), Some((ReplicaIdx::new(0), hashes.clone())));
+        assert_eq!(t.load(ReplicaIdx::new(0)), ReplicaLoad::default(), "nothing stays on the replica it left");
+        assert_eq!(t.load(ReplicaIdx::new(1)), before, "it carries its load as it stands (prefill done)");
+        assert_eq!(t.move_booking("r", ReplicaIdx::new(1)), None, "already there");
+        assert_eq!(t.move_booking("unknown", ReplicaIdx::new(0)), None);
         assert!(t.finish("r"));
-        assert_eq!((t.load(0), t.load(1)), (ReplicaLoad::default(), ReplicaLoad::default()));
+        assert_eq!(
+            (t.load(ReplicaIdx::new(0)), t.load(ReplicaIdx::new(1))),
+            (ReplicaLoad::default(), ReplicaLoad::default())
+        );
     }
 
     #[test]
@@ -512,56 +515,60 @@ mod tests {
         let prompt: Vec<u64> = (0..128).collect();
         let mut long = booking("long", 0, &prompt, 128);
         long.max_tokens = Some(64);
-        assert!(t.book(0, long, now));
+        assert!(t.book(ReplicaIdx::new(0), long, now));
         // Another request shares the first 28 blocks: those are never discounted.
-        assert!(t.book(0, booking("other", 0, &prompt[..28], 28), now));
-        assert_eq!(t.load(0).active_blocks, 128);
+        assert!(t.book(ReplicaIdx::new(0), booking("other", 0, &prompt[..28], 28), now));
+        assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 128);
         assert!(t.progress("long", 16, 16));
         // 1 output block; unique = 100 prompt + 1 output; weight 0.75: round(75.75) = 76 kept.
-        assert_eq!(t.load(0).active_blocks, 28 + 76);
+        assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 28 + 76);
         assert!(t.progress("long", 32, 16));
-        assert_eq!(t.load(0).active_blocks, 28 + 51, "weight 0.5 of 102: round(51) kept");
+        assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 28 + 51, "weight 0.5 of 102: round(51) kept");
         assert!(t.progress("long", 64, 16));
-        assert_eq!(t.load(0).active_blocks, 28, "at max_tokens its own footprint weighs nothing");
+        assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 28, "at max_tokens its own footprint weighs nothing");
         assert!(t.finish("long"));
-        assert_eq!(t.load(0).active_blocks, 28, "finishing releases exactly what was counted");
+        assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 28, "finishing releases exactly what was counted");
         assert!(!t.progress("long", 80, 16), "unknown once finished");
         // Without max_tokens the footprint only grows.
         assert!(t.progress("other", 40, 16));
-        assert_eq!(t.load(0).active_blocks, 28 + 3);
+        assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 28 + 3);
     }
 
     #[test]
     fn engine_reported_requests_beyond_bookings_are_external_load() {
         let mut t = LoadTable::new(2, 8_000.0);
         let now = Instant::now();
-        assert!(t.book(0, booking("a", 0, &[1, 2, 3], 4), now));
-        assert!(t.book(0, booking("b", 0, &[1, 2], 2), now));
-        t.observe(0, 1);
-        assert_eq!(t.load(0).external, 0, "the engine has not seen all bookings yet: nothing external");
-        t.observe(1, 3);
-        let l = t.load(1);
+        assert!(t.book(ReplicaIdx::new(0), booking("a", 0, &[1, 2, 3], 4), now));
+        assert!(t.book(ReplicaIdx::new(0), booking("b", 0, &[1, 2], 2), now));
+        t.observe(ReplicaIdx::new(0), 1);
+        assert_eq!(
+            t.load(ReplicaIdx::new(0)).external,
+            0,
+            "the engine has not seen all bookings yet: nothing external"
+        );
+        t.observe(ReplicaIdx::new(1), 3);
+        let l = t.load(ReplicaIdx::new(1));
         assert_eq!((l.external, l.requests), (3, 3));
         assert_eq!(l.active_blocks, 3 * 3, "each charged the mean booked request: (4 + 2) / 2 = 3 blocks");
-        t.observe(1, 0);
-        assert_eq!(t.load(1), ReplicaLoad::default());
+        t.observe(ReplicaIdx::new(1), 0);
+        assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
         assert!(t.finish("a") && t.finish("b"));
-        t.observe(1, 2);
-        assert_eq!(t.load(1).active_blocks, 2, "1 block each when nothing is booked");
+        t.observe(ReplicaIdx::new(1), 2);
+        assert_eq!(t.load(ReplicaIdx::new(1)).active_blocks, 2, "1 block each when nothing is booked");
     }
 
     #[test]
     fn a_replica_that_leaves_takes_its_bookings_with_it() {
         let mut t = LoadTable::new(1, 8_000.0);
         let added = t.add_replica();
-        assert_eq!(added, 1);
+        assert_eq!(added, ReplicaIdx::new(1));
         let now = Instant::now();
-        assert!(t.book(0, booking("a", 10, &[1, 2], 3), now));
-        assert!(t.book(1, booking("b", 20, &[1, 2], 3), now));
-        assert!(t.book(1, booking("c", 5, &[7], 1), now));
-        assert_eq!(t.clear_replica(1), 2);
-        assert_eq!(t.load(1), ReplicaLoad::default());
-        assert_eq!(t.load(0).requests, 1, "other replicas keep theirs");
+        assert!(t.book(ReplicaIdx::new(0), booking("a", 10, &[1, 2], 3), now));
+        assert!(t.book(ReplicaIdx::new(1), booking("b", 20, &[1, 2], 3), now));
+        assert!(t.book(ReplicaIdx::new(1), booking("c", 5, &[7], 1), now));
+        assert_eq!(t.clear_replica(ReplicaIdx::new(1)), 2);
+        assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
+        assert_eq!(t.load(ReplicaIdx::new(0)).requests, 1, "other replicas keep theirs");
         assert!(!t.prefill_done("b", Instant::now()), "a late report for a dropped booking is unknown");
     }
 
@@ -569,12 +576,15 @@ mod tests {
     fn lifecycle_releases_load() {
         let mut t = LoadTable::new(2, 8_000.0);
         let now = Instant::now();
-        t.book(1, booking("a", 100, &[1, 2], 3), now);
-        assert_eq!(t.load(1), ReplicaLoad { prefill_tokens: 100, active_blocks: 3, requests: 1, external: 0 });
+        t.book(ReplicaIdx::new(1), booking("a", 100, &[1, 2], 3), now);
+        assert_eq!(
+            t.load(ReplicaIdx::new(1)),
+            ReplicaLoad { prefill_tokens: 100, active_blocks: 3, requests: 1, external: 0 }
+        );
         assert!(t.prefill_done("a", Instant::now()));
-        assert_eq!(t.load(1).prefill_tokens, 0);
+        assert_eq!(t.load(ReplicaIdx::new(1)).prefill_tokens, 0);
         assert!(t.finish("a"));
-        assert_eq!(t.load(1), ReplicaLoad::default());
+        assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
         assert!(!t.finish("a"), "a second end is ignored");
         assert!(!t.prefill_done("unknown", Instant::now()));
     }
@@ -583,32 +593,32 @@ mod tests {
     fn shared_prefixes_count_once() {
         let mut t = LoadTable::new(1, 8_000.0);
         let now = Instant::now();
-        t.book(0, booking("a", 10, &[1, 2], 2), now);
-        assert_eq!(t.additional_blocks(0, &h([1, 2, 3]), 4), 2);
-        t.book(0, booking("b", 10, &[1, 2, 3], 4), now);
-        assert_eq!(t.load(0).active_blocks, 4, "blocks 1,2 shared, 3 and b's tail new");
+        t.book(ReplicaIdx::new(0), booking("a", 10, &[1, 2], 2), now);
+        assert_eq!(t.additional_blocks(ReplicaIdx::new(0), &h([1, 2, 3]), 4), 2);
+        t.book(ReplicaIdx::new(0), booking("b", 10, &[1, 2, 3], 4), now);
+        assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 4, "blocks 1,2 shared, 3 and b's tail new");
         t.finish("a");
-        assert_eq!(t.load(0).active_blocks, 4);
+        assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 4);
     }
 
     #[test]
     fn an_end_that_overtakes_its_booking_leaks_nothing() {
         let mut t = LoadTable::new(1, 8_000.0);
         assert!(!t.finish("late"));
-        assert!(!t.book(0, booking("late", 100, &[1], 1), Instant::now()));
-        assert_eq!(t.load(0), ReplicaLoad::default());
-        assert!(t.book(0, booking("late", 100, &[1], 1), Instant::now()), "only once");
+        assert!(!t.book(ReplicaIdx::new(0), booking("late", 100, &[1], 1), Instant::now()));
+        assert_eq!(t.load(ReplicaIdx::new(0)), ReplicaLoad::default());
+        assert!(t.book(ReplicaIdx::new(0), booking("late", 100, &[1], 1), Instant::now()), "only once");
     }
 
     #[test]
     fn rebooking_and_expiry() {
         let mut t = LoadTable::new(2, 8_000.0);
         let now = Instant::now();
-        t.book(0, booking("a", 10, &[], 1), now);
-        t.book(1, booking("a", 20, &[], 1), now);
-        assert_eq!((t.load(0).requests, t.load(1).requests), (0, 1));
+        t.book(ReplicaIdx::new(0), booking("a", 10, &[], 1), now);
+        t.book(ReplicaIdx::new(1), booking("a", 20, &[], 1), now);
+        assert_eq!((t.load(ReplicaIdx::new(0)).requests, t.load(ReplicaIdx::new(1)).requests), (0, 1));
         assert_eq!(t.expire(now + Duration::from_secs(10), Duration::from_secs(60)), 0);
         assert_eq!(t.expire(now + Duration::from_secs(61), Duration::from_secs(60)), 1);
-        assert_eq!(t.load(1), ReplicaLoad::default());
+        assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
     }
 }

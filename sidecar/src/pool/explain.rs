@@ -84,7 +84,7 @@ impl Pool {
     pub fn explain(&self, request_id: Option<&str>, last: usize) -> Vec<Explanation> {
         let kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
         let members = self.members();
-        let name = |i: ReplicaIdx| members[i].replica.id.clone();
+        let name = |i: ReplicaIdx| members[i.get()].replica.id.clone();
         kept.iter()
             .rev()
             .filter(|e| request_id.is_none_or(|id| e.request_id == id || e.client_request_id.as_deref() == Some(id)))

@@ -15,7 +15,7 @@ use crate::metrics::ReasonLabels;
 impl Pool {
     /// Records what one ingested message did to a replica's health.
     pub fn after_ingest(&self, replica: ReplicaIdx, progress: Progress, outcome: &Outcome) {
-        let h = self.members()[replica].health.clone();
+        let h = self.members()[replica.get()].health.clone();
         h.events_applied.fetch_add(outcome.applied, Ordering::Relaxed);
         h.last_seq.store(progress.last_seq.unwrap_or(NONE), Ordering::Relaxed);
         h.degraded.store(progress.degraded, Ordering::Relaxed);
@@ -43,7 +43,7 @@ impl Pool {
                     && now.saturating_sub(since) > timeout.as_millis() as u64
                     && !m.health.stalled.swap(true, Ordering::Relaxed)
             };
-            members.iter().enumerate().filter(|(_, m)| newly_stalled(m)).map(|(i, _)| i).collect()
+            members.iter().enumerate().filter(|(_, m)| newly_stalled(m)).map(|(i, _)| ReplicaIdx::new(i)).collect()
         };
         for i in stalled {
             tracing::warn!(replica = %self.labels(i).replica, "KV-event publisher stalled; routing on load only");
@@ -54,7 +54,7 @@ impl Pool {
     /// Records that the connection to a replica's publisher dropped: it earns no cache
     /// credit until its next message shows whether its engine restarted.
     pub fn publisher_disconnected(&self, replica: ReplicaIdx) {
-        let h = self.members()[replica].health.clone();
+        let h = self.members()[replica.get()].health.clone();
         if !h.disconnected.swap(true, Ordering::Relaxed) {
             tracing::warn!(replica = %self.labels(replica).replica, "KV-event publisher disconnected; no cache credit until it is back");
             self.publish_health(replica);
@@ -62,7 +62,7 @@ impl Pool {
     }
 
     fn publish_health(&self, replica: ReplicaIdx) {
-        let h = self.members()[replica].health.clone();
+        let h = self.members()[replica.get()].health.clone();
         let l = self.labels(replica);
         for (reason, flag) in [("lost_events", &h.degraded), ("stalled", &h.stalled), ("disconnected", &h.disconnected)]
         {

@@ -59,7 +59,7 @@ impl Pool {
     /// booked here, or was already there, or `endpoint` is no active replica of this pool.
     pub fn ran_on(&self, request_id: &str, endpoint: &str) -> bool {
         let to = self.members().iter().position(|m| m.active && m.replica.endpoint.to_string() == endpoint);
-        let Some(to) = to else { return false };
+        let Some(to) = to.map(ReplicaIdx::new) else { return false };
         let moved = {
             let mut load = self.load_table();
             load.move_booking(request_id, to).map(|(from, hashes)| (from, hashes, load.load(from), load.load(to)))
@@ -94,7 +94,9 @@ impl Pool {
     pub fn apply_remote(&self, origin: &str, event: &SyncEvent) {
         // Lock order: members before load.
         let target_slot = match event {
-            SyncEvent::Booked { target, .. } => self.members().iter().position(|m| m.active && m.replica.id == *target),
+            SyncEvent::Booked { target, .. } => {
+                self.members().iter().position(|m| m.active && m.replica.id == *target).map(ReplicaIdx::new)
+            }
             _ => None,
         };
         let mut load = self.load_table();
@@ -200,10 +202,10 @@ impl Pool {
         let (n, figures) = {
             let mut load = self.load_table();
             let n = load.expire(Instant::now(), max_age);
-            (n, (0..slots).map(|i| load.load(i)).collect::<Vec<_>>())
+            (n, (0..slots).map(|i| load.load(ReplicaIdx::new(i))).collect::<Vec<_>>())
         };
         for (i, f) in figures.into_iter().enumerate() {
-            self.publish_load(i, f);
+            self.publish_load(ReplicaIdx::new(i), f);
         }
         n
     }

@@ -139,7 +139,7 @@ impl Pool {
     pub fn active(&self) -> Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)> {
         let members = self.members();
         let active = members.iter().enumerate().filter(|(_, m)| m.active);
-        active.map(|(i, m)| (i, m.replica.clone(), m.stop.clone())).collect()
+        active.map(|(i, m)| (ReplicaIdx::new(i), m.replica.clone(), m.stop.clone())).collect()
     }
 
     /// Makes `replicas` the pool's membership, and returns the slots whose event threads must
@@ -160,6 +160,7 @@ impl Pool {
         let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
         let mut start = Vec::new();
         for (i, m) in members.iter_mut().enumerate() {
+            let i = ReplicaIdx::new(i);
             let wanted = wanted_targets.iter().find(|(r, _)| r.id == m.replica.id);
             let kept = m.active || m.leaving_since.is_some();
             match wanted {
@@ -189,7 +190,7 @@ impl Pool {
                 continue;
             }
             let free = members.iter().position(|m| !m.active && m.leaving_since.is_none());
-            let slot = match free {
+            let slot = match free.map(ReplicaIdx::new) {
                 Some(slot) => {
                     // What the decisions kept name by slot would now name the newcomer.
                     self.forget_slot(slot);
@@ -198,12 +199,13 @@ impl Pool {
                 None => {
                     let i = self.index_mut().add_replica();
                     let j = self.load_table().add_replica();
-                    debug_assert_eq!((i, j), (members.len(), members.len()), "slots, index and load stay aligned");
+                    let end = ReplicaIdx::new(members.len());
+                    debug_assert_eq!((i, j), (end, end), "slots, index and load stay aligned");
                     members.push(Member::new(target.clone()));
                     i
                 }
             };
-            self.join(slot, &mut members[slot], &target, &mut start);
+            self.join(slot, &mut members[slot.get()], &target, &mut start);
         }
         start
     }
@@ -216,7 +218,7 @@ impl Pool {
         target: &(ReplicaConfig, Option<u32>),
         start: &mut Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)>,
     ) {
-        tracing::info!(model = %self.config.model, replica = %target.0.id, endpoint = %target.0.endpoint, slot = i, "replica joined");
+        tracing::info!(model = %self.config.model, replica = %target.0.id, endpoint = %target.0.endpoint, slot = i.get(), "replica joined");
         *m = Member::new(target.clone());
         start.push((i, target.0.clone(), m.stop.clone()));
     }
@@ -227,7 +229,7 @@ impl Pool {
         let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
         for (i, m) in members.iter_mut().enumerate() {
             if m.leaving_since.is_some_and(|since| since.elapsed() >= grace) {
-                self.retire(i, m);
+                self.retire(ReplicaIdx::new(i), m);
             }
         }
     }

@@ -140,7 +140,7 @@ impl Pool {
 
     /// Metric labels for a replica.
     pub fn labels(&self, replica: ReplicaIdx) -> ReplicaLabels {
-        ReplicaLabels { model: self.config.model.clone(), replica: self.members()[replica].replica.id.clone() }
+        ReplicaLabels { model: self.config.model.clone(), replica: self.members()[replica.get()].replica.id.clone() }
     }
 
     /// Exclusive access to the index: the pool's applier ([`crate::events::apply`]) and

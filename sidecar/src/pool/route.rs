@@ -102,8 +102,8 @@ impl Pool {
         let figures = load.load(booked.slot);
         drop(load);
         // Remember where the prefix went, and expect the engine's events for it.
-        self.after_booking(&members[booked.slot], &shape, &booked);
-        let (replica, dp_rank) = (members[booked.slot].replica.clone(), members[booked.slot].rank);
+        self.after_booking(&members[booked.slot.get()], &shape, &booked);
+        let (replica, dp_rank) = (members[booked.slot.get()].replica.clone(), members[booked.slot.get()].rank);
         drop(members);
         // Gauges, the other gateways, `/debug/explain`.
         self.publish_load(booked.slot, figures);
@@ -151,16 +151,17 @@ impl Pool {
             .iter()
             .enumerate()
             .filter(|(_, m)| m.active && m.serves(&req.model, &self.config))
-            .map(|(slot, m)| {
+            .map(|(i, m)| {
                 // The affinity index does not depend on events, so a silent publisher is moot.
                 let trusted = affinity || m.health.trusted();
-                Eligible { slot, overlap: if trusted { overlaps[slot] } else { Overlap::default() }, trusted }
+                let overlap = if trusted { overlaps[i] } else { Overlap::default() };
+                Eligible { slot: ReplicaIdx::new(i), overlap, trusted }
             })
             .collect();
         if self.inflight_credit() {
             let recent = self.affinity_index().find_matches(hashes, members.len(), Instant::now());
             for e in &mut eligible {
-                e.overlap = e.overlap.with_device_at_least(recent[e.slot].device);
+                e.overlap = e.overlap.with_device_at_least(recent[e.slot.get()].device);
             }
         }
         eligible
@@ -301,5 +302,5 @@ fn rendezvous(key: &str, members: &[Member], eligible: &[Eligible]) -> usize {
         bytes.extend_from_slice(id.as_bytes());
         xxhash_rust::xxh3::xxh3_64(&bytes)
     };
-    (0..eligible.len()).max_by_key(|&c| weight(&members[eligible[c].slot].replica.id)).unwrap_or(0)
+    (0..eligible.len()).max_by_key(|&c| weight(&members[eligible[c].slot.get()].replica.id)).unwrap_or(0)
 }

@@ -7,7 +7,7 @@ use serde::Serialize;
 use super::members::NONE;
 use super::{read, Pool};
 use crate::accuracy::AccuracyTotals;
-use crate::index::Tier;
+use crate::index::{ReplicaIdx, Tier};
 
 /// One replica in `/debug/state`.
 #[derive(Debug, Serialize)]
@@ -81,6 +81,7 @@ impl Pool {
             .enumerate()
             .filter(|(_, m)| m.active)
             .map(|(i, m)| {
+                let i = ReplicaIdx::new(i);
                 let (r, h) = (&m.replica, &m.health);
                 let l = load.load(i);
                 let last_seq = h.last_seq.load(Ordering::Relaxed);

@@ -54,7 +54,7 @@ fn cache_hits_win_and_concurrent_misses_spread() {
     let cached: Vec<u32> = (0..64).collect();
     p.index_mut()
         .store(
-            2,
+            ReplicaIdx::new(2),
             Store {
                 parent: None,
                 engine_hashes: &(0..16).map(EngineHash).collect::<Vec<_>>(),
@@ -79,7 +79,7 @@ fn cache_hits_win_and_concurrent_misses_spread() {
     assert!(per_replica.iter().all(|n| *n >= 1), "no herding onto one replica: {per_replica:?}");
 }
 
-fn cache_on(p: &Pool, replica: ReplicaIdx, tokens: &[u32]) {
+fn cache_on(p: &Pool, replica: usize, tokens: &[u32]) {
     let engine: Vec<EngineHash> =
         (0..(tokens.len() / 4) as u64).map(|i| EngineHash(i + 1000 * replica as u64)).collect();
     let store = Store {
@@ -91,7 +91,7 @@ fn cache_on(p: &Pool, replica: ReplicaIdx, tokens: &[u32]) {
         extra: &[],
         tier: Tier::Device,
     };
-    p.index_mut().store(replica, store).unwrap();
+    p.index_mut().store(ReplicaIdx::new(replica), store).unwrap();
 }
 
 fn chosen(r: &RouteResponse) -> usize {
@@ -130,7 +130,7 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
         cache_on(&p, 0, &cached);
         // r0 is a little busy; its cache saves far more than that.
         p.load_table().book(
-            0,
+            ReplicaIdx::new(0),
             NewBooking {
                 request_id: "busy",
                 prefill_tokens: 40,
@@ -203,7 +203,7 @@ fn a_silent_publisher_is_flagged_stalled_and_earns_no_credit() {
     }
     assert!(!p.members()[0].health.trusted());
     // Any event brings it back.
-    p.after_ingest(0, Progress::default(), &Outcome::default());
+    p.after_ingest(ReplicaIdx::new(0), Progress::default(), &Outcome::default());
     assert!(!p.state().replicas[0].stalled);
 }
 
@@ -226,7 +226,7 @@ fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
         extra: &[],
         tier: Tier::Device,
     };
-    p.index_mut().store(1, store).unwrap();
+    p.index_mut().store(ReplicaIdx::new(1), store).unwrap();
     let cfg = ScoringConfig::default();
     assert_eq!(chosen(&p.route(&request("held", &only_r1), &cfg)), 1);
     assert!(p.set_members(&replicas).is_empty(), "the same membership changes nothing");
@@ -237,7 +237,7 @@ fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
     let newcomer = ReplicaConfig { id: "r3".into(), endpoint: "127.0.0.1:8003".parse().unwrap(), ..moved.clone() };
     let stop_r1 = p.members()[1].stop.clone();
     let start = p.set_members(&[moved.clone(), replicas[2].clone(), newcomer.clone()]);
-    let started: Vec<(ReplicaIdx, &str)> = start.iter().map(|(i, r, _)| (*i, r.id.as_str())).collect();
+    let started: Vec<(usize, &str)> = start.iter().map(|(i, r, _)| (i.get(), r.id.as_str())).collect();
     assert_eq!(
         started,
         [(0, "r0"), (1, "r3")],
@@ -257,7 +257,7 @@ fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
 
     // r1 comes back: no slot is free, so a new one, empty.
     let start = p.set_members(&[moved, replicas[1].clone(), replicas[2].clone(), newcomer]);
-    assert_eq!(start.iter().map(|(i, _, _)| *i).collect::<Vec<_>>(), [3]);
+    assert_eq!(start.iter().map(|(i, _, _)| i.get()).collect::<Vec<_>>(), [3]);
     assert_eq!(p.members().len(), 4);
     assert_eq!(p.state().replicas.len(), 4);
 }
@@ -293,7 +293,7 @@ fn a_replica_that_flaps_comes_back_warm_and_one_that_stays_away_is_emptied() {
     p.set_members(&[replicas[0].clone(), replicas[2].clone()]);
     assert!(p.members()[1].stop.load(Ordering::Relaxed));
     let start = p.set_members(&replicas);
-    assert_eq!(start.iter().map(|(i, _, _)| *i).collect::<Vec<_>>(), [1], "back in its emptied slot, cold");
+    assert_eq!(start.iter().map(|(i, _, _)| i.get()).collect::<Vec<_>>(), [1], "back in its emptied slot, cold");
     assert_eq!(p.route(&request("cold", &prompt), &cfg).overlap_blocks, 0);
 }
 
@@ -314,10 +314,10 @@ fn pod_rollouts_reuse_slots_and_keep_the_index_exact() {
         assert_eq!(started.len(), 3, "rollout {rollout}: three new pods");
         // The new pods cache the prompt; the index holds what they hold, nothing of the old.
         let holder = (rollout % 3) as usize;
-        cache_on(&p, started[holder].0, &prompt);
+        cache_on(&p, started[holder].0.get(), &prompt);
         let matches = read(&p.index).find_matches(&prompt_block_hashes(&prompt, 4, Salt::NONE));
         let holding: Vec<usize> = (0..matches.len()).filter(|i| matches[*i].device > 0).collect();
-        assert_eq!(holding, [started[holder].0], "rollout {rollout}: only the pod that cached it");
+        assert_eq!(holding, [started[holder].0.get()], "rollout {rollout}: only the pod that cached it");
     }
     assert!(p.members().len() <= 6, "slots stay bounded: {}", p.members().len());
 }
@@ -419,7 +419,7 @@ fn membership_changes_under_traffic_do_not_deadlock() {
                 if i % 100 == 0 {
                     p.expire(Duration::from_secs(300));
                     p.state();
-                    p.observe_engine(0, 3);
+                    p.observe_engine(ReplicaIdx::new(0), 3);
                 }
             }
             tx.send(()).unwrap();
