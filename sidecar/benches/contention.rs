@@ -10,6 +10,8 @@
 //! 1. **idle**: no events.
 //! 2. **full-speed ingest**: one thread publishes to all 64 replicas as fast as it can (more
 //!    than the transport takes on 2 cores: the rest is dropped, and the gaps lost or replayed).
+//!    The publisher stands in for engines on other machines, so it runs at the lowest CPU
+//!    priority (nice 19) and takes only what the sidecar leaves.
 //! 3. **steady ingest**: 8 000 messages/s in all, a rate the transport keeps up with.
 //! 4. **steady ingest + hung replay**: the same, and replica 0's stream skips a sequence
 //!    number, so its ingester replays from a socket that never answers (2 s, the replay
@@ -140,6 +142,9 @@ struct Publisher {
 }
 
 fn publish(ctx: &zmq::Context, p: &Publisher, stop: &AtomicBool) {
+    // The engines publish from other machines: here they share the gateway's two cores, so
+    // the publisher runs at the lowest priority, taking what the sidecar leaves.
+    kvgate_sidecar::niceness::lower_this_thread(19).expect("a thread may lower its own priority");
     let sockets: Vec<zmq::Socket> = (0..REPLICAS)
         .map(|r| {
             let s = ctx.socket(zmq::PUB).unwrap();

@@ -28,9 +28,11 @@ use crate::metrics::Metrics;
 use crate::pool::Pool;
 
 /// The most blocks one write-lock hold applies. The index applies about 10–20 M blocks/s on
-/// one core, so a batch holds the lock for about 50–100 µs (a compaction it triggers can take
-/// longer).
-pub const BATCH_BLOCKS: usize = 1024;
+/// one core, so a batch holds the lock for about 6–12 µs (a compaction it triggers can take
+/// longer): a decision that arrives during one waits about that long. Larger batches save
+/// nothing measurable (a lock hold costs tens of nanoseconds) and lengthen the decisions'
+/// tail under a full-speed ingest (`docs/benchmarks/contention.md`).
+pub const BATCH_BLOCKS: usize = 128;
 /// Jobs queued for the applier, all replicas together.
 const QUEUED_JOBS: usize = 1024;
 /// Jobs taken off the queue at once, so a batch can span the small messages of many replicas.

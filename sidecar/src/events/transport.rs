@@ -2,6 +2,8 @@
 //! bytes, and an ingester thread that runs [`super::ingest::Ingest`] — decoding, replaying
 //! gaps — with no lock held, and hands the changes to the pool's [`Applier`].
 //!
+//! - Both threads run at a lower CPU priority than the API ([`crate::niceness`]): under an
+//!   event storm, routing decisions are scheduled first.
 //! - The reader never waits: when the inbox is full (in bytes or in messages) the message is
 //!   dropped and counted (`reason="inbox_full"`), and the ingester sees a sequence gap, which
 //!   it replays like any other.
@@ -26,6 +28,7 @@ use super::ingest::{Ingest, NoReplay, Replay};
 use crate::config::{EventsMode, ReplicaConfig};
 use crate::index::ReplicaIdx;
 use crate::metrics::Metrics;
+use crate::niceness::{lower_this_thread, EVENT_THREAD_NICE};
 use crate::pool::Pool;
 
 /// Largest message accepted from a publisher; ZMQ drops larger ones itself.
@@ -78,14 +81,23 @@ pub fn spawn(
     let reader = {
         let (ctx, pool, metrics, source) = (ctx.clone(), pool.clone(), metrics.clone(), source.clone());
         let inbox = Inbox { tx, bytes: bytes.clone() };
-        std::thread::Builder::new()
-            .name(format!("kv-read-{id}"))
-            .spawn(move || read_loop(&ctx, &pool, &source, &metrics, &inbox))?
+        std::thread::Builder::new().name(format!("kv-read-{id}")).spawn(move || {
+            give_way_to_routing();
+            read_loop(&ctx, &pool, &source, &metrics, &inbox);
+        })?
     };
-    let ingester = std::thread::Builder::new()
-        .name(format!("kv-ingest-{id}"))
-        .spawn(move || ingest_loop(&ctx, &pool, &source, &rx, &bytes, &applier))?;
+    let ingester = std::thread::Builder::new().name(format!("kv-ingest-{id}")).spawn(move || {
+        give_way_to_routing();
+        ingest_loop(&ctx, &pool, &source, &rx, &bytes, &applier);
+    })?;
     Ok(vec![reader, ingester])
+}
+
+/// Lowers this event thread's CPU priority below the API's (see [`crate::niceness`]).
+fn give_way_to_routing() {
+    if let Err(e) = lower_this_thread(EVENT_THREAD_NICE) {
+        tracing::warn!(error = %e, "cannot lower an event thread's priority; decisions may wait for the CPU under an event storm");
+    }
 }
 
 fn open_sub(ctx: &zmq::Context, r: &ReplicaConfig) -> zmq::Result<zmq::Socket> {
