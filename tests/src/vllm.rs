@@ -420,18 +420,27 @@ fn events(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<(Row, Vec<u64>
 }
 
 /// Check 5: the sidecar restarts; a new request to each engine (its first message to the new
-/// sidecar) replays its history, and the index is whole again.
+/// sidecar) replays its history, and the index is whole again: exactly the blocks the engine
+/// held before, plus the full blocks of that request (a new prompt, so none were cached).
 fn sidecar_restart(stack: &mut Stack, expected: &[u64]) -> anyhow::Result<Row> {
     stack.restart_sidecar()?;
     let mut notes = Vec::new();
     let mut pass = true;
-    for (engine, want) in stack.sims.iter().zip(expected) {
+    for (engine, before) in stack.sims.iter().zip(expected) {
         // At least one full block, so the engine publishes an event.
-        let probe = json!({"model": "qwen3", "max_tokens": 1, "prompt": document(500 + *want as u32, 60)});
-        post(&engine.url("/v1/completions"), probe.to_string(), &[])?;
-        let got = wait_blocks(stack, &engine.id, "the index rebuilt", |n| n >= *want);
+        let probe = json!({"model": "qwen3", "max_tokens": 1, "prompt": document(500 + *before as u32, 60)});
+        let reply = post(&engine.url("/v1/completions"), probe.to_string(), &[])?;
+        anyhow::ensure!(reply.status == 200, "the probe of {}: {}", engine.id, reply.body);
+        let (probe_tokens, probe_cached) = usage(&reply);
+        let probe_blocks = (probe_tokens - probe_cached) / u64::from(BLOCK);
+        let want = before + probe_blocks;
+        let got = wait_blocks(stack, &engine.id, "the index rebuilt", |n| n == want);
         pass &= got.is_ok();
-        notes.push(format!("{}: {} of {want} blocks back", engine.id, got.unwrap_or_else(|n| n)));
+        let got = got.unwrap_or_else(|n| n);
+        notes.push(format!(
+            "{}: {got} of {want} blocks ({before} before the restart + {probe_blocks} of the probe)",
+            engine.id
+        ));
     }
     Ok(Row {
         scenario: "5. sidecar restart",
