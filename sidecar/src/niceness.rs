@@ -2,9 +2,9 @@
 //!
 //! A routing decision is on a request's path; applying KV events is not. When the CPU is
 //! short (an event storm from many engines on a small gateway pod) the scheduler shares it
-//! between every runnable thread alike, and with two threads per replica, 64 replicas' event
-//! threads outnumber the API's: decisions wait to be scheduled, and their tail grows by
-//! milliseconds (`docs/benchmarks/contention.md`). Event readers and ingesters therefore run
+//! between every runnable thread alike, and event threads can outnumber the API's: decisions
+//! wait to be scheduled, and their tail grows by milliseconds
+//! (`docs/benchmarks/contention.md`). Event readers and ingest workers therefore run
 //! at a lower priority: they still take every idle cycle, but give way to the API. (The pool's
 //! applier keeps the normal priority: it holds the index's write lock, and a decision waiting
 //! on a lock held by a descheduled thread would be worse than waiting for the CPU.)

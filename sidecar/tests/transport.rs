@@ -1,7 +1,7 @@
 //! The ZMQ transport against a publisher in the test: gaps are replayed from a ROUTER, a
 //! publisher restart clears the replica, garbage is counted and survived, without replay a gap
-//! leaves the replica degraded, and a dropped connection withholds cache credit until the
-//! engine is back.
+//! leaves the replica degraded, a dropped connection withholds cache credit until the engine
+//! is back, and more replicas than ingest workers are each ingested whole and in order.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -269,4 +269,52 @@ fn a_dropped_connection_withholds_credit_until_the_engine_is_back() {
     assert_eq!(rig.depth(2, 1), 1);
     assert!(!rig.pool.state().replicas[0].disconnected);
     assert!(rig.pool.members()[0].health.trusted());
+}
+
+/// More replicas than ingest workers: every replica's stream is ingested whole and in order
+/// (each block's parent is the one before, so a message applied early would be refused).
+#[test]
+fn many_replicas_share_the_ingest_workers_in_order() {
+    const REPLICAS: u32 = 12;
+    const BLOCKS: u32 = 200;
+    let ctx = zmq::Context::new();
+    let ports: Vec<u16> = (0..REPLICAS).map(|_| free_port()).collect();
+    let engines: Vec<Engine> = ports.iter().map(|p| Engine::start(&ctx, *p, None)).collect();
+    let replicas = (0..REPLICAS as usize)
+        .map(|r| ReplicaConfig {
+            kv_events_topic: "topic".into(),
+            ..ReplicaConfig::new(
+                &format!("r{r}"),
+                format!("127.0.0.1:{}", r + 1).parse().unwrap(),
+                &format!("tcp://127.0.0.1:{}", ports[r]),
+            )
+        })
+        .collect();
+    let metrics = Arc::new(Metrics::default());
+    let pool = Arc::new(Pool::new(PoolConfig::new("m", "unused", BS as u32, replicas), Vec::new(), metrics.clone()));
+    let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics).unwrap();
+    // Each subscriber has seq 0 (block 0) before the rest is sent: ZMQ drops what a
+    // subscriber that is still joining would have received.
+    for (r, engine) in engines.iter().enumerate() {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.state().replicas[r].last_seq != Some(0) {
+            assert!(Instant::now() < deadline, "subscriber {r} never connected");
+            engine.restart();
+            engine.send(0, &store(r as u32, 0), false);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    for b in 1..BLOCKS {
+        for (r, engine) in engines.iter().enumerate() {
+            engine.send(u64::from(b), &store(r as u32, b), false);
+        }
+    }
+    let depth = |r: u32| {
+        let tokens: Vec<u32> = (0..BLOCKS).flat_map(|b| block(r, b)).collect();
+        pool.find_matches(&prompt_block_hashes(&tokens, BS, Salt::NONE))[r as usize].device
+    };
+    wait_for("every replica's whole chain", || (0..REPLICAS).all(|r| depth(r) == BLOCKS));
+    let state = pool.state();
+    assert!(state.replicas.iter().all(|r| r.last_seq == Some(u64::from(BLOCKS - 1)) && !r.degraded));
+    supervisor.shutdown();
 }

@@ -29,19 +29,19 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::config::{Config, DiscoveryKind, Env, ReplicaConfig};
 use crate::events::apply::Applier;
-use crate::events::transport::{self, Source};
+use crate::events::transport::{self, Ingesters, Source};
 use crate::index::ReplicaIdx;
 use crate::metrics::{DiscoveryLabels, Metrics};
 use crate::pool::Pool;
 
-/// Starts and stops one pool's event threads as its membership changes: the pool's applier,
-/// and each replica's reader and ingester.
+/// Starts and stops one pool's event threads as its membership changes: the pool's applier
+/// and ingest workers, and each replica's reader.
 pub struct Supervisor {
     ctx: zmq::Context,
     pool: Arc<Pool>,
     metrics: Arc<Metrics>,
-    applier: Applier,
-    /// Stops the applier (shutdown).
+    ingesters: Ingesters,
+    /// Stops the applier and the ingest workers (shutdown).
     stop_applier: Arc<AtomicBool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -52,8 +52,12 @@ impl Supervisor {
     pub fn start(ctx: zmq::Context, pool: Arc<Pool>, metrics: Arc<Metrics>) -> std::io::Result<Supervisor> {
         let stop_applier = Arc::new(AtomicBool::new(false));
         let (applier, thread) = Applier::spawn(pool.clone(), metrics.clone(), stop_applier.clone())?;
-        let threads = Mutex::new(vec![thread]);
-        let supervisor = Supervisor { ctx, pool, metrics, applier, stop_applier, threads };
+        // One ingest worker per core: more would only take CPU from routing decisions.
+        let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let (ingesters, mut threads) = Ingesters::spawn(&ctx, &pool, &applier, workers, &stop_applier)?;
+        threads.push(thread);
+        let threads = Mutex::new(threads);
+        let supervisor = Supervisor { ctx, pool, metrics, ingesters, stop_applier, threads };
         let initial = supervisor.pool.active();
         supervisor.spawn(initial)?;
         Ok(supervisor)
@@ -95,7 +99,7 @@ impl Supervisor {
         for (replica, config, stop) in sources.into_iter().filter(|_| self.pool.config().reads_events()) {
             let source = Source { replica, config, stop };
             let (ctx, pool, metrics) = (self.ctx.clone(), self.pool.clone(), self.metrics.clone());
-            threads.extend(transport::spawn(ctx, pool, source, metrics, self.applier.clone())?);
+            threads.push(transport::spawn(ctx, pool, source, metrics, &self.ingesters)?);
         }
         let active = self.pool.members().iter().filter(|m| m.active).count();
         self.metrics.replicas.get_or_create(&self.labels(self.pool.config().discovery.kind)).set(active as i64);

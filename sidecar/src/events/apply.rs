@@ -1,6 +1,6 @@
 //! The pool's applier: the one thread that writes a pool's KV index.
 //!
-//! Each replica's ingester ([`super::transport`]) decodes its messages and replays its gaps
+//! The ingest workers ([`super::transport`]) decode each replica's messages and replay its gaps
 //! with no lock held, and sends the resulting [`Change`]s here as a [`Job`]. The applier
 //! takes the index's write lock for one bounded batch at a time — at most [`BATCH_BLOCKS`]
 //! blocks, across as many queued jobs as fit — and releases it between batches, so a routing
@@ -12,7 +12,7 @@
 //! - A job whose replica left the pool (its stop flag, checked under the lock) is dropped: the
 //!   slot was emptied under the same lock after the flag was set, so nothing may be written.
 //! - Health and metrics are updated once a job is applied, outside the lock.
-//! - The job queue is bounded: an ingester that outruns the applier waits, its socket's
+//! - The job queue is bounded: an ingest worker that outruns the applier waits, a socket's
 //!   inbox fills, and messages are dropped and counted there (then replayed as gaps).
 
 use std::collections::VecDeque;
@@ -53,7 +53,7 @@ pub struct Job {
     pub progress: Progress,
 }
 
-/// Where ingesters send their jobs.
+/// Where the ingest workers send their jobs.
 #[derive(Debug, Clone)]
 pub struct Applier {
     tx: SyncSender<Job>,

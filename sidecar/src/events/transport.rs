@@ -1,11 +1,20 @@
-//! ZMQ transport, per replica: a reader thread on a SUB socket feeding an inbox bounded in
-//! bytes, and an ingester thread that runs [`super::ingest::Ingest`] — decoding, replaying
-//! gaps — with no lock held, and hands the changes to the pool's [`Applier`].
+//! ZMQ transport: per replica a reader thread on a SUB socket, feeding an inbox bounded in
+//! bytes; per pool a few ingest workers (one per core) that run each replica's
+//! [`super::ingest::Ingest`] — decoding, replaying gaps — with no lock held, and hand the
+//! changes to the pool's [`Applier`].
 //!
-//! - Both threads run at a lower CPU priority than the API ([`crate::niceness`]): under an
-//!   event storm, routing decisions are scheduled first.
+//! - A replica's ingestion is a [`Stream`]: its inbox and its `Ingest` state. When a message
+//!   arrives the reader schedules the stream on the pool's run queue (once: a scheduled
+//!   stream is not queued again); a worker takes it, ingests up to [`TURN`] messages, and
+//!   queues it again if more are waiting. So one replica's messages are ingested in order, by
+//!   one worker at a time, and a busy replica cannot hold a worker while others wait.
+//! - Few workers, not one thread per replica: under an event storm the threads that want the
+//!   CPU are the workers, not as many as there are replicas, so the API's threads (routing
+//!   decisions) still get their share. Readers mostly wait on their socket.
+//! - Readers and workers run at a lower CPU priority than the API ([`crate::niceness`]).
+//! - A replay that hangs holds one worker for at most its timeout; the other workers go on.
 //! - The reader never waits: when the inbox is full (in bytes or in messages) the message is
-//!   dropped and counted (`reason="inbox_full"`), and the ingester sees a sequence gap, which
+//!   dropped and counted (`reason="inbox_full"`), and ingestion sees a sequence gap, which
 //!   it replays like any other.
 //! - Messages must be exactly `[topic, seq (8 bytes, big-endian), payload]`.
 //! - A ZMQ socket monitor watches the connection: when it drops (the engine died or
@@ -18,8 +27,8 @@
 //!   bytes; past a bound it counts as lost (the replica is degraded, not stalled).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::mpsc::{channel, sync_channel, Receiver, RecvTimeoutError, Sender, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -42,6 +51,8 @@ pub const INBOX_BYTES: usize = 64 << 20;
 const INBOX_MESSAGES: usize = 10_000;
 /// How often blocked calls wake up to check for shutdown.
 const POLL: Duration = Duration::from_millis(200);
+/// Messages a worker ingests from one replica before it takes the next scheduled one.
+pub const TURN: usize = 32;
 /// How long a replay may take in all.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// The most messages one replay returns (vLLM buffers 10 000 by default).
@@ -57,40 +68,114 @@ pub struct Source {
     pub replica: ReplicaIdx,
     /// Its endpoints.
     pub config: ReplicaConfig,
-    /// Stops both threads.
+    /// Stops its reader and its ingestion.
     pub stop: Arc<AtomicBool>,
 }
 
-/// The reader's side of the inbox: a bounded channel and the bytes in it.
-struct Inbox {
-    tx: SyncSender<(u64, Vec<u8>)>,
-    bytes: Arc<AtomicUsize>,
+/// One replica's ingestion: its inbox and its ingest state, run by one worker at a time.
+struct Stream {
+    replica: ReplicaIdx,
+    /// The replica's stop flag.
+    stop: Arc<AtomicBool>,
+    replay: Option<String>,
+    /// Messages in the inbox.
+    queued: AtomicUsize,
+    /// Payload bytes in the inbox.
+    bytes: AtomicUsize,
+    /// On the run queue or being run: the reader does not queue it again.
+    scheduled: AtomicBool,
+    /// The inbox's receiving end and the ingest state; only the worker running the stream
+    /// takes this lock.
+    state: Mutex<StreamState>,
 }
 
-/// Starts the reader and ingester threads of one replica. They run until its stop flag is set.
+/// A message as the reader received it: its sequence number and payload.
+type Message = (u64, Vec<u8>);
+
+/// What only the worker running a stream touches.
+struct StreamState {
+    inbox: Receiver<Message>,
+    ingest: Ingest,
+}
+
+impl Stream {
+    /// Puts the stream on the run queue unless it is there already.
+    fn schedule(self: &Arc<Self>, runs: &Sender<Arc<Stream>>) {
+        if !self.scheduled.swap(true, Ordering::SeqCst) {
+            // A closed run queue means the pool is shutting down: nothing left to do.
+            let _ = runs.send(self.clone());
+        }
+    }
+}
+
+/// The reader's side of a replica's inbox.
+struct Inbox {
+    tx: SyncSender<Message>,
+    stream: Arc<Stream>,
+    runs: Sender<Arc<Stream>>,
+}
+
+/// A pool's ingest workers: where readers schedule their replicas' streams.
+#[derive(Debug, Clone)]
+pub struct Ingesters {
+    runs: Sender<Arc<Stream>>,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream").field("replica", &self.replica).finish_non_exhaustive()
+    }
+}
+
+impl Ingesters {
+    /// Starts `workers` ingest workers for `pool`; they run until `stop` is set.
+    pub fn spawn(
+        ctx: &zmq::Context,
+        pool: &Pool,
+        applier: &Applier,
+        workers: usize,
+        stop: &Arc<AtomicBool>,
+    ) -> std::io::Result<(Ingesters, Vec<JoinHandle<()>>)> {
+        let (runs, queue) = channel::<Arc<Stream>>();
+        let queue = Arc::new(Mutex::new(queue));
+        let threads = (0..workers.max(1))
+            .map(|w| {
+                let (ctx, queue, runs, applier, stop) =
+                    (ctx.clone(), queue.clone(), runs.clone(), applier.clone(), stop.clone());
+                std::thread::Builder::new().name(format!("kv-ingest-{}-{w}", pool.config().model)).spawn(move || {
+                    give_way_to_routing();
+                    work(&ctx, &queue, &runs, &applier, &stop);
+                })
+            })
+            .collect::<std::io::Result<Vec<_>>>()?;
+        Ok((Ingesters { runs }, threads))
+    }
+}
+
+/// Starts the reader thread of one replica; its ingestion runs on the pool's `ingesters`.
+/// The reader runs until the replica's stop flag is set.
 pub fn spawn(
     ctx: zmq::Context,
     pool: Arc<Pool>,
     source: Source,
     metrics: Arc<Metrics>,
-    applier: Applier,
-) -> std::io::Result<Vec<JoinHandle<()>>> {
-    let (tx, rx) = sync_channel::<(u64, Vec<u8>)>(INBOX_MESSAGES);
-    let bytes = Arc::new(AtomicUsize::new(0));
-    let id = source.config.id.clone();
-    let reader = {
-        let (ctx, pool, metrics, source) = (ctx.clone(), pool.clone(), metrics.clone(), source.clone());
-        let inbox = Inbox { tx, bytes: bytes.clone() };
-        std::thread::Builder::new().name(format!("kv-read-{id}")).spawn(move || {
-            give_way_to_routing();
-            read_loop(&ctx, &pool, &source, &metrics, &inbox);
-        })?
-    };
-    let ingester = std::thread::Builder::new().name(format!("kv-ingest-{id}")).spawn(move || {
+    ingesters: &Ingesters,
+) -> std::io::Result<JoinHandle<()>> {
+    let (tx, rx) = sync_channel::<Message>(INBOX_MESSAGES);
+    let stream = Arc::new(Stream {
+        replica: source.replica,
+        stop: source.stop.clone(),
+        replay: source.config.kv_replay.clone(),
+        queued: AtomicUsize::new(0),
+        bytes: AtomicUsize::new(0),
+        scheduled: AtomicBool::new(false),
+        state: Mutex::new(StreamState { inbox: rx, ingest: Ingest::new(pool.config().block_size as usize) }),
+    });
+    let inbox = Inbox { tx, stream, runs: ingesters.runs.clone() };
+    std::thread::Builder::new().name(format!("kv-read-{}", source.config.id)).spawn(move || {
         give_way_to_routing();
-        ingest_loop(&ctx, &pool, &source, &rx, &bytes, &applier);
-    })?;
-    Ok(vec![reader, ingester])
+        read_loop(&ctx, &pool, &source, &metrics, &inbox);
+    })
 }
 
 /// Lowers this event thread's CPU priority below the API's (see [`crate::niceness`]).
@@ -172,16 +257,19 @@ fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics
                 metrics.dropped(&pool.labels(replica), "bad_frames");
                 continue;
             };
-            let len = payload.len();
-            if inbox.bytes.load(Ordering::Relaxed) + len > INBOX_BYTES {
+            let (len, stream) = (payload.len(), &inbox.stream);
+            if stream.bytes.load(Ordering::Relaxed) + len > INBOX_BYTES {
                 metrics.dropped(&pool.labels(replica), "inbox_full");
                 continue;
             }
-            inbox.bytes.fetch_add(len, Ordering::Relaxed);
+            // Counted before it is sent, so a worker never sees a message it was not told of.
+            stream.bytes.fetch_add(len, Ordering::Relaxed);
+            stream.queued.fetch_add(1, Ordering::SeqCst);
             match inbox.tx.try_send((seq, payload)) {
-                Ok(()) => {}
+                Ok(()) => stream.schedule(&inbox.runs),
                 Err(TrySendError::Full(_)) => {
-                    inbox.bytes.fetch_sub(len, Ordering::Relaxed);
+                    stream.bytes.fetch_sub(len, Ordering::Relaxed);
+                    stream.queued.fetch_sub(1, Ordering::SeqCst);
                     metrics.dropped(&pool.labels(replica), "inbox_full");
                 }
                 Err(TrySendError::Disconnected(_)) => return,
@@ -190,34 +278,55 @@ fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics
     }
 }
 
-fn ingest_loop(
+/// An ingest worker: runs scheduled streams, a turn at a time, until `stop`.
+fn work(
     ctx: &zmq::Context,
-    pool: &Pool,
-    source: &Source,
-    rx: &Receiver<(u64, Vec<u8>)>,
-    bytes: &AtomicUsize,
+    queue: &Mutex<Receiver<Arc<Stream>>>,
+    runs: &Sender<Arc<Stream>>,
     applier: &Applier,
+    stop: &AtomicBool,
 ) {
-    let (replica, stop) = (source.replica, &source.stop);
-    let mut ingest = Ingest::new(pool.config().block_size as usize);
-    let replay_endpoint = source.config.kv_replay.clone();
     while !stop.load(Ordering::Relaxed) {
-        let (seq, payload) = match rx.recv_timeout(POLL) {
-            Ok(m) => m,
+        let next = queue.lock().unwrap_or_else(|e| e.into_inner()).recv_timeout(POLL);
+        let stream = match next {
+            Ok(stream) => stream,
             Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) => return,
         };
-        bytes.fetch_sub(payload.len(), Ordering::Relaxed);
+        if !turn(ctx, &stream, applier) {
+            return;
+        }
+        // Unscheduled first, then checked: a message the reader counted after the last
+        // receive is seen here, or the reader saw the flag clear and scheduled it itself.
+        stream.scheduled.store(false, Ordering::SeqCst);
+        if stream.queued.load(Ordering::SeqCst) > 0 && !stream.stop.load(Ordering::Relaxed) {
+            stream.schedule(runs);
+        }
+    }
+}
+
+/// Ingests up to [`TURN`] of a stream's messages. False once the applier has stopped.
+fn turn(ctx: &zmq::Context, stream: &Stream, applier: &Applier) -> bool {
+    let mut state = stream.state.lock().unwrap_or_else(|e| e.into_inner());
+    let StreamState { inbox, ingest } = &mut *state;
+    for _ in 0..TURN {
+        if stream.stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let Ok((seq, payload)) = inbox.try_recv() else { break };
+        stream.queued.fetch_sub(1, Ordering::SeqCst);
+        stream.bytes.fetch_sub(payload.len(), Ordering::Relaxed);
         // Decoding and replay take as long as they take: no lock is held here.
-        let planned = match &replay_endpoint {
+        let planned = match &stream.replay {
             Some(endpoint) => ingest.on_message(seq, &payload, &mut Dealer { ctx, endpoint }),
             None => ingest.on_message(seq, &payload, &mut NoReplay),
         };
-        let job = Job { replica, stop: stop.clone(), planned, progress: ingest.progress() };
+        let job = Job { replica: stream.replica, stop: stream.stop.clone(), planned, progress: ingest.progress() };
         if !applier.send(job) {
-            return;
+            return false;
         }
     }
+    true
 }
 
 /// Replay over a DEALER socket.
