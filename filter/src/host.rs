@@ -8,7 +8,7 @@
 //! headers can no longer be changed, so those calls go through our own imports and return the
 //! status instead.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use kvgate_shared::wire::{CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_HEADER};
 
@@ -125,9 +125,74 @@ pub trait Host: MetricSink {
     fn enqueue(&self, queue: u32, item: &[u8]) -> Result<(), HostStatus>;
 }
 
+/// What the root context ([`crate::root::Root`]) needs from its host: calls to the sidecar,
+/// the lifecycle queue, the clock and gauges. Envoy in production ([`Envoy`]); a fake in
+/// native unit tests.
+pub trait RootHost: MetricSink {
+    /// GETs `path` on `cluster`; the answer comes to `on_http_call_response`.
+    fn get(&self, cluster: &str, path: &str, authority: &str, timeout: Duration) -> Result<u32, HostStatus>;
+    /// POSTs `body` to `path` on `cluster`, as [`Host::dispatch`].
+    fn post(
+        &self,
+        cluster: &str,
+        path: &str,
+        authority: &str,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, HostStatus>;
+    /// The `:status` of the call being answered.
+    fn call_status(&self) -> Option<String>;
+    /// The body of the call being answered, its first `size` bytes.
+    fn call_body(&self, size: usize) -> Option<Vec<u8>>;
+    /// The next item of a shared queue, if any.
+    fn dequeue(&self, queue: u32) -> Option<Vec<u8>>;
+    /// The host's clock.
+    fn now(&self) -> SystemTime;
+    /// Defines a gauge named `name`; `None` if the host refuses.
+    fn define_gauge(&self, name: &str) -> Option<u32>;
+}
+
 /// Envoy, through proxy-wasm's host calls.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Envoy;
+
+impl RootHost for Envoy {
+    fn get(&self, cluster: &str, path: &str, authority: &str, timeout: Duration) -> Result<u32, HostStatus> {
+        let headers = vec![(":method", "GET"), (":path", path), (":authority", authority), WIRE];
+        hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout).map_err(status)
+    }
+
+    fn post(
+        &self,
+        cluster: &str,
+        path: &str,
+        authority: &str,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, HostStatus> {
+        Host::dispatch(self, cluster, path, authority, body, timeout)
+    }
+
+    fn call_status(&self) -> Option<String> {
+        Host::call_status(self)
+    }
+
+    fn call_body(&self, size: usize) -> Option<Vec<u8>> {
+        Host::call_body(self, size)
+    }
+
+    fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
+        hostcalls::dequeue_shared_queue(queue).ok().flatten()
+    }
+
+    fn now(&self) -> SystemTime {
+        hostcalls::get_current_time().unwrap_or(SystemTime::UNIX_EPOCH)
+    }
+
+    fn define_gauge(&self, name: &str) -> Option<u32> {
+        hostcalls::define_metric(proxy_wasm::types::MetricType::Gauge, name).ok()
+    }
+}
 
 fn status(s: proxy_wasm::types::Status) -> HostStatus {
     HostStatus(s as u32)

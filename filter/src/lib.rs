@@ -15,7 +15,7 @@
 //! | [`root`] | tokenizer loading, lifecycle batching (one per VM) |
 //! | [`shared`] | what the root and the HTTP contexts of one VM share |
 //! | [`http`] | the per-request state machine |
-//! | [`host`] | header hostcalls that return errors instead of panicking |
+//! | [`host`] | the host behind traits (`Host` per request, `RootHost` per VM); hostcalls that return errors instead of panicking |
 //! | [`metrics`] | the filter's counters and histograms in Envoy's stats |
 
 pub mod config;

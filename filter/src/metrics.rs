@@ -19,7 +19,7 @@
 
 use proxy_wasm::hostcalls;
 
-use crate::host::MetricSink;
+use crate::host::{MetricSink, RootHost};
 use proxy_wasm::types::MetricType;
 
 /// Metric ids, defined once per VM.
@@ -122,10 +122,10 @@ impl FilterMetrics {
     }
 
     /// Defines the `kvgate.tokenizer_missing.<model>` gauge.
-    pub fn define_tokenizer_missing(model: &str) -> Option<u32> {
+    pub fn define_tokenizer_missing(host: &impl RootHost, model: &str) -> Option<u32> {
         let name: String =
             model.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
-        hostcalls::define_metric(MetricType::Gauge, &format!("kvgate.tokenizer_missing.{name}")).ok()
+        host.define_gauge(&format!("kvgate.tokenizer_missing.{name}"))
     }
 
     /// Sets a gauge.

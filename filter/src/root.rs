@@ -14,6 +14,10 @@
 //!   Envoy signals the queue and on every tick, and POSTs one batch. (Calls made from a dying
 //!   HTTP context are cancelled by Envoy, so they must not send them themselves.) A batch
 //!   that does not arrive is sent again with backoff ([`crate::redelivery`]).
+//!
+//! The logic runs against a [`RootHost`] (Envoy in production), so it is tested natively
+//! (`filter/tests/root_context.rs`); only the proxy-wasm entry points at the bottom are
+//! Envoy's alone.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -26,11 +30,11 @@ use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{tokenizer_path, Adapter, LifecycleBatch, LifecycleEvent, ModelBundle, ModelList};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{BufferType, ContextType, MapType};
+use proxy_wasm::types::{BufferType, ContextType};
 
 use crate::config::FilterConfig;
 use crate::fetches::Fetches;
-use crate::host::{Envoy, Host};
+use crate::host::{Envoy, RootHost};
 use crate::http::RequestContext;
 use crate::metrics::FilterMetrics;
 use crate::plan::LoadedModel;
@@ -48,7 +52,8 @@ enum Call {
 }
 
 /// The root context.
-pub struct Root {
+pub struct Root<H: RootHost = Envoy> {
+    host: H,
     shared: Rc<RefCell<Shared>>,
     calls: HashMap<u32, Call>,
     fetches: Fetches,
@@ -63,10 +68,18 @@ pub struct Root {
     missing_gauges: HashMap<String, u32>,
 }
 
-impl Root {
-    /// A root with default settings until `on_configure`.
+impl Root<Envoy> {
+    /// A root in Envoy with default settings until `on_configure`.
     pub fn new() -> Root {
+        Root::with_host(Envoy)
+    }
+}
+
+impl<H: RootHost> Root<H> {
+    /// A root on `host` with default settings until [`Root::configure`].
+    pub fn with_host(host: H) -> Root<H> {
         Root {
+            host,
             shared: Rc::new(RefCell::new(Shared {
                 config: FilterConfig::default(),
                 models: HashMap::new(),
@@ -85,13 +98,36 @@ impl Root {
         }
     }
 
+    /// What the HTTP contexts of this VM share with the root.
+    pub fn shared(&self) -> Rc<RefCell<Shared>> {
+        self.shared.clone()
+    }
+
+    /// Applies a parsed configuration, with the lifecycle queue and metrics the host gave,
+    /// and asks the sidecar for its models.
+    pub fn configure(&mut self, config: FilterConfig, queue: Option<u32>, metrics: Option<FilterMetrics>) {
+        {
+            let mut s = self.shared.borrow_mut();
+            s.config = config;
+            s.queue = queue;
+            s.metrics = metrics;
+        }
+        self.refresh_models();
+    }
+
+    /// The periodic tick: the model list when due, tokenizers due a retry, lifecycle reports.
+    pub fn tick(&mut self) {
+        self.refresh_models();
+        self.fetch_tokenizers();
+        self.flush_lifecycle();
+    }
+
     fn get(&mut self, path: &str, call: Call) {
         let (cluster, authority, timeout) = {
             let s = self.shared.borrow();
             (s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
         };
-        let headers = vec![(":method", "GET"), (":path", path), (":authority", authority.as_str()), crate::host::WIRE];
-        match hostcalls::dispatch_http_call(&cluster, headers, None, vec![], Duration::from_millis(timeout)) {
+        match self.host.get(&cluster, path, &authority, Duration::from_millis(timeout)) {
             Ok(token) => {
                 self.calls.insert(token, call);
             }
@@ -109,7 +145,7 @@ impl Root {
         let due = {
             let shared = self.shared.borrow();
             let wanted = self.base_models.iter().map(String::as_str).filter(|m| !shared.models.contains_key(*m));
-            self.fetches.due(wanted, self.get_current_time())
+            self.fetches.due(wanted, self.host.now())
         };
         for model in due {
             self.get(&tokenizer_path(&model), Call::Tokenizer(model));
@@ -119,7 +155,7 @@ impl Root {
     /// A tokenizer fetch failed: says so (log line, gauge) and backs off.
     fn tokenizer_failed(&mut self, model: &str, cause: String) {
         let retry = Duration::from_millis(self.shared.borrow().config.retry_ms);
-        let wait = self.fetches.failed(model, cause.clone(), retry, self.get_current_time());
+        let wait = self.fetches.failed(model, cause.clone(), retry, self.host.now());
         log::warn!(
             "kvgate: no tokenizer for model {model:?} ({cause}); its requests are routed on load alone; retrying in {} ms",
             wait.as_millis()
@@ -132,13 +168,13 @@ impl Root {
             if !missing {
                 return;
             }
-            match FilterMetrics::define_tokenizer_missing(model) {
+            match FilterMetrics::define_tokenizer_missing(&self.host, model) {
                 Some(id) => self.missing_gauges.insert(model.to_owned(), id),
                 None => return,
             };
         }
         if let Some(id) = self.missing_gauges.get(model) {
-            FilterMetrics::set_gauge(&Envoy, *id, u64::from(missing));
+            FilterMetrics::set_gauge(&self.host, *id, u64::from(missing));
         }
     }
 
@@ -146,7 +182,7 @@ impl Root {
         let every = Duration::from_millis(self.shared.borrow().config.models_refresh_ms);
         let due = match self.listed_at {
             None => true,
-            Some(at) => self.get_current_time().duration_since(at).is_ok_and(|age| age >= every),
+            Some(at) => self.host.now().duration_since(at).is_ok_and(|age| age >= every),
         };
         if due && !self.calls.values().any(|c| matches!(c, Call::Models)) {
             self.get("/v1/models", Call::Models);
@@ -154,10 +190,10 @@ impl Root {
     }
 
     /// Sends the queued lifecycle reports as one batch, and the batches due to be sent again.
-    fn flush_lifecycle(&mut self) {
+    pub fn flush_lifecycle(&mut self) {
         let Some(queue) = self.shared.borrow().queue else { return };
         let mut batch = LifecycleBatch::default();
-        while let Ok(Some(item)) = hostcalls::dequeue_shared_queue(queue) {
+        while let Some(item) = self.host.dequeue(queue) {
             if let Ok(event) = codec::decode::<LifecycleEvent>(&item) {
                 batch.events.push(event);
             }
@@ -167,7 +203,7 @@ impl Root {
                 self.post_lifecycle(body, 1);
             }
         }
-        for again in self.redelivery.due(self.get_current_time()) {
+        for again in self.redelivery.due(self.host.now()) {
             self.post_lifecycle(again.body, again.attempts + 1);
         }
     }
@@ -178,7 +214,7 @@ impl Root {
             let s = self.shared.borrow();
             (s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
         };
-        match Envoy.dispatch(&cluster, "/v1/lifecycle", &authority, &body, Duration::from_millis(timeout)) {
+        match self.host.post(&cluster, "/v1/lifecycle", &authority, &body, Duration::from_millis(timeout)) {
             Ok(token) => {
                 self.calls.insert(token, Call::Lifecycle(body, attempt));
             }
@@ -189,7 +225,7 @@ impl Root {
     /// A lifecycle batch did not arrive: it is sent again later (see [`crate::redelivery`]).
     fn lifecycle_failed(&mut self, body: Vec<u8>, attempt: u32, cause: &str) {
         let retry = Duration::from_millis(self.shared.borrow().config.retry_ms);
-        let kept = self.redelivery.failed(body, attempt, retry, self.get_current_time());
+        let kept = self.redelivery.failed(body, attempt, retry, self.host.now());
         if kept {
             log::debug!("kvgate: lifecycle batch {cause}; sending it again later (send {attempt})");
         } else {
@@ -198,7 +234,7 @@ impl Root {
             );
         }
         if let Some(m) = &self.shared.borrow().metrics {
-            m.lifecycle_failed(&Envoy, !kept);
+            m.lifecycle_failed(&self.host, !kept);
         }
     }
 
@@ -207,14 +243,14 @@ impl Root {
             log::warn!("kvgate: undecodable model list from the sidecar");
             return;
         };
-        self.listed_at = Some(self.get_current_time());
+        self.listed_at = Some(self.host.now());
         let names: HashSet<String> =
             list.models.iter().cloned().chain(list.adapters.iter().map(|a| a.name.clone())).collect();
         self.fetches.retain(|m| names.contains(m));
         // A model no longer listed is not missing any more.
         for (model, id) in &self.missing_gauges {
             if !names.contains(model) {
-                FilterMetrics::set_gauge(&Envoy, *id, 0);
+                FilterMetrics::set_gauge(&self.host, *id, 0);
             }
         }
         {
@@ -251,7 +287,7 @@ impl Root {
     }
 }
 
-impl Root {
+impl<H: RootHost> Root<H> {
     /// Makes every adapter whose base model is loaded routable: same tokenizer, salted hashes.
     fn link_adapters(&mut self) {
         let mut shared = self.shared.borrow_mut();
@@ -276,19 +312,20 @@ impl Default for Root {
     }
 }
 
-impl Context for Root {
-    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+impl<H: RootHost> Root<H> {
+    /// The answer to call `token` (`body_size` bytes of body) has come.
+    pub fn answered(&mut self, token: u32, body_size: usize) {
         let Some(call) = self.calls.remove(&token) else { return };
-        let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten();
+        let status = self.host.call_status();
         let body = match status.as_deref() {
-            Some("200") => hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten(),
+            Some("200") => self.host.call_body(body_size),
             _ => None,
         };
         // Another release's sidecar: its answer says which versions. Logged once per model-list
         // refresh, so it is in the log while it lasts.
         if status.as_deref() == Some("409") && matches!(call, Call::Models) {
-            let said = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size.min(512));
-            let said = said.ok().flatten().map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+            let said = self.host.call_body(body_size.min(512));
+            let said = said.map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
             log::error!("kvgate: the sidecar refuses this filter: {said}");
         }
         match (call, body) {
@@ -313,6 +350,14 @@ impl Context for Root {
     }
 }
 
+// The proxy-wasm entry points: Envoy's alone, each a thin call into the logic above.
+
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        self.answered(token, body_size);
+    }
+}
+
 impl RootContext for Root {
     fn on_configure(&mut self, size: usize) -> bool {
         let bytes = if size == 0 {
@@ -327,24 +372,16 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let retry = Duration::from_millis(config.retry_ms);
-        {
-            let mut s = self.shared.borrow_mut();
-            s.config = config;
-            s.queue = hostcalls::register_shared_queue(LIFECYCLE_QUEUE).ok();
-            s.metrics = FilterMetrics::define();
-        }
-        if hostcalls::set_tick_period(retry).is_err() {
+        if hostcalls::set_tick_period(Duration::from_millis(config.retry_ms)).is_err() {
             log::warn!("kvgate: cannot set the tick period; tokenizers load on first configure only");
         }
-        self.refresh_models();
+        let queue = hostcalls::register_shared_queue(LIFECYCLE_QUEUE).ok();
+        self.configure(config, queue, FilterMetrics::define());
         true
     }
 
     fn on_tick(&mut self) {
-        self.refresh_models();
-        self.fetch_tokenizers();
-        self.flush_lifecycle();
+        self.tick();
     }
 
     fn on_queue_ready(&mut self, _queue_id: u32) {
