@@ -240,7 +240,7 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         watchers.push(kvgate_sidecar::load::engine_metrics::spawn(pool.clone(), interval, stop.clone())?);
     }
     if let Some(sync) = &config.sync {
-        watchers.extend(kvgate_sidecar::sync::start(sync, &pools, &zmq_ctx, stop.clone())?);
+        watchers.extend(kvgate_sidecar::sync::start(sync, &pools, metrics.clone(), &zmq_ctx, stop.clone())?);
     }
     tokio::spawn(async move {
         let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };

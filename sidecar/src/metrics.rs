@@ -67,6 +67,8 @@ pub struct Metrics {
     pub route_fallbacks: Family<FallbackLabels, Counter>,
     /// Calls refused because the filter speaks another wire version (another release).
     pub wire_mismatches: Counter,
+    /// Sync messages dropped because the peer sidecar speaks another sync version.
+    pub sync_mismatches: Counter,
     /// Time to score and book one request.
     pub route_seconds: Histogram,
     /// KV events applied to the index.
@@ -131,6 +133,7 @@ impl Default for Metrics {
         let route_decisions = Family::default();
         let route_fallbacks = Family::default();
         let wire_mismatches = Counter::default();
+        let sync_mismatches = Counter::default();
         let decisions = Family::default();
         let chosen_overlap_blocks = Histogram::new([0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0]);
         let route_seconds = Histogram::new(exponential_buckets(5e-6, 2.0, 16));
@@ -192,6 +195,11 @@ impl Default for Metrics {
             wire_mismatches.clone(),
         );
         registry.register(
+            "sync_mismatches",
+            "Sync messages dropped: the peer sidecar runs another release (deploy gateways from one release)",
+            sync_mismatches.clone(),
+        );
+        registry.register(
             "decisions",
             "Decisions by policy and outcome (hit: the chosen replica held part of the prompt)",
             decisions.clone(),
@@ -234,6 +242,7 @@ impl Default for Metrics {
             route_decisions,
             route_fallbacks,
             wire_mismatches,
+            sync_mismatches,
             decisions,
             chosen_overlap_blocks,
             route_seconds,

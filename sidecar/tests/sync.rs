@@ -1,6 +1,7 @@
 //! Two sidecars (two gateway pods), one view of the load: what one books shows up in the
-//! other's load table and shifts its choices, and leaves with its lifecycle; nobody counts its
-//! own bookings twice.
+//! other's load table (every sequence of it) and shifts its choices, and leaves with its
+//! lifecycle; nobody counts its own bookings twice; a peer of another release is counted and
+//! ignored.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -66,6 +67,7 @@ fn bookings_reach_the_other_gateway_and_leave_with_their_lifecycle() {
     let mut threads = kvgate_sidecar::sync::start(
         &sync("a", port_a, port_b),
         &HashMap::from([("m".into(), a.clone())]),
+        Arc::new(Metrics::default()),
         &ctx,
         stop.clone(),
     )
@@ -74,6 +76,7 @@ fn bookings_reach_the_other_gateway_and_leave_with_their_lifecycle() {
         kvgate_sidecar::sync::start(
             &sync("b", port_b, port_a),
             &HashMap::from([("m".into(), b.clone())]),
+            Arc::new(Metrics::default()),
             &ctx,
             stop.clone(),
         )
@@ -116,6 +119,53 @@ fn bookings_reach_the_other_gateway_and_leave_with_their_lifecycle() {
     }
     wait_for("A's burst ended on B", WAIT, || (active(&b)[slot] == 0).then_some(())).unwrap();
 
+    // A request for three samples is three sequences on B too.
+    let sampled = RouteRequest { samples: 3, ..request("sampled", 7, Some("s")) };
+    let r = a.route(&sampled, &cfg);
+    let slot: usize = r.replica.unwrap()[1..].parse().unwrap();
+    wait_for("B books all three sequences", WAIT, || (active(&b)[slot] == 3).then_some(())).unwrap();
+    assert!(a.lifecycle("sampled", false));
+    wait_for("and releases them", WAIT, || (active(&b)[slot] == 0).then_some(())).unwrap();
+
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+/// A peer of another release publishes under another sync topic: its messages are counted and
+/// dropped, never booked.
+#[test]
+fn a_peer_of_another_release_is_counted_not_booked() {
+    let (port_old, port_b) = (free_port().unwrap(), free_port().unwrap());
+    let ctx = zmq::Context::new();
+    let old = ctx.socket(zmq::PUB).unwrap();
+    old.bind(&format!("tcp://127.0.0.1:{port_old}")).unwrap();
+    let b = pool();
+    let metrics = Arc::new(Metrics::default());
+    let config = SyncConfig {
+        id: Some("b".into()),
+        listen: format!("tcp://127.0.0.1:{port_b}"),
+        peers: vec![format!("tcp://127.0.0.1:{port_old}")],
+        peers_dns: None,
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads = kvgate_sidecar::sync::start(
+        &config,
+        &HashMap::from([("m".into(), b.clone())]),
+        metrics.clone(),
+        &ctx,
+        stop.clone(),
+    )
+    .unwrap();
+    // The release before: topic "kvgate-sync", any payload (it cannot be read as ours).
+    wait_for("the old peer's messages counted", WAIT, || {
+        old.send_multipart([&b"kvgate-sync"[..], b"an older batch"], 0).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        (metrics.sync_mismatches.get() > 0).then_some(())
+    })
+    .unwrap();
+    assert_eq!(active(&b).iter().sum::<u64>(), 0, "nothing booked from it");
     stop.store(true, Ordering::Relaxed);
     for t in threads {
         t.join().unwrap();

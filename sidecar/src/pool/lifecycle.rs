@@ -101,7 +101,7 @@ impl Pool {
         };
         let mut load = self.load_table();
         let touched = match event {
-            SyncEvent::Booked { request_id, prefill_tokens, hashes, total_blocks, .. } => {
+            SyncEvent::Booked { request_id, prefill_tokens, hashes, total_blocks, sequences, .. } => {
                 let Some(slot) = target_slot else { return };
                 let id = format!("{origin}/{request_id}");
                 // Decode progress is not shared between gateways (as in Dynamo's replica sync).
@@ -112,7 +112,7 @@ impl Pool {
                     total_blocks: *total_blocks,
                     max_tokens: None,
                     prediction: None,
-                    sequences: 1,
+                    sequences: *sequences,
                     // The origin reports its first token, or its estimated prefill end.
                     streamed: true,
                 };

@@ -227,6 +227,7 @@ impl Pool {
             prefill_tokens: booked.prefill_tokens,
             hashes: shape.hashes.to_vec(),
             total_blocks: shape.total_blocks,
+            sequences: shape.sequences,
         });
     }
 }

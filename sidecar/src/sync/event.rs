@@ -23,6 +23,8 @@ pub enum SyncEvent {
         hashes: Vec<SequenceHash>,
         /// All blocks the prompt occupies.
         total_blocks: u64,
+        /// Sequences booked: the request's prompts times its samples (`n`).
+        sequences: u64,
     },
     /// The request's first token arrived.
     FirstToken {

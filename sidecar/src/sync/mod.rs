@@ -12,6 +12,9 @@
 //! - Traffic is batched: a batch goes out after 1 ms or 256 events, whichever comes first.
 //! - The view is eventually consistent: a lost message leaves a booking to the TTL sweep
 //!   (`request_expiry_secs`); a peer's restart loses nothing of ours.
+//! - Messages carry the sync version in their topic (`kvgate-sync/<version>`): a peer of
+//!   another release is heard, counted (`kvgate_sync_mismatches_total`) and logged once, and
+//!   its messages are dropped rather than misread.
 //! - Only load is shared. KV events come from the engines to every sidecar directly, and a
 //!   peer can only book work on replicas this sidecar already knows, so a peer (or an
 //!   impostor on the sync port — restrict it with a NetworkPolicy) can skew load, never
@@ -28,11 +31,15 @@ use std::time::{Duration, Instant};
 pub mod event;
 
 use crate::config::SyncConfig;
+use crate::metrics::Metrics;
 use crate::pool::Pool;
 use event::{Outbox, SyncBatch, SyncEvent};
 
-/// ZMQ topic of sync messages.
-const TOPIC: &[u8] = b"kvgate-sync";
+/// What every sync topic starts with; the subscription, so peers of other versions are heard.
+const TOPIC_PREFIX: &[u8] = b"kvgate-sync";
+/// The topic of this release's sync messages. The version moves whenever [`SyncBatch`]'s
+/// encoding does (2: bookings carry their sequence count).
+const TOPIC: &[u8] = b"kvgate-sync/2";
 /// A batch goes out after this long…
 const FLUSH_AFTER: Duration = Duration::from_millis(1);
 /// …or with this many events.
@@ -47,6 +54,7 @@ const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 pub fn start(
     config: &SyncConfig,
     pools: &HashMap<String, Arc<Pool>>,
+    metrics: Arc<Metrics>,
     ctx: &zmq::Context,
     stop: Arc<AtomicBool>,
 ) -> anyhow::Result<Vec<JoinHandle<()>>> {
@@ -58,7 +66,7 @@ pub fn start(
     publisher.set_linger(0)?;
     publisher.bind(&config.listen)?;
     let subscriber = ctx.socket(zmq::SUB)?;
-    subscriber.set_subscribe(TOPIC)?;
+    subscriber.set_subscribe(TOPIC_PREFIX)?;
     subscriber.set_rcvtimeo(POLL.as_millis() as i32)?;
     subscriber.set_linger(0)?;
     let id = config.id();
@@ -70,7 +78,7 @@ pub fn start(
     let (config, pools) = (config.clone(), pools.clone());
     let receive = std::thread::Builder::new()
         .name("sync-sub".into())
-        .spawn(move || receive_loop(&subscriber, &config, &id, &pools, &stop))?;
+        .spawn(move || receive_loop(&subscriber, &config, &id, &pools, &metrics, &stop))?;
     Ok(vec![publish, receive])
 }
 
@@ -110,9 +118,11 @@ fn receive_loop(
     config: &SyncConfig,
     own_id: &str,
     pools: &HashMap<String, Arc<Pool>>,
+    metrics: &Metrics,
     stop: &AtomicBool,
 ) {
     let mut dialled: BTreeSet<String> = BTreeSet::new();
+    let mut foreign: BTreeSet<Vec<u8>> = BTreeSet::new();
     let mut resolved_at: Option<Instant> = None;
     while !stop.load(Ordering::Relaxed) {
         if resolved_at.is_none_or(|t| t.elapsed() >= RESOLVE_EVERY) {
@@ -137,7 +147,18 @@ fn receive_loop(
                 continue;
             }
         };
-        let [_topic, payload] = <[Vec<u8>; 2]>::try_from(frames).unwrap_or_default();
+        let [topic, payload] = <[Vec<u8>; 2]>::try_from(frames).unwrap_or_default();
+        if topic != TOPIC {
+            metrics.sync_mismatches.inc();
+            if foreign.insert(topic.clone()) {
+                tracing::warn!(
+                    topic = %String::from_utf8_lossy(&topic),
+                    ours = %String::from_utf8_lossy(TOPIC),
+                    "a sync peer runs another release; its bookings are ignored until both run one"
+                );
+            }
+            continue;
+        }
         let Ok(batch) = kvgate_shared::codec::decode::<SyncBatch>(&payload) else {
             tracing::debug!("undecodable sync message dropped");
             continue;
