@@ -86,10 +86,28 @@ pub trait MetricSink {
     fn record(&self, id: u32, value: u64);
 }
 
+/// Calls to the sidecar and their answers: what both the request contexts and the root
+/// context need.
+pub trait SidecarCalls: MetricSink {
+    /// POSTs `body` to `path` on `cluster`; the answer comes to `on_http_call_response`.
+    fn dispatch(
+        &self,
+        cluster: &str,
+        path: &str,
+        authority: &str,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, HostStatus>;
+    /// The `:status` of the call being answered.
+    fn call_status(&self) -> Option<String>;
+    /// The body of the call being answered, its first `size` bytes.
+    fn call_body(&self, size: usize) -> Option<Vec<u8>>;
+}
+
 /// What the per-request state machine ([`crate::http::RequestContext`]) needs from its host:
 /// Envoy, through proxy-wasm, in production ([`Envoy`]); a fake in native unit tests. Every
 /// call returns what the host said instead of panicking.
-pub trait Host: MetricSink {
+pub trait Host: SidecarCalls {
     /// A request header.
     fn request_header(&self, name: &str) -> Option<String>;
     /// Sets (replaces) a request header.
@@ -104,19 +122,6 @@ pub trait Host: MetricSink {
     fn replace_request_body(&self, old_len: usize, body: &[u8]) -> Result<(), HostStatus>;
     /// `size` bytes of the current response body chunk, from `start`.
     fn response_body(&self, start: usize, size: usize) -> Option<Vec<u8>>;
-    /// POSTs `body` to `path` on `cluster`; the answer comes to `on_http_call_response`.
-    fn dispatch(
-        &self,
-        cluster: &str,
-        path: &str,
-        authority: &str,
-        body: &[u8],
-        timeout: Duration,
-    ) -> Result<u32, HostStatus>;
-    /// The `:status` of the call being answered.
-    fn call_status(&self) -> Option<String>;
-    /// The body of the call being answered.
-    fn call_body(&self, size: usize) -> Option<Vec<u8>>;
     /// Resumes the paused request.
     fn resume(&self) -> Result<(), HostStatus>;
     /// The upstream host the request went to (Envoy's `upstream.address`), once known.
@@ -128,22 +133,9 @@ pub trait Host: MetricSink {
 /// What the root context ([`crate::root::Root`]) needs from its host: calls to the sidecar,
 /// the lifecycle queue, the clock and gauges. Envoy in production ([`Envoy`]); a fake in
 /// native unit tests.
-pub trait RootHost: MetricSink {
+pub trait RootHost: SidecarCalls {
     /// GETs `path` on `cluster`; the answer comes to `on_http_call_response`.
     fn get(&self, cluster: &str, path: &str, authority: &str, timeout: Duration) -> Result<u32, HostStatus>;
-    /// POSTs `body` to `path` on `cluster`, as [`Host::dispatch`].
-    fn post(
-        &self,
-        cluster: &str,
-        path: &str,
-        authority: &str,
-        body: &[u8],
-        timeout: Duration,
-    ) -> Result<u32, HostStatus>;
-    /// The `:status` of the call being answered.
-    fn call_status(&self) -> Option<String>;
-    /// The body of the call being answered, its first `size` bytes.
-    fn call_body(&self, size: usize) -> Option<Vec<u8>>;
     /// The next item of a shared queue, if any.
     fn dequeue(&self, queue: u32) -> Option<Vec<u8>>;
     /// The host's clock.
@@ -160,25 +152,6 @@ impl RootHost for Envoy {
     fn get(&self, cluster: &str, path: &str, authority: &str, timeout: Duration) -> Result<u32, HostStatus> {
         let headers = vec![(":method", "GET"), (":path", path), (":authority", authority), WIRE];
         hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout).map_err(status)
-    }
-
-    fn post(
-        &self,
-        cluster: &str,
-        path: &str,
-        authority: &str,
-        body: &[u8],
-        timeout: Duration,
-    ) -> Result<u32, HostStatus> {
-        Host::dispatch(self, cluster, path, authority, body, timeout)
-    }
-
-    fn call_status(&self) -> Option<String> {
-        Host::call_status(self)
-    }
-
-    fn call_body(&self, size: usize) -> Option<Vec<u8>> {
-        Host::call_body(self, size)
     }
 
     fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
@@ -205,6 +178,29 @@ impl MetricSink for Envoy {
 
     fn record(&self, id: u32, value: u64) {
         let _ = hostcalls::record_metric(id, value);
+    }
+}
+
+impl SidecarCalls for Envoy {
+    fn dispatch(
+        &self,
+        cluster: &str,
+        path: &str,
+        authority: &str,
+        body: &[u8],
+        timeout: Duration,
+    ) -> Result<u32, HostStatus> {
+        let headers =
+            vec![(":method", "POST"), (":path", path), (":authority", authority), ("content-type", CONTENT_TYPE), WIRE];
+        hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).map_err(status)
+    }
+
+    fn call_status(&self) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten()
+    }
+
+    fn call_body(&self, size: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten()
     }
 }
 
@@ -235,27 +231,6 @@ impl Host for Envoy {
 
     fn response_body(&self, start: usize, size: usize) -> Option<Vec<u8>> {
         hostcalls::get_buffer(BufferType::HttpResponseBody, start, size).ok().flatten()
-    }
-
-    fn dispatch(
-        &self,
-        cluster: &str,
-        path: &str,
-        authority: &str,
-        body: &[u8],
-        timeout: Duration,
-    ) -> Result<u32, HostStatus> {
-        let headers =
-            vec![(":method", "POST"), (":path", path), (":authority", authority), ("content-type", CONTENT_TYPE), WIRE];
-        hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).map_err(status)
-    }
-
-    fn call_status(&self) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten()
-    }
-
-    fn call_body(&self, size: usize) -> Option<Vec<u8>> {
-        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten()
     }
 
     fn resume(&self) -> Result<(), HostStatus> {

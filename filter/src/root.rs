@@ -214,7 +214,7 @@ impl<H: RootHost> Root<H> {
             let s = self.shared.borrow();
             (s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
         };
-        match self.host.post(&cluster, "/v1/lifecycle", &authority, &body, Duration::from_millis(timeout)) {
+        match self.host.dispatch(&cluster, "/v1/lifecycle", &authority, &body, Duration::from_millis(timeout)) {
             Ok(token) => {
                 self.calls.insert(token, Call::Lifecycle(body, attempt));
             }

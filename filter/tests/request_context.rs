@@ -8,7 +8,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use kvgate_filter::config::FilterConfig;
-use kvgate_filter::host::{Host, HostStatus, MetricSink};
+use kvgate_filter::host::{Host, HostStatus, MetricSink, SidecarCalls};
 use kvgate_filter::http::RequestContext;
 use kvgate_filter::plan::LoadedModel;
 use kvgate_filter::shared::Shared;
@@ -50,6 +50,23 @@ impl MetricSink for Fake {
     fn record(&self, _: u32, _: u64) {}
 }
 
+impl SidecarCalls for Fake {
+    fn dispatch(&self, _: &str, path: &str, _: &str, body: &[u8], _: Duration) -> Result<u32, HostStatus> {
+        let mut s = self.0.borrow_mut();
+        if s.dispatch_fails {
+            return Err(HostStatus(2));
+        }
+        s.calls.push((path.into(), body.to_vec()));
+        Ok(s.calls.len() as u32)
+    }
+    fn call_status(&self) -> Option<String> {
+        self.0.borrow().answer.as_ref().map(|a| a.0.clone())
+    }
+    fn call_body(&self, size: usize) -> Option<Vec<u8>> {
+        self.0.borrow().answer.as_ref().map(|a| a.1[..size].to_vec())
+    }
+}
+
 impl Host for Fake {
     fn request_header(&self, name: &str) -> Option<String> {
         self.0.borrow().request_headers.get(name).cloned()
@@ -75,20 +92,6 @@ impl Host for Fake {
     }
     fn response_body(&self, start: usize, size: usize) -> Option<Vec<u8>> {
         Some(self.0.borrow().response_chunk[start..start + size].to_vec())
-    }
-    fn dispatch(&self, _: &str, path: &str, _: &str, body: &[u8], _: Duration) -> Result<u32, HostStatus> {
-        let mut s = self.0.borrow_mut();
-        if s.dispatch_fails {
-            return Err(HostStatus(2));
-        }
-        s.calls.push((path.into(), body.to_vec()));
-        Ok(s.calls.len() as u32)
-    }
-    fn call_status(&self) -> Option<String> {
-        self.0.borrow().answer.as_ref().map(|a| a.0.clone())
-    }
-    fn call_body(&self, size: usize) -> Option<Vec<u8>> {
-        self.0.borrow().answer.as_ref().map(|a| a.1[..size].to_vec())
     }
     fn resume(&self) -> Result<(), HostStatus> {
         self.0.borrow_mut().resumed += 1;

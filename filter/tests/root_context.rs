@@ -9,7 +9,7 @@ use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
 use kvgate_filter::config::FilterConfig;
-use kvgate_filter::host::{HostStatus, MetricSink, RootHost};
+use kvgate_filter::host::{HostStatus, MetricSink, RootHost, SidecarCalls};
 use kvgate_filter::root::Root;
 use kvgate_shared::codec;
 use kvgate_shared::hash::Salt;
@@ -70,13 +70,8 @@ impl MetricSink for Fake {
     }
 }
 
-impl RootHost for Fake {
-    fn get(&self, _: &str, path: &str, _: &str, _: Duration) -> Result<u32, HostStatus> {
-        let mut s = self.0.borrow_mut();
-        s.calls.push(("GET", path.to_owned(), Vec::new()));
-        Ok(s.calls.len() as u32 - 1)
-    }
-    fn post(&self, _: &str, path: &str, _: &str, body: &[u8], _: Duration) -> Result<u32, HostStatus> {
+impl SidecarCalls for Fake {
+    fn dispatch(&self, _: &str, path: &str, _: &str, body: &[u8], _: Duration) -> Result<u32, HostStatus> {
         let mut s = self.0.borrow_mut();
         s.calls.push(("POST", path.to_owned(), body.to_vec()));
         Ok(s.calls.len() as u32 - 1)
@@ -86,6 +81,14 @@ impl RootHost for Fake {
     }
     fn call_body(&self, size: usize) -> Option<Vec<u8>> {
         self.0.borrow().answer.as_ref().map(|(_, body)| body[..size.min(body.len())].to_vec())
+    }
+}
+
+impl RootHost for Fake {
+    fn get(&self, _: &str, path: &str, _: &str, _: Duration) -> Result<u32, HostStatus> {
+        let mut s = self.0.borrow_mut();
+        s.calls.push(("GET", path.to_owned(), Vec::new()));
+        Ok(s.calls.len() as u32 - 1)
     }
     fn dequeue(&self, queue: u32) -> Option<Vec<u8>> {
         assert_eq!(queue, QUEUE);
