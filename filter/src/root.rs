@@ -122,12 +122,15 @@ impl<H: RootHost> Root<H> {
         self.flush_lifecycle();
     }
 
+    /// Where the sidecar is: its cluster, its authority, and how long a call to it may take.
+    fn sidecar(&self) -> (String, String, Duration) {
+        let c = &self.shared.borrow().config;
+        (c.sidecar_cluster.clone(), c.sidecar_authority.clone(), Duration::from_millis(c.fetch_timeout_ms))
+    }
+
     fn get(&mut self, path: &str, call: Call) {
-        let (cluster, authority, timeout) = {
-            let s = self.shared.borrow();
-            (s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
-        };
-        match self.host.get(&cluster, path, &authority, Duration::from_millis(timeout)) {
+        let (cluster, authority, timeout) = self.sidecar();
+        match self.host.get(&cluster, path, &authority, timeout) {
             Ok(token) => {
                 self.calls.insert(token, call);
             }
@@ -210,11 +213,8 @@ impl<H: RootHost> Root<H> {
 
     /// POSTs one lifecycle batch (its `attempt`-th send); a failure keeps it for later.
     fn post_lifecycle(&mut self, body: Vec<u8>, attempt: u32) {
-        let (cluster, authority, timeout) = {
-            let s = self.shared.borrow();
-            (s.config.sidecar_cluster.clone(), s.config.sidecar_authority.clone(), s.config.fetch_timeout_ms)
-        };
-        match self.host.dispatch(&cluster, "/v1/lifecycle", &authority, &body, Duration::from_millis(timeout)) {
+        let (cluster, authority, timeout) = self.sidecar();
+        match self.host.dispatch(&cluster, "/v1/lifecycle", &authority, &body, timeout) {
             Ok(token) => {
                 self.calls.insert(token, Call::Lifecycle(body, attempt));
             }
