@@ -40,6 +40,10 @@ const TOPIC_PREFIX: &[u8] = b"kvgate-sync";
 /// The topic of this release's sync messages. The version moves whenever [`SyncBatch`]'s
 /// encoding does (2: bookings carry their sequence count).
 const TOPIC: &[u8] = b"kvgate-sync/2";
+/// Foreign topics remembered, each logged once; a peer cannot grow the set past this.
+const FOREIGN_TOPICS: usize = 16;
+/// The bytes of a foreign topic that are remembered and logged.
+const FOREIGN_TOPIC_BYTES: usize = 64;
 /// A batch goes out after this long…
 const FLUSH_AFTER: Duration = Duration::from_millis(1);
 /// …or with this many events.
@@ -150,9 +154,11 @@ fn receive_loop(
         let [topic, payload] = <[Vec<u8>; 2]>::try_from(frames).unwrap_or_default();
         if topic != TOPIC {
             metrics.sync_mismatches.inc();
-            if foreign.insert(topic.clone()) {
+            // Remembered (and logged) by their first bytes: a topic is as long as its sender likes.
+            let topic = &topic[..topic.len().min(FOREIGN_TOPIC_BYTES)];
+            if foreign.len() < FOREIGN_TOPICS && foreign.insert(topic.to_vec()) {
                 tracing::warn!(
-                    topic = %String::from_utf8_lossy(&topic),
+                    topic = %String::from_utf8_lossy(topic),
                     ours = %String::from_utf8_lossy(TOPIC),
                     "a sync peer runs another release; its bookings are ignored until both run one"
                 );
