@@ -8,8 +8,8 @@
 //!   templates every content becomes a list of `{"type": "text", "text": …}` parts (`null` →
 //!   `[]`); `tool` messages always get the joined string;
 //! - only `role`, `content`, `name`, and per role `tool_calls`/`reasoning`/`tool_call_id` survive;
-//! - tool-call `arguments` strings are parsed into objects (invalid or non-object → `{}`), so
-//!   the template re-serialises them;
+//! - tool-call `arguments` strings are parsed into objects (invalid or non-object → `{}`) for
+//!   the template, which re-serialises them (the raw string is kept: harmony renders it as sent);
 //! - tools are re-serialised in OpenAI's canonical key order, `description`/`parameters`
 //!   always present;
 //! - `add_generation_prompt`/`continue_final_message` top-level fields beat
@@ -25,8 +25,8 @@ use super::PromptError;
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatInput {
     /// Normalised messages. Their `content` is still format-neutral: the request's string,
-    /// `null`, or the list of its text parts' texts (empty ones kept); see
-    /// [`ChatInput::messages_for`].
+    /// `null`, or the list of its text parts' texts (empty ones kept), and tool-call
+    /// `arguments` are the strings sent; see [`ChatInput::messages_for`].
     pub messages: Vec<Value>,
     /// Normalised tools, if the request has any.
     pub tools: Option<Vec<Value>>,
@@ -38,6 +38,9 @@ pub struct ChatInput {
     pub add_special_tokens: bool,
     /// Every other template variable (`enable_thinking`, `documents`, …).
     pub kwargs: Map<String, Value>,
+    /// The request's top-level `reasoning_effort` (harmony reads only this one; templates get
+    /// it among `kwargs`).
+    pub reasoning_effort: Option<String>,
 }
 
 impl ChatInput {
@@ -95,12 +98,22 @@ impl ChatInput {
                 kwargs.insert("enable_thinking".into(), Value::Bool(effort != "none"));
             }
         }
-        Ok(ChatInput { messages, tools, add_generation_prompt, continue_final_message, add_special_tokens, kwargs })
+        let reasoning_effort = obj.get("reasoning_effort").and_then(Value::as_str).map(str::to_owned);
+        Ok(ChatInput {
+            messages,
+            tools,
+            add_generation_prompt,
+            continue_final_message,
+            add_special_tokens,
+            kwargs,
+            reasoning_effort,
+        })
     }
 }
 
 impl ChatInput {
-    /// The messages as a template of `format` sees them, after vLLM's last step: `developer`
+    /// The messages as a template of `format` sees them (tool-call arguments parsed), after
+    /// vLLM's last step: `developer`
     /// messages become `system` unless the template knows the role (`knows_developer`), then
     /// all system messages merge into one at position 0, their texts joined with `"\n\n"`.
     /// `format` must be resolved ([`ContentFormat::String`] or [`ContentFormat::Openai`]).
@@ -122,8 +135,17 @@ impl ChatInput {
     }
 }
 
-/// The message with its neutral content shaped for `format`.
+/// The message with its neutral content shaped for `format` and its tool-call arguments parsed
+/// (invalid or non-object → `{}`).
 fn shape_content(mut message: Value, format: ContentFormat) -> Value {
+    if let Some(Value::Array(calls)) = message.get_mut("tool_calls") {
+        for arguments in calls.iter_mut().filter_map(|c| c.get_mut("function")?.get_mut("arguments")) {
+            *arguments = match serde_json::from_str::<Value>(arguments.as_str().unwrap_or_default()) {
+                Ok(Value::Object(args)) => Value::Object(args),
+                _ => Value::Object(Map::new()),
+            };
+        }
+    }
     let is_tool = message.get("role").and_then(Value::as_str) == Some("tool");
     let Some(content) = message.get_mut("content") else { return message };
     *content = match (format, is_tool, content.take()) {
@@ -237,18 +259,10 @@ fn normalize_tool_call(call: &Value) -> Result<Value, PromptError> {
         return Err(invalid("`type` must be \"function\""));
     }
     let Some(Value::Object(f)) = c.get("function") else { return Err(invalid("`function` must be an object")) };
-    let Some(Value::String(arguments)) = f.get("arguments") else {
+    if !matches!(f.get("arguments"), Some(Value::String(_))) {
         return Err(invalid("`function.arguments` must be a string"));
-    };
-    let arguments = match serde_json::from_str::<Value>(arguments) {
-        Ok(Value::Object(args)) => Value::Object(args),
-        _ => Value::Object(Map::new()),
-    };
-    let mut out = c.clone();
-    let mut function = f.clone();
-    function.insert("arguments".into(), arguments);
-    out.insert("function".into(), Value::Object(function));
-    Ok(Value::Object(out))
+    }
+    Ok(call.clone())
 }
 
 fn normalize_tool(tool: &Value) -> Result<Value, PromptError> {
@@ -308,8 +322,10 @@ mod tests {
             {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}},
             {"id": "2", "type": "function", "function": {"name": "g", "arguments": "[1,2]"}}]}]}))
         .unwrap();
-        assert_eq!(c.messages[0]["tool_calls"][0]["function"]["arguments"], json!({"a": 1}));
-        assert_eq!(c.messages[0]["tool_calls"][1]["function"]["arguments"], json!({}));
+        assert_eq!(c.messages[0]["tool_calls"][0]["function"]["arguments"], "{\"a\":1}", "kept as sent");
+        let shaped = c.messages_for(ContentFormat::String, false);
+        assert_eq!(shaped[0]["tool_calls"][0]["function"]["arguments"], json!({"a": 1}));
+        assert_eq!(shaped[0]["tool_calls"][1]["function"]["arguments"], json!({}));
     }
 
     #[test]
