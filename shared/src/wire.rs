@@ -21,7 +21,7 @@ pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 /// The version of these types as encoded. The filter sends it on every sidecar call
 /// ([`WIRE_VERSION_HEADER`]); a sidecar of another version answers 409 naming both, instead
 /// of misreading the body. Bump it with any change to an encoded type's fields.
-pub const WIRE_VERSION: &str = "2";
+pub const WIRE_VERSION: &str = "3";
 
 /// The header that carries [`WIRE_VERSION`].
 pub const WIRE_VERSION_HEADER: &str = "x-kvgate-wire";
@@ -243,4 +243,6 @@ pub struct ModelBundle {
     pub eos_token: Option<String>,
     /// How message content reaches the template (vLLM's `--chat-template-content-format`).
     pub content_format: crate::prompt::content_format::ContentFormat,
+    /// How chat requests are rendered: the template, or harmony (gpt-oss).
+    pub renderer: crate::prompt::Renderer,
 }

@@ -76,15 +76,11 @@ fn llama_3() {
     assert_family("llama-3.2-1b-instruct");
 }
 
+/// gpt-oss's template, for a model that ships it under another `model_type` (vLLM renders
+/// gpt-oss itself with harmony: `tests/harmony.rs`).
 #[test]
 fn gpt_oss_template() {
     assert_family("gpt-oss-20b");
-    let caveat = |family: &str| {
-        let dir = repo().join("../shared/testdata/tokenizers").join(family);
-        ModelBundle::from_dir(family, &dir, 16).unwrap().renderer_caveat().is_some()
-    };
-    assert!(caveat("gpt-oss-20b"), "vLLM renders gpt-oss with harmony, not this template: said");
-    assert!(!caveat("llama-3.2-1b-instruct") && !caveat("qwen3-0.6b"));
 }
 
 #[test]

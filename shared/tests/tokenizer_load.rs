@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use kvgate_shared::prompt::content_format::ContentFormat;
 use kvgate_shared::prompt::tokenizer::{canonical_tokenizer_json, load_tokenizer, ModelTokenizer};
-use kvgate_shared::prompt::PromptError;
+use kvgate_shared::prompt::{PromptError, Renderer};
 use kvgate_shared::wire::ModelBundle;
 
 fn qwen_dir() -> PathBuf {
@@ -23,6 +23,7 @@ fn bundle(tokenizer_json: String) -> ModelBundle {
         bos_token: None,
         eos_token: None,
         content_format: ContentFormat::Auto,
+        renderer: Renderer::Template,
     }
 }
 

@@ -19,6 +19,7 @@ use clap::{Parser, Subcommand};
 use kvgate_shared::codec;
 use kvgate_shared::prompt::content_format::ContentFormat;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::prompt::Renderer;
 
 use kvgate_sidecar::config::{Config, DiscoveryKind, ProcessEnv};
 use kvgate_sidecar::discovery::dns::SystemResolver;
@@ -132,8 +133,8 @@ fn main() -> anyhow::Result<()> {
             for pool in &config.pools {
                 let bundle = pool.bundle().with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
                 ModelTokenizer::from_bundle(&bundle).with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
-                if let Some(caveat) = bundle.renderer_caveat() {
-                    println!("warning: pool {:?}: {caveat}", pool.model);
+                if bundle.renderer == Renderer::Harmony {
+                    println!("pool {:?}: chats are rendered with harmony, as vLLM renders gpt-oss", pool.model);
                 }
             }
             println!("{}: ok ({} pools)", file.display(), config.pools.len());
@@ -186,9 +187,7 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     for pool_config in &config.pools {
         let bundle =
             pool_config.bundle().with_context(|| format!("loading the tokenizer of {:?}", pool_config.model))?;
-        if let Some(caveat) = bundle.renderer_caveat() {
-            tracing::warn!(model = %pool_config.model, "{caveat}");
-        }
+        tracing::info!(model = %pool_config.model, renderer = ?bundle.renderer, "chat renderer");
         let bundle = codec::encode(&bundle)?;
         let pool = Arc::new(Pool::new(pool_config.clone(), bundle, metrics.clone()));
         // Load the tokenizer for offloaded prompts now, off the runtime, so that the first

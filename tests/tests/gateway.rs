@@ -746,14 +746,18 @@ fn filter_in_envoy_matches_the_reference_ids() {
     filter_config.insert("offload_bytes".into(), (1 << 20).into());
     let opts = StackOptions { name: "parity".into(), filter_config, ..Default::default() };
     let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
-    let (cases, failures) = parity_in_envoy(&stack, &kvgate_e2e::repo_root().join("testdata/parity/qwen3-chat.json"));
+    let file = kvgate_e2e::repo_root().join("testdata/parity/qwen3-chat.json");
+    let (cases, failures) = parity_in_envoy(&stack, &reference_cases(&file));
     assert!(cases >= 15);
     assert!(failures.is_empty(), "{} of {cases} differ:\n{}", failures.len(), failures.join("\n"));
 }
 
 /// 12b. The same inside Envoy for a sample of the other families (those whose templates do not
 ///      print the date, so the vectors stay valid): DeepSeek-V3, Gemma 3, Mistral Nemo and
-///      Phi-3.5, each on a stack whose engines and pool serve that family's tokenizer.
+///      Phi-3.5, each on a stack whose engines and pool serve that family's tokenizer; and
+///      gpt-oss rendered with harmony, whose system message prints today's date: its ids are
+///      rendered natively now (the native suite proves that renderer equal to vLLM's at the
+///      vectors' instant).
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn filter_in_envoy_matches_other_families() {
@@ -771,34 +775,71 @@ fn filter_in_envoy_matches_other_families() {
         };
         let stack = Stack::start(&opts, &artifacts).expect("stack starts");
         let file = kvgate_e2e::repo_root().join(format!("testdata/parity/families/{family}-chat.json"));
-        let (cases, failures) = parity_in_envoy(&stack, &file);
+        let (cases, failures) = parity_in_envoy(&stack, &reference_cases(&file));
         assert!(cases >= 12, "{family}: {cases} cases");
         assert!(failures.is_empty(), "{family}: {} of {cases} differ:\n{}", failures.len(), failures.join("\n"));
     }
+
+    let family = "gpt-oss-20b";
+    let artifacts = Artifacts { model_dir: testdata.join(family), ..Artifacts::locate("debug") };
+    let opts = StackOptions {
+        name: "parity-harmony".into(),
+        model: family.into(),
+        replicas: 1,
+        filter_config,
+        ..Default::default()
+    };
+    let stack = Stack::start(&opts, &artifacts).expect("stack starts");
+    let file = kvgate_e2e::repo_root().join(format!("testdata/parity/families/{family}-harmony.json"));
+    let (cases, failures) = parity_in_envoy(&stack, &harmony_cases_now(&testdata.join(family), &file));
+    assert!(cases >= 20, "harmony: {cases} cases");
+    assert!(failures.is_empty(), "harmony: {} of {cases} differ:\n{}", failures.len(), failures.join("\n"));
 }
 
-/// Sends every case of a reference file the template renders through the gateway; returns how
-/// many were sent and how each that differs does: the filter's count and digest of the prompt
-/// ids in Envoy, and the engine's `usage.prompt_tokens`, against the reference ids.
-fn parity_in_envoy(stack: &Stack, file: &std::path::Path) -> (usize, Vec<String>) {
+/// The cases of a reference file that render, with their ids.
+fn reference_cases(file: &std::path::Path) -> Vec<(String, Value, Vec<u32>)> {
     let reference: Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
-    let cases: Vec<&Value> = reference["cases"].as_array().unwrap().iter().filter(|c| c.get("ids").is_some()).collect();
+    let cases = reference["cases"].as_array().unwrap().iter().filter(|c| c.get("ids").is_some());
+    let ids = |case: &Value| case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    cases.map(|c| (c["name"].as_str().unwrap().to_owned(), c["request"].clone(), ids(c))).collect()
+}
+
+/// The cases of the harmony reference file that render, with the ids kvgate renders for them
+/// natively, now.
+fn harmony_cases_now(model_dir: &std::path::Path, file: &std::path::Path) -> Vec<(String, Value, Vec<u32>)> {
+    use kvgate_shared::prompt::openai::{parse, Endpoint};
+    use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+    let bundle = kvgate_shared::wire::ModelBundle::from_dir("m", model_dir, 16).unwrap();
+    let tokenizer = ModelTokenizer::from_bundle(&bundle).unwrap();
+    let mut cases = reference_cases(file);
+    for (_, request, ids) in &mut cases {
+        let mut body = request.clone();
+        body["model"] = "m".into();
+        *ids =
+            tokenizer.prompt_tokens(&parse(Endpoint::ChatCompletions, body.to_string().as_bytes()).unwrap()).unwrap();
+    }
+    cases
+}
+
+/// Sends every case through the gateway; returns how many were sent and how each that differs
+/// does: the filter's count and digest of the prompt ids in Envoy, and the engine's
+/// `usage.prompt_tokens`, against the expected ids.
+fn parity_in_envoy(stack: &Stack, cases: &[(String, Value, Vec<u32>)]) -> (usize, Vec<String>) {
     let mut failures = Vec::new();
-    for case in &cases {
-        let ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let mut body = case["request"].clone();
+    for (name, request, ids) in cases {
+        let mut body = request.clone();
         body["model"] = stack.model.clone().into();
         body["max_tokens"] = 1.into();
         let reply = post(&stack.gateway("/v1/chat/completions"), body.to_string(), &[]).unwrap();
-        assert_eq!(reply.status, 200, "{}: {}", case["name"], reply.body);
+        assert_eq!(reply.status, 200, "{name}: {}", reply.body);
         let seen = (
             reply.header("x-kvgate-prompt-tokens").to_owned(),
             reply.header("x-kvgate-prompt-digest").to_owned(),
             reply.json()["usage"]["prompt_tokens"].as_u64(),
         );
-        let expected = (ids.len().to_string(), format!("{:016x}", prompt_digest(&ids)), Some(ids.len() as u64));
+        let expected = (ids.len().to_string(), format!("{:016x}", prompt_digest(ids)), Some(ids.len() as u64));
         if seen != expected {
-            failures.push(format!("{}: filter/engine {seen:?}, reference {expected:?}", case["name"]));
+            failures.push(format!("{name}: filter/engine {seen:?}, reference {expected:?}"));
         }
     }
     (cases.len(), failures)

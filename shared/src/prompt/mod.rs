@@ -8,17 +8,31 @@
 //! 1. [`openai::parse`] reads the OpenAI body into a [`openai::ParsedRequest`].
 //! 2. [`chat`] normalises chat messages and tools as vLLM's renderer does.
 //! 3. [`template::ChatTemplate`] renders them with the model's Jinja template, with message
-//!    content shaped as the template expects ([`content_format`]).
+//!    content shaped as the template expects ([`content_format`]) — or, for gpt-oss,
+//!    [`harmony`] renders them as vLLM does, into pieces of text and special tokens.
 //! 4. [`tokenizer::ModelTokenizer`] encodes the text (or passes token ids through), through an
 //!    exact [`segments::SegmentCache`] when enabled, so repeated turns are not re-tokenized.
 
 pub mod chat;
 pub mod content_format;
+pub mod harmony;
 pub mod openai;
 pub mod segments;
 pub mod strftime;
 pub mod template;
 pub mod tokenizer;
+
+/// How a model's chat requests become a prompt: what the engine does for the model, never
+/// what a client asks for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Renderer {
+    /// The model's Jinja chat template, with transformers' semantics.
+    #[default]
+    Template,
+    /// openai-harmony, as vLLM renders gpt-oss ([`harmony`]).
+    Harmony,
+}
 
 /// Why a request could not be turned into tokens. The filter fails open on every one of them.
 #[derive(Debug, thiserror::Error)]

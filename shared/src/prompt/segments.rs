@@ -119,6 +119,28 @@ impl SegmentCache {
     }
 }
 
+impl SegmentCache {
+    /// Encodes `piece` as one segment, through the cache, with `encode` (which may take
+    /// special-token text literally, as harmony does). A piece holding special-token text is
+    /// encoded without the cache: [`SegmentCache::encode`] would split it there and give other
+    /// ids for the same key.
+    pub fn encode_piece<E>(
+        &self,
+        piece: &str,
+        encode: impl FnOnce(&str) -> Result<Vec<u32>, E>,
+    ) -> Result<Vec<u32>, E> {
+        if piece.is_empty() || self.splitter.is_match(piece) {
+            return encode(piece);
+        }
+        if let Some(ids) = self.lock().lookup(piece) {
+            return Ok(ids.to_vec());
+        }
+        let ids = encode(piece)?;
+        self.lock().insert(piece, ids.clone());
+        Ok(ids)
+    }
+}
+
 impl Pieces {
     fn lookup(&mut self, piece: &str) -> Option<Arc<[u32]>> {
         let found = self.lru.get(piece).cloned();

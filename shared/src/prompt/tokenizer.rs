@@ -8,22 +8,56 @@ use serde_json::Value;
 use tokenizers::pipeline::{EncodeOptions, PipelineToken, PipelineTokenizer};
 
 use super::content_format::ContentFormat;
+use super::harmony::{self, Piece, Special};
 use super::openai::{ParsedRequest, Prompt};
 use super::segments::{SegmentCache, SegmentStats};
 use super::template::ChatTemplate;
-use super::PromptError;
+use super::{PromptError, Renderer};
 use crate::wire::ModelBundle;
 
-/// The model's `tokenizer.json` and chat template, loaded and compiled.
+/// The model's `tokenizer.json` and chat renderer, loaded and compiled.
 pub struct ModelTokenizer {
     tokenizer: PipelineTokenizer,
-    template: Option<ChatTemplate>,
+    chat: ChatRenderer,
     segments: Option<SegmentCache>,
+}
+
+/// How chats become prompt tokens for this model.
+enum ChatRenderer {
+    /// The model's chat template, if it has one.
+    Template(Option<Box<ChatTemplate>>),
+    /// Harmony, with the ids of its special tokens in this vocabulary.
+    Harmony(HarmonyIds),
+}
+
+/// The id of each harmony special token, in [`Special::ALL`]'s order.
+struct HarmonyIds([u32; Special::ALL.len()]);
+
+impl HarmonyIds {
+    fn resolve(tokenizer: &PipelineTokenizer) -> Result<HarmonyIds, PromptError> {
+        let added = tokenizer.get_added_vocabulary();
+        let mut ids = [0; Special::ALL.len()];
+        for (id, special) in ids.iter_mut().zip(Special::ALL) {
+            *id = added.token_to_id(special.text()).ok_or_else(|| {
+                PromptError::Tokenizer(format!("a harmony model's vocabulary has no {} token", special.text()))
+            })?;
+        }
+        Ok(HarmonyIds(ids))
+    }
+
+    fn id(&self, special: Special) -> u32 {
+        self.0[Special::ALL.iter().position(|s| *s == special).unwrap_or_default()]
+    }
 }
 
 impl std::fmt::Debug for ModelTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelTokenizer").field("has_template", &self.template.is_some()).finish()
+        let renderer = match &self.chat {
+            ChatRenderer::Template(Some(_)) => "template",
+            ChatRenderer::Template(None) => "none",
+            ChatRenderer::Harmony(_) => "harmony",
+        };
+        f.debug_struct("ModelTokenizer").field("chat", &renderer).finish()
     }
 }
 
@@ -32,8 +66,11 @@ impl ModelTokenizer {
     /// run (a model kind or component not built in) is refused with an error naming it.
     pub fn from_bundle(bundle: &ModelBundle) -> Result<Self, PromptError> {
         let tokenizer = load_tokenizer(&bundle.tokenizer_json)?;
-        let template = bundle.template()?;
-        Ok(ModelTokenizer { tokenizer, template, segments: None })
+        let chat = match bundle.renderer {
+            Renderer::Template => ChatRenderer::Template(bundle.template()?.map(Box::new)),
+            Renderer::Harmony => ChatRenderer::Harmony(HarmonyIds::resolve(&tokenizer)?),
+        };
+        Ok(ModelTokenizer { tokenizer, chat, segments: None })
     }
 
     /// Caches tokenized chat segments, up to `budget` bytes (see [`SegmentCache`]). A
@@ -58,16 +95,29 @@ impl ModelTokenizer {
     /// point no pre-tokenizer split crosses, so the tokens are exactly the prompt's first
     /// tokens. Token-id prompts are never cut.
     pub fn prompt_head(&self, request: &ParsedRequest, max_bytes: usize) -> Result<PromptHead, PromptError> {
-        let (text, add_special_tokens) = match &request.prompt {
-            Prompt::Tokens(ids) => {
+        self.prompt_head_at(request, max_bytes, now_unix_secs())
+    }
+
+    /// [`ModelTokenizer::prompt_head`] as it would be at `unix_secs`: the date templates and
+    /// harmony print.
+    pub fn prompt_head_at(
+        &self,
+        request: &ParsedRequest,
+        max_bytes: usize,
+        unix_secs: i64,
+    ) -> Result<PromptHead, PromptError> {
+        let (text, add_special_tokens) = match (&request.prompt, &self.chat) {
+            (Prompt::Tokens(ids), _) => {
                 return Ok(PromptHead { tokens: ids.clone(), estimated_total: ids.len(), truncated: false })
             }
-            Prompt::Text { text, add_special_tokens } => {
-                (std::borrow::Cow::Borrowed(text.as_str()), *add_special_tokens)
+            (Prompt::Text { text, add_special_tokens }, _) => (Cow::Borrowed(text.as_str()), *add_special_tokens),
+            (Prompt::Chat(chat), ChatRenderer::Template(template)) => {
+                let template = template.as_ref().ok_or(PromptError::NoTemplate)?;
+                (Cow::Owned(template.render_at(chat, unix_secs)?), chat.add_special_tokens)
             }
-            Prompt::Chat(chat) => {
-                let template = self.template.as_ref().ok_or(PromptError::NoTemplate)?;
-                (std::borrow::Cow::Owned(template.render(chat)?), chat.add_special_tokens)
+            (Prompt::Chat(chat), ChatRenderer::Harmony(ids)) => {
+                let date = super::strftime::strftime("%Y-%m-%d", unix_secs).map_err(PromptError::Template)?;
+                return self.harmony_head(&harmony::render(chat, &date)?, ids, max_bytes);
             }
         };
         let head = &text[..safe_cut(&text, max_bytes)];
@@ -75,23 +125,52 @@ impl ModelTokenizer {
             (Some(cache), false) => cache.encode(head, |piece| self.encode(piece, false))?,
             _ => self.encode(head, add_special_tokens)?,
         };
-        let truncated = head.len() < text.len();
-        let estimated_total = match (truncated, head.is_empty()) {
-            (false, _) => tokens.len(),
-            // Nothing could be cut off safely: about 4 bytes per token.
-            (true, true) => text.len().div_ceil(4),
-            (true, false) => (tokens.len() as f64 * text.len() as f64 / head.len() as f64).ceil() as usize,
-        };
-        Ok(PromptHead { tokens, estimated_total, truncated })
+        Ok(PromptHead::of(tokens, head.len(), text.len()))
+    }
+
+    /// The head of a harmony prompt: its pieces in order, each text encoded by itself (through
+    /// the segment cache when on), up to about `max_bytes` of text.
+    fn harmony_head(
+        &self,
+        pieces: &[Piece<'_>],
+        ids: &HarmonyIds,
+        max_bytes: usize,
+    ) -> Result<PromptHead, PromptError> {
+        let total: usize = pieces.iter().map(|p| if let Piece::Text(t) = p { t.len() } else { 0 }).sum();
+        let literal =
+            EncodeOptions { add_special_tokens: false, encode_special_tokens: true, ..EncodeOptions::default() };
+        let encode = |text: &str| self.encode_with(text, &literal);
+        let mut tokens = Vec::new();
+        let mut budget = max_bytes;
+        for piece in pieces {
+            match piece {
+                Piece::Special(special) => tokens.push(ids.id(*special)),
+                Piece::Text(text) => {
+                    let head = &text[..safe_cut(text, budget)];
+                    match &self.segments {
+                        Some(cache) => tokens.extend(cache.encode_piece(head, encode)?),
+                        None => tokens.extend(encode(head)?),
+                    }
+                    if head.len() < text.len() {
+                        return Ok(PromptHead::of(tokens, max_bytes - budget + head.len(), total));
+                    }
+                    budget -= text.len();
+                }
+            }
+        }
+        Ok(PromptHead::of(tokens, total, total))
     }
 
     /// Encodes text with the model's tokenizer (into this thread's reused buffer, then copied
     /// out at its exact size).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
-        let options = EncodeOptions { add_special_tokens, ..EncodeOptions::default() };
+        self.encode_with(text, &EncodeOptions { add_special_tokens, ..EncodeOptions::default() })
+    }
+
+    fn encode_with(&self, text: &str, options: &EncodeOptions) -> Result<Vec<u32>, PromptError> {
         ENCODED.with_borrow_mut(|out| {
             out.clear();
-            self.tokenizer.encode_into(text, &options, out).map_err(|e| PromptError::Tokenizer(e.to_string()))?;
+            self.tokenizer.encode_into(text, options, out).map_err(|e| PromptError::Tokenizer(e.to_string()))?;
             let ids = PipelineToken::cast_slice(out).to_vec();
             if out.capacity() > MAX_KEPT_BUFFER {
                 *out = Vec::new();
@@ -197,6 +276,26 @@ pub struct PromptHead {
     pub truncated: bool,
 }
 
+impl PromptHead {
+    /// The head whose `tokens` are the first `head_bytes` of a `total_bytes` prompt text.
+    fn of(tokens: Vec<u32>, head_bytes: usize, total_bytes: usize) -> PromptHead {
+        let truncated = head_bytes < total_bytes;
+        let estimated_total = match (truncated, head_bytes == 0) {
+            (false, _) => tokens.len(),
+            // Nothing could be cut off safely: about 4 bytes per token.
+            (true, true) => total_bytes.div_ceil(4),
+            (true, false) => (tokens.len() as f64 * total_bytes as f64 / head_bytes as f64).ceil() as usize,
+        };
+        PromptHead { tokens, estimated_total, truncated }
+    }
+}
+
+/// Now, in seconds since the Unix epoch.
+fn now_unix_secs() -> i64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    i64::try_from(now).unwrap_or(i64::MAX)
+}
+
 /// The largest `n <= max` such that `text[..n]` is the whole text, or ends just before a
 /// whitespace character preceded by a non-whitespace one (0 if there is none).
 fn safe_cut(text: &str, max: usize) -> usize {
@@ -237,6 +336,7 @@ impl ModelBundle {
             true => Some(read(CHAT_TEMPLATE_FILE)?),
             false => chat_template_of(&config),
         };
+        let renderer = renderer_of(dir, chat_template.as_deref())?;
         Ok(ModelBundle {
             model: model.to_owned(),
             block_size,
@@ -245,8 +345,28 @@ impl ModelBundle {
             bos_token: special_token(&config, "bos_token"),
             eos_token: special_token(&config, "eos_token"),
             content_format: ContentFormat::Auto,
+            renderer,
         })
     }
+}
+
+/// The renderer vLLM picks for the model in `dir`: harmony when its `config.json` says
+/// `"model_type": "gpt_oss"`. A directory without `config.json` (tokenizer files only) is
+/// judged by its template: harmony's own template is gpt-oss's.
+fn renderer_of(dir: &Path, template: Option<&str>) -> Result<Renderer, PromptError> {
+    let config = dir.join("config.json");
+    let gpt_oss = match std::fs::read_to_string(&config) {
+        Ok(json) => {
+            let value: Value = serde_json::from_str(&json)
+                .map_err(|e| PromptError::Tokenizer(format!("{}: {e}", config.display())))?;
+            value.get("model_type").and_then(Value::as_str) == Some("gpt_oss")
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            template.is_some_and(|t| t.contains("<|channel|>") && t.contains("<|message|>"))
+        }
+        Err(e) => return Err(PromptError::Tokenizer(format!("{}: {e}", config.display()))),
+    };
+    Ok(if gpt_oss { Renderer::Harmony } else { Renderer::Template })
 }
 
 impl ModelBundle {
@@ -257,18 +377,6 @@ impl ModelBundle {
             .as_deref()
             .map(|src| ChatTemplate::new(src, self.bos_token.clone(), self.eos_token.clone(), self.content_format))
             .transpose()
-    }
-
-    /// Why kvgate's rendering may differ from the engine's for this model, if it knows: a
-    /// harmony template (gpt-oss), which vLLM does not render but replaces with
-    /// openai-harmony. For `check-config` and the sidecar's start-up log.
-    pub fn renderer_caveat(&self) -> Option<&'static str> {
-        let template = self.chat_template.as_deref()?;
-        (template.contains("<|channel|>") && template.contains("<|message|>")).then_some(
-            "a harmony (gpt-oss) template: vLLM renders these models with openai-harmony instead, \
-             which differs from the template on most requests with a system message or tools, \
-             so such prompts will not find their cached prefix",
-        )
     }
 }
 
