@@ -74,6 +74,9 @@ pub struct RequestContext<H: Host = Envoy> {
     /// The response's last bytes, where the engine's `usage` is.
     tail: Vec<u8>,
     block_size: u32,
+    /// The request body's size buffered so far (a body followed by trailers never says it
+    /// is over: the trailers do).
+    buffered: usize,
     body_done_at: Option<Instant>,
     decision: Decision,
 }
@@ -99,6 +102,7 @@ impl<H: Host> RequestContext<H> {
             output_tokens: 0,
             tail: Vec::new(),
             block_size: 0,
+            buffered: 0,
             body_done_at: None,
             decision: Decision::default(),
         }
@@ -152,6 +156,20 @@ impl<H: Host> RequestContext<H> {
     }
 
     /// Resumes the paused request, routed or not.
+    /// The whole body is buffered (its last chunk, or the trailers after it, came): ask the
+    /// sidecar, keeping the request paused while it answers.
+    fn route_body(&mut self) -> Action {
+        let Some(endpoint) = self.endpoint else { return Action::Continue };
+        self.body_done_at = Some(Instant::now());
+        let body = self.host.request_body(self.buffered);
+        self.booked = self.ask_sidecar(endpoint, &body);
+        if self.booked.is_some() {
+            Action::Pause
+        } else {
+            Action::Continue
+        }
+    }
+
     fn resume(&self) {
         if let Err(status) = self.host.resume() {
             log::warn!("kvgate: resume failed: {status:?}");
@@ -373,18 +391,21 @@ impl<H: Host> HttpContext for RequestContext<H> {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(endpoint) = self.endpoint else { return Action::Continue };
+        if self.endpoint.is_none() {
+            return Action::Continue;
+        }
+        self.buffered = body_size;
         if !end_of_stream {
             return Action::Pause;
         }
-        self.body_done_at = Some(Instant::now());
-        let body = self.host.request_body(body_size);
-        self.booked = self.ask_sidecar(endpoint, &body);
-        if self.booked.is_some() {
-            Action::Pause
-        } else {
-            Action::Continue
+        self.route_body()
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.endpoint.is_none() || self.body_done_at.is_some() {
+            return Action::Continue;
         }
+        self.route_body()
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

@@ -209,6 +209,23 @@ fn a_routed_request_is_booked_under_its_own_key_and_reports_its_life() {
 }
 
 #[test]
+fn a_body_ended_by_trailers_is_routed() {
+    let (mut ctx, fake) = request(&chat("hello there, routed after its trailers"), &[], FilterConfig::default());
+    assert_eq!(ctx.on_http_request_headers(4, false), Action::Pause);
+    let size = fake.0.borrow().request_body.len();
+    assert_eq!(ctx.on_http_request_body(size, false), Action::Pause, "no end of stream: trailers follow");
+    assert!(fake.0.borrow().calls.is_empty());
+    assert_eq!(ctx.on_http_request_trailers(1), Action::Pause, "the trailers end the body: ask the sidecar");
+    let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
+    assert_eq!(sent.model, "Qwen/Qwen3-0.6B", "the whole buffered body was read");
+    let answer_size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
+    ctx.on_http_call_response(1, 2, answer_size, 0);
+    let s = fake.0.borrow();
+    assert_eq!(s.request_headers.get(DESTINATION_HEADER).map(String::as_str), Some("127.0.0.1:8001"));
+    assert_eq!((s.resumed, s.calls.len()), (1, 1));
+}
+
+#[test]
 fn a_request_that_ran_elsewhere_is_reported_where_it_ran() {
     let (mut ctx, fake) = request(&chat("hi"), &[], FilterConfig::default());
     send(&mut ctx, &fake);

@@ -427,6 +427,36 @@ fn cache_salts_are_credited_only_within_their_tenant() {
     assert_eq!(prediction["exact"], prediction["checked"], "every prediction exact: {prediction}");
 }
 
+/// 4f. A body that trailers end (HTTP/2 clients, or HTTP/1 chunked with a `Trailer`) never says
+///     end-of-stream on its last chunk: the filter routes it when the trailers come, on its
+///     cache like any other request.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn a_request_with_trailers_is_routed_on_its_cache() {
+    use std::io::{Read, Write};
+    let stack = start("trailers");
+    let doc = document(31, 600);
+    let warm = post(&stack.sim("c").url("/v1/chat/completions"), chat(&doc, "first").to_string(), &[]).unwrap();
+    stack.wait_indexed("c", warm.json()["usage"]["prompt_tokens"].as_u64().unwrap() / 16).unwrap();
+    let body = chat(&doc, "second").to_string();
+    let address = stack.gateway("").trim_start_matches("http://").to_owned();
+    let mut connection = std::net::TcpStream::connect(&address).unwrap();
+    connection.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {address}\r\ncontent-type: application/json\r\n\
+         transfer-encoding: chunked\r\ntrailer: x-checksum\r\nconnection: close\r\n\r\n\
+         {:x}\r\n{body}\r\n0\r\nx-checksum: 1234\r\n\r\n",
+        body.len()
+    );
+    connection.write_all(request.as_bytes()).unwrap();
+    let mut reply = String::new();
+    connection.read_to_string(&mut reply).unwrap();
+    let head = reply.split("\r\n\r\n").next().unwrap().to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("\r\nx-kvgate-routed-to: c\r\n"), "routed by kvgate to the cached replica: {head}");
+    assert!(head.contains("\r\nx-kvgate-replica: c\r\n"), "and served there: {head}");
+}
+
 /// 5. Malformed JSON passes through untouched and the engine answers 400; other methods,
 ///    paths and content types are not touched at all.
 #[test]
