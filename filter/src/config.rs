@@ -15,7 +15,8 @@
 //!   "segment_cache_bytes": 16777216,
 //!   "forward_tokens": false,
 //!   "forward_chat_tokens": false,
-//!   "decode_progress": false
+//!   "decode_progress": false,
+//!   "admission_wait_ms": 0
 //! }
 //! ```
 
@@ -71,6 +72,12 @@ pub struct FilterConfig {
     /// each KV block boundary, so a request's decode load decays as it nears `max_tokens`.
     /// Off by default (one more report per block of output).
     pub decode_progress: bool,
+    /// How long a request may wait in the sidecar's admission queue when every replica of
+    /// its pool is saturated (pools with `admission` on), on top of `route_timeout_ms` /
+    /// `offload_timeout_ms`; past it the sidecar sheds it and the filter answers 429 with
+    /// `Retry-After`. 0 (default): a request never waits, it is shed at once. A sidecar that
+    /// hangs holds requests this much longer before they fail open.
+    pub admission_wait_ms: u64,
 }
 
 impl Default for FilterConfig {
@@ -90,6 +97,7 @@ impl Default for FilterConfig {
             forward_tokens: false,
             forward_chat_tokens: false,
             decode_progress: false,
+            admission_wait_ms: 0,
         }
     }
 }

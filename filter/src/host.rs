@@ -100,6 +100,8 @@ pub trait SidecarCalls: MetricSink {
     ) -> Result<u32, HostStatus>;
     /// The `:status` of the call being answered.
     fn call_status(&self) -> Option<String>;
+    /// A header of the call being answered.
+    fn call_header(&self, name: &str) -> Option<String>;
     /// The body of the call being answered, its first `size` bytes.
     fn call_body(&self, size: usize) -> Option<Vec<u8>>;
 }
@@ -128,6 +130,8 @@ pub trait Host: SidecarCalls {
     fn upstream_address(&self) -> Option<String>;
     /// Pushes an item onto a shared queue.
     fn enqueue(&self, queue: u32, item: &[u8]) -> Result<(), HostStatus>;
+    /// Answers the client itself (the request goes no further).
+    fn send_local_reply(&self, code: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostStatus>;
 }
 
 /// What the root context ([`crate::root::Root`]) needs from its host: calls to the sidecar,
@@ -196,7 +200,11 @@ impl SidecarCalls for Envoy {
     }
 
     fn call_status(&self) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten()
+        self.call_header(":status")
+    }
+
+    fn call_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name).ok().flatten()
     }
 
     fn call_body(&self, size: usize) -> Option<Vec<u8>> {
@@ -244,5 +252,9 @@ impl Host for Envoy {
 
     fn enqueue(&self, queue: u32, item: &[u8]) -> Result<(), HostStatus> {
         hostcalls::enqueue_shared_queue(queue, Some(item)).map_err(status)
+    }
+
+    fn send_local_reply(&self, code: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostStatus> {
+        hostcalls::send_http_response(code, headers.to_vec(), Some(body)).map_err(status)
     }
 }

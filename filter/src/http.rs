@@ -238,7 +238,10 @@ impl<H: Host> RequestContext<H> {
         if let Some(ids) = planned.forwardable.as_deref().filter(|_| forwarding) {
             self.forward_tokens(endpoint, body, ids);
         }
-        let timeout = self.shared.borrow().config.route_timeout_ms;
+        let timeout = {
+            let config = &self.shared.borrow().config;
+            config.route_timeout_ms + config.admission_wait_ms
+        };
         self.dispatch("/v1/route", &planned.request, timeout).then_some(planned.request.model)
     }
 
@@ -273,6 +276,7 @@ impl<H: Host> RequestContext<H> {
             m.offloaded(&self.host);
         }
         self.decision.offloaded = true;
+        let timeout = timeout + self.shared.borrow().config.admission_wait_ms;
         self.dispatch("/v1/route_body", &request, timeout).then_some(model)
     }
 
@@ -311,12 +315,41 @@ impl<H: Host> RequestContext<H> {
         }
     }
 
+    /// The sidecar shed the request (every replica saturated, its wait over): answer 429 with
+    /// the sidecar's `Retry-After` and an OpenAI-style error, and book nothing. If the reply
+    /// cannot be sent, the request goes on through Envoy's balancing instead.
+    fn shed(&mut self) -> Outcome {
+        let retry_after = self.host.call_header("retry-after").filter(|v| v.parse::<u32>().is_ok());
+        let retry_after = retry_after.unwrap_or_else(|| "1".into());
+        let model = self.booked.as_deref().unwrap_or_default();
+        let error = serde_json::json!({"error": {
+            "message": format!("every replica of model {model:?} is saturated; retry after {retry_after} s"),
+            "type": "rate_limit_error",
+            "param": null,
+            "code": "rate_limit_exceeded",
+        }});
+        let headers = [("retry-after", retry_after.as_str()), ("content-type", "application/json")];
+        match self.host.send_local_reply(429, &headers, error.to_string().as_bytes()) {
+            Ok(()) => {
+                self.booked = None;
+                Outcome::Shed
+            }
+            Err(status) => {
+                log::warn!("kvgate: cannot answer a shed request: {status:?}");
+                Outcome::FallbackError
+            }
+        }
+    }
+
     fn apply_decision(&mut self, num_headers: usize, body_size: usize) -> Outcome {
         if num_headers == 0 {
             log::debug!("kvgate: sidecar timed out; falling back");
             return Outcome::FallbackTimeout;
         }
         let status = self.host.call_status();
+        if status.as_deref() == Some("429") {
+            return self.shed();
+        }
         if status.as_deref() != Some("200") {
             log::debug!("kvgate: sidecar answered {status:?}; falling back");
             return Outcome::FallbackError;
@@ -360,7 +393,9 @@ impl<H: Host> Context for RequestContext<H> {
             m.outcome(&self.host, outcome);
             m.sidecar(&self.host, self.decision.micros.saturating_sub(self.decision.plan_micros) as u64);
         }
-        self.resume();
+        if outcome != Outcome::Shed {
+            self.resume();
+        }
     }
 }
 
@@ -386,6 +421,7 @@ impl<H: Host> HttpContext for RequestContext<H> {
             client_request_id: self.request_header("x-request-id"),
             session: self.request_header(SESSION_HEADER),
             overrides: parse_overrides(self.request_header(OVERRIDES_HEADER).as_deref()),
+            wait_ms: u32::try_from(self.shared.borrow().config.admission_wait_ms).unwrap_or(u32::MAX),
         };
         Action::Pause
     }

@@ -29,6 +29,7 @@ pub struct FilterMetrics {
     passthrough: u32,
     fallback_timeout: u32,
     fallback_error: u32,
+    shed: u32,
     truncated: u32,
     offloaded: u32,
     forwarded: u32,
@@ -52,6 +53,8 @@ pub enum Outcome {
     FallbackTimeout,
     /// The sidecar failed: fallback LB.
     FallbackError,
+    /// Every replica was saturated and the wait ran out: answered 429 here.
+    Shed,
 }
 
 impl FilterMetrics {
@@ -64,6 +67,7 @@ impl FilterMetrics {
             passthrough: counter("kvgate.requests.passthrough")?,
             fallback_timeout: counter("kvgate.requests.fallback_timeout")?,
             fallback_error: counter("kvgate.requests.fallback_error")?,
+            shed: counter("kvgate.requests.shed")?,
             truncated: counter("kvgate.requests.truncated")?,
             offloaded: counter("kvgate.requests.offloaded")?,
             forwarded: counter("kvgate.requests.tokens_forwarded")?,
@@ -84,6 +88,7 @@ impl FilterMetrics {
             Outcome::Passthrough => self.passthrough,
             Outcome::FallbackTimeout => self.fallback_timeout,
             Outcome::FallbackError => self.fallback_error,
+            Outcome::Shed => self.shed,
         };
         sink.increment(id, 1);
     }

@@ -297,6 +297,7 @@ pub fn offload<'a>(
         session: hints.session.clone(),
         overrides: hints.overrides,
         budget_ms: u32::try_from(budget_ms).unwrap_or(u32::MAX),
+        wait_ms: hints.wait_ms,
     };
     Ok((model.into_owned(), request))
 }
@@ -480,9 +481,11 @@ mod tests {
             client_request_id: Some("client".into()),
             session: Some("s".into()),
             overrides: None,
+            wait_ms: 250,
         };
         let (model, req) = offload(Endpoint::ChatCompletions, body, &hints, None, 1000).unwrap();
         assert_eq!((req.request_id.as_str(), req.chat, req.session.as_deref()), ("r9", true, Some("s")));
+        assert_eq!(req.wait_ms, 250, "the sidecar's admission queue holds it at most this long");
         assert_eq!((model.as_str(), req.client_request_id.as_deref()), ("qwen3", Some("client")));
         assert_eq!(req.body.as_ref(), body);
         let listed = HashSet::from(["other".to_owned()]);

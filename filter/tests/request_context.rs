@@ -35,8 +35,11 @@ struct State {
     /// (path, body) of each sidecar call.
     calls: Vec<(String, Vec<u8>)>,
     dispatch_fails: bool,
-    /// The sidecar's answer: status and body.
+    /// The sidecar's answer: status and body, and its other headers.
     answer: Option<(String, Vec<u8>)>,
+    answer_headers: HashMap<String, String>,
+    /// The reply the filter sent the client itself: status, headers, body.
+    local_reply: Option<(u32, HashMap<String, String>, Vec<u8>)>,
     resumed: u32,
     upstream: Option<String>,
     queued: Vec<LifecycleEvent>,
@@ -61,6 +64,9 @@ impl SidecarCalls for Fake {
     }
     fn call_status(&self) -> Option<String> {
         self.0.borrow().answer.as_ref().map(|a| a.0.clone())
+    }
+    fn call_header(&self, name: &str) -> Option<String> {
+        self.0.borrow().answer_headers.get(name).cloned()
     }
     fn call_body(&self, size: usize) -> Option<Vec<u8>> {
         self.0.borrow().answer.as_ref().map(|a| a.1[..size].to_vec())
@@ -103,6 +109,11 @@ impl Host for Fake {
     fn enqueue(&self, queue: u32, item: &[u8]) -> Result<(), HostStatus> {
         assert_eq!(queue, QUEUE);
         self.0.borrow_mut().queued.push(codec::decode(item).unwrap());
+        Ok(())
+    }
+    fn send_local_reply(&self, code: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostStatus> {
+        let headers = headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        self.0.borrow_mut().local_reply = Some((code, headers, body.to_vec()));
         Ok(())
     }
 }
@@ -223,6 +234,28 @@ fn a_body_ended_by_trailers_is_routed() {
     let s = fake.0.borrow();
     assert_eq!(s.request_headers.get(DESTINATION_HEADER).map(String::as_str), Some("127.0.0.1:8001"));
     assert_eq!((s.resumed, s.calls.len()), (1, 1));
+}
+
+#[test]
+fn a_shed_request_is_answered_429_and_goes_no_further() {
+    let config = FilterConfig { admission_wait_ms: 500, ..FilterConfig::default() };
+    let (mut ctx, fake) = request(&chat("hello while the fleet is full"), &[], config);
+    assert_eq!(send(&mut ctx, &fake), Action::Pause);
+    let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
+    assert_eq!(sent.wait_ms, 500, "the sidecar is told how long the filter waits");
+    fake.0.borrow_mut().answer = Some(("429".into(), b"saturated".to_vec()));
+    fake.0.borrow_mut().answer_headers.insert("retry-after".into(), "3".into());
+    ctx.on_http_call_response(1, 2, 9, 0);
+    let s = fake.0.borrow();
+    let (code, headers, body) = s.local_reply.clone().expect("answered here");
+    assert_eq!((code, headers.get("retry-after").map(String::as_str)), (429, Some("3")));
+    let error: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(s.resumed, 0, "the request is not sent upstream");
+    assert!(!s.request_headers.contains_key(DESTINATION_HEADER));
+    drop(s);
+    ctx.on_log();
+    assert!(kinds(&fake).is_empty(), "nothing was booked, nothing to release");
 }
 
 #[test]

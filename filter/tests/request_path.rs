@@ -164,6 +164,7 @@ proptest! {
             client_request_id: None,
             session,
             overrides: parse_overrides(overrides.as_deref()),
+            wait_ms: 0,
         };
         let body = br#"{"model":"qwen3","prompt":"hello there","messages":[{"role":"user","content":"hi"}]}"#;
         check(endpoint.unwrap_or(Endpoint::Completions), body, &hints, 1 << 20);

@@ -79,6 +79,9 @@ impl SidecarCalls for Fake {
     fn call_status(&self) -> Option<String> {
         self.0.borrow().answer.as_ref().map(|(status, _)| status.clone())
     }
+    fn call_header(&self, _: &str) -> Option<String> {
+        None
+    }
     fn call_body(&self, size: usize) -> Option<Vec<u8>> {
         self.0.borrow().answer.as_ref().map(|(_, body)| body[..size.min(body.len())].to_vec())
     }

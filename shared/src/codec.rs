@@ -74,6 +74,7 @@ mod tests {
             prompts: 1,
             samples: 1,
             stream: true,
+            wait_ms: 0,
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
         let resp =

@@ -18,6 +18,8 @@ pub struct RequestKeys {
     pub session: Option<String>,
     /// The `x-kvgate-scoring` header, parsed.
     pub overrides: Option<ScoringOverrides>,
+    /// How long the filter waits for capacity (see [`crate::wire::RouteRequest::wait_ms`]).
+    pub wait_ms: u32,
 }
 
 /// The prompt as far as it is known.
@@ -70,6 +72,7 @@ pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptT
         prompts: u32::try_from(parsed.prompt_count).unwrap_or(u32::MAX).max(1),
         samples: parsed.samples,
         stream: parsed.stream,
+        wait_ms: keys.wait_ms,
     }
 }
 
@@ -92,6 +95,7 @@ pub fn estimated_request(model: &str, keys: &RequestKeys, tokens: u32, block_siz
         samples: 1,
         // Unknown: its first token is waited for, as for a streamed one.
         stream: true,
+        wait_ms: keys.wait_ms,
     }
 }
 

@@ -21,7 +21,7 @@ pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 /// The version of these types as encoded. The filter sends it on every sidecar call
 /// ([`WIRE_VERSION_HEADER`]); a sidecar of another version answers 409 naming both, instead
 /// of misreading the body. Bump it with any change to an encoded type's fields.
-pub const WIRE_VERSION: &str = "3";
+pub const WIRE_VERSION: &str = "4";
 
 /// The header that carries [`WIRE_VERSION`].
 pub const WIRE_VERSION_HEADER: &str = "x-kvgate-wire";
@@ -90,6 +90,10 @@ pub struct RouteRequest {
     /// Whether the response streams. A non-streamed response's first byte is its last, so
     /// the sidecar estimates when its prefill ends instead of waiting for that report.
     pub stream: bool,
+    /// How long the filter waits for capacity when every replica is saturated (its
+    /// `admission_wait_ms`), in ms: the sidecar's admission queue holds the request at most
+    /// this long. 0: it does not wait.
+    pub wait_ms: u32,
 }
 
 /// How a [`RouteRequest`]'s `prompt_tokens` was arrived at: what its prediction of the
@@ -130,6 +134,8 @@ pub struct RouteBodyRequest<'a> {
     /// How long the filter waits for the answer (its `offload_timeout_ms`): work that cannot
     /// finish by then is skipped and nothing is booked, since the request has gone on.
     pub budget_ms: u32,
+    /// How long it waits on top for capacity, as in [`RouteRequest`].
+    pub wait_ms: u32,
 }
 
 /// Scoring knobs a request may override (Dynamo's `router_config_override`).

@@ -258,6 +258,7 @@ fn main() {
             prompts: 1,
             samples: 1,
             stream: true,
+            wait_ms: 0,
         };
         row("idle", prompt_tokens, &decide_for(&p, &request, secs), None);
         run.store(true, Ordering::Relaxed);

@@ -75,6 +75,7 @@ fn bench(c: &mut Criterion) {
                 prompts: 1,
                 samples: 1,
                 stream: true,
+                wait_ms: 0,
             };
             group.bench_function(BenchmarkId::new(format!("{prompt_tokens}_tokens"), replicas), |b| {
                 b.iter(|| {

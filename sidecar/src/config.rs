@@ -170,9 +170,92 @@ pub struct PoolConfig {
     /// configured `adapters`. 0 turns it off.
     #[serde(default = "default_adapters_poll")]
     pub adapters_poll_secs: u64,
+    /// Admission control: when every replica is saturated, requests wait here instead of
+    /// piling onto an engine, and are shed (429) past a bound. Off by default.
+    #[serde(default)]
+    pub admission: AdmissionConfig,
     /// The replicas (static discovery).
     #[serde(default)]
     pub replicas: Vec<ReplicaConfig>,
+}
+
+/// When a replica counts as saturated, from kvgate's own books, and how long requests may
+/// wait for one that is not ([`crate::admission`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// Turns admission control on for the pool.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Each replica's KV cache capacity in blocks (vLLM logs it at start-up, "GPU KV cache
+    /// size", and exports it as `num_gpu_blocks` in `vllm:cache_config_info`). 0: not a
+    /// criterion.
+    #[serde(default)]
+    pub kv_blocks: u64,
+    /// A replica is saturated once the blocks booked on it reach this share of `kv_blocks`.
+    #[serde(default = "default_kv_fraction")]
+    pub kv_fraction: f64,
+    /// A replica is saturated once the prefill tokens booked on it (uncached, not yet
+    /// computed) reach this. 0: not a criterion.
+    #[serde(default)]
+    pub max_prefill_tokens: u64,
+    /// The longest a request waits for capacity before it is shed (the filter's
+    /// `admission_wait_ms` bounds it too).
+    #[serde(default = "default_max_queue_ms")]
+    pub max_queue_ms: u64,
+    /// The most requests that wait at once; one more is shed at once.
+    #[serde(default = "default_max_queued")]
+    pub max_queued: usize,
+    /// The `Retry-After` a shed request is answered with, in seconds.
+    #[serde(default = "default_retry_after")]
+    pub retry_after_secs: u32,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            enabled: false,
+            kv_blocks: 0,
+            kv_fraction: default_kv_fraction(),
+            max_prefill_tokens: 0,
+            max_queue_ms: default_max_queue_ms(),
+            max_queued: default_max_queued(),
+            retry_after_secs: default_retry_after(),
+        }
+    }
+}
+
+impl AdmissionConfig {
+    fn validate(&self, model: &str) -> anyhow::Result<()> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if self.kv_blocks == 0 && self.max_prefill_tokens == 0 {
+            bail!(
+                "pool {model:?}: admission needs kv_blocks or max_prefill_tokens to tell when a replica is saturated"
+            );
+        }
+        if !(self.kv_fraction > 0.0 && self.kv_fraction <= 1.0) {
+            bail!("pool {model:?}: admission.kv_fraction must be in (0, 1], got {}", self.kv_fraction);
+        }
+        Ok(())
+    }
+}
+
+fn default_kv_fraction() -> f64 {
+    0.9
+}
+
+fn default_max_queue_ms() -> u64 {
+    2000
+}
+
+fn default_max_queued() -> usize {
+    256
+}
+
+fn default_retry_after() -> u32 {
+    1
 }
 
 /// How a pool finds its replicas.
@@ -298,6 +381,7 @@ impl PoolConfig {
             discovery: DiscoveryConfig::default(),
             adapters: Vec::new(),
             adapters_poll_secs: default_adapters_poll(),
+            admission: AdmissionConfig::default(),
             replicas,
         }
     }
@@ -603,6 +687,7 @@ impl Config {
         }
         for pool in &self.pools {
             pool.check_tokenizer_mode()?;
+            pool.admission.validate(&pool.model)?;
         }
         if let Some(sync) = &self.sync {
             for e in std::iter::once(&sync.listen).chain(&sync.peers) {
@@ -766,6 +851,18 @@ mod tests {
         std::fs::write(dir.join("config.json"), r#"{"architectures": ["DeepseekV32ForCausalLM"]}"#).unwrap();
         assert!(load(&config(None), &[]).unwrap_err().to_string().contains("deepseek_v32"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn admission_needs_a_saturation_criterion() {
+        let with = |keys: &str| BASE.replace("block_size = 16", &format!("block_size = 16\nadmission = {{ {keys} }}"));
+        assert!(!load(BASE, &[]).unwrap().pools[0].admission.enabled, "off by default");
+        let none = load(&with("enabled = true"), &[]).unwrap_err().to_string();
+        assert!(none.contains("kv_blocks or max_prefill_tokens"), "{none}");
+        assert!(load(&with("enabled = true, kv_blocks = 100, kv_fraction = 1.5"), &[]).is_err());
+        let ok = load(&with("enabled = true, kv_blocks = 100"), &[]).unwrap();
+        let a = &ok.pools[0].admission;
+        assert_eq!((a.kv_fraction, a.max_queue_ms, a.max_queued, a.retry_after_secs), (0.9, 2000, 256, 1));
     }
 
     #[test]

@@ -21,6 +21,7 @@
 #![deny(unsafe_code)]
 
 pub mod accuracy;
+pub mod admission;
 pub mod api;
 pub mod config;
 pub mod discovery;

@@ -108,6 +108,22 @@ pub struct Metrics {
     /// Offloaded requests routed and booked on an estimate of their size: their prompt could
     /// not be read (reason `unparsable` or `untokenizable`).
     pub estimated_requests: Family<FallbackLabels, Counter>,
+    /// Requests that waited for capacity (admission control), by how it ended: `admitted`,
+    /// or shed for `queue_full` / `queue_time`.
+    pub admission: Family<AdmissionLabels, Counter>,
+    /// How long requests that waited for capacity waited, admitted or shed.
+    pub admission_wait_seconds: Histogram,
+    /// Requests waiting for capacity now, per pool.
+    pub admission_waiting: Family<PoolLabels, Gauge>,
+}
+
+/// Labels of an admission outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdmissionLabels {
+    /// The pool's model.
+    pub model: String,
+    /// `admitted`, `queue_full` or `queue_time`.
+    pub outcome: String,
 }
 
 /// Labels naming a pool.
@@ -156,6 +172,20 @@ impl Default for Metrics {
         let prompt_token_mismatches = Family::default();
         let prediction_alarm = Family::default();
         let estimated_requests = Family::default();
+        let admission = Family::default();
+        let admission_wait_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 14));
+        let admission_waiting = Family::default();
+        registry.register(
+            "admission",
+            "Requests that waited for capacity, by outcome (admitted, queue_full, queue_time)",
+            admission.clone(),
+        );
+        registry.register(
+            "admission_wait_seconds",
+            "How long requests that waited for capacity waited",
+            admission_wait_seconds.clone(),
+        );
+        registry.register("admission_waiting", "Requests waiting for capacity now", admission_waiting.clone());
         registry.register(
             "estimated_requests",
             "Offloaded requests routed on an estimate of their size: their prompt could not be read",
@@ -264,6 +294,9 @@ impl Default for Metrics {
             prompt_token_mismatches,
             prediction_alarm,
             estimated_requests,
+            admission,
+            admission_wait_seconds,
+            admission_waiting,
         }
     }
 }

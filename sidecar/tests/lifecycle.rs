@@ -60,6 +60,7 @@ fn route_request(model: &str, id: &str, client_id: &str) -> RouteRequest {
         prompts: 1,
         samples: 1,
         stream: true,
+        wait_ms: 0,
     }
 }
 

@@ -59,6 +59,7 @@ fn offload(body: &str) -> Vec<u8> {
         session: None,
         overrides: None,
         budget_ms: 30_000,
+        wait_ms: 0,
     };
     codec::encode(&request).unwrap()
 }
@@ -113,7 +114,7 @@ async fn work_past_the_filters_deadline_is_skipped_and_not_booked() {
     let body = r#"{"model":"qwen3","messages":[{"role":"user","content":"hello"}]}"#;
     let request: RouteBodyRequest<'static> = codec::decode(&offload(body)).unwrap();
     let parsed = parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
-    let late = pool.route_body(&parsed, &request, &ScoringConfig::default(), std::time::Instant::now());
+    let late = pool.request_for_body(&parsed, &request, std::time::Instant::now());
     assert!(matches!(late, Err(OffloadError::Late)), "{late:?}");
     assert_eq!(pool.state().bookings, 0, "the filter has gone on without us: nothing booked");
     // Within its budget the same prompt is routed and booked.

@@ -45,6 +45,7 @@ fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
         prompts: 1,
         samples: 1,
         stream: true,
+        wait_ms: 0,
     }
 }
 

@@ -457,6 +457,60 @@ fn a_request_with_trailers_is_routed_on_its_cache() {
     assert!(head.contains("\r\nx-kvgate-replica: c\r\n"), "and served there: {head}");
 }
 
+/// 4g. Admission control: with every replica saturated (one long request fills each of two
+///     here), a request waits in the sidecar — paused in Envoy — and is routed when one ends;
+///     one more than the queue holds gets 429 with `Retry-After` and an OpenAI error from the
+///     filter. No 5xx, and nothing stays booked.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn a_saturated_pool_queues_then_sheds_with_429() {
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("admission_wait_ms".into(), 5_000.into());
+    let opts = StackOptions {
+        name: "admission".into(),
+        replicas: 2,
+        pool_toml: "admission = { enabled = true, kv_blocks = 10, max_queued = 1, retry_after_secs = 2 }".into(),
+        filter_config,
+        ..Default::default()
+    };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let url = stack.gateway("/v1/chat/completions");
+    let long = |seed: u32| {
+        let mut body = chat(&document(40 + seed, 300), "tell me everything");
+        body["max_tokens"] = 150.into();
+        body
+    };
+    let bookings = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["bookings"].clone());
+    let spawn = |seed: u32| {
+        let (url, body) = (url.clone(), long(seed));
+        std::thread::spawn(move || stream(&url, body).unwrap())
+    };
+    let running = [spawn(1), spawn(2)];
+    wait_for("both replicas full", Duration::from_secs(10), || (bookings(&stack)? == 2).then_some(())).unwrap();
+    let late = [3, 4].map(|seed| {
+        let (url, body) = (url.clone(), long(seed).to_string());
+        std::thread::spawn(move || post(&url, body, &[]).unwrap())
+    });
+    let first: Vec<_> = running.into_iter().map(|t| t.join().unwrap()).collect();
+    let late: Vec<_> = late.into_iter().map(|t| t.join().unwrap()).collect();
+    assert!(first.iter().all(|r| r.status == 200), "{:?}", first.iter().map(|r| r.status).collect::<Vec<_>>());
+    let mut statuses: Vec<u16> = late.iter().map(|r| r.status).collect();
+    statuses.sort_unstable();
+    assert_eq!(statuses, [200, 429], "one waits for capacity, one more than the queue holds is shed");
+    let admitted = late.iter().find(|r| r.status == 200).unwrap();
+    assert_ne!(admitted.header("x-kvgate-routed-to"), "fallback", "the waiter is routed by kvgate");
+    let waited_us: u64 = admitted.header("x-kvgate-decision-us").parse().unwrap();
+    assert!(waited_us > 50_000, "it waited for a running request to end: {waited_us} µs");
+    let shed = late.iter().find(|r| r.status == 429).unwrap();
+    assert_eq!(shed.header("retry-after"), "2");
+    let error = shed.json();
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded", "{}", shed.body);
+    wait_for("nothing stays booked", Duration::from_secs(10), || (bookings(&stack)? == 0).then_some(())).unwrap();
+    let metrics = stack.sidecar_metrics().unwrap();
+    assert_eq!(metric_sum(&metrics, "kvgate_admission_total", "outcome=\"admitted\""), 1.0, "{metrics}");
+    assert_eq!(metric_sum(&metrics, "kvgate_admission_total", "outcome=\"queue_full\""), 1.0);
+}
+
 /// 5. Malformed JSON passes through untouched and the engine answers 400; other methods,
 ///    paths and content types are not touched at all.
 #[test]

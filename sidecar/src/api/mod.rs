@@ -22,7 +22,7 @@ use kvgate_shared::wire::{
 };
 
 use crate::accuracy::EngineUsage;
-use crate::metrics::{FallbackLabels, Metrics, ReasonLabels};
+use crate::metrics::{AdmissionLabels, FallbackLabels, Metrics, PoolLabels, ReasonLabels};
 use crate::pool::{OffloadError, Pool};
 use crate::score::ScoringConfig;
 
@@ -129,12 +129,57 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let Some(pool) = state.pool_for(&req.model) else {
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, format!("no pool for model {:?}", req.model));
     };
-    let decision = match (&req.overrides, state.allow_request_overrides) {
-        (Some(o), true) => pool.route(&req, &state.scoring.with_overrides(o)),
-        _ => pool.route(&req, &state.scoring),
+    let scoring = match (&req.overrides, state.allow_request_overrides) {
+        (Some(o), true) => state.scoring.with_overrides(o),
+        _ => state.scoring.clone(),
     };
+    let answer = admitted(&state, pool, &req, &scoring).await;
     state.metrics.route_seconds.observe(started.elapsed().as_secs_f64());
-    encoded(&decision)
+    answer
+}
+
+/// Decides, with admission control where the pool has it: a request that finds every
+/// replica saturated (or others already waiting) waits in the pool's queue — at most the
+/// pool's `max_queue_ms`, and no longer than the filter said it waits — and decides again
+/// when capacity frees, where its prefix is cached then. Past that it is shed: 429 with
+/// `Retry-After`, nothing booked.
+async fn admitted(state: &AppState, pool: &Pool, req: &RouteRequest, scoring: &ScoringConfig) -> Response {
+    let Some(gate) = pool.admission() else { return encoded(&pool.route(req, scoring)) };
+    let started = Instant::now();
+    let until = started + gate.max_wait().min(Duration::from_millis(u64::from(req.wait_ms)));
+    let model = pool.config().model.clone();
+    let waiting = state.metrics.admission_waiting.get_or_create(&PoolLabels { model: model.clone() }).clone();
+    let outcome = |outcome: &str| {
+        let labels = AdmissionLabels { model: model.clone(), outcome: outcome.to_owned() };
+        state.metrics.admission.get_or_create(&labels).inc();
+        state.metrics.admission_wait_seconds.observe(started.elapsed().as_secs_f64());
+    };
+    let mut ticket = None;
+    loop {
+        let seen = gate.releases();
+        if gate.may_decide(ticket) {
+            if let Ok(decision) = pool.admit(req, scoring) {
+                if ticket.is_some() {
+                    outcome("admitted");
+                    // One release may make room for more than this request.
+                    gate.freed();
+                }
+                return encoded(&decision);
+            }
+        }
+        waiting.set(gate.waiting() as i64 + 1);
+        let waited = gate.wait(ticket, seen, until).await;
+        waiting.set(gate.waiting() as i64);
+        match waited {
+            Ok(t) => ticket = Some(t),
+            Err(reason) => {
+                outcome(reason.label());
+                let retry_after = gate.retry_after_secs().to_string();
+                let message = format!("every replica of {model:?} is saturated ({})", reason.label());
+                return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, retry_after)], message).into_response();
+            }
+        }
+    }
 }
 
 /// The deadline of an offload whose request names no budget.
@@ -167,7 +212,7 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
             // its load is real, so it is booked on an estimate.
             let model = std::str::from_utf8(&req.body).ok().and(model_of(&req.body));
             if let Some((model, pool)) = model.as_deref().and_then(|m| Some((m, state.pool_for(m)?))) {
-                return encoded(&pool.route_estimated(model, &req, &scoring, "unparsable"));
+                return admitted(&state, pool, &pool.estimated(model, &req, "unparsable"), &scoring).await;
             }
             return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
         }
@@ -180,17 +225,23 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
     let Ok(Ok(slot)) = slot else {
         return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
     };
-    let decided = tokio::task::spawn_blocking(move || {
+    let tokenizing = pool.clone();
+    let prepared = tokio::task::spawn_blocking(move || {
         let _slot = slot;
-        pool.route_body(&parsed, &req, &scoring, deadline)
+        tokenizing.request_for_body(&parsed, &req, deadline)
     })
     .await;
+    let answer = match prepared {
+        Ok(Ok(route)) => Ok(admitted(&state, &pool, &route, &scoring).await),
+        Ok(Err(e)) => Err(Ok(e)),
+        Err(e) => Err(Err(e)),
+    };
     state.metrics.route_seconds.observe(started.elapsed().as_secs_f64());
-    match decided {
-        Ok(Ok(decision)) => encoded(&decision),
-        Ok(Err(e @ OffloadError::Late)) => fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
-        Ok(Err(e)) => fallback(&state, "tokenize_failed", StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
-        Err(e) => fallback(&state, "internal", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    match answer {
+        Ok(answer) => answer,
+        Err(Ok(e @ OffloadError::Late)) => fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        Err(Ok(e)) => fallback(&state, "tokenize_failed", StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
+        Err(Err(e)) => fallback(&state, "internal", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
 }
 

@@ -137,6 +137,9 @@ impl Pool {
         if let Some((slot, figures)) = figures {
             self.publish_load(slot, figures);
         }
+        if !matches!(event, SyncEvent::Booked { .. }) {
+            self.capacity_freed();
+        }
     }
 
     /// Applies a decode-progress report (see [`LoadTable::progress`]). Returns false if the
@@ -162,6 +165,9 @@ impl Pool {
         drop(load);
         if let Some((r, figures)) = figures {
             self.publish_load(r, figures);
+        }
+        if known {
+            self.capacity_freed();
         }
         if let (true, Some(outbox)) = (known, self.outbox.get()) {
             let (model, request_id) = (self.config.model.clone(), request_id.to_owned());
@@ -189,6 +195,9 @@ impl Pool {
         for (r, f) in figures {
             self.publish_load(r, f);
         }
+        if !ended.is_empty() {
+            self.capacity_freed();
+        }
         if let Some(outbox) = self.outbox.get() {
             for request_id in ended {
                 outbox.send(SyncEvent::FirstToken { model: self.config.model.clone(), request_id });
@@ -206,6 +215,9 @@ impl Pool {
         };
         for (i, f) in figures.into_iter().enumerate() {
             self.publish_load(ReplicaIdx::new(i), f);
+        }
+        if n > 0 {
+            self.capacity_freed();
         }
         n
     }

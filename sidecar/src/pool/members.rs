@@ -207,6 +207,11 @@ impl Pool {
             };
             self.join(slot, &mut members[slot.get()], &target, &mut start);
         }
+        drop(members);
+        if !start.is_empty() {
+            // A replica joined: room for the requests that wait.
+            self.capacity_freed();
+        }
         start
     }
 

@@ -30,6 +30,7 @@ use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 
 use crate::accuracy::Accuracy;
+use crate::admission::Gate;
 use crate::config::{Policy, PoolConfig};
 use crate::index::approx::ApproxIndex;
 use crate::index::{ApplyError, KvIndex, Overlap, ReplicaIdx, Store};
@@ -78,6 +79,8 @@ pub struct Pool {
     affinity: Mutex<ApproxIndex>,
     /// Every prediction checked against what the engine reported, and the alarm.
     accuracy: Mutex<Accuracy>,
+    /// The queue of requests waiting for capacity (with admission control on).
+    admission: Option<Gate>,
 }
 
 // Locks are only poisoned if a holder panicked; the data is still consistent enough to serve.
@@ -95,7 +98,9 @@ impl Pool {
             _ => config.inflight_credit_secs,
         };
         let affinity = ApproxIndex::new(config.affinity_blocks, Duration::from_secs(ttl));
+        let admission = config.admission.enabled.then(|| Gate::new(config.admission.clone()));
         Pool {
+            admission,
             index: RwLock::new(KvIndex::new(config.block_size as usize, n)),
             load: Mutex::new(LoadTable::new(n, config.prefill_tokens_per_sec)),
             members: RwLock::new(initial.into_iter().map(member).collect()),
@@ -116,6 +121,18 @@ impl Pool {
     /// The pool's settings.
     pub fn config(&self) -> &PoolConfig {
         &self.config
+    }
+
+    /// The admission gate, if admission control is on.
+    pub fn admission(&self) -> Option<&Gate> {
+        self.admission.as_ref()
+    }
+
+    /// Capacity may have freed: the oldest waiting request decides again.
+    fn capacity_freed(&self) {
+        if let Some(gate) = &self.admission {
+            gate.freed();
+        }
     }
 
     /// Each replica's overlap with a prompt's block hashes, in slot order, as the index holds

@@ -8,11 +8,10 @@ use kvgate_shared::hash::Salt;
 use kvgate_shared::prompt::openai::ParsedRequest;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::route::{estimated_request, route_request, PromptTokens, RequestKeys};
-use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteResponse};
+use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteRequest};
 
 use super::{Pool, OFFLOAD_SEGMENT_CACHE_BYTES};
 use crate::metrics::FallbackLabels;
-use crate::score::ScoringConfig;
 
 /// Why an offloaded prompt was not routed.
 #[derive(Debug, thiserror::Error)]
@@ -26,25 +25,12 @@ pub enum OffloadError {
 }
 
 impl Pool {
-    /// Routes and books an offloaded request for `model` whose prompt could not be read
-    /// (`reason`) on an estimate of its size, on load alone.
-    pub fn route_estimated(
-        &self,
-        model: &str,
-        req: &RouteBodyRequest<'_>,
-        scoring: &ScoringConfig,
-        reason: &str,
-    ) -> RouteResponse {
-        let keys = RequestKeys {
-            request_id: req.request_id.clone(),
-            client_request_id: req.client_request_id.clone(),
-            session: req.session.clone(),
-            overrides: req.overrides,
-        };
+    /// The route request of an offloaded request for `model` whose prompt could not be read
+    /// (`reason`): booked on an estimate of its size, routed on load alone.
+    pub fn estimated(&self, model: &str, req: &RouteBodyRequest<'_>, reason: &str) -> RouteRequest {
         let tokens = u32::try_from(req.body.len() / 4).unwrap_or(u32::MAX);
-        let route = estimated_request(model, &keys, tokens, self.config.block_size);
         self.metrics.estimated_requests.get_or_create(&FallbackLabels { reason: reason.to_owned() }).inc();
-        self.route(&route, scoring)
+        estimated_request(model, &keys(req), tokens, self.config.block_size)
     }
 
     /// The encoded bundle, for a filter that fetches it (counted for `/debug/state`).
@@ -67,17 +53,16 @@ impl Pool {
             .map_err(Clone::clone)
     }
 
-    /// Routes a whole request body (the filter's offload): tokenizes it exactly as the filter
-    /// would, then decides as [`Pool::route`] — unless `deadline` has passed by then (the
-    /// filter has routed the request without us: booking it would count load that is not
-    /// there). Blocking (it tokenizes).
-    pub fn route_body(
+    /// The route request of a whole request body (the filter's offload): tokenized exactly as
+    /// the filter would — unless `deadline` has passed by then (the filter has routed the
+    /// request without us: booking it would count load that is not there). Blocking (it
+    /// tokenizes).
+    pub fn request_for_body(
         &self,
         parsed: &ParsedRequest,
         req: &RouteBodyRequest<'_>,
-        scoring: &ScoringConfig,
         deadline: Instant,
-    ) -> Result<RouteResponse, OffloadError> {
+    ) -> Result<RouteRequest, OffloadError> {
         if Instant::now() >= deadline {
             return Err(OffloadError::Late);
         }
@@ -85,22 +70,26 @@ impl Pool {
         let tokens = match tokenizer.prompt_tokens(parsed) {
             Ok(tokens) => tokens,
             // Content parts it does not render, a template that fails: still real load.
-            Err(_) => return Ok(self.route_estimated(&parsed.model, req, scoring, "untokenizable")),
+            Err(_) => return Ok(self.estimated(&parsed.model, req, "untokenizable")),
         };
         if Instant::now() >= deadline {
             return Err(OffloadError::Late);
         }
         // A LoRA adapter's blocks are salted with its name, as its engine salts them.
         let salt = if parsed.model == self.config.model { Salt::NONE } else { Salt::for_lora(Some(&parsed.model)) };
-        let keys = RequestKeys {
-            request_id: req.request_id.clone(),
-            client_request_id: req.client_request_id.clone(),
-            session: req.session.clone(),
-            overrides: req.overrides,
-        };
         let prompt =
             PromptTokens::Tokenized { tokens: &tokens, total: tokens.len(), block_size: self.config.block_size, salt };
-        let route = route_request(parsed, &keys, prompt);
-        Ok(self.route(&route, scoring))
+        Ok(route_request(parsed, &keys(req), prompt))
+    }
+}
+
+/// The filter's keys of an offloaded request.
+fn keys(req: &RouteBodyRequest<'_>) -> RequestKeys {
+    RequestKeys {
+        request_id: req.request_id.clone(),
+        client_request_id: req.client_request_id.clone(),
+        session: req.session.clone(),
+        overrides: req.overrides,
+        wait_ms: req.wait_ms,
     }
 }

@@ -73,10 +73,24 @@ fn nowhere() -> RouteResponse {
     RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None }
 }
 
+/// Every replica the request may go to is saturated: it waits, or is shed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Saturated;
+
 impl Pool {
     /// Scores every replica, picks one by the pool's policy, and books the request there,
     /// atomically (no herding: concurrent requests see each other's bookings).
     pub fn route(&self, req: &RouteRequest, scoring: &ScoringConfig) -> RouteResponse {
+        self.decide(req, scoring, false).unwrap_or_else(|Saturated| nowhere())
+    }
+
+    /// [`Pool::route`], unless admission control is on and every eligible replica is
+    /// saturated: then nothing is booked.
+    pub fn admit(&self, req: &RouteRequest, scoring: &ScoringConfig) -> Result<RouteResponse, Saturated> {
+        self.decide(req, scoring, self.admission.is_some())
+    }
+
+    fn decide(&self, req: &RouteRequest, scoring: &ScoringConfig, admit: bool) -> Result<RouteResponse, Saturated> {
         // The prompt in the pool's terms: hashes of another block size are dropped.
         let shape = self.shape(req);
         // Lock order: members, index, affinity, load.
@@ -84,18 +98,22 @@ impl Pool {
         // Active replicas serving the model, with the cache each is credited.
         let eligible = self.eligible(&members, req, shape.hashes);
         if eligible.is_empty() {
-            return nowhere();
+            return Ok(nowhere());
         }
         // `consistent_hash` without a session key decides as `kv_aware`.
         let policy = self.policy_for(req);
         // `least_load` weighs no cache.
         let scoring = policy_scoring(policy, scoring);
         let mut load = self.load_table();
+        // With admission control, a full pool books nothing: the request waits.
+        if admit && self.all_saturated(&load, &eligible) {
+            return Err(Saturated);
+        }
         // Every eligible replica's cost, from its booked load.
         let scored = score_all(&load, &eligible, &shape, &scoring);
         // The policy's pick, an index into `eligible`.
         let Some(choice) = self.choose(policy, req, &members, &eligible, &scored, &scoring) else {
-            return nowhere();
+            return Ok(nowhere());
         };
         // Reserve the request's load there before anyone else decides.
         let booked = book(&mut load, req, &shape, &scoring, eligible[choice]);
@@ -109,12 +127,16 @@ impl Pool {
         self.publish_load(booked.slot, figures);
         self.share_booking(req, &replica.id, &shape, &booked);
         self.record(req, policy, scored, booked.slot, booked.overlap);
-        RouteResponse {
+        Ok(RouteResponse {
             endpoint: Some(replica.endpoint.to_string()),
             replica: Some(replica.id),
             overlap_blocks: booked.overlap.device,
             dp_rank,
-        }
+        })
+    }
+
+    fn all_saturated(&self, load: &LoadTable, eligible: &[Eligible]) -> bool {
+        self.admission.as_ref().is_some_and(|gate| eligible.iter().all(|e| gate.saturated(&load.load(e.slot))))
     }
 
     fn shape<'a>(&self, req: &'a RouteRequest) -> Shape<'a> {

@@ -7,6 +7,7 @@ use serde::Serialize;
 use super::members::NONE;
 use super::{read, Pool};
 use crate::accuracy::AccuracyTotals;
+use crate::admission::Gate;
 use crate::index::{ReplicaIdx, Tier};
 
 /// One replica in `/debug/state`.
@@ -30,6 +31,8 @@ pub struct ReplicaState {
     pub prefill_tokens: u64,
     /// Unique active blocks.
     pub active_blocks: u64,
+    /// Whether admission control counts it saturated (`null` with admission off).
+    pub saturated: Option<bool>,
     /// KV events applied.
     pub events_applied: u64,
     /// The last event sequence number applied.
@@ -65,6 +68,8 @@ pub struct PoolState {
     /// Replicas that left and are in their grace period (`leave_grace_secs`): not routed to,
     /// their index kept in case they come back.
     pub leaving: Vec<String>,
+    /// Requests waiting for capacity (admission control on; else `null`).
+    pub admission_waiting: Option<usize>,
     /// Active replicas, in slot order (the config's first).
     pub replicas: Vec<ReplicaState>,
 }
@@ -95,6 +100,7 @@ impl Pool {
                     external_requests: l.external,
                     prefill_tokens: l.prefill_tokens,
                     active_blocks: l.active_blocks,
+                    saturated: self.admission.as_ref().map(|gate| gate.saturated(&l)),
                     events_applied: h.events_applied.load(Ordering::Relaxed),
                     last_seq: (last_seq != NONE).then_some(last_seq),
                     degraded: h.degraded.load(Ordering::Relaxed),
@@ -116,6 +122,7 @@ impl Pool {
             ended_early,
             prediction,
             leaving,
+            admission_waiting: self.admission.as_ref().map(Gate::waiting),
             replicas,
         }
     }

@@ -45,6 +45,7 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
         prompts: 1,
         samples: 1,
         stream: true,
+        wait_ms: 0,
     }
 }
 

@@ -68,6 +68,7 @@ fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration
             prompts: 1,
             samples: 1,
             stream: true,
+            wait_ms: 0,
         };
         let decision = pool.route(&request, &scoring);
         pool.lifecycle(&id, false);

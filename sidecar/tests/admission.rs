@@ -1,0 +1,139 @@
+//! Admission control through the HTTP API: with every replica saturated a route call waits
+//! for capacity and is answered when a booked request ends, routed where capacity freed; past
+//! its wait, or with the queue full, it is shed with 429 and `Retry-After`, and nothing is
+//! booked for it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{to_bytes, Body};
+use axum::http::{Request, StatusCode};
+use kvgate_shared::codec;
+use kvgate_shared::hash::SequenceHash;
+use kvgate_shared::wire::{LifecycleBatch, LifecycleEvent, LifecycleKind, PromptCount, RouteRequest, RouteResponse};
+use kvgate_sidecar::api::{router, AppState};
+use kvgate_sidecar::config::{AdmissionConfig, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::score::ScoringConfig;
+use tower::ServiceExt;
+
+const BLOCK: u32 = 4;
+
+/// Two replicas that each hold 10 blocks: one 8-block request saturates one (90 % of 10).
+fn state(max_queued: usize) -> (Arc<AppState>, Arc<Pool>) {
+    let replicas = (0..2)
+        .map(|i| {
+            let endpoint = format!("127.0.0.1:{}", 9100 + i).parse().unwrap();
+            ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
+        })
+        .collect();
+    let admission =
+        AdmissionConfig { enabled: true, kv_blocks: 10, max_queued, retry_after_secs: 7, ..AdmissionConfig::default() };
+    let config = PoolConfig { admission, ..PoolConfig::new("m", "unused", BLOCK, replicas) };
+    let metrics = Arc::new(Metrics::default());
+    let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
+    let pools = HashMap::from([("m".to_owned(), pool.clone())]);
+    (Arc::new(AppState::new(pools, ScoringConfig::default(), false, metrics)), pool)
+}
+
+/// A request of 9 full blocks and 5 output tokens (10 blocks booked), waiting at most `wait_ms`.
+fn request(id: &str, seed: u64, wait_ms: u32) -> Vec<u8> {
+    let request = RouteRequest {
+        request_id: id.into(),
+        client_request_id: None,
+        model: "m".into(),
+        prompt_tokens: 9 * BLOCK,
+        prompt_count: PromptCount::Exact,
+        block_hashes: (0..9).map(|i| SequenceHash(seed * 100 + i)).collect(),
+        block_size: BLOCK,
+        session: None,
+        overrides: None,
+        max_tokens: Some(4),
+        prompts: 1,
+        samples: 1,
+        stream: true,
+        wait_ms,
+    };
+    codec::encode(&request).unwrap()
+}
+
+async fn post(state: &Arc<AppState>, path: &str, body: Vec<u8>) -> (StatusCode, Option<String>, Vec<u8>) {
+    let response = router(state.clone()).oneshot(Request::post(path).body(Body::from(body)).unwrap()).await.unwrap();
+    let retry_after = response.headers().get("retry-after").map(|v| v.to_str().unwrap().to_owned());
+    (response.status(), retry_after, to_bytes(response.into_body(), 1 << 20).await.unwrap().to_vec())
+}
+
+async fn route(
+    state: &Arc<AppState>,
+    id: &str,
+    seed: u64,
+    wait_ms: u32,
+) -> Result<RouteResponse, (StatusCode, Option<String>)> {
+    match post(state, "/v1/route", request(id, seed, wait_ms)).await {
+        (StatusCode::OK, _, body) => Ok(codec::decode(&body).unwrap()),
+        (status, retry_after, _) => Err((status, retry_after)),
+    }
+}
+
+async fn done(state: &Arc<AppState>, id: &str) {
+    let event = LifecycleEvent { request_id: id.into(), model: "m".into(), kind: LifecycleKind::Done };
+    let (status, _, _) =
+        post(state, "/v1/lifecycle", codec::encode(&LifecycleBatch { events: vec![event] }).unwrap()).await;
+    assert!(status.is_success(), "{status}");
+}
+
+#[tokio::test]
+async fn a_full_pool_holds_a_request_until_capacity_frees() {
+    let (state, pool) = state(8);
+    let first = route(&state, "a", 1, 0).await.unwrap();
+    let second = route(&state, "b", 2, 0).await.unwrap();
+    assert_ne!(first.replica, second.replica, "one request fills each replica");
+    assert_eq!(pool.admission().unwrap().waiting(), 0);
+
+    let waiting = tokio::spawn({
+        let state = state.clone();
+        async move { route(&state, "c", 3, 5_000).await }
+    });
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while pool.admission().unwrap().waiting() == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the third request waits");
+    assert_eq!(pool.state().bookings, 2, "nothing is booked for a waiting request");
+
+    done(&state, "b").await;
+    let third = tokio::time::timeout(Duration::from_secs(5), waiting).await.unwrap().unwrap().unwrap();
+    assert_eq!(third.replica, second.replica, "released to the replica whose capacity freed");
+    assert_eq!(pool.state().bookings, 2);
+}
+
+#[tokio::test]
+async fn past_its_wait_or_a_full_queue_a_request_is_shed() {
+    let (state, pool) = state(1);
+    route(&state, "a", 1, 0).await.unwrap();
+    route(&state, "b", 2, 0).await.unwrap();
+    assert_eq!(
+        route(&state, "now", 3, 0).await.unwrap_err(),
+        (StatusCode::TOO_MANY_REQUESTS, Some("7".into())),
+        "a filter that does not wait gets its answer at once"
+    );
+    let waiting = tokio::spawn({
+        let state = state.clone();
+        async move { route(&state, "patient", 4, 200).await }
+    });
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while pool.admission().unwrap().waiting() == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(route(&state, "full", 5, 5_000).await.unwrap_err().0, StatusCode::TOO_MANY_REQUESTS, "queue full");
+    assert_eq!(waiting.await.unwrap().unwrap_err().0, StatusCode::TOO_MANY_REQUESTS, "its 200 ms ran out");
+    assert_eq!(pool.state().bookings, 2, "shed requests book nothing");
+    assert_eq!(pool.admission().unwrap().waiting(), 0);
+}
