@@ -16,7 +16,9 @@
 //!   "forward_tokens": false,
 //!   "forward_chat_tokens": false,
 //!   "decode_progress": false,
-//!   "admission_wait_ms": 0
+//!   "admission_wait_ms": 0,
+//!   "priority_header": null,
+//!   "tenant_header": null
 //! }
 //! ```
 
@@ -78,6 +80,15 @@ pub struct FilterConfig {
     /// `Retry-After`. 0 (default): a request never waits, it is shed at once. A sidecar that
     /// hangs holds requests this much longer before they fail open.
     pub admission_wait_ms: u64,
+    /// The request header that names a request's priority class for admission control (for
+    /// example `x-kvgate-priority`). Unset (default): no request names one. Set it only to a
+    /// header your own filters set or strip (an auth filter ahead of kvgate): a client could
+    /// otherwise pick its own class.
+    pub priority_header: Option<String>,
+    /// The request header that names a request's tenant, so that tenants take turns while
+    /// requests wait (for example `x-kvgate-tenant`, or an API-key hash your auth filter
+    /// sets). Unset (default): every waiting request is a tenant of its own.
+    pub tenant_header: Option<String>,
 }
 
 impl Default for FilterConfig {
@@ -98,6 +109,8 @@ impl Default for FilterConfig {
             forward_chat_tokens: false,
             decode_progress: false,
             admission_wait_ms: 0,
+            priority_header: None,
+            tenant_header: None,
         }
     }
 }

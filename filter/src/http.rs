@@ -26,6 +26,7 @@ use kvgate_shared::wire::{
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
+use crate::config::FilterConfig;
 use crate::host::{Envoy, Host};
 use crate::metrics::Outcome;
 use crate::plan::{
@@ -57,6 +58,9 @@ struct Decision {
     /// The prompt went to the engine as token ids.
     forwarded: bool,
 }
+
+/// The most bytes of a priority or tenant header passed on to the sidecar.
+const MAX_KEY_BYTES: usize = 256;
 
 /// One HTTP exchange, against its host (Envoy, or a fake in tests).
 pub struct RequestContext<H: Host = Envoy> {
@@ -110,6 +114,18 @@ impl<H: Host> RequestContext<H> {
 
     fn request_header(&self, name: &str) -> Option<String> {
         self.host.request_header(name)
+    }
+
+    /// The value of a header the operator named in the configuration (none if unnamed), cut
+    /// to [`MAX_KEY_BYTES`].
+    fn configured_header(&self, name: impl Fn(&FilterConfig) -> Option<&str>) -> Option<String> {
+        let name = name(&self.shared.borrow().config)?.to_owned();
+        let mut value = self.request_header(&name)?;
+        if value.len() > MAX_KEY_BYTES {
+            let cut = (0..=MAX_KEY_BYTES).rev().find(|&i| value.is_char_boundary(i)).unwrap_or(0);
+            value.truncate(cut);
+        }
+        Some(value)
     }
 
     fn report(&self, kind: LifecycleKind) {
@@ -422,6 +438,8 @@ impl<H: Host> HttpContext for RequestContext<H> {
             session: self.request_header(SESSION_HEADER),
             overrides: parse_overrides(self.request_header(OVERRIDES_HEADER).as_deref()),
             wait_ms: u32::try_from(self.shared.borrow().config.admission_wait_ms).unwrap_or(u32::MAX),
+            priority: self.configured_header(|c| c.priority_header.as_deref()),
+            tenant: self.configured_header(|c| c.tenant_header.as_deref()),
         };
         Action::Pause
     }

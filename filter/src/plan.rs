@@ -298,6 +298,8 @@ pub fn offload<'a>(
         overrides: hints.overrides,
         budget_ms: u32::try_from(budget_ms).unwrap_or(u32::MAX),
         wait_ms: hints.wait_ms,
+        priority: hints.priority.clone(),
+        tenant: hints.tenant.clone(),
     };
     Ok((model.into_owned(), request))
 }
@@ -482,10 +484,13 @@ mod tests {
             session: Some("s".into()),
             overrides: None,
             wait_ms: 250,
+            priority: Some("batch".into()),
+            tenant: Some("t1".into()),
         };
         let (model, req) = offload(Endpoint::ChatCompletions, body, &hints, None, 1000).unwrap();
         assert_eq!((req.request_id.as_str(), req.chat, req.session.as_deref()), ("r9", true, Some("s")));
         assert_eq!(req.wait_ms, 250, "the sidecar's admission queue holds it at most this long");
+        assert_eq!((req.priority.as_deref(), req.tenant.as_deref()), (Some("batch"), Some("t1")));
         assert_eq!((model.as_str(), req.client_request_id.as_deref()), ("qwen3", Some("client")));
         assert_eq!(req.body.as_ref(), body);
         let listed = HashSet::from(["other".to_owned()]);

@@ -237,6 +237,26 @@ fn a_body_ended_by_trailers_is_routed() {
 }
 
 #[test]
+fn priority_and_tenant_come_only_from_headers_the_operator_named() {
+    let headers = [("x-kvgate-priority", "interactive"), ("x-tenant", "acme")];
+    let (mut ctx, fake) = request(&chat("hi"), &headers, FilterConfig::default());
+    send(&mut ctx, &fake);
+    let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
+    assert_eq!((sent.priority, sent.tenant), (None, None), "unnamed headers are not read");
+    let config = FilterConfig {
+        priority_header: Some("x-kvgate-priority".into()),
+        tenant_header: Some("x-tenant".into()),
+        ..FilterConfig::default()
+    };
+    let long = "t".repeat(1000);
+    let (mut ctx, fake) = request(&chat("hi"), &[("x-kvgate-priority", "interactive"), ("x-tenant", &long)], config);
+    send(&mut ctx, &fake);
+    let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
+    assert_eq!(sent.priority.as_deref(), Some("interactive"));
+    assert_eq!(sent.tenant.map(|t| t.len()), Some(256), "bounded");
+}
+
+#[test]
 fn a_shed_request_is_answered_429_and_goes_no_further() {
     let config = FilterConfig { admission_wait_ms: 500, ..FilterConfig::default() };
     let (mut ctx, fake) = request(&chat("hello while the fleet is full"), &[], config);

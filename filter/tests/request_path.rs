@@ -165,6 +165,8 @@ proptest! {
             session,
             overrides: parse_overrides(overrides.as_deref()),
             wait_ms: 0,
+            priority: None,
+            tenant: None,
         };
         let body = br#"{"model":"qwen3","prompt":"hello there","messages":[{"role":"user","content":"hi"}]}"#;
         check(endpoint.unwrap_or(Endpoint::Completions), body, &hints, 1 << 20);

@@ -75,6 +75,8 @@ mod tests {
             samples: 1,
             stream: true,
             wait_ms: 0,
+            priority: None,
+            tenant: None,
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
         let resp =

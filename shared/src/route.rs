@@ -20,6 +20,10 @@ pub struct RequestKeys {
     pub overrides: Option<ScoringOverrides>,
     /// How long the filter waits for capacity (see [`crate::wire::RouteRequest::wait_ms`]).
     pub wait_ms: u32,
+    /// The priority class header's value, if the filter is configured to read one.
+    pub priority: Option<String>,
+    /// The tenant header's value, if the filter is configured to read one.
+    pub tenant: Option<String>,
 }
 
 /// The prompt as far as it is known.
@@ -73,6 +77,8 @@ pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptT
         samples: parsed.samples,
         stream: parsed.stream,
         wait_ms: keys.wait_ms,
+        priority: keys.priority.clone(),
+        tenant: keys.tenant.clone(),
     }
 }
 
@@ -96,6 +102,8 @@ pub fn estimated_request(model: &str, keys: &RequestKeys, tokens: u32, block_siz
         // Unknown: its first token is waited for, as for a streamed one.
         stream: true,
         wait_ms: keys.wait_ms,
+        priority: keys.priority.clone(),
+        tenant: keys.tenant.clone(),
     }
 }
 

@@ -21,7 +21,7 @@ pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 /// The version of these types as encoded. The filter sends it on every sidecar call
 /// ([`WIRE_VERSION_HEADER`]); a sidecar of another version answers 409 naming both, instead
 /// of misreading the body. Bump it with any change to an encoded type's fields.
-pub const WIRE_VERSION: &str = "4";
+pub const WIRE_VERSION: &str = "5";
 
 /// The header that carries [`WIRE_VERSION`].
 pub const WIRE_VERSION_HEADER: &str = "x-kvgate-wire";
@@ -94,6 +94,12 @@ pub struct RouteRequest {
     /// `admission_wait_ms`), in ms: the sidecar's admission queue holds the request at most
     /// this long. 0: it does not wait.
     pub wait_ms: u32,
+    /// The request's priority class for admission control: the value of the header the
+    /// filter's `priority_header` names (set by the operator's own filters), if configured.
+    pub priority: Option<String>,
+    /// The request's tenant, for fairness between tenants while requests wait: the value of
+    /// the filter's `tenant_header`, if configured.
+    pub tenant: Option<String>,
 }
 
 /// How a [`RouteRequest`]'s `prompt_tokens` was arrived at: what its prediction of the
@@ -136,6 +142,10 @@ pub struct RouteBodyRequest<'a> {
     pub budget_ms: u32,
     /// How long it waits on top for capacity, as in [`RouteRequest`].
     pub wait_ms: u32,
+    /// Its priority class, as in [`RouteRequest`].
+    pub priority: Option<String>,
+    /// Its tenant, as in [`RouteRequest`].
+    pub tenant: Option<String>,
 }
 
 /// Scoring knobs a request may override (Dynamo's `router_config_override`).

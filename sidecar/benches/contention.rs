@@ -259,6 +259,8 @@ fn main() {
             samples: 1,
             stream: true,
             wait_ms: 0,
+            priority: None,
+            tenant: None,
         };
         row("idle", prompt_tokens, &decide_for(&p, &request, secs), None);
         run.store(true, Ordering::Relaxed);

@@ -76,6 +76,8 @@ fn bench(c: &mut Criterion) {
                 samples: 1,
                 stream: true,
                 wait_ms: 0,
+                priority: None,
+                tenant: None,
             };
             group.bench_function(BenchmarkId::new(format!("{prompt_tokens}_tokens"), replicas), |b| {
                 b.iter(|| {

@@ -209,6 +209,31 @@ pub struct AdmissionConfig {
     /// The `Retry-After` a shed request is answered with, in seconds.
     #[serde(default = "default_retry_after")]
     pub retry_after_secs: u32,
+    /// Priority classes. A request names its class in the filter's `priority_header` (a
+    /// header the operator's own auth filter sets); waiters of a higher `priority` go first,
+    /// and each class has its own bounds. None: one class with the bounds above.
+    #[serde(default)]
+    pub classes: Vec<ClassConfig>,
+    /// The class of a request that names none, or an unknown one (default: the lowest).
+    #[serde(default)]
+    pub default_class: Option<String>,
+}
+
+/// One priority class of admission control.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassConfig {
+    /// The name requests give in the priority header.
+    pub name: String,
+    /// Higher goes first.
+    #[serde(default)]
+    pub priority: i32,
+    /// The longest a request of this class waits (default: the pool's `max_queue_ms`).
+    #[serde(default)]
+    pub max_queue_ms: Option<u64>,
+    /// The most requests of this class that wait at once (default: the pool's `max_queued`).
+    #[serde(default)]
+    pub max_queued: Option<usize>,
 }
 
 impl Default for AdmissionConfig {
@@ -221,6 +246,8 @@ impl Default for AdmissionConfig {
             max_queue_ms: default_max_queue_ms(),
             max_queued: default_max_queued(),
             retry_after_secs: default_retry_after(),
+            classes: Vec::new(),
+            default_class: None,
         }
     }
 }
@@ -237,6 +264,16 @@ impl AdmissionConfig {
         }
         if !(self.kv_fraction > 0.0 && self.kv_fraction <= 1.0) {
             bail!("pool {model:?}: admission.kv_fraction must be in (0, 1], got {}", self.kv_fraction);
+        }
+        let mut names: Vec<&str> = self.classes.iter().map(|c| c.name.as_str()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            bail!("pool {model:?}: admission class {:?} is defined twice", w[0]);
+        }
+        if let Some(default) = &self.default_class {
+            if !names.contains(&default.as_str()) {
+                bail!("pool {model:?}: admission.default_class {default:?} is not one of the classes {names:?}");
+            }
         }
         Ok(())
     }

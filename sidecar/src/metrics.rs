@@ -122,6 +122,8 @@ pub struct Metrics {
 pub struct AdmissionLabels {
     /// The pool's model.
     pub model: String,
+    /// The request's priority class.
+    pub class: String,
     /// `admitted`, `queue_full` or `queue_time`.
     pub outcome: String,
 }

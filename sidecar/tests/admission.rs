@@ -13,7 +13,7 @@ use kvgate_shared::codec;
 use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::wire::{LifecycleBatch, LifecycleEvent, LifecycleKind, PromptCount, RouteRequest, RouteResponse};
 use kvgate_sidecar::api::{router, AppState};
-use kvgate_sidecar::config::{AdmissionConfig, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::config::{AdmissionConfig, ClassConfig, PoolConfig, ReplicaConfig};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::score::ScoringConfig;
@@ -21,16 +21,19 @@ use tower::ServiceExt;
 
 const BLOCK: u32 = 4;
 
-/// Two replicas that each hold 10 blocks: one 8-block request saturates one (90 % of 10).
+/// Two replicas that each hold 10 blocks: one 10-block request saturates one (90 % of 10).
 fn state(max_queued: usize) -> (Arc<AppState>, Arc<Pool>) {
+    state_with(AdmissionConfig { max_queued, ..AdmissionConfig::default() })
+}
+
+fn state_with(admission: AdmissionConfig) -> (Arc<AppState>, Arc<Pool>) {
     let replicas = (0..2)
         .map(|i| {
             let endpoint = format!("127.0.0.1:{}", 9100 + i).parse().unwrap();
             ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
         })
         .collect();
-    let admission =
-        AdmissionConfig { enabled: true, kv_blocks: 10, max_queued, retry_after_secs: 7, ..AdmissionConfig::default() };
+    let admission = AdmissionConfig { enabled: true, kv_blocks: 10, retry_after_secs: 7, ..admission };
     let config = PoolConfig { admission, ..PoolConfig::new("m", "unused", BLOCK, replicas) };
     let metrics = Arc::new(Metrics::default());
     let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
@@ -40,6 +43,10 @@ fn state(max_queued: usize) -> (Arc<AppState>, Arc<Pool>) {
 
 /// A request of 9 full blocks and 5 output tokens (10 blocks booked), waiting at most `wait_ms`.
 fn request(id: &str, seed: u64, wait_ms: u32) -> Vec<u8> {
+    request_of_class(id, seed, wait_ms, None)
+}
+
+fn request_of_class(id: &str, seed: u64, wait_ms: u32, priority: Option<&str>) -> Vec<u8> {
     let request = RouteRequest {
         request_id: id.into(),
         client_request_id: None,
@@ -55,6 +62,8 @@ fn request(id: &str, seed: u64, wait_ms: u32) -> Vec<u8> {
         samples: 1,
         stream: true,
         wait_ms,
+        priority: priority.map(str::to_owned),
+        tenant: None,
     };
     codec::encode(&request).unwrap()
 }
@@ -136,4 +145,47 @@ async fn past_its_wait_or_a_full_queue_a_request_is_shed() {
     assert_eq!(waiting.await.unwrap().unwrap_err().0, StatusCode::TOO_MANY_REQUESTS, "its 200 ms ran out");
     assert_eq!(pool.state().bookings, 2, "shed requests book nothing");
     assert_eq!(pool.admission().unwrap().waiting(), 0);
+}
+
+#[tokio::test]
+async fn a_higher_class_is_admitted_first() {
+    let class =
+        |name: &str, priority| ClassConfig { name: name.into(), priority, max_queue_ms: None, max_queued: None };
+    let (state, pool) = state_with(AdmissionConfig {
+        classes: vec![class("batch", 0), class("interactive", 10)],
+        ..AdmissionConfig::default()
+    });
+    route(&state, "a", 1, 0).await.unwrap();
+    route(&state, "b", 2, 0).await.unwrap();
+    let gate = pool.admission().unwrap();
+    let spawn = |id: &'static str, seed, class: &'static str| {
+        let state = state.clone();
+        tokio::spawn(async move {
+            match post(&state, "/v1/route", request_of_class(id, seed, 5_000, Some(class))).await {
+                (StatusCode::OK, _, body) => codec::decode::<RouteResponse>(&body).unwrap(),
+                (status, _, _) => panic!("{id}: {status}"),
+            }
+        })
+    };
+    let batch = spawn("batch", 3, "batch");
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while gate.waiting() < 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap();
+    let interactive = spawn("chat", 4, "interactive");
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while gate.waiting() < 2 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap();
+    done(&state, "a").await;
+    tokio::time::timeout(Duration::from_secs(5), interactive).await.unwrap().unwrap();
+    assert!(!batch.is_finished(), "the batch request, though it came first, still waits");
+    done(&state, "b").await;
+    tokio::time::timeout(Duration::from_secs(5), batch).await.unwrap().unwrap();
 }

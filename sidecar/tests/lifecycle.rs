@@ -61,6 +61,8 @@ fn route_request(model: &str, id: &str, client_id: &str) -> RouteRequest {
         samples: 1,
         stream: true,
         wait_ms: 0,
+        priority: None,
+        tenant: None,
     }
 }
 

@@ -60,6 +60,8 @@ fn offload(body: &str) -> Vec<u8> {
         overrides: None,
         budget_ms: 30_000,
         wait_ms: 0,
+        priority: None,
+        tenant: None,
     };
     codec::encode(&request).unwrap()
 }

@@ -46,6 +46,8 @@ fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
         samples: 1,
         stream: true,
         wait_ms: 0,
+        priority: None,
+        tenant: None,
     }
 }
 

@@ -139,27 +139,36 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
 }
 
 /// Decides, with admission control where the pool has it: a request that finds every
-/// replica saturated (or others already waiting) waits in the pool's queue — at most the
-/// pool's `max_queue_ms`, and no longer than the filter said it waits — and decides again
+/// replica saturated (or others waiting ahead of it) waits in the pool's queue — at most its
+/// class's `max_queue_ms`, and no longer than the filter said it waits — and decides again
 /// when capacity frees, where its prefix is cached then. Past that it is shed: 429 with
 /// `Retry-After`, nothing booked.
 async fn admitted(state: &AppState, pool: &Pool, req: &RouteRequest, scoring: &ScoringConfig) -> Response {
     let Some(gate) = pool.admission() else { return encoded(&pool.route(req, scoring)) };
     let started = Instant::now();
-    let until = started + gate.max_wait().min(Duration::from_millis(u64::from(req.wait_ms)));
+    let class = gate.class_of(req.priority.as_deref());
+    let until = started + gate.max_wait(class).min(Duration::from_millis(u64::from(req.wait_ms)));
     let model = pool.config().model.clone();
     let waiting = state.metrics.admission_waiting.get_or_create(&PoolLabels { model: model.clone() }).clone();
     let outcome = |outcome: &str| {
-        let labels = AdmissionLabels { model: model.clone(), outcome: outcome.to_owned() };
+        let class = gate.class_name(class).to_owned();
+        let labels = AdmissionLabels { model: model.clone(), class, outcome: outcome.to_owned() };
         state.metrics.admission.get_or_create(&labels).inc();
         state.metrics.admission_wait_seconds.observe(started.elapsed().as_secs_f64());
     };
     let mut ticket = None;
     loop {
         let seen = gate.releases();
-        if gate.may_decide(ticket) {
+        // Nobody waits: decide at once. Others wait: only if this request is ahead of them.
+        let ahead = match &ticket {
+            None if gate.waiting() == 0 => true,
+            None => gate.may_decide(ticket.insert(gate.ticket(class, req.tenant.as_deref()))),
+            Some(t) => gate.may_decide(t),
+        };
+        if ahead {
             if let Ok(decision) = pool.admit(req, scoring) {
-                if ticket.is_some() {
+                if let Some(mut t) = ticket.filter(|t| t.waited()) {
+                    gate.leave(&mut t);
                     outcome("admitted");
                     // One release may make room for more than this request.
                     gate.freed();
@@ -167,17 +176,16 @@ async fn admitted(state: &AppState, pool: &Pool, req: &RouteRequest, scoring: &S
                 return encoded(&decision);
             }
         }
+        let t = ticket.get_or_insert_with(|| gate.ticket(class, req.tenant.as_deref()));
         waiting.set(gate.waiting() as i64 + 1);
-        let waited = gate.wait(ticket, seen, until).await;
+        let waited = gate.wait(t, seen, until).await;
         waiting.set(gate.waiting() as i64);
-        match waited {
-            Ok(t) => ticket = Some(t),
-            Err(reason) => {
-                outcome(reason.label());
-                let retry_after = gate.retry_after_secs().to_string();
-                let message = format!("every replica of {model:?} is saturated ({})", reason.label());
-                return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, retry_after)], message).into_response();
-            }
+        if let Err(reason) = waited {
+            gate.leave(t);
+            outcome(reason.label());
+            let retry_after = gate.retry_after_secs().to_string();
+            let message = format!("every replica of {model:?} is saturated ({})", reason.label());
+            return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, retry_after)], message).into_response();
         }
     }
 }

@@ -98,7 +98,7 @@ impl Pool {
             _ => config.inflight_credit_secs,
         };
         let affinity = ApproxIndex::new(config.affinity_blocks, Duration::from_secs(ttl));
-        let admission = config.admission.enabled.then(|| Gate::new(config.admission.clone()));
+        let admission = config.admission.enabled.then(|| Gate::new(&config.admission));
         Pool {
             admission,
             index: RwLock::new(KvIndex::new(config.block_size as usize, n)),

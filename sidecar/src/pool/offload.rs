@@ -91,5 +91,7 @@ fn keys(req: &RouteBodyRequest<'_>) -> RequestKeys {
         session: req.session.clone(),
         overrides: req.overrides,
         wait_ms: req.wait_ms,
+        priority: req.priority.clone(),
+        tenant: req.tenant.clone(),
     }
 }

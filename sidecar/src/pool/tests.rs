@@ -46,6 +46,8 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
         samples: 1,
         stream: true,
         wait_ms: 0,
+        priority: None,
+        tenant: None,
     }
 }
 

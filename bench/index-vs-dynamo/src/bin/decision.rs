@@ -69,6 +69,8 @@ fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration
             samples: 1,
             stream: true,
             wait_ms: 0,
+            priority: None,
+            tenant: None,
         };
         let decision = pool.route(&request, &scoring);
         pool.lifecycle(&id, false);
