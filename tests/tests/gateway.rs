@@ -511,6 +511,46 @@ fn a_saturated_pool_queues_then_sheds_with_429() {
     assert_eq!(metric_sum(&metrics, "kvgate_admission_total", "outcome=\"queue_full\""), 1.0);
 }
 
+/// 4h. A client that gives up while its request waits for capacity leaks nothing: the filter
+///     reports the end, and the booking made when the wait ends is released at once.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn a_client_that_leaves_the_queue_leaks_no_booking() {
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("admission_wait_ms".into(), 5_000.into());
+    let opts = StackOptions {
+        name: "admission-leave".into(),
+        replicas: 2,
+        pool_toml: "admission = { enabled = true, kv_blocks = 10 }".into(),
+        filter_config,
+        ..Default::default()
+    };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let url = stack.gateway("/v1/chat/completions");
+    let long = |seed: u32| {
+        let mut body = chat(&document(50 + seed, 300), "tell me everything");
+        body["max_tokens"] = 150.into();
+        body
+    };
+    let bookings = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["bookings"].clone());
+    let running = [1, 2].map(|seed| {
+        let (url, body) = (url.clone(), long(seed));
+        std::thread::spawn(move || stream(&url, body).unwrap())
+    });
+    wait_for("both replicas full", Duration::from_secs(10), || (bookings(&stack)? == 2).then_some(())).unwrap();
+    let impatient = reqwest::blocking::Client::builder().timeout(Duration::from_millis(200)).build().unwrap();
+    let gave_up = impatient.post(&url).header("content-type", "application/json").body(long(3).to_string()).send();
+    assert!(gave_up.is_err(), "the client timed out while its request waited");
+    let waiting = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["admission_waiting"].clone());
+    for reply in running.map(|t| t.join().unwrap()) {
+        assert_eq!(reply.status, 200);
+    }
+    wait_for("nothing waits or stays booked", Duration::from_secs(15), || {
+        (bookings(&stack)? == 0 && waiting(&stack)? == 0).then_some(())
+    })
+    .unwrap();
+}
+
 /// 5. Malformed JSON passes through untouched and the engine answers 400; other methods,
 ///    paths and content types are not touched at all.
 #[test]
