@@ -69,6 +69,8 @@ pub struct Gate {
     kv_blocks: u64,
     kv_fraction: f64,
     max_prefill_tokens: u64,
+    engine_signals: bool,
+    max_engine_waiting: u64,
     retry_after_secs: u32,
     classes: Vec<Class>,
     default_class: usize,
@@ -146,6 +148,8 @@ impl Gate {
             kv_blocks: config.kv_blocks,
             kv_fraction: config.kv_fraction,
             max_prefill_tokens: config.max_prefill_tokens,
+            engine_signals: config.engine_signals,
+            max_engine_waiting: config.max_engine_waiting,
             retry_after_secs: config.retry_after_secs,
             classes,
             default_class,
@@ -157,11 +161,22 @@ impl Gate {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether a replica with this load takes no more requests.
+    /// Whether a replica with this load takes no more requests: by kvgate's books (KV
+    /// capacity configured, else as its engine reports it), or, with `engine_signals`, by what
+    /// its engine last said.
     pub fn saturated(&self, load: &ReplicaLoad) -> bool {
-        let kv_full = self.kv_blocks > 0 && load.active_blocks as f64 >= self.kv_fraction * self.kv_blocks as f64;
+        let kv_blocks = match self.kv_blocks {
+            0 => load.engine.and_then(|e| e.kv_blocks).unwrap_or(0),
+            configured => configured,
+        };
+        let kv_full = kv_blocks > 0 && load.active_blocks as f64 >= self.kv_fraction * kv_blocks as f64;
         let prefill_full = self.max_prefill_tokens > 0 && load.prefill_tokens >= self.max_prefill_tokens;
-        kv_full || prefill_full
+        let engine_full = self.engine_signals
+            && load.engine.is_some_and(|e| {
+                e.kv_usage.is_some_and(|u| u >= self.kv_fraction)
+                    || (self.max_engine_waiting > 0 && e.waiting >= self.max_engine_waiting)
+            });
+        kv_full || prefill_full || engine_full
     }
 
     /// The class a request names (`None`, or a name no class has: the default class).
@@ -290,6 +305,7 @@ impl Gate {
 mod tests {
     use super::*;
     use crate::config::ClassConfig;
+    use crate::load::engine_metrics::EngineReport;
     use std::sync::Arc;
 
     fn gate(max_queued: usize, classes: Vec<ClassConfig>) -> Arc<Gate> {
@@ -331,6 +347,26 @@ mod tests {
         assert!(!g.saturated(&load(89, 999)));
         assert!(g.saturated(&load(90, 0)), "90 % of 100 blocks");
         assert!(g.saturated(&load(0, 1000)), "the prefill backlog");
+    }
+
+    #[test]
+    fn capacity_and_signals_can_come_from_the_engine() {
+        let learned = Gate::new(&AdmissionConfig { enabled: true, ..AdmissionConfig::default() });
+        let report = |kv_blocks, kv_usage, waiting| EngineReport { kv_blocks, kv_usage, waiting, requests: waiting };
+        let load = |active_blocks, engine| ReplicaLoad { active_blocks, engine, ..Default::default() };
+        assert!(!learned.saturated(&load(1000, None)), "no capacity known: never saturated");
+        assert!(!learned.saturated(&load(89, Some(report(Some(100), None, 0)))));
+        assert!(learned.saturated(&load(90, Some(report(Some(100), None, 0)))), "90 % of what the engine has");
+        assert!(!learned.saturated(&load(0, Some(report(None, Some(0.99), 50)))), "signals are off by default");
+        let signals = Gate::new(&AdmissionConfig {
+            enabled: true,
+            engine_signals: true,
+            max_engine_waiting: 4,
+            ..AdmissionConfig::default()
+        });
+        assert!(!signals.saturated(&load(0, Some(report(None, Some(0.5), 3)))));
+        assert!(signals.saturated(&load(0, Some(report(None, Some(0.95), 0)))), "the engine's cache is full");
+        assert!(signals.saturated(&load(0, Some(report(None, Some(0.5), 4)))), "the engine queues");
     }
 
     #[tokio::test]

@@ -188,8 +188,8 @@ pub struct AdmissionConfig {
     #[serde(default)]
     pub enabled: bool,
     /// Each replica's KV cache capacity in blocks (vLLM logs it at start-up, "GPU KV cache
-    /// size", and exports it as `num_gpu_blocks` in `vllm:cache_config_info`). 0: not a
-    /// criterion.
+    /// size", and exports it as `num_gpu_blocks` in `vllm:cache_config_info`). 0: learned from
+    /// that metric when `engine_metrics_secs` polls the engines, else not a criterion.
     #[serde(default)]
     pub kv_blocks: u64,
     /// A replica is saturated once the blocks booked on it reach this share of `kv_blocks`.
@@ -199,6 +199,15 @@ pub struct AdmissionConfig {
     /// computed) reach this. 0: not a criterion.
     #[serde(default)]
     pub max_prefill_tokens: u64,
+    /// Also trust what the engines say (needs `engine_metrics_secs`): a replica is saturated
+    /// while its engine reports `vllm:kv_cache_usage_perc` ≥ `kv_fraction`, or at least
+    /// `max_engine_waiting` requests waiting. Those figures are as old as the last poll.
+    #[serde(default)]
+    pub engine_signals: bool,
+    /// With `engine_signals`: waiting requests an engine may report before it counts as
+    /// saturated (0: not a criterion).
+    #[serde(default)]
+    pub max_engine_waiting: u64,
     /// The longest a request waits for capacity before it is shed (the filter's
     /// `admission_wait_ms` bounds it too).
     #[serde(default = "default_max_queue_ms")]
@@ -243,6 +252,8 @@ impl Default for AdmissionConfig {
             kv_blocks: 0,
             kv_fraction: default_kv_fraction(),
             max_prefill_tokens: 0,
+            engine_signals: false,
+            max_engine_waiting: 0,
             max_queue_ms: default_max_queue_ms(),
             max_queued: default_max_queued(),
             retry_after_secs: default_retry_after(),
@@ -253,13 +264,18 @@ impl Default for AdmissionConfig {
 }
 
 impl AdmissionConfig {
-    fn validate(&self, model: &str) -> anyhow::Result<()> {
+    fn validate(&self, model: &str, engine_metrics_secs: u64) -> anyhow::Result<()> {
         if !self.enabled {
             return Ok(());
         }
-        if self.kv_blocks == 0 && self.max_prefill_tokens == 0 {
+        let polled = engine_metrics_secs > 0;
+        if self.engine_signals && !polled {
+            bail!("pool {model:?}: admission.engine_signals needs engine_metrics_secs > 0 to read the engines");
+        }
+        if self.kv_blocks == 0 && self.max_prefill_tokens == 0 && !polled {
             bail!(
-                "pool {model:?}: admission needs kv_blocks or max_prefill_tokens to tell when a replica is saturated"
+                "pool {model:?}: admission needs kv_blocks or max_prefill_tokens, or engine_metrics_secs to learn \
+                 each engine's KV capacity, to tell when a replica is saturated"
             );
         }
         if !(self.kv_fraction > 0.0 && self.kv_fraction <= 1.0) {
@@ -724,7 +740,7 @@ impl Config {
         }
         for pool in &self.pools {
             pool.check_tokenizer_mode()?;
-            pool.admission.validate(&pool.model)?;
+            pool.admission.validate(&pool.model, pool.engine_metrics_secs)?;
         }
         if let Some(sync) = &self.sync {
             for e in std::iter::once(&sync.listen).chain(&sync.peers) {
@@ -896,6 +912,13 @@ mod tests {
         assert!(!load(BASE, &[]).unwrap().pools[0].admission.enabled, "off by default");
         let none = load(&with("enabled = true"), &[]).unwrap_err().to_string();
         assert!(none.contains("kv_blocks or max_prefill_tokens"), "{none}");
+        assert!(
+            load(&with("enabled = true, engine_signals = true, kv_blocks = 1"), &[]).is_err(),
+            "signals need polling"
+        );
+        let learned =
+            BASE.replace("block_size = 16", "block_size = 16\nengine_metrics_secs = 1\nadmission = { enabled = true }");
+        assert!(load(&learned, &[]).is_ok(), "capacity learned from the engines");
         assert!(load(&with("enabled = true, kv_blocks = 100, kv_fraction = 1.5"), &[]).is_err());
         let ok = load(&with("enabled = true, kv_blocks = 100"), &[]).unwrap();
         let a = &ok.pools[0].admission;

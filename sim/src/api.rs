@@ -397,7 +397,7 @@ async fn unload_lora_adapter(State(state): State<Arc<AppState>>, body: Bytes) ->
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let mut text = crate::metrics::render(&state.model, state.engine.ranks());
+    let mut text = crate::metrics::render(&state.model, state.engine.ranks(), state.engine.config());
     let tokenized = state.prompts_tokenized.load(Ordering::Relaxed);
     text.push_str(&format!(
         "# TYPE kvgate_sim:prompts_tokenized_total counter\nkvgate_sim:prompts_tokenized_total{{model_name=\"{}\"}} {tokenized}\n",

@@ -142,6 +142,11 @@ impl Engine {
         &self.ranks
     }
 
+    /// The engine's configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
     /// Picks a rank: the requested one (`X-data-parallel-rank`), or the next in turn.
     pub fn pick(&self, requested: Option<usize>) -> Option<&Rank> {
         match requested {

@@ -4,12 +4,21 @@
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
-use crate::engine::Rank;
+use crate::engine::{EngineConfig, Rank};
 use crate::histogram::TTFT_BUCKETS;
 
 /// Renders every rank's metrics.
-pub fn render(model: &str, ranks: &[Rank]) -> String {
+pub fn render(model: &str, ranks: &[Rank], config: &EngineConfig) -> String {
     let mut out = String::new();
+    // vLLM's info gauge of its cache config: every field a label, the value 1.
+    let _ = writeln!(out, "# TYPE vllm:cache_config_info gauge");
+    for i in 0..ranks.len() {
+        let (block_size, blocks) = (config.block_size, config.num_gpu_blocks);
+        let _ = writeln!(
+            out,
+            "vllm:cache_config_info{{block_size=\"{block_size}\",enable_prefix_caching=\"True\",num_gpu_blocks=\"{blocks}\",engine=\"{i}\"}} 1.0"
+        );
+    }
     let gauge = |out: &mut String, name: &str, kind: &str, value: &dyn Fn(&Rank) -> String| {
         let _ = writeln!(out, "# TYPE {name} {kind}");
         for (i, rank) in ranks.iter().enumerate() {

@@ -551,6 +551,54 @@ fn a_client_that_leaves_the_queue_leaks_no_booking() {
     .unwrap();
 }
 
+/// 4i. Admission control with the engines' own KV capacity: no `kv_blocks` configured, each
+///     engine's `vllm:cache_config_info` (polled with `engine_metrics_secs`) says how many
+///     blocks it has, and a request that would find both full waits until one frees.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn admission_learns_each_engines_kv_capacity() {
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("admission_wait_ms".into(), 5_000.into());
+    let mut opts = StackOptions {
+        name: "admission-learned".into(),
+        replicas: 2,
+        pool_toml: "engine_metrics_secs = 1\nadmission = { enabled = true, kv_fraction = 0.25 }".into(),
+        filter_config,
+        ..Default::default()
+    };
+    opts.sim_args.extend(["--num-gpu-blocks-override", "64"].map(String::from));
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let learned = |stack: &Stack| -> Option<Vec<Value>> {
+        let state = stack.sidecar_state().ok()?;
+        Some(state["pools"][0]["replicas"].as_array()?.iter().map(|r| r["engine"]["kv_blocks"].clone()).collect())
+    };
+    wait_for("each engine's capacity read", Duration::from_secs(10), || {
+        (learned(&stack)? == [Value::from(64), Value::from(64)]).then_some(())
+    })
+    .unwrap();
+    let url = stack.gateway("/v1/chat/completions");
+    let long = |seed: u32| {
+        let mut body = chat(&document(60 + seed, 300), "tell me everything");
+        body["max_tokens"] = 150.into();
+        body
+    };
+    let bookings = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["bookings"].clone());
+    let running = [1, 2].map(|seed| {
+        let (url, body) = (url.clone(), long(seed));
+        std::thread::spawn(move || stream(&url, body).unwrap())
+    });
+    wait_for("both replicas full", Duration::from_secs(10), || (bookings(&stack)? == 2).then_some(())).unwrap();
+    let saturated = stack.sidecar_state().unwrap()["pools"][0]["replicas"][0]["saturated"].clone();
+    assert_eq!(saturated, true, "a quarter of 64 blocks booked");
+    let third = post(&url, long(3).to_string(), &[]).unwrap();
+    for reply in running.map(|t| t.join().unwrap()) {
+        assert_eq!(reply.status, 200);
+    }
+    assert_eq!(third.status, 200, "{}", third.body);
+    let waited_us: u64 = third.header("x-kvgate-decision-us").parse().unwrap();
+    assert!(waited_us > 50_000, "it waited for capacity: {waited_us} µs");
+}
+
 /// 5. Malformed JSON passes through untouched and the engine answers 400; other methods,
 ///    paths and content types are not touched at all.
 #[test]

@@ -1,7 +1,9 @@
 //! Load the engines report themselves: `vllm:num_requests_running` + `vllm:num_requests_waiting`
 //! from each engine's `/metrics`, polled every `engine_metrics_secs`, so that traffic which
 //! bypasses kvgate (other gateways without sync, batch jobs calling engines directly) still
-//! counts. Data-parallel ranks are told apart by vLLM's `engine` label.
+//! counts; and, for admission control, how full each engine says it is (waiting requests, KV
+//! cache usage) and its KV capacity (`vllm:cache_config_info`). Data-parallel ranks are told
+//! apart by vLLM's `engine` label.
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
@@ -15,37 +17,89 @@ use crate::pool::Pool;
 /// How long one scrape may take.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Requests running or waiting per vLLM `engine` label (DP rank) in a Prometheus text page.
+/// What one engine (one vLLM `engine` label: a data-parallel rank) reports of itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct EngineReport {
+    /// `vllm:num_requests_running` + `vllm:num_requests_waiting`.
+    pub requests: u64,
+    /// `vllm:num_requests_waiting`: requests the engine has not scheduled yet.
+    pub waiting: u64,
+    /// `vllm:kv_cache_usage_perc` (0–1).
+    pub kv_usage: Option<f64>,
+    /// Its KV cache in blocks: the `num_gpu_blocks` label of `vllm:cache_config_info`.
+    pub kv_blocks: Option<u64>,
+}
+
+impl EngineReport {
+    /// Several engines behind one target, as one: counts and blocks add up, usage is the
+    /// fullest's.
+    pub fn merge(self, other: EngineReport) -> EngineReport {
+        let add = |a: Option<u64>, b: Option<u64>| {
+            if a.is_none() && b.is_none() {
+                None
+            } else {
+                Some(a.unwrap_or(0) + b.unwrap_or(0))
+            }
+        };
+        EngineReport {
+            requests: self.requests + other.requests,
+            waiting: self.waiting + other.waiting,
+            kv_usage: match (self.kv_usage, other.kv_usage) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            },
+            kv_blocks: add(self.kv_blocks, other.kv_blocks),
+        }
+    }
+}
+
+/// Each engine's report in a Prometheus text page, by vLLM's `engine` label (DP rank).
 ///
 /// ```
 /// let page = "vllm:num_requests_running{model_name=\"m\",engine=\"0\"} 3.0\n\
 ///             vllm:num_requests_waiting{model_name=\"m\",engine=\"0\"} 2.0\n\
+///             vllm:kv_cache_usage_perc{model_name=\"m\",engine=\"0\"} 0.5\n\
+///             vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1024\",engine=\"0\"} 1.0\n\
 ///             vllm:num_requests_running{model_name=\"m\",engine=\"1\"} 1.0\n";
-/// let counts = kvgate_sidecar::load::engine_metrics::requests_by_engine(page);
-/// assert_eq!((counts["0"], counts["1"]), (5, 1));
+/// let reports = kvgate_sidecar::load::engine_metrics::reports_by_engine(page);
+/// assert_eq!((reports["0"].requests, reports["0"].waiting, reports["1"].requests), (5, 2, 1));
+/// assert_eq!((reports["0"].kv_usage, reports["0"].kv_blocks, reports["1"].kv_blocks), (Some(0.5), Some(1024), None));
 /// ```
-pub fn requests_by_engine(page: &str) -> HashMap<String, u64> {
-    let mut out: HashMap<String, u64> = HashMap::new();
+pub fn reports_by_engine(page: &str) -> HashMap<String, EngineReport> {
+    let mut out: HashMap<String, EngineReport> = HashMap::new();
     for line in page.lines() {
-        let Some(rest) =
-            line.strip_prefix("vllm:num_requests_running").or_else(|| line.strip_prefix("vllm:num_requests_waiting"))
-        else {
-            continue;
-        };
-        let (labels, value) = match rest.strip_prefix('{') {
-            Some(r) => match r.split_once('}') {
+        let Some((name, rest)) = line.split_once('{').or_else(|| line.split_once(' ')) else { continue };
+        let (labels, value) = match line.split_once('{') {
+            Some(_) => match rest.split_once('}') {
                 Some((labels, value)) => (labels, value),
                 None => continue,
             },
             None => ("", rest),
         };
+        let label = |key: &str| {
+            labels.split(',').find_map(|kv| kv.trim().strip_prefix(key)?.strip_prefix("=\"")?.strip_suffix('"'))
+        };
         let Ok(value) = value.trim().parse::<f64>() else { continue };
-        let engine = labels
-            .split(',')
-            .find_map(|kv| kv.trim().strip_prefix("engine=\""))
-            .and_then(|v| v.strip_suffix('"'))
-            .unwrap_or("0");
-        *out.entry(engine.to_owned()).or_default() += value.max(0.0).round() as u64;
+        if !matches!(
+            name,
+            "vllm:num_requests_running"
+                | "vllm:num_requests_waiting"
+                | "vllm:kv_cache_usage_perc"
+                | "vllm:cache_config_info"
+        ) {
+            continue;
+        }
+        let report = out.entry(label("engine").unwrap_or("0").to_owned()).or_default();
+        let count = value.max(0.0).round() as u64;
+        match name {
+            "vllm:num_requests_running" => report.requests += count,
+            "vllm:num_requests_waiting" => {
+                report.requests += count;
+                report.waiting += count;
+            }
+            "vllm:kv_cache_usage_perc" => report.kv_usage = Some(value),
+            _ => report.kv_blocks = label("num_gpu_blocks").and_then(|b| b.parse().ok()).or(report.kv_blocks),
+        }
     }
     out
 }
@@ -66,12 +120,12 @@ pub fn spawn(pool: Arc<Pool>, interval: Duration, stop: Arc<AtomicBool>) -> std:
                 .filter(|(_, m)| m.active)
                 .map(|(i, m)| (ReplicaIdx::new(i), m.replica.endpoint.to_string(), m.rank))
                 .collect();
-            let mut pages: HashMap<String, Option<HashMap<String, u64>>> = HashMap::new();
+            let mut pages: HashMap<String, Option<HashMap<String, EngineReport>>> = HashMap::new();
             for (slot, endpoint, rank) in targets {
                 let counts = pages.entry(endpoint.clone()).or_insert_with(|| {
                     let url = format!("http://{endpoint}/metrics");
                     match client.get(&url).send().and_then(|r| r.error_for_status()).and_then(|r| r.text()) {
-                        Ok(page) => Some(requests_by_engine(&page)),
+                        Ok(page) => Some(reports_by_engine(&page)),
                         Err(e) => {
                             tracing::debug!(%url, error = %e, "engine metrics unavailable");
                             None
@@ -79,12 +133,12 @@ pub fn spawn(pool: Arc<Pool>, interval: Duration, stop: Arc<AtomicBool>) -> std:
                     }
                 });
                 // An engine we cannot read keeps its last figure rather than dropping to zero.
-                if let Some(counts) = counts {
-                    let running = match rank {
-                        Some(r) => counts.get(&r.to_string()).copied().unwrap_or(0),
-                        None => counts.values().sum(),
+                if let Some(reports) = counts {
+                    let report = match rank {
+                        Some(r) => reports.get(&r.to_string()).copied().unwrap_or_default(),
+                        None => reports.values().fold(EngineReport::default(), |a, b| a.merge(*b)),
                     };
-                    pool.observe_engine(slot, running);
+                    pool.observe_engine(slot, report);
                 }
             }
         },

@@ -41,6 +41,8 @@ pub struct ReplicaLoad {
     pub requests: u64,
     /// Of those, requests the engine reports that kvgate did not book.
     pub external: u64,
+    /// What the engine last said of itself (with `engine_metrics_secs`), if it has.
+    pub engine: Option<engine_metrics::EngineReport>,
 }
 
 #[derive(Debug)]
@@ -73,6 +75,8 @@ struct Replica {
     requests: u64,
     /// Requests the engine last reported beyond those booked here.
     external: u64,
+    /// The engine's last report.
+    engine: Option<engine_metrics::EngineReport>,
     /// Output blocks of active requests, and the blocks their decode-progress weights
     /// discount (see [`LoadTable::progress`]).
     output_blocks: u64,
@@ -251,14 +255,16 @@ impl LoadTable {
             active_blocks: blocks.saturating_sub(r.discounted) + external_blocks,
             requests: r.requests + r.external,
             external: r.external,
+            engine: r.engine,
         }
     }
 
-    /// The engine reports `running` requests (running + waiting): whatever exceeds the
+    /// The engine reports itself: whatever of its requests (running + waiting) exceeds the
     /// requests booked here is external load until the next report.
-    pub fn observe(&mut self, replica: ReplicaIdx, running: u64) {
+    pub fn observe(&mut self, replica: ReplicaIdx, report: engine_metrics::EngineReport) {
         let r = &mut self.replicas[replica.get()];
-        r.external = running.saturating_sub(r.requests);
+        r.external = report.requests.saturating_sub(r.requests);
+        r.engine = Some(report);
     }
 
     /// Mean blocks of a booked request (prompt blocks), 1 when nothing is booked.
@@ -540,20 +546,21 @@ mod tests {
         let now = Instant::now();
         assert!(t.book(ReplicaIdx::new(0), booking("a", 0, &[1, 2, 3], 4), now));
         assert!(t.book(ReplicaIdx::new(0), booking("b", 0, &[1, 2], 2), now));
-        t.observe(ReplicaIdx::new(0), 1);
+        t.observe(ReplicaIdx::new(0), engine_metrics::EngineReport { requests: 1, ..Default::default() });
         assert_eq!(
             t.load(ReplicaIdx::new(0)).external,
             0,
             "the engine has not seen all bookings yet: nothing external"
         );
-        t.observe(ReplicaIdx::new(1), 3);
+        t.observe(ReplicaIdx::new(1), engine_metrics::EngineReport { requests: 3, ..Default::default() });
         let l = t.load(ReplicaIdx::new(1));
         assert_eq!((l.external, l.requests), (3, 3));
         assert_eq!(l.active_blocks, 3 * 3, "each charged the mean booked request: (4 + 2) / 2 = 3 blocks");
-        t.observe(ReplicaIdx::new(1), 0);
-        assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
+        t.observe(ReplicaIdx::new(1), engine_metrics::EngineReport { requests: 0, ..Default::default() });
+        let idle = ReplicaLoad { engine: Some(engine_metrics::EngineReport::default()), ..ReplicaLoad::default() };
+        assert_eq!(t.load(ReplicaIdx::new(1)), idle, "what the engine said is kept beside the load");
         assert!(t.finish("a") && t.finish("b"));
-        t.observe(ReplicaIdx::new(1), 2);
+        t.observe(ReplicaIdx::new(1), engine_metrics::EngineReport { requests: 2, ..Default::default() });
         assert_eq!(t.load(ReplicaIdx::new(1)).active_blocks, 2, "1 block each when nothing is booked");
     }
 
@@ -579,7 +586,7 @@ mod tests {
         t.book(ReplicaIdx::new(1), booking("a", 100, &[1, 2], 3), now);
         assert_eq!(
             t.load(ReplicaIdx::new(1)),
-            ReplicaLoad { prefill_tokens: 100, active_blocks: 3, requests: 1, external: 0 }
+            ReplicaLoad { prefill_tokens: 100, active_blocks: 3, requests: 1, external: 0, engine: None }
         );
         assert!(t.prefill_done("a", Instant::now()));
         assert_eq!(t.load(ReplicaIdx::new(1)).prefill_tokens, 0);

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use super::Pool;
 use crate::accuracy::{AlarmChange, Check, EngineUsage};
 use crate::index::ReplicaIdx;
+use crate::load::engine_metrics::EngineReport;
 use crate::load::{NewBooking, ReplicaLoad};
 use crate::metrics::{PoolLabels, ReasonLabels};
 use crate::sync::event::{Outbox, SyncEvent};
@@ -74,12 +75,14 @@ impl Pool {
     }
 
     /// Records what an engine reports it is running (see [`crate::load::engine_metrics`]).
-    pub fn observe_engine(&self, slot: ReplicaIdx, running: u64) {
+    pub fn observe_engine(&self, slot: ReplicaIdx, report: EngineReport) {
         let figures = {
             let mut load = self.load_table();
-            load.observe(slot, running);
+            load.observe(slot, report);
             load.load(slot)
         };
+        // The engine may say it has room again.
+        self.capacity_freed();
         self.publish_load(slot, figures);
         self.metrics.external_requests.get_or_create(&self.labels(slot)).set(figures.external as i64);
     }

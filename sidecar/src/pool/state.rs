@@ -33,6 +33,9 @@ pub struct ReplicaState {
     pub active_blocks: u64,
     /// Whether admission control counts it saturated (`null` with admission off).
     pub saturated: Option<bool>,
+    /// What its engine last reported of itself (`engine_metrics_secs`): requests, waiting,
+    /// KV cache usage and capacity in blocks.
+    pub engine: Option<crate::load::engine_metrics::EngineReport>,
     /// KV events applied.
     pub events_applied: u64,
     /// The last event sequence number applied.
@@ -101,6 +104,7 @@ impl Pool {
                     prefill_tokens: l.prefill_tokens,
                     active_blocks: l.active_blocks,
                     saturated: self.admission.as_ref().map(|gate| gate.saturated(&l)),
+                    engine: l.engine,
                     events_applied: h.events_applied.load(Ordering::Relaxed),
                     last_seq: (last_seq != NONE).then_some(last_seq),
                     degraded: h.degraded.load(Ordering::Relaxed),

@@ -12,6 +12,7 @@ use super::*;
 use crate::config::ReplicaConfig;
 use crate::events::ingest::{Outcome, Progress};
 use crate::index::{Store, Tier};
+use crate::load::engine_metrics::EngineReport;
 use crate::load::NewBooking;
 use crate::score::ScoringConfig;
 
@@ -422,7 +423,7 @@ fn membership_changes_under_traffic_do_not_deadlock() {
                 if i % 100 == 0 {
                     p.expire(Duration::from_secs(300));
                     p.state();
-                    p.observe_engine(ReplicaIdx::new(0), 3);
+                    p.observe_engine(ReplicaIdx::new(0), EngineReport { requests: 3, ..Default::default() });
                 }
             }
             tx.send(()).unwrap();
