@@ -45,6 +45,10 @@ pub enum Policy {
     Kvgate(&'static str),
     /// kvgate `kv_aware` with one scoring knob set to a value.
     KvgateTuned(Knob, u32),
+    /// kvgate `kv_aware` with admission control: a replica is saturated at 90 % of its KV
+    /// cache booked or two full prefill batches booked, and a request waits at most one
+    /// simulated second for one that is not, else it is shed (429).
+    KvgateAdmission,
     /// A peer router in place of Envoy.
     Peer(Peer),
 }
@@ -81,7 +85,7 @@ impl Knob {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 10] = [
+    pub const ALL: [Policy; 11] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
@@ -89,6 +93,7 @@ impl Policy {
         Policy::Kvgate("prefix_affinity"),
         Policy::Kvgate("kv_aware"),
         Policy::KvgateTuned(Knob::DuplicatePenalty, 0),
+        Policy::KvgateAdmission,
         Policy::Peer(Peer::SglangCacheAware),
         Policy::Peer(Peer::VllmRouterCacheAware),
         Policy::Peer(Peer::VllmRouterKvAware),
@@ -101,6 +106,7 @@ impl Policy {
             Policy::EnvoyLeastRequest => "envoy-least-request".into(),
             Policy::Kvgate(p) => format!("kvgate-{}", p.replace('_', "-")),
             Policy::KvgateTuned(knob, n) => format!("{}{n}", knob.name_prefix()),
+            Policy::KvgateAdmission => "kvgate-kv-aware-admission".into(),
             Policy::Peer(p) => p.name().into(),
         }
     }
@@ -125,7 +131,7 @@ impl Policy {
             Policy::EnvoyRoundRobin | Policy::Peer(_) => (Routing::RoundRobin, "round_robin"),
             Policy::EnvoyLeastRequest => (Routing::LeastRequest, "round_robin"),
             Policy::Kvgate(p) => (Routing::Kvgate, p),
-            Policy::KvgateTuned(..) => (Routing::Kvgate, "kv_aware"),
+            Policy::KvgateTuned(..) | Policy::KvgateAdmission => (Routing::Kvgate, "kv_aware"),
         }
     }
 
@@ -135,6 +141,20 @@ impl Policy {
             Policy::KvgateTuned(knob, n) => format!("{} = {n}.0", knob.key()),
             _ => String::new(),
         };
+        let (pool_toml, filter_config) = match self {
+            Policy::KvgateAdmission => {
+                // One simulated second of waiting, in wall-clock ms.
+                let wait_ms = (1000.0 / fleet.speedup).round() as u64;
+                let pool = format!(
+                    "admission = {{ enabled = true, kv_blocks = {gpu_blocks}, max_prefill_tokens = {}, max_queue_ms = {wait_ms}, max_queued = 1024 }}",
+                    2 * fleet.max_num_batched_tokens
+                );
+                let mut filter = serde_json::Map::new();
+                filter.insert("admission_wait_ms".into(), wait_ms.into());
+                (pool, filter)
+            }
+            _ => (String::new(), serde_json::Map::new()),
+        };
         StackOptions {
             name: name.into(),
             replicas: fleet.replicas,
@@ -143,6 +163,8 @@ impl Policy {
             route_timeout_ms: 200,
             pool_policy: pool_policy.into(),
             scoring_toml,
+            pool_toml,
+            filter_config,
             sim_args: fleet.sim_args(gpu_blocks),
             ..StackOptions::default()
         }
@@ -378,6 +400,13 @@ mod tests {
             (o.routing, o.pool_policy.as_str(), o.scoring_toml.as_str()),
             (Routing::Kvgate, "kv_aware", "duplicate_penalty = 3.0")
         );
+        let o = Policy::KvgateAdmission.stack_options("x", &fleet, 100);
+        assert!(
+            o.pool_toml.contains("kv_blocks = 100") && o.pool_toml.contains("max_queue_ms = 1000"),
+            "{}",
+            o.pool_toml
+        );
+        assert_eq!(o.filter_config["admission_wait_ms"], 1000);
         let o = Policy::Peer(Peer::SglangCacheAware).stack_options("x", &fleet, 100);
         assert_eq!((o.routing, o.scoring_toml.as_str()), (Routing::RoundRobin, ""));
     }

@@ -77,6 +77,7 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
                 ok: med(&|s| Some(s.ok as f64)).unwrap_or(0.0) as usize,
                 errors: med(&|s| Some(s.errors as f64)).unwrap_or(0.0) as usize,
                 status_503: med(&|s| Some(s.status_503 as f64)).unwrap_or(0.0) as usize,
+                status_429: med(&|s| Some(s.status_429 as f64)).unwrap_or(0.0) as usize,
                 ttft_p50: med(&|s| s.ttft_p50),
                 ttft_p90: med(&|s| s.ttft_p90),
                 ttft_p99: med(&|s| s.ttft_p99),
@@ -114,14 +115,14 @@ pub fn table(points: &[Point], workload: &str, qps: Option<f64>) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503) | hit ratio | load max/mean |"
+        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean |"
     );
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for q in points.iter().filter(|q| q.workload == workload && q.qps == qps) {
         let m = &q.median;
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}) | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {} |",
             q.policy,
             secs(m.ttft_p50),
             secs(m.ttft_p90),
@@ -134,6 +135,7 @@ pub fn table(points: &[Point], workload: &str, qps: Option<f64>) -> String {
             m.goodput,
             q.errors_total,
             m.status_503,
+            m.status_429,
             num(m.hit_ratio, 3),
             num(m.load_max_over_mean, 2),
         );

@@ -31,6 +31,8 @@ pub struct Summary {
     pub errors: usize,
     /// Of those, 503s.
     pub status_503: usize,
+    /// Of those, 429s: shed by admission control.
+    pub status_429: usize,
     /// TTFT percentiles.
     pub ttft_p50: Option<f64>,
     /// .
@@ -91,6 +93,7 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
         ok: ok.len(),
         errors: outcomes.len() - ok.len(),
         status_503: outcomes.iter().filter(|o| o.status == 503).count(),
+        status_429: outcomes.iter().filter(|o| o.status == 429).count(),
         ttft_p50: percentile(&ttfts, 50.0),
         ttft_p90: percentile(&ttfts, 90.0),
         ttft_p99: percentile(&ttfts, 99.0),
