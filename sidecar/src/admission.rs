@@ -61,14 +61,15 @@ struct Class {
     rank: usize,
     max_wait: Duration,
     max_queued: usize,
+    /// The share of a replica's KV cache, and the prefill backlog, it may fill.
+    kv_fraction: f64,
+    max_prefill_tokens: u64,
 }
 
 /// A pool's admission gate.
 #[derive(Debug)]
 pub struct Gate {
     kv_blocks: u64,
-    kv_fraction: f64,
-    max_prefill_tokens: u64,
     engine_signals: bool,
     max_engine_waiting: u64,
     retry_after_secs: u32,
@@ -126,11 +127,19 @@ impl Gate {
                 rank: 0,
                 max_wait: Duration::from_millis(c.max_queue_ms.unwrap_or(config.max_queue_ms)),
                 max_queued: c.max_queued.unwrap_or(config.max_queued),
+                kv_fraction: c.kv_fraction.unwrap_or(config.kv_fraction),
+                max_prefill_tokens: c.max_prefill_tokens.unwrap_or(config.max_prefill_tokens),
             })
             .collect();
         if classes.is_empty() {
-            let (max_wait, max_queued) = (Duration::from_millis(config.max_queue_ms), config.max_queued);
-            classes.push(Class { name: "default".into(), rank: 0, max_wait, max_queued });
+            classes.push(Class {
+                name: "default".into(),
+                rank: 0,
+                max_wait: Duration::from_millis(config.max_queue_ms),
+                max_queued: config.max_queued,
+                kv_fraction: config.kv_fraction,
+                max_prefill_tokens: config.max_prefill_tokens,
+            });
         }
         let mut by_priority: Vec<usize> = (0..classes.len()).collect();
         by_priority.sort_by_key(|&i| std::cmp::Reverse(config.classes.get(i).map_or(0, |c| c.priority)));
@@ -146,8 +155,6 @@ impl Gate {
         let queue = Queue { queued: vec![0; classes.len()], turn: vec![0; classes.len()], ..Queue::default() };
         Gate {
             kv_blocks: config.kv_blocks,
-            kv_fraction: config.kv_fraction,
-            max_prefill_tokens: config.max_prefill_tokens,
             engine_signals: config.engine_signals,
             max_engine_waiting: config.max_engine_waiting,
             retry_after_secs: config.retry_after_secs,
@@ -161,19 +168,25 @@ impl Gate {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether a replica with this load takes no more requests: by kvgate's books (KV
-    /// capacity configured, else as its engine reports it), or, with `engine_signals`, by what
-    /// its engine last said.
+    /// Whether a replica with this load takes no more requests of the default class.
     pub fn saturated(&self, load: &ReplicaLoad) -> bool {
+        self.saturated_for(load, self.default_class)
+    }
+
+    /// Whether a replica with this load takes no more requests of `class`: by kvgate's books
+    /// (KV capacity configured, else as its engine reports it) against the class's share, or,
+    /// with `engine_signals`, by what its engine last said.
+    pub fn saturated_for(&self, load: &ReplicaLoad, class: usize) -> bool {
+        let Class { kv_fraction, max_prefill_tokens, .. } = self.classes[class];
         let kv_blocks = match self.kv_blocks {
             0 => load.engine.and_then(|e| e.kv_blocks).unwrap_or(0),
             configured => configured,
         };
-        let kv_full = kv_blocks > 0 && load.active_blocks as f64 >= self.kv_fraction * kv_blocks as f64;
-        let prefill_full = self.max_prefill_tokens > 0 && load.prefill_tokens >= self.max_prefill_tokens;
+        let kv_full = kv_blocks > 0 && load.active_blocks as f64 >= kv_fraction * kv_blocks as f64;
+        let prefill_full = max_prefill_tokens > 0 && load.prefill_tokens >= max_prefill_tokens;
         let engine_full = self.engine_signals
             && load.engine.is_some_and(|e| {
-                e.kv_usage.is_some_and(|u| u >= self.kv_fraction)
+                e.kv_usage.is_some_and(|u| u >= kv_fraction)
                     || (self.max_engine_waiting > 0 && e.waiting >= self.max_engine_waiting)
             });
         kv_full || prefill_full || engine_full
@@ -320,7 +333,7 @@ mod tests {
     }
 
     fn class(name: &str, priority: i32) -> ClassConfig {
-        ClassConfig { name: name.into(), priority, max_queue_ms: None, max_queued: None }
+        ClassConfig { name: name.into(), priority, ..ClassConfig::default() }
     }
 
     /// Starts a waiter and returns once it is in the queue.
@@ -418,6 +431,15 @@ mod tests {
             }
         }
         assert_eq!(woken, ["chat", "noisy-1", "quiet-1", "noisy-2", "noisy-3"]);
+    }
+
+    #[test]
+    fn a_lower_class_leaves_headroom_for_a_higher_one() {
+        let batch = ClassConfig { kv_fraction: Some(0.5), ..class("batch", 0) };
+        let g = gate(8, vec![batch, class("interactive", 10)]);
+        let load = ReplicaLoad { active_blocks: 60, ..Default::default() };
+        assert!(g.saturated_for(&load, g.class_of(Some("batch"))), "batch stops at 50 of 100 blocks");
+        assert!(!g.saturated_for(&load, g.class_of(Some("interactive"))), "interactive goes on to 90");
     }
 
     #[tokio::test]

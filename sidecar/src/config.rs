@@ -229,7 +229,7 @@ pub struct AdmissionConfig {
 }
 
 /// One priority class of admission control.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClassConfig {
     /// The name requests give in the priority header.
@@ -243,6 +243,14 @@ pub struct ClassConfig {
     /// The most requests of this class that wait at once (default: the pool's `max_queued`).
     #[serde(default)]
     pub max_queued: Option<usize>,
+    /// The share of a replica's KV cache this class may fill (default: the pool's
+    /// `kv_fraction`). A lower share for lower classes keeps headroom for higher ones: a batch
+    /// request waits at 70 % while an interactive one still routes until 90 %.
+    #[serde(default)]
+    pub kv_fraction: Option<f64>,
+    /// The prefill backlog this class may add to (default: the pool's `max_prefill_tokens`).
+    #[serde(default)]
+    pub max_prefill_tokens: Option<u64>,
 }
 
 impl Default for AdmissionConfig {
@@ -280,6 +288,9 @@ impl AdmissionConfig {
         }
         if !(self.kv_fraction > 0.0 && self.kv_fraction <= 1.0) {
             bail!("pool {model:?}: admission.kv_fraction must be in (0, 1], got {}", self.kv_fraction);
+        }
+        if let Some(c) = self.classes.iter().find(|c| c.kv_fraction.is_some_and(|f| !(f > 0.0 && f <= 1.0))) {
+            bail!("pool {model:?}: admission class {:?}: kv_fraction must be in (0, 1]", c.name);
         }
         let mut names: Vec<&str> = self.classes.iter().map(|c| c.name.as_str()).collect();
         names.sort_unstable();

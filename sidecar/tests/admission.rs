@@ -149,8 +149,7 @@ async fn past_its_wait_or_a_full_queue_a_request_is_shed() {
 
 #[tokio::test]
 async fn a_higher_class_is_admitted_first() {
-    let class =
-        |name: &str, priority| ClassConfig { name: name.into(), priority, max_queue_ms: None, max_queued: None };
+    let class = |name: &str, priority| ClassConfig { name: name.into(), priority, ..ClassConfig::default() };
     let (state, pool) = state_with(AdmissionConfig {
         classes: vec![class("batch", 0), class("interactive", 10)],
         ..AdmissionConfig::default()

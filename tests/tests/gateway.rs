@@ -511,6 +511,57 @@ fn a_saturated_pool_queues_then_sheds_with_429() {
     assert_eq!(metric_sum(&metrics, "kvgate_admission_total", "outcome=\"queue_full\""), 1.0);
 }
 
+/// 4g'. Priority classes through Envoy: with the batch class allowed only a sliver of each
+///      replica and the interactive class all of it, a batch request waits behind two running
+///      ones while an interactive request that comes later is routed at once. The class comes
+///      from the header the operator named (`priority_header`).
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn a_higher_class_keeps_its_headroom() {
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("admission_wait_ms".into(), 5_000.into());
+    filter_config.insert("priority_header".into(), "x-kvgate-priority".into());
+    let classes = "classes = [{ name = \"batch\", priority = 0, kv_fraction = 0.0001 }, \
+                   { name = \"interactive\", priority = 10, kv_fraction = 1.0 }]";
+    let opts = StackOptions {
+        name: "admission-classes".into(),
+        replicas: 2,
+        pool_toml: format!("admission = {{ enabled = true, kv_blocks = 100000, {classes} }}"),
+        filter_config,
+        ..Default::default()
+    };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let url = stack.gateway("/v1/chat/completions");
+    let long = |seed: u32| {
+        let mut body = chat(&document(70 + seed, 300), "tell me everything");
+        body["max_tokens"] = 150.into();
+        body.to_string()
+    };
+    let send = |seed: u32, class: &'static str| {
+        let (url, body) = (url.clone(), long(seed));
+        std::thread::spawn(move || post(&url, body, &[("x-kvgate-priority", class)]).unwrap())
+    };
+    let bookings = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["bookings"].clone());
+    let running = [send(1, "batch"), send(2, "batch")];
+    wait_for("both replicas hold a batch request", Duration::from_secs(10), || (bookings(&stack)? == 2).then_some(()))
+        .unwrap();
+    let batch = send(3, "batch");
+    let waiting = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["admission_waiting"].clone());
+    wait_for("the batch request waits", Duration::from_secs(10), || (waiting(&stack)? == 1).then_some(())).unwrap();
+    let interactive = post(&url, long(4), &[("x-kvgate-priority", "interactive")]).unwrap();
+    assert_eq!(interactive.status, 200);
+    let decided_us: u64 = interactive.header("x-kvgate-decision-us").parse().unwrap();
+    assert!(decided_us < 50_000, "routed at once into the headroom: {decided_us} µs");
+    assert!(!batch.is_finished(), "the batch request, though it came first, still waits");
+    for reply in running {
+        assert_eq!(reply.join().unwrap().status, 200);
+    }
+    let batch = batch.join().unwrap();
+    assert_eq!(batch.status, 200, "admitted once a batch request ended");
+    let waited_us: u64 = batch.header("x-kvgate-decision-us").parse().unwrap();
+    assert!(waited_us > decided_us, "it waited: {waited_us} µs");
+}
+
 /// 4h. A client that gives up while its request waits for capacity leaks nothing: the filter
 ///     reports the end, and the booking made when the wait ends is released at once.
 #[test]

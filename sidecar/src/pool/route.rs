@@ -106,7 +106,7 @@ impl Pool {
         let scoring = policy_scoring(policy, scoring);
         let mut load = self.load_table();
         // With admission control, a full pool books nothing: the request waits.
-        if admit && self.all_saturated(&load, &eligible) {
+        if admit && self.all_saturated(&load, &eligible, req.priority.as_deref()) {
             return Err(Saturated);
         }
         // Every eligible replica's cost, from its booked load.
@@ -135,8 +135,11 @@ impl Pool {
         })
     }
 
-    fn all_saturated(&self, load: &LoadTable, eligible: &[Eligible]) -> bool {
-        self.admission.as_ref().is_some_and(|gate| eligible.iter().all(|e| gate.saturated(&load.load(e.slot))))
+    fn all_saturated(&self, load: &LoadTable, eligible: &[Eligible], class: Option<&str>) -> bool {
+        self.admission.as_ref().is_some_and(|gate| {
+            let class = gate.class_of(class);
+            eligible.iter().all(|e| gate.saturated_for(&load.load(e.slot), class))
+        })
     }
 
     fn shape<'a>(&self, req: &'a RouteRequest) -> Shape<'a> {
