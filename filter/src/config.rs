@@ -87,7 +87,9 @@ pub struct FilterConfig {
     pub priority_header: Option<String>,
     /// The request header that names a request's tenant, so that tenants take turns while
     /// requests wait (for example `x-kvgate-tenant`, or an API-key hash your auth filter
-    /// sets). Unset (default): every waiting request is a tenant of its own.
+    /// sets). Unset (default): every waiting request is a tenant of its own. As with
+    /// `priority_header`, name only a header your own filters set: a client that could set it
+    /// would take a fresh turn with every new value.
     pub tenant_header: Option<String>,
 }
 

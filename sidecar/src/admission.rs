@@ -88,8 +88,10 @@ struct Key {
 
 #[derive(Debug, Default)]
 struct Queue {
-    waiting: BTreeMap<Key, oneshot::Sender<()>>,
-    /// Waiters per class.
+    /// Every request in the queue, in order: waiting (with the sender that wakes it), or woken
+    /// and deciding again (`None`), so that nobody overtakes it meanwhile.
+    places: BTreeMap<Key, Option<oneshot::Sender<()>>>,
+    /// Requests per class that count against its `max_queued`.
     queued: Vec<usize>,
     /// Per class, the turn of the last waiter woken.
     turn: Vec<u64>,
@@ -100,19 +102,115 @@ struct Queue {
     releases: u64,
 }
 
-/// A request's place, kept across wake-ups.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ticket {
+impl Queue {
+    /// Wakes the first waiting request after `after` (from the start for `None`), if any.
+    fn wake_after(&mut self, after: Option<Key>, classes: &[Class]) {
+        let lower = after.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
+        let keys: Vec<Key> = self
+            .places
+            .range((lower, std::ops::Bound::Unbounded))
+            .filter(|(_, tx)| tx.is_some())
+            .map(|(k, _)| *k)
+            .collect();
+        for key in keys {
+            let Some(tx) = self.places.get_mut(&key).and_then(Option::take) else { continue };
+            if tx.send(()).is_ok() {
+                let class = classes.iter().position(|c| c.rank == key.rank).unwrap_or_default();
+                self.turn[class] = self.turn[class].max(key.turn);
+                return;
+            }
+        }
+    }
+}
+
+/// A request's place in its pool's queue, kept across wake-ups. Dropping it — the request
+/// was admitted or shed, or its handler was dropped because the filter stopped waiting —
+/// takes it out of the queue and passes a wake-up it had not used to the next waiter.
+#[derive(Debug)]
+pub struct Place<'g> {
+    gate: &'g Gate,
     key: Key,
     class: usize,
-    /// Whether it has waited (and so counts against its class's `max_queued` already).
+    /// Its tenant (class and hash), whose turn is recorded when it first waits.
+    tenant: Option<(usize, u64)>,
+    /// Whether it is in the queue (and counts against its class's `max_queued`).
     queued: bool,
 }
 
-impl Ticket {
-    /// Whether the request holding it has waited.
+impl Place<'_> {
+    /// Whether the request has waited.
     pub fn waited(&self) -> bool {
         self.queued
+    }
+
+    /// Whether nobody is in the queue ahead of this request.
+    pub fn is_first(&self) -> bool {
+        self.gate.lock().places.keys().find(|k| **k != self.key).is_none_or(|first| self.key < *first)
+    }
+
+    /// Waits for capacity until `until`. `seen` is [`Gate::releases`] as read before the
+    /// decision that found the pool full: if capacity was freed since, it returns at once
+    /// (`Ok(false)`: decide again if first). `Ok(true)`: it was woken, and decides now. A
+    /// request that was woken and still finds the pool full passes the wake-up on to the next
+    /// waiter behind it (it may fit where this one does not: another class, other replicas).
+    /// Returns why the request is shed, if it is.
+    pub async fn wait(&mut self, seen: u64, until: Instant) -> Result<bool, ShedReason> {
+        let gate = self.gate;
+        let woken = {
+            let mut queue = gate.lock();
+            if !self.queued && queue.queued[self.class] >= gate.classes[self.class].max_queued {
+                return Err(ShedReason::QueueFull);
+            }
+            if Instant::now() >= until {
+                return Err(ShedReason::QueueTime);
+            }
+            if queue.releases != seen {
+                return Ok(false);
+            }
+            let (tx, rx) = oneshot::channel();
+            let was_woken = queue.places.insert(self.key, Some(tx)).is_some();
+            if !self.queued {
+                self.queued = true;
+                queue.queued[self.class] += 1;
+                if let Some(id) = self.tenant {
+                    record_turn(&mut queue, id, self.key.turn);
+                }
+            }
+            if was_woken {
+                queue.wake_after(Some(self.key), &gate.classes);
+            }
+            rx
+        };
+        match tokio::time::timeout_at(until.into(), woken).await {
+            Ok(Ok(())) => Ok(true),
+            _ => Err(ShedReason::QueueTime),
+        }
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        if !self.queued {
+            return;
+        }
+        let mut queue = self.gate.lock();
+        queue.queued[self.class] = queue.queued[self.class].saturating_sub(1);
+        // Woken and gone (admitted, or dropped before deciding): the next one may fit now.
+        if let Some(None) = queue.places.remove(&self.key) {
+            queue.releases += 1;
+            queue.wake_after(None, &self.gate.classes);
+        }
+    }
+}
+
+/// Remembers a tenant's last turn (at most [`MAX_TENANTS`], those with a turn still ahead).
+fn record_turn(queue: &mut Queue, id: (usize, u64), turn: u64) {
+    if queue.tenants.len() >= MAX_TENANTS {
+        let turns = queue.turn.clone();
+        queue.tenants.retain(|&(c, _), &mut last| last > turns[c]);
+    }
+    if queue.tenants.len() < MAX_TENANTS || queue.tenants.contains_key(&id) {
+        queue.tenants.insert(id, turn);
     }
 }
 
@@ -207,105 +305,43 @@ impl Gate {
         self.classes[class].max_wait
     }
 
-    /// How many requests wait.
+    /// How many requests wait (not counting those woken and deciding).
     pub fn waiting(&self) -> usize {
-        self.lock().waiting.len()
+        self.lock().places.values().filter(|tx| tx.is_some()).count()
     }
 
-    /// How many times capacity was freed: read before deciding, handed to [`Gate::wait`], so
+    /// Whether anyone is in the queue, waiting or woken.
+    pub fn is_empty(&self) -> bool {
+        self.lock().places.is_empty()
+    }
+
+    /// How many times capacity was freed: read before deciding, handed to [`Place::wait`], so
     /// that a release between the decision and the wait is not missed.
     pub fn releases(&self) -> u64 {
         self.lock().releases
     }
 
     /// A place for a request of `class` from `tenant`: its tenant's next turn, no earlier than
-    /// the class's current one.
-    pub fn ticket(&self, class: usize, tenant: Option<&str>) -> Ticket {
+    /// the class's current one (recorded only if it comes to wait).
+    pub fn place(&self, class: usize, tenant: Option<&str>) -> Place<'_> {
         let mut queue = self.lock();
         queue.arrivals += 1;
         let current = queue.turn[class];
-        let turn = match tenant {
-            None => current + 1,
-            Some(tenant) => {
-                let mut hasher = std::collections::hash_map::DefaultHasher::new();
-                tenant.hash(&mut hasher);
-                let id = (class, hasher.finish());
-                let turn = queue.tenants.get(&id).map_or(current, |&last| last.max(current)) + 1;
-                if queue.tenants.len() >= MAX_TENANTS {
-                    let turns = queue.turn.clone();
-                    queue.tenants.retain(|&(c, _), &mut last| last > turns[c]);
-                }
-                if queue.tenants.len() < MAX_TENANTS {
-                    queue.tenants.insert(id, turn);
-                }
-                turn
-            }
-        };
-        let key = Key { rank: self.classes[class].rank, turn, arrival: queue.arrivals };
-        Ticket { key, class, queued: false }
-    }
-
-    /// Whether a request holding `ticket` may decide now: nobody waits ahead of it.
-    pub fn may_decide(&self, ticket: &Ticket) -> bool {
-        self.lock().waiting.keys().next().is_none_or(|first| ticket.key <= *first)
-    }
-
-    /// Waits for capacity until `until`, in the place `ticket` holds. `seen` is
-    /// [`Gate::releases`] as read before the decision that found the pool full: if capacity
-    /// was freed since, it returns at once. Returns why the request is shed, if it is.
-    pub async fn wait(&self, ticket: &mut Ticket, seen: u64, until: Instant) -> Result<(), ShedReason> {
-        let woken = {
-            let mut queue = self.lock();
-            if !ticket.queued && queue.queued[ticket.class] >= self.classes[ticket.class].max_queued {
-                return Err(ShedReason::QueueFull);
-            }
-            if queue.releases != seen {
-                return Ok(());
-            }
-            if Instant::now() >= until {
-                return Err(ShedReason::QueueTime);
-            }
-            if !ticket.queued {
-                ticket.queued = true;
-                queue.queued[ticket.class] += 1;
-            }
-            let (tx, rx) = oneshot::channel();
-            queue.waiting.insert(ticket.key, tx);
-            rx
-        };
-        let woken = tokio::time::timeout_at(until.into(), woken).await;
-        if matches!(woken, Ok(Ok(()))) {
-            return Ok(());
-        }
-        // Timed out: leave the queue. A wake-up that raced with the timeout goes on to the
-        // next waiter.
-        let was_waiting = self.lock().waiting.remove(&ticket.key).is_some();
-        if !was_waiting {
-            self.freed();
-        }
-        self.leave(ticket);
-        Err(ShedReason::QueueTime)
-    }
-
-    /// The request is done waiting (admitted or shed): it no longer counts against its class.
-    pub fn leave(&self, ticket: &mut Ticket) {
-        if std::mem::take(&mut ticket.queued) {
-            let mut queue = self.lock();
-            queue.queued[ticket.class] = queue.queued[ticket.class].saturating_sub(1);
-        }
+        let tenant = tenant.map(|t| {
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            t.hash(&mut hasher);
+            (class, hasher.finish())
+        });
+        let last = tenant.and_then(|id| queue.tenants.get(&id).copied()).unwrap_or(current);
+        let key = Key { rank: self.classes[class].rank, turn: last.max(current) + 1, arrival: queue.arrivals };
+        Place { gate: self, key, class, tenant, queued: false }
     }
 
     /// Capacity may have freed: wakes the first waiter that is still waiting.
     pub fn freed(&self) {
         let mut queue = self.lock();
         queue.releases += 1;
-        while let Some((key, waiter)) = queue.waiting.pop_first() {
-            let class = self.classes.iter().position(|c| c.rank == key.rank).unwrap_or_default();
-            queue.turn[class] = queue.turn[class].max(key.turn);
-            if waiter.send(()).is_ok() {
-                return;
-            }
-        }
+        queue.wake_after(None, &self.classes);
     }
 
     /// The `Retry-After` for a shed request, in seconds.
@@ -319,39 +355,74 @@ mod tests {
     use super::*;
     use crate::config::ClassConfig;
     use crate::load::engine_metrics::EngineReport;
-    use std::sync::Arc;
+    use tokio::sync::mpsc;
 
-    fn gate(max_queued: usize, classes: Vec<ClassConfig>) -> Arc<Gate> {
-        Arc::new(Gate::new(&AdmissionConfig {
+    /// A gate that lives for the whole test (so that places can move into tasks).
+    fn gate(max_queued: usize, classes: Vec<ClassConfig>) -> &'static Gate {
+        Box::leak(Box::new(Gate::new(&AdmissionConfig {
             enabled: true,
             kv_blocks: 100,
             max_prefill_tokens: 1000,
             max_queued,
             classes,
             ..AdmissionConfig::default()
-        }))
+        })))
     }
 
     fn class(name: &str, priority: i32) -> ClassConfig {
         ClassConfig { name: name.into(), priority, ..ClassConfig::default() }
     }
 
-    /// Starts a waiter and returns once it is in the queue.
-    async fn waiter(g: &Arc<Gate>, mut ticket: Ticket) -> tokio::task::JoinHandle<(Ticket, Result<(), ShedReason>)> {
-        let before = g.waiting();
-        let far = Instant::now() + Duration::from_secs(10);
-        let handle = tokio::spawn({
-            let g = g.clone();
-            async move {
-                let result = g.wait(&mut ticket, g.releases(), far).await;
-                (ticket, result)
-            }
-        });
-        while g.waiting() == before {
-            tokio::task::yield_now().await;
-        }
-        handle
+    /// A request holding a place, driven by the test: wait (until a deadline), or leave.
+    struct Waiter {
+        waits: mpsc::UnboundedSender<Option<Duration>>,
+        results: mpsc::UnboundedReceiver<Result<bool, ShedReason>>,
+        task: tokio::task::JoinHandle<()>,
     }
+
+    impl Waiter {
+        fn new(g: &'static Gate, class: usize, tenant: Option<&'static str>) -> Waiter {
+            let (waits, mut commands) = mpsc::unbounded_channel::<Option<Duration>>();
+            let (report, results) = mpsc::unbounded_channel();
+            let task = tokio::spawn(async move {
+                let mut place = g.place(class, tenant);
+                while let Some(Some(within)) = commands.recv().await {
+                    let _ = report.send(place.wait(g.releases(), Instant::now() + within).await);
+                }
+            });
+            Waiter { waits, results, task }
+        }
+
+        /// Starts waiting and returns once it is in the queue.
+        async fn wait(&mut self, g: &Gate, within: Duration) {
+            let before = g.waiting();
+            self.waits.send(Some(within)).unwrap();
+            while g.waiting() == before {
+                tokio::task::yield_now().await;
+            }
+        }
+
+        /// Its last wait's outcome, once there is one.
+        async fn result(&mut self) -> Result<(), ShedReason> {
+            self.results.recv().await.unwrap().map(|woken| assert!(woken, "woken, not released"))
+        }
+
+        /// Whether its wait is over, after the other tasks have run.
+        async fn is_woken(&mut self) -> bool {
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+            !self.results.is_empty()
+        }
+
+        /// Lets its place go (admitted, or gone) and waits until it has.
+        async fn leave(self) {
+            let _ = self.waits.send(None);
+            self.task.await.unwrap();
+        }
+    }
+
+    const FAR: Duration = Duration::from_secs(10);
 
     #[test]
     fn saturation_is_either_threshold() {
@@ -382,57 +453,6 @@ mod tests {
         assert!(signals.saturated(&load(0, Some(report(None, Some(0.5), 4)))), "the engine queues");
     }
 
-    #[tokio::test]
-    async fn waiters_wake_in_order_and_keep_their_place() {
-        let g = gate(8, Vec::new());
-        let first = waiter(&g, g.ticket(0, None)).await;
-        let second = waiter(&g, g.ticket(0, None)).await;
-        assert!(!g.may_decide(&g.ticket(0, None)), "a newcomer does not overtake");
-        g.freed();
-        let (mut ticket, woken) = first.await.unwrap();
-        assert_eq!(woken, Ok(()));
-        assert!(g.may_decide(&ticket), "the woken first decides before the one still waiting");
-        // Still full: it waits again, ahead of the second.
-        let again = waiter(&g, ticket).await;
-        g.freed();
-        let (again_ticket, woken) = again.await.unwrap();
-        assert_eq!((again_ticket.key, woken), (ticket.key, Ok(())), "woken first again");
-        g.leave(&mut ticket);
-        g.freed();
-        assert_eq!(second.await.unwrap().1, Ok(()));
-    }
-
-    #[tokio::test]
-    async fn a_higher_class_goes_first_and_tenants_take_turns() {
-        let g = gate(16, vec![class("batch", 0), class("interactive", 10)]);
-        let (batch, interactive) = (g.class_of(Some("batch")), g.class_of(Some("interactive")));
-        assert_eq!(g.class_of(None), batch, "the lowest class is the default");
-        assert_eq!(g.class_of(Some("unknown")), batch);
-        let mut order = Vec::new();
-        // A bursting tenant queues three batch requests, then a quiet one queues one; then an
-        // interactive request arrives last of all.
-        for (who, class, tenant) in [
-            ("noisy-1", batch, "noisy"),
-            ("noisy-2", batch, "noisy"),
-            ("noisy-3", batch, "noisy"),
-            ("quiet-1", batch, "quiet"),
-            ("chat", interactive, "noisy"),
-        ] {
-            order.push((who, waiter(&g, g.ticket(class, Some(tenant))).await));
-        }
-        let mut woken = Vec::new();
-        for _ in 0..order.len() {
-            g.freed();
-            tokio::task::yield_now().await;
-            for (who, handle) in &mut order {
-                if !woken.contains(who) && handle.is_finished() {
-                    woken.push(*who);
-                }
-            }
-        }
-        assert_eq!(woken, ["chat", "noisy-1", "quiet-1", "noisy-2", "noisy-3"]);
-    }
-
     #[test]
     fn a_lower_class_leaves_headroom_for_a_higher_one() {
         let batch = ClassConfig { kv_fraction: Some(0.5), ..class("batch", 0) };
@@ -443,23 +463,115 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn waiters_wake_in_order_and_nobody_overtakes_a_woken_one() {
+        let g = gate(8, Vec::new());
+        let (mut a, mut b) = (Waiter::new(g, 0, None), Waiter::new(g, 0, None));
+        a.wait(g, FAR).await;
+        b.wait(g, FAR).await;
+        assert!(!g.place(0, None).is_first(), "a newcomer does not overtake");
+        g.freed();
+        assert_eq!(a.result().await, Ok(()));
+        assert!(!b.is_woken().await, "one release wakes one waiter");
+        assert!(!g.place(0, None).is_first(), "a woken request keeps its place while it decides");
+        a.leave().await;
+        assert_eq!(b.result().await, Ok(()), "admitted: the next one is woken, there may be room for it too");
+    }
+
+    #[tokio::test]
+    async fn a_woken_request_that_still_does_not_fit_passes_the_wake_on() {
+        let g = gate(8, Vec::new());
+        let (mut a, mut b) = (Waiter::new(g, 0, None), Waiter::new(g, 0, None));
+        a.wait(g, FAR).await;
+        b.wait(g, FAR).await;
+        g.freed();
+        assert_eq!(a.result().await, Ok(()));
+        // a finds the pool still full and waits again (the count of waiters stays 1: b is
+        // woken as a goes back in).
+        a.waits.send(Some(FAR)).unwrap();
+        assert_eq!(b.result().await, Ok(()), "b may fit where a does not");
+        assert_eq!(g.waiting(), 1, "a waits again");
+        g.freed();
+        assert_eq!(a.result().await, Ok(()), "a kept its place ahead of b");
+        a.leave().await;
+        b.leave().await;
+    }
+
+    #[tokio::test]
+    async fn a_higher_class_goes_first_and_tenants_take_turns() {
+        let g = gate(16, vec![class("batch", 0), class("interactive", 10)]);
+        let (batch, interactive) = (g.class_of(Some("batch")), g.class_of(Some("interactive")));
+        assert_eq!(g.class_of(None), batch, "the lowest class is the default");
+        assert_eq!(g.class_of(Some("unknown")), batch);
+        // A tenant that was admitted at once many times is not charged for it.
+        for _ in 0..100 {
+            drop(g.place(batch, Some("noisy")));
+        }
+        // A bursting tenant queues three batch requests, then a quiet one queues one; then an
+        // interactive request arrives last of all.
+        let mut order = Vec::new();
+        for (who, class, tenant) in [
+            ("noisy-1", batch, "noisy"),
+            ("noisy-2", batch, "noisy"),
+            ("noisy-3", batch, "noisy"),
+            ("quiet-1", batch, "quiet"),
+            ("chat", interactive, "noisy"),
+        ] {
+            let mut w = Waiter::new(g, class, Some(tenant));
+            w.wait(g, FAR).await;
+            order.push((who, w));
+        }
+        let mut woken = Vec::new();
+        for _ in 0..order.len() {
+            g.freed();
+            for (who, w) in &mut order {
+                if !woken.contains(who) && w.is_woken().await {
+                    woken.push(*who);
+                }
+            }
+        }
+        assert_eq!(woken, ["chat", "noisy-1", "quiet-1", "noisy-2", "noisy-3"]);
+    }
+
+    #[tokio::test]
     async fn a_full_class_and_a_long_wait_are_shed() {
         let g = gate(1, Vec::new());
-        let soon = Instant::now() + Duration::from_millis(50);
-        let mut first = g.ticket(0, None);
-        let waiting = tokio::spawn({
-            let g = g.clone();
-            async move { g.wait(&mut first, g.releases(), soon).await }
-        });
-        while g.waiting() < 1 {
-            tokio::task::yield_now().await;
-        }
-        assert_eq!(g.wait(&mut g.ticket(0, None), g.releases(), soon).await, Err(ShedReason::QueueFull));
-        assert_eq!(waiting.await.unwrap(), Err(ShedReason::QueueTime));
-        assert_eq!(g.waiting(), 0, "a waiter that timed out leaves the queue");
-        let next = waiter(&g, g.ticket(0, None)).await;
+        let mut a = Waiter::new(g, 0, None);
+        a.wait(g, Duration::from_millis(50)).await;
+        assert_eq!(g.place(0, None).wait(g.releases(), Instant::now() + FAR).await, Err(ShedReason::QueueFull));
+        assert_eq!(a.result().await, Err(ShedReason::QueueTime));
+        a.leave().await;
+        let mut next = Waiter::new(g, 0, None);
+        next.wait(g, FAR).await;
         g.freed();
-        assert_eq!(next.await.unwrap().1, Ok(()), "its place in the class is free again");
+        assert_eq!(next.result().await, Ok(()), "its place in the class is free again");
+    }
+
+    #[tokio::test]
+    async fn a_request_dropped_while_it_waits_gives_its_place_back() {
+        let g = gate(1, Vec::new());
+        let mut a = Waiter::new(g, 0, None);
+        a.wait(g, FAR).await;
+        // The filter stopped waiting: the sidecar drops the request's handler mid-wait.
+        a.task.abort();
+        let _ = a.task.await;
+        assert_eq!(g.waiting(), 0);
+        let mut b = Waiter::new(g, 0, None);
+        tokio::time::timeout(Duration::from_secs(5), b.wait(g, FAR)).await.expect("the class has room again");
+        g.freed();
+        assert_eq!(b.result().await, Ok(()));
+    }
+
+    #[tokio::test]
+    async fn a_request_woken_then_dropped_passes_its_wake_up_on() {
+        let g = gate(8, Vec::new());
+        let (mut x, mut y) = (Waiter::new(g, 0, None), Waiter::new(g, 0, None));
+        x.wait(g, FAR).await;
+        y.wait(g, FAR).await;
+        g.freed();
+        assert_eq!(x.result().await, Ok(()));
+        x.task.abort();
+        let _ = x.task.await;
+        assert_eq!(y.result().await, Ok(()), "the release x did not use goes to y");
     }
 
     #[tokio::test]
@@ -467,8 +579,11 @@ mod tests {
         let g = gate(1, Vec::new());
         let seen = g.releases();
         g.freed();
-        let far = Instant::now() + Duration::from_secs(10);
-        assert!(g.wait(&mut g.ticket(0, None), seen, far).await.is_ok(), "returns at once to decide again");
+        assert_eq!(
+            g.place(0, None).wait(seen, Instant::now() + FAR).await,
+            Ok(false),
+            "returns at once to decide again"
+        );
         assert_eq!(g.waiting(), 0);
     }
 }

@@ -212,7 +212,8 @@ pub struct AdmissionConfig {
     /// `admission_wait_ms` bounds it too).
     #[serde(default = "default_max_queue_ms")]
     pub max_queue_ms: u64,
-    /// The most requests that wait at once; one more is shed at once.
+    /// The most requests of a class that wait at once (each class has its own count); one
+    /// more is shed at once.
     #[serde(default = "default_max_queued")]
     pub max_queued: usize,
     /// The `Retry-After` a shed request is answered with, in seconds.

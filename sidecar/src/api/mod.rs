@@ -22,6 +22,7 @@ use kvgate_shared::wire::{
 };
 
 use crate::accuracy::EngineUsage;
+use crate::admission::Place;
 use crate::metrics::{AdmissionLabels, FallbackLabels, Metrics, PoolLabels, ReasonLabels};
 use crate::pool::{OffloadError, Pool};
 use crate::score::ScoringConfig;
@@ -133,59 +134,67 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         (Some(o), true) => state.scoring.with_overrides(o),
         _ => state.scoring.clone(),
     };
-    let answer = admitted(&state, pool, &req, &scoring).await;
+    let answer = admitted(&state, pool, &req, &scoring, started).await;
     state.metrics.route_seconds.observe(started.elapsed().as_secs_f64());
     answer
 }
 
 /// Decides, with admission control where the pool has it: a request that finds every
-/// replica saturated (or others waiting ahead of it) waits in the pool's queue — at most its
-/// class's `max_queue_ms`, and no longer than the filter said it waits — and decides again
-/// when capacity frees, where its prefix is cached then. Past that it is shed: 429 with
-/// `Retry-After`, nothing booked.
-async fn admitted(state: &AppState, pool: &Pool, req: &RouteRequest, scoring: &ScoringConfig) -> Response {
+/// replica saturated (or others in the queue ahead of it) waits in the pool's queue — at most
+/// its class's `max_queue_ms` from `arrived`, and no longer than the filter said it waits —
+/// and decides again when it is woken, where its prefix is cached then. Past that it is shed:
+/// 429 with `Retry-After`, nothing booked. If the filter stops waiting, this future is
+/// dropped and its place with it.
+async fn admitted(
+    state: &AppState,
+    pool: &Pool,
+    req: &RouteRequest,
+    scoring: &ScoringConfig,
+    arrived: Instant,
+) -> Response {
     let Some(gate) = pool.admission() else { return encoded(&pool.route(req, scoring)) };
-    let started = Instant::now();
     let class = gate.class_of(req.priority.as_deref());
-    let until = started + gate.max_wait(class).min(Duration::from_millis(u64::from(req.wait_ms)));
+    let until = arrived + gate.max_wait(class).min(Duration::from_millis(u64::from(req.wait_ms)));
     let model = pool.config().model.clone();
     let waiting = state.metrics.admission_waiting.get_or_create(&PoolLabels { model: model.clone() }).clone();
     let outcome = |outcome: &str| {
         let class = gate.class_name(class).to_owned();
         let labels = AdmissionLabels { model: model.clone(), class, outcome: outcome.to_owned() };
         state.metrics.admission.get_or_create(&labels).inc();
-        state.metrics.admission_wait_seconds.observe(started.elapsed().as_secs_f64());
+        state.metrics.admission_wait_seconds.observe(arrived.elapsed().as_secs_f64());
     };
-    let mut ticket = None;
+    let mut place = None;
+    let mut woken = false;
     loop {
         let seen = gate.releases();
-        // Nobody waits: decide at once. Others wait: only if this request is ahead of them.
-        let ahead = match &ticket {
-            None if gate.waiting() == 0 => true,
-            None => gate.may_decide(ticket.insert(gate.ticket(class, req.tenant.as_deref()))),
-            Some(t) => gate.may_decide(t),
-        };
-        if ahead {
+        // Woken: decide. Otherwise only with nobody in the queue ahead.
+        let may_decide = woken
+            || match &place {
+                None if gate.is_empty() => true,
+                None => place.insert(gate.place(class, req.tenant.as_deref())).is_first(),
+                Some(p) => p.is_first(),
+            };
+        if may_decide {
             if let Ok(decision) = pool.admit(req, scoring) {
-                if let Some(mut t) = ticket.filter(|t| t.waited()) {
-                    gate.leave(&mut t);
+                if place.as_ref().is_some_and(|p: &Place<'_>| p.waited()) {
                     outcome("admitted");
-                    // One release may make room for more than this request.
-                    gate.freed();
                 }
+                // Dropping the place wakes the next waiter: there may be room for it too.
                 return encoded(&decision);
             }
         }
-        let t = ticket.get_or_insert_with(|| gate.ticket(class, req.tenant.as_deref()));
+        let p = place.get_or_insert_with(|| gate.place(class, req.tenant.as_deref()));
         waiting.set(gate.waiting() as i64 + 1);
-        let waited = gate.wait(t, seen, until).await;
+        let waited = p.wait(seen, until).await;
         waiting.set(gate.waiting() as i64);
-        if let Err(reason) = waited {
-            gate.leave(t);
-            outcome(reason.label());
-            let retry_after = gate.retry_after_secs().to_string();
-            let message = format!("every replica of {model:?} is saturated ({})", reason.label());
-            return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, retry_after)], message).into_response();
+        match waited {
+            Ok(signalled) => woken = signalled,
+            Err(reason) => {
+                outcome(reason.label());
+                let retry_after = gate.retry_after_secs().to_string();
+                let message = format!("every replica of {model:?} is saturated ({})", reason.label());
+                return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, retry_after)], message).into_response();
+            }
         }
     }
 }
@@ -220,7 +229,7 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
             // its load is real, so it is booked on an estimate.
             let model = std::str::from_utf8(&req.body).ok().and(model_of(&req.body));
             if let Some((model, pool)) = model.as_deref().and_then(|m| Some((m, state.pool_for(m)?))) {
-                return admitted(&state, pool, &pool.estimated(model, &req, "unparsable"), &scoring).await;
+                return admitted(&state, pool, &pool.estimated(model, &req, "unparsable"), &scoring, started).await;
             }
             return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
         }
@@ -240,7 +249,7 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
     })
     .await;
     let answer = match prepared {
-        Ok(Ok(route)) => Ok(admitted(&state, &pool, &route, &scoring).await),
+        Ok(Ok(route)) => Ok(admitted(&state, &pool, &route, &scoring, started).await),
         Ok(Err(e)) => Err(Ok(e)),
         Err(e) => Err(Err(e)),
     };

@@ -64,9 +64,15 @@ impl EngineReport {
 /// let reports = kvgate_sidecar::load::engine_metrics::reports_by_engine(page);
 /// assert_eq!((reports["0"].requests, reports["0"].waiting, reports["1"].requests), (5, 2, 1));
 /// assert_eq!((reports["0"].kv_usage, reports["0"].kv_blocks, reports["1"].kv_blocks), (Some(0.5), Some(1024), None));
+/// // A cache config labelled `engine=""` is every rank's.
+/// let shared = "vllm:num_requests_running{engine=\"1\"} 1.0\n\
+///               vllm:cache_config_info{num_gpu_blocks=\"64\",engine=\"\"} 1.0\n";
+/// assert_eq!(kvgate_sidecar::load::engine_metrics::reports_by_engine(shared)["1"].kv_blocks, Some(64));
 /// ```
 pub fn reports_by_engine(page: &str) -> HashMap<String, EngineReport> {
     let mut out: HashMap<String, EngineReport> = HashMap::new();
+    // Some vLLM versions label the cache config `engine=""`: it is every rank's.
+    let mut shared_blocks = None;
     for line in page.lines() {
         let Some((name, rest)) = line.split_once('{').or_else(|| line.split_once(' ')) else { continue };
         let (labels, value) = match line.split_once('{') {
@@ -89,7 +95,14 @@ pub fn reports_by_engine(page: &str) -> HashMap<String, EngineReport> {
         ) {
             continue;
         }
-        let report = out.entry(label("engine").unwrap_or("0").to_owned()).or_default();
+        let engine = label("engine").unwrap_or("0");
+        if engine.is_empty() {
+            if name == "vllm:cache_config_info" {
+                shared_blocks = label("num_gpu_blocks").and_then(|b| b.parse().ok()).or(shared_blocks);
+            }
+            continue;
+        }
+        let report = out.entry(engine.to_owned()).or_default();
         let count = value.max(0.0).round() as u64;
         match name {
             "vllm:num_requests_running" => report.requests += count,
@@ -97,8 +110,17 @@ pub fn reports_by_engine(page: &str) -> HashMap<String, EngineReport> {
                 report.requests += count;
                 report.waiting += count;
             }
-            "vllm:kv_cache_usage_perc" => report.kv_usage = Some(value),
+            // Its name before vLLM 0.10.
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => report.kv_usage = Some(value),
             _ => report.kv_blocks = label("num_gpu_blocks").and_then(|b| b.parse().ok()).or(report.kv_blocks),
+        }
+    }
+    if let Some(blocks) = shared_blocks {
+        if out.is_empty() {
+            out.insert("0".into(), EngineReport::default());
+        }
+        for report in out.values_mut() {
+            report.kv_blocks = report.kv_blocks.or(Some(blocks));
         }
     }
     out

@@ -71,6 +71,8 @@ impl Pool {
         }
         self.publish_load(from, left);
         self.publish_load(to, arrived);
+        // The replica it was booked on has room again.
+        self.capacity_freed();
         true
     }
 
@@ -155,6 +157,10 @@ impl Pool {
         };
         if let Some((r, figures)) = figures {
             self.publish_load(r, figures);
+        }
+        if known {
+            // Its footprint shrank as it nears its end.
+            self.capacity_freed();
         }
         known
     }

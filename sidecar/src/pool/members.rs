@@ -159,6 +159,7 @@ impl Pool {
         let grace = Duration::from_secs(self.config.leave_grace_secs);
         let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
         let mut start = Vec::new();
+        let mut returned = false;
         for (i, m) in members.iter_mut().enumerate() {
             let i = ReplicaIdx::new(i);
             let wanted = wanted_targets.iter().find(|(r, _)| r.id == m.replica.id);
@@ -169,6 +170,7 @@ impl Pool {
                     tracing::info!(model = %self.config.model, replica = %r.id, "replica back within its grace period; its index was kept");
                     m.leaving_since = None;
                     m.active = true;
+                    returned = true;
                 }
                 Some(target) => {
                     if kept {
@@ -208,8 +210,8 @@ impl Pool {
             self.join(slot, &mut members[slot.get()], &target, &mut start);
         }
         drop(members);
-        if !start.is_empty() {
-            // A replica joined: room for the requests that wait.
+        if returned || !start.is_empty() {
+            // A replica joined or came back: room for the requests that wait.
             self.capacity_freed();
         }
         start
