@@ -457,6 +457,46 @@ fn a_request_with_trailers_is_routed_on_its_cache() {
     assert!(head.contains("\r\nx-kvgate-replica: c\r\n"), "and served there: {head}");
 }
 
+/// A stack of two engines whose pool has `pool_toml` (admission control), a filter that waits
+/// up to 5 s for capacity (and `filter` keys), and `sim_args` on top of the test defaults.
+fn admission_stack(name: &str, pool_toml: &str, filter: &[(&str, Value)], sim_args: &[&str]) -> Stack {
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("admission_wait_ms".into(), 5_000.into());
+    filter_config.extend(filter.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+    let mut opts = StackOptions {
+        name: name.into(),
+        replicas: 2,
+        pool_toml: pool_toml.into(),
+        filter_config,
+        ..Default::default()
+    };
+    opts.sim_args.extend(sim_args.iter().map(|a| (*a).to_owned()));
+    Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts")
+}
+
+/// A chat that keeps an engine busy: 300 words of document, 150 tokens out.
+fn long_chat(seed: u32) -> Value {
+    let mut body = chat(&document(seed, 300), "tell me everything");
+    body["max_tokens"] = 150.into();
+    body
+}
+
+/// Bookings held by the stack's pool.
+fn bookings(stack: &Stack) -> Option<Value> {
+    stack.sidecar_state().ok().map(|s| s["pools"][0]["bookings"].clone())
+}
+
+/// Streams two long chats, one per replica, and returns once both are booked.
+fn fill_both_replicas(stack: &Stack, seeds: [u32; 2]) -> [std::thread::JoinHandle<kvgate_e2e::client::Streamed>; 2] {
+    let url = stack.gateway("/v1/chat/completions");
+    let running = seeds.map(|seed| {
+        let (url, body) = (url.clone(), long_chat(seed));
+        std::thread::spawn(move || stream(&url, body).unwrap())
+    });
+    wait_for("both replicas full", Duration::from_secs(10), || (bookings(stack)? == 2).then_some(())).unwrap();
+    running
+}
+
 /// 4g. Admission control: with every replica saturated (one long request fills each of two
 ///     here), a request waits in the sidecar — paused in Envoy — and is routed when one ends;
 ///     one more than the queue holds gets 429 with `Retry-After` and an OpenAI error from the
@@ -464,31 +504,16 @@ fn a_request_with_trailers_is_routed_on_its_cache() {
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn a_saturated_pool_queues_then_sheds_with_429() {
-    let mut filter_config = serde_json::Map::new();
-    filter_config.insert("admission_wait_ms".into(), 5_000.into());
-    let opts = StackOptions {
-        name: "admission".into(),
-        replicas: 2,
-        pool_toml: "admission = { enabled = true, kv_blocks = 10, max_queued = 1, retry_after_secs = 2 }".into(),
-        filter_config,
-        ..Default::default()
-    };
-    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let stack = admission_stack(
+        "admission",
+        "admission = { enabled = true, kv_blocks = 10, max_queued = 1, retry_after_secs = 2 }",
+        &[],
+        &[],
+    );
     let url = stack.gateway("/v1/chat/completions");
-    let long = |seed: u32| {
-        let mut body = chat(&document(40 + seed, 300), "tell me everything");
-        body["max_tokens"] = 150.into();
-        body
-    };
-    let bookings = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["bookings"].clone());
-    let spawn = |seed: u32| {
-        let (url, body) = (url.clone(), long(seed));
-        std::thread::spawn(move || stream(&url, body).unwrap())
-    };
-    let running = [spawn(1), spawn(2)];
-    wait_for("both replicas full", Duration::from_secs(10), || (bookings(&stack)? == 2).then_some(())).unwrap();
-    let late = [3, 4].map(|seed| {
-        let (url, body) = (url.clone(), long(seed).to_string());
+    let running = fill_both_replicas(&stack, [41, 42]);
+    let late = [43, 44].map(|seed| {
+        let (url, body) = (url.clone(), long_chat(seed).to_string());
         std::thread::spawn(move || post(&url, body, &[]).unwrap())
     });
     let first: Vec<_> = running.into_iter().map(|t| t.join().unwrap()).collect();
@@ -518,37 +543,22 @@ fn a_saturated_pool_queues_then_sheds_with_429() {
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn a_higher_class_keeps_its_headroom() {
-    let mut filter_config = serde_json::Map::new();
-    filter_config.insert("admission_wait_ms".into(), 5_000.into());
-    filter_config.insert("priority_header".into(), "x-kvgate-priority".into());
     let classes = "classes = [{ name = \"batch\", priority = 0, kv_fraction = 0.0001 }, \
                    { name = \"interactive\", priority = 10, kv_fraction = 1.0 }]";
-    let opts = StackOptions {
-        name: "admission-classes".into(),
-        replicas: 2,
-        pool_toml: format!("admission = {{ enabled = true, kv_blocks = 100000, {classes} }}"),
-        filter_config,
-        ..Default::default()
-    };
-    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let pool = format!("admission = {{ enabled = true, kv_blocks = 100000, {classes} }}");
+    let stack = admission_stack("admission-classes", &pool, &[("priority_header", "x-kvgate-priority".into())], &[]);
     let url = stack.gateway("/v1/chat/completions");
-    let long = |seed: u32| {
-        let mut body = chat(&document(70 + seed, 300), "tell me everything");
-        body["max_tokens"] = 150.into();
-        body.to_string()
-    };
     let send = |seed: u32, class: &'static str| {
-        let (url, body) = (url.clone(), long(seed));
+        let (url, body) = (url.clone(), long_chat(seed).to_string());
         std::thread::spawn(move || post(&url, body, &[("x-kvgate-priority", class)]).unwrap())
     };
-    let bookings = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["bookings"].clone());
-    let running = [send(1, "batch"), send(2, "batch")];
+    let running = [send(71, "batch"), send(72, "batch")];
     wait_for("both replicas hold a batch request", Duration::from_secs(10), || (bookings(&stack)? == 2).then_some(()))
         .unwrap();
-    let batch = send(3, "batch");
+    let batch = send(73, "batch");
     let waiting = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["admission_waiting"].clone());
     wait_for("the batch request waits", Duration::from_secs(10), || (waiting(&stack)? == 1).then_some(())).unwrap();
-    let interactive = post(&url, long(4), &[("x-kvgate-priority", "interactive")]).unwrap();
+    let interactive = post(&url, long_chat(74).to_string(), &[("x-kvgate-priority", "interactive")]).unwrap();
     assert_eq!(interactive.status, 200);
     let decided_us: u64 = interactive.header("x-kvgate-decision-us").parse().unwrap();
     assert!(decided_us < 50_000, "routed at once into the headroom: {decided_us} µs");
@@ -567,30 +577,12 @@ fn a_higher_class_keeps_its_headroom() {
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn a_client_that_leaves_the_queue_leaks_no_booking() {
-    let mut filter_config = serde_json::Map::new();
-    filter_config.insert("admission_wait_ms".into(), 5_000.into());
-    let opts = StackOptions {
-        name: "admission-leave".into(),
-        replicas: 2,
-        pool_toml: "admission = { enabled = true, kv_blocks = 10 }".into(),
-        filter_config,
-        ..Default::default()
-    };
-    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let stack = admission_stack("admission-leave", "admission = { enabled = true, kv_blocks = 10 }", &[], &[]);
     let url = stack.gateway("/v1/chat/completions");
-    let long = |seed: u32| {
-        let mut body = chat(&document(50 + seed, 300), "tell me everything");
-        body["max_tokens"] = 150.into();
-        body
-    };
-    let bookings = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["bookings"].clone());
-    let running = [1, 2].map(|seed| {
-        let (url, body) = (url.clone(), long(seed));
-        std::thread::spawn(move || stream(&url, body).unwrap())
-    });
-    wait_for("both replicas full", Duration::from_secs(10), || (bookings(&stack)? == 2).then_some(())).unwrap();
+    let running = fill_both_replicas(&stack, [51, 52]);
     let impatient = reqwest::blocking::Client::builder().timeout(Duration::from_millis(200)).build().unwrap();
-    let gave_up = impatient.post(&url).header("content-type", "application/json").body(long(3).to_string()).send();
+    let gave_up =
+        impatient.post(&url).header("content-type", "application/json").body(long_chat(53).to_string()).send();
     assert!(gave_up.is_err(), "the client timed out while its request waited");
     let waiting = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["admission_waiting"].clone());
     for reply in running.map(|t| t.join().unwrap()) {
@@ -608,17 +600,8 @@ fn a_client_that_leaves_the_queue_leaks_no_booking() {
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn admission_learns_each_engines_kv_capacity() {
-    let mut filter_config = serde_json::Map::new();
-    filter_config.insert("admission_wait_ms".into(), 5_000.into());
-    let mut opts = StackOptions {
-        name: "admission-learned".into(),
-        replicas: 2,
-        pool_toml: "engine_metrics_secs = 1\nadmission = { enabled = true, kv_fraction = 0.25 }".into(),
-        filter_config,
-        ..Default::default()
-    };
-    opts.sim_args.extend(["--num-gpu-blocks-override", "64"].map(String::from));
-    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let pool = "engine_metrics_secs = 1\nadmission = { enabled = true, kv_fraction = 0.25 }";
+    let stack = admission_stack("admission-learned", pool, &[], &["--num-gpu-blocks-override", "64"]);
     let learned = |stack: &Stack| -> Option<Vec<Value>> {
         let state = stack.sidecar_state().ok()?;
         Some(state["pools"][0]["replicas"].as_array()?.iter().map(|r| r["engine"]["kv_blocks"].clone()).collect())
@@ -628,20 +611,10 @@ fn admission_learns_each_engines_kv_capacity() {
     })
     .unwrap();
     let url = stack.gateway("/v1/chat/completions");
-    let long = |seed: u32| {
-        let mut body = chat(&document(60 + seed, 300), "tell me everything");
-        body["max_tokens"] = 150.into();
-        body
-    };
-    let bookings = |stack: &Stack| stack.sidecar_state().ok().map(|s| s["pools"][0]["bookings"].clone());
-    let running = [1, 2].map(|seed| {
-        let (url, body) = (url.clone(), long(seed));
-        std::thread::spawn(move || stream(&url, body).unwrap())
-    });
-    wait_for("both replicas full", Duration::from_secs(10), || (bookings(&stack)? == 2).then_some(())).unwrap();
+    let running = fill_both_replicas(&stack, [61, 62]);
     let saturated = stack.sidecar_state().unwrap()["pools"][0]["replicas"][0]["saturated"].clone();
     assert_eq!(saturated, true, "a quarter of 64 blocks booked");
-    let third = post(&url, long(3).to_string(), &[]).unwrap();
+    let third = post(&url, long_chat(63).to_string(), &[]).unwrap();
     for reply in running.map(|t| t.join().unwrap()) {
         assert_eq!(reply.status, 200);
     }
