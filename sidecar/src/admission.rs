@@ -354,7 +354,7 @@ impl Gate {
 mod tests {
     use super::*;
     use crate::config::ClassConfig;
-    use crate::load::engine_metrics::EngineReport;
+    use crate::load::EngineReport;
     use tokio::sync::mpsc;
 
     /// A gate that lives for the whole test (so that places can move into tasks).

@@ -11,47 +11,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::EngineReport;
 use crate::index::ReplicaIdx;
 use crate::pool::Pool;
 
 /// How long one scrape may take.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// What one engine (one vLLM `engine` label: a data-parallel rank) reports of itself.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
-pub struct EngineReport {
-    /// `vllm:num_requests_running` + `vllm:num_requests_waiting`.
-    pub requests: u64,
-    /// `vllm:num_requests_waiting`: requests the engine has not scheduled yet.
-    pub waiting: u64,
-    /// `vllm:kv_cache_usage_perc` (0–1).
-    pub kv_usage: Option<f64>,
-    /// Its KV cache in blocks: the `num_gpu_blocks` label of `vllm:cache_config_info`.
-    pub kv_blocks: Option<u64>,
-}
-
-impl EngineReport {
-    /// Several engines behind one target, as one: counts and blocks add up, usage is the
-    /// fullest's.
-    pub fn merge(self, other: EngineReport) -> EngineReport {
-        let add = |a: Option<u64>, b: Option<u64>| {
-            if a.is_none() && b.is_none() {
-                None
-            } else {
-                Some(a.unwrap_or(0) + b.unwrap_or(0))
-            }
-        };
-        EngineReport {
-            requests: self.requests + other.requests,
-            waiting: self.waiting + other.waiting,
-            kv_usage: match (self.kv_usage, other.kv_usage) {
-                (Some(a), Some(b)) => Some(a.max(b)),
-                (a, b) => a.or(b),
-            },
-            kv_blocks: add(self.kv_blocks, other.kv_blocks),
-        }
-    }
-}
 
 /// Each engine's report in a Prometheus text page, by vLLM's `engine` label (DP rank).
 ///

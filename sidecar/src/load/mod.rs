@@ -30,6 +30,42 @@ use kvgate_shared::hash::SequenceHash;
 use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
 
+/// What one engine (one vLLM `engine` label: a data-parallel rank) reports of itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct EngineReport {
+    /// `vllm:num_requests_running` + `vllm:num_requests_waiting`.
+    pub requests: u64,
+    /// `vllm:num_requests_waiting`: requests the engine has not scheduled yet.
+    pub waiting: u64,
+    /// `vllm:kv_cache_usage_perc` (0–1).
+    pub kv_usage: Option<f64>,
+    /// Its KV cache in blocks: the `num_gpu_blocks` label of `vllm:cache_config_info`.
+    pub kv_blocks: Option<u64>,
+}
+
+impl EngineReport {
+    /// Several engines behind one target, as one: counts and blocks add up, usage is the
+    /// fullest's.
+    pub fn merge(self, other: EngineReport) -> EngineReport {
+        let add = |a: Option<u64>, b: Option<u64>| {
+            if a.is_none() && b.is_none() {
+                None
+            } else {
+                Some(a.unwrap_or(0) + b.unwrap_or(0))
+            }
+        };
+        EngineReport {
+            requests: self.requests + other.requests,
+            waiting: self.waiting + other.waiting,
+            kv_usage: match (self.kv_usage, other.kv_usage) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            },
+            kv_blocks: add(self.kv_blocks, other.kv_blocks),
+        }
+    }
+}
+
 /// What a replica is busy with, as the scorer sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ReplicaLoad {
@@ -42,7 +78,7 @@ pub struct ReplicaLoad {
     /// Of those, requests the engine reports that kvgate did not book.
     pub external: u64,
     /// What the engine last said of itself (with `engine_metrics_secs`), if it has.
-    pub engine: Option<engine_metrics::EngineReport>,
+    pub engine: Option<EngineReport>,
 }
 
 #[derive(Debug)]
@@ -76,7 +112,7 @@ struct Replica {
     /// Requests the engine last reported beyond those booked here.
     external: u64,
     /// The engine's last report.
-    engine: Option<engine_metrics::EngineReport>,
+    engine: Option<EngineReport>,
     /// Output blocks of active requests, and the blocks their decode-progress weights
     /// discount (see [`LoadTable::progress`]).
     output_blocks: u64,
@@ -261,7 +297,7 @@ impl LoadTable {
 
     /// The engine reports itself: whatever of its requests (running + waiting) exceeds the
     /// requests booked here is external load until the next report.
-    pub fn observe(&mut self, replica: ReplicaIdx, report: engine_metrics::EngineReport) {
+    pub fn observe(&mut self, replica: ReplicaIdx, report: EngineReport) {
         let r = &mut self.replicas[replica.get()];
         r.external = report.requests.saturating_sub(r.requests);
         r.engine = Some(report);
@@ -546,21 +582,21 @@ mod tests {
         let now = Instant::now();
         assert!(t.book(ReplicaIdx::new(0), booking("a", 0, &[1, 2, 3], 4), now));
         assert!(t.book(ReplicaIdx::new(0), booking("b", 0, &[1, 2], 2), now));
-        t.observe(ReplicaIdx::new(0), engine_metrics::EngineReport { requests: 1, ..Default::default() });
+        t.observe(ReplicaIdx::new(0), EngineReport { requests: 1, ..Default::default() });
         assert_eq!(
             t.load(ReplicaIdx::new(0)).external,
             0,
             "the engine has not seen all bookings yet: nothing external"
         );
-        t.observe(ReplicaIdx::new(1), engine_metrics::EngineReport { requests: 3, ..Default::default() });
+        t.observe(ReplicaIdx::new(1), EngineReport { requests: 3, ..Default::default() });
         let l = t.load(ReplicaIdx::new(1));
         assert_eq!((l.external, l.requests), (3, 3));
         assert_eq!(l.active_blocks, 3 * 3, "each charged the mean booked request: (4 + 2) / 2 = 3 blocks");
-        t.observe(ReplicaIdx::new(1), engine_metrics::EngineReport { requests: 0, ..Default::default() });
-        let idle = ReplicaLoad { engine: Some(engine_metrics::EngineReport::default()), ..ReplicaLoad::default() };
+        t.observe(ReplicaIdx::new(1), EngineReport { requests: 0, ..Default::default() });
+        let idle = ReplicaLoad { engine: Some(EngineReport::default()), ..ReplicaLoad::default() };
         assert_eq!(t.load(ReplicaIdx::new(1)), idle, "what the engine said is kept beside the load");
         assert!(t.finish("a") && t.finish("b"));
-        t.observe(ReplicaIdx::new(1), engine_metrics::EngineReport { requests: 2, ..Default::default() });
+        t.observe(ReplicaIdx::new(1), EngineReport { requests: 2, ..Default::default() });
         assert_eq!(t.load(ReplicaIdx::new(1)).active_blocks, 2, "1 block each when nothing is booked");
     }
 

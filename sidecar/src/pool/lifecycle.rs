@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::Pool;
 use crate::accuracy::{AlarmChange, Check, EngineUsage};
 use crate::index::ReplicaIdx;
-use crate::load::engine_metrics::EngineReport;
+use crate::load::EngineReport;
 use crate::load::{NewBooking, ReplicaLoad};
 use crate::metrics::{PoolLabels, ReasonLabels};
 use crate::sync::event::{Outbox, SyncEvent};

@@ -35,7 +35,7 @@ pub struct ReplicaState {
     pub saturated: Option<bool>,
     /// What its engine last reported of itself (`engine_metrics_secs`): requests, waiting,
     /// KV cache usage and capacity in blocks.
-    pub engine: Option<crate::load::engine_metrics::EngineReport>,
+    pub engine: Option<crate::load::EngineReport>,
     /// KV events applied.
     pub events_applied: u64,
     /// The last event sequence number applied.

@@ -12,7 +12,7 @@ use super::*;
 use crate::config::ReplicaConfig;
 use crate::events::ingest::{Outcome, Progress};
 use crate::index::{Store, Tier};
-use crate::load::engine_metrics::EngineReport;
+use crate::load::EngineReport;
 use crate::load::NewBooking;
 use crate::score::ScoringConfig;
 
