@@ -29,6 +29,9 @@ const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 /// let reports = kvgate_sidecar::load::engine_metrics::reports_by_engine(page);
 /// assert_eq!((reports["0"].requests, reports["0"].waiting, reports["1"].requests), (5, 2, 1));
 /// assert_eq!((reports["0"].kv_usage, reports["0"].kv_blocks, reports["1"].kv_blocks), (Some(0.5), Some(1024), None));
+/// // vLLM before 0.10 calls the usage `gpu_cache_usage_perc`.
+/// let old = "vllm:gpu_cache_usage_perc{engine=\"0\"} 0.25\n";
+/// assert_eq!(kvgate_sidecar::load::engine_metrics::reports_by_engine(old)["0"].kv_usage, Some(0.25));
 /// // A cache config labelled `engine=""` is every rank's.
 /// let shared = "vllm:num_requests_running{engine=\"1\"} 1.0\n\
 ///               vllm:cache_config_info{num_gpu_blocks=\"64\",engine=\"\"} 1.0\n";
@@ -39,45 +42,39 @@ pub fn reports_by_engine(page: &str) -> HashMap<String, EngineReport> {
     // Some vLLM versions label the cache config `engine=""`: it is every rank's.
     let mut shared_blocks = None;
     for line in page.lines() {
-        let Some((name, rest)) = line.split_once('{').or_else(|| line.split_once(' ')) else { continue };
-        let (labels, value) = match line.split_once('{') {
-            Some(_) => match rest.split_once('}') {
-                Some((labels, value)) => (labels, value),
+        let (name, labels, value) = match line.split_once('{') {
+            Some((name, rest)) => match rest.split_once('}') {
+                Some((labels, value)) => (name, labels, value),
                 None => continue,
             },
-            None => ("", rest),
+            None => match line.split_once(' ') {
+                Some((name, value)) => (name, "", value),
+                None => continue,
+            },
         };
+        let Some(metric) = Metric::named(name) else { continue };
+        let Ok(value) = value.trim().parse::<f64>() else { continue };
         let label = |key: &str| {
             labels.split(',').find_map(|kv| kv.trim().strip_prefix(key)?.strip_prefix("=\"")?.strip_suffix('"'))
         };
-        let Ok(value) = value.trim().parse::<f64>() else { continue };
-        if !matches!(
-            name,
-            "vllm:num_requests_running"
-                | "vllm:num_requests_waiting"
-                | "vllm:kv_cache_usage_perc"
-                | "vllm:cache_config_info"
-        ) {
-            continue;
-        }
+        let blocks = || label("num_gpu_blocks").and_then(|b| b.parse::<u64>().ok());
         let engine = label("engine").unwrap_or("0");
         if engine.is_empty() {
-            if name == "vllm:cache_config_info" {
-                shared_blocks = label("num_gpu_blocks").and_then(|b| b.parse().ok()).or(shared_blocks);
+            if metric == Metric::CacheConfig {
+                shared_blocks = blocks().or(shared_blocks);
             }
             continue;
         }
         let report = out.entry(engine.to_owned()).or_default();
         let count = value.max(0.0).round() as u64;
-        match name {
-            "vllm:num_requests_running" => report.requests += count,
-            "vllm:num_requests_waiting" => {
+        match metric {
+            Metric::Running => report.requests += count,
+            Metric::Waiting => {
                 report.requests += count;
                 report.waiting += count;
             }
-            // Its name before vLLM 0.10.
-            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => report.kv_usage = Some(value),
-            _ => report.kv_blocks = label("num_gpu_blocks").and_then(|b| b.parse().ok()).or(report.kv_blocks),
+            Metric::KvUsage => report.kv_usage = Some(value),
+            Metric::CacheConfig => report.kv_blocks = blocks().or(report.kv_blocks),
         }
     }
     if let Some(blocks) = shared_blocks {
@@ -89,6 +86,28 @@ pub fn reports_by_engine(page: &str) -> HashMap<String, EngineReport> {
         }
     }
     out
+}
+
+/// The vLLM metrics an [`EngineReport`] is read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Metric {
+    Running,
+    Waiting,
+    KvUsage,
+    CacheConfig,
+}
+
+impl Metric {
+    fn named(name: &str) -> Option<Metric> {
+        match name {
+            "vllm:num_requests_running" => Some(Metric::Running),
+            "vllm:num_requests_waiting" => Some(Metric::Waiting),
+            // `gpu_cache_usage_perc` is its name before vLLM 0.10.
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => Some(Metric::KvUsage),
+            "vllm:cache_config_info" => Some(Metric::CacheConfig),
+            _ => None,
+        }
+    }
 }
 
 /// Scrapes every active engine of `pool` every `interval` until `stop`, and books what they
