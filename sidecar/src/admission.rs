@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use crate::config::AdmissionConfig;
+use crate::config::{AdmissionConfig, ClassConfig};
 use crate::load::ReplicaLoad;
 
 /// The most tenants whose turn is remembered per pool.
@@ -106,14 +106,8 @@ impl Queue {
     /// Wakes the first waiting request after `after` (from the start for `None`), if any.
     fn wake_after(&mut self, after: Option<Key>, classes: &[Class]) {
         let lower = after.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
-        let keys: Vec<Key> = self
-            .places
-            .range((lower, std::ops::Bound::Unbounded))
-            .filter(|(_, tx)| tx.is_some())
-            .map(|(k, _)| *k)
-            .collect();
-        for key in keys {
-            let Some(tx) = self.places.get_mut(&key).and_then(Option::take) else { continue };
+        for (key, waiter) in self.places.range_mut((lower, std::ops::Bound::Unbounded)) {
+            let Some(tx) = waiter.take() else { continue };
             if tx.send(()).is_ok() {
                 let class = classes.iter().position(|c| c.rank == key.rank).unwrap_or_default();
                 self.turn[class] = self.turn[class].max(key.turn);
@@ -217,8 +211,10 @@ fn record_turn(queue: &mut Queue, id: (usize, u64), turn: u64) {
 impl Gate {
     /// A gate with `config`'s thresholds, classes and bounds.
     pub fn new(config: &AdmissionConfig) -> Gate {
-        let mut classes: Vec<Class> = config
-            .classes
+        // No classes configured: one, with the pool's bounds.
+        let implicit = [ClassConfig { name: "default".into(), ..ClassConfig::default() }];
+        let configured = if config.classes.is_empty() { &implicit[..] } else { &config.classes[..] };
+        let mut classes: Vec<Class> = configured
             .iter()
             .map(|c| Class {
                 name: c.name.clone(),
@@ -229,18 +225,8 @@ impl Gate {
                 max_prefill_tokens: c.max_prefill_tokens.unwrap_or(config.max_prefill_tokens),
             })
             .collect();
-        if classes.is_empty() {
-            classes.push(Class {
-                name: "default".into(),
-                rank: 0,
-                max_wait: Duration::from_millis(config.max_queue_ms),
-                max_queued: config.max_queued,
-                kv_fraction: config.kv_fraction,
-                max_prefill_tokens: config.max_prefill_tokens,
-            });
-        }
         let mut by_priority: Vec<usize> = (0..classes.len()).collect();
-        by_priority.sort_by_key(|&i| std::cmp::Reverse(config.classes.get(i).map_or(0, |c| c.priority)));
+        by_priority.sort_by_key(|&i| std::cmp::Reverse(configured[i].priority));
         for (rank, &i) in by_priority.iter().enumerate() {
             classes[i].rank = rank;
         }
@@ -353,7 +339,6 @@ impl Gate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ClassConfig;
     use crate::load::EngineReport;
     use tokio::sync::mpsc;
 
