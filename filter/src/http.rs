@@ -121,10 +121,7 @@ impl<H: Host> RequestContext<H> {
     fn configured_header(&self, name: impl Fn(&FilterConfig) -> Option<&str>) -> Option<String> {
         let name = name(&self.shared.borrow().config)?.to_owned();
         let mut value = self.request_header(&name)?;
-        if value.len() > MAX_KEY_BYTES {
-            let cut = (0..=MAX_KEY_BYTES).rev().find(|&i| value.is_char_boundary(i)).unwrap_or(0);
-            value.truncate(cut);
-        }
+        value.truncate(value.floor_char_boundary(MAX_KEY_BYTES));
         Some(value)
     }
 

@@ -54,7 +54,8 @@ pub enum Special {
 }
 
 impl Special {
-    /// Every special token, for resolving their ids once.
+    /// Every special token, in declaration order (a token's index is `special as usize`), for
+    /// resolving their ids once.
     pub const ALL: [Special; 5] = [Special::Start, Special::Message, Special::End, Special::Call, Special::Channel];
 
     /// The token's text in the vocabulary.
