@@ -145,6 +145,13 @@ async fn past_its_wait_or_a_full_queue_a_request_is_shed() {
     assert_eq!(waiting.await.unwrap().unwrap_err().0, StatusCode::TOO_MANY_REQUESTS, "its 200 ms ran out");
     assert_eq!(pool.state().bookings, 2, "shed requests book nothing");
     assert_eq!(pool.admission().unwrap().waiting(), 0);
+    let response = router(state.clone()).oneshot(Request::get("/metrics").body(Body::empty()).unwrap()).await.unwrap();
+    let metrics = String::from_utf8(to_bytes(response.into_body(), 1 << 20).await.unwrap().to_vec()).unwrap();
+    let sum = |name: &str| -> f64 {
+        metrics.lines().find_map(|l| l.strip_prefix(name)?.trim().parse().ok()).unwrap_or_else(|| panic!("{name}"))
+    };
+    assert!(sum("kvgate_admission_wait_seconds_sum") >= 0.2, "the patient request's 200 ms are counted as waiting");
+    assert!(sum("kvgate_route_seconds_sum") < 0.1, "and not as deciding: {metrics}");
 }
 
 #[tokio::test]

@@ -134,8 +134,8 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         (Some(o), true) => state.scoring.with_overrides(o),
         _ => state.scoring.clone(),
     };
-    let answer = admitted(&state, pool, &req, &scoring, started).await;
-    state.metrics.route_seconds.observe(started.elapsed().as_secs_f64());
+    let (answer, waited) = admitted(&state, pool, &req, &scoring, started).await;
+    state.metrics.route_seconds.observe(started.elapsed().saturating_sub(waited).as_secs_f64());
     answer
 }
 
@@ -144,15 +144,16 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
 /// its class's `max_queue_ms` from `arrived`, and no longer than the filter said it waits —
 /// and decides again when it is woken, where its prefix is cached then. Past that it is shed:
 /// 429 with `Retry-After`, nothing booked. If the filter stops waiting, this future is
-/// dropped and its place with it.
+/// dropped and its place with it. Returns the answer and the time spent waiting (which the
+/// decision-time histogram leaves out).
 async fn admitted(
     state: &AppState,
     pool: &Pool,
     req: &RouteRequest,
     scoring: &ScoringConfig,
     arrived: Instant,
-) -> Response {
-    let Some(gate) = pool.admission() else { return encoded(&pool.route(req, scoring)) };
+) -> (Response, Duration) {
+    let Some(gate) = pool.admission() else { return (encoded(&pool.route(req, scoring)), Duration::ZERO) };
     let class = gate.class_of(req.priority.as_deref());
     let until = arrived + gate.max_wait(class).min(Duration::from_millis(u64::from(req.wait_ms)));
     let model = pool.config().model.clone();
@@ -165,6 +166,7 @@ async fn admitted(
     };
     let mut place = None;
     let mut woken = false;
+    let mut waited = Duration::ZERO;
     loop {
         let seen = gate.releases();
         // Woken: decide. Otherwise only with nobody in the queue ahead.
@@ -180,20 +182,23 @@ async fn admitted(
                     outcome("admitted");
                 }
                 // Dropping the place wakes the next waiter: there may be room for it too.
-                return encoded(&decision);
+                return (encoded(&decision), waited);
             }
         }
         let p = place.get_or_insert_with(|| gate.place(class, req.tenant.as_deref()));
         waiting.set(gate.waiting() as i64 + 1);
-        let waited = p.wait(seen, until).await;
+        let wait_started = Instant::now();
+        let result = p.wait(seen, until).await;
+        waited += wait_started.elapsed();
         waiting.set(gate.waiting() as i64);
-        match waited {
+        match result {
             Ok(signalled) => woken = signalled,
             Err(reason) => {
                 outcome(reason.label());
                 let retry_after = gate.retry_after_secs().to_string();
                 let message = format!("every replica of {model:?} is saturated ({})", reason.label());
-                return (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, retry_after)], message).into_response();
+                let shed = (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, retry_after)], message);
+                return (shed.into_response(), waited);
             }
         }
     }
@@ -229,7 +234,7 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
             // its load is real, so it is booked on an estimate.
             let model = std::str::from_utf8(&req.body).ok().and(model_of(&req.body));
             if let Some((model, pool)) = model.as_deref().and_then(|m| Some((m, state.pool_for(m)?))) {
-                return admitted(&state, pool, &pool.estimated(model, &req, "unparsable"), &scoring, started).await;
+                return admitted(&state, pool, &pool.estimated(model, &req, "unparsable"), &scoring, started).await.0;
             }
             return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
         }
@@ -248,18 +253,18 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
         tokenizing.request_for_body(&parsed, &req, deadline)
     })
     .await;
-    let answer = match prepared {
-        Ok(Ok(route)) => Ok(admitted(&state, &pool, &route, &scoring, started).await),
-        Ok(Err(e)) => Err(Ok(e)),
-        Err(e) => Err(Err(e)),
+    let (answer, waited) = match prepared {
+        Ok(Ok(route)) => admitted(&state, &pool, &route, &scoring, started).await,
+        Ok(Err(e @ OffloadError::Late)) => {
+            (fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, e.to_string()), Duration::ZERO)
+        }
+        Ok(Err(e)) => {
+            (fallback(&state, "tokenize_failed", StatusCode::UNPROCESSABLE_ENTITY, e.to_string()), Duration::ZERO)
+        }
+        Err(e) => (fallback(&state, "internal", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()), Duration::ZERO),
     };
-    state.metrics.route_seconds.observe(started.elapsed().as_secs_f64());
-    match answer {
-        Ok(answer) => answer,
-        Err(Ok(e @ OffloadError::Late)) => fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
-        Err(Ok(e)) => fallback(&state, "tokenize_failed", StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
-        Err(Err(e)) => fallback(&state, "internal", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-    }
+    state.metrics.route_seconds.observe(started.elapsed().saturating_sub(waited).as_secs_f64());
+    answer
 }
 
 async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
