@@ -86,6 +86,16 @@ async fn route(
     }
 }
 
+/// Returns once `n` requests wait in the pool's queue (panics after 5 s).
+async fn until_waiting(pool: &Pool, n: usize) {
+    let waiting = async {
+        while pool.admission().unwrap().waiting() < n {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), waiting).await.unwrap_or_else(|_| panic!("{n} requests never waited"));
+}
+
 async fn done(state: &Arc<AppState>, id: &str) {
     let event = LifecycleEvent { request_id: id.into(), model: "m".into(), kind: LifecycleKind::Done };
     let (status, _, _) =
@@ -105,13 +115,7 @@ async fn a_full_pool_holds_a_request_until_capacity_frees() {
         let state = state.clone();
         async move { route(&state, "c", 3, 5_000).await }
     });
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while pool.admission().unwrap().waiting() == 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .expect("the third request waits");
+    until_waiting(&pool, 1).await;
     assert_eq!(pool.state().bookings, 2, "nothing is booked for a waiting request");
 
     done(&state, "b").await;
@@ -134,13 +138,7 @@ async fn past_its_wait_or_a_full_queue_a_request_is_shed() {
         let state = state.clone();
         async move { route(&state, "patient", 4, 200).await }
     });
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while pool.admission().unwrap().waiting() == 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .unwrap();
+    until_waiting(&pool, 1).await;
     assert_eq!(route(&state, "full", 5, 5_000).await.unwrap_err().0, StatusCode::TOO_MANY_REQUESTS, "queue full");
     assert_eq!(waiting.await.unwrap().unwrap_err().0, StatusCode::TOO_MANY_REQUESTS, "its 200 ms ran out");
     assert_eq!(pool.state().bookings, 2, "shed requests book nothing");
@@ -163,7 +161,6 @@ async fn a_higher_class_is_admitted_first() {
     });
     route(&state, "a", 1, 0).await.unwrap();
     route(&state, "b", 2, 0).await.unwrap();
-    let gate = pool.admission().unwrap();
     let spawn = |id: &'static str, seed, class: &'static str| {
         let state = state.clone();
         tokio::spawn(async move {
@@ -174,21 +171,9 @@ async fn a_higher_class_is_admitted_first() {
         })
     };
     let batch = spawn("batch", 3, "batch");
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while gate.waiting() < 1 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .unwrap();
+    until_waiting(&pool, 1).await;
     let interactive = spawn("chat", 4, "interactive");
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while gate.waiting() < 2 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .unwrap();
+    until_waiting(&pool, 2).await;
     done(&state, "a").await;
     tokio::time::timeout(Duration::from_secs(5), interactive).await.unwrap().unwrap();
     assert!(!batch.is_finished(), "the batch request, though it came first, still waits");
