@@ -247,6 +247,7 @@ impl<H: Host> RequestContext<H> {
         let forwarding = match endpoint {
             Endpoint::Completions => self.shared.borrow().config.forward_tokens,
             Endpoint::ChatCompletions => self.shared.borrow().config.forward_chat_tokens,
+            Endpoint::Responses => false,
         };
         if let Some(ids) = planned.forwardable.as_deref().filter(|_| forwarding) {
             self.forward_tokens(endpoint, body, ids);

@@ -47,8 +47,8 @@ pub struct Plan {
     pub untokenizable: Option<String>,
 }
 
-/// Which requests the filter routes: `POST` to `/v1/completions` or `/v1/chat/completions`
-/// with a JSON body (no content type, or `application/json` with any parameters). Everything
+/// Which requests the filter routes: `POST` to `/v1/completions`, `/v1/chat/completions` or
+/// `/v1/responses` with a JSON body (no content type, or `application/json` with any parameters). Everything
 /// else passes through untouched, with no sidecar call.
 ///
 /// ```
@@ -136,7 +136,7 @@ pub fn plan(
     let forwardable = match parsed.prompt {
         Prompt::Text { .. } => parsed.prompt_count == 1,
         Prompt::Chat(_) => true,
-        Prompt::Tokens(_) => false,
+        Prompt::Tokens(_) | Prompt::Responses(_) => false,
     };
     Ok(Plan {
         truncated: head.truncated,
@@ -185,19 +185,26 @@ fn estimated(
 
 /// Output tokens in a chunk of a streamed (SSE) completion: vLLM sends one `data:` event per
 /// generated token (or a few, for speculative decoding: this then counts low); `[DONE]` is
-/// not a token.
+/// not a token. A named event (the Responses API's) is a token only if it is a `….delta`.
 ///
 /// ```
 /// let chunk = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[]}\n\ndata: [DONE]\n\n";
 /// assert_eq!(kvgate_filter::plan::streamed_tokens(chunk), 2);
+/// let events = b"event: response.created\ndata: {}\n\nevent: response.output_text.delta\ndata: {}\n\n";
+/// assert_eq!(kvgate_filter::plan::streamed_tokens(events), 1);
 /// ```
 pub fn streamed_tokens(chunk: &[u8]) -> u32 {
     let mut n = 0;
+    let mut event: Option<&[u8]> = None;
     for line in chunk.split(|b| *b == b'\n') {
-        if let Some(data) = line.strip_prefix(b"data:") {
-            if data.trim_ascii() != b"[DONE]" {
-                n += 1;
-            }
+        if let Some(name) = line.strip_prefix(b"event:") {
+            event = Some(name.trim_ascii());
+        } else if let Some(data) = line.strip_prefix(b"data:") {
+            let token = match event.take() {
+                Some(name) => name.ends_with(b".delta"),
+                None => data.trim_ascii() != b"[DONE]",
+            };
+            n += u32::from(token);
         }
     }
     n
@@ -207,9 +214,10 @@ pub fn streamed_tokens(chunk: &[u8]) -> u32 {
 pub const USAGE_TAIL_BYTES: usize = 4096;
 
 /// The engine's `usage` (`prompt_tokens`, and `prompt_tokens_details.cached_tokens` if
-/// reported) from the end of a response: the JSON body, or a stream's last events (a stream
-/// carries usage when the client asked for `stream_options.include_usage`). `None` if the
-/// tail holds no usage.
+/// reported; `input_tokens` and `input_tokens_details.cached_tokens` for Responses) from the
+/// end of a response: the JSON body, or a stream's last events (a stream carries usage when
+/// `stream_options.include_usage` asks for it, a Responses stream in `response.completed`).
+/// `None` if the tail holds no usage.
 ///
 /// ```
 /// let tail = br#"data: {"choices":[],"usage":{"prompt_tokens":1215,"total_tokens":1217,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":1200}}}
@@ -218,6 +226,9 @@ pub const USAGE_TAIL_BYTES: usize = 4096;
 /// assert_eq!(kvgate_filter::plan::engine_usage(tail), Some((1215, Some(1200))));
 /// assert_eq!(kvgate_filter::plan::engine_usage(br#"{"usage":{"prompt_tokens":7}}"#), Some((7, None)));
 /// assert_eq!(kvgate_filter::plan::engine_usage(b"data: [DONE]"), None);
+/// let completed = br#"event: response.completed
+/// data: {"response":{"usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":32,"cached_tokens_per_turn":[]},"output_tokens":4}},"type":"response.completed"}"#;
+/// assert_eq!(kvgate_filter::plan::engine_usage(completed), Some((40, Some(32))));
 /// ```
 pub fn engine_usage(tail: &[u8]) -> Option<(u32, Option<u32>)> {
     let at = find_last(tail, b"\"usage\"")?;
@@ -228,7 +239,8 @@ pub fn engine_usage(tail: &[u8]) -> Option<(u32, Option<u32>)> {
         let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
         std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
     };
-    Some((number_after(b"\"prompt_tokens\"")?, number_after(b"\"cached_tokens\"")))
+    let prompt = number_after(b"\"prompt_tokens\"").or_else(|| number_after(b"\"input_tokens\""))?;
+    Some((prompt, number_after(b"\"cached_tokens\"")))
 }
 
 fn find_last(haystack: &[u8], needle: &[u8]) -> Option<usize> {
@@ -260,6 +272,7 @@ pub fn with_token_prompt(endpoint: Endpoint, body: &[u8], ids: &[u32]) -> Option
         Endpoint::Completions => {
             request.insert("prompt".into(), ids.into());
         }
+        Endpoint::Responses => return None,
         Endpoint::ChatCompletions => {
             if request.get("echo").and_then(Value::as_bool) == Some(true) {
                 return None;
@@ -292,7 +305,7 @@ pub fn offload<'a>(
     let request = RouteBodyRequest {
         request_id: hints.request_id.clone(),
         client_request_id: hints.client_request_id.clone(),
-        chat: endpoint == Endpoint::ChatCompletions,
+        endpoint,
         body: std::borrow::Cow::Borrowed(body),
         session: hints.session.clone(),
         overrides: hints.overrides,
@@ -488,7 +501,10 @@ mod tests {
             tenant: Some("t1".into()),
         };
         let (model, req) = offload(Endpoint::ChatCompletions, body, &hints, None, 1000).unwrap();
-        assert_eq!((req.request_id.as_str(), req.chat, req.session.as_deref()), ("r9", true, Some("s")));
+        assert_eq!(
+            (req.request_id.as_str(), req.endpoint, req.session.as_deref()),
+            ("r9", Endpoint::ChatCompletions, Some("s"))
+        );
         assert_eq!(req.wait_ms, 250, "the sidecar's admission queue holds it at most this long");
         assert_eq!((req.priority.as_deref(), req.tenant.as_deref()), (Some("batch"), Some("t1")));
         assert_eq!((model.as_str(), req.client_request_id.as_deref()), ("qwen3", Some("client")));

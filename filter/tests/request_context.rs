@@ -14,6 +14,7 @@ use kvgate_filter::plan::LoadedModel;
 use kvgate_filter::shared::Shared;
 use kvgate_shared::codec;
 use kvgate_shared::hash::Salt;
+use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{
     LifecycleEvent, LifecycleKind, ModelBundle, PromptCount, RouteBodyRequest, RouteRequest, RouteResponse,
@@ -352,7 +353,10 @@ fn a_big_body_is_offloaded_with_the_filters_deadline() {
     let (path, body) = fake.0.borrow().calls[0].clone();
     assert_eq!(path, "/v1/route_body");
     let sent: RouteBodyRequest<'static> = codec::decode(&body).unwrap();
-    assert_eq!((sent.budget_ms, sent.chat, sent.body.len()), (750, true, fake.0.borrow().request_body.len()));
+    assert_eq!(
+        (sent.budget_ms, sent.endpoint, sent.body.len()),
+        (750, Endpoint::ChatCompletions, fake.0.borrow().request_body.len())
+    );
     let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
     ctx.on_http_call_response(1, 2, size, 0);
     assert!(fake.0.borrow().request_headers.contains_key(DESTINATION_HEADER));

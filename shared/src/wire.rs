@@ -21,7 +21,7 @@ pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 /// The version of these types as encoded. The filter sends it on every sidecar call
 /// ([`WIRE_VERSION_HEADER`]); a sidecar of another version answers 409 naming both, instead
 /// of misreading the body. Bump it with any change to an encoded type's fields.
-pub const WIRE_VERSION: &str = "5";
+pub const WIRE_VERSION: &str = "6";
 
 /// The header that carries [`WIRE_VERSION`].
 pub const WIRE_VERSION_HEADER: &str = "x-kvgate-wire";
@@ -128,8 +128,8 @@ pub struct RouteBodyRequest<'a> {
     pub request_id: String,
     /// The request's `x-request-id`, as in [`RouteRequest`].
     pub client_request_id: Option<String>,
-    /// True for `/v1/chat/completions`, false for `/v1/completions`.
-    pub chat: bool,
+    /// The endpoint the body was sent to.
+    pub endpoint: crate::prompt::openai::Endpoint,
     /// The OpenAI request body, as the client sent it.
     pub body: std::borrow::Cow<'a, [u8]>,
     /// The `x-session-id` header, if any (the body's `session_id`/`user` are read by the

@@ -54,7 +54,7 @@ fn offload(body: &str) -> Vec<u8> {
     let request = RouteBodyRequest {
         request_id: "r1".into(),
         client_request_id: None,
-        chat: true,
+        endpoint: Endpoint::ChatCompletions,
         body: body.as_bytes().into(),
         session: None,
         overrides: None,

@@ -1,5 +1,5 @@
-//! vLLM's OpenAI-compatible API, as far as kvgate needs it: completions and chat completions
-//! (streaming or not, with `usage`), `/v1/models`, `/health`, `/tokenize`, `/metrics`,
+//! vLLM's OpenAI-compatible API, as far as kvgate needs it: completions, chat completions and
+//! Responses (streaming or not, with `usage`; Responses keep no history), `/v1/models`, `/health`, `/tokenize`, `/metrics`,
 //! `/reset_prefix_cache`, and LoRA adapters: a request's `model` may name one, and with
 //! `VLLM_ALLOW_RUNTIME_LORA_UPDATING` adapters come and go through `/v1/load_lora_adapter` and
 //! `/v1/unload_lora_adapter`.
@@ -70,6 +70,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/tokenize", post(tokenize))
@@ -103,6 +104,10 @@ async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, bod
 
 async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     serve(state, Endpoint::ChatCompletions, &headers, body).await
+}
+
+async fn responses(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(state, Endpoint::Responses, &headers, body).await
 }
 
 fn unix_now() -> u64 {
@@ -158,9 +163,12 @@ fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Ad
             let keys = ExtraKeys { lora, cache_salt: request.cache_salt.as_deref().map(Arc::from) };
             Ok(Admitted { request, tokens, keys })
         }
-        Err(e @ (PromptError::Invalid(_) | PromptError::Template(_) | PromptError::NoTemplate)) => {
-            Err(Refusal::bad_request(e.to_string()))
-        }
+        Err(
+            e @ (PromptError::Invalid(_)
+            | PromptError::Template(_)
+            | PromptError::NoTemplate
+            | PromptError::Unsupported(_)),
+        ) => Err(Refusal::bad_request(e.to_string())),
         Err(e) => Err(Refusal {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             kind: "InternalServerError",
@@ -199,10 +207,16 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
             return error(&state, StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError", e.to_string())
         }
     };
-    let id =
-        format!("{}-{:016x}", if endpoint == Endpoint::Completions { "cmpl" } else { "chatcmpl" }, rng.random::<u64>());
-    if request.stream {
-        return stream(state, endpoint, request, id, prompt_len, tokens_rx);
+    let kind = match endpoint {
+        Endpoint::Completions => "cmpl-",
+        Endpoint::ChatCompletions => "chatcmpl-",
+        Endpoint::Responses => "resp_",
+    };
+    let id = format!("{kind}{:016x}", rng.random::<u64>());
+    match (endpoint, request.stream) {
+        (Endpoint::Responses, true) => return stream_response(state, request, id, prompt_len, max_tokens, tokens_rx),
+        (_, true) => return stream(state, endpoint, request, id, prompt_len, tokens_rx),
+        _ => {}
     }
     let mut output = Vec::new();
     let mut cached = 0;
@@ -215,11 +229,15 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
     }
     let usage = Usage { prompt: prompt_len, completion: output.len(), cached, details: state.prompt_tokens_details };
     let text = state.tokenizer.decode(&output).unwrap_or_default();
+    if endpoint == Endpoint::Responses {
+        let body = response_object(&id, &request.model, max_tokens, Some(&text), Some(&usage));
+        return tagged(&state, Json(body).into_response());
+    }
     let choice = match endpoint {
         Endpoint::Completions => {
             json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null})
         }
-        Endpoint::ChatCompletions => {
+        _ => {
             json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length", "stop_reason": null})
         }
     };
@@ -245,6 +263,118 @@ impl Usage {
         }
         u
     }
+
+    /// The Responses API's `usage`: cached tokens are always reported there.
+    fn responses_json(&self) -> Value {
+        json!({"input_tokens": self.prompt, "input_tokens_details": {"cached_tokens": self.cached},
+            "output_tokens": self.completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.prompt + self.completion})
+    }
+}
+
+/// A Responses API `response` object as vLLM writes it: `text` is the finished output (none
+/// while in progress), `usage` is set once it is done. Output always stops at the limit, so a
+/// finished response is `incomplete` for `max_output_tokens`, as vLLM reports it.
+fn response_object(id: &str, model: &str, max_tokens: u32, text: Option<&str>, usage: Option<&Usage>) -> Value {
+    let output = match text {
+        Some(text) => json!([{"id": format!("msg_{id}"), "type": "message", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": null}]}]),
+        None => json!([]),
+    };
+    let (status, incomplete) = match usage {
+        Some(_) => ("incomplete", json!({"reason": "max_output_tokens"})),
+        None => ("in_progress", Value::Null),
+    };
+    json!({"id": id, "created_at": unix_now(), "incomplete_details": incomplete, "instructions": null,
+        "metadata": null, "model": model, "object": "response", "output": output, "parallel_tool_calls": true,
+        "temperature": 1.0, "tool_choice": "auto", "tools": [], "top_p": 1.0, "background": false,
+        "max_output_tokens": max_tokens, "status": status, "truncation": "disabled",
+        "usage": usage.map(Usage::responses_json)})
+}
+
+/// A streamed Responses request, with the events vLLM sends for a text answer: the response
+/// created and in progress, its message and text part opened, one `response.output_text.delta`
+/// per token, then everything closed and `response.completed` carrying `usage`.
+fn stream_response(
+    state: Arc<AppState>,
+    request: ParsedRequest,
+    id: String,
+    prompt_len: usize,
+    max_tokens: u32,
+    mut tokens_rx: tokio::sync::mpsc::UnboundedReceiver<Emitted>,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
+    let worker = state.clone();
+    tokio::spawn(async move {
+        let item_id = format!("msg_{id}");
+        let mut sequence = 0u64;
+        let mut event = |kind: &str, mut data: Value| -> Bytes {
+            data["type"] = json!(kind);
+            data["sequence_number"] = json!(sequence);
+            sequence += 1;
+            Bytes::from(format!("event: {kind}\ndata: {data}\n\n"))
+        };
+        let in_progress = response_object(&id, &request.model, max_tokens, None, None);
+        let message =
+            json!({"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []});
+        let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
+        let opening = [
+            event("response.created", json!({"response": in_progress})),
+            event("response.in_progress", json!({"response": in_progress})),
+            event("response.output_item.added", json!({"output_index": 0, "item": message})),
+            event(
+                "response.content_part.added",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
+            ),
+        ];
+        for bytes in opening {
+            if tx.send(bytes).await.is_err() {
+                return;
+            }
+        }
+        let mut usage = Usage { prompt: prompt_len, completion: 0, cached: 0, details: true };
+        let mut text = String::new();
+        while let Some(e) = tokens_rx.recv().await {
+            usage.completion = e.index;
+            usage.cached = e.cached_tokens;
+            let delta = worker.tokenizer.decode(&[e.token]).unwrap_or_default();
+            text.push_str(&delta);
+            let data =
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": delta, "logprobs": []});
+            if tx.send(event("response.output_text.delta", data)).await.is_err() {
+                return;
+            }
+            if e.finished {
+                break;
+            }
+        }
+        let done = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": null});
+        let closing = [
+            event(
+                "response.output_text.done",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}),
+            ),
+            event(
+                "response.content_part.done",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": done}),
+            ),
+            event(
+                "response.output_item.done",
+                json!({"output_index": 0, "item": {"id": item_id, "type": "message",
+                "role": "assistant", "status": "completed", "content": [done]}}),
+            ),
+            event(
+                "response.completed",
+                json!({"response": response_object(&id, &request.model, max_tokens, Some(&text), Some(&usage))}),
+            ),
+        ];
+        for bytes in closing {
+            if tx.send(bytes).await.is_err() {
+                return;
+            }
+        }
+    });
+    sse(&state, rx)
 }
 
 fn stream(
@@ -271,9 +401,7 @@ fn stream(
             Endpoint::Completions => {
                 json!([{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish, "stop_reason": null}])
             }
-            Endpoint::ChatCompletions => {
-                json!([{"index": 0, "delta": {"content": delta}, "logprobs": null, "finish_reason": finish}])
-            }
+            _ => json!([{"index": 0, "delta": {"content": delta}, "logprobs": null, "finish_reason": finish}]),
         };
         let mut usage = Usage { prompt: prompt_len, completion: 0, cached: 0, details: worker.prompt_tokens_details };
         while let Some(e) = tokens_rx.recv().await {
@@ -304,12 +432,17 @@ fn stream(
         }
         let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
     });
+    sse(&state, rx)
+}
+
+/// An event stream of what `rx` yields.
+fn sse(state: &AppState, rx: tokio::sync::mpsc::Receiver<Bytes>) -> Response {
     let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     }));
     let mut response = Response::new(body);
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    tagged(&state, response)
+    tagged(state, response)
 }
 
 /// vLLM's `/tokenize`: `{"prompt": …}` tokenizes like completions (special tokens added),

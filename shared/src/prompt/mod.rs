@@ -5,7 +5,8 @@
 //! simulator runs it to count `usage.prompt_tokens`, and the CLI runs it for debugging, so all
 //! three always agree.
 //!
-//! 1. [`openai::parse`] reads the OpenAI body into a [`openai::ParsedRequest`].
+//! 1. [`openai::parse`] reads the OpenAI body into a [`openai::ParsedRequest`]; a
+//!    `/v1/responses` body is first turned into the chat vLLM renders for it ([`responses`]).
 //! 2. [`chat`] normalises chat messages and tools as vLLM's renderer does.
 //! 3. [`template::ChatTemplate`] renders them with the model's Jinja template, with message
 //!    content shaped as the template expects ([`content_format`]) — or, for gpt-oss,
@@ -17,6 +18,7 @@ pub mod chat;
 pub mod content_format;
 pub mod harmony;
 pub mod openai;
+pub mod responses;
 pub mod segments;
 pub mod strftime;
 pub mod template;
@@ -52,4 +54,8 @@ pub enum PromptError {
     /// The tokenizer failed to load or encode.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// A request shape the engine serves but kvgate does not render (history the engine
+    /// keeps, a kind of tool it does not know): routed on an estimate.
+    #[error("not rendered by kvgate: {0}")]
+    Unsupported(String),
 }

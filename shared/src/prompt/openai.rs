@@ -1,18 +1,20 @@
-//! Reading an OpenAI `/v1/completions` or `/v1/chat/completions` body.
+//! Reading an OpenAI `/v1/completions`, `/v1/chat/completions` or `/v1/responses` body.
 //!
 //! Unknown fields are ignored, as vLLM does; only what decides the prompt tokens is read.
 
 use serde_json::{Map, Value};
 
-use super::{chat, PromptError};
+use super::{chat, responses, PromptError};
 
 /// Which OpenAI endpoint a body was sent to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Endpoint {
     /// `POST /v1/completions`
     Completions,
     /// `POST /v1/chat/completions`
     ChatCompletions,
+    /// `POST /v1/responses`: rendered as the chat vLLM builds from it.
+    Responses,
 }
 
 impl Endpoint {
@@ -21,12 +23,14 @@ impl Endpoint {
     /// ```
     /// use kvgate_shared::prompt::openai::Endpoint;
     /// assert_eq!(Endpoint::from_path("/v1/chat/completions?x=1"), Some(Endpoint::ChatCompletions));
+    /// assert_eq!(Endpoint::from_path("/v1/responses"), Some(Endpoint::Responses));
     /// assert_eq!(Endpoint::from_path("/v1/models"), None);
     /// ```
     pub fn from_path(path: &str) -> Option<Endpoint> {
         match path.split('?').next().unwrap_or("") {
             "/v1/completions" => Some(Endpoint::Completions),
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
+            "/v1/responses" => Some(Endpoint::Responses),
             _ => None,
         }
     }
@@ -47,6 +51,9 @@ pub enum Prompt {
     Tokens(Vec<u32>),
     /// A chat conversation, already normalised as vLLM does.
     Chat(chat::ChatInput),
+    /// The chat vLLM builds from a `/v1/responses` request: a template renders it as a chat;
+    /// vLLM renders harmony models' Responses differently, which kvgate does not.
+    Responses(chat::ChatInput),
 }
 
 /// The parts of an OpenAI request that routing needs.
@@ -58,11 +65,12 @@ pub struct ParsedRequest {
     pub prompt: Prompt,
     /// How many prompts the request carries (a completions list gives one engine request each).
     pub prompt_count: usize,
-    /// `max_completion_tokens`, else `max_tokens`.
+    /// `max_completion_tokens`, else `max_tokens` (`max_output_tokens` for Responses).
     pub max_tokens: Option<u32>,
     /// Whether the response streams (SSE).
     pub stream: bool,
-    /// `stream_options.include_usage`: a final SSE chunk carries `usage`.
+    /// Whether the stream's end carries `usage`: `stream_options.include_usage`, or always
+    /// for Responses (`response.completed`).
     pub include_usage: bool,
     /// The body's `session_id`, else `user`: a session key for sticky policies.
     pub session: Option<String>,
@@ -90,17 +98,20 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
         Some(Value::String(m)) => m.clone(),
         _ => return Err(PromptError::Invalid("`model` must be a string".into())),
     };
-    let max_tokens = ["max_completion_tokens", "max_tokens"]
-        .iter()
-        .find_map(|k| obj.get(*k).and_then(Value::as_u64))
-        .map(|n| n.min(u32::MAX as u64) as u32);
+    let limits: &[&str] = match endpoint {
+        Endpoint::Responses => &["max_output_tokens"],
+        _ => &["max_completion_tokens", "max_tokens"],
+    };
+    let max_tokens =
+        limits.iter().find_map(|k| obj.get(*k).and_then(Value::as_u64)).map(|n| n.min(u32::MAX as u64) as u32);
     let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let include_usage =
-        obj.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = endpoint == Endpoint::Responses
+        || obj.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
     let session = ["session_id", "user"].iter().find_map(|k| obj.get(*k).and_then(Value::as_str)).map(str::to_owned);
     let (prompt, prompt_count) = match endpoint {
         Endpoint::Completions => completion_prompt(&obj)?,
         Endpoint::ChatCompletions => (chat_prompt(&obj)?, 1),
+        Endpoint::Responses => (Prompt::Responses(responses::chat_input(&obj)?), 1),
     };
     let cache_salt = match obj.get("cache_salt") {
         None | Some(Value::Null) => None,
@@ -108,7 +119,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
         Some(_) => return Err(PromptError::Invalid("`cache_salt` must be a non-empty string".into())),
     };
     let count = |key: &str| obj.get(key).and_then(Value::as_u64).map_or(1, |n| n.clamp(1, 1024) as u32);
-    let samples = count("n").max(count("best_of"));
+    // Responses have neither: one sequence.
+    let samples = if endpoint == Endpoint::Responses { 1 } else { count("n").max(count("best_of")) };
     Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, include_usage, session, cache_salt, samples })
 }
 

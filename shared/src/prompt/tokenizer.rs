@@ -111,9 +111,12 @@ impl ModelTokenizer {
                 return Ok(PromptHead { tokens: ids.clone(), estimated_total: ids.len(), truncated: false })
             }
             (Prompt::Text { text, add_special_tokens }, _) => (Cow::Borrowed(text.as_str()), *add_special_tokens),
-            (Prompt::Chat(chat), ChatRenderer::Template(template)) => {
+            (Prompt::Chat(chat) | Prompt::Responses(chat), ChatRenderer::Template(template)) => {
                 let template = template.as_ref().ok_or(PromptError::NoTemplate)?;
                 (Cow::Owned(template.render_at(chat, unix_secs)?), chat.add_special_tokens)
+            }
+            (Prompt::Responses(_), ChatRenderer::Harmony(_)) => {
+                return Err(PromptError::Unsupported("Responses requests to a harmony model".into()))
             }
             (Prompt::Chat(chat), ChatRenderer::Harmony(ids)) => {
                 let date = super::strftime::strftime("%Y-%m-%d", unix_secs).map_err(PromptError::Template)?;

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvgate_shared::codec;
-use kvgate_shared::prompt::openai::{model_of, parse, Endpoint};
+use kvgate_shared::prompt::openai::{model_of, parse};
 use kvgate_shared::wire::{
     Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteBodyRequest, RouteRequest, CONTENT_TYPE, MAX_BODY_BYTES,
     WIRE_VERSION, WIRE_VERSION_HEADER,
@@ -226,8 +226,7 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
         (Some(o), true) => state.scoring.with_overrides(o),
         _ => state.scoring.clone(),
     };
-    let endpoint = if req.chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
-    let parsed = match parse(endpoint, &req.body) {
+    let parsed = match parse(req.endpoint, &req.body) {
         Ok(p) => p,
         Err(e) => {
             // Still a request for a model routed here (content parts kvgate does not read, …):

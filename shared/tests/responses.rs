@@ -1,0 +1,101 @@
+//! `/v1/responses` parity: `testdata/parity/responses/` holds Responses requests rendered the
+//! way vLLM 0.32 renders them (its own `ResponsesRequest`, `construct_input_messages` and
+//! `construct_tool_dicts`, then the chat path; `tools/parity/gen_responses.py`), for Qwen3 and
+//! every template family. kvgate must give the same ids for every case, and refuse the cases
+//! the template refuses (vLLM answers 400 there).
+
+use std::path::PathBuf;
+
+use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
+use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::prompt::PromptError;
+use kvgate_shared::wire::ModelBundle;
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// Checks one model's reference file; returns how many cases it holds.
+fn check(model: &str) -> usize {
+    let file = repo().join("testdata/parity/responses").join(format!("{model}-responses.json"));
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+    let dir = match model {
+        "qwen3" => repo().join("models/qwen3-0.6b"),
+        family => repo().join("../shared/testdata/tokenizers").join(family),
+    };
+    let tokenizer = ModelTokenizer::from_bundle(&ModelBundle::from_dir(model, &dir, 16).unwrap()).unwrap();
+    let now = reference["now_unix"].as_i64().unwrap();
+    let cases = reference["cases"].as_array().unwrap();
+    let mut failures = Vec::new();
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let mut body = case["request"].clone();
+        body["model"] = model.into();
+        let request = parse(Endpoint::Responses, body.to_string().as_bytes()).unwrap();
+        assert!(matches!(request.prompt, Prompt::Responses(_)), "{model} {name}");
+        let ids = tokenizer.prompt_head_at(&request, usize::MAX, now).map(|head| head.tokens);
+        match (ids, case.get("error")) {
+            (Err(_), Some(_)) => {}
+            (Ok(_), Some(e)) => failures.push(format!("{name}: rendered, but vLLM refuses it ({e})")),
+            (Err(e), None) => failures.push(format!("{name}: {e}")),
+            (Ok(ids), None) => {
+                let expected: Vec<u32> =
+                    case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+                if ids != expected {
+                    let at = ids.iter().zip(&expected).take_while(|(a, b)| a == b).count();
+                    failures.push(format!(
+                        "{name}: ids differ at {at} of {}: ours {:?} vs vLLM's {:?}",
+                        expected.len(),
+                        &ids[at..(at + 6).min(ids.len())],
+                        &expected[at..(at + 6).min(expected.len())]
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{model}: {} of {} cases differ:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+    cases.len()
+}
+
+#[test]
+fn qwen3_responses_match_vllm() {
+    assert!(check("qwen3") >= 15);
+}
+
+#[test]
+fn every_template_family_renders_responses_as_vllm() {
+    for family in
+        ["llama-3.2-1b-instruct", "deepseek-v3", "gemma-3-1b-it", "mistral-nemo-instruct-2407", "phi-3.5-mini-instruct"]
+    {
+        assert!(check(family) >= 15, "{family}");
+    }
+}
+
+#[test]
+fn responses_to_a_harmony_model_are_left_to_the_engine() {
+    let dir = repo().join("../shared/testdata/tokenizers/gpt-oss-20b");
+    let mut bundle = ModelBundle::from_dir("gpt-oss", &dir, 16).unwrap();
+    bundle.renderer = kvgate_shared::prompt::Renderer::Harmony;
+    let tokenizer = ModelTokenizer::from_bundle(&bundle).unwrap();
+    let request = parse(Endpoint::Responses, br#"{"model":"gpt-oss","input":"hi"}"#).unwrap();
+    assert!(matches!(tokenizer.prompt_tokens(&request), Err(PromptError::Unsupported(_))));
+}
+
+#[test]
+fn a_responses_body_reads_its_limits_and_keys() {
+    let body = br#"{"model":"m","input":"hi","max_output_tokens":64,"max_tokens":9,"stream":true,
+        "user":"u1","cache_salt":"tenant-a","n":4}"#;
+    let r = parse(Endpoint::Responses, body).unwrap();
+    assert_eq!(r.max_tokens, Some(64), "max_output_tokens; max_tokens is not a Responses field");
+    assert!(r.stream && r.include_usage, "response.completed always carries usage");
+    assert_eq!((r.session.as_deref(), r.cache_salt.as_deref(), r.samples), (Some("u1"), Some("tenant-a"), 1));
+    let held = parse(Endpoint::Responses, br#"{"model":"m","input":"hi","previous_response_id":"resp_1"}"#);
+    assert!(matches!(held, Err(PromptError::Unsupported(_))), "the engine holds that history");
+}
