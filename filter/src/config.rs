@@ -16,6 +16,7 @@
 //!   "forward_tokens": false,
 //!   "forward_chat_tokens": false,
 //!   "decode_progress": false,
+//!   "request_usage": true,
 //!   "admission_wait_ms": 0,
 //!   "priority_header": null,
 //!   "tenant_header": null
@@ -74,6 +75,11 @@ pub struct FilterConfig {
     /// each KV block boundary, so a request's decode load decays as it nears `max_tokens`.
     /// Off by default (one more report per block of output).
     pub decode_progress: bool,
+    /// Ask the engine for `usage` on a streamed request whose client did not
+    /// (`stream_options.include_usage`), and take that extra event out of the stream the
+    /// client receives, so every request's prediction is checked against the engine. On by
+    /// default; off leaves such streams unchecked.
+    pub request_usage: bool,
     /// How long a request may wait in the sidecar's admission queue when every replica of
     /// its pool is saturated (pools with `admission` on), on top of `route_timeout_ms` /
     /// `offload_timeout_ms`; past it the sidecar sheds it and the filter answers 429 with
@@ -110,6 +116,7 @@ impl Default for FilterConfig {
             forward_tokens: false,
             forward_chat_tokens: false,
             decode_progress: false,
+            request_usage: true,
             admission_wait_ms: 0,
             priority_header: None,
             tenant_header: None,

@@ -120,10 +120,12 @@ pub trait Host: SidecarCalls {
     fn set_response_header(&self, name: &str, value: &str) -> Result<(), HostStatus>;
     /// The buffered request body, `size` bytes.
     fn request_body(&self, size: usize) -> Vec<u8>;
-    /// Replaces the first `old_len` bytes of the request body with `body`.
+    /// Replaces the first `old_len` bytes of the buffered request body with `body`.
     fn replace_request_body(&self, old_len: usize, body: &[u8]) -> Result<(), HostStatus>;
     /// `size` bytes of the current response body chunk, from `start`.
     fn response_body(&self, start: usize, size: usize) -> Option<Vec<u8>>;
+    /// Replaces the first `old_len` bytes of the current response body chunk with `body`.
+    fn replace_response_body(&self, old_len: usize, body: &[u8]) -> Result<(), HostStatus>;
     /// Resumes the paused request.
     fn resume(&self) -> Result<(), HostStatus>;
     /// The upstream host the request went to (Envoy's `upstream.address`), once known.
@@ -239,6 +241,10 @@ impl Host for Envoy {
 
     fn response_body(&self, start: usize, size: usize) -> Option<Vec<u8>> {
         hostcalls::get_buffer(BufferType::HttpResponseBody, start, size).ok().flatten()
+    }
+
+    fn replace_response_body(&self, old_len: usize, body: &[u8]) -> Result<(), HostStatus> {
+        hostcalls::set_buffer(BufferType::HttpResponseBody, 0, old_len, body).map_err(status)
     }
 
     fn resume(&self) -> Result<(), HostStatus> {

@@ -11,7 +11,9 @@
 //! 3. Sidecar answer: set the destination header and resume. On *any* failure (bad body,
 //!    sidecar down, timeout, bad answer) resume without it: Envoy's fallback LB routes.
 //! 4. Response: report the first body byte (prefill done) and the end of the exchange to the
-//!    root context's lifecycle queue.
+//!    root context's lifecycle queue, with the engine's `usage` from the response's end. A
+//!    streamed completion that did not ask for usage is made to (`request_usage`), and the
+//!    extra event is taken out of what the client receives ([`crate::usage`]).
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -34,6 +36,7 @@ use crate::plan::{
     USAGE_TAIL_BYTES,
 };
 use crate::shared::Shared;
+use crate::usage::{with_usage_requested, UsageStripper};
 
 /// What the filter did with a request, for debug headers and lifecycle reports.
 #[derive(Debug, Default)]
@@ -81,6 +84,11 @@ pub struct RequestContext<H: Host = Envoy> {
     /// The request body's size buffered so far (a body followed by trailers never says it
     /// is over: the trailers do).
     buffered: usize,
+    /// The request body's size as it goes upstream (token forwarding rewrites it).
+    upstream_len: usize,
+    /// Set when the filter asked the engine for usage the client did not: the usage event
+    /// is taken out of the stream.
+    stripper: Option<UsageStripper>,
     body_done_at: Option<Instant>,
     decision: Decision,
 }
@@ -107,6 +115,8 @@ impl<H: Host> RequestContext<H> {
             tail: Vec::new(),
             block_size: 0,
             buffered: 0,
+            upstream_len: 0,
+            stripper: None,
             body_done_at: None,
             decision: Decision::default(),
         }
@@ -175,7 +185,11 @@ impl<H: Host> RequestContext<H> {
         let Some(endpoint) = self.endpoint else { return Action::Continue };
         self.body_done_at = Some(Instant::now());
         let body = self.host.request_body(self.buffered);
+        self.upstream_len = body.len();
         self.booked = self.ask_sidecar(endpoint, &body);
+        if self.booked.is_some() && endpoint != Endpoint::Responses && self.shared.borrow().config.request_usage {
+            self.request_usage(&body);
+        }
         if self.booked.is_some() {
             Action::Pause
         } else {
@@ -259,6 +273,33 @@ impl<H: Host> RequestContext<H> {
         self.dispatch("/v1/route", &planned.request, timeout).then_some(planned.request.model)
     }
 
+    /// Asks the engine for usage on a streamed request whose client did not, so its
+    /// prediction can be checked: the body's opening brace gets `stream_options` in front of
+    /// the other members, and the response's usage event will be taken out again.
+    fn request_usage(&mut self, body: &[u8]) {
+        let Some((mut replaced, start)) = with_usage_requested(body) else { return };
+        if self.decision.forwarded {
+            // serde_json wrote the forwarded body: its `{` is its first byte.
+            replaced = 1;
+        }
+        if let Err(status) = self.host.replace_request_body(replaced, &start) {
+            log::warn!("kvgate: cannot ask for usage: {status:?}");
+            return;
+        }
+        self.upstream_len = self.upstream_len - replaced + start.len();
+        self.set_content_length();
+        self.stripper = Some(UsageStripper::default());
+    }
+
+    /// Updates `content-length`, if the request has one, to the body's size upstream.
+    fn set_content_length(&self) {
+        if self.request_header("content-length").is_some() {
+            if let Err(status) = self.host.set_request_header("content-length", &self.upstream_len.to_string()) {
+                log::warn!("kvgate: cannot update content-length after rewriting the body: {status:?}");
+            }
+        }
+    }
+
     /// Token forwarding: the body carries its prompt as token ids ([`with_token_prompt`]). The
     /// body stays valid whatever the sidecar answers, so a failure here just leaves the text.
     fn forward_tokens(&mut self, endpoint: Endpoint, body: &[u8], ids: &[u32]) {
@@ -267,11 +308,8 @@ impl<H: Host> RequestContext<H> {
             log::warn!("kvgate: cannot forward token ids: {status:?}");
             return;
         }
-        if self.request_header("content-length").is_some() {
-            if let Err(status) = self.host.set_request_header("content-length", &forwarded.len().to_string()) {
-                log::warn!("kvgate: cannot update content-length after forwarding tokens: {status:?}");
-            }
-        }
+        self.upstream_len = forwarded.len();
+        self.set_content_length();
         self.decision.forwarded = true;
         if let Some(m) = &self.shared.borrow().metrics {
             m.forwarded(&self.host);
@@ -487,7 +525,22 @@ impl<H: Host> HttpContext for RequestContext<H> {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.booked.is_none() && self.stripper.is_none() {
+            return Action::Continue;
+        }
+        // Decode progress and usage stripping read the whole chunk; the usage tail then comes
+        // from it.
+        let progress = self.block_size > 0 && self.shared.borrow().config.decode_progress;
+        let whole = progress || self.stripper.is_some();
+        let chunk = if whole && body_size > 0 { self.host.response_body(0, body_size) } else { None };
+        if let Some(stripper) = &mut self.stripper {
+            if let Some(sent) = stripper.filter(chunk.as_deref().unwrap_or_default(), end_of_stream) {
+                if let Err(status) = self.host.replace_response_body(body_size, &sent) {
+                    log::warn!("kvgate: cannot take the usage event out of a stream: {status:?}");
+                }
+            }
+        }
         if self.booked.is_none() || body_size == 0 {
             return Action::Continue;
         }
@@ -495,9 +548,6 @@ impl<H: Host> HttpContext for RequestContext<H> {
             self.first_token_reported = true;
             self.report(LifecycleKind::FirstToken);
         }
-        // Decode progress reads the whole chunk; the usage tail then comes from it.
-        let progress = self.block_size > 0 && self.shared.borrow().config.decode_progress;
-        let chunk = if progress { self.host.response_body(0, body_size) } else { None };
         self.keep_tail(body_size, chunk.as_deref());
         if progress {
             let before = self.output_tokens;

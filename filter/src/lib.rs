@@ -17,6 +17,7 @@
 //! | [`http`] | the per-request state machine |
 //! | [`host`] | the host behind traits (`Host` per request, `RootHost` per VM); hostcalls that return errors instead of panicking |
 //! | [`metrics`] | the filter's counters and histograms in Envoy's stats |
+//! | [`usage`] | asking the engine for `usage` on a streaming client's behalf, and taking it back out (pure) |
 
 pub mod config;
 pub mod fetches;
@@ -28,6 +29,7 @@ pub mod plan;
 pub mod redelivery;
 pub mod root;
 pub mod shared;
+pub mod usage;
 
 proxy_wasm::main! {{
     logger::install();

@@ -100,6 +100,10 @@ impl Host for Fake {
     fn response_body(&self, start: usize, size: usize) -> Option<Vec<u8>> {
         Some(self.0.borrow().response_chunk[start..start + size].to_vec())
     }
+    fn replace_response_body(&self, old_len: usize, body: &[u8]) -> Result<(), HostStatus> {
+        self.0.borrow_mut().response_chunk.splice(..old_len, body.iter().copied());
+        Ok(())
+    }
     fn resume(&self) -> Result<(), HostStatus> {
         self.0.borrow_mut().resumed += 1;
         Ok(())
@@ -360,4 +364,111 @@ fn a_big_body_is_offloaded_with_the_filters_deadline() {
     let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
     ctx.on_http_call_response(1, 2, size, 0);
     assert!(fake.0.borrow().request_headers.contains_key(DESTINATION_HEADER));
+}
+
+/// A streamed chat whose client asked for no usage: the engine is asked for it, the usage
+/// event is read for the closed loop and taken out of what the client receives.
+#[test]
+fn usage_is_asked_for_on_a_streaming_clients_behalf_and_taken_back_out() {
+    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "stream": true,
+        "messages": [{"role": "user", "content": "hello there, stream me something"}]})
+    .to_string();
+    let content_length = body.len().to_string();
+    let (mut ctx, fake) = request(&body, &[("content-length", &content_length)], FilterConfig::default());
+    assert_eq!(send(&mut ctx, &fake), Action::Pause);
+    let upstream = fake.0.borrow().request_body.clone();
+    let sent: serde_json::Value = serde_json::from_slice(&upstream).unwrap();
+    assert_eq!(sent["stream_options"]["include_usage"], true, "the engine is asked for usage");
+    assert_eq!(sent["messages"][0]["content"], "hello there, stream me something", "the rest is as sent");
+    let length = fake.0.borrow().request_headers["content-length"].clone();
+    assert_eq!(length, upstream.len().to_string());
+    let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
+    ctx.on_http_call_response(1, 2, size, 0);
+
+    fake.0.borrow_mut().upstream = Some("127.0.0.1:8001".into());
+    ctx.on_http_response_headers(3, false);
+    let token = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+    let usage =
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":20,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\n";
+    let mut received = Vec::new();
+    for (chunk, end) in [(token, false), (&usage[..30], false), (&usage[30..], false), ("data: [DONE]\n\n", true)] {
+        fake.0.borrow_mut().response_chunk = chunk.as_bytes().to_vec();
+        ctx.on_http_response_body(chunk.len(), end);
+        received.extend(fake.0.borrow().response_chunk.clone());
+    }
+    ctx.on_log();
+    assert_eq!(String::from_utf8(received).unwrap(), format!("{token}data: [DONE]\n\n"), "the client's own stream");
+    assert!(
+        kinds(&fake).contains(&LifecycleKind::Usage { prompt_tokens: 20, cached_tokens: Some(16) }),
+        "the closed loop has the engine's numbers"
+    );
+}
+
+#[test]
+fn a_client_that_asked_for_usage_or_did_not_stream_is_left_as_it_is() {
+    for body in [
+        serde_json::json!({"model": "Qwen/Qwen3-0.6B", "stream": true, "stream_options": {"include_usage": true},
+            "messages": [{"role": "user", "content": "hi"}]}),
+        serde_json::json!({"model": "Qwen/Qwen3-0.6B", "messages": [{"role": "user", "content": "hi"}]}),
+    ] {
+        let (mut ctx, fake) = request(&body.to_string(), &[], FilterConfig::default());
+        send(&mut ctx, &fake);
+        assert_eq!(fake.0.borrow().request_body, body.to_string().into_bytes(), "{body}");
+        let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5}}\n\n";
+        respond(&mut ctx, &fake, "127.0.0.1:8001", usage);
+        assert_eq!(fake.0.borrow().response_chunk, usage.as_bytes(), "what the client asked for, untouched");
+    }
+    let off = FilterConfig { request_usage: false, ..FilterConfig::default() };
+    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+    let (mut ctx, fake) = request(&body.to_string(), &[], off);
+    send(&mut ctx, &fake);
+    assert_eq!(fake.0.borrow().request_body, body.to_string().into_bytes(), "request_usage off");
+}
+
+/// Usage is asked for in an offloaded body too, without copying it: only its first brace
+/// is replaced.
+#[test]
+fn an_offloaded_stream_asks_for_usage_too() {
+    let body = format!(
+        " {}",
+        &serde_json::json!({"model": "Qwen/Qwen3-0.6B", "stream": true,
+        "messages": [{"role": "user", "content": "many words ".repeat(20)}]})
+    );
+    let config = FilterConfig { offload_bytes: 64, ..FilterConfig::default() };
+    let (mut ctx, fake) = request(&body, &[], config);
+    assert_eq!(send(&mut ctx, &fake), Action::Pause);
+    let sent: RouteBodyRequest<'static> = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
+    assert_eq!(sent.body.as_ref(), body.as_bytes(), "the sidecar tokenizes the client's body");
+    let upstream: serde_json::Value = serde_json::from_slice(&fake.0.borrow().request_body).unwrap();
+    assert_eq!(upstream["stream_options"]["include_usage"], true);
+}
+
+/// A Responses request is routed on its rendered prompt; its usage comes from
+/// `response.completed`, so nothing is asked for.
+#[test]
+fn a_responses_request_is_routed_and_its_usage_read() {
+    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "input": "hello there", "stream": true,
+        "instructions": "Be brief."})
+    .to_string();
+    let (mut ctx, fake) = request(&body, &[], FilterConfig::default());
+    fake.0.borrow_mut().request_headers.insert(":path".into(), "/v1/responses".into());
+    assert_eq!(send(&mut ctx, &fake), Action::Pause);
+    let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
+    assert_eq!(sent.prompt_count, PromptCount::Exact, "rendered and tokenized in the filter");
+    let same_chat = serde_json::json!({"model": "Qwen/Qwen3-0.6B",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]});
+    let (mut chat_ctx, chat_fake) = request(&same_chat.to_string(), &[], FilterConfig::default());
+    send(&mut chat_ctx, &chat_fake);
+    let as_chat: RouteRequest = codec::decode(&chat_fake.0.borrow().calls[0].1).unwrap();
+    assert_eq!(
+        (sent.prompt_tokens, &sent.block_hashes),
+        (as_chat.prompt_tokens, &as_chat.block_hashes),
+        "as vLLM renders it"
+    );
+    assert_eq!(fake.0.borrow().request_body, body.clone().into_bytes(), "nothing asked for");
+    let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
+    ctx.on_http_call_response(1, 2, size, 0);
+    let completed = "event: response.completed\ndata: {\"response\":{\"usage\":{\"input_tokens\":21,\"input_tokens_details\":{\"cached_tokens\":16}}},\"type\":\"response.completed\"}\n\n";
+    respond(&mut ctx, &fake, "127.0.0.1:8001", completed);
+    assert!(kinds(&fake).contains(&LifecycleKind::Usage { prompt_tokens: 21, cached_tokens: Some(16) }));
 }
