@@ -283,6 +283,72 @@ fn a_wrong_block_size_raises_the_prediction_alarm() {
     assert!(metrics.contains("kvgate_prediction_alarm{model=\"qwen3\"} 1"), "{metrics}");
 }
 
+/// A client that streams without asking for usage gets exactly the stream it asked for, and
+/// kvgate still checks its prediction: the filter asked the engine for usage on its behalf and
+/// took that event back out.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn streams_without_usage_are_checked_and_reach_the_client_as_asked() {
+    let stack = start("usage-on-behalf");
+    let url = stack.gateway("/v1/chat/completions");
+    let rounds = 8;
+    for round in 0..rounds {
+        let mut body = chat(&document(80 + round % 2, 300), &format!("question {round}"));
+        body["stream"] = json!(true);
+        let reply = post(&url, body.to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_ne!(reply.header("x-kvgate-routed-to"), "fallback");
+        let events: Vec<&str> = reply.body.split("\n\n").filter(|e| !e.is_empty()).collect();
+        assert_eq!(events.last(), Some(&"data: [DONE]"), "{}", reply.body);
+        assert!(events.len() >= 3, "the tokens are all there: {}", reply.body);
+        assert!(!reply.body.contains("\"usage\""), "no usage event the client did not ask for: {}", reply.body);
+    }
+    let prediction = predictions_after(&stack, rounds as u64);
+    eprintln!("predictions on streams that asked for no usage: {prediction}");
+    assert_eq!(prediction["exact"], prediction["checked"], "every stream checked, and exact: {prediction}");
+    // A client that asks for usage still gets it.
+    let asked = stream(&url, chat(&document(80, 300), "one more")).unwrap();
+    assert!(asked.usage.is_some_and(|u| u["prompt_tokens"].as_u64().unwrap() > 300));
+}
+
+/// `/v1/responses` is rendered as vLLM renders it, routed on its cache, and its prediction
+/// checked against the engine's `input_tokens_details.cached_tokens`, streamed or not.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn responses_requests_are_routed_on_their_cache() {
+    let stack = start("responses");
+    let doc = document(23, 600);
+    let body = |question: &str| {
+        json!({"model": "qwen3", "max_output_tokens": 2, "instructions": doc,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": question}]}]})
+    };
+    let warm = post(&stack.sim("c").url("/v1/responses"), body("first").to_string(), &[]).unwrap();
+    assert_eq!(warm.status, 200, "{}", warm.body);
+    let input_tokens = warm.json()["usage"]["input_tokens"].as_u64().unwrap();
+    stack.wait_indexed("c", input_tokens / 16).unwrap();
+    for i in 0..4 {
+        let mut request = body(&format!("follow-up {i}"));
+        request["stream"] = json!(i % 2 == 1);
+        let reply = post(&stack.gateway("/v1/responses"), request.to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-kvgate-routed-to"), "c", "routed by kvgate to the replica holding the prefix");
+        let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap();
+        assert!(overlap >= input_tokens / 16 - 1, "the sidecar saw the cached prefix: {overlap} blocks");
+        let engine_count = if i % 2 == 1 {
+            let completed = reply.body.split("\n\n").find(|e| e.starts_with("event: response.completed")).unwrap();
+            let data: Value = serde_json::from_str(completed.split_once("data: ").unwrap().1).unwrap();
+            data["response"]["usage"]["input_tokens"].as_u64().unwrap()
+        } else {
+            reply.json()["usage"]["input_tokens"].as_u64().unwrap()
+        };
+        let filter_count: u64 = reply.header("x-kvgate-prompt-tokens").parse().unwrap();
+        assert_eq!(filter_count, engine_count, "the filter renders the request as the engine does");
+    }
+    let prediction = predictions_after(&stack, 4);
+    assert_eq!(prediction["exact"], prediction["checked"], "{prediction}");
+    assert_eq!(prediction["prompt_mismatches"], 0, "{prediction}");
+}
+
 /// A streamed chat of `max_tokens` about document `seed`, its headers read and its body left
 /// to read: a request that stays in flight while the test looks at the sidecar.
 fn open_stream(url: &str, seed: u32, max_tokens: u32) -> reqwest::blocking::Response {
