@@ -20,7 +20,7 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use kvgate_shared::codec;
-use kvgate_shared::prompt::openai::Endpoint;
+use kvgate_shared::prompt::openai::{envelope, Endpoint, Envelope};
 use kvgate_shared::route::RequestKeys;
 use kvgate_shared::wire::{
     LifecycleEvent, LifecycleKind, RouteResponse, DESTINATION_HEADER, DP_RANK_HEADER, OVERRIDES_HEADER, SESSION_HEADER,
@@ -186,9 +186,13 @@ impl<H: Host> RequestContext<H> {
         self.body_done_at = Some(Instant::now());
         let body = self.host.request_body(self.buffered);
         self.upstream_len = body.len();
-        self.booked = self.ask_sidecar(endpoint, &body);
-        if self.booked.is_some() && endpoint != Endpoint::Responses && self.shared.borrow().config.request_usage {
-            self.request_usage(&body);
+        // One pass over the body, whatever its size: its model (all an offload reads) and
+        // how it streams.
+        let envelope = envelope(&body);
+        self.booked = self.ask_sidecar(endpoint, &body, envelope.as_ref());
+        let ask_usage = endpoint != Endpoint::Responses && self.shared.borrow().config.request_usage;
+        if let (Some(envelope), Some(_), true) = (&envelope, &self.booked, ask_usage) {
+            self.request_usage(&body, envelope);
         }
         if self.booked.is_some() {
             Action::Pause
@@ -205,9 +209,9 @@ impl<H: Host> RequestContext<H> {
 
     /// Asks the sidecar; returns the model asked about if a call is in flight (the request
     /// stays paused).
-    fn ask_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> Option<String> {
+    fn ask_sidecar(&mut self, endpoint: Endpoint, body: &[u8], envelope: Option<&Envelope<'_>>) -> Option<String> {
         if body.len() > self.shared.borrow().config.offload_bytes {
-            return self.offload_to_sidecar(endpoint, body);
+            return self.offload_to_sidecar(endpoint, body, envelope);
         }
         let planned = {
             let shared = self.shared.borrow();
@@ -276,8 +280,8 @@ impl<H: Host> RequestContext<H> {
     /// Asks the engine for usage on a streamed request whose client did not, so its
     /// prediction can be checked: the body's opening brace gets `stream_options` in front of
     /// the other members, and the response's usage event will be taken out again.
-    fn request_usage(&mut self, body: &[u8]) {
-        let Some((mut replaced, start)) = with_usage_requested(body) else { return };
+    fn request_usage(&mut self, body: &[u8], envelope: &Envelope<'_>) {
+        let Some((mut replaced, start)) = with_usage_requested(body, envelope) else { return };
         if self.decision.forwarded {
             // serde_json wrote the forwarded body: its `{` is its first byte.
             replaced = 1;
@@ -317,9 +321,14 @@ impl<H: Host> RequestContext<H> {
     }
 
     /// Hands a big body to the sidecar (`/v1/route_body`) instead of tokenizing it here.
-    fn offload_to_sidecar(&mut self, endpoint: Endpoint, body: &[u8]) -> Option<String> {
+    fn offload_to_sidecar(
+        &mut self,
+        endpoint: Endpoint,
+        body: &[u8],
+        envelope: Option<&Envelope<'_>>,
+    ) -> Option<String> {
         let timeout = self.shared.borrow().config.offload_timeout_ms;
-        let request = offload(endpoint, body, &self.hints, self.shared.borrow().listed.as_ref(), timeout);
+        let request = offload(endpoint, body, envelope, &self.hints, self.shared.borrow().listed.as_ref(), timeout);
         let (model, request) = match request {
             Ok(r) => r,
             Err(Skip::Unroutable(why)) => return self.pass_through(&why),

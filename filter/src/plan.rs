@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 use kvgate_shared::hash::{prompt_digest, Salt};
-use kvgate_shared::prompt::openai::{model_of, parse, Endpoint, Prompt, FORWARDED_IDS};
+use kvgate_shared::prompt::openai::{model_of, parse, Endpoint, Envelope, Prompt, FORWARDED_IDS};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::route::{estimated_request, route_request, PromptTokens, RequestKeys};
 use kvgate_shared::wire::{RouteBodyRequest, RouteRequest, ScoringOverrides};
@@ -288,17 +288,19 @@ pub fn with_token_prompt(endpoint: Endpoint, body: &[u8], ids: &[u32]) -> Option
 }
 
 /// Plans an offload: the whole body goes to the sidecar, which parses and tokenizes it. Here
-/// only its `model` is read ([`model_of`]: no tree of the body in the VM), so that bodies that are not JSON objects with a model, and models
-/// kvgate does not route, pass through as [`plan`] would let them; anything else the sidecar
-/// rejects falls back to Envoy's LB. Returns the model with the request.
+/// only its [`Envelope`] is read (`envelope`, already read: no tree of the body in the VM),
+/// so that bodies that are not JSON objects with a model, and models kvgate does not route,
+/// pass through as [`plan`] would let them; anything else the sidecar rejects falls back to
+/// Envoy's LB. Returns the model with the request.
 pub fn offload<'a>(
     endpoint: Endpoint,
     body: &'a [u8],
+    envelope: Option<&Envelope<'_>>,
     hints: &RequestKeys,
     listed: Option<&HashSet<String>>,
     budget_ms: u64,
 ) -> Result<(String, RouteBodyRequest<'a>), Skip> {
-    let model = model_of(body).ok_or_else(|| Skip::Unroutable("not a JSON object with a string `model`".into()))?;
+    let model = &envelope.ok_or_else(|| Skip::Unroutable("not a JSON object with a string `model`".into()))?.model;
     if listed.is_some_and(|names| !names.contains(model.as_ref())) {
         return Err(Skip::Unroutable(format!("model {model:?} is not routed by kvgate")));
     }
@@ -314,12 +316,13 @@ pub fn offload<'a>(
         priority: hints.priority.clone(),
         tenant: hints.tenant.clone(),
     };
-    Ok((model.into_owned(), request))
+    Ok((model.to_string(), request))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvgate_shared::prompt::openai::envelope;
     use kvgate_shared::wire::ModelBundle;
     use kvgate_shared::wire::PromptCount;
     use std::path::Path;
@@ -500,7 +503,15 @@ mod tests {
             priority: Some("batch".into()),
             tenant: Some("t1".into()),
         };
-        let (model, req) = offload(Endpoint::ChatCompletions, body, &hints, None, 1000).unwrap();
+        fn off<'a>(
+            endpoint: Endpoint,
+            body: &'a [u8],
+            hints: &RequestKeys,
+            listed: Option<&HashSet<String>>,
+        ) -> Result<(String, RouteBodyRequest<'a>), Skip> {
+            offload(endpoint, body, envelope(body).as_ref(), hints, listed, 1000)
+        }
+        let (model, req) = off(Endpoint::ChatCompletions, body, &hints, None).unwrap();
         assert_eq!(
             (req.request_id.as_str(), req.endpoint, req.session.as_deref()),
             ("r9", Endpoint::ChatCompletions, Some("s"))
@@ -510,8 +521,8 @@ mod tests {
         assert_eq!((model.as_str(), req.client_request_id.as_deref()), ("qwen3", Some("client")));
         assert_eq!(req.body.as_ref(), body);
         let listed = HashSet::from(["other".to_owned()]);
-        assert!(offload(Endpoint::ChatCompletions, body, &hints, Some(&listed), 1000).is_err(), "unlisted model");
-        assert!(offload(Endpoint::Completions, b"{oops", &hints, None, 1000).is_err(), "unparsable body");
-        assert!(offload(Endpoint::Completions, br#"{"model":7}"#, &hints, None, 1000).is_err(), "no model name");
+        assert!(off(Endpoint::ChatCompletions, body, &hints, Some(&listed)).is_err(), "unlisted model");
+        assert!(off(Endpoint::Completions, b"{oops", &hints, None).is_err(), "unparsable body");
+        assert!(off(Endpoint::Completions, br#"{"model":7}"#, &hints, None).is_err(), "no model name");
     }
 }

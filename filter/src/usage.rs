@@ -7,44 +7,33 @@
 //! that option to the body ([`with_usage_requested`]) and takes the extra event back out of
 //! the response ([`UsageStripper`]), so the client receives exactly the stream it asked for.
 
-use serde::de::IgnoredAny;
+use kvgate_shared::prompt::openai::Envelope;
 
 /// The member the filter adds at the start of the body.
 const ASK: &[u8] = br#""stream_options":{"include_usage":true},"#;
 
-/// What [`with_usage_requested`] reads of a body; every other field is skipped unread.
-#[derive(serde::Deserialize)]
-struct StreamFlags {
-    #[serde(default)]
-    stream: Option<bool>,
-    /// Whether the body has the member at all (`null` included).
-    #[serde(default, deserialize_with = "present")]
-    stream_options: bool,
-}
-
-fn present<'de, D: serde::Deserializer<'de>>(value: D) -> Result<bool, D::Error> {
-    serde::Deserialize::deserialize(value).map(|IgnoredAny| true)
-}
-
-/// For a streamed request that has no `stream_options`: how to rewrite its body's start so it
-/// asks for usage, as `(bytes to replace, replacement)` — everything up to and including the
-/// opening `{`, replaced by `{` and the option. The rest of the body is untouched, so a body of
-/// any size costs a scan and a few bytes, never a copy. `None` for any other body.
+/// For a streamed request that has no `stream_options` (its [`Envelope`], already read): how
+/// to rewrite its body's start so it asks for usage, as `(bytes to replace, replacement)` —
+/// everything up to and including the opening `{`, replaced by `{` and the option. The rest
+/// of the body is untouched, so a body of any size costs a few bytes, never a copy. `None` for
+/// any other body.
 ///
 /// ```
 /// use kvgate_filter::usage::with_usage_requested;
+/// use kvgate_shared::prompt::openai::envelope;
+/// let asks = |body: &[u8]| with_usage_requested(body, &envelope(body).unwrap());
 /// let body = br#" {"model":"m","stream":true,"prompt":"hi"}"#;
-/// let (replaced, start) = with_usage_requested(body).unwrap();
+/// let (replaced, start) = asks(body).unwrap();
 /// let rewritten = [&start[..], &body[replaced..]].concat();
 /// let v: serde_json::Value = serde_json::from_slice(&rewritten).unwrap();
 /// assert_eq!(v["stream_options"]["include_usage"], true);
 /// assert_eq!(v["prompt"], "hi");
-/// assert!(with_usage_requested(br#"{"model":"m","prompt":"hi"}"#).is_none(), "not streamed");
-/// assert!(with_usage_requested(br#"{"stream":true,"stream_options":{"include_usage":false}}"#).is_none());
+/// assert!(asks(br#"{"model":"m","prompt":"hi"}"#).is_none(), "not streamed");
+/// assert!(asks(br#"{"model":"m","stream":true,"stream_options":{"include_usage":false}}"#).is_none());
+/// assert!(asks(br#"{"model":"m","stream":true,"stream_options":null}"#).is_none());
 /// ```
-pub fn with_usage_requested(body: &[u8]) -> Option<(usize, Vec<u8>)> {
-    let flags: StreamFlags = serde_json::from_slice(body).ok()?;
-    if flags.stream != Some(true) || flags.stream_options {
+pub fn with_usage_requested(body: &[u8], envelope: &Envelope<'_>) -> Option<(usize, Vec<u8>)> {
+    if !envelope.stream || envelope.stream_options {
         return None;
     }
     let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
@@ -186,12 +175,5 @@ mod tests {
             sent += s.filter(&line, false).map_or(line.len(), |out| out.len());
         }
         assert!(sent >= 100 * 1000 - MAX_HELD, "held {} bytes", 100 * 1000 - sent);
-    }
-
-    #[test]
-    fn bodies_that_are_not_streamed_objects_are_left_alone() {
-        for body in [&b"[1]"[..], b"{oops", br#"{"stream":false}"#, br#"{"stream":true,"stream_options":null}"#] {
-            assert!(with_usage_requested(body).is_none(), "{}", String::from_utf8_lossy(body));
-        }
     }
 }

@@ -9,7 +9,7 @@ use std::rc::Rc;
 
 use kvgate_filter::plan::{offload, parse_overrides, plan, routable, with_token_prompt, LoadedModel, Skip};
 use kvgate_shared::hash::Salt;
-use kvgate_shared::prompt::openai::Endpoint;
+use kvgate_shared::prompt::openai::{envelope, Endpoint};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::route::RequestKeys;
 use kvgate_shared::wire::ModelBundle;
@@ -131,7 +131,11 @@ fn check(endpoint: Endpoint, body: &[u8], hints: &RequestKeys, max_bytes: usize)
                     None => assert_eq!(endpoint, Endpoint::ChatCompletions, "completions always take their ids"),
                 }
             }
-            assert!(offload(endpoint, body, hints, Some(&listed), 1000).is_ok(), "offload accepts what plan accepts");
+            let read = envelope(body);
+            assert!(
+                offload(endpoint, body, read.as_ref(), hints, Some(&listed), 1000).is_ok(),
+                "offload accepts what plan accepts"
+            );
         }
         Err(Skip::Unroutable(why)) => assert!(!why.is_empty()),
     }

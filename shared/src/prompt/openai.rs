@@ -124,17 +124,79 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
     Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, include_usage, session, cache_salt, samples })
 }
 
-/// What [`model_of`] reads of a body: its model; every other field is skipped unread.
-#[derive(serde::Deserialize)]
-struct Envelope<'a> {
+/// What [`envelope`] reads of a body: its model and how it streams; every other field is
+/// skipped unread.
+#[derive(Debug, serde::Deserialize)]
+pub struct Envelope<'a> {
+    /// The `model`.
     #[serde(borrow)]
-    model: std::borrow::Cow<'a, str>,
+    pub model: std::borrow::Cow<'a, str>,
+    /// `stream` is `true` (any other value, or none, is false).
+    #[serde(default, deserialize_with = "is_true")]
+    pub stream: bool,
+    /// The body has a `stream_options` member (`null` included).
+    #[serde(default, deserialize_with = "present")]
+    pub stream_options: bool,
 }
 
-/// The `model` of a JSON body, read without building a tree of the rest: for a body too big
-/// to parse where it is (a wasm VM never gives memory back), or one [`parse`] refuses. `None`
-/// if it is not a JSON object with a string `model`. Bytes in the skipped fields are not
-/// checked to be UTF-8.
+fn is_true<'de, D: serde::Deserializer<'de>>(value: D) -> Result<bool, D::Error> {
+    struct True;
+    impl<'de> serde::de::Visitor<'de> for True {
+        type Value = bool;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("any value")
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<bool, E> {
+            Ok(v)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_str<E>(self, _: &str) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_unit<E>(self) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<bool, A::Error> {
+            while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+            Ok(false)
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
+            while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+            Ok(false)
+        }
+    }
+    value.deserialize_any(True)
+}
+
+fn present<'de, D: serde::Deserializer<'de>>(value: D) -> Result<bool, D::Error> {
+    serde::Deserialize::deserialize(value).map(|serde::de::IgnoredAny| true)
+}
+
+/// The [`Envelope`] of a JSON body, read without building a tree of the rest: for a body too
+/// big to parse where it is (a wasm VM never gives memory back), or one [`parse`] refuses.
+/// `None` if it is not a JSON object with a string `model`. Bytes in the skipped fields are
+/// not checked to be UTF-8.
+///
+/// ```
+/// use kvgate_shared::prompt::openai::envelope;
+/// let e = envelope(br#"{"stream":true,"model":"m","messages":[]}"#).unwrap();
+/// assert!(e.stream && !e.stream_options);
+/// let e = envelope(br#"{"model":"m","stream":"yes","stream_options":null}"#).unwrap();
+/// assert!(!e.stream && e.stream_options);
+/// ```
+pub fn envelope(body: &[u8]) -> Option<Envelope<'_>> {
+    serde_json::from_slice(body).ok()
+}
+
+/// The `model` of a JSON body ([`envelope`]).
 ///
 /// ```
 /// use kvgate_shared::prompt::openai::model_of;
@@ -142,7 +204,7 @@ struct Envelope<'a> {
 /// assert_eq!(model_of(b"[1,2]"), None);
 /// ```
 pub fn model_of(body: &[u8]) -> Option<std::borrow::Cow<'_, str>> {
-    serde_json::from_slice::<Envelope>(body).ok().map(|e| e.model)
+    envelope(body).map(|e| e.model)
 }
 
 fn completion_prompt(obj: &Map<String, Value>) -> Result<(Prompt, usize), PromptError> {
