@@ -86,6 +86,8 @@ enum Api {
     Chat,
     /// `/v1/completions`
     Completions,
+    /// `/v1/responses`
+    Responses,
 }
 
 #[derive(Subcommand, Debug)]
@@ -156,6 +158,7 @@ fn main() -> anyhow::Result<()> {
             let endpoint = match endpoint {
                 Api::Chat => kvgate_shared::prompt::openai::Endpoint::ChatCompletions,
                 Api::Completions => kvgate_shared::prompt::openai::Endpoint::Completions,
+                Api::Responses => kvgate_shared::prompt::openai::Endpoint::Responses,
             };
             let format = match chat_template_content_format {
                 Format::Auto => ContentFormat::Auto,

@@ -9,6 +9,10 @@
 //!    multi-turn with reasoning, `enable_thinking`, unicode, long), `kvgate-sidecar tokenize`
 //!    gives vLLM's `/tokenize` ids, and the filter in Envoy counts the real request's
 //!    `usage.prompt_tokens`; a mismatch prints both lists at the first divergence;
+//!    (1c) `/v1/responses` requests (instructions, input items, tool calls and outputs,
+//!    reasoning effort, a continued answer) count as many prompt tokens in kvgate as in vLLM's
+//!    `usage.input_tokens`, in Envoy too, and a streamed chat whose client asked for no usage
+//!    reaches it without a usage event while kvgate still reads vLLM's;
 //! 2. routing follows the real cache — a prefix warmed directly on one engine draws the same
 //!    prefix through Envoy there, and vLLM serves it from cache (for each engine);
 //! 3. reset — `/reset_prefix_cache` publishes `AllBlocksCleared` and the engine's index empties;
@@ -149,7 +153,7 @@ fn parity_cases() -> Vec<(&'static str, &'static str, Value)> {
 /// kvgate's token ids for a body (`kvgate-sidecar tokenize`, the filter's own code).
 fn kvgate_ids(artifacts: &Artifacts, path: &str, body: &Value) -> anyhow::Result<Vec<u64>> {
     use std::io::Write as _;
-    let endpoint = if path.contains("chat") { "chat" } else { "completions" };
+    let endpoint = ["chat", "responses"].into_iter().find(|e| path.contains(e)).unwrap_or("completions");
     let mut child = Command::new(&artifacts.sidecar)
         .args(["tokenize", "--block-size", &BLOCK.to_string(), "--endpoint", endpoint, "--model-dir"])
         .arg(&artifacts.model_dir)
@@ -276,6 +280,76 @@ fn chat_forwarding(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<Row> 
         ),
         pass: (used, echoed) == expected && kvgate == expected && expected.0 != expected.1,
     })
+}
+
+/// The Responses requests of check 1c.
+fn responses_cases() -> Vec<(&'static str, Value)> {
+    let weather = json!({"type": "function", "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}});
+    let body = |input: Value| json!({"model": "qwen3", "max_output_tokens": 1, "input": input});
+    let mut instructions = body(json!("Why is the sky blue?"));
+    instructions["instructions"] = json!("Be brief.");
+    let mut tools = body(json!([
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "{\"temp\": 21}"},
+        {"role": "user", "content": "And Tokyo?"}]));
+    tools["tools"] = json!([weather]);
+    let mut effort = body(json!("Think less."));
+    effort["reasoning"] = json!({"effort": "none"});
+    let continued = body(json!([{"role": "user", "content": "Write a haiku"},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "incomplete",
+         "content": [{"type": "output_text", "text": "Autumn moon", "annotations": []}]}]));
+    vec![
+        ("a string", body(json!("Hello there!"))),
+        ("instructions", instructions),
+        ("items, reasoning and a tool call", tools),
+        ("reasoning effort none", effort),
+        ("a continued answer", continued),
+    ]
+}
+
+/// Check 1c: `/v1/responses` counted as vLLM counts it, directly and through Envoy, and a
+/// stream whose client asked for no usage still checked. Returns the row and how many
+/// requests went through the gateway.
+fn responses_and_usage(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<(Row, u64)> {
+    let mut problems = Vec::new();
+    let cases = responses_cases();
+    for (name, body) in &cases {
+        let ours = kvgate_ids(artifacts, "/v1/responses", body)?.len() as u64;
+        let direct = post(&stack.sims[0].url("/v1/responses"), body.to_string(), &[])?;
+        anyhow::ensure!(direct.status == 200, "{name}: vLLM answered {}: {}", direct.status, direct.body);
+        let theirs = direct.json()["usage"]["input_tokens"].as_u64().unwrap_or(0);
+        let reply = post(&stack.gateway("/v1/responses"), body.to_string(), &[])?;
+        let in_envoy: u64 = reply.header("x-kvgate-prompt-tokens").parse().unwrap_or(0);
+        if ours != theirs || in_envoy != theirs || reply.status != 200 {
+            problems.push(format!("{name}: vLLM {theirs} input tokens, kvgate {ours}, filter in Envoy {in_envoy}"));
+        }
+    }
+    let mut streamed = json!({"model": "qwen3", "max_tokens": 3, "stream": true,
+        "messages": [{"role": "user", "content": "Stream without usage, please."}]});
+    let reply = post(&stack.gateway("/v1/chat/completions"), streamed.to_string(), &[])?;
+    let clean = reply.status == 200 && reply.body.ends_with("data: [DONE]\n\n") && !reply.body.contains("\"usage\"");
+    if !clean {
+        problems.push(format!("the stream without usage reached the client as {}: {}", reply.status, reply.body));
+    }
+    streamed["stream_options"] = json!({"include_usage": true});
+    let asked = post(&stack.gateway("/v1/chat/completions"), streamed.to_string(), &[])?;
+    if !asked.body.contains("\"usage\"") {
+        problems.push("a client that asked for usage did not get it".into());
+    }
+    let row = Row {
+        scenario: "1c. Responses and usage on the client's behalf",
+        expected: "kvgate counts each /v1/responses prompt as vLLM's usage.input_tokens, in Envoy too; a stream whose client asked for no usage gets none (and is still checked in 2b), one that asked gets it",
+        measured: if problems.is_empty() {
+            format!("{} of {} Responses requests counted alike; the streams as their clients asked", cases.len(), cases.len())
+        } else {
+            problems.join("; ")
+        },
+        pass: problems.is_empty(),
+    };
+    Ok((row, cases.len() as u64 + 2))
 }
 
 /// Waits until the sidecar's index for `id` satisfies `ok`; returns the last count.
@@ -509,9 +583,13 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
     };
     done(parity(&stack, artifacts, "qwen3", "1. parity")?);
     done(chat_forwarding(&stack, artifacts)?);
+    let (row, through_gateway) = responses_and_usage(&stack, artifacts)?;
+    done(row);
     done(routing(&stack, artifacts, 700, "2. routing follows the real cache")?);
-    // The start-up probe, check 1's requests and check 2's follow-ups went through the gateway.
-    done(predictions(&stack, 1 + parity_cases().len() as u64 + stack.sims.len() as u64)?);
+    // The start-up probe, check 1's and 1c's requests and check 2's follow-ups went through
+    // the gateway.
+    let checked = 1 + parity_cases().len() as u64 + through_gateway + stack.sims.len() as u64;
+    done(predictions(&stack, checked)?);
     done(reset(&stack)?);
     let (row, expected) = events(&stack, artifacts)?;
     done(row);
