@@ -118,6 +118,10 @@ pub trait Host: SidecarCalls {
     fn remove_request_header(&self, name: &str) -> Result<(), HostStatus>;
     /// Sets a response header.
     fn set_response_header(&self, name: &str, value: &str) -> Result<(), HostStatus>;
+    /// A response header (`:status` included).
+    fn response_header(&self, name: &str) -> Option<String>;
+    /// Removes a response header (absent is fine).
+    fn remove_response_header(&self, name: &str) -> Result<(), HostStatus>;
     /// The buffered request body, `size` bytes.
     fn request_body(&self, size: usize) -> Vec<u8>;
     /// Replaces the first `old_len` bytes of the buffered request body with `body`.
@@ -229,6 +233,15 @@ impl Host for Envoy {
 
     fn set_response_header(&self, name: &str, value: &str) -> Result<(), HostStatus> {
         set_response_header(name, value)
+    }
+
+    fn response_header(&self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
+    }
+
+    fn remove_response_header(&self, name: &str) -> Result<(), HostStatus> {
+        // SAFETY: pointers and lengths come from a live &str for the duration of the call.
+        check(unsafe { proxy_remove_header_map_value(MapType::HttpResponseHeaders, name.as_ptr(), name.len()) })
     }
 
     fn request_body(&self, size: usize) -> Vec<u8> {

@@ -1,8 +1,8 @@
 //! The per-request context.
 //!
 //! 1. Request headers: strip any client-sent destination header (always, on every request);
-//!    on a JSON `POST /v1/completions` or `/v1/chat/completions` ([`crate::plan::routable`]),
-//!    pause to buffer the body.
+//!    on a JSON `POST /v1/completions`, `/v1/chat/completions` or `/v1/responses`
+//!    ([`crate::plan::routable`]), pause to buffer the body.
 //! 2. Request body (complete): plan the route ([`crate::plan`]), call the sidecar, pause. A
 //!    body above `offload_bytes` is not tokenized here: it goes whole to the sidecar's
 //!    `/v1/route_body`, so a big prompt never stalls this worker thread.
@@ -178,7 +178,6 @@ impl<H: Host> RequestContext<H> {
         self.tail.drain(..excess);
     }
 
-    /// Resumes the paused request, routed or not.
     /// The whole body is buffered (its last chunk, or the trailers after it, came): ask the
     /// sidecar, keeping the request paused while it answers.
     fn route_body(&mut self) -> Action {
@@ -293,6 +292,50 @@ impl<H: Host> RequestContext<H> {
         self.upstream_len = self.upstream_len - replaced + start.len();
         self.set_content_length();
         self.stripper = Some(UsageStripper::default());
+    }
+
+    /// The usage event is taken out of a successful event stream only: an error body is
+    /// passed on untouched. A stream that is stripped loses its `content-length`, if it had
+    /// one, since what the client receives is shorter.
+    fn keep_stripping_if_streamed(&mut self) {
+        let ok = self.host.response_header(":status").is_some_and(|s| s.starts_with('2'));
+        let sse = self
+            .host
+            .response_header("content-type")
+            .is_some_and(|ct| ct.trim_start().to_ascii_lowercase().starts_with("text/event-stream"));
+        if !(ok && sse) {
+            self.stripper = None;
+            return;
+        }
+        if let Err(status) = self.host.remove_response_header("content-length") {
+            log::warn!("kvgate: cannot drop content-length from a stream it shortens: {status:?}");
+            self.stripper = None;
+        }
+    }
+
+    /// Takes the usage event out of this response chunk ([`UsageStripper`]). If the host
+    /// cannot read or write the chunk, stripping stops and what was held back is sent on.
+    fn strip_usage(&mut self, body_size: usize, chunk: Option<&[u8]>, end_of_stream: bool) {
+        let Some(stripper) = &mut self.stripper else { return };
+        let sent = match (chunk, body_size) {
+            (Some(chunk), _) => stripper.filter(chunk, end_of_stream),
+            (None, 0) => stripper.filter(&[], end_of_stream),
+            (None, _) => {
+                log::warn!("kvgate: cannot read a response chunk; the stream is passed on as it is");
+                let held = stripper.filter(&[], true).unwrap_or_default();
+                self.stripper = None;
+                if let Err(status) = self.host.replace_response_body(0, &held) {
+                    log::warn!("kvgate: {} bytes of a stream lost: {status:?}", held.len());
+                }
+                return;
+            }
+        };
+        if let Some(sent) = sent {
+            if let Err(status) = self.host.replace_response_body(body_size, &sent) {
+                log::warn!("kvgate: cannot take the usage event out of a stream; left as it is: {status:?}");
+                self.stripper = None;
+            }
+        }
     }
 
     /// Updates `content-length`, if the request has one, to the body's size upstream.
@@ -509,6 +552,9 @@ impl<H: Host> HttpContext for RequestContext<H> {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.check_upstream();
+        if self.stripper.is_some() {
+            self.keep_stripping_if_streamed();
+        }
         if self.endpoint.is_some() && self.shared.borrow().config.debug_headers {
             let d = &self.decision;
             let headers = [
@@ -543,12 +589,8 @@ impl<H: Host> HttpContext for RequestContext<H> {
         let progress = self.block_size > 0 && self.shared.borrow().config.decode_progress;
         let whole = progress || self.stripper.is_some();
         let chunk = if whole && body_size > 0 { self.host.response_body(0, body_size) } else { None };
-        if let Some(stripper) = &mut self.stripper {
-            if let Some(sent) = stripper.filter(chunk.as_deref().unwrap_or_default(), end_of_stream) {
-                if let Err(status) = self.host.replace_response_body(body_size, &sent) {
-                    log::warn!("kvgate: cannot take the usage event out of a stream: {status:?}");
-                }
-            }
+        if self.stripper.is_some() {
+            self.strip_usage(body_size, chunk.as_deref(), end_of_stream);
         }
         if self.booked.is_none() || body_size == 0 {
             return Action::Continue;

@@ -40,16 +40,20 @@ pub fn with_usage_requested(body: &[u8], envelope: &Envelope<'_>) -> Option<(usi
     (body[open] == b'{').then(|| (open + 1, [&b"{"[..], ASK].concat()))
 }
 
-/// The most bytes held back waiting for an event to complete; past it they are sent on as
-/// they are (a stream that is not framed as vLLM frames it is never held up).
+/// The most bytes held back waiting for an event to complete. An event longer than that is
+/// sent on as it is, and the stream is left alone from then on.
 const MAX_HELD: usize = 64 << 10;
 
 /// Takes the usage-only event (`data: {…"choices":[],"usage":{…}}`) out of an SSE stream
-/// whose client did not ask for it. Chunks may split an event anywhere: the bytes after the
-/// last complete event are held back until it completes (or the stream ends).
+/// whose client did not ask for it. Events end at a blank line, with any of SSE's line ends
+/// (`\n`, `\r\n`, `\r`). Chunks may split an event anywhere: the bytes after the last complete
+/// event are held back until it completes (the next chunk, as engines write one event per
+/// write), at most [`MAX_HELD`] bytes.
 #[derive(Debug, Default)]
 pub struct UsageStripper {
     held: Vec<u8>,
+    /// An event outgrew [`MAX_HELD`]: the rest of the stream is not framed as expected.
+    gave_up: bool,
     /// Usage events taken out so far.
     pub stripped: u32,
 }
@@ -60,120 +64,185 @@ impl UsageStripper {
     /// ```
     /// use kvgate_filter::usage::UsageStripper;
     /// let mut s = UsageStripper::default();
-    /// let token = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
+    /// let token = b"data: {\"choices\":[{\"text\":\"a\"}],\"usage\":null}\n\n";
     /// assert_eq!(s.filter(token, false), None, "nothing to hold or take out");
     /// assert_eq!(s.filter(b"data: {\"choices\":[],\"us", false), Some(Vec::new()), "held");
-    /// let rest = b"age\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n";
-    /// assert_eq!(s.filter(rest, true), Some(b"data: [DONE]\n\n".to_vec()));
+    /// let rest = b"age\":{\"prompt_tokens\":3}}\r\n\r\ndata: [DONE]\r\n\r\n";
+    /// assert_eq!(s.filter(rest, true), Some(b"data: [DONE]\r\n\r\n".to_vec()));
     /// assert_eq!(s.stripped, 1);
     /// ```
     pub fn filter(&mut self, chunk: &[u8], end_of_stream: bool) -> Option<Vec<u8>> {
-        if self.held.is_empty() && chunk.ends_with(b"\n\n") && find(chunk, b"\"usage\"").is_none() {
+        if self.gave_up || (self.held.is_empty() && !mentions_usage_object(chunk) && last_event(chunk).is_empty()) {
             return None;
         }
         let mut pending = std::mem::take(&mut self.held);
         pending.extend_from_slice(chunk);
-        let complete = if end_of_stream || pending.len() > MAX_HELD {
-            pending.len()
-        } else {
-            rfind(&pending, b"\n\n").map_or(0, |at| at + 2)
-        };
-        self.held = pending.split_off(complete);
+        let complete = pending.len() - last_event(&pending).len();
+        if pending.len() - complete > MAX_HELD {
+            self.gave_up = true;
+        } else if !end_of_stream {
+            self.held = pending.split_off(complete);
+        }
         let mut out = Vec::with_capacity(pending.len());
-        for event in pending.split_inclusive_events() {
+        let mut rest = &pending[..];
+        while !rest.is_empty() {
+            let (event, tail) = rest.split_at(event_end(rest).unwrap_or(rest.len()));
             if is_usage_only(event) {
                 self.stripped += 1;
             } else {
                 out.extend_from_slice(event);
             }
+            rest = tail;
         }
         Some(out)
     }
 }
 
-/// Whether an SSE event is only a usage report: data whose `choices` is empty and that has a
-/// `usage` object (vLLM's and SGLang's last event before `[DONE]`).
-fn is_usage_only(event: &[u8]) -> bool {
-    event.starts_with(b"data:") && find(event, b"\"choices\":[]").is_some() && find(event, b"\"usage\":{").is_some()
-}
-
-/// Splitting bytes into SSE events, each with its blank-line terminator.
-trait Events {
-    fn split_inclusive_events(&self) -> impl Iterator<Item = &[u8]>;
-}
-
-impl Events for Vec<u8> {
-    fn split_inclusive_events(&self) -> impl Iterator<Item = &[u8]> {
-        let mut rest: &[u8] = self;
-        std::iter::from_fn(move || {
-            if rest.is_empty() {
-                return None;
-            }
-            let end = find(rest, b"\n\n").map_or(rest.len(), |at| at + 2);
-            let (event, tail) = rest.split_at(end);
-            rest = tail;
-            Some(event)
-        })
+/// Where the first event of `bytes` (which starts at an event's start) ends: after the blank
+/// line that closes it; `None` if none does yet. A `\r` at the very end may be the first half
+/// of a `\r\n`, so it ends nothing yet.
+fn event_end(bytes: &[u8]) -> Option<usize> {
+    let mut at = 0;
+    let mut line_start = true;
+    while at < bytes.len() {
+        let ending = match bytes[at] {
+            b'\n' => 1,
+            b'\r' => match bytes.get(at + 1) {
+                Some(b'\n') => 2,
+                Some(_) => 1,
+                None => return None,
+            },
+            _ => 0,
+        };
+        if ending == 0 {
+            line_start = false;
+            at += 1;
+        } else if line_start && at > 0 {
+            return Some(at + ending);
+        } else {
+            line_start = true;
+            at += ending;
+        }
     }
+    None
+}
+
+/// The bytes after the last complete event (all of them if none is complete).
+fn last_event(bytes: &[u8]) -> &[u8] {
+    let mut rest = bytes;
+    while let Some(end) = event_end(rest) {
+        rest = &rest[end..];
+    }
+    rest
+}
+
+/// Whether `bytes` has a `"usage"` member whose value is an object (not `null`, as SGLang
+/// sends with every token).
+fn mentions_usage_object(bytes: &[u8]) -> bool {
+    let mut rest = bytes;
+    while let Some(at) = find(rest, b"\"usage\"") {
+        rest = &rest[at + 7..];
+        let value = rest.trim_ascii_start().strip_prefix(b":").map(<[u8]>::trim_ascii_start);
+        if value.is_some_and(|v| v.starts_with(b"{")) {
+            return true;
+        }
+    }
+    false
+}
+
+/// Whether an SSE event is only a usage report: its data is a JSON object whose `choices` is
+/// empty and whose `usage` is an object (vLLM's and SGLang's last event before `[DONE]`).
+fn is_usage_only(event: &[u8]) -> bool {
+    if !mentions_usage_object(event) {
+        return false;
+    }
+    let data: Vec<&[u8]> = event
+        .split(|b| *b == b'\n' || *b == b'\r')
+        .filter_map(|line| line.strip_prefix(b"data:"))
+        .map(|d| d.strip_prefix(b" ").unwrap_or(d))
+        .collect();
+    let Ok(serde_json::Value::Object(chunk)) = serde_json::from_slice(&data.join(&b'\n')) else { return false };
+    chunk.get("choices").and_then(serde_json::Value::as_array).is_some_and(Vec::is_empty)
+        && chunk.get("usage").is_some_and(serde_json::Value::is_object)
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
-fn rfind(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).rposition(|w| w == needle)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A vLLM chat stream with usage, cut into chunks at every possible place.
+    /// Runs `stream` through a stripper in three chunks cut at `cuts`.
+    fn through(stream: &str, cuts: (usize, usize)) -> (String, u32) {
+        let mut s = UsageStripper::default();
+        let b = stream.as_bytes();
+        let mut out = Vec::new();
+        for (i, chunk) in [&b[..cuts.0], &b[cuts.0..cuts.1], &b[cuts.1..]].iter().enumerate() {
+            match s.filter(chunk, i == 2) {
+                Some(replaced) => out.extend(replaced),
+                None => out.extend_from_slice(chunk),
+            }
+        }
+        (String::from_utf8(out).unwrap(), s.stripped)
+    }
+
+    /// A vLLM chat stream with usage (and SGLang's, with `"usage":null` on every token and
+    /// CRLF line ends), cut into chunks at every possible place.
     #[test]
     fn the_usage_event_is_taken_out_wherever_the_chunks_split() {
-        let content = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
-        let usage = "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"total_tokens\":10,\"completion_tokens\":1}}\n\n";
-        let done = "data: [DONE]\n\n";
-        let stream = format!("{content}{content}{usage}{done}");
-        let expected = format!("{content}{content}{done}");
-        for cut in 0..=stream.len() {
-            for second in cut..=stream.len() {
-                let mut s = UsageStripper::default();
-                let chunks = [&stream.as_bytes()[..cut], &stream.as_bytes()[cut..second], &stream.as_bytes()[second..]];
-                let mut out = Vec::new();
-                for (i, chunk) in chunks.iter().enumerate() {
-                    match s.filter(chunk, i == 2) {
-                        Some(replaced) => out.extend(replaced),
-                        None => out.extend_from_slice(chunk),
-                    }
+        let vllm = (
+            "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}",
+            "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":1}}",
+            "\n\n",
+        );
+        let sglang = (
+            "data: {\"id\":\"c\",\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"hi\"}}], \"usage\": null}",
+            "data: {\"id\":\"c\",\"choices\": [], \"usage\": {\"prompt_tokens\": 9}}",
+            "\r\n\r\n",
+        );
+        for (content, usage, end) in [vllm, sglang] {
+            let stream = format!("{content}{end}{content}{end}{usage}{end}data: [DONE]{end}");
+            let expected = format!("{content}{end}{content}{end}data: [DONE]{end}");
+            for cut in 0..=stream.len() {
+                for second in cut..=stream.len() {
+                    assert_eq!(through(&stream, (cut, second)), (expected.clone(), 1), "cut at {cut} and {second}");
                 }
-                assert_eq!(String::from_utf8(out).unwrap(), expected, "cut at {cut} and {second}");
-                assert_eq!(s.stripped, 1);
             }
         }
     }
 
     #[test]
-    fn content_that_mentions_usage_is_kept() {
-        let mut s = UsageStripper::default();
-        for chunk in [
-            &b"data: {\"choices\":[{\"delta\":{\"content\":\"\\\"usage\\\":{\"}}]}\n\n"[..],
-            b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}],\"usage\":{\"prompt_tokens\":1}}\n\n",
-        ] {
-            assert_eq!(s.filter(chunk, false).unwrap_or_else(|| chunk.to_vec()), chunk);
+    fn what_is_not_a_usage_event_goes_through_as_it_came() {
+        let token = "data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}],\"usage\":{\"prompt_tokens\":1}}\n\n";
+        let quoted = "data: {\"choices\":[{\"delta\":{\"content\":\"\\\"usage\\\":{\"}}]}\n\n";
+        let error = r#"{"object":"error","message":"bad \"choices\": [], \"usage\": {} request","code":400}"#;
+        for stream in [token, quoted, error] {
+            for cut in 0..=stream.len() {
+                assert_eq!(through(stream, (cut, stream.len())), (stream.to_owned(), 0), "cut at {cut}");
+            }
         }
-        assert_eq!(s.stripped, 0, "a token with continuous usage stats is content");
     }
 
     #[test]
-    fn a_stream_framed_otherwise_is_never_held_long() {
+    fn a_split_event_is_held_until_it_completes() {
         let mut s = UsageStripper::default();
-        let line = vec![b'x'; 1000];
+        assert_eq!(s.filter(b"data: {\"choices\":[{\"text\":", false), Some(Vec::new()));
+        let out = s.filter(b"\"a\"}]}\n\ndata: {", false).unwrap();
+        assert_eq!(out, b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n", "sent once whole");
+        assert_eq!(s.filter(b"}\n\n", true).unwrap(), b"data: {}\n\n");
+    }
+
+    #[test]
+    fn what_may_be_held_is_bounded() {
+        let mut s = UsageStripper::default();
+        let data = [&b"data: "[..], &[b'x'; 994]].concat();
         let mut sent = 0;
         for _ in 0..100 {
-            sent += s.filter(&line, false).map_or(line.len(), |out| out.len());
+            sent += s.filter(&data, false).map_or(data.len(), |out| out.len());
         }
         assert!(sent >= 100 * 1000 - MAX_HELD, "held {} bytes", 100 * 1000 - sent);
+        assert_eq!(s.filter(b"\n\n", false), None, "a stream framed otherwise is left alone");
     }
 }

@@ -90,6 +90,13 @@ impl Host for Fake {
         self.0.borrow_mut().response_headers.insert(name.into(), value.into());
         Ok(())
     }
+    fn response_header(&self, name: &str) -> Option<String> {
+        self.0.borrow().response_headers.get(name).cloned()
+    }
+    fn remove_response_header(&self, name: &str) -> Result<(), HostStatus> {
+        self.0.borrow_mut().response_headers.remove(name);
+        Ok(())
+    }
     fn request_body(&self, size: usize) -> Vec<u8> {
         self.0.borrow().request_body[..size].to_vec()
     }
@@ -386,7 +393,12 @@ fn usage_is_asked_for_on_a_streaming_clients_behalf_and_taken_back_out() {
     ctx.on_http_call_response(1, 2, size, 0);
 
     fake.0.borrow_mut().upstream = Some("127.0.0.1:8001".into());
+    fake.0.borrow_mut().response_headers.extend(
+        [(":status", "200"), ("content-type", "text/event-stream; charset=utf-8"), ("content-length", "999")]
+            .map(|(k, v)| (k.to_owned(), v.to_owned())),
+    );
     ctx.on_http_response_headers(3, false);
+    assert!(!fake.0.borrow().response_headers.contains_key("content-length"), "the stream it shortens");
     let token = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
     let usage =
         "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":20,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\n";
@@ -418,6 +430,20 @@ fn a_client_that_asked_for_usage_or_did_not_stream_is_left_as_it_is() {
         respond(&mut ctx, &fake, "127.0.0.1:8001", usage);
         assert_eq!(fake.0.borrow().response_chunk, usage.as_bytes(), "what the client asked for, untouched");
     }
+    // An engine's error answer to a stream that was asked for usage is passed on untouched.
+    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+    let (mut ctx, fake) = request(&body.to_string(), &[], FilterConfig::default());
+    send(&mut ctx, &fake);
+    assert_ne!(fake.0.borrow().request_body, body.to_string().into_bytes(), "usage asked for");
+    let error = r#"{"object":"error","message":"\"choices\":[],\"usage\":{} is not a request","code":400}"#;
+    fake.0
+        .borrow_mut()
+        .response_headers
+        .extend([(":status", "400"), ("content-type", "application/json")].map(|(k, v)| (k.to_owned(), v.to_owned())));
+    fake.0.borrow_mut().response_chunk = error.as_bytes()[..20].to_vec();
+    ctx.on_http_response_headers(3, false);
+    ctx.on_http_response_body(20, false);
+    assert_eq!(fake.0.borrow().response_chunk, error.as_bytes()[..20], "not held: not a stream");
     let off = FilterConfig { request_usage: false, ..FilterConfig::default() };
     let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
     let (mut ctx, fake) = request(&body.to_string(), &[], off);

@@ -125,59 +125,88 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
 }
 
 /// What [`envelope`] reads of a body: its model and how it streams; every other field is
-/// skipped unread.
-#[derive(Debug, serde::Deserialize)]
+/// skipped unread. A member given twice counts as its last value, as in Python's `json`.
+#[derive(Debug)]
 pub struct Envelope<'a> {
     /// The `model`.
-    #[serde(borrow)]
     pub model: std::borrow::Cow<'a, str>,
     /// `stream` is `true` (any other value, or none, is false).
-    #[serde(default, deserialize_with = "is_true")]
     pub stream: bool,
     /// The body has a `stream_options` member (`null` included).
-    #[serde(default, deserialize_with = "present")]
     pub stream_options: bool,
 }
 
-fn is_true<'de, D: serde::Deserializer<'de>>(value: D) -> Result<bool, D::Error> {
-    struct True;
-    impl<'de> serde::de::Visitor<'de> for True {
-        type Value = bool;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("any value")
-        }
-        fn visit_bool<E>(self, v: bool) -> Result<bool, E> {
-            Ok(v)
-        }
-        fn visit_i64<E>(self, _: i64) -> Result<bool, E> {
-            Ok(false)
-        }
-        fn visit_u64<E>(self, _: u64) -> Result<bool, E> {
-            Ok(false)
-        }
-        fn visit_f64<E>(self, _: f64) -> Result<bool, E> {
-            Ok(false)
-        }
-        fn visit_str<E>(self, _: &str) -> Result<bool, E> {
-            Ok(false)
-        }
-        fn visit_unit<E>(self) -> Result<bool, E> {
-            Ok(false)
-        }
-        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<bool, A::Error> {
-            while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
-            Ok(false)
-        }
-        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
-            while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
-            Ok(false)
-        }
-    }
-    value.deserialize_any(True)
-}
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Envelope<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::{Error, IgnoredAny, MapAccess, Visitor};
+        use std::borrow::Cow;
 
-fn present<'de, D: serde::Deserializer<'de>>(value: D) -> Result<bool, D::Error> {
-    serde::Deserialize::deserialize(value).map(|serde::de::IgnoredAny| true)
+        /// A value read only for whether it is `true`.
+        struct IsTrue(bool);
+        impl<'de> serde::Deserialize<'de> for IsTrue {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct V;
+                impl<'de> Visitor<'de> for V {
+                    type Value = IsTrue;
+                    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                        f.write_str("any JSON value")
+                    }
+                    fn visit_bool<E>(self, v: bool) -> Result<IsTrue, E> {
+                        Ok(IsTrue(v))
+                    }
+                    fn visit_i64<E>(self, _: i64) -> Result<IsTrue, E> {
+                        Ok(IsTrue(false))
+                    }
+                    fn visit_u64<E>(self, _: u64) -> Result<IsTrue, E> {
+                        Ok(IsTrue(false))
+                    }
+                    fn visit_f64<E>(self, _: f64) -> Result<IsTrue, E> {
+                        Ok(IsTrue(false))
+                    }
+                    fn visit_str<E>(self, _: &str) -> Result<IsTrue, E> {
+                        Ok(IsTrue(false))
+                    }
+                    fn visit_unit<E>(self) -> Result<IsTrue, E> {
+                        Ok(IsTrue(false))
+                    }
+                    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<IsTrue, A::Error> {
+                        IgnoredAny.visit_seq(seq).map(|_| IsTrue(false))
+                    }
+                    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<IsTrue, A::Error> {
+                        IgnoredAny.visit_map(map).map(|_| IsTrue(false))
+                    }
+                }
+                d.deserialize_any(V)
+            }
+        }
+
+        struct Members;
+        impl<'de> Visitor<'de> for Members {
+            type Value = Envelope<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object with a string `model`")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Envelope<'de>, A::Error> {
+                let (mut model, mut stream, mut stream_options) = (None, false, false);
+                while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                    match key.as_ref() {
+                        "model" => model = Some(map.next_value::<Cow<'de, str>>()?),
+                        "stream" => stream = map.next_value::<IsTrue>()?.0,
+                        "stream_options" => {
+                            map.next_value::<IgnoredAny>()?;
+                            stream_options = true;
+                        }
+                        _ => {
+                            map.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                let model = model.ok_or_else(|| A::Error::missing_field("model"))?;
+                Ok(Envelope { model, stream, stream_options })
+            }
+        }
+        deserializer.deserialize_map(Members)
+    }
 }
 
 /// The [`Envelope`] of a JSON body, read without building a tree of the rest: for a body too
@@ -191,6 +220,8 @@ fn present<'de, D: serde::Deserializer<'de>>(value: D) -> Result<bool, D::Error>
 /// assert!(e.stream && !e.stream_options);
 /// let e = envelope(br#"{"model":"m","stream":"yes","stream_options":null}"#).unwrap();
 /// assert!(!e.stream && e.stream_options);
+/// let e = envelope(br#"{"model":"a","stream":false,"model":"b","stream":true}"#).unwrap();
+/// assert!(e.stream && e.model == "b", "the last of each, as Python reads it");
 /// ```
 pub fn envelope(body: &[u8]) -> Option<Envelope<'_>> {
     serde_json::from_slice(body).ok()
