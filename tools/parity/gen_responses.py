@@ -88,6 +88,15 @@ CASES = {
          "content": [{"type": "output_text", "text": "Autumn moon  ", "annotations": []}]}]},
     "long_document": {"instructions": LONG, "input": "Summarise."},
     "unicode_and_special_text": {"input": "naïve café 你好 🚀 literal <|im_start|> and <think> tags"},
+    "only_builtin_tools": {"input": "Search the web for kv caches.", "tools": [{"type": "web_search"}]},
+    "message_item_name_dropped": {"input": [{"type": "message", "role": "user", "name": "ann", "content": "hi"}]},
+    "previous_input_messages_ignored": {"input": "hi", "previous_input_messages": [{"role": "user", "content": "x"}]},
+    "prompt_template_refused": {"input": "hi", "prompt": {"id": "pmpt_1"}},
+    "empty_encrypted_reasoning": {"input": [
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "id": "rs_3", "summary": [], "encrypted_content": "",
+         "content": [{"type": "reasoning_text", "text": "plain"}]},
+        {"role": "user", "content": "again"}]},
     "sampling_fields_ignored": {"input": "hi", "max_output_tokens": 64, "temperature": 0.2, "stream": True,
                                 "user": "u1", "cache_salt": "tenant-a", "store": False},
 }
@@ -101,9 +110,22 @@ def chat_request(body, template, fmt):
     kwargs = dict(request.build_chat_params(template, fmt).chat_template_kwargs)
     chat = {"messages": messages, "add_generation_prompt": kwargs.pop("add_generation_prompt"),
             "continue_final_message": kwargs.pop("continue_final_message"), "chat_template_kwargs": kwargs}
-    if tools:
+    if tools is not None:
         chat["tools"] = tools
     return json.loads(json.dumps(chat, default=lambda o: o.model_dump()))
+
+
+def render_chat(tok, chat, fmt, template):
+    """gen_reference.render, except that an empty tool list reaches the template as one, as
+    vLLM hands it over (render() reads an empty list as no tools)."""
+    if chat.get("tools") != []:
+        return render(tok, chat, fmt, template)
+    apply = tok.apply_chat_template
+    tok.apply_chat_template = lambda *args, **kwargs: apply(*args, **{**kwargs, "tools": kwargs.get("tools") or []})
+    try:
+        return render(tok, chat, fmt, template)
+    finally:
+        del tok.apply_chat_template
 
 
 def write(tok, name, out, now_unix):
@@ -114,7 +136,7 @@ def write(tok, name, out, now_unix):
         for case, body in CASES.items():
             row = {"name": case, "request": body}
             try:
-                text = render(tok, chat_request(body, template, fmt), fmt, template)
+                text = render_chat(tok, chat_request(body, template, fmt), fmt, template)
                 row["rendered"] = text
                 row["ids"] = tok.encode(text, add_special_tokens=False)
             except Exception as e:  # vLLM answers 400

@@ -27,8 +27,9 @@
 //!   request's `chat_template_kwargs` set it).
 //!
 //! What is refused with [`PromptError::Unsupported`] (the request is then routed on an
-//! estimate): history the engine keeps (`previous_response_id`, `prompt`,
-//! `previous_input_messages`), custom tools and calls, and encrypted reasoning.
+//! estimate): history the engine keeps (`previous_response_id`), custom tools and calls, and
+//! encrypted reasoning. `previous_input_messages` is ignored, as vLLM ignores it outside
+//! harmony; a `prompt` template is refused, as vLLM refuses it.
 
 use serde_json::{json, Map, Value};
 
@@ -40,15 +41,34 @@ const NAMESPACE_SEPARATOR: &str = "__";
 
 /// The chat vLLM renders for a `/v1/responses` body.
 pub fn chat_input(obj: &Map<String, Value>) -> Result<ChatInput, PromptError> {
-    ChatInput::from_request(&chat_request(obj)?)
+    let (chat, tools) = chat_request(obj)?;
+    let mut input = ChatInput::from_request(&chat)?;
+    if tools == Tools::NoneShown {
+        // vLLM hands the template an empty list (a chat body cannot say that).
+        input.tools = Some(Vec::new());
+    }
+    Ok(input)
 }
 
-/// The `/v1/chat/completions` body that renders as the Responses request `obj` does.
-fn chat_request(obj: &Map<String, Value>) -> Result<Map<String, Value>, PromptError> {
-    for held in ["previous_response_id", "prompt", "previous_input_messages"] {
-        if obj.get(held).is_some_and(|v| !v.is_null()) {
-            return Err(PromptError::Unsupported(format!("`{held}`: the engine holds that conversation")));
-        }
+/// What the template is given as tools.
+#[derive(Debug, PartialEq, Eq)]
+enum Tools {
+    /// No `tools` (or an empty list): none.
+    Absent,
+    /// Function tools, in the chat body.
+    Functions,
+    /// Tools, none of which the model is shown (web search, MCP…): an empty list.
+    NoneShown,
+}
+
+/// The `/v1/chat/completions` body that renders as the Responses request `obj` does, and
+/// what its template is given as tools.
+fn chat_request(obj: &Map<String, Value>) -> Result<(Map<String, Value>, Tools), PromptError> {
+    if obj.get("previous_response_id").is_some_and(|v| !v.is_null()) {
+        return Err(PromptError::Unsupported("`previous_response_id`: the engine holds that conversation".into()));
+    }
+    if obj.get("prompt").is_some_and(|v| !v.is_null()) {
+        return Err(PromptError::Invalid("prompt templates are not supported".into()));
     }
     let mut messages = Vec::new();
     match obj.get("instructions") {
@@ -75,9 +95,14 @@ fn chat_request(obj: &Map<String, Value>) -> Result<Map<String, Value>, PromptEr
     };
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(messages));
-    if let Some(tools) = function_tools(obj.get("tools"))?.filter(|t| !t.is_empty()) {
-        chat.insert("tools".into(), Value::Array(tools));
-    }
+    let tools = match function_tools(obj.get("tools"))? {
+        None => Tools::Absent,
+        Some(functions) if functions.is_empty() => Tools::NoneShown,
+        Some(functions) => {
+            chat.insert("tools".into(), Value::Array(functions));
+            Tools::Functions
+        }
+    };
     if let Some(kwargs) = obj.get("chat_template_kwargs") {
         chat.insert("chat_template_kwargs".into(), kwargs.clone());
     }
@@ -92,7 +117,7 @@ fn chat_request(obj: &Map<String, Value>) -> Result<Map<String, Value>, PromptEr
         }
         Some(_) => return Err(PromptError::Invalid("`reasoning` must be an object".into())),
     }
-    Ok(chat)
+    Ok((chat, tools))
 }
 
 fn item_type(item: &Map<String, Value>) -> Option<&str> {
@@ -123,6 +148,12 @@ fn join_assistant(turns: &mut Vec<Value>, key: &str, value: Value) {
     turns.push(json!({"role": "assistant", key: value}));
 }
 
+/// A message item as vLLM's validation leaves it: its role and content (other keys, `name`
+/// among them, are not members of the item types).
+fn message(fields: &Map<String, Value>) -> Value {
+    json!({"role": fields["role"], "content": fields.get("content").cloned().unwrap_or(Value::Null)})
+}
+
 /// Adds one input item as vLLM's `_construct_message_from_response_item` does.
 fn add_item(turns: &mut Vec<Value>, item: &Value) -> Result<(), PromptError> {
     let invalid = |why: String| PromptError::Invalid(format!("input item: {why}"));
@@ -150,7 +181,7 @@ fn add_item(turns: &mut Vec<Value>, item: &Value) -> Result<(), PromptError> {
             }
         }
         Some("reasoning") => {
-            if fields.get("encrypted_content").is_some_and(|v| !v.is_null()) {
+            if fields.get("encrypted_content").and_then(Value::as_str).is_some_and(|s| !s.is_empty()) {
                 return Err(PromptError::Unsupported("encrypted reasoning".into()));
             }
             let first_text = |key: &str| fields.get(key)?.as_array()?.first()?.get("text")?.as_str().map(str::to_owned);
@@ -171,11 +202,11 @@ fn add_item(turns: &mut Vec<Value>, item: &Value) -> Result<(), PromptError> {
             };
             match first {
                 Some(t) => join_assistant(turns, "content", Value::String(t.to_owned())),
-                None if matches!(kind, None | Some("message")) => turns.push(item.clone()),
+                None if matches!(kind, None | Some("message")) => turns.push(message(fields)),
                 None => return Err(invalid(format!("unsupported type {kind:?}"))),
             }
         }
-        None | Some("message") if fields.contains_key("role") => turns.push(item.clone()),
+        None | Some("message") if fields.contains_key("role") => turns.push(message(fields)),
         kind => return Err(invalid(format!("unsupported type {kind:?}"))),
     }
     Ok(())
@@ -183,10 +214,11 @@ fn add_item(turns: &mut Vec<Value>, item: &Value) -> Result<(), PromptError> {
 
 /// The Responses tools the model is shown, as chat tools: functions, and namespaces'
 /// functions named `namespace__name`. Other kinds (web search, MCP, …) are dropped; custom
-/// tools are refused.
+/// tools are refused. `None` without tools (or with an empty list).
 fn function_tools(tools: Option<&Value>) -> Result<Option<Vec<Value>>, PromptError> {
     let tools = match tools {
         None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(tools)) if tools.is_empty() => return Ok(None),
         Some(Value::Array(tools)) => tools,
         Some(_) => return Err(PromptError::Invalid("`tools` must be an array".into())),
     };
@@ -226,7 +258,7 @@ mod tests {
     use super::*;
 
     fn chat(body: Value) -> Result<Map<String, Value>, PromptError> {
-        chat_request(body.as_object().unwrap())
+        chat_request(body.as_object().unwrap()).map(|(chat, _)| chat)
     }
 
     #[test]
@@ -281,19 +313,27 @@ mod tests {
         assert_eq!(names, [json!("f"), json!("crm__find")]);
         assert_eq!(c["reasoning_effort"], "low");
         assert!(chat(json!({"input": "x", "tools": []})).unwrap().get("tools").is_none());
+        let shown =
+            |tools: Value| chat_input(json!({"input": "x", "tools": tools}).as_object().unwrap()).unwrap().tools;
+        assert_eq!(shown(json!([])), None, "no tools: none");
+        assert_eq!(shown(json!([{"type": "web_search"}])), Some(Vec::new()), "tools the model is not shown: []");
     }
 
     #[test]
     fn what_the_engine_holds_or_kvgate_does_not_render_is_unsupported() {
         for body in [
             json!({"input": "x", "previous_response_id": "resp_1"}),
-            json!({"input": "x", "prompt": {"id": "p"}}),
             json!({"input": "x", "tools": [{"type": "custom", "name": "c"}]}),
             json!({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "zz"}]}),
         ] {
             assert!(matches!(chat(body.clone()), Err(PromptError::Unsupported(_))), "{body}");
         }
-        for body in [json!({}), json!({"input": 3}), json!({"input": [{"type": "image_generation_call"}]})] {
+        for body in [
+            json!({}),
+            json!({"input": 3}),
+            json!({"input": [{"type": "image_generation_call"}]}),
+            json!({"input": "x", "prompt": {"id": "p"}}),
+        ] {
             assert!(matches!(chat(body.clone()), Err(PromptError::Invalid(_))), "{body}");
         }
     }
