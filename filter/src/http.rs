@@ -552,6 +552,10 @@ impl<H: Host> HttpContext for RequestContext<H> {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.check_upstream();
+        if let (Some(m), Some(_)) = (&self.shared.borrow().metrics, &self.booked) {
+            // The request's own work (its body, its plan) is done: what it needed is in there.
+            m.vm_memory(&self.host);
+        }
         if self.stripper.is_some() {
             self.keep_stripping_if_streamed();
         }

@@ -15,6 +15,7 @@
 //! | `kvgate.sidecar_us` | histogram | the sidecar round trip, µs |
 //! | `kvgate.segment_cache.hits` / `.misses` | counter | prompt pieces served / tokenized |
 //! | `kvgate.lifecycle.retried` / `.dropped` | counter | lifecycle batches that did not reach the sidecar: kept to send again / given up on |
+//! | `kvgate.vm_memory_bytes` | gauge | the linear memory of the wasm VM that last answered a routed request (set at its response headers); it never shrinks (every worker's VM runs the same code, so they are alike) |
 //! | `kvgate.tokenizer_missing.<model>` | gauge | 1 while the model's tokenizer cannot be loaded (its requests are routed on load alone); defined on the first failure. `<model>` is the name with every character but `[A-Za-z0-9_-]` replaced by `_` |
 
 use proxy_wasm::hostcalls;
@@ -40,6 +41,7 @@ pub struct FilterMetrics {
     segment_misses: u32,
     lifecycle_retried: u32,
     lifecycle_dropped: u32,
+    vm_memory: u32,
 }
 
 /// How a request left the filter.
@@ -78,6 +80,7 @@ impl FilterMetrics {
             segment_misses: counter("kvgate.segment_cache.misses")?,
             lifecycle_retried: counter("kvgate.lifecycle.retried")?,
             lifecycle_dropped: counter("kvgate.lifecycle.dropped")?,
+            vm_memory: hostcalls::define_metric(MetricType::Gauge, "kvgate.vm_memory_bytes").ok()?,
         })
     }
 
@@ -136,6 +139,15 @@ impl FilterMetrics {
     /// Sets a gauge.
     pub fn set_gauge(sink: &impl MetricSink, id: u32, value: u64) {
         sink.record(id, value);
+    }
+
+    /// Sets the gauge of this VM's linear memory (0 natively).
+    pub fn vm_memory(&self, sink: &impl MetricSink) {
+        #[cfg(target_arch = "wasm32")]
+        let pages = core::arch::wasm32::memory_size::<0>() as u64;
+        #[cfg(not(target_arch = "wasm32"))]
+        let pages = 0;
+        sink.record(self.vm_memory, pages * 65_536);
     }
 
     /// Records the sidecar round trip.

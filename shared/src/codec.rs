@@ -32,9 +32,16 @@ fn config() -> impl bincode::config::Config {
     bincode::config::standard().with_limit::<MAX_BODY_BYTES>()
 }
 
-/// Encodes a wire value.
+/// Encodes a wire value into a buffer of exactly its size: measured first, then written, so
+/// a big body (an offloaded 16 MiB prompt, in a wasm VM whose memory never shrinks) is not
+/// copied through a growing buffer.
 pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
-    Ok(bincode::serde::encode_to_vec(value, config())?)
+    let mut size = bincode::enc::write::SizeWriter::default();
+    bincode::serde::encode_into_writer(value, &mut size, config())?;
+    let mut bytes = vec![0; size.bytes_written];
+    let written = bincode::serde::encode_into_slice(value, &mut bytes, config())?;
+    bytes.truncate(written);
+    Ok(bytes)
 }
 
 /// Decodes a wire value; the whole input must be consumed.

@@ -468,6 +468,11 @@ impl Stack {
         wait_for(&format!("engine {id} health after restart"), ENGINE_START_TIMEOUT, || http_ok(&url).then_some(()))
     }
 
+    /// Envoy's process id, while it runs.
+    pub fn envoy_pid(&self) -> Option<u32> {
+        self.envoy.pid()
+    }
+
     /// An Envoy counter or gauge by its full name (0 if absent), from the admin `/stats`.
     pub fn envoy_stat(&self, name: &str) -> anyhow::Result<u64> {
         let url = format!("http://127.0.0.1:{}/stats?filter={name}", self.admin_port);

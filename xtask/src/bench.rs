@@ -197,6 +197,19 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `cargo xtask bench memory`: only the memory part of `bench filter` (what big bodies leave
+/// in Envoy's memory); `KVGATE_WASM` measures another build of the filter.
+pub fn memory() -> anyhow::Result<()> {
+    install::all()?;
+    if std::env::var_os("KVGATE_WASM").is_none() {
+        build_wasm()?;
+    }
+    cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
+    let rows = kvgate_e2e::bench::memory::run(&Artifacts::locate("release"))?;
+    println!("{}", kvgate_e2e::bench::memory::table(&rows));
+    Ok(())
+}
+
 /// `cargo xtask bench filter`: the latency kvgate adds, and tokenization in Envoy vs native.
 pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     let out = match raw {
@@ -211,10 +224,12 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     let facts = facts(format!("cargo xtask bench filter {}", raw.join(" ")).trim().to_owned());
     let report = kvgate_e2e::bench::filter::run(&artifacts)?;
     let throughput = kvgate_e2e::bench::throughput::run(&artifacts)?;
+    let memory = kvgate_e2e::bench::memory::run(&artifacts)?;
     let tables = format!(
-        "{}\n{}",
+        "{}\n{}\n{}",
         kvgate_e2e::bench::filter::tables(&report),
-        kvgate_e2e::bench::throughput::table(&throughput)
+        kvgate_e2e::bench::throughput::table(&throughput),
+        kvgate_e2e::bench::memory::table(&memory)
     );
     let md = format!(
         "# kvgate filter overhead\n\n- command: `{}`\n- commit: `{}`\n- machine: {}\n- started: {}\n\n{tables}",
@@ -225,7 +240,9 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     std::fs::write(dir.join("filter.md"), &md)?;
     std::fs::write(
         dir.join("filter.json"),
-        serde_json::to_string_pretty(&serde_json::json!({"facts": facts, "report": report, "throughput": throughput}))?,
+        serde_json::to_string_pretty(
+            &serde_json::json!({"facts": facts, "report": report, "throughput": throughput, "memory": memory}),
+        )?,
     )?;
     println!("{md}\nwritten to {}", dir.display());
     Ok(())

@@ -48,9 +48,10 @@ fn main() -> anyhow::Result<()> {
         Some("e2e-vllm") => e2e_vllm::run(&args[1..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("e2e") => bench::e2e(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("filter") => bench::filter(&args[2..]),
+        Some("bench") if args.get(1).map(String::as_str) == Some("memory") => bench::memory(),
         _ => {
             eprintln!(
-                "usage: cargo xtask <test|demo|faults|soak|e2e-vllm|bench e2e|bench filter|package|install|build-wasm>"
+                "usage: cargo xtask <test|demo|faults|soak|e2e-vllm|bench e2e|bench filter|bench memory|package|install|build-wasm>"
             );
             std::process::exit(2);
         }

@@ -9,13 +9,15 @@
 //! | `peers` | SGLang's and vLLM's routers, installed from PyPI, on the same fleet |
 //! | `report` | `report.md`, `results.json`, SVG charts |
 //! | `filter` | `cargo xtask bench filter`: latency kvgate adds, tokenization in Envoy vs native |
-//! | `throughput` | `cargo xtask bench filter`, last: routed requests/s one Envoy worker sustains |
+//! | `throughput` | `cargo xtask bench filter`, then: routed requests/s one Envoy worker sustains |
+//! | `memory` | `cargo xtask bench filter`, last: what 15 MiB bodies leave in Envoy's memory |
 //!
 //! Each (workload, QPS, repeat) starts a fresh fleet per policy, so no policy inherits
 //! another's warm caches; ratios against round robin are taken within the same repeat.
 
 pub mod filter;
 pub mod loadgen;
+pub mod memory;
 pub mod peers;
 pub mod report;
 pub mod stats;
