@@ -4,6 +4,8 @@
 //! the date are rendered at the instant the vectors were made; a case the template refuses
 //! must be refused here too (vLLM answers 400).
 
+mod common;
+
 use std::path::PathBuf;
 
 use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
@@ -49,15 +51,8 @@ fn divergences(family: &str) -> (usize, Vec<String>) {
                     continue;
                 }
                 let ids = tokenizer.encode(&text, false).unwrap();
-                let expected: Vec<u32> =
-                    case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-                if ids != expected {
-                    let at = ids.iter().zip(&expected).take_while(|(a, b)| a == b).count();
-                    out.push(format!(
-                        "{name}: ids differ at {at}: {:?} vs {:?}",
-                        &ids[at..(at + 5).min(ids.len())],
-                        &expected[at..(at + 5).min(expected.len())]
-                    ));
+                if let Some(d) = common::divergence(&ids, &common::reference_ids(case)) {
+                    out.push(format!("{name}: {d}"));
                 }
             }
         }

@@ -3,6 +3,8 @@
 //! with vLLM's own functions and the `oss-harmony` it runs, at a recorded instant (the system
 //! message prints the date).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use kvgate_shared::prompt::openai::{parse, Endpoint};
@@ -61,15 +63,8 @@ fn check(tokenizer: &ModelTokenizer, runs: usize) {
                 (_, Some(_)) => continue,
                 (Err(e), None) => failures.push(format!("{name}: {e}")),
                 (Ok(ids), None) => {
-                    let expected: Vec<u32> =
-                        case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-                    if ids != expected {
-                        let at = ids.iter().zip(&expected).take_while(|(a, b)| a == b).count();
-                        failures.push(format!(
-                            "{name}: ids differ at {at}: {:?} vs {:?}",
-                            &ids[at..(at + 6).min(ids.len())],
-                            &expected[at..(at + 6).min(expected.len())]
-                        ));
+                    if let Some(d) = common::divergence(&ids, &common::reference_ids(case)) {
+                        failures.push(format!("{name}: {d}"));
                     }
                 }
             }

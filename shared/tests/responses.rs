@@ -4,6 +4,8 @@
 //! every template family. kvgate must give the same ids for every case, and refuse the cases
 //! the template refuses (vLLM answers 400 there).
 
+mod common;
+
 use std::path::PathBuf;
 
 use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
@@ -41,16 +43,8 @@ fn check(model: &str) -> usize {
             (Ok(_), Some(e)) => failures.push(format!("{name}: rendered, but vLLM refuses it ({e})")),
             (Err(e), None) => failures.push(format!("{name}: {e}")),
             (Ok(ids), None) => {
-                let expected: Vec<u32> =
-                    case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-                if ids != expected {
-                    let at = ids.iter().zip(&expected).take_while(|(a, b)| a == b).count();
-                    failures.push(format!(
-                        "{name}: ids differ at {at} of {}: ours {:?} vs vLLM's {:?}",
-                        expected.len(),
-                        &ids[at..(at + 6).min(ids.len())],
-                        &expected[at..(at + 6).min(expected.len())]
-                    ));
+                if let Some(d) = common::divergence(&ids, &common::reference_ids(case)) {
+                    failures.push(format!("{name}: {d}"));
                 }
             }
         }
