@@ -184,12 +184,13 @@ fn estimated(
 }
 
 /// Output tokens in a chunk of a streamed (SSE) completion: vLLM sends one `data:` event per
-/// generated token (or a few, for speculative decoding: this then counts low); `[DONE]` is
-/// not a token. A named event (the Responses API's) is a token only if it is a `….delta`.
+/// generated token (or a few, for speculative decoding: this then counts low); `[DONE]` and
+/// the usage event (no `choices`) are not tokens. A named event (the Responses API's) is a
+/// token only if it is a `….delta`.
 ///
 /// ```
-/// let chunk = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[]}\n\ndata: [DONE]\n\n";
-/// assert_eq!(kvgate_filter::plan::streamed_tokens(chunk), 2);
+/// let chunk = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[],\"usage\":{}}\n\ndata: [DONE]\n\n";
+/// assert_eq!(kvgate_filter::plan::streamed_tokens(chunk), 1);
 /// let events = b"event: response.created\ndata: {}\n\nevent: response.output_text.delta\ndata: {}\n\n";
 /// assert_eq!(kvgate_filter::plan::streamed_tokens(events), 1);
 /// ```
@@ -202,7 +203,7 @@ pub fn streamed_tokens(chunk: &[u8]) -> u32 {
         } else if let Some(data) = line.strip_prefix(b"data:") {
             let token = match event.take() {
                 Some(name) => name.ends_with(b".delta"),
-                None => data.trim_ascii() != b"[DONE]",
+                None => data.trim_ascii() != b"[DONE]" && !contains(data, b"\"choices\":[]"),
             };
             n += u32::from(token);
         }
@@ -241,6 +242,10 @@ pub fn engine_usage(tail: &[u8]) -> Option<(u32, Option<u32>)> {
     };
     let prompt = number_after(b"\"prompt_tokens\"").or_else(|| number_after(b"\"input_tokens\""))?;
     Some((prompt, number_after(b"\"cached_tokens\"")))
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 fn find_last(haystack: &[u8], needle: &[u8]) -> Option<usize> {
