@@ -14,7 +14,8 @@
 //!    `usage.input_tokens`, in Envoy too, and a streamed chat whose client asked for no usage
 //!    reaches it without a usage event while kvgate still reads vLLM's;
 //! 2. routing follows the real cache — a prefix warmed directly on one engine draws the same
-//!    prefix through Envoy there, and vLLM serves it from cache (for each engine);
+//!    prefix through Envoy there, and vLLM serves it from cache (for each engine); (2a) a
+//!    prefix warmed under a `cache_salt` is credited to that salt only, as vLLM caches it;
 //! 3. reset — `/reset_prefix_cache` publishes `AllBlocksCleared` and the engine's index empties;
 //! 4. events — after a burst, the index holds exactly the full blocks the engines cached;
 //! 5. sidecar restart — the index is rebuilt (replay or live events) and routing follows again;
@@ -394,6 +395,57 @@ fn routing(stack: &Stack, artifacts: &Artifacts, seed: u32, label: &'static str)
     })
 }
 
+/// Check 2a: `cache_salt` hashed as vLLM hashes it. A salted prefix warmed on one engine is
+/// credited to the same tenant's request through Envoy (and vLLM serves it from cache), and
+/// to no other tenant's nor to an unsalted request (vLLM finds nothing cached for them).
+/// Returns the row and how many requests went through the gateway.
+fn cache_salt(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<(Row, u64)> {
+    let engine = &stack.sims[0];
+    let doc = document(900, 700);
+    let body = |salt: Option<&str>, q: &str| {
+        let mut b = json!({"model": "qwen3", "max_tokens": 1, "messages": [{"role": "system", "content": doc}, {"role": "user", "content": q}]});
+        if let Some(salt) = salt {
+            b["cache_salt"] = json!(salt);
+        }
+        b
+    };
+    let before = stack.indexed_blocks(&engine.id)?;
+    let warm = post(&engine.url("/v1/chat/completions"), body(Some("tenant-a"), "first question").to_string(), &[])?;
+    anyhow::ensure!(warm.status == 200, "warming {}: {}", engine.id, warm.body);
+    let (warm_tokens, _) = usage(&warm);
+    let indexed =
+        wait_blocks(stack, &engine.id, "the salted blocks", |n| n >= before + warm_tokens / u64::from(BLOCK) - 1);
+    let ours_warm = kvgate_ids(artifacts, "/v1/chat/completions", &body(None, "first question"))?;
+    let ours_next = kvgate_ids(artifacts, "/v1/chat/completions", &body(None, "a follow-up question"))?;
+    let shared_blocks = ours_warm.iter().zip(&ours_next).take_while(|(a, b)| a == b).count() as u64 / u64::from(BLOCK);
+    let mut notes = Vec::new();
+    let mut pass = indexed.is_ok();
+    for (salt, credited) in [(Some("tenant-a"), true), (Some("tenant-b"), false), (None, false)] {
+        let reply = post(&stack.gateway("/v1/chat/completions"), body(salt, "a follow-up question").to_string(), &[])?;
+        let (_, cached) = usage(&reply);
+        let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap_or(u64::MAX);
+        let routed = reply.header("x-kvgate-routed-to").to_owned();
+        let ok = reply.status == 200
+            && if credited {
+                routed == engine.id && overlap >= shared_blocks - 1 && cached >= shared_blocks * u64::from(BLOCK)
+            } else {
+                overlap == 0 && cached == 0
+            };
+        pass &= ok;
+        notes.push(format!(
+            "{}: routed to {routed} with {overlap} blocks credited, vLLM {cached} cached tokens",
+            salt.unwrap_or("no salt")
+        ));
+    }
+    let row = Row {
+        scenario: "2a. cache_salt",
+        expected: "a prefix warmed under one cache_salt is credited (and served from vLLM's cache) for that salt only: not for another salt, not unsalted",
+        measured: format!("shared prefix {shared_blocks} blocks; {}", notes.join("; ")),
+        pass,
+    };
+    Ok((row, 3))
+}
+
 /// Check 2b: every prediction the sidecar made so far, checked against what vLLM reported
 /// (`usage.prompt_tokens_details.cached_tokens` and `prompt_tokens`, read by the filter from
 /// each response): the cached tokens predicted for the chosen engine equal the engine's, and
@@ -586,9 +638,11 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
     let (row, through_gateway) = responses_and_usage(&stack, artifacts)?;
     done(row);
     done(routing(&stack, artifacts, 700, "2. routing follows the real cache")?);
-    // The start-up probe, check 1's and 1c's requests and check 2's follow-ups went through
-    // the gateway.
-    let checked = 1 + parity_cases().len() as u64 + through_gateway + stack.sims.len() as u64;
+    let (row, salted) = cache_salt(&stack, artifacts)?;
+    done(row);
+    // The start-up probe, check 1's and 1c's requests, check 2's follow-ups and check 2a's
+    // went through the gateway.
+    let checked = 1 + parity_cases().len() as u64 + through_gateway + stack.sims.len() as u64 + salted;
     done(predictions(&stack, checked)?);
     done(reset(&stack)?);
     let (row, expected) = events(&stack, artifacts)?;
