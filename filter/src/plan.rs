@@ -10,6 +10,8 @@ use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::route::{estimated_request, route_request, PromptTokens, RequestKeys};
 use kvgate_shared::wire::{RouteBodyRequest, RouteRequest, ScoringOverrides};
 
+use crate::usage::find;
+
 /// A model (or LoRA adapter) the filter can tokenize for.
 pub struct LoadedModel {
     /// Its tokenizer and chat template (an adapter shares its base model's).
@@ -203,7 +205,7 @@ pub fn streamed_tokens(chunk: &[u8]) -> u32 {
         } else if let Some(data) = line.strip_prefix(b"data:") {
             let token = match event.take() {
                 Some(name) => name.ends_with(b".delta"),
-                None => data.trim_ascii() != b"[DONE]" && !contains(data, b"\"choices\":[]"),
+                None => data.trim_ascii() != b"[DONE]" && find(data, b"\"choices\":[]").is_none(),
             };
             n += u32::from(token);
         }
@@ -242,10 +244,6 @@ pub fn engine_usage(tail: &[u8]) -> Option<(u32, Option<u32>)> {
     };
     let prompt = number_after(b"\"prompt_tokens\"").or_else(|| number_after(b"\"input_tokens\""))?;
     Some((prompt, number_after(b"\"cached_tokens\"")))
-}
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 fn find_last(haystack: &[u8], needle: &[u8]) -> Option<usize> {

@@ -166,7 +166,8 @@ fn is_usage_only(event: &[u8]) -> bool {
         && chunk.get("usage").is_some_and(serde_json::Value::is_object)
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+/// Where `needle` first stands in `haystack`.
+pub(crate) fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
