@@ -5,9 +5,9 @@
 //! between every runnable thread alike, and event threads can outnumber the API's: decisions
 //! wait to be scheduled, and their tail grows by milliseconds
 //! (`docs/benchmarks/contention.md`). Event readers and ingest workers therefore run
-//! at a lower priority: they still take every idle cycle, but give way to the API. (The pool's
-//! applier keeps the normal priority: it holds the index's write lock, and a decision waiting
-//! on a lock held by a descheduled thread would be worse than waiting for the CPU.)
+//! at a lower priority: they still take every idle cycle, but give way to the API. So does the
+//! pool's applier: it writes the standby copy of the index, which no decision waits for
+//! (`crate::index::mirror`).
 //!
 //! On Linux a nice value belongs to one thread (`setpriority(2)` on its thread id); elsewhere
 //! this does nothing.

@@ -1,10 +1,12 @@
-//! Property test: random stores, removes, clears and replica removals, applied to the index
-//! and to a naive reference model, give identical `find_matches` for every query.
+//! Property test: random stores, removes, clears and replica removals, applied in batches to
+//! both copies of the index (as the pool keeps it) and to a naive reference model, give
+//! identical `find_matches` for every query, on either copy.
 
 use std::collections::HashMap;
 
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, prompt_block_hashes, EngineHash, Salt, SequenceHash};
-use kvgate_sidecar::index::{KvIndex, Overlap, ReplicaIdx, Store, Tier};
+use kvgate_sidecar::index::mirror::Batch;
+use kvgate_sidecar::index::{Change, KvIndex, Mirrored, Overlap, ReplicaIdx, Store, StoredBlocks, Tier, Write};
 use proptest::prelude::*;
 
 const BS: usize = 2;
@@ -105,60 +107,71 @@ fn op() -> impl Strategy<Value = Op> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(1000))]
     #[test]
-    fn index_agrees_with_the_reference(ops in prop::collection::vec(op(), 1..60), queries in prop::collection::vec(prop::collection::vec(0u8..3, 1..7), 1..8)) {
-        let mut index = KvIndex::new(BS, IDS[REPLICAS - 1] + 1);
+    fn index_agrees_with_the_reference(ops in prop::collection::vec(op(), 1..60), per_batch in 1usize..4, queries in prop::collection::vec(prop::collection::vec(0u8..3, 1..7), 1..8)) {
+        // Both copies of the pool's index go through every write, in batches.
+        let index = Mirrored::new(|| KvIndex::new(BS, IDS[REPLICAS - 1] + 1));
         let mut model = Model::default();
-        for op in ops {
-            match op {
-                Op::Store { replica, tier: t, path, skip } => {
-                    let parent = (skip > 0).then(|| engine_of(&path[..skip]));
-                    let new = &path[skip..];
-                    let engine_hashes: Vec<EngineHash> = (skip..path.len()).map(|i| engine_of(&path[..=i])).collect();
-                    let tokens: Vec<u32> = new.iter().flat_map(|s| block_tokens(*s)).collect();
-                    let store = Store { parent, engine_hashes: &engine_hashes, token_ids: &tokens, block_size: BS, salt: Salt::NONE, extra: &[], tier: tier(t) };
-                    let parent_known = parent.is_none_or(|p| model.lookup(replica, p).is_some());
-                    let result = index.store(ReplicaIdx::new(IDS[replica]), store);
-                    prop_assert_eq!(result.is_ok(), parent_known);
-                    if parent_known {
-                        for i in skip..path.len() {
-                            let e = model.entries.entry((replica, t, engine_of(&path[..=i]))).or_insert((seq_of(&path[..=i]), 0));
-                            e.1 += 1;
+        for ops in ops.chunks(per_batch) {
+            let mut batch = index.write();
+            for op in ops.iter().cloned() {
+                match op {
+                    Op::Store { replica, tier: t, path, skip } => {
+                        let parent = (skip > 0).then(|| engine_of(&path[..skip]));
+                        let new = &path[skip..];
+                        let engine_hashes: Vec<EngineHash> = (skip..path.len()).map(|i| engine_of(&path[..=i])).collect();
+                        let tokens: Vec<u32> = new.iter().flat_map(|s| block_tokens(*s)).collect();
+                        let store = Store { parent, engine_hashes: &engine_hashes, token_ids: &tokens, block_size: BS, salt: Salt::NONE, extra: &[], tier: tier(t) };
+                        let parent_known = parent.is_none_or(|p| model.lookup(replica, p).is_some());
+                        let result = batch.apply(Write::Change(ReplicaIdx::new(IDS[replica]), Change::Store(StoredBlocks::from_store(store))));
+                        prop_assert_eq!(result.is_ok(), parent_known);
+                        if parent_known {
+                            for i in skip..path.len() {
+                                let e = model.entries.entry((replica, t, engine_of(&path[..=i]))).or_insert((seq_of(&path[..=i]), 0));
+                                e.1 += 1;
+                            }
                         }
                     }
-                }
-                Op::Remove { replica, tier: t, paths } => {
-                    let engines: Vec<EngineHash> = paths.iter().map(|p| engine_of(p)).collect();
-                    remove(&mut index, &mut model, replica, t, engines);
-                }
-                Op::Evict { replica, tier: t, picks } => {
-                    let mut held: Vec<EngineHash> = model.entries.keys().filter(|(r, tt, _)| *r == replica && *tt == t).map(|(_, _, e)| *e).collect();
-                    held.sort_unstable();
-                    if !held.is_empty() {
-                        let engines = picks.iter().map(|p| held[p % held.len()]).collect();
-                        remove(&mut index, &mut model, replica, t, engines);
+                    Op::Remove { replica, tier: t, paths } => {
+                        let engines: Vec<EngineHash> = paths.iter().map(|p| engine_of(p)).collect();
+                        remove(&mut batch, &mut model, replica, t, engines);
                     }
-                }
-                Op::Clear { replica } => {
-                    index.clear_replica(ReplicaIdx::new(IDS[replica]));
-                    model.entries.retain(|(r, _, _), _| *r != replica);
+                    Op::Evict { replica, tier: t, picks } => {
+                        let mut held: Vec<EngineHash> = model.entries.keys().filter(|(r, tt, _)| *r == replica && *tt == t).map(|(_, _, e)| *e).collect();
+                        held.sort_unstable();
+                        if !held.is_empty() {
+                            let engines = picks.iter().map(|p| held[p % held.len()]).collect();
+                            remove(&mut batch, &mut model, replica, t, engines);
+                        }
+                    }
+                    Op::Clear { replica } => {
+                        batch.apply(Write::Change(ReplicaIdx::new(IDS[replica]), Change::Clear)).unwrap();
+                        model.entries.retain(|(r, _, _), _| *r != replica);
+                    }
                 }
             }
         }
-        for q in queries {
-            let tokens: Vec<u32> = q.iter().flat_map(|s| block_tokens(*s)).collect();
-            let hashes = prompt_block_hashes(&tokens, BS, Salt::NONE);
-            let found = index.find_matches(&hashes);
-            prop_assert_eq!(IDS.map(|r| found[r]).to_vec(), model.matches(&hashes), "query {:?}", q);
-        }
-        for (r, id) in IDS.iter().enumerate() {
-            prop_assert_eq!(index.replica_blocks(ReplicaIdx::new(*id)), model.entries.keys().filter(|(rr, _, _)| *rr == r).count());
+        // The live copy, then (an empty batch swaps them) the other one.
+        for _copy in 0..2 {
+            let copy = index.read();
+            for q in &queries {
+                let tokens: Vec<u32> = q.iter().flat_map(|s| block_tokens(*s)).collect();
+                let hashes = prompt_block_hashes(&tokens, BS, Salt::NONE);
+                let found = copy.find_matches(&hashes);
+                prop_assert_eq!(IDS.map(|r| found[r]).to_vec(), model.matches(&hashes), "query {:?}", q);
+            }
+            for (r, id) in IDS.iter().enumerate() {
+                prop_assert_eq!(copy.replica_blocks(ReplicaIdx::new(*id)), model.entries.keys().filter(|(rr, _, _)| *rr == r).count());
+            }
+            drop(copy);
+            drop(index.write());
         }
     }
 }
 
 /// Removes `engines` of a replica's tier from the index and the model.
-fn remove(index: &mut KvIndex, model: &mut Model, replica: usize, t: usize, engines: Vec<EngineHash>) {
-    index.remove(ReplicaIdx::new(IDS[replica]), tier(t), &engines);
+fn remove(batch: &mut Batch<'_, KvIndex>, model: &mut Model, replica: usize, t: usize, engines: Vec<EngineHash>) {
+    let change = Change::Remove { tier: tier(t), engine_hashes: engines.clone() };
+    batch.apply(Write::Change(ReplicaIdx::new(IDS[replica]), change)).expect("removals are never refused");
     for engine in engines {
         if let Some(e) = model.entries.get_mut(&(replica, t, engine)) {
             e.1 -= 1;

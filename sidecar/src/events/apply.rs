@@ -2,15 +2,16 @@
 //!
 //! The ingest workers ([`super::transport`]) decode each replica's messages and replay its gaps
 //! with no lock held, and sends the resulting [`Change`]s here as a [`Job`]. The applier
-//! takes the index's write lock for one bounded batch at a time — at most [`BATCH_BLOCKS`]
-//! blocks, across as many queued jobs as fit — and releases it between batches, so a routing
-//! decision never waits behind more than one batch, however fast the engines publish and
-//! however long a replay takes.
+//! writes the index in bounded batches — at most [`BATCH_BLOCKS`] blocks, across as many
+//! queued jobs as fit — each on the standby copy of the pool's [`crate::index::Mirrored`]
+//! index, made live when the batch ends: a routing decision never waits for the applier,
+//! however fast the engines publish and however long a replay takes.
 //!
 //! - Jobs of one replica are applied in the order they were sent; jobs of different replicas
 //!   interleave.
-//! - A job whose replica left the pool (its stop flag, checked under the lock) is dropped: the
-//!   slot was emptied under the same lock after the flag was set, so nothing may be written.
+//! - A job whose replica left the pool (its stop flag, checked within the batch) is dropped:
+//!   the slot is emptied in a later batch after the flag was set (batches never overlap), so
+//!   nothing may be written.
 //! - Health and metrics are updated once a job is applied, outside the lock.
 //! - The job queue is bounded: an ingest worker that outruns the applier waits, a socket's
 //!   inbox fills, and messages are dropped and counted there (then replayed as gaps).
@@ -22,16 +23,15 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::ingest::{Change, Planned, Progress};
-use crate::index::ReplicaIdx;
+use super::ingest::{Outcome, Planned, Progress};
+use crate::index::{Change, ReplicaIdx, Write};
 use crate::metrics::Metrics;
 use crate::pool::Pool;
 
-/// The most blocks one write-lock hold applies. The index applies about 10–20 M blocks/s on
-/// one core, so a batch holds the lock for about 6–12 µs (a compaction it triggers can take
-/// longer): a decision that arrives during one waits about that long. Larger batches save
-/// nothing measurable (a lock hold costs tens of nanoseconds) and lengthen the decisions'
-/// tail under a full-speed ingest (`docs/benchmarks/contention.md`).
+/// The most blocks one batch applies. The index applies about 10–20 M blocks/s on one core,
+/// so a batch takes about 6–12 µs (twice that with its replay on the other copy): events
+/// become visible to decisions that soon after they are decoded. Decisions never wait for a
+/// batch; a larger one would only delay what they see (`docs/benchmarks/contention.md`).
 pub const BATCH_BLOCKS: usize = 128;
 /// Jobs queued for the applier, all replicas together.
 const QUEUED_JOBS: usize = 1024;
@@ -78,27 +78,39 @@ impl Applier {
     }
 }
 
-/// A job being applied: how far, and the stores the index refused so far.
+/// A job being applied: its changes not applied yet, and the stores the index refused so far.
 struct InProgress {
-    job: Job,
-    next: usize,
+    replica: ReplicaIdx,
+    stop: Arc<AtomicBool>,
+    changes: std::iter::Peekable<std::vec::IntoIter<Change>>,
+    outcome: Outcome,
+    progress: Progress,
     refused: Vec<&'static str>,
 }
 
+impl InProgress {
+    fn new(job: Job) -> InProgress {
+        let Job { replica, stop, planned: Planned { changes, outcome }, progress } = job;
+        InProgress { replica, stop, changes: changes.into_iter().peekable(), outcome, progress, refused: Vec::new() }
+    }
+}
+
 fn run(pool: &Pool, metrics: &Metrics, rx: &Receiver<Job>, stop: &AtomicBool) {
+    // Decisions never wait for this thread (they read the index's live copy), so it can give
+    // way to them like the other event threads.
+    super::transport::give_way_to_routing();
     let mut queue: VecDeque<InProgress> = VecDeque::new();
-    let start = |job| InProgress { job, next: 0, refused: Vec::new() };
     while !stop.load(Ordering::Relaxed) {
         if queue.is_empty() {
             match rx.recv_timeout(POLL) {
-                Ok(job) => queue.push_back(start(job)),
+                Ok(job) => queue.push_back(InProgress::new(job)),
                 Err(RecvTimeoutError::Timeout) => continue,
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         }
         while queue.len() < TAKEN_JOBS {
             let Ok(job) = rx.try_recv() else { break };
-            queue.push_back(start(job));
+            queue.push_back(InProgress::new(job));
         }
         for (job, applied) in apply_batch(pool, &mut queue) {
             if applied {
@@ -108,28 +120,27 @@ fn run(pool: &Pool, metrics: &Metrics, rx: &Receiver<Job>, stop: &AtomicBool) {
     }
 }
 
-/// Applies up to [`BATCH_BLOCKS`] blocks of the queued jobs under one write-lock hold.
-/// Returns the jobs that are done: applied (true), or dropped because their replica left.
+/// Applies up to [`BATCH_BLOCKS`] blocks of the queued jobs in one batch of the index's
+/// writes (decisions see it when it ends). Returns the jobs that are done: applied (true), or
+/// dropped because their replica left.
 fn apply_batch(pool: &Pool, queue: &mut VecDeque<InProgress>) -> Vec<(InProgress, bool)> {
     let mut done = Vec::new();
     let mut budget = BATCH_BLOCKS;
     let mut index = pool.index_mut();
     while budget > 0 {
         let Some(current) = queue.front_mut() else { break };
-        if current.job.stop.load(Ordering::Relaxed) {
+        if current.stop.load(Ordering::Relaxed) {
             done.extend(queue.pop_front().map(|j| (j, false)));
             continue;
         }
-        let changes: &[Change] = &current.job.planned.changes;
-        while current.next < changes.len() && budget > 0 {
-            let change = &changes[current.next];
+        while budget > 0 {
+            let Some(change) = current.changes.next() else { break };
             budget = budget.saturating_sub(change.blocks());
-            if let Err(reason) = change.apply(current.job.replica, &mut index) {
-                current.refused.push(reason);
+            if let Err(e) = index.apply(Write::Change(current.replica, change)) {
+                current.refused.push(e.label());
             }
-            current.next += 1;
         }
-        if current.next == changes.len() {
+        if current.changes.peek().is_none() {
             done.extend(queue.pop_front().map(|j| (j, true)));
         }
     }
@@ -138,11 +149,10 @@ fn apply_batch(pool: &Pool, queue: &mut VecDeque<InProgress>) -> Vec<(InProgress
 
 /// A job is applied: its replica's health and the event metrics.
 fn finish(pool: &Pool, metrics: &Metrics, done: InProgress) {
-    let InProgress { job, refused, .. } = done;
-    let mut outcome = job.planned.outcome;
+    let InProgress { replica, mut outcome, progress, refused, .. } = done;
     outcome.refused(refused);
-    pool.after_ingest(job.replica, job.progress, &outcome);
-    let labels = pool.labels(job.replica);
+    pool.after_ingest(replica, progress, &outcome);
+    let labels = pool.labels(replica);
     metrics.events_applied.get_or_create(&labels).inc_by(outcome.applied);
     metrics.gaps_replayed.get_or_create(&labels).inc_by(outcome.gaps_replayed);
     metrics.gaps_lost.get_or_create(&labels).inc_by(outcome.gaps_lost);

@@ -1,8 +1,8 @@
 //! One replica's event stream → the index changes it implies: sequence tracking, replay of
 //! gaps, and the conversion of decoded events into [`Change`]s. No sockets and no index here:
 //! [`Ingest::on_message`] runs with no lock held (decoding and replay take as long as they
-//! take), and the pool's applier ([`super::apply`]) applies the changes under the index lock,
-//! in bounded batches. Every rule is unit-tested.
+//! take), and the pool's applier ([`super::apply`]) applies the changes in bounded
+//! batches. Every rule is unit-tested.
 //!
 //! Sequence rules, per replica:
 //! - **first message**: replay from 0 if a replay endpoint is configured (rebuilds the state
@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use kvgate_shared::hash::{EngineHash, ExtraKey, Salt};
 
 use super::decode::{decode_batch, BlockStored, KvEvent};
-use crate::index::{KvIndex, ReplicaIdx, Store, Tier};
+use crate::index::{Change, KvIndex, ReplicaIdx, StoredBlocks, Tier};
 
 /// What happened to one message, for metrics.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -51,77 +51,9 @@ impl Outcome {
     }
 }
 
-/// A change to one replica's index entries, decoded from its events.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Change {
-    /// Drop every block of the replica (restart, lost events, `AllBlocksCleared`).
-    Clear,
-    /// A `BlockStored`.
-    Store(StoredBlocks),
-    /// A run of consecutive `BlockRemoved`s on one tier, applied in one call (an engine step
-    /// evicts many blocks, one event each; the index overlaps their cache misses).
-    Remove {
-        /// Their tier.
-        tier: Tier,
-        /// The engine hashes removed.
-        engine_hashes: Vec<EngineHash>,
-    },
-}
-
-/// A `BlockStored`, owned, with its salts worked out: [`Store`] without the borrow.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StoredBlocks {
-    /// See [`Store::parent`].
-    pub parent: Option<EngineHash>,
-    /// See [`Store::engine_hashes`].
-    pub engine_hashes: Vec<EngineHash>,
-    /// See [`Store::token_ids`].
-    pub token_ids: Vec<u32>,
-    /// See [`Store::block_size`].
-    pub block_size: usize,
-    /// See [`Store::salt`].
-    pub salt: Salt,
-    /// See [`Store::extra`].
-    pub extra: Vec<Salt>,
-    /// See [`Store::tier`].
-    pub tier: Tier,
-}
-
-impl Change {
-    /// How many blocks it touches: what a batch's time under the index lock is measured in.
-    pub fn blocks(&self) -> usize {
-        match self {
-            Change::Clear => 1,
-            Change::Store(s) => s.engine_hashes.len(),
-            Change::Remove { engine_hashes, .. } => engine_hashes.len(),
-        }
-    }
-
-    /// Applies it to `replica`'s entries; `Err` names why the index refused a store.
-    pub fn apply(&self, replica: ReplicaIdx, index: &mut KvIndex) -> Result<(), &'static str> {
-        match self {
-            Change::Clear => index.clear_replica(replica),
-            Change::Remove { tier, engine_hashes } => index.remove(replica, *tier, engine_hashes),
-            Change::Store(s) => {
-                let store = Store {
-                    parent: s.parent,
-                    engine_hashes: &s.engine_hashes,
-                    token_ids: &s.token_ids,
-                    block_size: s.block_size,
-                    salt: s.salt,
-                    extra: &s.extra,
-                    tier: s.tier,
-                };
-                return index.store(replica, store).map_err(|e| e.label());
-            }
-        }
-        Ok(())
-    }
-}
-
 /// Applies `changes` to `replica`'s entries in order; returns the reasons of refused stores.
 pub fn apply(replica: ReplicaIdx, changes: &[Change], index: &mut KvIndex) -> Vec<&'static str> {
-    changes.iter().filter_map(|c| c.apply(replica, index).err()).collect()
+    changes.iter().filter_map(|c| c.apply(replica, index).err().map(|e| e.label())).collect()
 }
 
 /// One message's changes, in order, and what happened to it.

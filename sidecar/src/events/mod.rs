@@ -8,10 +8,10 @@
 //!   bounded in bytes); per pool, one ingest worker per core that runs each replica's stream
 //!   in turns (decode and replay, no lock held → jobs).
 //! - [`apply`]: per pool, the one thread that writes the index: jobs applied in bounded
-//!   batches under its write lock.
+//!   batches to the standby copy of the index, each made live when it ends.
 //!
 //! Writes flow one way: socket → reader → inbox → ingester → applier → index. Routing only
-//! reads the index, and waits for at most one batch.
+//! reads the index's live copy, and never waits for the applier.
 
 pub mod apply;
 pub mod decode;

@@ -179,7 +179,7 @@ pub fn spawn(
 }
 
 /// Lowers this event thread's CPU priority below the API's (see [`crate::niceness`]).
-fn give_way_to_routing() {
+pub(super) fn give_way_to_routing() {
     if let Err(e) = lower_this_thread(EVENT_THREAD_NICE) {
         tracing::warn!(error = %e, "cannot lower an event thread's priority; decisions may wait for the CPU under an event storm");
     }

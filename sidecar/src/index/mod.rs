@@ -25,10 +25,14 @@
 
 pub mod approx;
 mod arena;
+mod change;
+pub mod mirror;
 mod sharded;
 
 use arena::{Arena, DEAD};
+pub use change::{Change, StoredBlocks, Write};
 use kvgate_shared::hash::{local_block_hash, next_sequence_hash, EngineHash, Salt, SequenceHash};
+pub use mirror::Mirrored;
 use serde::Serialize;
 use sharded::{EngineShards, Head, HeadShards, Map};
 
@@ -467,6 +471,11 @@ impl KvIndex {
                 *held = (*held).max(end.saturating_sub(start) as u32);
             }
         }
+    }
+
+    /// How many replica slots it has.
+    pub fn replicas(&self) -> usize {
+        self.replicas.len()
     }
 
     /// Blocks indexed for a replica, on all tiers.

@@ -3,8 +3,8 @@
 //! heads that hold it, several per key).
 //!
 //! A hash table doubles when it fills and moves every entry as it does. For a table of
-//! millions of entries that is one `BlockStored` taking a large fraction of a second, under
-//! the pool's write lock, so every routing decision of the pool waits for it. Split into `S`
+//! millions of entries that is one `BlockStored` taking a large fraction of a second, and
+//! the index's writes become visible to routing only when their batch ends. Split into `S`
 //! shards by some bits of the key, each shard grows on its own: the same number of moves, in
 //! pieces `1/S` the size, at different events. A small shard's rehash also stays in the CPU
 //! cache. A lookup pays a shift and a mask.

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::members::NONE;
-use super::{read, Member, Pool};
+use super::{Member, Pool};
 use crate::events::ingest::{Outcome, Progress};
 use crate::index::ReplicaIdx;
 use crate::metrics::ReasonLabels;
@@ -22,7 +22,7 @@ impl Pool {
         h.awaiting_events_since.store(NONE, Ordering::Relaxed);
         h.stalled.store(false, Ordering::Relaxed);
         h.disconnected.store(false, Ordering::Relaxed);
-        let blocks = read(&self.index).replica_blocks(replica);
+        let blocks = self.index.read().replica_blocks(replica);
         let labels = self.labels(replica);
         self.metrics.index_blocks.get_or_create(&labels).set(blocks as i64);
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::{read, Pool};
 use crate::config::{PoolConfig, ReplicaConfig};
-use crate::index::ReplicaIdx;
+use crate::index::{Change, ReplicaIdx, Write};
 use crate::metrics::ReplicaLabels;
 
 pub(super) const NONE: u64 = u64::MAX;
@@ -199,10 +199,13 @@ impl Pool {
                     slot
                 }
                 None => {
-                    let i = self.index_mut().add_replica();
+                    let i = ReplicaIdx::new(members.len());
+                    let mut index = self.index_mut();
+                    debug_assert_eq!(index.get().replicas(), i.get(), "slots and index stay aligned");
+                    index.apply(Write::AddReplica).expect("adding a replica cannot fail");
+                    drop(index);
                     let j = self.load_table().add_replica();
-                    let end = ReplicaIdx::new(members.len());
-                    debug_assert_eq!((i, j), (end, end), "slots, index and load stay aligned");
+                    debug_assert_eq!(j, i, "slots and load stay aligned");
                     members.push(Member::new(target.clone()));
                     i
                 }
@@ -241,14 +244,15 @@ impl Pool {
         }
     }
 
-    /// Takes a replica out: stops its event threads, then (under the index lock, so a
-    /// stopped applier cannot write after it) drops its blocks and bookings.
+    /// Takes a replica out: stops its event threads, then (in an index batch, after any batch
+    /// the applier had begun, so a stopped applier cannot write after it) drops its blocks and
+    /// bookings.
     fn retire(&self, i: ReplicaIdx, m: &mut Member) {
         tracing::info!(model = %self.config.model, replica = %m.replica.id, "replica removed; its slot is emptied");
         m.stop.store(true, Ordering::Relaxed);
         m.active = false;
         m.leaving_since = None;
-        self.index_mut().clear_replica(i);
+        self.index_mut().apply(Write::Change(i, Change::Clear)).expect("a clear is never refused");
         self.affinity_index().clear_replica(i);
         let mut load = self.load_table();
         load.clear_replica(i);

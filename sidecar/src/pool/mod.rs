@@ -33,7 +33,7 @@ use crate::accuracy::Accuracy;
 use crate::admission::Gate;
 use crate::config::{Policy, PoolConfig};
 use crate::index::approx::ApproxIndex;
-use crate::index::{ApplyError, KvIndex, Overlap, ReplicaIdx, Store};
+use crate::index::{ApplyError, Change, KvIndex, Mirrored, Overlap, ReplicaIdx, Store, StoredBlocks, Write};
 use crate::load::LoadTable;
 use crate::metrics::{Metrics, ReplicaLabels};
 use crate::sync::event::Outbox;
@@ -53,8 +53,8 @@ const OFFLOAD_SEGMENT_CACHE_BYTES: usize = 64 << 20;
 pub struct Pool {
     /// The pool's settings.
     config: PoolConfig,
-    /// Which replica holds which blocks.
-    index: RwLock<KvIndex>,
+    /// Which replica holds which blocks: two copies, so decisions never wait for the applier.
+    index: Mirrored<KvIndex>,
     /// What each replica is busy with.
     load: Mutex<LoadTable>,
     /// The replicas' slots, by replica index (the config's replicas first).
@@ -101,7 +101,7 @@ impl Pool {
         let admission = config.admission.enabled.then(|| Gate::new(&config.admission));
         Pool {
             admission,
-            index: RwLock::new(KvIndex::new(config.block_size as usize, n)),
+            index: Mirrored::new(|| KvIndex::new(config.block_size as usize, n)),
             load: Mutex::new(LoadTable::new(n, config.prefill_tokens_per_sec)),
             members: RwLock::new(initial.into_iter().map(member).collect()),
             config,
@@ -138,13 +138,13 @@ impl Pool {
     /// Each replica's overlap with a prompt's block hashes, in slot order, as the index holds
     /// it now (before health and in-flight credit are taken into account).
     pub fn find_matches(&self, hashes: &[SequenceHash]) -> Vec<Overlap> {
-        read(&self.index).find_matches(hashes)
+        self.index.read().find_matches(hashes)
     }
 
     /// Stores blocks on a replica directly, as its events would (for tools, tests and
     /// benchmarks that preload an index).
     pub fn store_blocks(&self, replica: ReplicaIdx, store: Store<'_>) -> Result<(), ApplyError> {
-        self.index_mut().store(replica, store)
+        self.index_mut().apply(Write::Change(replica, Change::Store(StoredBlocks::from_store(store))))
     }
 
     fn affinity_index(&self) -> std::sync::MutexGuard<'_, ApproxIndex> {
@@ -160,10 +160,10 @@ impl Pool {
         ReplicaLabels { model: self.config.model.clone(), replica: self.members()[replica.get()].replica.id.clone() }
     }
 
-    /// Exclusive access to the index: the pool's applier ([`crate::events::apply`]) and
-    /// membership changes.
-    pub(crate) fn index_mut(&self) -> std::sync::RwLockWriteGuard<'_, KvIndex> {
-        self.index.write().unwrap_or_else(|e| e.into_inner())
+    /// A batch of writes to the index: the pool's applier ([`crate::events::apply`]) and
+    /// membership changes. Decisions see the batch when it is dropped.
+    pub(crate) fn index_mut(&self) -> crate::index::mirror::Batch<'_, KvIndex> {
+        self.index.write()
     }
 
     fn load_table(&self) -> std::sync::MutexGuard<'_, LoadTable> {

@@ -8,7 +8,7 @@ use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::wire::{PromptCount, RouteRequest, RouteResponse};
 
 use super::members::NONE;
-use super::{read, Member, Pool};
+use super::{Member, Pool};
 use crate::accuracy::Prediction;
 use crate::config::Policy;
 use crate::index::{Overlap, ReplicaIdx};
@@ -170,7 +170,7 @@ impl Pool {
         let overlaps = if affinity {
             self.affinity_index().find_matches(hashes, members.len(), Instant::now())
         } else {
-            read(&self.index).find_matches(hashes)
+            self.index.read().find_matches(hashes)
         };
         let mut eligible: Vec<Eligible> = members
             .iter()

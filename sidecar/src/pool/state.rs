@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use serde::Serialize;
 
 use super::members::NONE;
-use super::{read, Pool};
+use super::Pool;
 use crate::accuracy::AccuracyTotals;
 use crate::admission::Gate;
 use crate::index::{ReplicaIdx, Tier};
@@ -82,7 +82,7 @@ impl Pool {
     pub fn state(&self) -> PoolState {
         // Lock order: members, index, load.
         let members = self.members();
-        let index = read(&self.index);
+        let index = self.index.read();
         let load = self.load_table();
         let replicas = members
             .iter()

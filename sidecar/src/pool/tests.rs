@@ -56,20 +56,19 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
 fn cache_hits_win_and_concurrent_misses_spread() {
     let p = pool(3);
     let cached: Vec<u32> = (0..64).collect();
-    p.index_mut()
-        .store(
-            ReplicaIdx::new(2),
-            Store {
-                parent: None,
-                engine_hashes: &(0..16).map(EngineHash).collect::<Vec<_>>(),
-                token_ids: &cached,
-                block_size: 4,
-                salt: Salt::NONE,
-                extra: &[],
-                tier: Tier::Device,
-            },
-        )
-        .unwrap();
+    p.store_blocks(
+        ReplicaIdx::new(2),
+        Store {
+            parent: None,
+            engine_hashes: &(0..16).map(EngineHash).collect::<Vec<_>>(),
+            token_ids: &cached,
+            block_size: 4,
+            salt: Salt::NONE,
+            extra: &[],
+            tier: Tier::Device,
+        },
+    )
+    .unwrap();
     let cfg = ScoringConfig::default();
     let hit = p.route(&request("hit", &cached), &cfg);
     assert_eq!((hit.replica.as_deref(), hit.overlap_blocks), (Some("r2"), 16));
@@ -95,7 +94,7 @@ fn cache_on(p: &Pool, replica: usize, tokens: &[u32]) {
         extra: &[],
         tier: Tier::Device,
     };
-    p.index_mut().store(ReplicaIdx::new(replica), store).unwrap();
+    p.store_blocks(ReplicaIdx::new(replica), store).unwrap();
 }
 
 fn chosen(r: &RouteResponse) -> usize {
@@ -230,7 +229,7 @@ fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
         extra: &[],
         tier: Tier::Device,
     };
-    p.index_mut().store(ReplicaIdx::new(1), store).unwrap();
+    p.store_blocks(ReplicaIdx::new(1), store).unwrap();
     let cfg = ScoringConfig::default();
     assert_eq!(chosen(&p.route(&request("held", &only_r1), &cfg)), 1);
     assert!(p.set_members(&replicas).is_empty(), "the same membership changes nothing");
@@ -248,7 +247,7 @@ fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
         "a changed replica restarts in its slot; a newcomer takes the slot r1 emptied"
     );
     assert!(stop_r1.load(Ordering::Relaxed), "the leaver's event threads are told to stop");
-    let matches = read(&p.index).find_matches(&prompt_block_hashes(&prompt, 4, Salt::NONE));
+    let matches = p.find_matches(&prompt_block_hashes(&prompt, 4, Salt::NONE));
     let device: Vec<u32> = matches.iter().map(|o| o.device).collect();
     assert_eq!(device, [0, 0, 16], "r2 keeps its blocks; r0 (new engine) and r3 (in r1's emptied slot) hold none");
     let state: Vec<String> = p.state().replicas.into_iter().map(|r| r.id).collect();
@@ -319,7 +318,7 @@ fn pod_rollouts_reuse_slots_and_keep_the_index_exact() {
         // The new pods cache the prompt; the index holds what they hold, nothing of the old.
         let holder = (rollout % 3) as usize;
         cache_on(&p, started[holder].0.get(), &prompt);
-        let matches = read(&p.index).find_matches(&prompt_block_hashes(&prompt, 4, Salt::NONE));
+        let matches = p.find_matches(&prompt_block_hashes(&prompt, 4, Salt::NONE));
         let holding: Vec<usize> = (0..matches.len()).filter(|i| matches[*i].device > 0).collect();
         assert_eq!(holding, [started[holder].0.get()], "rollout {rollout}: only the pod that cached it");
     }
@@ -471,4 +470,42 @@ fn a_request_without_max_tokens_gets_the_engines_default_limit() {
     assert_eq!(footprint_after(None), 32, "no limit known: prompt and output blocks count");
     assert_eq!(footprint_after(Some(128)), 0, "vLLM's default: the 64 tokens of context left");
     assert_eq!(footprint_after(Some(1024)), 30, "960 tokens left: 64 of them done");
+}
+
+#[test]
+fn decisions_do_not_wait_for_a_batch_of_events_being_applied() {
+    let p = pool(2);
+    let held: Vec<u32> = (0..32).collect();
+    let arriving: Vec<u32> = (100..132).collect();
+    cache_on(&p, 1, &held);
+    // The applier is midway through a batch: replica 0 stores `arriving`, not yet visible.
+    let mut batch = p.index_mut();
+    let engine: Vec<EngineHash> = (0..8).map(|i| EngineHash(500 + i)).collect();
+    let store = Store {
+        parent: None,
+        engine_hashes: &engine,
+        token_ids: &arriving,
+        block_size: 4,
+        salt: Salt::NONE,
+        extra: &[],
+        tier: Tier::Device,
+    };
+    batch.apply(Write::Change(ReplicaIdx::new(0), Change::Store(StoredBlocks::from_store(store)))).unwrap();
+    let cfg = ScoringConfig::default();
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (p, cfg, held, arriving) = (&p, &cfg, &held, &arriving);
+        s.spawn(move || {
+            let decided = p.route(&request("during", held), cfg);
+            tx.send((chosen(&decided), p.find_matches(&prompt_block_hashes(arriving, 4, Salt::NONE))[0].device))
+                .unwrap();
+        });
+        let (replica, arriving_seen) =
+            rx.recv_timeout(Duration::from_secs(10)).expect("a decision finishes while the batch is held");
+        assert_eq!(replica, 1, "decided on the index as it was before the batch");
+        assert_eq!(arriving_seen, 0, "half-applied batches are invisible");
+    });
+    drop(batch);
+    assert_eq!(p.find_matches(&prompt_block_hashes(&arriving, 4, Salt::NONE))[0].device, 8, "visible once it ends");
+    assert_eq!(chosen(&p.route(&request("after", &arriving), &cfg)), 0);
 }
