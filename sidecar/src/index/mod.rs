@@ -391,16 +391,29 @@ impl KvIndex {
                 &mut large
             };
             let mut memo = HeadsAt { pos: usize::MAX, heads: Vec::new() };
+            // Where each replica is in `out`, built only once a replica has a second head of
+            // the first block (two engine hashes for one content), so that many such heads
+            // cost a lookup each, not a scan of `out`.
+            let mut position: Vec<u32> = Vec::new();
             for &Head { replica: r, slot, .. } in starts {
                 let device = self.chain_end(0, r, slot, 0, hashes, &mut memo) as u32;
                 let (word, bit) = (r as usize / 64, 1 << (r % 64));
                 if seen[word] & bit == 0 {
                     seen[word] |= bit;
+                    if !position.is_empty() {
+                        position[r as usize] = out.len() as u32;
+                    }
                     out.push((r, Overlap { device, host: 0, disk: 0 }));
-                } else if let Some((_, o)) = out.iter_mut().find(|(rr, _)| *rr == r) {
-                    // Two heads of the first block (two engine hashes for one content).
-                    o.device = o.device.max(device);
+                    continue;
                 }
+                if position.is_empty() {
+                    position = vec![u32::MAX; self.replicas.len()];
+                    for (i, (rr, _)) in out.iter().enumerate() {
+                        position[*rr as usize] = i as u32;
+                    }
+                }
+                let o = &mut out[position[r as usize] as usize].1;
+                o.device = o.device.max(device);
             }
         }
         if !lower_tiers {
@@ -656,6 +669,15 @@ mod tests {
         assert!((2..=3).contains(&idx.find_matches(&prompt)[0].device));
         idx.remove(ReplicaIdx::new(0), Tier::Device, &e(&[2, 8]));
         assert_eq!(devices(&idx.find_matches(&prompt)), vec![1]);
+        // Many replicas, each with several copies of the first block, heads interleaved:
+        // every replica gets its own longest chain.
+        let mut idx = KvIndex::new(4, 3);
+        for (r, blocks) in [(2, 1), (0, 2), (1, 3), (2, 3), (0, 1), (1, 2)] {
+            let first = 100 * r + 10 * blocks;
+            let hashes: Vec<u64> = (first..first + blocks).collect();
+            idx.store(ReplicaIdx::new(r as usize), store(None, &hashes, &t[..4 * blocks as usize], 4)).unwrap();
+        }
+        assert_eq!(devices(&idx.find_matches(&prompt)), vec![2, 3, 3]);
     }
 
     #[test]
