@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::bench::loadgen::{Outcome, Target};
+use crate::bench::loadgen::{Outcome, Tags, Target};
 use crate::client::{self, post, stream};
 use crate::process::wait_for;
 use crate::workload::document;
@@ -101,7 +101,9 @@ impl Load {
                     tick.tick().await;
                     let body = chat(&document(500 + i % documents.max(1), 150), &format!("question {i}"));
                     let target = target.clone();
-                    running.push(tokio::spawn(async move { target.send("/v1/chat/completions", body).await }));
+                    running.push(tokio::spawn(async move {
+                        target.send("/v1/chat/completions", body, Tags::default()).await
+                    }));
                     i += 1;
                 }
                 let mut out = Vec::new();

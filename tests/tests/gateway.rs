@@ -822,12 +822,13 @@ fn repeated_turns_use_the_segment_cache() {
     }
 }
 
-/// 9. The benchmark harness end to end, at toy scale: two policies on fresh fleets, every
-///    request completes, kvgate routes all of them itself, and the report is written.
+/// 9. The benchmark harness end to end, at toy scale: three policies on fresh fleets, every
+///    request completes, kvgate routes all of them itself, requests tagged with priority
+///    classes are reported per class, and the report is written.
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn bench_harness_runs_policies_side_by_side() {
-    use kvgate_e2e::bench::workloads::{SharedPrefix, Workload};
+    use kvgate_e2e::bench::workloads::{Mix, SharedPrefix, Workload};
     use kvgate_e2e::bench::{self, report, BenchConfig, Fleet, Knob, Policy};
     let config = BenchConfig {
         workloads: vec![Workload::SharedPrefix(SharedPrefix {
@@ -837,7 +838,11 @@ fn bench_harness_runs_policies_side_by_side() {
             question_tokens: 40,
             output_tokens: 6,
         })],
-        policies: vec![Policy::EnvoyRoundRobin, Policy::KvgateTuned(Knob::PrefillLoadScale, 4)],
+        policies: vec![
+            Policy::EnvoyRoundRobin,
+            Policy::KvgateTuned(Knob::PrefillLoadScale, 4),
+            Policy::KvgateFlowControl,
+        ],
         qps: vec![4.0],
         repeats: 1,
         fleet: Fleet {
@@ -853,10 +858,11 @@ fn bench_harness_runs_policies_side_by_side() {
         slo_ttft_s: 5.0,
         trace: kvgate_e2e::repo_root().join("unused.jsonl"),
         seed: 1,
+        mix: Mix::Priorities,
         peers_venv: kvgate_e2e::repo_root().join("target/peers-venv"),
     };
     let results = bench::run(&config, &Artifacts::locate("debug")).expect("the benchmark runs");
-    assert_eq!(results.len(), 2);
+    assert_eq!(results.len(), 3);
     for r in &results {
         let s = &r.summary;
         assert_eq!((s.requests, s.ok, s.errors), (12, 12, 0), "{}: {s:?}", r.policy);
@@ -864,8 +870,24 @@ fn bench_harness_runs_policies_side_by_side() {
         assert!(s.hit_ratio.is_some_and(|h| h > 0.0), "{}: the engines' counters were read", r.policy);
     }
     assert_eq!(results[0].kvgate_routed, None);
-    let (routed, other) = results[1].kvgate_routed.expect("kvgate's counters");
-    assert!(routed >= 12 && other == 0, "kvgate routed every request itself: {routed} routed, {other} not");
+    for r in &results[1..] {
+        let (routed, other) = r.kvgate_routed.expect("kvgate's counters");
+        assert!(
+            routed >= 12 && other == 0,
+            "{}: kvgate routed every request itself: {routed} routed, {other} not",
+            r.policy
+        );
+    }
+    let classes: Vec<(&str, usize)> = results[2].by_tag.iter().map(|t| (t.tag.as_str(), t.requests)).collect();
+    assert!(
+        classes.len() == 2 && classes.iter().map(|c| c.1).sum::<usize>() == 12,
+        "every request in one of the two classes: {classes:?}"
+    );
+    assert!(
+        results[2].by_tag.iter().all(|t| t.ok == t.requests),
+        "nothing shed below capacity: {:?}",
+        results[2].by_tag
+    );
     let dir = Artifacts::locate("debug").sim.parent().unwrap().join("bench-smoke");
     let md = report::write(
         &dir,
@@ -880,6 +902,7 @@ fn bench_harness_runs_policies_side_by_side() {
     )
     .unwrap();
     assert!(md.contains("| envoy-round-robin |") && md.contains("| kvgate-kv-aware-prefill-x4 |"), "{md}");
+    assert!(md.contains("| kvgate-kv-aware-flow-control | 0 | priority=interactive |"), "{md}");
 }
 
 /// 10. A prompt too big to tokenize on Envoy's worker is handed to the sidecar whole, and is

@@ -3,7 +3,7 @@
 //! ```text
 //! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation]
 //!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
-//!                       [--speedup 10] [--out DIR]
+//!                       [--speedup 10] [--mix none|priorities|tenants] [--out DIR]
 //! ```
 //!
 //! Writes `target/bench/<UTC timestamp>/{report.md,results.json,*.svg}` (or `--out`).
@@ -13,7 +13,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context};
 use kvgate_e2e::bench::report::{self, Facts};
-use kvgate_e2e::bench::workloads::{Mooncake, MultiTurn, SharedPrefix, Workload};
+use kvgate_e2e::bench::workloads::{Mix, Mooncake, MultiTurn, SharedPrefix, Workload};
 use kvgate_e2e::bench::{self, BenchConfig, Fleet, Policy};
 use kvgate_e2e::{repo_root, Artifacts};
 
@@ -27,12 +27,21 @@ struct Args {
     repeats: Option<usize>,
     policies: Option<Vec<String>>,
     speedup: Option<f64>,
+    mix: Mix,
     out: Option<PathBuf>,
 }
 
 fn parse(args: &[String]) -> anyhow::Result<Args> {
-    let mut a =
-        Args { quick: false, workloads: None, qps: None, repeats: None, policies: None, speedup: None, out: None };
+    let mut a = Args {
+        quick: false,
+        workloads: None,
+        qps: None,
+        repeats: None,
+        policies: None,
+        speedup: None,
+        mix: Mix::None,
+        out: None,
+    };
     let mut it = args.iter();
     let list = |v: Option<&String>| -> anyhow::Result<Vec<String>> {
         Ok(v.context("a value is missing")?.split(',').map(str::to_owned).collect())
@@ -45,6 +54,7 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
             "--qps" => a.qps = Some(list(it.next())?.iter().map(|q| q.parse()).collect::<Result<_, _>>()?),
             "--repeats" => a.repeats = Some(it.next().context("--repeats needs a value")?.parse()?),
             "--speedup" => a.speedup = Some(it.next().context("--speedup needs a value")?.parse()?),
+            "--mix" => a.mix = Mix::parse(it.next().context("--mix needs a value")?)?,
             "--out" => a.out = Some(PathBuf::from(it.next().context("--out needs a value")?)),
             other => bail!("unknown flag {other}"),
         }
@@ -180,6 +190,7 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
         slo_ttft_s: 2.0,
         trace: repo_root().join("../shared/testdata/traces/mooncake-conversation.jsonl"),
         seed: 7,
+        mix: args.mix,
         peers_venv: kvgate_e2e::bench::peers::venv_dir(&repo_root().join("target")),
     };
     install::all()?;

@@ -42,6 +42,7 @@ pub fn run() -> anyhow::Result<()> {
         slo_ttft_s: 2.0,
         trace: repo_root().join("../shared/testdata/traces/mooncake-conversation.jsonl"),
         seed: 7,
+        mix: kvgate_e2e::bench::workloads::Mix::None,
         peers_venv: bench::peers::venv_dir(&repo_root().join("target")),
     };
     println!(

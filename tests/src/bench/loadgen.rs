@@ -14,6 +14,22 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+/// The header a request names its priority class in (the flow-control policy's
+/// `priority_header`).
+pub const PRIORITY_HEADER: &str = "x-kvgate-priority";
+/// The header a request names its tenant in (the flow-control policy's `tenant_header`).
+pub const TENANT_HEADER: &str = "x-kvgate-tenant";
+
+/// Who a request is from, for admission control: sent as [`PRIORITY_HEADER`] and
+/// [`TENANT_HEADER`], and reported per value.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Tags {
+    /// Priority class.
+    pub priority: Option<&'static str>,
+    /// Tenant.
+    pub tenant: Option<&'static str>,
+}
+
 /// One request to send at a planned time.
 #[derive(Debug, Clone)]
 pub struct Planned {
@@ -23,6 +39,8 @@ pub struct Planned {
     pub path: &'static str,
     /// The body (streaming is switched on by the sender).
     pub body: Value,
+    /// Its class and tenant, if the run mixes them.
+    pub tags: Tags,
 }
 
 /// A conversation: its turns go one after another, each with the history so far.
@@ -68,6 +86,8 @@ pub struct Outcome {
     pub cached_tokens: u64,
     /// Transport or protocol error.
     pub error: Option<String>,
+    /// The class and tenant it was sent as.
+    pub tags: Tags,
     /// The generated text (for conversation history; not written out).
     #[serde(skip)]
     pub text: String,
@@ -107,7 +127,7 @@ impl Target {
     }
 
     /// Sends one request and reads its stream to the end.
-    pub async fn send(&self, path: &str, mut body: Value) -> Outcome {
+    pub async fn send(&self, path: &str, mut body: Value, tags: Tags) -> Outcome {
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true});
         let sent = Instant::now();
@@ -124,9 +144,10 @@ impl Target {
             prompt_tokens: 0,
             cached_tokens: 0,
             error: None,
+            tags,
             text: String::new(),
         };
-        match tokio::time::timeout(self.timeout, self.stream(path, &body, sent, &mut outcome)).await {
+        match tokio::time::timeout(self.timeout, self.stream(path, &body, tags, sent, &mut outcome)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => outcome.error = Some(e.to_string()),
             Err(_) => outcome.error = Some(format!("timed out after {:?}", self.timeout)),
@@ -134,8 +155,15 @@ impl Target {
         outcome
     }
 
-    async fn stream(&self, path: &str, body: &Value, sent: Instant, o: &mut Outcome) -> anyhow::Result<()> {
-        let response = self.client.post(format!("{}{path}", self.base)).json(body).send().await?;
+    async fn stream(&self, path: &str, body: &Value, tags: Tags, sent: Instant, o: &mut Outcome) -> anyhow::Result<()> {
+        let mut request = self.client.post(format!("{}{path}", self.base)).json(body);
+        if let Some(class) = tags.priority {
+            request = request.header(PRIORITY_HEADER, class);
+        }
+        if let Some(tenant) = tags.tenant {
+            request = request.header(TENANT_HEADER, tenant);
+        }
+        let response = request.send().await?;
         let headers_at = sent.elapsed().as_secs_f64();
         let scale = |t: f64| headers_at + (t - headers_at) * self.speedup;
         o.status = response.status().as_u16();
@@ -191,7 +219,7 @@ impl Target {
         for p in plan.into_iter().take_while(|p| p.at <= duration) {
             tokio::time::sleep_until(self.wall(p.at)).await;
             let target = self.clone();
-            running.push(tokio::spawn(async move { target.send(p.path, p.body).await }));
+            running.push(tokio::spawn(async move { target.send(p.path, p.body, p.tags).await }));
         }
         let mut out = Vec::new();
         for r in running {
@@ -224,7 +252,7 @@ impl Target {
                     }
                     history.push(json!({"role": "user", "content": question}));
                     let body = json!({"model": model, "messages": history, "max_tokens": c.max_tokens});
-                    let o = target.send("/v1/chat/completions", body).await;
+                    let o = target.send("/v1/chat/completions", body, Tags::default()).await;
                     history.push(json!({"role": "assistant", "content": o.text}));
                     outcomes.push(o);
                     tokio::time::sleep(c.think.div_f64(target.speedup)).await;

@@ -51,6 +51,12 @@ pub enum Policy {
     /// cache booked or two full prefill batches booked, and a request waits at most one
     /// simulated second for one that is not, else it is shed (429).
     KvgateAdmission,
+    /// [`Policy::KvgateAdmission`] with two priority classes and tenants, named by the
+    /// requests' [`loadgen::PRIORITY_HEADER`] and [`loadgen::TENANT_HEADER`] (see
+    /// [`workloads::Mix`]): `interactive` goes first and may fill 90 % of a replica's KV
+    /// cache and two prefill batches; `batch` (also the class of untagged requests) waits at
+    /// 70 % and one batch, so interactive requests find headroom.
+    KvgateFlowControl,
     /// A peer router in place of Envoy.
     Peer(Peer),
 }
@@ -87,7 +93,7 @@ impl Knob {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 11] = [
+    pub const ALL: [Policy; 12] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
@@ -96,6 +102,7 @@ impl Policy {
         Policy::Kvgate("kv_aware"),
         Policy::KvgateTuned(Knob::DuplicatePenalty, 0),
         Policy::KvgateAdmission,
+        Policy::KvgateFlowControl,
         Policy::Peer(Peer::SglangCacheAware),
         Policy::Peer(Peer::VllmRouterCacheAware),
         Policy::Peer(Peer::VllmRouterKvAware),
@@ -109,6 +116,7 @@ impl Policy {
             Policy::Kvgate(p) => format!("kvgate-{}", p.replace('_', "-")),
             Policy::KvgateTuned(knob, n) => format!("{}{n}", knob.name_prefix()),
             Policy::KvgateAdmission => "kvgate-kv-aware-admission".into(),
+            Policy::KvgateFlowControl => "kvgate-kv-aware-flow-control".into(),
             Policy::Peer(p) => p.name().into(),
         }
     }
@@ -133,7 +141,9 @@ impl Policy {
             Policy::EnvoyRoundRobin | Policy::Peer(_) => (Routing::RoundRobin, "round_robin"),
             Policy::EnvoyLeastRequest => (Routing::LeastRequest, "round_robin"),
             Policy::Kvgate(p) => (Routing::Kvgate, p),
-            Policy::KvgateTuned(..) | Policy::KvgateAdmission => (Routing::Kvgate, "kv_aware"),
+            Policy::KvgateTuned(..) | Policy::KvgateAdmission | Policy::KvgateFlowControl => {
+                (Routing::Kvgate, "kv_aware")
+            }
         }
     }
 
@@ -144,15 +154,27 @@ impl Policy {
             _ => String::new(),
         };
         let (pool_toml, filter_config) = match self {
-            Policy::KvgateAdmission => {
+            Policy::KvgateAdmission | Policy::KvgateFlowControl => {
                 // One simulated second of waiting, in wall-clock ms.
                 let wait_ms = (1000.0 / fleet.speedup).round() as u64;
+                let batch = fleet.max_num_batched_tokens;
+                let classes = if *self == Policy::KvgateFlowControl {
+                    format!(
+                        ", classes = [{{ name = \"interactive\", priority = 10 }}, {{ name = \"batch\", kv_fraction = 0.7, max_prefill_tokens = {batch} }}], default_class = \"batch\""
+                    )
+                } else {
+                    String::new()
+                };
                 let pool = format!(
-                    "admission = {{ enabled = true, kv_blocks = {gpu_blocks}, max_prefill_tokens = {}, max_queue_ms = {wait_ms}, max_queued = 1024 }}",
-                    2 * fleet.max_num_batched_tokens
+                    "admission = {{ enabled = true, kv_blocks = {gpu_blocks}, max_prefill_tokens = {}, max_queue_ms = {wait_ms}, max_queued = 1024{classes} }}",
+                    2 * batch
                 );
                 let mut filter = serde_json::Map::new();
                 filter.insert("admission_wait_ms".into(), wait_ms.into());
+                if *self == Policy::KvgateFlowControl {
+                    filter.insert("priority_header".into(), loadgen::PRIORITY_HEADER.into());
+                    filter.insert("tenant_header".into(), loadgen::TENANT_HEADER.into());
+                }
                 (pool, filter)
             }
             _ => (String::new(), serde_json::Map::new()),
@@ -245,6 +267,8 @@ pub struct BenchConfig {
     pub trace: PathBuf,
     /// Seed of every random choice.
     pub seed: u64,
+    /// How requests are split between priority classes or tenants.
+    pub mix: workloads::Mix,
     /// The venv with the peer routers.
     pub peers_venv: PathBuf,
 }
@@ -267,6 +291,8 @@ pub struct RunResult {
     /// Requests the kvgate filter routed, and those it let Envoy balance (timeouts, errors,
     /// passthrough); `None` without kvgate.
     pub kvgate_routed: Option<(u64, u64)>,
+    /// Per priority class and tenant (runs with a [`workloads::Mix`]).
+    pub by_tag: Vec<stats::TagSummary>,
     /// Every successful request's TTFT (for the CDF chart).
     #[serde(skip)]
     pub ttfts: Vec<f64>,
@@ -291,7 +317,8 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                         policy.name()
                     );
                     eprintln!("bench: {label}");
-                    let plan = workload.plan(qps.unwrap_or(1.0), plan_seed, &config.trace)?;
+                    let mut plan = workload.plan(qps.unwrap_or(1.0), plan_seed, &config.trace)?;
+                    config.mix.tag(&mut plan, plan_seed);
                     let gpu_blocks = config.fleet.gpu_blocks_for(workload);
                     let stack =
                         Stack::start(&policy.stack_options(&policy.name(), &config.fleet, gpu_blocks), artifacts)?;
@@ -350,6 +377,7 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                         router_command: peer.as_ref().map(|p| p.command.clone()),
                         kvgate_routed,
                         ttfts: outcomes.iter().filter(|o| o.ok()).filter_map(|o| o.ttft).collect(),
+                        by_tag: stats::by_tag(&outcomes, config.slo_ttft_s),
                         summary,
                     });
                 }

@@ -190,6 +190,7 @@ pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResu
         seen.push(key.clone());
         let _ = writeln!(md, "## {}{}\n", p.workload, p.qps.map_or(String::new(), |q| format!(" at {q} req/s")));
         md.push_str(&table(&points, &key.0, key.1));
+        md.push_str(&tag_table(results, &key.0, key.1));
         let chart = format!("ttft-cdf-{}{}.svg", key.0, key.1.map_or(String::new(), |q| format!("-{q}qps")));
         ttft_cdf(&dir.join(&chart), &format!("TTFT CDF — {}", key.0), results, &key.0, key.1)?;
         let _ = writeln!(md, "\n![TTFT CDF]({chart})\n");
@@ -204,6 +205,36 @@ pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResu
     }
     std::fs::write(dir.join("report.md"), &md)?;
     Ok(md)
+}
+
+/// Per priority class and tenant, every repeat (empty when the runs tagged nothing).
+pub fn tag_table(results: &[RunResult], workload: &str, qps: Option<f64>) -> String {
+    let runs: Vec<&RunResult> =
+        results.iter().filter(|r| r.workload == workload && r.qps == qps && !r.by_tag.is_empty()).collect();
+    if runs.is_empty() {
+        return String::new();
+    }
+    let mut md = String::from(
+        "\nBy priority class and tenant:\n\n| policy | repeat | tag | requests | completed | shed (429) | TTFT p50 | TTFT p90 | goodput |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in runs {
+        for t in &r.by_tag {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {:.2} |",
+                r.policy,
+                r.repeat,
+                t.tag,
+                t.requests,
+                t.ok,
+                t.status_429,
+                secs(t.ttft_p50),
+                secs(t.ttft_p90),
+                t.goodput
+            );
+        }
+    }
+    md
 }
 
 const COLORS: [RGBColor; 7] = [
@@ -291,6 +322,7 @@ fn throughput_vs_qps(path: &Path, workload: &str, points: &[super::report::Point
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::stats::TagSummary;
 
     fn run(policy: &str, repeat: usize, p90: f64) -> RunResult {
         RunResult {
@@ -302,6 +334,7 @@ mod tests {
             router_command: None,
             summary: Summary { ttft_p90: Some(p90), ttft_p50: Some(p90 / 2.0), ..Summary::default() },
             ttfts: vec![p90 / 2.0, p90],
+            by_tag: Vec::new(),
         }
     }
 
@@ -342,6 +375,7 @@ mod tests {
             },
             max_duration_s: 1.0,
             slo_ttft_s: 1.0,
+            mix: super::super::workloads::Mix::Priorities,
             trace: "t".into(),
             seed: 0,
             peers_venv: "v".into(),
@@ -353,8 +387,21 @@ mod tests {
             r.qps = Some(2.0);
         }
         results.extend(more);
+        results[1].by_tag = vec![TagSummary {
+            tag: "priority=interactive".into(),
+            requests: 3,
+            ok: 2,
+            status_429: 1,
+            ttft_p50: Some(0.2),
+            ttft_p90: Some(1.5),
+            goodput: 0.5,
+        }];
         let md = write(&dir, &config, &facts, &results).unwrap();
         assert!(md.contains("| kvgate-kv-aware | 500 ms | 1.00 s |"), "{md}");
+        assert!(
+            md.contains("| kvgate-kv-aware | 0 | priority=interactive | 3 | 2 | 1 | 200 ms | 1.50 s | 0.50 |"),
+            "{md}"
+        );
         assert!(md.contains("4.00×"));
         for file in ["results.json", "report.md", "ttft-cdf-w-1qps.svg", "throughput-w.svg"] {
             let body = std::fs::read_to_string(dir.join(file)).unwrap();

@@ -107,9 +107,57 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
     }
 }
 
+/// One priority class's or tenant's requests in a run.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct TagSummary {
+    /// `priority=interactive`, `tenant=steady`, …
+    pub tag: String,
+    /// Requests sent with it.
+    pub requests: usize,
+    /// Completed.
+    pub ok: usize,
+    /// Shed with 429.
+    pub status_429: usize,
+    /// TTFT of the completed ones.
+    pub ttft_p50: Option<f64>,
+    /// .
+    pub ttft_p90: Option<f64>,
+    /// Fraction of its requests that completed within the TTFT SLO.
+    pub goodput: f64,
+}
+
+/// The run's requests per priority class and per tenant, in name order (empty when the run
+/// tagged none).
+pub fn by_tag(outcomes: &[Outcome], slo_ttft_s: f64) -> Vec<TagSummary> {
+    let mut tags = std::collections::BTreeMap::<String, Vec<&Outcome>>::new();
+    for o in outcomes {
+        let names = [("priority", o.tags.priority), ("tenant", o.tags.tenant)];
+        for (kind, value) in names {
+            if let Some(v) = value {
+                tags.entry(format!("{kind}={v}")).or_default().push(o);
+            }
+        }
+    }
+    tags.into_iter()
+        .map(|(tag, os)| {
+            let ttfts: Vec<f64> = os.iter().filter(|o| o.ok()).filter_map(|o| o.ttft).collect();
+            TagSummary {
+                tag,
+                requests: os.len(),
+                ok: os.iter().filter(|o| o.ok()).count(),
+                status_429: os.iter().filter(|o| o.status == 429).count(),
+                ttft_p50: percentile(&ttfts, 50.0),
+                ttft_p90: percentile(&ttfts, 90.0),
+                goodput: ttfts.iter().filter(|t| **t <= slo_ttft_s).count() as f64 / os.len().max(1) as f64,
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::loadgen::Tags;
 
     fn outcome(replica: &str, ttft: f64, prompt: u64, cached: u64) -> Outcome {
         Outcome {
@@ -125,6 +173,7 @@ mod tests {
             prompt_tokens: prompt,
             cached_tokens: cached,
             error: None,
+            tags: Tags::default(),
             text: String::new(),
         }
     }
@@ -157,5 +206,26 @@ mod tests {
         // Loads: 170, 10, 0 → mean 60, max 170.
         assert!((s.load_max_over_mean.unwrap() - 170.0 / 60.0).abs() < 1e-9);
         assert_eq!(s.output_tps, 15.0, "30 tokens over 2 s");
+    }
+
+    #[test]
+    fn tagged_requests_are_summarised_per_class_and_tenant() {
+        let tagged = |ttft, priority, tenant| Outcome { tags: Tags { priority, tenant }, ..outcome("a", ttft, 1, 0) };
+        let mut shed = tagged(0.0, Some("batch"), None);
+        (shed.status, shed.ttft) = (429, None);
+        let outcomes = vec![
+            tagged(0.1, Some("interactive"), Some("t1")),
+            tagged(0.3, Some("interactive"), None),
+            tagged(5.0, Some("batch"), Some("t1")),
+            shed,
+            outcome("a", 0.2, 1, 0),
+        ];
+        let t = by_tag(&outcomes, 1.0);
+        let names: Vec<&str> = t.iter().map(|t| t.tag.as_str()).collect();
+        assert_eq!(names, ["priority=batch", "priority=interactive", "tenant=t1"]);
+        assert_eq!((t[0].requests, t[0].ok, t[0].status_429, t[0].goodput), (2, 1, 1, 0.0));
+        assert_eq!((t[1].ttft_p50, t[1].ttft_p90, t[1].goodput), (Some(0.1), Some(0.3), 1.0));
+        assert_eq!((t[2].requests, t[2].goodput), (2, 0.5));
+        assert!(by_tag(&[outcome("a", 0.2, 1, 0)], 1.0).is_empty(), "untagged runs have no rows");
     }
 }

@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::loadgen::{Conversation, Planned};
+use super::loadgen::{Conversation, Planned, Tags};
 use crate::workload::document;
 
 /// The model name the fleet serves.
@@ -132,6 +132,56 @@ impl Workload {
     }
 }
 
+/// How a run's requests are split between priority classes or tenants: sent as headers, read
+/// by the `kvgate-kv-aware-flow-control` policy, and reported per value.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mix {
+    /// No tags.
+    #[default]
+    None,
+    /// A fifth of the requests `interactive`, the rest `batch`.
+    Priorities,
+    /// Two tenants: `burst` sends ten times as many requests as `steady`.
+    Tenants,
+}
+
+impl Mix {
+    /// Every mix.
+    pub const ALL: [Mix; 3] = [Mix::None, Mix::Priorities, Mix::Tenants];
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mix::None => "none",
+            Mix::Priorities => "priorities",
+            Mix::Tenants => "tenants",
+        }
+    }
+
+    /// The mix with this name.
+    pub fn parse(name: &str) -> anyhow::Result<Mix> {
+        Mix::ALL.into_iter().find(|m| m.name() == name).ok_or_else(|| anyhow::anyhow!("unknown mix {name}"))
+    }
+
+    /// Tags every request of `plan`, the same way for the same seed.
+    pub fn tag(self, plan: &mut Plan, seed: u64) {
+        let Plan::OpenLoop(requests) = plan else { return };
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x6d69_7865);
+        for p in requests {
+            p.tags = match self {
+                Mix::None => Tags::default(),
+                Mix::Priorities => {
+                    Tags { priority: Some(if rng.random_bool(0.2) { "interactive" } else { "batch" }), tenant: None }
+                }
+                Mix::Tenants => {
+                    Tags { priority: None, tenant: Some(if rng.random_bool(1.0 / 11.0) { "steady" } else { "burst" }) }
+                }
+            };
+        }
+    }
+}
+
 /// Poisson arrival times at `qps`.
 fn poisson(n: usize, qps: f64, rng: &mut StdRng) -> Vec<Duration> {
     let mut t = 0.0;
@@ -158,7 +208,7 @@ impl SharedPrefix {
                 let question = document(1_000_000 + (g * self.prompts_per_group + p) as u32, self.question_tokens);
                 let body = json!({"model": MODEL, "max_tokens": self.output_tokens, "ignore_eos": true,
                     "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]});
-                Planned { at, path: "/v1/chat/completions", body }
+                Planned { at, path: "/v1/chat/completions", body, tags: Tags::default() }
             })
             .collect()
     }
@@ -263,7 +313,7 @@ impl Mooncake {
             }
             let at = Duration::from_secs_f64(row["timestamp"].as_f64().unwrap_or(0.0) / 1000.0 / self.time_compression);
             let body = json!({"model": MODEL, "prompt": words.join(" "), "max_tokens": output, "ignore_eos": true});
-            plan.push(Planned { at, path: "/v1/completions", body });
+            plan.push(Planned { at, path: "/v1/completions", body, tags: Tags::default() });
         }
         Ok(plan)
     }
