@@ -9,7 +9,9 @@
 //! - who is ahead: a higher priority class first; within a class, tenants take turns (each
 //!   waiting request of a tenant is tagged one turn after that tenant's previous one, and no
 //!   earlier than the class's current turn: start-time fair queuing, one request a turn), then
-//!   arrival. A request without a tenant is a tenant of its own;
+//!   arrival. The class's current turn is that of the last request admitted from the queue
+//!   (not of the last one woken: a waiter that was woken and did not fit keeps its turn, and
+//!   a newcomer must not be put behind it). A request without a tenant is a tenant of its own;
 //! - capacity frees when a booked request reaches its first token or ends (or a replica
 //!   joins): the first waiter wakes and decides again, so it goes where its prefix is cached
 //!   *now*; if it routes, the next one is woken too (one release may make room for several),
@@ -93,7 +95,7 @@ struct Queue {
     places: BTreeMap<Key, Option<oneshot::Sender<()>>>,
     /// Requests per class that count against its `max_queued`.
     queued: Vec<usize>,
-    /// Per class, the turn of the last waiter woken.
+    /// Per class, the turn of the last waiter that was woken and left the queue (admitted).
     turn: Vec<u64>,
     /// Each tenant's last turn, by class and tenant hash.
     tenants: HashMap<(usize, u64), u64>,
@@ -104,13 +106,11 @@ struct Queue {
 
 impl Queue {
     /// Wakes the first waiting request after `after` (from the start for `None`), if any.
-    fn wake_after(&mut self, after: Option<Key>, classes: &[Class]) {
+    fn wake_after(&mut self, after: Option<Key>) {
         let lower = after.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
-        for (key, waiter) in self.places.range_mut((lower, std::ops::Bound::Unbounded)) {
+        for waiter in self.places.range_mut((lower, std::ops::Bound::Unbounded)).map(|(_, w)| w) {
             let Some(tx) = waiter.take() else { continue };
             if tx.send(()).is_ok() {
-                let class = classes.iter().position(|c| c.rank == key.rank).unwrap_or_default();
-                self.turn[class] = self.turn[class].max(key.turn);
                 return;
             }
         }
@@ -171,7 +171,7 @@ impl Place<'_> {
                 }
             }
             if was_woken {
-                queue.wake_after(Some(self.key), &gate.classes);
+                queue.wake_after(Some(self.key));
             }
             rx
         };
@@ -189,10 +189,13 @@ impl Drop for Place<'_> {
         }
         let mut queue = self.gate.lock();
         queue.queued[self.class] = queue.queued[self.class].saturating_sub(1);
-        // Woken and gone (admitted, or dropped before deciding): the next one may fit now.
+        // Woken and gone (admitted, or dropped before deciding): its class's turn has come to
+        // its own (only now: a request woken that did not fit keeps waiting, and moving the
+        // turn past it would put a newcomer behind it), and the next one may fit now.
         if let Some(None) = queue.places.remove(&self.key) {
+            queue.turn[self.class] = queue.turn[self.class].max(self.key.turn);
             queue.releases += 1;
-            queue.wake_after(None, &self.gate.classes);
+            queue.wake_after(None);
         }
     }
 }
@@ -327,7 +330,7 @@ impl Gate {
     pub fn freed(&self) {
         let mut queue = self.lock();
         queue.releases += 1;
-        queue.wake_after(None, &self.classes);
+        queue.wake_after(None);
     }
 
     /// The `Retry-After` for a shed request, in seconds.
@@ -390,6 +393,14 @@ mod tests {
         /// Its last wait's outcome, once there is one.
         async fn result(&mut self) -> Result<(), ShedReason> {
             self.results.recv().await.unwrap().map(|woken| assert!(woken, "woken, not released"))
+        }
+
+        /// Waits again after a wake-up that found no room (its place is kept).
+        async fn wait_again(&mut self, within: Duration) {
+            self.waits.send(Some(within)).unwrap();
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
         }
 
         /// Whether its wait is over, after the other tasks have run.
@@ -515,6 +526,39 @@ mod tests {
             }
         }
         assert_eq!(woken, ["chat", "noisy-1", "quiet-1", "noisy-2", "noisy-3"]);
+    }
+
+    #[tokio::test]
+    async fn wake_ups_that_find_no_room_do_not_send_a_quiet_tenant_to_the_back() {
+        let g = gate(16, vec![]);
+        let mut noisy = Vec::new();
+        for _ in 0..3 {
+            let mut w = Waiter::new(g, 0, Some("noisy"));
+            w.wait(g, FAR).await;
+            noisy.push(w);
+        }
+        // A release that makes no room for anyone: each waiter is woken in turn, finds the
+        // pool still full, and waits again, passing the wake-up on.
+        g.freed();
+        for w in &mut noisy {
+            w.result().await.unwrap();
+            w.wait_again(FAR).await;
+        }
+        // A quiet tenant's first request still goes right after the noisy tenant's first.
+        let mut quiet = Waiter::new(g, 0, Some("quiet"));
+        quiet.wait(g, FAR).await;
+        g.freed();
+        let first = noisy.remove(0);
+        assert!(!quiet.is_woken().await, "the noisy tenant's first request is ahead");
+        first.leave().await;
+        assert!(quiet.is_woken().await, "then the quiet tenant's, before the noisy tenant's second");
+        for w in &mut noisy {
+            assert!(!w.is_woken().await);
+        }
+        quiet.leave().await;
+        for w in noisy {
+            w.leave().await;
+        }
     }
 
     #[tokio::test]
