@@ -86,6 +86,9 @@ struct Key {
     rank: usize,
     turn: u64,
     arrival: u64,
+    /// What it asks for (the model or an adapter, hashed): requests of one class that ask
+    /// for the same thing fit, or not, alike. Unique arrivals make it moot for the order.
+    asks: u64,
 }
 
 #[derive(Debug, Default)]
@@ -105,10 +108,12 @@ struct Queue {
 }
 
 impl Queue {
-    /// Wakes the first waiting request after `after` (from the start for `None`), if any.
+    /// Wakes the first waiting request after `after` (from the start for `None`) that might
+    /// fit where `after` did not: of another class, or asking for another model or adapter.
     fn wake_after(&mut self, after: Option<Key>) {
         let lower = after.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
-        for waiter in self.places.range_mut((lower, std::ops::Bound::Unbounded)).map(|(_, w)| w) {
+        let alike = |k: &Key| after.is_some_and(|a| (a.rank, a.asks) == (k.rank, k.asks));
+        for (_, waiter) in self.places.range_mut((lower, std::ops::Bound::Unbounded)).filter(|(k, _)| !alike(k)) {
             let Some(tx) = waiter.take() else { continue };
             if tx.send(()).is_ok() {
                 return;
@@ -146,7 +151,10 @@ impl Place<'_> {
     /// decision that found the pool full: if capacity was freed since, it returns at once
     /// (`Ok(false)`: decide again if first). `Ok(true)`: it was woken, and decides now. A
     /// request that was woken and still finds the pool full passes the wake-up on to the next
-    /// waiter behind it (it may fit where this one does not: another class, other replicas).
+    /// waiter behind it that may fit where this one does not: of another class (other
+    /// thresholds), or asking for another model or adapter (other replicas). Not to one like
+    /// itself: it would not fit either, and while it decided, capacity freed meanwhile could
+    /// go to it ahead of the waiters in front.
     /// Returns why the request is shed, if it is.
     pub async fn wait(&mut self, seen: u64, until: Instant) -> Result<bool, ShedReason> {
         let gate = self.gate;
@@ -310,9 +318,10 @@ impl Gate {
         self.lock().releases
     }
 
-    /// A place for a request of `class` from `tenant`: its tenant's next turn, no earlier than
+    /// A place for a request of `class` from `tenant` asking for model (or adapter) `asks`: its
+    /// tenant's next turn, no earlier than
     /// the class's current one (recorded only if it comes to wait).
-    pub fn place(&self, class: usize, tenant: Option<&str>) -> Place<'_> {
+    pub fn place(&self, class: usize, asks: &str, tenant: Option<&str>) -> Place<'_> {
         let mut queue = self.lock();
         queue.arrivals += 1;
         let current = queue.turn[class];
@@ -322,7 +331,14 @@ impl Gate {
             (class, hasher.finish())
         });
         let last = tenant.and_then(|id| queue.tenants.get(&id).copied()).unwrap_or(current);
-        let key = Key { rank: self.classes[class].rank, turn: last.max(current) + 1, arrival: queue.arrivals };
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        asks.hash(&mut hasher);
+        let key = Key {
+            rank: self.classes[class].rank,
+            turn: last.max(current) + 1,
+            arrival: queue.arrivals,
+            asks: hasher.finish(),
+        };
         Place { gate: self, key, class, tenant, queued: false }
     }
 
@@ -370,10 +386,14 @@ mod tests {
 
     impl Waiter {
         fn new(g: &'static Gate, class: usize, tenant: Option<&'static str>) -> Waiter {
+            Waiter::asking(g, class, "m", tenant)
+        }
+
+        fn asking(g: &'static Gate, class: usize, asks: &'static str, tenant: Option<&'static str>) -> Waiter {
             let (waits, mut commands) = mpsc::unbounded_channel::<Option<Duration>>();
             let (report, results) = mpsc::unbounded_channel();
             let task = tokio::spawn(async move {
-                let mut place = g.place(class, tenant);
+                let mut place = g.place(class, asks, tenant);
                 while let Some(Some(within)) = commands.recv().await {
                     let _ = report.send(place.wait(g.releases(), Instant::now() + within).await);
                 }
@@ -464,11 +484,11 @@ mod tests {
         let (mut a, mut b) = (Waiter::new(g, 0, None), Waiter::new(g, 0, None));
         a.wait(g, FAR).await;
         b.wait(g, FAR).await;
-        assert!(!g.place(0, None).is_first(), "a newcomer does not overtake");
+        assert!(!g.place(0, "m", None).is_first(), "a newcomer does not overtake");
         g.freed();
         assert_eq!(a.result().await, Ok(()));
         assert!(!b.is_woken().await, "one release wakes one waiter");
-        assert!(!g.place(0, None).is_first(), "a woken request keeps its place while it decides");
+        assert!(!g.place(0, "m", None).is_first(), "a woken request keeps its place while it decides");
         a.leave().await;
         assert_eq!(b.result().await, Ok(()), "admitted: the next one is woken, there may be room for it too");
     }
@@ -476,20 +496,26 @@ mod tests {
     #[tokio::test]
     async fn a_woken_request_that_still_does_not_fit_passes_the_wake_on() {
         let g = gate(8, Vec::new());
-        let (mut a, mut b) = (Waiter::new(g, 0, None), Waiter::new(g, 0, None));
+        let mut a = Waiter::new(g, 0, None);
+        let mut alike = Waiter::new(g, 0, None);
+        let mut adapter = Waiter::asking(g, 0, "m-lora", None);
         a.wait(g, FAR).await;
-        b.wait(g, FAR).await;
+        alike.wait(g, FAR).await;
+        adapter.wait(g, FAR).await;
         g.freed();
         assert_eq!(a.result().await, Ok(()));
-        // a finds the pool still full and waits again (the count of waiters stays 1: b is
-        // woken as a goes back in).
-        a.waits.send(Some(FAR)).unwrap();
-        assert_eq!(b.result().await, Ok(()), "b may fit where a does not");
-        assert_eq!(g.waiting(), 1, "a waits again");
+        // a finds the pool still full and waits again: the next request for the same model
+        // would not fit either, so the wake-up goes to one for an adapter (other replicas).
+        a.wait_again(FAR).await;
+        assert!(!alike.is_woken().await, "a request like a is not woken");
+        assert_eq!(adapter.result().await, Ok(()), "one that may fit where a does not is");
+        assert_eq!(g.waiting(), 2, "a waits again");
         g.freed();
-        assert_eq!(a.result().await, Ok(()), "a kept its place ahead of b");
+        assert_eq!(a.result().await, Ok(()), "a kept its place ahead of the others");
         a.leave().await;
-        b.leave().await;
+        assert_eq!(alike.result().await, Ok(()), "admitted, a passes its wake-up on");
+        alike.leave().await;
+        adapter.leave().await;
     }
 
     #[tokio::test]
@@ -500,7 +526,7 @@ mod tests {
         assert_eq!(g.class_of(Some("unknown")), batch);
         // A tenant that was admitted at once many times is not charged for it.
         for _ in 0..100 {
-            drop(g.place(batch, Some("noisy")));
+            drop(g.place(batch, "m", Some("noisy")));
         }
         // A bursting tenant queues three batch requests, then a quiet one queues one; then an
         // interactive request arrives last of all.
@@ -529,7 +555,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn wake_ups_that_find_no_room_do_not_send_a_quiet_tenant_to_the_back() {
+    async fn a_wake_up_that_finds_no_room_does_not_send_a_quiet_tenant_back() {
         let g = gate(16, vec![]);
         let mut noisy = Vec::new();
         for _ in 0..3 {
@@ -537,13 +563,11 @@ mod tests {
             w.wait(g, FAR).await;
             noisy.push(w);
         }
-        // A release that makes no room for anyone: each waiter is woken in turn, finds the
-        // pool still full, and waits again, passing the wake-up on.
+        // A release that makes no room: the first waiter is woken, finds the pool still
+        // full, and waits again. Its turn has not come: nobody was admitted.
         g.freed();
-        for w in &mut noisy {
-            w.result().await.unwrap();
-            w.wait_again(FAR).await;
-        }
+        noisy[0].result().await.unwrap();
+        noisy[0].wait_again(FAR).await;
         // A quiet tenant's first request still goes right after the noisy tenant's first.
         let mut quiet = Waiter::new(g, 0, Some("quiet"));
         quiet.wait(g, FAR).await;
@@ -566,7 +590,7 @@ mod tests {
         let g = gate(1, Vec::new());
         let mut a = Waiter::new(g, 0, None);
         a.wait(g, Duration::from_millis(50)).await;
-        assert_eq!(g.place(0, None).wait(g.releases(), Instant::now() + FAR).await, Err(ShedReason::QueueFull));
+        assert_eq!(g.place(0, "m", None).wait(g.releases(), Instant::now() + FAR).await, Err(ShedReason::QueueFull));
         assert_eq!(a.result().await, Err(ShedReason::QueueTime));
         a.leave().await;
         let mut next = Waiter::new(g, 0, None);
@@ -609,7 +633,7 @@ mod tests {
         let seen = g.releases();
         g.freed();
         assert_eq!(
-            g.place(0, None).wait(seen, Instant::now() + FAR).await,
+            g.place(0, "m", None).wait(seen, Instant::now() + FAR).await,
             Ok(false),
             "returns at once to decide again"
         );

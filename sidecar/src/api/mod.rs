@@ -173,7 +173,7 @@ async fn admitted(
         let may_decide = woken
             || match &place {
                 None if gate.is_empty() => true,
-                None => place.insert(gate.place(class, req.tenant.as_deref())).is_first(),
+                None => place.insert(gate.place(class, &req.model, req.tenant.as_deref())).is_first(),
                 Some(p) => p.is_first(),
             };
         if may_decide {
@@ -185,7 +185,7 @@ async fn admitted(
                 return (encoded(&decision), waited);
             }
         }
-        let p = place.get_or_insert_with(|| gate.place(class, req.tenant.as_deref()));
+        let p = place.get_or_insert_with(|| gate.place(class, &req.model, req.tenant.as_deref()));
         waiting.set(gate.waiting() as i64 + 1);
         let wait_started = Instant::now();
         let result = p.wait(seen, until).await;
