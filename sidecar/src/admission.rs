@@ -9,9 +9,10 @@
 //! - who is ahead: a higher priority class first; within a class, tenants take turns (each
 //!   waiting request of a tenant is tagged one turn after that tenant's previous one, and no
 //!   earlier than the class's current turn: start-time fair queuing, one request a turn), then
-//!   arrival. The class's current turn is that of the last request admitted from the queue
-//!   (not of the last one woken: a waiter that was woken and did not fit keeps its turn, and
-//!   a newcomer must not be put behind it). A request without a tenant is a tenant of its own;
+//!   arrival. The class's current turn is that of the last request that left the queue after
+//!   a wake-up, and never past a request of the class still waiting (a waiter that was woken
+//!   and did not fit keeps its turn, and a newcomer must not be put behind it). A request
+//!   without a tenant is a tenant of its own;
 //! - capacity frees when a booked request reaches its first token or ends (or a replica
 //!   joins): the first waiter wakes and decides again, so it goes where its prefix is cached
 //!   *now*; if it routes, the next one is woken too (one release may make room for several),
@@ -98,7 +99,7 @@ struct Queue {
     places: BTreeMap<Key, Option<oneshot::Sender<()>>>,
     /// Requests per class that count against its `max_queued`.
     queued: Vec<usize>,
-    /// Per class, the turn of the last waiter that was woken and left the queue (admitted).
+    /// Per class, the current turn (see the module's rules).
     turn: Vec<u64>,
     /// Each tenant's last turn, by class and tenant hash.
     tenants: HashMap<(usize, u64), u64>,
@@ -115,6 +116,11 @@ impl Queue {
         let alike = |k: &Key| after.is_some_and(|a| (a.rank, a.asks) == (k.rank, k.asks));
         for (_, waiter) in self.places.range_mut((lower, std::ops::Bound::Unbounded)).filter(|(k, _)| !alike(k)) {
             let Some(tx) = waiter.take() else { continue };
+            if tx.is_closed() {
+                // Its wait is over (timed out, its place about to go): it was not woken.
+                *waiter = Some(tx);
+                continue;
+            }
             if tx.send(()).is_ok() {
                 return;
             }
@@ -197,11 +203,18 @@ impl Drop for Place<'_> {
         }
         let mut queue = self.gate.lock();
         queue.queued[self.class] = queue.queued[self.class].saturating_sub(1);
-        // Woken and gone (admitted, or dropped before deciding): its class's turn has come to
-        // its own (only now: a request woken that did not fit keeps waiting, and moving the
-        // turn past it would put a newcomer behind it), and the next one may fit now.
+        // Woken and gone (admitted, shed after a wake-up, or dropped before deciding): its
+        // class's turn has come to its own (only now: a request woken that did not fit keeps
+        // waiting, and moving the turn past it would put a newcomer behind it), and the next
+        // one may fit now.
         if let Some(None) = queue.places.remove(&self.key) {
-            queue.turn[self.class] = queue.turn[self.class].max(self.key.turn);
+            // Never past a request of the class still waiting (this one may have been woken
+            // ahead of it: another model, another class's wake-up passed on).
+            let rank = self.key.rank;
+            let first = Key { rank, turn: 0, arrival: 0, asks: 0 };
+            let waiting = queue.places.range(first..).next().map(|(k, _)| *k).filter(|k| k.rank == rank);
+            let turn = waiting.map_or(self.key.turn, |w| self.key.turn.min(w.turn.saturating_sub(1)));
+            queue.turn[self.class] = queue.turn[self.class].max(turn);
             queue.releases += 1;
             queue.wake_after(None);
         }
@@ -579,6 +592,35 @@ mod tests {
         for w in &mut noisy {
             assert!(!w.is_woken().await);
         }
+        quiet.leave().await;
+        for w in noisy {
+            w.leave().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_admitted_out_of_turn_does_not_move_the_turn_past_the_waiters() {
+        let g = gate(16, vec![]);
+        let mut noisy = Vec::new();
+        for _ in 0..3 {
+            let mut w = Waiter::new(g, 0, Some("noisy"));
+            w.wait(g, FAR).await;
+            noisy.push(w);
+        }
+        let mut adapter = Waiter::asking(g, 0, "m-lora", Some("noisy"));
+        adapter.wait(g, FAR).await;
+        // The first waiter does not fit; the adapter's request, last in the queue, does.
+        g.freed();
+        noisy[0].result().await.unwrap();
+        noisy[0].wait_again(FAR).await;
+        adapter.result().await.unwrap();
+        adapter.leave().await;
+        // A quiet tenant's request still goes before the noisy tenant's second.
+        let mut quiet = Waiter::new(g, 0, Some("quiet"));
+        quiet.wait(g, FAR).await;
+        let first = noisy.remove(0);
+        first.leave().await;
+        assert!(quiet.is_woken().await, "the quiet tenant is next");
         quiet.leave().await;
         for w in noisy {
             w.leave().await;

@@ -21,7 +21,7 @@ pub(super) const DEAD_STAND_IN: SequenceHash = SequenceHash(u64::MAX);
 use kvgate_shared::hash::SequenceHash;
 
 /// One replica's blocks on one tier, in store order.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct Arena {
     /// Slot → the sequence hash of the block there, or [`DEAD`].
     seqs: Vec<SequenceHash>,

@@ -15,8 +15,10 @@
 //!   decision at most, tens of microseconds.
 //! - Writers are serialised by the log's mutex. A write's cost is twice a single copy's (each
 //!   change is applied to both), and the memory is twice a single copy's.
+//! - A write that panics leaves the standby copy half-written: it is not made live, and the
+//!   next batch rebuilds it from the live copy before writing.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// A structure whose writes can be replayed: applying the same ops in the same order to two
@@ -34,21 +36,24 @@ pub trait Absorb {
 const READ_RETRIES: usize = 8;
 
 /// Two copies of `T`: reads never wait for writes.
-pub struct Mirrored<T: Absorb> {
+pub struct Mirrored<T: Absorb + Clone> {
     copies: [RwLock<T>; 2],
     /// Which copy readers use.
     live: AtomicUsize,
     /// Writes applied to the live copy and not yet to the standby one.
     log: Mutex<Vec<T::Op>>,
+    /// A write panicked: the standby copy is half-written and must be rebuilt.
+    torn: AtomicBool,
 }
 
-impl<T: Absorb> Mirrored<T> {
+impl<T: Absorb + Clone> Mirrored<T> {
     /// Two copies, each made by `make` (which must make equal values).
     pub fn new(mut make: impl FnMut() -> T) -> Self {
         Mirrored {
             copies: [RwLock::new(make()), RwLock::new(make())],
             live: AtomicUsize::new(0),
             log: Mutex::default(),
+            torn: AtomicBool::new(false),
         }
     }
 
@@ -70,22 +75,27 @@ impl<T: Absorb> Mirrored<T> {
         let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
         let standby = 1 - self.live.load(Ordering::Acquire);
         let mut copy = self.copies[standby].write().unwrap_or_else(|e| e.into_inner());
+        if self.torn.swap(false, Ordering::AcqRel) {
+            log.clear();
+            copy.clone_from(&self.copies[1 - standby].read().unwrap_or_else(|e| e.into_inner()));
+        }
         for op in log.drain(..) {
             copy.absorb(&op);
         }
-        Batch { copy: Some(copy), log, standby, live: &self.live }
+        Batch { copy: Some(copy), log, standby, live: &self.live, torn: &self.torn }
     }
 }
 
 /// Writes in progress on the standby copy ([`Mirrored::write`]).
-pub struct Batch<'a, T: Absorb> {
+pub struct Batch<'a, T: Absorb + Clone> {
     copy: Option<RwLockWriteGuard<'a, T>>,
     log: MutexGuard<'a, Vec<T::Op>>,
     standby: usize,
     live: &'a AtomicUsize,
+    torn: &'a AtomicBool,
 }
 
-impl<T: Absorb> Batch<'_, T> {
+impl<T: Absorb + Clone> Batch<'_, T> {
     /// Applies one write (readers see it when the batch ends).
     pub fn apply(&mut self, op: T::Op) -> T::Out {
         let out = self.copy.as_mut().expect("held until drop").absorb(&op);
@@ -99,8 +109,15 @@ impl<T: Absorb> Batch<'_, T> {
     }
 }
 
-impl<T: Absorb> Drop for Batch<'_, T> {
+impl<T: Absorb + Clone> Drop for Batch<'_, T> {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // A write panicked midway: readers keep the live copy, the next batch rebuilds
+            // this one from it.
+            self.torn.store(true, Ordering::Release);
+            self.copy = None;
+            return;
+        }
         // Unlock the copy before it goes live, so readers that load it find it free; the log
         // (and with it the next writer) is released after the swap.
         self.copy = None;
@@ -114,16 +131,34 @@ mod tests {
 
     use super::*;
 
-    #[derive(Default)]
+    #[derive(Default, Clone)]
     struct Sum(Vec<u64>);
 
     impl Absorb for Sum {
         type Op = u64;
         type Out = usize;
         fn absorb(&mut self, op: &u64) -> usize {
+            assert_ne!(*op, u64::MAX, "an op that panics");
             self.0.push(*op);
             self.0.len()
         }
+    }
+
+    #[test]
+    fn a_batch_that_panics_is_not_shown_and_the_copies_heal() {
+        let m = Mirrored::new(Sum::default);
+        m.write().apply(1);
+        let torn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut batch = m.write();
+            batch.apply(2);
+            batch.apply(u64::MAX);
+        }));
+        assert!(torn.is_err());
+        assert_eq!(m.read().0, [1], "nothing of the torn batch is visible");
+        m.write().apply(3);
+        assert_eq!(m.read().0, [1, 3]);
+        drop(m.write());
+        assert_eq!(m.read().0, [1, 3], "the other copy agrees");
     }
 
     #[test]

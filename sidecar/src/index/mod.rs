@@ -178,7 +178,7 @@ pub struct Store<'a> {
 }
 
 /// One replica's blocks on one tier.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct ReplicaTier {
     /// Engine hash → the block's slot in `arena`.
     engine: EngineShards,
@@ -225,13 +225,13 @@ impl ReplicaTier {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct ReplicaBlocks {
     tiers: [ReplicaTier; 3],
 }
 
 /// The index of one pool (one model, one block size).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct KvIndex {
     block_size: usize,
     /// Per tier: the chain heads of every replica.

@@ -41,7 +41,7 @@ impl Key for EngineHash {
 /// hashbrown places an entry by the low bits of its hash and tags it with the top seven, so
 /// the shard bits must be neither. The shards are allocated on the first insert: a replica's
 /// unused tiers cost no more than one empty table.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Sharded<M, const S: usize, const SHIFT: u32> {
     /// Empty until the first insert, then `S` tables.
     pub(super) shards: Box<[M]>,
@@ -115,7 +115,7 @@ impl EngineEntry {
 
 /// One shard of a replica's engine map: the engine's block hash → the block's slot in the
 /// replica's arena.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct EngineMap {
     table: HashTable<EngineEntry>,
 }
@@ -164,7 +164,7 @@ pub(super) struct Head {
 
 /// One shard of a tier's head table: a multimap from sequence hash to every [`Head`] with
 /// that hash (one per replica whose chain starts there).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct HeadMap {
     table: HashTable<Head>,
 }

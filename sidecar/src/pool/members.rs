@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use super::{read, Pool};
 use crate::config::{PoolConfig, ReplicaConfig};
-use crate::index::{Change, ReplicaIdx, Write};
+use crate::index::mirror::Batch;
+use crate::index::{Change, KvIndex, ReplicaIdx, Write};
 use crate::metrics::ReplicaLabels;
 
 pub(super) const NONE: u64 = u64::MAX;
@@ -157,6 +158,9 @@ impl Pool {
         self.retire_departed();
         let wanted_targets = targets(replicas);
         let grace = Duration::from_secs(self.config.leave_grace_secs);
+        // The index's changes go in one batch, opened before `members` is locked: opening it
+        // waits for the applier's batch in progress, and decisions must not wait behind that.
+        let mut index = self.index_mut();
         let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
         let mut start = Vec::new();
         let mut returned = false;
@@ -174,7 +178,7 @@ impl Pool {
                 }
                 Some(target) => {
                     if kept {
-                        self.retire(i, m);
+                        self.retire(i, m, &mut index);
                     }
                     self.join(i, m, target, &mut start);
                 }
@@ -183,7 +187,7 @@ impl Pool {
                     m.active = false;
                     m.leaving_since = Some(Instant::now());
                 }
-                None if kept => self.retire(i, m),
+                None if kept => self.retire(i, m, &mut index),
                 None => {}
             }
         }
@@ -200,10 +204,8 @@ impl Pool {
                 }
                 None => {
                     let i = ReplicaIdx::new(members.len());
-                    let mut index = self.index_mut();
                     debug_assert_eq!(index.get().replicas(), i.get(), "slots and index stay aligned");
                     index.apply(Write::AddReplica).expect("adding a replica cannot fail");
-                    drop(index);
                     let j = self.load_table().add_replica();
                     debug_assert_eq!(j, i, "slots and load stay aligned");
                     members.push(Member::new(target.clone()));
@@ -212,6 +214,8 @@ impl Pool {
             };
             self.join(slot, &mut members[slot.get()], &target, &mut start);
         }
+        // The index's new slots go live before the members that name them.
+        drop(index);
         drop(members);
         if returned || !start.is_empty() {
             // A replica joined or came back: room for the requests that wait.
@@ -236,23 +240,29 @@ impl Pool {
     /// Empties the slots of replicas whose grace period has run out.
     pub fn retire_departed(&self) {
         let grace = Duration::from_secs(self.config.leave_grace_secs);
+        let due = |m: &Member| m.leaving_since.is_some_and(|since| since.elapsed() >= grace);
+        if !self.members().iter().any(due) {
+            return;
+        }
+        // As in `set_members`: the index batch first, then `members`.
+        let mut index = self.index_mut();
         let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
         for (i, m) in members.iter_mut().enumerate() {
-            if m.leaving_since.is_some_and(|since| since.elapsed() >= grace) {
-                self.retire(ReplicaIdx::new(i), m);
+            if due(m) {
+                self.retire(ReplicaIdx::new(i), m, &mut index);
             }
         }
     }
 
-    /// Takes a replica out: stops its event threads, then (in an index batch, after any batch
-    /// the applier had begun, so a stopped applier cannot write after it) drops its blocks and
-    /// bookings.
-    fn retire(&self, i: ReplicaIdx, m: &mut Member) {
+    /// Takes a replica out: stops its event threads, then (in `index`, a batch opened after
+    /// any the applier had begun, so a stopped applier cannot write after it) drops its blocks
+    /// and bookings.
+    fn retire(&self, i: ReplicaIdx, m: &mut Member, index: &mut Batch<'_, KvIndex>) {
         tracing::info!(model = %self.config.model, replica = %m.replica.id, "replica removed; its slot is emptied");
         m.stop.store(true, Ordering::Relaxed);
         m.active = false;
         m.leaving_since = None;
-        self.index_mut().apply(Write::Change(i, Change::Clear)).expect("a clear is never refused");
+        index.apply(Write::Change(i, Change::Clear)).expect("a clear is never refused");
         self.affinity_index().clear_replica(i);
         let mut load = self.load_table();
         load.clear_replica(i);

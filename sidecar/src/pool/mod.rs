@@ -7,8 +7,9 @@
 //! to slots by number, so a replica that leaves keeps its slot — emptied, inactive, never a
 //! candidate — and gets it back if it returns.
 //!
-//! Locks are taken in one order — members, index, affinity, load table, accuracy,
-//! explanations — and a replica's
+//! Locks are taken in one order — members, index (its live copy), affinity, load table,
+//! accuracy, explanations; a batch of index writes is opened before `members` is locked
+//! (`README.md`, "Lock order") — and a replica's
 //! metric labels (which read the members) are never looked up while the load table is held,
 //! so a membership change can never deadlock with routing or lifecycle reports. Every lock is
 //! a private field: only this module's files take them.
