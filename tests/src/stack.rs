@@ -274,7 +274,7 @@ impl Stack {
             wait_for(&format!("engine {} health", sim.id), ENGINE_START_TIMEOUT, healthy)?;
         }
 
-        let (sidecar_port, admin_port, gateway_port) = (free_port()?, free_port()?, free_port()?);
+        let (sidecar_port, mut admin_port, mut gateway_port) = (free_port()?, free_port()?, free_port()?);
         if opts.envoy_discovery {
             replicas_toml = format!(
                 "[pools.discovery]\nkind = \"envoy\"\nname = \"pool\"\nadmin = \"http://127.0.0.1:{admin_port}\"\n\
@@ -317,41 +317,53 @@ impl Stack {
         };
         let template = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl"))?;
         let endpoints: Vec<std::net::SocketAddr> = sims.iter().map(SimHandle::endpoint).collect();
-        let yaml = envoy::render(
-            &template,
-            &EnvoyParams {
-                admin_port,
-                listen_port: gateway_port,
-                sidecar_port: delay_proxy.as_ref().map_or(sidecar_port, |p| p.port),
-                wasm: &artifacts.wasm,
-                filter_config: &filter_config,
-                pool_endpoints: &endpoints,
-                with_filter: opts.routing == Routing::Kvgate,
-                fallback: if opts.routing == Routing::LeastRequest {
-                    Fallback::LeastRequest
-                } else {
-                    Fallback::RoundRobin
-                },
-            },
-        );
         let envoy_config = dir.join("envoy.yaml");
-        std::fs::write(&envoy_config, yaml)?;
-        let cmd = envoy_command(&artifacts.envoy, &envoy_config, opts.hot_restart.then_some((admin_port, 0)));
-        let mut envoy_proc = Proc::spawn("envoy", cmd, &dir.join("envoy.log"))?;
-        let ready = format!("http://127.0.0.1:{admin_port}/ready");
-        wait_for("envoy ready", START_TIMEOUT, || {
-            if envoy_proc.check_alive().is_err() {
-                return Some(false);
-            }
-            http_ok(&ready).then_some(true)
-        })
-        .and_then(|alive| {
+        let envoy_log = dir.join("envoy.log");
+        // Envoy's ports were free when picked, but a process started since (the sidecar's
+        // outgoing connections take ephemeral ports) may hold one: then pick again.
+        let mut attempts = 0;
+        let envoy_proc = loop {
+            let yaml = envoy::render(
+                &template,
+                &EnvoyParams {
+                    admin_port,
+                    listen_port: gateway_port,
+                    sidecar_port: delay_proxy.as_ref().map_or(sidecar_port, |p| p.port),
+                    wasm: &artifacts.wasm,
+                    filter_config: &filter_config,
+                    pool_endpoints: &endpoints,
+                    with_filter: opts.routing == Routing::Kvgate,
+                    fallback: if opts.routing == Routing::LeastRequest {
+                        Fallback::LeastRequest
+                    } else {
+                        Fallback::RoundRobin
+                    },
+                },
+            );
+            std::fs::write(&envoy_config, yaml)?;
+            let cmd = envoy_command(&artifacts.envoy, &envoy_config, opts.hot_restart.then_some((admin_port, 0)));
+            let mut envoy_proc = Proc::spawn("envoy", cmd, &envoy_log)?;
+            let ready = format!("http://127.0.0.1:{admin_port}/ready");
+            let alive = wait_for("envoy ready", START_TIMEOUT, || {
+                if envoy_proc.check_alive().is_err() {
+                    return Some(false);
+                }
+                http_ok(&ready).then_some(true)
+            })?;
             if alive {
-                Ok(())
-            } else {
-                anyhow::bail!("envoy exited; see {}", dir.join("envoy.log").display())
+                break envoy_proc;
             }
-        })?;
+            let log = std::fs::read_to_string(&envoy_log).unwrap_or_default();
+            attempts += 1;
+            if attempts == 3 || !log.contains("Address already in use") {
+                anyhow::bail!("envoy exited; see {}", envoy_log.display());
+            }
+            // The sidecar was told Envoy's admin port (Envoy discovery): only the listener moves.
+            if !opts.envoy_discovery {
+                admin_port = free_port()?;
+            }
+            gateway_port = free_port()?;
+        };
 
         let stack = Stack {
             model: opts.model.clone(),
