@@ -109,7 +109,7 @@ proptest! {
     #[test]
     fn index_agrees_with_the_reference(ops in prop::collection::vec(op(), 1..60), per_batch in 1usize..4, queries in prop::collection::vec(prop::collection::vec(0u8..3, 1..7), 1..8)) {
         // Both copies of the pool's index go through every write, in batches.
-        let index = Mirrored::new(|| KvIndex::new(BS, IDS[REPLICAS - 1] + 1));
+        let index = Mirrored::new(KvIndex::new(BS, IDS[REPLICAS - 1] + 1));
         let mut model = Model::default();
         for ops in ops.chunks(per_batch) {
             let mut batch = index.write();

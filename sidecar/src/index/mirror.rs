@@ -47,10 +47,10 @@ pub struct Mirrored<T: Absorb + Clone> {
 }
 
 impl<T: Absorb + Clone> Mirrored<T> {
-    /// Two copies, each made by `make` (which must make equal values).
-    pub fn new(mut make: impl FnMut() -> T) -> Self {
+    /// Two copies of `value`.
+    pub fn new(value: T) -> Self {
         Mirrored {
-            copies: [RwLock::new(make()), RwLock::new(make())],
+            copies: [RwLock::new(value.clone()), RwLock::new(value)],
             live: AtomicUsize::new(0),
             log: Mutex::default(),
             torn: AtomicBool::new(false),
@@ -75,14 +75,19 @@ impl<T: Absorb + Clone> Mirrored<T> {
         let mut log = self.log.lock().unwrap_or_else(|e| e.into_inner());
         let standby = 1 - self.live.load(Ordering::Acquire);
         let mut copy = self.copies[standby].write().unwrap_or_else(|e| e.into_inner());
+        let mut replay = std::mem::take(&mut *log);
         if self.torn.swap(false, Ordering::AcqRel) {
-            log.clear();
+            // The log's writes are in the live copy (if they were made live at all).
+            replay.clear();
             copy.clone_from(&self.copies[1 - standby].read().unwrap_or_else(|e| e.into_inner()));
         }
-        for op in log.drain(..) {
-            copy.absorb(&op);
+        let mut batch = Batch { copy: Some(copy), log, standby, live: &self.live, torn: &self.torn };
+        // Replayed within the batch, so that a replay that panics tears the copy like a write.
+        let copy = batch.copy.as_mut().expect("held until drop");
+        for op in &replay {
+            copy.absorb(op);
         }
-        Batch { copy: Some(copy), log, standby, live: &self.live, torn: &self.torn }
+        batch
     }
 }
 
@@ -134,6 +139,21 @@ mod tests {
     #[derive(Default, Clone)]
     struct Sum(Vec<u64>);
 
+    /// A structure whose second write ever panics: the first one's replay on the other copy.
+    #[derive(Default, Clone)]
+    struct PanicsOnReplay(Vec<u64>);
+
+    static ABSORBED: AtomicUsize = AtomicUsize::new(0);
+
+    impl Absorb for PanicsOnReplay {
+        type Op = u64;
+        type Out = ();
+        fn absorb(&mut self, op: &u64) {
+            assert_ne!(ABSORBED.fetch_add(1, Ordering::Relaxed), 1, "a replay that panics");
+            self.0.push(*op);
+        }
+    }
+
     impl Absorb for Sum {
         type Op = u64;
         type Out = usize;
@@ -146,7 +166,7 @@ mod tests {
 
     #[test]
     fn a_batch_that_panics_is_not_shown_and_the_copies_heal() {
-        let m = Mirrored::new(Sum::default);
+        let m = Mirrored::new(Sum::default());
         m.write().apply(1);
         let torn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut batch = m.write();
@@ -162,8 +182,21 @@ mod tests {
     }
 
     #[test]
+    fn a_replay_that_panics_tears_the_copy_too() {
+        let m = Mirrored::new(PanicsOnReplay::default());
+        m.write().apply(7);
+        let torn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.write().apply(8)));
+        assert!(torn.is_err(), "replaying 7 on the other copy panicked");
+        assert_eq!(m.read().0, [7], "the torn copy is not shown");
+        m.write().apply(9);
+        assert_eq!(m.read().0, [7, 9], "rebuilt from the live copy, 7 not applied twice");
+        drop(m.write());
+        assert_eq!(m.read().0, [7, 9], "the other copy agrees");
+    }
+
+    #[test]
     fn readers_see_a_batch_only_once_it_ends_and_both_copies_agree() {
-        let m = Mirrored::new(Sum::default);
+        let m = Mirrored::new(Sum::default());
         let mut batch = m.write();
         assert_eq!(batch.apply(1), 1);
         assert_eq!(batch.apply(2), 2);
@@ -183,7 +216,7 @@ mod tests {
 
     #[test]
     fn a_reader_holding_a_copy_does_not_stop_other_reads_and_writes() {
-        let m = Arc::new(Mirrored::new(Sum::default));
+        let m = Arc::new(Mirrored::new(Sum::default()));
         m.write().apply(1);
         // A long read of the live copy; the writer takes the other one meanwhile.
         let held = m.read();
@@ -201,7 +234,7 @@ mod tests {
 
     #[test]
     fn reads_under_a_stream_of_writes_see_whole_batches() {
-        let m = Arc::new(Mirrored::new(Sum::default));
+        let m = Arc::new(Mirrored::new(Sum::default()));
         let writer = {
             let m = m.clone();
             std::thread::spawn(move || {

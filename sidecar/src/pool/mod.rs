@@ -102,7 +102,7 @@ impl Pool {
         let admission = config.admission.enabled.then(|| Gate::new(&config.admission));
         Pool {
             admission,
-            index: Mirrored::new(|| KvIndex::new(config.block_size as usize, n)),
+            index: Mirrored::new(KvIndex::new(config.block_size as usize, n)),
             load: Mutex::new(LoadTable::new(n, config.prefill_tokens_per_sec)),
             members: RwLock::new(initial.into_iter().map(member).collect()),
             config,
