@@ -221,6 +221,13 @@ impl Drop for Place<'_> {
     }
 }
 
+/// A name, kept as a hash (a tenant, a model): fixed-size however long the header was.
+fn hash_of(name: &str) -> u64 {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut hasher);
+    hasher.finish()
+}
+
 /// Remembers a tenant's last turn (at most [`MAX_TENANTS`], those with a turn still ahead).
 fn record_turn(queue: &mut Queue, id: (usize, u64), turn: u64) {
     if queue.tenants.len() >= MAX_TENANTS {
@@ -332,25 +339,19 @@ impl Gate {
     }
 
     /// A place for a request of `class` from `tenant` asking for model (or adapter) `asks`: its
-    /// tenant's next turn, no earlier than
-    /// the class's current one (recorded only if it comes to wait).
+    /// tenant's next turn, no earlier than the class's current one (recorded only if it comes
+    /// to wait).
     pub fn place(&self, class: usize, asks: &str, tenant: Option<&str>) -> Place<'_> {
         let mut queue = self.lock();
         queue.arrivals += 1;
         let current = queue.turn[class];
-        let tenant = tenant.map(|t| {
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            t.hash(&mut hasher);
-            (class, hasher.finish())
-        });
+        let tenant = tenant.map(|t| (class, hash_of(t)));
         let last = tenant.and_then(|id| queue.tenants.get(&id).copied()).unwrap_or(current);
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        asks.hash(&mut hasher);
         let key = Key {
             rank: self.classes[class].rank,
             turn: last.max(current) + 1,
             arrival: queue.arrivals,
-            asks: hasher.finish(),
+            asks: hash_of(asks),
         };
         Place { gate: self, key, class, tenant, queued: false }
     }
@@ -452,6 +453,17 @@ mod tests {
     }
 
     const FAR: Duration = Duration::from_secs(10);
+
+    /// `n` requests from `tenant`, queued one after the other.
+    async fn queued(g: &'static Gate, n: usize, tenant: &'static str) -> Vec<Waiter> {
+        let mut waiters = Vec::new();
+        for _ in 0..n {
+            let mut w = Waiter::new(g, 0, Some(tenant));
+            w.wait(g, FAR).await;
+            waiters.push(w);
+        }
+        waiters
+    }
 
     #[test]
     fn saturation_is_either_threshold() {
@@ -570,12 +582,7 @@ mod tests {
     #[tokio::test]
     async fn a_wake_up_that_finds_no_room_does_not_send_a_quiet_tenant_back() {
         let g = gate(16, vec![]);
-        let mut noisy = Vec::new();
-        for _ in 0..3 {
-            let mut w = Waiter::new(g, 0, Some("noisy"));
-            w.wait(g, FAR).await;
-            noisy.push(w);
-        }
+        let mut noisy = queued(g, 3, "noisy").await;
         // A release that makes no room: the first waiter is woken, finds the pool still
         // full, and waits again. Its turn has not come: nobody was admitted.
         g.freed();
@@ -601,12 +608,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_admitted_out_of_turn_does_not_move_the_turn_past_the_waiters() {
         let g = gate(16, vec![]);
-        let mut noisy = Vec::new();
-        for _ in 0..3 {
-            let mut w = Waiter::new(g, 0, Some("noisy"));
-            w.wait(g, FAR).await;
-            noisy.push(w);
-        }
+        let mut noisy = queued(g, 3, "noisy").await;
         let mut adapter = Waiter::asking(g, 0, "m-lora", Some("noisy"));
         adapter.wait(g, FAR).await;
         // The first waiter does not fit; the adapter's request, last in the queue, does.
