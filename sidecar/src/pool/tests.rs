@@ -56,19 +56,7 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
 fn cache_hits_win_and_concurrent_misses_spread() {
     let p = pool(3);
     let cached: Vec<u32> = (0..64).collect();
-    p.store_blocks(
-        ReplicaIdx::new(2),
-        Store {
-            parent: None,
-            engine_hashes: &(0..16).map(EngineHash).collect::<Vec<_>>(),
-            token_ids: &cached,
-            block_size: 4,
-            salt: Salt::NONE,
-            extra: &[],
-            tier: Tier::Device,
-        },
-    )
-    .unwrap();
+    p.store_blocks(ReplicaIdx::new(2), prompt_store(&(0..16).map(EngineHash).collect::<Vec<_>>(), &cached)).unwrap();
     let cfg = ScoringConfig::default();
     let hit = p.route(&request("hit", &cached), &cfg);
     assert_eq!((hit.replica.as_deref(), hit.overlap_blocks), (Some("r2"), 16));
@@ -82,18 +70,15 @@ fn cache_hits_win_and_concurrent_misses_spread() {
     assert!(per_replica.iter().all(|n| *n >= 1), "no herding onto one replica: {per_replica:?}");
 }
 
+/// A prompt's blocks stored on the device tier from its start, as the engine reports them.
+fn prompt_store<'a>(engine_hashes: &'a [EngineHash], token_ids: &'a [u32]) -> Store<'a> {
+    Store { parent: None, engine_hashes, token_ids, block_size: 4, salt: Salt::NONE, extra: &[], tier: Tier::Device }
+}
+
 fn cache_on(p: &Pool, replica: usize, tokens: &[u32]) {
     let engine: Vec<EngineHash> =
         (0..(tokens.len() / 4) as u64).map(|i| EngineHash(i + 1000 * replica as u64)).collect();
-    let store = Store {
-        parent: None,
-        engine_hashes: &engine,
-        token_ids: tokens,
-        block_size: 4,
-        salt: Salt::NONE,
-        extra: &[],
-        tier: Tier::Device,
-    };
+    let store = prompt_store(&engine, tokens);
     p.store_blocks(ReplicaIdx::new(replica), store).unwrap();
 }
 
@@ -220,15 +205,7 @@ fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
     }
     let only_r1: Vec<u32> = (500..564).collect();
     let engine: Vec<EngineHash> = (5000..5016).map(EngineHash).collect();
-    let store = Store {
-        parent: None,
-        engine_hashes: &engine,
-        token_ids: &only_r1,
-        block_size: 4,
-        salt: Salt::NONE,
-        extra: &[],
-        tier: Tier::Device,
-    };
+    let store = prompt_store(&engine, &only_r1);
     p.store_blocks(ReplicaIdx::new(1), store).unwrap();
     let cfg = ScoringConfig::default();
     assert_eq!(chosen(&p.route(&request("held", &only_r1), &cfg)), 1);
@@ -481,15 +458,7 @@ fn decisions_do_not_wait_for_a_batch_of_events_being_applied() {
     // The applier is midway through a batch: replica 0 stores `arriving`, not yet visible.
     let mut batch = p.index_mut();
     let engine: Vec<EngineHash> = (0..8).map(|i| EngineHash(500 + i)).collect();
-    let store = Store {
-        parent: None,
-        engine_hashes: &engine,
-        token_ids: &arriving,
-        block_size: 4,
-        salt: Salt::NONE,
-        extra: &[],
-        tier: Tier::Device,
-    };
+    let store = prompt_store(&engine, &arriving);
     batch.apply(Write::Change(ReplicaIdx::new(0), Change::Store(StoredBlocks::from_store(store)))).unwrap();
     let cfg = ScoringConfig::default();
     std::thread::scope(|s| {
