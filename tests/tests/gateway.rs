@@ -878,13 +878,13 @@ fn bench_harness_runs_policies_side_by_side() {
             r.policy
         );
     }
-    let classes: Vec<(&str, usize)> = results[2].by_tag.iter().map(|t| (t.tag.as_str(), t.requests)).collect();
+    let classes: Vec<(&str, usize)> = results[2].by_tag.iter().map(|t| (t.tag.as_str(), t.summary.requests)).collect();
     assert!(
         classes.len() == 2 && classes.iter().map(|c| c.1).sum::<usize>() == 12,
         "every request in one of the two classes: {classes:?}"
     );
     assert!(
-        results[2].by_tag.iter().all(|t| t.ok == t.requests),
+        results[2].by_tag.iter().all(|t| t.summary.ok == t.summary.requests),
         "nothing shed below capacity: {:?}",
         results[2].by_tag
     );

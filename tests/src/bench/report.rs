@@ -6,7 +6,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde::Serialize;
 
-use super::stats::{median, Summary};
+use super::stats::{median, Summary, TagSummary};
 use super::{BenchConfig, RunResult};
 
 /// Where and how the benchmark ran.
@@ -218,19 +218,18 @@ pub fn tag_table(results: &[RunResult], workload: &str, qps: Option<f64>) -> Str
         "\nBy priority class and tenant:\n\n| policy | repeat | tag | requests | completed | shed (429) | TTFT p50 | TTFT p90 | goodput |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in runs {
-        for t in &r.by_tag {
+        for TagSummary { tag, summary: s } in &r.by_tag {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {:.2} |",
+                "| {} | {} | {tag} | {} | {} | {} | {} | {} | {:.2} |",
                 r.policy,
                 r.repeat,
-                t.tag,
-                t.requests,
-                t.ok,
-                t.status_429,
-                secs(t.ttft_p50),
-                secs(t.ttft_p90),
-                t.goodput
+                s.requests,
+                s.ok,
+                s.status_429,
+                secs(s.ttft_p50),
+                secs(s.ttft_p90),
+                s.goodput
             );
         }
     }
@@ -322,7 +321,6 @@ fn throughput_vs_qps(path: &Path, workload: &str, points: &[super::report::Point
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::stats::TagSummary;
 
     fn run(policy: &str, repeat: usize, p90: f64) -> RunResult {
         RunResult {
@@ -389,12 +387,15 @@ mod tests {
         results.extend(more);
         results[1].by_tag = vec![TagSummary {
             tag: "priority=interactive".into(),
-            requests: 3,
-            ok: 2,
-            status_429: 1,
-            ttft_p50: Some(0.2),
-            ttft_p90: Some(1.5),
-            goodput: 0.5,
+            summary: Summary {
+                requests: 3,
+                ok: 2,
+                status_429: 1,
+                ttft_p50: Some(0.2),
+                ttft_p90: Some(1.5),
+                goodput: 0.5,
+                ..Summary::default()
+            },
         }];
         let md = write(&dir, &config, &facts, &results).unwrap();
         assert!(md.contains("| kvgate-kv-aware | 500 ms | 1.00 s |"), "{md}");

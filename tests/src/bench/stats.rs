@@ -107,51 +107,29 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
     }
 }
 
-/// One priority class's or tenant's requests in a run.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+/// One priority class's or tenant's requests in a run, summarised as a run is (without the
+/// engines' counters, which are not per request).
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct TagSummary {
     /// `priority=interactive`, `tenant=steady`, …
     pub tag: String,
-    /// Requests sent with it.
-    pub requests: usize,
-    /// Completed.
-    pub ok: usize,
-    /// Shed with 429.
-    pub status_429: usize,
-    /// TTFT of the completed ones.
-    pub ttft_p50: Option<f64>,
-    /// .
-    pub ttft_p90: Option<f64>,
-    /// Fraction of its requests that completed within the TTFT SLO.
-    pub goodput: f64,
+    /// Its requests' numbers.
+    pub summary: Summary,
 }
 
 /// The run's requests per priority class and per tenant, in name order (empty when the run
 /// tagged none).
 pub fn by_tag(outcomes: &[Outcome], slo_ttft_s: f64) -> Vec<TagSummary> {
-    let mut tags = std::collections::BTreeMap::<String, Vec<&Outcome>>::new();
+    let mut tags = std::collections::BTreeMap::<String, Vec<Outcome>>::new();
     for o in outcomes {
         let names = [("priority", o.tags.priority), ("tenant", o.tags.tenant)];
         for (kind, value) in names {
             if let Some(v) = value {
-                tags.entry(format!("{kind}={v}")).or_default().push(o);
+                tags.entry(format!("{kind}={v}")).or_default().push(o.clone());
             }
         }
     }
-    tags.into_iter()
-        .map(|(tag, os)| {
-            let ttfts: Vec<f64> = os.iter().filter(|o| o.ok()).filter_map(|o| o.ttft).collect();
-            TagSummary {
-                tag,
-                requests: os.len(),
-                ok: os.iter().filter(|o| o.ok()).count(),
-                status_429: os.iter().filter(|o| o.status == 429).count(),
-                ttft_p50: percentile(&ttfts, 50.0),
-                ttft_p90: percentile(&ttfts, 90.0),
-                goodput: ttfts.iter().filter(|t| **t <= slo_ttft_s).count() as f64 / os.len().max(1) as f64,
-            }
-        })
-        .collect()
+    tags.into_iter().map(|(tag, os)| TagSummary { tag, summary: summarize(&os, slo_ttft_s, &[]) }).collect()
 }
 
 #[cfg(test)]
@@ -223,9 +201,10 @@ mod tests {
         let t = by_tag(&outcomes, 1.0);
         let names: Vec<&str> = t.iter().map(|t| t.tag.as_str()).collect();
         assert_eq!(names, ["priority=batch", "priority=interactive", "tenant=t1"]);
-        assert_eq!((t[0].requests, t[0].ok, t[0].status_429, t[0].goodput), (2, 1, 1, 0.0));
-        assert_eq!((t[1].ttft_p50, t[1].ttft_p90, t[1].goodput), (Some(0.1), Some(0.3), 1.0));
-        assert_eq!((t[2].requests, t[2].goodput), (2, 0.5));
+        let s: Vec<&Summary> = t.iter().map(|t| &t.summary).collect();
+        assert_eq!((s[0].requests, s[0].ok, s[0].status_429, s[0].goodput), (2, 1, 1, 0.0));
+        assert_eq!((s[1].ttft_p50, s[1].ttft_p90, s[1].goodput), (Some(0.1), Some(0.3), 1.0));
+        assert_eq!((s[2].requests, s[2].goodput), (2, 0.5));
         assert!(by_tag(&[outcome("a", 0.2, 1, 0)], 1.0).is_empty(), "untagged runs have no rows");
     }
 }
