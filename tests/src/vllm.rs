@@ -420,7 +420,8 @@ fn cache_salt(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<(Row, u64)
     let shared_blocks = ours_warm.iter().zip(&ours_next).take_while(|(a, b)| a == b).count() as u64 / u64::from(BLOCK);
     let mut notes = Vec::new();
     let mut pass = indexed.is_ok();
-    for (salt, credited) in [(Some("tenant-a"), true), (Some("tenant-b"), false), (None, false)] {
+    let requests = [(Some("tenant-a"), true), (Some("tenant-b"), false), (None, false)];
+    for (salt, credited) in requests {
         let reply = post(&stack.gateway("/v1/chat/completions"), body(salt, "a follow-up question").to_string(), &[])?;
         let (_, cached) = usage(&reply);
         let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap_or(u64::MAX);
@@ -443,7 +444,7 @@ fn cache_salt(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<(Row, u64)
         measured: format!("shared prefix {shared_blocks} blocks; {}", notes.join("; ")),
         pass,
     };
-    Ok((row, 3))
+    Ok((row, requests.len() as u64))
 }
 
 /// Check 2b: every prediction the sidecar made so far, checked against what vLLM reported
