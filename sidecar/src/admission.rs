@@ -18,7 +18,12 @@
 //!   *now*; if it routes, the next one is woken too (one release may make room for several),
 //!   and if it finds the pool still full it waits again, keeping its place;
 //! - a request is shed when its class already holds `max_queued` waiters, or when its wait
-//!   would pass its class's `max_queue_ms` or what the filter said it waits.
+//!   would pass its class's `max_queue_ms` or what the filter said it waits;
+//! - fairness beyond turns: a tenant that holds less than its fair share of its class's
+//!   requests in flight (counted by the load table, [`crate::load::flows`]) is judged against
+//!   its class's limits raised by `fair_headroom`, and may route so even with others waiting
+//!   ahead of it. Turns alone cannot keep a quiet tenant's requests fast once a burst holds
+//!   the capacity: whoever is first still waits for a release.
 //!
 //! A waiter that gave up (timed out, or its client left and the filter stopped waiting) is
 //! skipped. Tenants are remembered only while they have a turn ahead of their class's
@@ -32,6 +37,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use crate::config::{AdmissionConfig, ClassConfig};
+use crate::load::flows::Flow;
 use crate::load::ReplicaLoad;
 
 /// The most tenants whose turn is remembered per pool.
@@ -76,6 +82,7 @@ pub struct Gate {
     engine_signals: bool,
     max_engine_waiting: u64,
     retry_after_secs: u32,
+    fair_headroom: f64,
     classes: Vec<Class>,
     default_class: usize,
     queue: Mutex<Queue>,
@@ -273,6 +280,7 @@ impl Gate {
             engine_signals: config.engine_signals,
             max_engine_waiting: config.max_engine_waiting,
             retry_after_secs: config.retry_after_secs,
+            fair_headroom: config.fair_headroom,
             classes,
             default_class,
             queue: Mutex::new(queue),
@@ -285,14 +293,20 @@ impl Gate {
 
     /// Whether a replica with this load takes no more requests of the default class.
     pub fn saturated(&self, load: &ReplicaLoad) -> bool {
-        self.saturated_for(load, self.default_class)
+        self.saturated_for(load, self.default_class, false)
     }
 
     /// Whether a replica with this load takes no more requests of `class`: by kvgate's books
     /// (KV capacity configured, else as its engine reports it) against the class's share, or,
-    /// with `engine_signals`, by what its engine last said.
-    pub fn saturated_for(&self, load: &ReplicaLoad, class: usize) -> bool {
-        let Class { kv_fraction, max_prefill_tokens, .. } = self.classes[class];
+    /// with `engine_signals`, by what its engine last said. `under_share`: the request's
+    /// tenant holds less than its fair share, and the class's limits are raised by
+    /// `fair_headroom`.
+    pub fn saturated_for(&self, load: &ReplicaLoad, class: usize, under_share: bool) -> bool {
+        let Class { mut kv_fraction, mut max_prefill_tokens, .. } = self.classes[class];
+        if under_share {
+            kv_fraction += self.fair_headroom * (1.0 - kv_fraction);
+            max_prefill_tokens += (self.fair_headroom * max_prefill_tokens as f64).round() as u64;
+        }
         let kv_blocks = match self.kv_blocks {
             0 => load.engine.and_then(|e| e.kv_blocks).unwrap_or(0),
             configured => configured,
@@ -310,6 +324,16 @@ impl Gate {
     /// The class a request names (`None`, or a name no class has: the default class).
     pub fn class_of(&self, name: Option<&str>) -> usize {
         name.and_then(|n| self.classes.iter().position(|c| c.name == n)).unwrap_or(self.default_class)
+    }
+
+    /// The flow a request of `class` from `tenant` counts in (none without a tenant).
+    pub fn flow_of(&self, class: usize, tenant: Option<&str>) -> Option<Flow> {
+        tenant.map(|t| Flow { class, tenant: hash_of(t) })
+    }
+
+    /// Whether a tenant under its fair share gets more room than its class's limits.
+    pub fn has_fair_headroom(&self) -> bool {
+        self.fair_headroom > 0.0
     }
 
     /// A class's name, for metrics.
@@ -499,8 +523,24 @@ mod tests {
         let batch = ClassConfig { kv_fraction: Some(0.5), ..class("batch", 0) };
         let g = gate(8, vec![batch, class("interactive", 10)]);
         let load = ReplicaLoad { active_blocks: 60, ..Default::default() };
-        assert!(g.saturated_for(&load, g.class_of(Some("batch"))), "batch stops at 50 of 100 blocks");
-        assert!(!g.saturated_for(&load, g.class_of(Some("interactive"))), "interactive goes on to 90");
+        assert!(g.saturated_for(&load, g.class_of(Some("batch")), false), "batch stops at 50 of 100 blocks");
+        assert!(!g.saturated_for(&load, g.class_of(Some("interactive")), false), "interactive goes on to 90");
+    }
+
+    #[test]
+    fn a_tenant_under_its_share_has_headroom_past_its_class() {
+        // Defaults: 90 % of 100 blocks, 1000 prefill tokens; headroom 0.5 → 95 blocks, 1500.
+        let g = gate(8, vec![]);
+        let class = g.class_of(None);
+        let load =
+            |blocks, prefill| ReplicaLoad { active_blocks: blocks, prefill_tokens: prefill, ..Default::default() };
+        for (blocks, prefill, over, under) in [(92, 0, true, false), (95, 0, true, true), (0, 1200, true, false)] {
+            assert_eq!(g.saturated_for(&load(blocks, prefill), class, false), over, "{blocks} blocks, {prefill}");
+            assert_eq!(g.saturated_for(&load(blocks, prefill), class, true), under, "{blocks} blocks, {prefill}");
+        }
+        assert!(g.saturated_for(&load(0, 1500), class, true), "the raised backlog is a limit too");
+        assert!(g.has_fair_headroom() && g.flow_of(class, None).is_none(), "no tenant, no flow");
+        assert_ne!(g.flow_of(class, Some("a")), g.flow_of(class, Some("b")));
     }
 
     #[tokio::test]

@@ -227,6 +227,14 @@ pub struct AdmissionConfig {
     /// The class of a request that names none, or an unknown one (default: the lowest).
     #[serde(default)]
     pub default_class: Option<String>,
+    /// Fairness between tenants (requests that name one, with the filter's `tenant_header`):
+    /// a tenant holding less than its fair share of its class's requests in flight (the
+    /// class's requests split evenly over its tenants, at this gateway) goes past its class's
+    /// limits by this share of what they leave: a KV fraction `f` becomes `f + h × (1 − f)`, a
+    /// prefill backlog `p` becomes `p × (1 + h)`. So a quiet tenant is not held behind a
+    /// bursting one's backlog. 0: tenants only take turns in the queue.
+    #[serde(default = "default_fair_headroom")]
+    pub fair_headroom: f64,
 }
 
 /// One priority class of admission control.
@@ -268,6 +276,7 @@ impl Default for AdmissionConfig {
             retry_after_secs: default_retry_after(),
             classes: Vec::new(),
             default_class: None,
+            fair_headroom: default_fair_headroom(),
         }
     }
 }
@@ -290,6 +299,9 @@ impl AdmissionConfig {
         if !(self.kv_fraction > 0.0 && self.kv_fraction <= 1.0) {
             bail!("pool {model:?}: admission.kv_fraction must be in (0, 1], got {}", self.kv_fraction);
         }
+        if !(0.0..=1.0).contains(&self.fair_headroom) {
+            bail!("pool {model:?}: admission.fair_headroom must be in [0, 1], got {}", self.fair_headroom);
+        }
         if let Some(c) = self.classes.iter().find(|c| c.kv_fraction.is_some_and(|f| !(f > 0.0 && f <= 1.0))) {
             bail!("pool {model:?}: admission class {:?}: kv_fraction must be in (0, 1]", c.name);
         }
@@ -305,6 +317,10 @@ impl AdmissionConfig {
         }
         Ok(())
     }
+}
+
+fn default_fair_headroom() -> f64 {
+    0.5
 }
 
 fn default_kv_fraction() -> f64 {
@@ -932,9 +948,11 @@ mod tests {
             BASE.replace("block_size = 16", "block_size = 16\nengine_metrics_secs = 1\nadmission = { enabled = true }");
         assert!(load(&learned, &[]).is_ok(), "capacity learned from the engines");
         assert!(load(&with("enabled = true, kv_blocks = 100, kv_fraction = 1.5"), &[]).is_err());
+        assert!(load(&with("enabled = true, kv_blocks = 100, fair_headroom = -0.1"), &[]).is_err());
         let ok = load(&with("enabled = true, kv_blocks = 100"), &[]).unwrap();
         let a = &ok.pools[0].admission;
         assert_eq!((a.kv_fraction, a.max_queue_ms, a.max_queued, a.retry_after_secs), (0.9, 2000, 256, 1));
+        assert_eq!(a.fair_headroom, 0.5);
     }
 
     #[test]

@@ -23,7 +23,7 @@ const BLOCK: u32 = 4;
 
 /// Two replicas that each hold 10 blocks: one 10-block request saturates one (90 % of 10).
 fn state(max_queued: usize) -> (Arc<AppState>, Arc<Pool>) {
-    state_with(AdmissionConfig { max_queued, ..AdmissionConfig::default() })
+    state_with(AdmissionConfig { max_queued, kv_blocks: 10, ..AdmissionConfig::default() })
 }
 
 fn state_with(admission: AdmissionConfig) -> (Arc<AppState>, Arc<Pool>) {
@@ -33,7 +33,7 @@ fn state_with(admission: AdmissionConfig) -> (Arc<AppState>, Arc<Pool>) {
             ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
         })
         .collect();
-    let admission = AdmissionConfig { enabled: true, kv_blocks: 10, retry_after_secs: 7, ..admission };
+    let admission = AdmissionConfig { enabled: true, retry_after_secs: 7, ..admission };
     let config = PoolConfig { admission, ..PoolConfig::new("m", "unused", BLOCK, replicas) };
     let metrics = Arc::new(Metrics::default());
     let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
@@ -43,10 +43,14 @@ fn state_with(admission: AdmissionConfig) -> (Arc<AppState>, Arc<Pool>) {
 
 /// A request of 9 full blocks and 5 output tokens (10 blocks booked), waiting at most `wait_ms`.
 fn request(id: &str, seed: u64, wait_ms: u32) -> Vec<u8> {
-    request_of_class(id, seed, wait_ms, None)
+    request_from(id, seed, wait_ms, None, None)
 }
 
 fn request_of_class(id: &str, seed: u64, wait_ms: u32, priority: Option<&str>) -> Vec<u8> {
+    request_from(id, seed, wait_ms, priority, None)
+}
+
+fn request_from(id: &str, seed: u64, wait_ms: u32, priority: Option<&str>, tenant: Option<&str>) -> Vec<u8> {
     let request = RouteRequest {
         request_id: id.into(),
         client_request_id: None,
@@ -63,7 +67,7 @@ fn request_of_class(id: &str, seed: u64, wait_ms: u32, priority: Option<&str>) -
         stream: true,
         wait_ms,
         priority: priority.map(str::to_owned),
-        tenant: None,
+        tenant: tenant.map(str::to_owned),
     };
     codec::encode(&request).unwrap()
 }
@@ -157,6 +161,7 @@ async fn a_higher_class_is_admitted_first() {
     let class = |name: &str, priority| ClassConfig { name: name.into(), priority, ..ClassConfig::default() };
     let (state, pool) = state_with(AdmissionConfig {
         classes: vec![class("batch", 0), class("interactive", 10)],
+        kv_blocks: 10,
         ..AdmissionConfig::default()
     });
     route(&state, "a", 1, 0).await.unwrap();
@@ -179,4 +184,51 @@ async fn a_higher_class_is_admitted_first() {
     assert!(!batch.is_finished(), "the batch request, though it came first, still waits");
     done(&state, "b").await;
     tokio::time::timeout(Duration::from_secs(5), batch).await.unwrap().unwrap();
+}
+
+/// A tenant's request that waits up to 5 s, answered with its replica or its status.
+async fn route_tenant(state: &Arc<AppState>, id: &str, seed: u64, tenant: &str) -> Result<String, StatusCode> {
+    match post(state, "/v1/route", request_from(id, seed, 5_000, None, Some(tenant))).await {
+        (StatusCode::OK, _, body) => Ok(codec::decode::<RouteResponse>(&body).unwrap().replica.unwrap()),
+        (status, _, _) => Err(status),
+    }
+}
+
+#[tokio::test]
+async fn a_quiet_tenant_routes_past_a_bursting_ones_backlog() {
+    // Saturated at two uncached requests' prefill (72 tokens) per replica; a tenant under
+    // its fair share may go on to 108.
+    let admission = |fair_headroom| AdmissionConfig {
+        kv_blocks: 1000,
+        max_prefill_tokens: 72,
+        fair_headroom,
+        ..AdmissionConfig::default()
+    };
+    for headroom in [0.5, 0.0] {
+        let (state, pool) = state_with(admission(headroom));
+        for i in 0..4 {
+            route_tenant(&state, &format!("burst{i}"), i, "burst").await.unwrap();
+        }
+        let backlog = tokio::spawn({
+            let state = state.clone();
+            async move { route_tenant(&state, "burst4", 4, "burst").await }
+        });
+        until_waiting(&pool, 1).await;
+        let quiet = tokio::spawn({
+            let state = state.clone();
+            async move { route_tenant(&state, "quiet", 5, "quiet").await }
+        });
+        if headroom > 0.0 {
+            let routed = tokio::time::timeout(Duration::from_secs(5), quiet).await.unwrap().unwrap();
+            assert!(routed.is_ok(), "under its share, past the waiting burst: {routed:?}");
+            assert!(!backlog.is_finished(), "the bursting tenant still waits for its own capacity");
+            assert_eq!((pool.state().bookings, pool.state().admission_tenants), (5, Some(2)));
+        } else {
+            until_waiting(&pool, 2).await;
+            assert_eq!(pool.state().bookings, 4, "without headroom the quiet tenant waits its turn");
+            done(&state, "burst0").await;
+            tokio::time::timeout(Duration::from_secs(5), backlog).await.unwrap().unwrap().unwrap();
+            assert!(!quiet.is_finished(), "behind the burst's request that came first");
+        }
+    }
 }

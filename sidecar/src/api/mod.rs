@@ -169,15 +169,16 @@ async fn admitted(
     let mut waited = Duration::ZERO;
     loop {
         let seen = gate.releases();
-        // Woken: decide. Otherwise only with nobody in the queue ahead.
-        let may_decide = woken
+        // Woken: decide. Otherwise with nobody in the queue ahead, or on its tenant's
+        // fair-share headroom.
+        let first = woken
             || match &place {
                 None if gate.is_empty() => true,
                 None => place.insert(gate.place(class, &req.model, req.tenant.as_deref())).is_first(),
                 Some(p) => p.is_first(),
             };
-        if may_decide {
-            if let Ok(decision) = pool.admit(req, scoring) {
+        if first || (gate.has_fair_headroom() && req.tenant.is_some()) {
+            if let Ok(decision) = pool.admit(req, scoring, !first) {
                 if place.as_ref().is_some_and(|p: &Place<'_>| p.waited()) {
                     outcome("admitted");
                 }

@@ -20,6 +20,7 @@
 //! pool's mean blocks per booked request (their sizes are unknown).
 
 pub mod engine_metrics;
+pub mod flows;
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -29,6 +30,7 @@ use kvgate_shared::hash::SequenceHash;
 
 use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
+use flows::{Flow, Flows};
 
 /// What one engine (one vLLM `engine` label: a data-parallel rank) reports of itself.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
@@ -102,6 +104,8 @@ struct Booking {
     /// When its prefill is taken to end, for a response that is not streamed (its first
     /// token is never reported in time).
     prefill_ends_at: Option<Instant>,
+    /// Its tenant and class, if it named a tenant.
+    flow: Option<Flow>,
 }
 
 #[derive(Debug, Default)]
@@ -142,6 +146,8 @@ pub struct LoadTable {
     prefill_ends: BinaryHeap<Reverse<(Instant, String)>>,
     /// The prefill rate assumed for a replica that has not served a streamed request yet.
     default_prefill_rate: f64,
+    /// Bookings in flight per tenant and class.
+    flows: Flows,
 }
 
 /// How many early ends are remembered.
@@ -204,6 +210,8 @@ pub struct NewBooking<'a> {
     pub sequences: u64,
     /// Whether the response streams (its first token is reported when it arrives).
     pub streamed: bool,
+    /// Its tenant and class, if it named a tenant (for fairness under admission control).
+    pub flow: Option<Flow>,
 }
 
 impl LoadTable {
@@ -214,6 +222,7 @@ impl LoadTable {
             replicas: (0..replicas).map(|_| Replica::default()).collect(),
             bookings: HashMap::new(),
             blocks_booked: 0,
+            flows: Flows::default(),
             ended_early: EndedEarly::default(),
             prefill_ends: BinaryHeap::new(),
             default_prefill_rate: default_prefill_rate.max(1.0),
@@ -357,9 +366,24 @@ impl LoadTable {
                 prediction: booking.prediction,
                 sequences: booking.sequences.max(1),
                 prefill_ends_at,
+                flow: booking.flow,
             },
         );
+        if let Some(flow) = booking.flow {
+            self.flows.add(flow);
+        }
         true
+    }
+
+    /// Whether `flow` holds less than its fair share of its class's bookings (see
+    /// [`Flows::under_share`]).
+    pub fn under_share(&self, flow: Flow) -> bool {
+        self.flows.under_share(flow)
+    }
+
+    /// Flows (tenants per class) with bookings in flight.
+    pub fn flows_in_flight(&self) -> usize {
+        self.flows.len()
     }
 
     /// The replica a request is booked on and what was predicted for it there.
@@ -439,6 +463,9 @@ impl LoadTable {
         let Some(b) = self.bookings.remove(request_id) else { return false };
         self.blocks_booked -= b.hashes.len() as u64 + b.private_blocks;
         self.detach(&b);
+        if let Some(flow) = b.flow {
+            self.flows.remove(flow);
+        }
         true
     }
 
@@ -496,6 +523,7 @@ mod tests {
             prediction: None,
             sequences: 1,
             streamed: true,
+            flow: None,
         }
     }
 

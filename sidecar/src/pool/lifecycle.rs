@@ -120,6 +120,8 @@ impl Pool {
                     sequences: *sequences,
                     // The origin reports its first token, or its estimated prefill end.
                     streamed: true,
+                    // Fairness between tenants is each gateway's own.
+                    flow: None,
                 };
                 load.book(slot, booking, Instant::now());
                 Some(slot)

@@ -12,6 +12,7 @@ use super::{Member, Pool};
 use crate::accuracy::Prediction;
 use crate::config::Policy;
 use crate::index::{Overlap, ReplicaIdx};
+use crate::load::flows::Flow;
 use crate::load::{LoadTable, NewBooking};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 use crate::sync::event::SyncEvent;
@@ -77,20 +78,34 @@ fn nowhere() -> RouteResponse {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Saturated;
 
+/// How an admission-controlled decision is made.
+#[derive(Debug, Clone, Copy)]
+struct Admit {
+    /// Others wait ahead of the request.
+    behind: bool,
+}
+
 impl Pool {
     /// Scores every replica, picks one by the pool's policy, and books the request there,
     /// atomically (no herding: concurrent requests see each other's bookings).
     pub fn route(&self, req: &RouteRequest, scoring: &ScoringConfig) -> RouteResponse {
-        self.decide(req, scoring, false).unwrap_or_else(|Saturated| nowhere())
+        self.decide(req, scoring, None).unwrap_or_else(|Saturated| nowhere())
     }
 
     /// [`Pool::route`], unless admission control is on and every eligible replica is
-    /// saturated: then nothing is booked.
-    pub fn admit(&self, req: &RouteRequest, scoring: &ScoringConfig) -> Result<RouteResponse, Saturated> {
-        self.decide(req, scoring, self.admission.is_some())
+    /// saturated for the request: then nothing is booked. `behind`: others wait ahead of it,
+    /// so it routes only on its tenant's fair-share headroom.
+    pub fn admit(&self, req: &RouteRequest, scoring: &ScoringConfig, behind: bool) -> Result<RouteResponse, Saturated> {
+        let admit = self.admission.is_some().then_some(Admit { behind });
+        self.decide(req, scoring, admit)
     }
 
-    fn decide(&self, req: &RouteRequest, scoring: &ScoringConfig, admit: bool) -> Result<RouteResponse, Saturated> {
+    fn decide(
+        &self,
+        req: &RouteRequest,
+        scoring: &ScoringConfig,
+        admit: Option<Admit>,
+    ) -> Result<RouteResponse, Saturated> {
         // The prompt in the pool's terms: hashes of another block size are dropped.
         let shape = self.shape(req);
         // Lock order: members, index, affinity, load.
@@ -105,8 +120,11 @@ impl Pool {
         // `least_load` weighs no cache.
         let scoring = policy_scoring(policy, scoring);
         let mut load = self.load_table();
+        // Its tenant's flow, whose bookings count towards fairness.
+        let flow =
+            self.admission.as_ref().and_then(|g| g.flow_of(g.class_of(req.priority.as_deref()), req.tenant.as_deref()));
         // With admission control, a full pool books nothing: the request waits.
-        if admit && self.all_saturated(&load, &eligible, req.priority.as_deref()) {
+        if admit.is_some_and(|a| self.all_saturated(&load, &eligible, req, flow, a)) {
             return Err(Saturated);
         }
         // Every eligible replica's cost, from its booked load.
@@ -116,7 +134,7 @@ impl Pool {
             return Ok(nowhere());
         };
         // Reserve the request's load there before anyone else decides.
-        let booked = book(&mut load, req, &shape, &scoring, eligible[choice]);
+        let booked = book(&mut load, req, &shape, &scoring, eligible[choice], flow);
         let figures = load.load(booked.slot);
         drop(load);
         // Remember where the prefix went, and expect the engine's events for it.
@@ -135,11 +153,24 @@ impl Pool {
         })
     }
 
-    fn all_saturated(&self, load: &LoadTable, eligible: &[Eligible], class: Option<&str>) -> bool {
-        self.admission.as_ref().is_some_and(|gate| {
-            let class = gate.class_of(class);
-            eligible.iter().all(|e| gate.saturated_for(&load.load(e.slot), class))
-        })
+    /// Whether no eligible replica takes the request: none within its class's limits, or,
+    /// for a tenant under its fair share, within the limits raised by the headroom — the only
+    /// room a request with others waiting ahead of it may take.
+    fn all_saturated(
+        &self,
+        load: &LoadTable,
+        eligible: &[Eligible],
+        req: &RouteRequest,
+        flow: Option<Flow>,
+        admit: Admit,
+    ) -> bool {
+        let Some(gate) = &self.admission else { return false };
+        let class = gate.class_of(req.priority.as_deref());
+        let under_share = gate.has_fair_headroom() && flow.is_some_and(|f| load.under_share(f));
+        if admit.behind && !under_share {
+            return true;
+        }
+        eligible.iter().all(|e| gate.saturated_for(&load.load(e.slot), class, under_share))
     }
 
     fn shape<'a>(&self, req: &'a RouteRequest) -> Shape<'a> {
@@ -297,7 +328,14 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
 }
 
 /// Books the request on the chosen replica: its prefill left after the overlap, its blocks.
-fn book(load: &mut LoadTable, req: &RouteRequest, shape: &Shape<'_>, scoring: &ScoringConfig, at: Eligible) -> Booked {
+fn book(
+    load: &mut LoadTable,
+    req: &RouteRequest,
+    shape: &Shape<'_>,
+    scoring: &ScoringConfig,
+    at: Eligible,
+    flow: Option<Flow>,
+) -> Booked {
     let prefill_tokens = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, at.overlap);
     // What the engine should report: a prompt that was not tokenized predicts nothing.
     let prediction = (shape.prompt_count != PromptCount::Estimated).then(|| {
@@ -313,6 +351,7 @@ fn book(load: &mut LoadTable, req: &RouteRequest, shape: &Shape<'_>, scoring: &S
         sequences: shape.sequences,
         prediction,
         streamed: req.stream,
+        flow,
     };
     let booked = load.book(at.slot, booking, Instant::now());
     Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked }

@@ -73,6 +73,9 @@ pub struct PoolState {
     pub leaving: Vec<String>,
     /// Requests waiting for capacity (admission control on; else `null`).
     pub admission_waiting: Option<usize>,
+    /// Tenants (per class) with requests in flight, among which admission control shares
+    /// capacity fairly (admission control on; else `null`).
+    pub admission_tenants: Option<usize>,
     /// Active replicas, in slot order (the config's first).
     pub replicas: Vec<ReplicaState>,
 }
@@ -115,6 +118,7 @@ impl Pool {
             })
             .collect();
         let (bookings, ended_early) = load.bookkeeping();
+        let tenants = load.flows_in_flight();
         drop(load);
         let leaving = members.iter().filter(|m| m.leaving_since.is_some()).map(|m| m.replica.id.clone()).collect();
         let prediction = self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).totals();
@@ -127,6 +131,7 @@ impl Pool {
             prediction,
             leaving,
             admission_waiting: self.admission.as_ref().map(Gate::waiting),
+            admission_tenants: self.admission.as_ref().map(|_| tenants),
             replicas,
         }
     }

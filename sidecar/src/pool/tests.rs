@@ -128,6 +128,7 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
                 prediction: None,
                 sequences: 1,
                 streamed: true,
+                flow: None,
             },
             Instant::now(),
         );
