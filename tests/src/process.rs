@@ -152,3 +152,14 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
         status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
     Some(kib * 1024)
 }
+
+/// CPU time a process has used so far, user and system, in seconds (from `/proc/<pid>/stat`,
+/// whose times are in USER_HZ = 100 ticks per second on Linux).
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces: the fields after it start past its closing ')'.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name and state.
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}

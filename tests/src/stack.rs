@@ -70,6 +70,11 @@ pub struct StackOptions {
     pub sidecar_delay_ms: u64,
     /// Start Envoy ready for hot restarts ([`Stack::hot_restart_envoy`]).
     pub hot_restart: bool,
+    /// Gateway pods in front of the engines, each its own Envoy (and sidecar, with kvgate):
+    /// the first is the one every single-gateway method speaks to.
+    pub gateways: usize,
+    /// With several kvgate gateways, their sidecars share bookings over the sync mesh.
+    pub sync: bool,
 }
 
 impl Default for StackOptions {
@@ -95,6 +100,8 @@ impl Default for StackOptions {
             sidecar_toml: String::new(),
             sidecar_delay_ms: 0,
             hot_restart: false,
+            gateways: 1,
+            sync: true,
         }
     }
 }
@@ -155,6 +162,8 @@ pub struct Stack {
     /// The engines, in pool order.
     pub sims: Vec<SimHandle>,
     sidecar: Option<Proc>,
+    /// The gateways after the first ([`StackOptions::gateways`]).
+    more: Vec<Gateway>,
     sidecar_port: u16,
     _delay_proxy: Option<DelayProxy>,
     envoy: Proc,
@@ -274,35 +283,46 @@ impl Stack {
             wait_for(&format!("engine {} health", sim.id), ENGINE_START_TIMEOUT, healthy)?;
         }
 
-        let (sidecar_port, mut admin_port, mut gateway_port) = (free_port()?, free_port()?, free_port()?);
+        anyhow::ensure!(opts.gateways >= 1, "at least one gateway");
+        anyhow::ensure!(
+            opts.gateways == 1 || !(opts.envoy_discovery || opts.hot_restart || opts.sidecar_delay_ms > 0),
+            "several gateways run without Envoy discovery, hot restarts or a delayed sidecar"
+        );
+        let (sidecar_port, admin_port, gateway_port) = (free_port()?, free_port()?, free_port()?);
         if opts.envoy_discovery {
             replicas_toml = format!(
                 "[pools.discovery]\nkind = \"envoy\"\nname = \"pool\"\nadmin = \"http://127.0.0.1:{admin_port}\"\n\
                  kv_events = \"tcp://{{ip}}:{{port+1}}\"\nkv_replay = \"tcp://{{ip}}:{{port+2}}\"\ninterval_secs = 1\n"
             );
         }
-        let sidecar = match opts.routing {
-            Routing::RoundRobin | Routing::LeastRequest => None,
-            Routing::Kvgate => {
-                let config = format!(
-                    "listen = \"127.0.0.1:{sidecar_port}\"\n{}\n\n[scoring]\n{}\n\n[[pools]]\nmodel = {:?}\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{replicas_toml}",
-                    opts.sidecar_toml,
-                    opts.scoring_toml,
-                    opts.model,
-                    artifacts.model_dir.display(),
-                    opts.pool_block_size.unwrap_or(opts.block_size),
-                    opts.pool_policy,
-                    opts.pool_toml
-                );
-                let config_path = dir.join("kvgate.toml");
-                std::fs::write(&config_path, config)?;
-                let mut cmd = Command::new(&artifacts.sidecar);
-                cmd.arg("--config").arg(&config_path);
-                let proc = Proc::spawn("sidecar", cmd, &dir.join("sidecar.log"))?;
-                let url = format!("http://127.0.0.1:{sidecar_port}/healthz");
-                wait_for("sidecar health", START_TIMEOUT, || http_ok(&url).then_some(()))?;
-                Some(proc)
-            }
+        // Each gateway's sync endpoint, when their sidecars form a mesh.
+        let meshed = opts.routing == Routing::Kvgate && opts.gateways > 1 && opts.sync;
+        let sync_ports: Vec<u16> =
+            if meshed { (0..opts.gateways).map(|_| free_port()).collect::<Result<_, _>>()? } else { Vec::new() };
+        let sync_toml = |i: usize| -> String {
+            let Some(own) = sync_ports.get(i) else { return String::new() };
+            let peers: Vec<String> =
+                sync_ports.iter().filter(|p| *p != own).map(|p| format!("\"tcp://127.0.0.1:{p}\"")).collect();
+            format!("\n[sync]\nid = \"gw{i}\"\nlisten = \"tcp://127.0.0.1:{own}\"\npeers = [{}]\n", peers.join(", "))
+        };
+        let sidecar_config = |port: u16, i: usize| {
+            format!(
+                "listen = \"127.0.0.1:{port}\"\n{}\n{}\n\n[scoring]\n{}\n\n[[pools]]\nmodel = {:?}\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{replicas_toml}",
+                opts.sidecar_toml,
+                sync_toml(i),
+                opts.scoring_toml,
+                opts.model,
+                artifacts.model_dir.display(),
+                opts.pool_block_size.unwrap_or(opts.block_size),
+                opts.pool_policy,
+                opts.pool_toml
+            )
+        };
+        let with_sidecar = opts.routing == Routing::Kvgate;
+        let sidecar = if with_sidecar {
+            Some(spawn_sidecar(artifacts, &dir, "", sidecar_port, &sidecar_config(sidecar_port, 0))?)
+        } else {
+            None
         };
 
         let mut filter_config = json!({"route_timeout_ms": opts.route_timeout_ms, "offload_timeout_ms": opts.route_timeout_ms.max(1000),
@@ -315,60 +335,36 @@ impl Stack {
             0 => None,
             ms => Some(DelayProxy::start(sidecar_port, Duration::from_millis(ms))?),
         };
-        let template = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl"))?;
         let endpoints: Vec<std::net::SocketAddr> = sims.iter().map(SimHandle::endpoint).collect();
-        let envoy_config = dir.join("envoy.yaml");
-        let envoy_log = dir.join("envoy.log");
-        // Envoy's ports were free when picked, but a process started since (the sidecar's
-        // outgoing connections take ephemeral ports) may hold one: then pick again.
-        let mut attempts = 0;
-        let envoy_proc = loop {
-            let yaml = envoy::render(
-                &template,
-                &EnvoyParams {
-                    admin_port,
-                    listen_port: gateway_port,
-                    sidecar_port: delay_proxy.as_ref().map_or(sidecar_port, |p| p.port),
-                    wasm: &artifacts.wasm,
-                    filter_config: &filter_config,
-                    pool_endpoints: &endpoints,
-                    with_filter: opts.routing == Routing::Kvgate,
-                    fallback: if opts.routing == Routing::LeastRequest {
-                        Fallback::LeastRequest
-                    } else {
-                        Fallback::RoundRobin
-                    },
-                },
-            );
-            std::fs::write(&envoy_config, yaml)?;
-            let cmd = envoy_command(&artifacts.envoy, &envoy_config, opts.hot_restart.then_some((admin_port, 0)));
-            let mut envoy_proc = Proc::spawn("envoy", cmd, &envoy_log)?;
-            let ready = format!("http://127.0.0.1:{admin_port}/ready");
-            let alive = wait_for("envoy ready", START_TIMEOUT, || {
-                if envoy_proc.check_alive().is_err() {
-                    return Some(false);
-                }
-                http_ok(&ready).then_some(true)
-            })?;
-            if alive {
-                break envoy_proc;
-            }
-            let log = std::fs::read_to_string(&envoy_log).unwrap_or_default();
-            attempts += 1;
-            if attempts == 3 || !log.contains("Address already in use") {
-                anyhow::bail!("envoy exited; see {}", envoy_log.display());
-            }
-            // The sidecar was told Envoy's admin port (Envoy discovery): only the listener moves.
-            if !opts.envoy_discovery {
-                admin_port = free_port()?;
-            }
-            gateway_port = free_port()?;
+        let envoy_at = |name: &str, sidecar_port: u16, admin_port: u16, gateway_port: u16| {
+            let ports = EnvoyPorts { sidecar: sidecar_port, admin: admin_port, gateway: gateway_port };
+            spawn_envoy(opts, artifacts, &dir, name, ports, &endpoints, &filter_config)
         };
+        let (envoy_proc, envoy_config, EnvoyPorts { admin: admin_port, gateway: gateway_port, .. }) =
+            envoy_at("envoy", delay_proxy.as_ref().map_or(sidecar_port, |p| p.port), admin_port, gateway_port)?;
+        let mut more = Vec::new();
+        for i in 1..opts.gateways {
+            let sidecar_port = free_port()?;
+            let sidecar = if with_sidecar {
+                Some(spawn_sidecar(
+                    artifacts,
+                    &dir,
+                    &format!("-gw{i}"),
+                    sidecar_port,
+                    &sidecar_config(sidecar_port, i),
+                )?)
+            } else {
+                None
+            };
+            let (envoy, _, ports) = envoy_at(&format!("envoy-gw{i}"), sidecar_port, free_port()?, free_port()?)?;
+            more.push(Gateway { sidecar, envoy, ports });
+        }
 
         let stack = Stack {
             model: opts.model.clone(),
             sims,
             sidecar,
+            more,
             sidecar_port,
             _delay_proxy: delay_proxy,
             envoy: envoy_proc,
@@ -382,25 +378,30 @@ impl Stack {
             dir,
         };
         if opts.routing == Routing::Kvgate {
-            stack.wait_tokenizer_loaded()?;
+            for url in stack.gateways("/v1/chat/completions") {
+                stack.wait_tokenizer_loaded(&url)?;
+            }
         }
         Ok(stack)
     }
 
-    /// Waits until a request through the gateway reports a tokenized prompt.
-    fn wait_tokenizer_loaded(&self) -> anyhow::Result<()> {
+    /// Waits until a request through a gateway (its chat `url`) reports a tokenized prompt.
+    fn wait_tokenizer_loaded(&self, url: &str) -> anyhow::Result<()> {
         let probe = json!({"model": self.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
             .to_string();
-        let url = self.gateway("/v1/chat/completions");
         wait_for("the filter's tokenizer", START_TIMEOUT, || {
-            let reply = client::post(&url, probe.clone(), &[]).ok()?;
+            let reply = client::post(url, probe.clone(), &[]).ok()?;
             (!reply.header("x-kvgate-prompt-tokens").is_empty()).then_some(())
         })
     }
 
-    /// The processes on the request path in front of the engines: Envoy and the sidecar.
+    /// The processes on the request path in front of the engines: every gateway's Envoy and
+    /// sidecar.
     pub fn gateway_pids(&self) -> Vec<u32> {
-        self.envoy.pid().into_iter().chain(self.sidecar.as_ref().and_then(Proc::pid)).collect()
+        let first = self.envoy.pid().into_iter().chain(self.sidecar.as_ref().and_then(Proc::pid));
+        let more =
+            self.more.iter().flat_map(|g| g.envoy.pid().into_iter().chain(g.sidecar.as_ref().and_then(Proc::pid)));
+        first.chain(more).collect()
     }
 
     /// The engines' processes.
@@ -411,6 +412,12 @@ impl Stack {
     /// `http://127.0.0.1:<gateway>{path}`.
     pub fn gateway(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.gateway_port)
+    }
+
+    /// Every gateway's `http://127.0.0.1:<gateway>{path}`, the first first.
+    pub fn gateways(&self, path: &str) -> Vec<String> {
+        let more = self.more.iter().map(|g| format!("http://127.0.0.1:{}{path}", g.ports.gateway));
+        std::iter::once(self.gateway(path)).chain(more).collect()
     }
 
     /// The engine with this replica id.
@@ -431,6 +438,15 @@ impl Stack {
     /// The sidecar's `/debug/state`.
     pub fn sidecar_state(&self) -> anyhow::Result<Value> {
         Ok(client::client().get(self.sidecar_url("/debug/state")).send()?.json()?)
+    }
+
+    /// The `/debug/state` of gateway `i`'s sidecar (0: the first's).
+    pub fn sidecar_state_of(&self, i: usize) -> anyhow::Result<Value> {
+        let port = match i {
+            0 => self.sidecar_port,
+            i => self.more.get(i - 1).ok_or_else(|| anyhow::anyhow!("no gateway {i}"))?.ports.sidecar,
+        };
+        Ok(client::client().get(format!("http://127.0.0.1:{port}/debug/state")).send()?.json()?)
     }
 
     /// Blocks the sidecar has indexed for a replica.
@@ -487,14 +503,16 @@ impl Stack {
 
     /// An Envoy counter or gauge by its full name (0 if absent), from the admin `/stats`.
     pub fn envoy_stat(&self, name: &str) -> anyhow::Result<u64> {
-        let url = format!("http://127.0.0.1:{}/stats?filter={name}", self.admin_port);
-        let text = client::client().get(url).send()?.text()?;
-        Ok(text
-            .lines()
-            .filter_map(|l| l.split_once(": "))
-            .find(|(k, _)| *k == name)
-            .and_then(|(_, v)| v.trim().parse().ok())
-            .unwrap_or(0))
+        envoy_stat(self.admin_port, name)
+    }
+
+    /// [`Stack::envoy_stat`] summed over every gateway's Envoy.
+    pub fn envoy_stat_total(&self, name: &str) -> anyhow::Result<u64> {
+        let mut total = self.envoy_stat(name)?;
+        for g in &self.more {
+            total += envoy_stat(g.ports.admin, name)?;
+        }
+        Ok(total)
     }
 
     /// Hot-restarts Envoy (a new process, the next restart epoch, the same config): it takes
@@ -539,6 +557,115 @@ impl Stack {
     /// Fails if Envoy died.
     pub fn check_envoy(&mut self) -> anyhow::Result<()> {
         self.envoy.check_alive()
+    }
+}
+
+/// A gateway pod after the first: its Envoy and, with kvgate, its sidecar.
+struct Gateway {
+    sidecar: Option<Proc>,
+    envoy: Proc,
+    ports: EnvoyPorts,
+}
+
+/// The ports an Envoy is started with.
+#[derive(Debug, Clone, Copy)]
+struct EnvoyPorts {
+    /// The sidecar its filter calls.
+    sidecar: u16,
+    admin: u16,
+    gateway: u16,
+}
+
+/// An Envoy counter or gauge by its full name (0 if absent), from the admin `/stats` on
+/// `admin_port`.
+fn envoy_stat(admin_port: u16, name: &str) -> anyhow::Result<u64> {
+    let url = format!("http://127.0.0.1:{admin_port}/stats?filter={name}");
+    let text = client::client().get(url).send()?.text()?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.split_once(": "))
+        .find(|(k, _)| *k == name)
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .unwrap_or(0))
+}
+
+/// Starts a sidecar on `port` with `config` (written as `kvgate{suffix}.toml`) and waits
+/// until it answers.
+fn spawn_sidecar(
+    artifacts: &Artifacts,
+    dir: &std::path::Path,
+    suffix: &str,
+    port: u16,
+    config: &str,
+) -> anyhow::Result<Proc> {
+    let config_path = dir.join(format!("kvgate{suffix}.toml"));
+    std::fs::write(&config_path, config)?;
+    let mut cmd = Command::new(&artifacts.sidecar);
+    cmd.arg("--config").arg(&config_path);
+    let proc = Proc::spawn("sidecar", cmd, &dir.join(format!("sidecar{suffix}.log")))?;
+    let url = format!("http://127.0.0.1:{port}/healthz");
+    wait_for("sidecar health", START_TIMEOUT, || http_ok(&url).then_some(()))?;
+    Ok(proc)
+}
+
+/// Starts an Envoy named `name` (its config and log files) in front of `endpoints` and waits
+/// until it is ready. Its ports were free when picked, but a process started since (the
+/// sidecar's outgoing connections take ephemeral ports) may hold one: then it picks again.
+/// Returns the process, its config file and the ports it runs on.
+fn spawn_envoy(
+    opts: &StackOptions,
+    artifacts: &Artifacts,
+    dir: &std::path::Path,
+    name: &str,
+    mut ports: EnvoyPorts,
+    endpoints: &[std::net::SocketAddr],
+    filter_config: &str,
+) -> anyhow::Result<(Proc, PathBuf, EnvoyPorts)> {
+    let template = std::fs::read_to_string(repo_root().join("envoy/envoy.yaml.tmpl"))?;
+    let envoy_config = dir.join(format!("{name}.yaml"));
+    let envoy_log = dir.join(format!("{name}.log"));
+    let mut attempts = 0;
+    loop {
+        let yaml = envoy::render(
+            &template,
+            &EnvoyParams {
+                admin_port: ports.admin,
+                listen_port: ports.gateway,
+                sidecar_port: ports.sidecar,
+                wasm: &artifacts.wasm,
+                filter_config,
+                pool_endpoints: endpoints,
+                with_filter: opts.routing == Routing::Kvgate,
+                fallback: if opts.routing == Routing::LeastRequest {
+                    Fallback::LeastRequest
+                } else {
+                    Fallback::RoundRobin
+                },
+            },
+        );
+        std::fs::write(&envoy_config, yaml)?;
+        let cmd = envoy_command(&artifacts.envoy, &envoy_config, opts.hot_restart.then_some((ports.admin, 0)));
+        let mut envoy_proc = Proc::spawn(name, cmd, &envoy_log)?;
+        let ready = format!("http://127.0.0.1:{}/ready", ports.admin);
+        let alive = wait_for(&format!("{name} ready"), START_TIMEOUT, || {
+            if envoy_proc.check_alive().is_err() {
+                return Some(false);
+            }
+            http_ok(&ready).then_some(true)
+        })?;
+        if alive {
+            return Ok((envoy_proc, envoy_config, ports));
+        }
+        let log = std::fs::read_to_string(&envoy_log).unwrap_or_default();
+        attempts += 1;
+        if attempts == 3 || !log.contains("Address already in use") {
+            anyhow::bail!("envoy exited; see {}", envoy_log.display());
+        }
+        // The sidecar was told Envoy's admin port (Envoy discovery): only the listener moves.
+        if !opts.envoy_discovery {
+            ports.admin = free_port()?;
+        }
+        ports.gateway = free_port()?;
     }
 }
 

@@ -844,6 +844,7 @@ fn bench_harness_runs_policies_side_by_side() {
             Policy::KvgateFlowControl,
         ],
         qps: vec![4.0],
+        gateways: vec![1],
         repeats: 1,
         fleet: Fleet {
             replicas: 3,
@@ -903,6 +904,19 @@ fn bench_harness_runs_policies_side_by_side() {
     .unwrap();
     assert!(md.contains("| envoy-round-robin |") && md.contains("| kvgate-kv-aware-prefill-x4 |"), "{md}");
     assert!(md.contains("| kvgate-kv-aware-flow-control | 0 | priority=interactive |"), "{md}");
+    assert!(results.iter().all(|r| r.summary.router_cpu_ms.is_some_and(|ms| ms > 0.0)), "the routers' CPU is counted");
+
+    // Two gateways: requests spread over both Envoys, kvgate routing every one of them.
+    let two = BenchConfig {
+        gateways: vec![2],
+        policies: vec![Policy::EnvoyRoundRobin, Policy::Kvgate("kv_aware")],
+        mix: Mix::None,
+        ..config
+    };
+    let results = bench::run(&two, &Artifacts::locate("debug")).expect("the benchmark runs on two gateways");
+    assert_eq!(results.iter().map(|r| (r.gateways, r.summary.ok)).collect::<Vec<_>>(), vec![(2, 12), (2, 12)]);
+    let (routed, other) = results[1].kvgate_routed.expect("kvgate's counters");
+    assert!(routed >= 12 && other == 0, "both Envoys' counters: {routed} routed, {other} not");
 }
 
 /// 10. A prompt too big to tokenize on Envoy's worker is handed to the sidecar whole, and is
@@ -1451,4 +1465,44 @@ fn abusive_bodies_get_documented_answers() {
     let after = post(&chat_url, chat("after the abuse", "hello").to_string(), &[]).unwrap();
     assert_eq!(after.status, 200);
     assert!(!matches!(after.header("x-kvgate-routed-to"), "" | "fallback"), "kvgate still routes");
+}
+
+/// 37. Two gateway pods in front of one fleet: each sidecar hears the other's bookings over
+///     the sync mesh, so a request through one gateway avoids the replica busy with a request
+///     that came through the other (alone, each would think both replicas idle).
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn gateways_share_their_bookings_over_the_mesh() {
+    let opts = StackOptions { name: "mesh".into(), replicas: 2, gateways: 2, ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let urls = stack.gateways("/v1/chat/completions");
+    assert_eq!(urls.len(), 2);
+    // A long answer through gateway 0 holds one replica (2 ms a token: ~6 s).
+    let mut long = chat(&document(40, 600), "tell a long story");
+    long["max_tokens"] = json!(3000);
+    let first = urls[0].clone();
+    let held = std::thread::spawn(move || stream(&first, long));
+    let active = |state: &Value| -> Vec<(String, u64)> {
+        let replicas = state["pools"][0]["replicas"].as_array().cloned().unwrap_or_default();
+        replicas
+            .iter()
+            .map(|r| (r["id"].as_str().unwrap_or("").to_owned(), r["active_requests"].as_u64().unwrap_or(0)))
+            .collect()
+    };
+    // Gateway 1's sidecar books it where gateway 0's did.
+    let busy = wait_for("gateway 1 hears gateway 0's booking", Duration::from_secs(10), || {
+        let heard = active(&stack.sidecar_state_of(1).ok()?);
+        heard.into_iter().find(|(_, n)| *n == 1).map(|(id, _)| id)
+    })
+    .unwrap();
+    let own = active(&stack.sidecar_state_of(0).unwrap());
+    assert!(own.contains(&(busy.clone(), 1)), "gateway 0 booked it there: {own:?}");
+    for i in 0..3 {
+        let reply = post(&urls[1], chat(&document(50 + i, 600), "q").to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200);
+        assert_ne!(reply.header("x-kvgate-replica"), busy, "request {i} through gateway 1 avoids the busy replica");
+    }
+    assert!(!held.is_finished(), "the long answer was still running throughout");
+    let reply = held.join().unwrap().unwrap();
+    assert_eq!((reply.status, reply.header("x-kvgate-replica")), (200, busy.as_str()));
 }

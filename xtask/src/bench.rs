@@ -3,7 +3,8 @@
 //! ```text
 //! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation]
 //!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
-//!                       [--speedup 10] [--mix none|priorities|tenants] [--out DIR]
+//!                       [--speedup 10] [--mix none|priorities|tenants] [--gateways 1,2,4]
+//!                       [--out DIR]
 //! ```
 //!
 //! Writes `target/bench/<UTC timestamp>/{report.md,results.json,*.svg}` (or `--out`).
@@ -24,6 +25,7 @@ struct Args {
     quick: bool,
     workloads: Option<Vec<String>>,
     qps: Option<Vec<f64>>,
+    gateways: Vec<usize>,
     repeats: Option<usize>,
     policies: Option<Vec<String>>,
     speedup: Option<f64>,
@@ -36,6 +38,7 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
         quick: false,
         workloads: None,
         qps: None,
+        gateways: vec![1],
         repeats: None,
         policies: None,
         speedup: None,
@@ -52,6 +55,12 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
             "--workload" => a.workloads = Some(list(it.next())?),
             "--policies" => a.policies = Some(list(it.next())?),
             "--qps" => a.qps = Some(list(it.next())?.iter().map(|q| q.parse()).collect::<Result<_, _>>()?),
+            "--gateways" => {
+                a.gateways = list(it.next())?.iter().map(|g| g.parse()).collect::<Result<_, _>>()?;
+                if a.gateways.contains(&0) {
+                    bail!("--gateways: at least one gateway");
+                }
+            }
             "--repeats" => a.repeats = Some(it.next().context("--repeats needs a value")?.parse()?),
             "--speedup" => a.speedup = Some(it.next().context("--speedup needs a value")?.parse()?),
             "--mix" => a.mix = Mix::parse(it.next().context("--mix needs a value")?)?,
@@ -183,6 +192,7 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
     let config = BenchConfig {
         workloads: all,
         policies,
+        gateways: args.gateways,
         qps: args.qps.unwrap_or_else(|| if args.quick { vec![12.0, 20.0, 28.0] } else { vec![2.0, 3.0, 4.0] }),
         repeats: args.repeats.unwrap_or(if args.quick { 1 } else { 3 }),
         fleet: fleet(speedup),

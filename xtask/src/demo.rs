@@ -36,6 +36,7 @@ pub fn run() -> anyhow::Result<()> {
         })],
         policies: vec![Policy::EnvoyRoundRobin, Policy::EnvoyLeastRequest, Policy::Kvgate("kv_aware")],
         qps: vec![QPS],
+        gateways: vec![1],
         repeats: 1,
         fleet: fleet(2.0),
         max_duration_s: 60.0,
@@ -55,7 +56,8 @@ pub fn run() -> anyhow::Result<()> {
     let points = report::points(&results);
     let workload = &config.workloads[0];
     println!("\n{} at {QPS} req/s ({}), latencies in simulated time:\n", workload.name(), workload.describe());
-    print!("{}", report::table(&points, workload.name(), Some(QPS)));
+    let setting = report::Setting { workload: workload.name().into(), gateways: 1, qps: Some(QPS) };
+    print!("{}", report::table(&points, &setting));
     let kvgate = points.iter().find(|p| p.policy == Policy::Kvgate("kv_aware").name());
     let rr = points.iter().find(|p| p.policy == Policy::EnvoyRoundRobin.name());
     if let (Some(k), Some(r)) = (kvgate, rr) {

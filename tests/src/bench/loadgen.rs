@@ -7,6 +7,8 @@
 //! request, so for a request sent at 0 with headers at `h` and its first token at `f`,
 //! `TTFT = h + (f − h) × speedup`. The same holds for inter-token and end-to-end latency.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -100,11 +102,13 @@ impl Outcome {
     }
 }
 
-/// How the generator reaches the gateway.
+/// How the generator reaches the gateways.
 #[derive(Clone)]
 pub struct Target {
     client: reqwest::Client,
-    base: String,
+    bases: Arc<[String]>,
+    /// Requests sent so far: each goes to a gateway picked by a hash of its number.
+    sent: Arc<AtomicU64>,
     speedup: f64,
     start: Instant,
     timeout: Duration,
@@ -114,12 +118,32 @@ impl Target {
     /// A target at `base` (`http://127.0.0.1:port`), with the engines' speedup. Only loopback
     /// addresses are accepted: the benchmark never sends traffic off the machine.
     pub fn new(base: &str, speedup: f64, timeout: Duration) -> anyhow::Result<Target> {
-        anyhow::ensure!(
-            base.starts_with("http://127.0.0.1:") || base.starts_with("http://localhost:"),
-            "the load generator only targets loopback, not {base}"
-        );
+        Target::spread(&[base.to_owned()], speedup, timeout)
+    }
+
+    /// A target spread over several gateways as an L4 balancer would: each request (each turn
+    /// of a conversation too) goes to one of `bases` at random, nothing pinned.
+    pub fn spread(bases: &[String], speedup: f64, timeout: Duration) -> anyhow::Result<Target> {
+        anyhow::ensure!(!bases.is_empty(), "no gateway to send to");
+        for base in bases {
+            anyhow::ensure!(
+                base.starts_with("http://127.0.0.1:") || base.starts_with("http://localhost:"),
+                "the load generator only targets loopback, not {base}"
+            );
+        }
         let client = reqwest::Client::builder().pool_max_idle_per_host(1024).tcp_nodelay(true).build()?;
-        Ok(Target { client, base: base.to_owned(), speedup, start: Instant::now(), timeout })
+        Ok(Target { client, bases: bases.into(), sent: Arc::default(), speedup, start: Instant::now(), timeout })
+    }
+
+    /// The gateway the next request goes to: uniform over the bases, the same sequence every
+    /// run (splitmix64 of the request's number).
+    fn next_base(&self) -> &str {
+        let n = self.sent.fetch_add(1, Ordering::Relaxed);
+        let mut z = n.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        &self.bases[(z % self.bases.len() as u64) as usize]
     }
 
     fn wall(&self, simulated: Duration) -> Instant {
@@ -156,7 +180,7 @@ impl Target {
     }
 
     async fn stream(&self, path: &str, body: &Value, tags: Tags, sent: Instant, o: &mut Outcome) -> anyhow::Result<()> {
-        let mut request = self.client.post(format!("{}{path}", self.base)).json(body);
+        let mut request = self.client.post(format!("{}{path}", self.next_base())).json(body);
         if let Some(class) = tags.priority {
             request = request.header(PRIORITY_HEADER, class);
         }
@@ -267,5 +291,25 @@ impl Target {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_spread_evenly_over_the_gateways() {
+        let bases: Vec<String> = (0..4).map(|i| format!("http://127.0.0.1:{}", 9000 + i)).collect();
+        let target = Target::spread(&bases, 1.0, Duration::from_secs(1)).unwrap();
+        let mut counts = [0usize; 4];
+        for _ in 0..4000 {
+            let base = target.next_base();
+            counts[bases.iter().position(|b| b == base).unwrap()] += 1;
+        }
+        assert!(counts.iter().all(|&n| (900..=1100).contains(&n)), "{counts:?}");
+        let one = Target::new("http://127.0.0.1:9000", 1.0, Duration::from_secs(1)).unwrap();
+        assert!((0..10).all(|_| one.next_base() == "http://127.0.0.1:9000"));
+        assert!(Target::new("http://10.0.0.1:80", 1.0, Duration::from_secs(1)).is_err(), "loopback only");
     }
 }

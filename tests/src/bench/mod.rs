@@ -57,6 +57,9 @@ pub enum Policy {
     /// cache and two prefill batches; `batch` (also the class of untagged requests) waits at
     /// 70 % and one batch, so interactive requests find headroom.
     KvgateFlowControl,
+    /// kvgate `kv_aware` with several gateways whose sidecars do not share their bookings:
+    /// the sync mesh's ablation (the same as `kvgate-kv-aware` at one gateway).
+    KvgateNoSync,
     /// A peer router in place of Envoy.
     Peer(Peer),
 }
@@ -93,7 +96,7 @@ impl Knob {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 12] = [
+    pub const ALL: [Policy; 13] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
@@ -103,6 +106,7 @@ impl Policy {
         Policy::KvgateTuned(Knob::DuplicatePenalty, 0),
         Policy::KvgateAdmission,
         Policy::KvgateFlowControl,
+        Policy::KvgateNoSync,
         Policy::Peer(Peer::SglangCacheAware),
         Policy::Peer(Peer::VllmRouterCacheAware),
         Policy::Peer(Peer::VllmRouterKvAware),
@@ -117,6 +121,7 @@ impl Policy {
             Policy::KvgateTuned(knob, n) => format!("{}{n}", knob.name_prefix()),
             Policy::KvgateAdmission => "kvgate-kv-aware-admission".into(),
             Policy::KvgateFlowControl => "kvgate-kv-aware-flow-control".into(),
+            Policy::KvgateNoSync => "kvgate-kv-aware-no-sync".into(),
             Policy::Peer(p) => p.name().into(),
         }
     }
@@ -141,13 +146,15 @@ impl Policy {
             Policy::EnvoyRoundRobin | Policy::Peer(_) => (Routing::RoundRobin, "round_robin"),
             Policy::EnvoyLeastRequest => (Routing::LeastRequest, "round_robin"),
             Policy::Kvgate(p) => (Routing::Kvgate, p),
-            Policy::KvgateTuned(..) | Policy::KvgateAdmission | Policy::KvgateFlowControl => {
+            Policy::KvgateTuned(..) | Policy::KvgateAdmission | Policy::KvgateFlowControl | Policy::KvgateNoSync => {
                 (Routing::Kvgate, "kv_aware")
             }
         }
     }
 
-    fn stack_options(&self, name: &str, fleet: &Fleet, gpu_blocks: usize) -> StackOptions {
+    /// The stack this policy runs on, with `gateways` gateway pods (a peer runs that many
+    /// instances of its own instead, and the stack's one Envoy idles).
+    fn stack_options(&self, name: &str, fleet: &Fleet, gpu_blocks: usize, gateways: usize) -> StackOptions {
         let (routing, pool_policy) = self.routing();
         let scoring_toml = match self {
             Policy::KvgateTuned(knob, n) => format!("{} = {n}.0", knob.key()),
@@ -190,6 +197,8 @@ impl Policy {
             pool_toml,
             filter_config,
             sim_args: fleet.sim_args(gpu_blocks),
+            gateways: if matches!(self, Policy::Peer(_)) { 1 } else { gateways },
+            sync: *self != Policy::KvgateNoSync,
             ..StackOptions::default()
         }
     }
@@ -255,6 +264,9 @@ pub struct BenchConfig {
     pub policies: Vec<Policy>,
     /// Arrival rates (simulated requests/s) for workloads driven by QPS; a ladder if several.
     pub qps: Vec<f64>,
+    /// Gateway pods, each run of a policy with each count: the load generator spreads
+    /// requests over them at random.
+    pub gateways: Vec<usize>,
     /// Runs per point (medians are reported).
     pub repeats: usize,
     /// The fleet.
@@ -280,6 +292,8 @@ pub struct RunResult {
     pub workload: String,
     /// Policy name.
     pub policy: String,
+    /// Gateway pods (or peer router instances) the requests were spread over.
+    pub gateways: usize,
     /// Arrival rate (for QPS-driven workloads).
     pub qps: Option<f64>,
     /// Repeat index.
@@ -305,12 +319,12 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
     for workload in &config.workloads {
         let ladder: Vec<Option<f64>> =
             if workload.uses_qps() { config.qps.iter().copied().map(Some).collect() } else { vec![None] };
-        for qps in ladder {
+        for (&gateways, qps) in config.gateways.iter().flat_map(|g| ladder.iter().map(move |q| (g, *q))) {
             for repeat in 0..config.repeats {
                 let plan_seed = config.seed + repeat as u64;
                 for policy in &config.policies {
                     let label = format!(
-                        "{} qps={} repeat={} {}",
+                        "{} gateways={gateways} qps={} repeat={} {}",
                         workload.name(),
                         qps.map_or("trace".into(), |q| q.to_string()),
                         repeat,
@@ -320,17 +334,26 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     let mut plan = workload.plan(qps.unwrap_or(1.0), plan_seed, &config.trace)?;
                     config.mix.tag(&mut plan, plan_seed);
                     let gpu_blocks = config.fleet.gpu_blocks_for(workload);
-                    let stack =
-                        Stack::start(&policy.stack_options(&policy.name(), &config.fleet, gpu_blocks), artifacts)?;
-                    let peer = match policy {
-                        Policy::Peer(p) => {
-                            Some(p.start(&config.peers_venv, &stack.sims, config.fleet.block_size, &stack.dir)?)
-                        }
-                        _ => None,
+                    let options = policy.stack_options(&policy.name(), &config.fleet, gpu_blocks, gateways);
+                    let stack = Stack::start(&options, artifacts)?;
+                    let peers = match policy {
+                        Policy::Peer(p) => (0..gateways)
+                            .map(|i| p.start(&config.peers_venv, &stack.sims, config.fleet.block_size, &stack.dir, i))
+                            .collect::<anyhow::Result<Vec<_>>>()?,
+                        _ => Vec::new(),
                     };
-                    let base = peer.as_ref().map_or_else(|| stack.gateway(""), |p| p.base.clone());
+                    let bases = match peers.is_empty() {
+                        true => stack.gateways(""),
+                        false => peers.iter().map(|p| p.base.clone()).collect(),
+                    };
+                    // The routers' processes, whose CPU time is the routing's cost.
+                    let router_pids: Vec<u32> = match peers.is_empty() {
+                        true => stack.gateway_pids(),
+                        false => peers.iter().filter_map(|p| p.pid()).collect(),
+                    };
+                    let cpu_before = cpu_of(&router_pids);
                     let before = engine_counters(&stack)?;
-                    let target = Target::new(&base, config.fleet.speedup, Duration::from_secs(600))?;
+                    let target = Target::spread(&bases, config.fleet.speedup, Duration::from_secs(600))?;
                     let duration = Duration::from_secs_f64(config.max_duration_s);
                     let outcomes: Vec<Outcome> = runtime.block_on(async {
                         match plan {
@@ -338,9 +361,10 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                             Plan::Conversations(c) => target.conversations(c, workloads::MODEL, duration).await,
                         }
                     });
+                    let cpu = cpu_of(&router_pids) - cpu_before;
                     let after = engine_counters(&stack)?;
                     let kvgate_routed = if policy.routing().0 == Routing::Kvgate {
-                        let stat = |n: &str| stack.envoy_stat(&format!("wasmcustom.kvgate.requests.{n}"));
+                        let stat = |n: &str| stack.envoy_stat_total(&format!("wasmcustom.kvgate.requests.{n}"));
                         let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")?;
                         Some((stat("routed")?, other))
                     } else {
@@ -355,7 +379,8 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                             generated: a.generated - b.generated,
                         })
                         .collect();
-                    let summary = stats::summarize(&outcomes, config.slo_ttft_s, &work);
+                    let mut summary = stats::summarize(&outcomes, config.slo_ttft_s, &work);
+                    summary.router_cpu_ms = (!outcomes.is_empty()).then(|| cpu * 1000.0 / outcomes.len() as f64);
                     eprintln!(
                         "bench:   {} ok, {} errors, TTFT p50 {:?} p90 {:?}, hit ratio {:?}, load max/mean {:?}, kvgate routed/other {:?}",
                         summary.ok,
@@ -372,9 +397,10 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     results.push(RunResult {
                         workload: workload.name().into(),
                         policy: policy.name(),
+                        gateways,
                         qps,
                         repeat,
-                        router_command: peer.as_ref().map(|p| p.command.clone()),
+                        router_command: peers.first().map(|p| p.command.clone()),
                         kvgate_routed,
                         ttfts: outcomes.iter().filter(|o| o.ok()).filter_map(|o| o.ttft).collect(),
                         by_tag: stats::by_tag(&outcomes, config.slo_ttft_s),
@@ -385,6 +411,11 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
         }
     }
     Ok(results)
+}
+
+/// CPU seconds the processes have used so far, together.
+fn cpu_of(pids: &[u32]) -> f64 {
+    pids.iter().filter_map(|&pid| crate::process::cpu_seconds(pid)).sum()
 }
 
 /// Each engine's cumulative counters, from its `/metrics` (summed over its ranks).
@@ -425,19 +456,28 @@ mod tests {
             max_num_seqs: 8,
             max_num_batched_tokens: 2048,
         };
-        let o = Policy::KvgateTuned(Knob::DuplicatePenalty, 3).stack_options("x", &fleet, 100);
+        let o = Policy::KvgateTuned(Knob::DuplicatePenalty, 3).stack_options("x", &fleet, 100, 1);
         assert_eq!(
             (o.routing, o.pool_policy.as_str(), o.scoring_toml.as_str()),
             (Routing::Kvgate, "kv_aware", "duplicate_penalty = 3.0")
         );
-        let o = Policy::KvgateAdmission.stack_options("x", &fleet, 100);
+        let o = Policy::KvgateAdmission.stack_options("x", &fleet, 100, 1);
         assert!(
             o.pool_toml.contains("kv_blocks = 100") && o.pool_toml.contains("max_queue_ms = 1000"),
             "{}",
             o.pool_toml
         );
         assert_eq!(o.filter_config["admission_wait_ms"], 1000);
-        let o = Policy::Peer(Peer::SglangCacheAware).stack_options("x", &fleet, 100);
-        assert_eq!((o.routing, o.scoring_toml.as_str()), (Routing::RoundRobin, ""));
+        let o = Policy::Peer(Peer::SglangCacheAware).stack_options("x", &fleet, 100, 4);
+        assert_eq!(
+            (o.routing, o.scoring_toml.as_str(), o.gateways),
+            (Routing::RoundRobin, "", 1),
+            "peers run their own"
+        );
+        let (synced, alone) = (
+            Policy::Kvgate("kv_aware").stack_options("x", &fleet, 100, 4),
+            Policy::KvgateNoSync.stack_options("x", &fleet, 100, 4),
+        );
+        assert_eq!((synced.gateways, synced.sync, alone.gateways, alone.sync), (4, true, 4, false));
     }
 }

@@ -85,19 +85,28 @@ impl Peer {
         cmd
     }
 
-    /// Starts the router and waits until it serves a request.
-    pub fn start(self, venv: &Path, sims: &[SimHandle], block_size: u32, logs: &Path) -> anyhow::Result<Running> {
+    /// Starts the router — its `instance`th copy: several run side by side as they are
+    /// deployed, each on its own, without a shared store — and waits until it serves a
+    /// request.
+    pub fn start(
+        self,
+        venv: &Path,
+        sims: &[SimHandle],
+        block_size: u32,
+        logs: &Path,
+        instance: usize,
+    ) -> anyhow::Result<Running> {
         let port = free_port()?;
         let command = self.command(venv, port, sims, block_size);
         let mut cmd = Command::new(&command[0]);
         cmd.args(&command[1..]);
-        let proc = Proc::spawn(self.name(), cmd, &logs.join(format!("{}.log", self.name())))?;
+        let proc = Proc::spawn(self.name(), cmd, &logs.join(format!("{}-{instance}.log", self.name())))?;
         let url = format!("http://127.0.0.1:{port}/v1/completions");
         let probe = json!({"model": "qwen3", "prompt": "ping", "max_tokens": 1}).to_string();
         wait_for(&format!("{} serving", self.name()), Duration::from_secs(60), || {
             (client::post(&url, probe.clone(), &[]).ok()?.status == 200).then_some(())
         })?;
-        Ok(Running { base: format!("http://127.0.0.1:{port}"), command: command.join(" "), _proc: proc })
+        Ok(Running { base: format!("http://127.0.0.1:{port}"), command: command.join(" "), proc })
     }
 }
 
@@ -107,5 +116,12 @@ pub struct Running {
     pub base: String,
     /// The command line it runs with.
     pub command: String,
-    _proc: Proc,
+    proc: Proc,
+}
+
+impl Running {
+    /// Its process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.proc.pid()
+    }
 }

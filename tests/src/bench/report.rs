@@ -22,12 +22,53 @@ pub struct Facts {
     pub started: String,
 }
 
-/// One (workload, QPS, policy) point: medians over repeats, and ratios against Envoy round
-/// robin taken within each repeat.
+/// What a table compares policies under: a workload, a number of gateways, an arrival rate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Setting {
+    /// Workload.
+    pub workload: String,
+    /// Gateway pods (or peer router instances).
+    pub gateways: usize,
+    /// Arrival rate, for QPS-driven workloads.
+    pub qps: Option<f64>,
+}
+
+impl Setting {
+    fn of(r: &RunResult) -> Setting {
+        Setting { workload: r.workload.clone(), gateways: r.gateways, qps: r.qps }
+    }
+
+    fn has(&self, r: &RunResult) -> bool {
+        r.workload == self.workload && r.gateways == self.gateways && r.qps == self.qps
+    }
+
+    fn has_point(&self, p: &Point) -> bool {
+        p.workload == self.workload && p.gateways == self.gateways && p.qps == self.qps
+    }
+
+    /// `shared-prefix, 2 gateways, at 8 req/s` (one gateway goes unsaid).
+    fn title(&self) -> String {
+        let gateways = if self.gateways > 1 { format!(", {} gateways", self.gateways) } else { String::new() };
+        let qps = self.qps.map_or(String::new(), |q| format!(" at {q} req/s"));
+        format!("{}{gateways}{qps}", self.workload)
+    }
+
+    /// `shared-prefix-2gw-8qps`, for file names.
+    fn slug(&self) -> String {
+        let gateways = if self.gateways > 1 { format!("-{}gw", self.gateways) } else { String::new() };
+        let qps = self.qps.map_or(String::new(), |q| format!("-{q}qps"));
+        format!("{}{gateways}{qps}", self.workload)
+    }
+}
+
+/// One (workload, gateways, QPS, policy) point: medians over repeats, and ratios against Envoy
+/// round robin taken within each repeat.
 #[derive(Debug, Clone, Serialize)]
 pub struct Point {
     /// Workload.
     pub workload: String,
+    /// Gateway pods (or peer router instances).
+    pub gateways: usize,
     /// Arrival rate, for QPS-driven workloads.
     pub qps: Option<f64>,
     /// Policy.
@@ -46,17 +87,16 @@ const BASELINE: &str = "envoy-round-robin";
 
 /// Groups the runs into points.
 pub fn points(results: &[RunResult]) -> Vec<Point> {
-    let mut keys: Vec<(String, Option<f64>, String)> = Vec::new();
+    let mut keys: Vec<(Setting, String)> = Vec::new();
     for r in results {
-        let key = (r.workload.clone(), r.qps, r.policy.clone());
+        let key = (Setting::of(r), r.policy.clone());
         if !keys.contains(&key) {
             keys.push(key);
         }
     }
     keys.into_iter()
-        .map(|(workload, qps, policy)| {
-            let runs: Vec<&RunResult> =
-                results.iter().filter(|r| r.workload == workload && r.qps == qps && r.policy == policy).collect();
+        .map(|(setting, policy)| {
+            let runs: Vec<&RunResult> = results.iter().filter(|r| setting.has(r) && r.policy == policy).collect();
             let med = |f: &dyn Fn(&Summary) -> Option<f64>| {
                 median(&runs.iter().filter_map(|r| f(&r.summary)).collect::<Vec<_>>())
             };
@@ -64,9 +104,8 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
                 let ratios: Vec<f64> = runs
                     .iter()
                     .filter_map(|r| {
-                        let base = results.iter().find(|b| {
-                            b.workload == r.workload && b.qps == r.qps && b.repeat == r.repeat && b.policy == BASELINE
-                        })?;
+                        let base =
+                            results.iter().find(|b| setting.has(b) && b.repeat == r.repeat && b.policy == BASELINE)?;
                         Some(f(&base.summary)? / f(&r.summary)?)
                     })
                     .collect();
@@ -88,13 +127,15 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
                 goodput: med(&|s| Some(s.goodput)).unwrap_or(0.0),
                 hit_ratio: med(&|s| s.hit_ratio),
                 load_max_over_mean: med(&|s| s.load_max_over_mean),
+                router_cpu_ms: med(&|s| s.router_cpu_ms),
             };
             Point {
                 ttft_p90_vs_round_robin: ratio(&|s| s.ttft_p90),
                 ttft_p50_vs_round_robin: ratio(&|s| s.ttft_p50),
                 errors_total: runs.iter().map(|r| r.summary.errors).sum(),
-                workload,
-                qps,
+                workload: setting.workload,
+                gateways: setting.gateways,
+                qps: setting.qps,
                 policy,
                 median,
             }
@@ -110,19 +151,19 @@ fn num(v: Option<f64>, digits: usize) -> String {
     v.map_or("–".into(), |v| format!("{v:.digits$}"))
 }
 
-/// The markdown table of one (workload, QPS): a row per policy, medians over repeats.
-pub fn table(points: &[Point], workload: &str, qps: Option<f64>) -> String {
+/// The markdown table of one setting: a row per policy, medians over repeats.
+pub fn table(points: &[Point], setting: &Setting) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean |"
+        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean | router CPU ms/req |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for q in points.iter().filter(|q| q.workload == workload && q.qps == qps) {
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for q in points.iter().filter(|q| setting.has_point(q)) {
         let m = &q.median;
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {} | {} |",
             q.policy,
             secs(m.ttft_p50),
             secs(m.ttft_p90),
@@ -138,6 +179,7 @@ pub fn table(points: &[Point], workload: &str, qps: Option<f64>) -> String {
             m.status_429,
             num(m.hit_ratio, 3),
             num(m.load_max_over_mean, 2),
+            num(m.router_cpu_ms, 2),
         );
     }
     md
@@ -181,26 +223,28 @@ pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResu
             writeln!(md, "- workload `{}`: {}; {} GPU blocks per engine", w.name(), w.describe(), f.gpu_blocks_for(w));
     }
     let _ = writeln!(md);
-    let mut seen: Vec<(String, Option<f64>)> = Vec::new();
-    for p in &points {
-        let key = (p.workload.clone(), p.qps);
-        if seen.contains(&key) {
+    let mut seen: Vec<Setting> = Vec::new();
+    for r in results {
+        let setting = Setting::of(r);
+        if seen.contains(&setting) {
             continue;
         }
-        seen.push(key.clone());
-        let _ = writeln!(md, "## {}{}\n", p.workload, p.qps.map_or(String::new(), |q| format!(" at {q} req/s")));
-        md.push_str(&table(&points, &key.0, key.1));
-        md.push_str(&tag_table(results, &key.0, key.1));
-        let chart = format!("ttft-cdf-{}{}.svg", key.0, key.1.map_or(String::new(), |q| format!("-{q}qps")));
-        ttft_cdf(&dir.join(&chart), &format!("TTFT CDF — {}", key.0), results, &key.0, key.1)?;
+        seen.push(setting.clone());
+        let _ = writeln!(md, "## {}\n", setting.title());
+        md.push_str(&table(&points, &setting));
+        md.push_str(&tag_table(results, &setting));
+        let chart = format!("ttft-cdf-{}.svg", setting.slug());
+        ttft_cdf(&dir.join(&chart), &format!("TTFT CDF — {}", setting.title()), results, &setting)?;
         let _ = writeln!(md, "\n![TTFT CDF]({chart})\n");
     }
-    let workloads: Vec<&String> = points.iter().filter(|p| p.qps.is_some()).map(|p| &p.workload).collect();
-    for w in workloads.iter().copied().collect::<std::collections::BTreeSet<_>>() {
+    let ladders: std::collections::BTreeSet<(&String, usize)> =
+        points.iter().filter(|p| p.qps.is_some()).map(|p| (&p.workload, p.gateways)).collect();
+    for (w, gateways) in ladders {
         if config.qps.len() > 1 {
-            let chart = format!("throughput-{w}.svg");
-            throughput_vs_qps(&dir.join(&chart), w, &points)?;
-            let _ = writeln!(md, "## {w}: throughput vs offered load\n\n![throughput]({chart})\n");
+            let name = Setting { workload: w.clone(), gateways, qps: None };
+            let chart = format!("throughput-{}.svg", name.slug());
+            throughput_vs_qps(&dir.join(&chart), &name, &points)?;
+            let _ = writeln!(md, "## {}: throughput vs offered load\n\n![throughput]({chart})\n", name.title());
         }
     }
     std::fs::write(dir.join("report.md"), &md)?;
@@ -208,9 +252,8 @@ pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResu
 }
 
 /// Per priority class and tenant, every repeat (empty when the runs tagged nothing).
-pub fn tag_table(results: &[RunResult], workload: &str, qps: Option<f64>) -> String {
-    let runs: Vec<&RunResult> =
-        results.iter().filter(|r| r.workload == workload && r.qps == qps && !r.by_tag.is_empty()).collect();
+pub fn tag_table(results: &[RunResult], setting: &Setting) -> String {
+    let runs: Vec<&RunResult> = results.iter().filter(|r| setting.has(r) && !r.by_tag.is_empty()).collect();
     if runs.is_empty() {
         return String::new();
     }
@@ -247,9 +290,8 @@ const COLORS: [RGBColor; 7] = [
 ];
 
 /// One line per policy: the fraction of requests with TTFT ≤ x (repeat 0).
-fn ttft_cdf(path: &Path, title: &str, results: &[RunResult], workload: &str, qps: Option<f64>) -> anyhow::Result<()> {
-    let runs: Vec<&RunResult> =
-        results.iter().filter(|r| r.workload == workload && r.qps == qps && r.repeat == 0).collect();
+fn ttft_cdf(path: &Path, title: &str, results: &[RunResult], setting: &Setting) -> anyhow::Result<()> {
+    let runs: Vec<&RunResult> = results.iter().filter(|r| setting.has(r) && r.repeat == 0).collect();
     let max = runs.iter().flat_map(|r| r.ttfts.iter().copied()).fold(0.0, f64::max).max(1e-3);
     let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -283,15 +325,19 @@ fn ttft_cdf(path: &Path, title: &str, results: &[RunResult], workload: &str, qps
     Ok(())
 }
 
-/// Output tokens/s against offered QPS, one line per policy.
-fn throughput_vs_qps(path: &Path, workload: &str, points: &[super::report::Point]) -> anyhow::Result<()> {
-    let pts: Vec<&Point> = points.iter().filter(|p| p.workload == workload && p.qps.is_some()).collect();
+/// Output tokens/s against offered QPS, one line per policy (`ladder`: a workload and a
+/// number of gateways, any QPS).
+fn throughput_vs_qps(path: &Path, ladder: &Setting, points: &[Point]) -> anyhow::Result<()> {
+    let pts: Vec<&Point> = points
+        .iter()
+        .filter(|p| p.workload == ladder.workload && p.gateways == ladder.gateways && p.qps.is_some())
+        .collect();
     let max_q = pts.iter().filter_map(|p| p.qps).fold(0.0, f64::max).max(1e-3);
     let max_t = pts.iter().map(|p| p.median.output_tps).fold(0.0, f64::max).max(1.0);
     let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(format!("Output throughput vs offered load — {workload}"), ("sans-serif", 20))
+        .caption(format!("Output throughput vs offered load — {}", ladder.title()), ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
@@ -326,6 +372,7 @@ mod tests {
         RunResult {
             workload: "w".into(),
             policy: policy.into(),
+            gateways: 1,
             qps: Some(1.0),
             repeat,
             kvgate_routed: None,
@@ -361,6 +408,7 @@ mod tests {
             workloads: vec![],
             policies: vec![],
             qps: vec![1.0, 2.0],
+            gateways: vec![1, 2],
             repeats: 1,
             fleet: super::super::Fleet {
                 replicas: 2,
@@ -385,6 +433,12 @@ mod tests {
             r.qps = Some(2.0);
         }
         results.extend(more);
+        let mut two: Vec<RunResult> = results[..2].to_vec();
+        for r in &mut two {
+            r.gateways = 2;
+            r.summary.ttft_p90 = r.summary.ttft_p90.map(|p| p * 2.0);
+        }
+        results.extend(two);
         results[1].by_tag = vec![TagSummary {
             tag: "priority=interactive".into(),
             summary: Summary {
@@ -404,7 +458,10 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("4.00×"));
-        for file in ["results.json", "report.md", "ttft-cdf-w-1qps.svg", "throughput-w.svg"] {
+        assert!(md.contains("## w, 2 gateways at 1 req/s\n\n"), "{md}");
+        assert!(md.contains("| kvgate-kv-aware | 500 ms | 2.00 s |"), "the two-gateway row: {md}");
+        for file in ["results.json", "report.md", "ttft-cdf-w-1qps.svg", "throughput-w.svg", "ttft-cdf-w-2gw-1qps.svg"]
+        {
             let body = std::fs::read_to_string(dir.join(file)).unwrap();
             assert!(body.len() > 100, "{file} written");
         }

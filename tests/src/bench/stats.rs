@@ -53,6 +53,9 @@ pub struct Summary {
     pub hit_ratio: Option<f64>,
     /// Max over mean of per-engine token load (uncached prompt + output tokens computed).
     pub load_max_over_mean: Option<f64>,
+    /// CPU time the routers' processes used (every gateway's Envoy and sidecar, or every
+    /// instance of a peer router) per request sent, in wall-clock milliseconds.
+    pub router_cpu_ms: Option<f64>,
 }
 
 /// One engine's counters over a run (differences of its `/metrics` before and after).
@@ -104,6 +107,8 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
         goodput: ttfts.iter().filter(|t| **t <= slo_ttft_s).count() as f64 / outcomes.len().max(1) as f64,
         hit_ratio,
         load_max_over_mean: (mean_load > 0.0).then(|| loads.iter().copied().fold(0.0, f64::max) / mean_load),
+        // Measured around the run by its driver, not from the outcomes.
+        router_cpu_ms: None,
     }
 }
 
