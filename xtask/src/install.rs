@@ -51,7 +51,8 @@ pub fn envoy() -> anyhow::Result<()> {
     run(&binary.display().to_string(), &["--version"])
 }
 
-/// The peer routers the benchmark compares against, from PyPI, in `target/peers-venv`.
+/// The peer routers the benchmark compares against, from PyPI, in `target/peers-venv` (and
+/// the venvs under it that [`kvgate_e2e::bench::peers::VENVS`] names).
 pub fn peers() -> anyhow::Result<()> {
     let venv = kvgate_e2e::bench::peers::venv_dir(&target_dir());
     let missing = kvgate_e2e::bench::peers::Peer::ALL.iter().any(|p| !p.binary(&venv).exists());
@@ -59,9 +60,13 @@ pub fn peers() -> anyhow::Result<()> {
         return Ok(());
     }
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-    run(&python, &["-m", "venv", &venv.display().to_string()])?;
-    let pip = venv.join("bin/pip");
-    let mut args = vec!["install", "--quiet", "--disable-pip-version-check"];
-    args.extend(kvgate_e2e::bench::peers::PACKAGES);
-    run(&pip.display().to_string(), &args)
+    for (dir, packages) in kvgate_e2e::bench::peers::VENVS {
+        let venv = venv.join(dir);
+        run(&python, &["-m", "venv", &venv.display().to_string()])?;
+        let pip = venv.join("bin/pip");
+        let mut args = vec!["install", "--quiet", "--disable-pip-version-check"];
+        args.extend(packages);
+        run(&pip.display().to_string(), &args)?;
+    }
+    Ok(())
 }

@@ -96,7 +96,7 @@ impl Knob {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 13] = [
+    pub const ALL: [Policy; 14] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
@@ -108,6 +108,7 @@ impl Policy {
         Policy::KvgateFlowControl,
         Policy::KvgateNoSync,
         Policy::Peer(Peer::SglangCacheAware),
+        Policy::Peer(Peer::SmgCacheAware),
         Policy::Peer(Peer::VllmRouterCacheAware),
         Policy::Peer(Peer::VllmRouterKvAware),
     ];
@@ -337,9 +338,23 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     let options = policy.stack_options(&policy.name(), &config.fleet, gpu_blocks, gateways);
                     let stack = Stack::start(&options, artifacts)?;
                     let peers = match policy {
-                        Policy::Peer(p) => (0..gateways)
-                            .map(|i| p.start(&config.peers_venv, &stack.sims, config.fleet.block_size, &stack.dir, i))
-                            .collect::<anyhow::Result<Vec<_>>>()?,
+                        Policy::Peer(p) => {
+                            let ports =
+                                (0..gateways).map(|_| crate::process::free_port()).collect::<Result<Vec<_>, _>>()?;
+                            (0..gateways)
+                                .map(|index| {
+                                    let metrics_port = crate::process::free_port()?;
+                                    let instance = peers::Instance { index, mesh_ports: &ports, metrics_port };
+                                    p.start(
+                                        &config.peers_venv,
+                                        &stack.sims,
+                                        config.fleet.block_size,
+                                        &stack.dir,
+                                        instance,
+                                    )
+                                })
+                                .collect::<anyhow::Result<Vec<_>>>()?
+                        }
                         _ => Vec::new(),
                     };
                     let bases = match peers.is_empty() {
