@@ -5,7 +5,8 @@
 //! - a replica is saturated once the blocks booked on it reach `kv_fraction × kv_blocks`, or
 //!   the prefill tokens booked on it reach `max_prefill_tokens` (either criterion off at 0);
 //! - a request that finds every candidate saturated waits; so does one that finds others
-//!   waiting ahead of it. A request decides only when nobody waits ahead of it;
+//!   waiting ahead of it. A request decides only when nobody waits ahead of it, or on its
+//!   tenant's fair-share headroom (below);
 //! - who is ahead: a higher priority class first; within a class, tenants take turns (each
 //!   waiting request of a tenant is tagged one turn after that tenant's previous one, and no
 //!   earlier than the class's current turn: start-time fair queuing, one request a turn), then
@@ -20,10 +21,14 @@
 //! - a request is shed when its class already holds `max_queued` waiters, or when its wait
 //!   would pass its class's `max_queue_ms` or what the filter said it waits;
 //! - fairness beyond turns: a tenant that holds less than its fair share of its class's
-//!   requests in flight (counted by the load table, [`crate::load::flows`]) is judged against
-//!   its class's limits raised by `fair_headroom`, and may route so even with others waiting
-//!   ahead of it. Turns alone cannot keep a quiet tenant's requests fast once a burst holds
-//!   the capacity: whoever is first still waits for a release.
+//!   requests in flight (counted by the load table, [`crate::load::flows`]; a tenant with
+//!   nothing in flight always does) is judged against its class's limits raised by
+//!   `fair_headroom` — never past the limits of a higher class, whose headroom stays its own —
+//!   and may route so even with others of its class waiting ahead of it, but not while a
+//!   request of a higher class waits. A wake-up that finds no room is passed on to a waiter
+//!   of another tenant, which may have headroom where this one has none. Turns alone cannot
+//!   keep a quiet tenant's requests fast once a burst holds the capacity: whoever is first
+//!   still waits for a release.
 //!
 //! A waiter that gave up (timed out, or its client left and the filter stopped waiting) is
 //! skipped. Tenants are remembered only while they have a turn ahead of their class's
@@ -73,6 +78,10 @@ struct Class {
     /// The share of a replica's KV cache, and the prefill backlog, it may fill.
     kv_fraction: f64,
     max_prefill_tokens: u64,
+    /// The same for a tenant under its fair share: raised by the headroom, capped at every
+    /// higher class's.
+    fair_kv_fraction: f64,
+    fair_max_prefill_tokens: u64,
 }
 
 /// A pool's admission gate.
@@ -97,6 +106,9 @@ struct Key {
     /// What it asks for (the model or an adapter, hashed): requests of one class that ask
     /// for the same thing fit, or not, alike. Unique arrivals make it moot for the order.
     asks: u64,
+    /// Its tenant, hashed: with fair-share headroom, another tenant's request may fit where
+    /// this one does not.
+    tenant: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -113,14 +125,20 @@ struct Queue {
     arrivals: u64,
     /// Calls of [`Gate::freed`] so far.
     releases: u64,
+    /// Tenants under their fair share have headroom: a wake-up that found no room goes on to
+    /// another tenant's waiter.
+    fair: bool,
 }
 
 impl Queue {
     /// Wakes the first waiting request after `after` (from the start for `None`) that might
-    /// fit where `after` did not: of another class, or asking for another model or adapter.
+    /// fit where `after` did not: of another class, asking for another model or adapter, or,
+    /// with fair-share headroom, of another named tenant.
     fn wake_after(&mut self, after: Option<Key>) {
         let lower = after.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
-        let alike = |k: &Key| after.is_some_and(|a| (a.rank, a.asks) == (k.rank, k.asks));
+        let fair = self.fair;
+        let other_tenant = |a: &Key, k: &Key| fair && k.tenant.is_some() && k.tenant != a.tenant;
+        let alike = |k: &Key| after.is_some_and(|a| (a.rank, a.asks) == (k.rank, k.asks) && !other_tenant(&a, k));
         for (_, waiter) in self.places.range_mut((lower, std::ops::Bound::Unbounded)).filter(|(k, _)| !alike(k)) {
             let Some(tx) = waiter.take() else { continue };
             if tx.is_closed() {
@@ -218,7 +236,7 @@ impl Drop for Place<'_> {
             // Never past a request of the class still waiting (this one may have been woken
             // ahead of it: another model, another class's wake-up passed on).
             let rank = self.key.rank;
-            let first = Key { rank, turn: 0, arrival: 0, asks: 0 };
+            let first = Key { rank, turn: 0, arrival: 0, asks: 0, tenant: None };
             let waiting = queue.places.range(first..).next().map(|(k, _)| *k).filter(|k| k.rank == rank);
             let turn = waiting.map_or(self.key.turn, |w| self.key.turn.min(w.turn.saturating_sub(1)));
             queue.turn[self.class] = queue.turn[self.class].max(turn);
@@ -233,6 +251,22 @@ fn hash_of(name: &str) -> u64 {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     name.hash(&mut hasher);
     hasher.finish()
+}
+
+/// A class's limits for a tenant under its fair share: its own raised by `headroom` (a KV
+/// fraction `f` to `f + h(1 − f)`, a prefill backlog `p` to `p(1 + h)`), but never past those
+/// of a higher class (`limits`: every class's rank, KV fraction and backlog; a backlog of 0
+/// is no limit), nor below its own.
+fn fair_limits(class: &Class, headroom: f64, limits: &[(usize, f64, u64)]) -> (f64, u64) {
+    let higher = limits.iter().filter(|(rank, ..)| *rank < class.rank);
+    let kv_cap = higher.clone().map(|l| l.1).fold(1.0, f64::min);
+    let prefill_cap = higher.filter(|l| l.2 > 0).map(|l| l.2).min().unwrap_or(u64::MAX);
+    let kv = (class.kv_fraction + headroom * (1.0 - class.kv_fraction)).min(kv_cap).max(class.kv_fraction);
+    let prefill = match class.max_prefill_tokens {
+        0 => 0,
+        p => (p + (headroom * p as f64).round() as u64).min(prefill_cap).max(p),
+    };
+    (kv, prefill)
 }
 
 /// Remembers a tenant's last turn (at most [`MAX_TENANTS`], those with a turn still ahead).
@@ -261,6 +295,8 @@ impl Gate {
                 max_queued: c.max_queued.unwrap_or(config.max_queued),
                 kv_fraction: c.kv_fraction.unwrap_or(config.kv_fraction),
                 max_prefill_tokens: c.max_prefill_tokens.unwrap_or(config.max_prefill_tokens),
+                fair_kv_fraction: 0.0,
+                fair_max_prefill_tokens: 0,
             })
             .collect();
         let mut by_priority: Vec<usize> = (0..classes.len()).collect();
@@ -268,13 +304,23 @@ impl Gate {
         for (rank, &i) in by_priority.iter().enumerate() {
             classes[i].rank = rank;
         }
+        let limits: Vec<(usize, f64, u64)> =
+            classes.iter().map(|c| (c.rank, c.kv_fraction, c.max_prefill_tokens)).collect();
+        for c in &mut classes {
+            (c.fair_kv_fraction, c.fair_max_prefill_tokens) = fair_limits(c, config.fair_headroom, &limits);
+        }
         let lowest = by_priority.last().copied().unwrap_or_default();
         let default_class = config
             .default_class
             .as_deref()
             .and_then(|name| classes.iter().position(|c| c.name == name))
             .unwrap_or(lowest);
-        let queue = Queue { queued: vec![0; classes.len()], turn: vec![0; classes.len()], ..Queue::default() };
+        let queue = Queue {
+            queued: vec![0; classes.len()],
+            turn: vec![0; classes.len()],
+            fair: config.fair_headroom > 0.0,
+            ..Queue::default()
+        };
         Gate {
             kv_blocks: config.kv_blocks,
             engine_signals: config.engine_signals,
@@ -302,11 +348,11 @@ impl Gate {
     /// tenant holds less than its fair share, and the class's limits are raised by
     /// `fair_headroom`.
     pub fn saturated_for(&self, load: &ReplicaLoad, class: usize, under_share: bool) -> bool {
-        let Class { mut kv_fraction, mut max_prefill_tokens, .. } = self.classes[class];
-        if under_share {
-            kv_fraction += self.fair_headroom * (1.0 - kv_fraction);
-            max_prefill_tokens += (self.fair_headroom * max_prefill_tokens as f64).round() as u64;
-        }
+        let c = &self.classes[class];
+        let (kv_fraction, max_prefill_tokens) = match under_share {
+            true => (c.fair_kv_fraction, c.fair_max_prefill_tokens),
+            false => (c.kv_fraction, c.max_prefill_tokens),
+        };
         let kv_blocks = match self.kv_blocks {
             0 => load.engine.and_then(|e| e.kv_blocks).unwrap_or(0),
             configured => configured,
@@ -334,6 +380,13 @@ impl Gate {
     /// Whether a tenant under its fair share gets more room than its class's limits.
     pub fn has_fair_headroom(&self) -> bool {
         self.fair_headroom > 0.0
+    }
+
+    /// Whether a request of a higher class than `class` is in the queue (then no request of
+    /// `class` routes on headroom ahead of it).
+    pub fn higher_waiting(&self, class: usize) -> bool {
+        let rank = self.classes[class].rank;
+        self.lock().places.keys().next().is_some_and(|first| first.rank < rank)
     }
 
     /// A class's name, for metrics.
@@ -376,6 +429,7 @@ impl Gate {
             turn: last.max(current) + 1,
             arrival: queue.arrivals,
             asks: hash_of(asks),
+            tenant: tenant.map(|(_, hash)| hash),
         };
         Place { gate: self, key, class, tenant, queued: false }
     }
@@ -518,6 +572,52 @@ mod tests {
         assert!(signals.saturated(&load(0, Some(report(None, Some(0.5), 4)))), "the engine queues");
     }
 
+    #[tokio::test]
+    async fn a_waiting_higher_class_is_seen_by_lower_ones() {
+        let g = gate(8, vec![class("batch", 0), class("interactive", 10)]);
+        let (batch, chat) = (g.class_of(Some("batch")), g.class_of(Some("interactive")));
+        // Short waits: a waiter that is never woken leaves when its wait ends.
+        const SHORT: Duration = Duration::from_millis(300);
+        let mut low = Waiter::new(g, batch, Some("t"));
+        low.wait(g, SHORT).await;
+        assert!(!g.higher_waiting(batch) && !g.higher_waiting(chat), "only batch waits");
+        let mut high = Waiter::new(g, chat, None);
+        high.wait(g, SHORT).await;
+        assert!(g.higher_waiting(batch) && !g.higher_waiting(chat));
+        high.leave().await;
+        assert!(!g.higher_waiting(batch));
+        low.leave().await;
+    }
+
+    #[tokio::test]
+    async fn a_wake_up_without_room_goes_on_to_another_tenant_only_with_headroom() {
+        for headroom in [0.5, 0.0] {
+            let g: &'static Gate = Box::leak(Box::new(Gate::new(&AdmissionConfig {
+                enabled: true,
+                kv_blocks: 100,
+                fair_headroom: headroom,
+                ..AdmissionConfig::default()
+            })));
+            let mut burst = Waiter::new(g, 0, Some("burst"));
+            burst.wait(g, FAR).await;
+            // Short waits: a waiter that is never woken leaves when its wait ends.
+            let short = Duration::from_millis(300);
+            let mut more = Waiter::new(g, 0, Some("burst"));
+            more.wait(g, short).await;
+            let mut quiet = Waiter::new(g, 0, Some("quiet"));
+            quiet.wait(g, short).await;
+            g.freed();
+            burst.result().await.unwrap();
+            // It finds no room and waits again, passing the wake-up on.
+            burst.wait_again(short).await;
+            assert!(!more.is_woken().await, "not to the burst's own next request");
+            assert_eq!(quiet.is_woken().await, headroom > 0.0, "to the other tenant's, with headroom {headroom}");
+            for w in [burst, more, quiet] {
+                w.leave().await;
+            }
+        }
+    }
+
     #[test]
     fn a_lower_class_leaves_headroom_for_a_higher_one() {
         let batch = ClassConfig { kv_fraction: Some(0.5), ..class("batch", 0) };
@@ -531,16 +631,34 @@ mod tests {
     fn a_tenant_under_its_share_has_headroom_past_its_class() {
         // Defaults: 90 % of 100 blocks, 1000 prefill tokens; headroom 0.5 → 95 blocks, 1500.
         let g = gate(8, vec![]);
-        let class = g.class_of(None);
+        let default = g.class_of(None);
         let load =
             |blocks, prefill| ReplicaLoad { active_blocks: blocks, prefill_tokens: prefill, ..Default::default() };
         for (blocks, prefill, over, under) in [(92, 0, true, false), (95, 0, true, true), (0, 1200, true, false)] {
-            assert_eq!(g.saturated_for(&load(blocks, prefill), class, false), over, "{blocks} blocks, {prefill}");
-            assert_eq!(g.saturated_for(&load(blocks, prefill), class, true), under, "{blocks} blocks, {prefill}");
+            assert_eq!(g.saturated_for(&load(blocks, prefill), default, false), over, "{blocks} blocks, {prefill}");
+            assert_eq!(g.saturated_for(&load(blocks, prefill), default, true), under, "{blocks} blocks, {prefill}");
         }
-        assert!(g.saturated_for(&load(0, 1500), class, true), "the raised backlog is a limit too");
-        assert!(g.has_fair_headroom() && g.flow_of(class, None).is_none(), "no tenant, no flow");
-        assert_ne!(g.flow_of(class, Some("a")), g.flow_of(class, Some("b")));
+        assert!(g.saturated_for(&load(0, 1500), default, true), "the raised backlog is a limit too");
+        assert!(g.has_fair_headroom() && g.flow_of(default, None).is_none(), "no tenant, no flow");
+        assert_ne!(g.flow_of(default, Some("a")), g.flow_of(default, Some("b")));
+
+        // A lower class's raised limits stop at a higher class's: its headroom stays its own.
+        let batch = ClassConfig { kv_fraction: Some(0.7), max_prefill_tokens: Some(800), ..class("batch", 0) };
+        let chat = ClassConfig { kv_fraction: Some(0.8), ..class("chat", 10) };
+        let g = gate(8, vec![batch, chat]);
+        let (batch, chat) = (g.class_of(Some("batch")), g.class_of(Some("chat")));
+        assert!(
+            !g.saturated_for(&load(79, 0), batch, true) && g.saturated_for(&load(80, 0), batch, true),
+            "0.85 capped at 0.8"
+        );
+        assert!(
+            !g.saturated_for(&load(0, 999), batch, true) && g.saturated_for(&load(0, 1000), batch, true),
+            "1200 capped at 1000"
+        );
+        assert!(
+            !g.saturated_for(&load(89, 0), chat, true) && g.saturated_for(&load(90, 0), chat, true),
+            "the top class: 0.9"
+        );
     }
 
     #[tokio::test]

@@ -228,7 +228,52 @@ async fn a_quiet_tenant_routes_past_a_bursting_ones_backlog() {
             assert_eq!(pool.state().bookings, 4, "without headroom the quiet tenant waits its turn");
             done(&state, "burst0").await;
             tokio::time::timeout(Duration::from_secs(5), backlog).await.unwrap().unwrap().unwrap();
-            assert!(!quiet.is_finished(), "behind the burst's request that came first");
+            assert_eq!(
+                (pool.admission().unwrap().waiting(), pool.state().bookings),
+                (1, 4),
+                "the freed room went to the burst's request that came first; the quiet one waits"
+            );
+            quiet.abort();
         }
     }
+}
+
+/// The pool of [`a_quiet_tenant_routes_past_a_bursting_ones_backlog`]: saturated at 72
+/// prefill tokens per replica, 108 on headroom.
+fn fair_state() -> (Arc<AppState>, Arc<Pool>) {
+    state_with(AdmissionConfig { kv_blocks: 1000, max_prefill_tokens: 72, ..AdmissionConfig::default() })
+}
+
+/// A tenant's request routed in the background: its status.
+fn spawn_route(
+    state: &Arc<AppState>,
+    id: &'static str,
+    seed: u64,
+    tenant: &'static str,
+) -> tokio::task::JoinHandle<StatusCode> {
+    let state = state.clone();
+    tokio::spawn(async move { post(&state, "/v1/route", request_from(id, seed, 5_000, None, Some(tenant))).await.0 })
+}
+
+#[tokio::test]
+async fn a_wake_up_without_room_goes_on_to_another_tenant() {
+    let (state, pool) = fair_state();
+    for i in 0..4 {
+        route_tenant(&state, &format!("burst{i}"), i, "burst").await.unwrap();
+    }
+    // The quiet tenant fills both replicas' headroom (72 → 108 prefill tokens).
+    route_tenant(&state, "quiet0", 10, "quiet").await.unwrap();
+    route_tenant(&state, "quiet1", 11, "quiet").await.unwrap();
+    let backlog = spawn_route(&state, "burst4", 4, "burst");
+    until_waiting(&pool, 1).await;
+    let quiet = spawn_route(&state, "quiet2", 12, "quiet");
+    until_waiting(&pool, 2).await;
+    // 36 tokens free on one replica: not enough for the burst (at its limit of 72 there),
+    // enough for the quiet tenant under its share. The wake-up goes to the burst's request,
+    // first in line, which passes it on.
+    done(&state, "burst0").await;
+    assert_eq!(tokio::time::timeout(Duration::from_secs(5), quiet).await.unwrap().unwrap(), StatusCode::OK);
+    assert!(!backlog.is_finished(), "the burst's request still waits");
+    assert_eq!(pool.admission().unwrap().waiting(), 1);
+    backlog.abort();
 }

@@ -24,7 +24,7 @@ use kvgate_shared::wire::{
 use crate::accuracy::EngineUsage;
 use crate::admission::Place;
 use crate::metrics::{AdmissionLabels, FallbackLabels, Metrics, PoolLabels, ReasonLabels};
-use crate::pool::{OffloadError, Pool};
+use crate::pool::{Admit, OffloadError, Pool};
 use crate::score::ScoringConfig;
 
 /// What every handler shares.
@@ -140,7 +140,8 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
 }
 
 /// Decides, with admission control where the pool has it: a request that finds every
-/// replica saturated (or others in the queue ahead of it) waits in the pool's queue — at most
+/// replica saturated (or others in the queue ahead of it, unless its tenant's fair-share
+/// headroom lets it through) waits in the pool's queue — at most
 /// its class's `max_queue_ms` from `arrived`, and no longer than the filter said it waits —
 /// and decides again when it is woken, where its prefix is cached then. Past that it is shed:
 /// 429 with `Retry-After`, nothing booked. If the filter stops waiting, this future is
@@ -170,15 +171,16 @@ async fn admitted(
     loop {
         let seen = gate.releases();
         // Woken: decide. Otherwise with nobody in the queue ahead, or on its tenant's
-        // fair-share headroom.
+        // fair-share headroom with nobody of a higher class waiting.
         let first = woken
             || match &place {
                 None if gate.is_empty() => true,
                 None => place.insert(gate.place(class, &req.model, req.tenant.as_deref())).is_first(),
                 Some(p) => p.is_first(),
             };
-        if first || (gate.has_fair_headroom() && req.tenant.is_some()) {
-            if let Ok(decision) = pool.admit(req, scoring, !first) {
+        let fair = gate.has_fair_headroom() && req.tenant.is_some() && !gate.higher_waiting(class);
+        if first || fair {
+            if let Ok(decision) = pool.admit(req, scoring, Admit { behind: !first }) {
                 if place.as_ref().is_some_and(|p: &Place<'_>| p.waited()) {
                     outcome("admitted");
                 }

@@ -605,6 +605,33 @@ mod tests {
     }
 
     #[test]
+    fn every_way_a_booking_ends_ends_its_flow() {
+        let mut t = LoadTable::new(2, 1000.0);
+        let flow = |tenant| Some(Flow { class: 0, tenant });
+        let now = Instant::now();
+        let book = |t: &mut LoadTable, id: &'static str, replica: usize, tenant: u64| {
+            t.book(ReplicaIdx::new(replica), NewBooking { flow: flow(tenant), ..booking(id, 10, &[1], 1) }, now)
+        };
+        book(&mut t, "done", 0, 1);
+        book(&mut t, "moved", 0, 2);
+        book(&mut t, "rebooked", 0, 3);
+        book(&mut t, "rebooked", 1, 3);
+        book(&mut t, "cleared", 1, 4);
+        book(&mut t, "old", 0, 5);
+        assert_eq!(t.flows_in_flight(), 5, "booking an id again counts it once");
+        assert!(!t.under_share(Flow { class: 0, tenant: 1 }), "one each of five: at its share");
+        t.finish("done");
+        t.move_booking("moved", ReplicaIdx::new(1));
+        assert_eq!(t.flows_in_flight(), 4, "a moved booking keeps its flow");
+        t.clear_replica(ReplicaIdx::new(1));
+        assert_eq!(t.flows_in_flight(), 1, "gone with their replica: moved, rebooked, cleared");
+        assert_eq!(t.expire(now + Duration::from_secs(10), Duration::from_secs(1)), 1);
+        assert_eq!(t.flows_in_flight(), 0);
+        assert!(!t.finish("late") && !book(&mut t, "late", 0, 6), "an early end books nothing");
+        assert_eq!(t.flows_in_flight(), 0);
+    }
+
+    #[test]
     fn engine_reported_requests_beyond_bookings_are_external_load() {
         let mut t = LoadTable::new(2, 8_000.0);
         let now = Instant::now();

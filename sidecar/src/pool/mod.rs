@@ -42,6 +42,7 @@ use crate::sync::event::Outbox;
 pub use explain::{CandidateTerms, Checked, Explanation};
 pub use members::{targets, Member, ReplicaHealth};
 pub use offload::OffloadError;
+pub use route::Admit;
 pub use state::{PoolState, ReplicaState};
 
 use explain::{Kept, EXPLANATIONS};

@@ -80,9 +80,10 @@ pub struct Saturated;
 
 /// How an admission-controlled decision is made.
 #[derive(Debug, Clone, Copy)]
-struct Admit {
-    /// Others wait ahead of the request.
-    behind: bool,
+pub struct Admit {
+    /// Others of its class wait ahead of the request: it routes only on its tenant's
+    /// fair-share headroom.
+    pub behind: bool,
 }
 
 impl Pool {
@@ -93,11 +94,9 @@ impl Pool {
     }
 
     /// [`Pool::route`], unless admission control is on and every eligible replica is
-    /// saturated for the request: then nothing is booked. `behind`: others wait ahead of it,
-    /// so it routes only on its tenant's fair-share headroom.
-    pub fn admit(&self, req: &RouteRequest, scoring: &ScoringConfig, behind: bool) -> Result<RouteResponse, Saturated> {
-        let admit = self.admission.is_some().then_some(Admit { behind });
-        self.decide(req, scoring, admit)
+    /// saturated for the request: then nothing is booked.
+    pub fn admit(&self, req: &RouteRequest, scoring: &ScoringConfig, admit: Admit) -> Result<RouteResponse, Saturated> {
+        self.decide(req, scoring, self.admission.is_some().then_some(admit))
     }
 
     fn decide(
