@@ -135,8 +135,9 @@ impl Target {
         Ok(Target { client, bases: bases.into(), sent: Arc::default(), speedup, start: Instant::now(), timeout })
     }
 
-    /// The gateway the next request goes to: uniform over the bases, the same sequence every
-    /// run (splitmix64 of the request's number).
+    /// The gateway the next request goes to: uniform over the bases (splitmix64 of how many
+    /// were sent before it), the same sequence of gateways every run, in the order requests
+    /// are sent.
     fn next_base(&self) -> &str {
         let n = self.sent.fetch_add(1, Ordering::Relaxed);
         let mut z = n.wrapping_add(0x9e37_79b9_7f4a_7c15);

@@ -376,7 +376,7 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                             Plan::Conversations(c) => target.conversations(c, workloads::MODEL, duration).await,
                         }
                     });
-                    let cpu = cpu_of(&router_pids) - cpu_before;
+                    let cpu = cpu_used(&cpu_before, &cpu_of(&router_pids));
                     let after = engine_counters(&stack)?;
                     let kvgate_routed = if policy.routing().0 == Routing::Kvgate {
                         let stat = |n: &str| stack.envoy_stat_total(&format!("wasmcustom.kvgate.requests.{n}"));
@@ -428,9 +428,14 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
     Ok(results)
 }
 
-/// CPU seconds the processes have used so far, together.
-fn cpu_of(pids: &[u32]) -> f64 {
-    pids.iter().filter_map(|&pid| crate::process::cpu_seconds(pid)).sum()
+/// CPU seconds each process has used so far (`None`: not running).
+fn cpu_of(pids: &[u32]) -> Vec<Option<f64>> {
+    pids.iter().map(|&pid| crate::process::cpu_seconds(pid)).collect()
+}
+
+/// CPU seconds used between two readings of the same processes, by those running at both.
+fn cpu_used(before: &[Option<f64>], after: &[Option<f64>]) -> f64 {
+    before.iter().zip(after).filter_map(|(b, a)| Some(a.as_ref()? - b.as_ref()?)).sum()
 }
 
 /// Each engine's cumulative counters, from its `/metrics` (summed over its ranks).

@@ -91,7 +91,6 @@ impl Peer {
             Peer::SglangCacheAware | Peer::SmgCacheAware | Peer::VllmRouterCacheAware => {
                 cmd.extend(["--policy", "cache_aware"].map(String::from));
             }
-
             Peer::VllmRouterKvAware => {
                 cmd.extend(["--policy", "kv_aware"].map(String::from));
                 for s in sims {
