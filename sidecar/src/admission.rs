@@ -91,7 +91,8 @@ pub struct Gate {
     engine_signals: bool,
     max_engine_waiting: u64,
     retry_after_secs: u32,
-    fair_headroom: f64,
+    /// Tenants under their fair share have headroom (`fair_headroom` > 0).
+    fair: bool,
     classes: Vec<Class>,
     default_class: usize,
     queue: Mutex<Queue>,
@@ -125,18 +126,14 @@ struct Queue {
     arrivals: u64,
     /// Calls of [`Gate::freed`] so far.
     releases: u64,
-    /// Tenants under their fair share have headroom: a wake-up that found no room goes on to
-    /// another tenant's waiter.
-    fair: bool,
 }
 
 impl Queue {
     /// Wakes the first waiting request after `after` (from the start for `None`) that might
     /// fit where `after` did not: of another class, asking for another model or adapter, or,
-    /// with fair-share headroom, of another named tenant.
-    fn wake_after(&mut self, after: Option<Key>) {
+    /// with fair-share headroom (`fair`), of another named tenant.
+    fn wake_after(&mut self, after: Option<Key>, fair: bool) {
         let lower = after.map_or(std::ops::Bound::Unbounded, std::ops::Bound::Excluded);
-        let fair = self.fair;
         let other_tenant = |a: &Key, k: &Key| fair && k.tenant.is_some() && k.tenant != a.tenant;
         let alike = |k: &Key| after.is_some_and(|a| (a.rank, a.asks) == (k.rank, k.asks) && !other_tenant(&a, k));
         for (_, waiter) in self.places.range_mut((lower, std::ops::Bound::Unbounded)).filter(|(k, _)| !alike(k)) {
@@ -210,7 +207,7 @@ impl Place<'_> {
                 }
             }
             if was_woken {
-                queue.wake_after(Some(self.key));
+                queue.wake_after(Some(self.key), gate.fair);
             }
             rx
         };
@@ -241,7 +238,7 @@ impl Drop for Place<'_> {
             let turn = waiting.map_or(self.key.turn, |w| self.key.turn.min(w.turn.saturating_sub(1)));
             queue.turn[self.class] = queue.turn[self.class].max(turn);
             queue.releases += 1;
-            queue.wake_after(None);
+            queue.wake_after(None, false);
         }
     }
 }
@@ -315,18 +312,13 @@ impl Gate {
             .as_deref()
             .and_then(|name| classes.iter().position(|c| c.name == name))
             .unwrap_or(lowest);
-        let queue = Queue {
-            queued: vec![0; classes.len()],
-            turn: vec![0; classes.len()],
-            fair: config.fair_headroom > 0.0,
-            ..Queue::default()
-        };
+        let queue = Queue { queued: vec![0; classes.len()], turn: vec![0; classes.len()], ..Queue::default() };
         Gate {
             kv_blocks: config.kv_blocks,
             engine_signals: config.engine_signals,
             max_engine_waiting: config.max_engine_waiting,
             retry_after_secs: config.retry_after_secs,
-            fair_headroom: config.fair_headroom,
+            fair: config.fair_headroom > 0.0,
             classes,
             default_class,
             queue: Mutex::new(queue),
@@ -379,7 +371,7 @@ impl Gate {
 
     /// Whether a tenant under its fair share gets more room than its class's limits.
     pub fn has_fair_headroom(&self) -> bool {
-        self.fair_headroom > 0.0
+        self.fair
     }
 
     /// Whether a request of a higher class than `class` is in the queue (then no request of
@@ -438,7 +430,7 @@ impl Gate {
     pub fn freed(&self) {
         let mut queue = self.lock();
         queue.releases += 1;
-        queue.wake_after(None);
+        queue.wake_after(None, false);
     }
 
     /// The `Retry-After` for a shed request, in seconds.

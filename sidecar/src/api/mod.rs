@@ -178,8 +178,7 @@ async fn admitted(
                 None => place.insert(gate.place(class, &req.model, req.tenant.as_deref())).is_first(),
                 Some(p) => p.is_first(),
             };
-        let fair = gate.has_fair_headroom() && req.tenant.is_some() && !gate.higher_waiting(class);
-        if first || fair {
+        if first || (gate.has_fair_headroom() && req.tenant.is_some() && !gate.higher_waiting(class)) {
             if let Ok(decision) = pool.admit(req, scoring, Admit { behind: !first }) {
                 if place.as_ref().is_some_and(|p: &Place<'_>| p.waited()) {
                     outcome("admitted");
