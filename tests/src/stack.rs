@@ -161,20 +161,16 @@ pub struct Stack {
     pub model: String,
     /// The engines, in pool order.
     pub sims: Vec<SimHandle>,
-    sidecar: Option<Proc>,
-    /// The gateways after the first ([`StackOptions::gateways`]).
-    more: Vec<Gateway>,
-    sidecar_port: u16,
+    /// Every gateway pod ([`StackOptions::gateways`]); the first is the one the
+    /// single-gateway methods speak to.
+    gateways: Vec<Gateway>,
     _delay_proxy: Option<DelayProxy>,
-    envoy: Proc,
     /// Envoy processes replaced by a hot restart, draining until they exit by themselves.
     retired_envoys: Vec<Proc>,
     envoy_config: PathBuf,
     envoy_bin: PathBuf,
     envoy_epoch: u32,
     hot_restart: bool,
-    gateway_port: u16,
-    admin_port: u16,
     /// Where logs and generated configs are.
     pub dir: PathBuf,
 }
@@ -340,9 +336,10 @@ impl Stack {
             let ports = EnvoyPorts { sidecar: sidecar_port, admin: admin_port, gateway: gateway_port };
             spawn_envoy(opts, artifacts, &dir, name, ports, &endpoints, &filter_config)
         };
-        let (envoy_proc, envoy_config, EnvoyPorts { admin: admin_port, gateway: gateway_port, .. }) =
+        let (envoy, envoy_config, ports) =
             envoy_at("envoy", delay_proxy.as_ref().map_or(sidecar_port, |p| p.port), admin_port, gateway_port)?;
-        let mut more = Vec::new();
+        let mut gateways =
+            vec![Gateway { sidecar, sidecar_port, envoy, admin_port: ports.admin, gateway_port: ports.gateway }];
         for i in 1..opts.gateways {
             let sidecar_port = free_port()?;
             let sidecar = if with_sidecar {
@@ -357,24 +354,25 @@ impl Stack {
                 None
             };
             let (envoy, _, ports) = envoy_at(&format!("envoy-gw{i}"), sidecar_port, free_port()?, free_port()?)?;
-            more.push(Gateway { sidecar, envoy, ports });
+            gateways.push(Gateway {
+                sidecar,
+                sidecar_port,
+                envoy,
+                admin_port: ports.admin,
+                gateway_port: ports.gateway,
+            });
         }
 
         let stack = Stack {
             model: opts.model.clone(),
             sims,
-            sidecar,
-            more,
-            sidecar_port,
+            gateways,
             _delay_proxy: delay_proxy,
-            envoy: envoy_proc,
             retired_envoys: Vec::new(),
             envoy_config,
             envoy_bin: artifacts.envoy.clone(),
             envoy_epoch: 0,
             hot_restart: opts.hot_restart,
-            gateway_port,
-            admin_port,
             dir,
         };
         if opts.routing == Routing::Kvgate {
@@ -395,13 +393,18 @@ impl Stack {
         })
     }
 
+    /// The gateway the single-gateway methods speak to.
+    fn first(&self) -> &Gateway {
+        &self.gateways[0]
+    }
+
     /// The processes on the request path in front of the engines: every gateway's Envoy and
     /// sidecar.
     pub fn gateway_pids(&self) -> Vec<u32> {
-        let first = self.envoy.pid().into_iter().chain(self.sidecar.as_ref().and_then(Proc::pid));
-        let more =
-            self.more.iter().flat_map(|g| g.envoy.pid().into_iter().chain(g.sidecar.as_ref().and_then(Proc::pid)));
-        first.chain(more).collect()
+        self.gateways
+            .iter()
+            .flat_map(|g| g.envoy.pid().into_iter().chain(g.sidecar.as_ref().and_then(Proc::pid)))
+            .collect()
     }
 
     /// The engines' processes.
@@ -411,13 +414,12 @@ impl Stack {
 
     /// `http://127.0.0.1:<gateway>{path}`.
     pub fn gateway(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.gateway_port)
+        format!("http://127.0.0.1:{}{path}", self.first().gateway_port)
     }
 
     /// Every gateway's `http://127.0.0.1:<gateway>{path}`, the first first.
     pub fn gateways(&self, path: &str) -> Vec<String> {
-        let more = self.more.iter().map(|g| format!("http://127.0.0.1:{}{path}", g.ports.gateway));
-        std::iter::once(self.gateway(path)).chain(more).collect()
+        self.gateways.iter().map(|g| format!("http://127.0.0.1:{}{path}", g.gateway_port)).collect()
     }
 
     /// The engine with this replica id.
@@ -427,7 +429,7 @@ impl Stack {
 
     /// `http://127.0.0.1:<sidecar>{path}`.
     pub fn sidecar_url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.sidecar_port)
+        format!("http://127.0.0.1:{}{path}", self.first().sidecar_port)
     }
 
     /// The sidecar's `/metrics`, as text (read it with [`metric_sum`]).
@@ -442,10 +444,7 @@ impl Stack {
 
     /// The `/debug/state` of gateway `i`'s sidecar (0: the first's).
     pub fn sidecar_state_of(&self, i: usize) -> anyhow::Result<Value> {
-        let port = match i {
-            0 => self.sidecar_port,
-            i => self.more.get(i - 1).ok_or_else(|| anyhow::anyhow!("no gateway {i}"))?.ports.sidecar,
-        };
+        let port = self.gateways.get(i).ok_or_else(|| anyhow::anyhow!("no gateway {i}"))?.sidecar_port;
         Ok(client::client().get(format!("http://127.0.0.1:{port}/debug/state")).send()?.json()?)
     }
 
@@ -472,7 +471,7 @@ impl Stack {
 
     /// Kills the sidecar (the filter must fail open).
     pub fn kill_sidecar(&mut self) {
-        if let Some(p) = self.sidecar.as_mut() {
+        if let Some(p) = self.gateways[0].sidecar.as_mut() {
             p.kill();
         }
     }
@@ -480,7 +479,7 @@ impl Stack {
     /// Starts the sidecar again with its config (after [`Stack::kill_sidecar`], or killing
     /// it first) and waits until it answers.
     pub fn restart_sidecar(&mut self) -> anyhow::Result<()> {
-        let Some(p) = self.sidecar.as_mut() else { anyhow::bail!("this stack has no sidecar") };
+        let Some(p) = self.gateways[0].sidecar.as_mut() else { anyhow::bail!("this stack has no sidecar") };
         p.restart()?;
         let url = self.sidecar_url("/healthz");
         wait_for("sidecar health", START_TIMEOUT, || http_ok(&url).then_some(()))
@@ -498,21 +497,17 @@ impl Stack {
 
     /// Envoy's process id, while it runs.
     pub fn envoy_pid(&self) -> Option<u32> {
-        self.envoy.pid()
+        self.first().envoy.pid()
     }
 
     /// An Envoy counter or gauge by its full name (0 if absent), from the admin `/stats`.
     pub fn envoy_stat(&self, name: &str) -> anyhow::Result<u64> {
-        envoy_stat(self.admin_port, name)
+        envoy_stat(self.first().admin_port, name)
     }
 
     /// [`Stack::envoy_stat`] summed over every gateway's Envoy.
     pub fn envoy_stat_total(&self, name: &str) -> anyhow::Result<u64> {
-        let mut total = self.envoy_stat(name)?;
-        for g in &self.more {
-            total += envoy_stat(g.ports.admin, name)?;
-        }
-        Ok(total)
+        self.gateways.iter().map(|g| envoy_stat(g.admin_port, name)).sum()
     }
 
     /// Hot-restarts Envoy (a new process, the next restart epoch, the same config): it takes
@@ -522,10 +517,11 @@ impl Stack {
         anyhow::ensure!(self.hot_restart, "start the stack with hot_restart");
         self.envoy_epoch += 1;
         let epoch = self.envoy_epoch;
-        let cmd = envoy_command(&self.envoy_bin, &self.envoy_config, Some((self.admin_port, epoch)));
+        let admin_port = self.first().admin_port;
+        let cmd = envoy_command(&self.envoy_bin, &self.envoy_config, Some((admin_port, epoch)));
         let mut next = Proc::spawn("envoy", cmd, &self.dir.join(format!("envoy-epoch{epoch}.log")))?;
-        let ready = format!("http://127.0.0.1:{}/ready", self.admin_port);
-        let server_info = format!("http://127.0.0.1:{}/server_info", self.admin_port);
+        let ready = format!("http://127.0.0.1:{admin_port}/ready");
+        let server_info = format!("http://127.0.0.1:{admin_port}/server_info");
         wait_for("the new Envoy ready", START_TIMEOUT, || {
             if next.check_alive().is_err() {
                 return Some(Err(anyhow::anyhow!("the new Envoy exited; see its log in {}", self.dir.display())));
@@ -535,7 +531,7 @@ impl Stack {
             let epoch_now = info["command_line_options"]["restart_epoch"].as_u64()?;
             (epoch_now == u64::from(epoch) && http_ok(&ready)).then_some(Ok(()))
         })??;
-        let old = std::mem::replace(&mut self.envoy, next);
+        let old = std::mem::replace(&mut self.gateways[0].envoy, next);
         self.retired_envoys.push(old);
         Ok(())
     }
@@ -551,20 +547,23 @@ impl Stack {
     /// Resident memory of the sidecar and of Envoy, bytes (from `/proc`; `None` if not running).
     pub fn rss(&self) -> (Option<u64>, Option<u64>) {
         let of = |p: Option<&Proc>| p.and_then(Proc::pid).and_then(crate::process::rss_bytes);
-        (of(self.sidecar.as_ref()), of(Some(&self.envoy)))
+        (of(self.first().sidecar.as_ref()), of(Some(&self.first().envoy)))
     }
 
     /// Fails if Envoy died.
     pub fn check_envoy(&mut self) -> anyhow::Result<()> {
-        self.envoy.check_alive()
+        self.gateways[0].envoy.check_alive()
     }
 }
 
-/// A gateway pod after the first: its Envoy and, with kvgate, its sidecar.
+/// A gateway pod: its Envoy and, with kvgate, its sidecar.
 struct Gateway {
     sidecar: Option<Proc>,
+    /// The sidecar's own port (the first gateway's Envoy may reach it through a delay proxy).
+    sidecar_port: u16,
     envoy: Proc,
-    ports: EnvoyPorts,
+    admin_port: u16,
+    gateway_port: u16,
 }
 
 /// The ports an Envoy is started with.
