@@ -874,7 +874,7 @@ fn bench_harness_runs_policies_side_by_side() {
     for r in &results[1..] {
         let (routed, other) = r.kvgate_routed.expect("kvgate's counters");
         assert!(
-            routed >= 12 && other == 0,
+            routed == 12 && other == 0,
             "{}: kvgate routed every request itself: {routed} routed, {other} not",
             r.policy
         );

@@ -368,6 +368,7 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     };
                     let cpu_before = cpu_of(&router_pids);
                     let before = engine_counters(&stack)?;
+                    let routed_before = kvgate_routed(&stack, *policy)?;
                     let target = Target::spread(&bases, config.fleet.speedup, Duration::from_secs(600))?;
                     let duration = Duration::from_secs_f64(config.max_duration_s);
                     let outcomes: Vec<Outcome> = runtime.block_on(async {
@@ -378,13 +379,10 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     });
                     let cpu = cpu_used(&cpu_before, &cpu_of(&router_pids));
                     let after = engine_counters(&stack)?;
-                    let kvgate_routed = if policy.routing().0 == Routing::Kvgate {
-                        let stat = |n: &str| stack.envoy_stat_total(&format!("wasmcustom.kvgate.requests.{n}"));
-                        let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")?;
-                        Some((stat("routed")?, other))
-                    } else {
-                        None
-                    };
+                    // The run's own requests, not the stack's start-up probes.
+                    let kvgate_routed = kvgate_routed(&stack, *policy)?
+                        .zip(routed_before)
+                        .map(|((routed, other), (r0, o0))| (routed - r0, other - o0));
                     let work: Vec<EngineWork> = after
                         .iter()
                         .zip(&before)
@@ -436,6 +434,18 @@ fn cpu_of(pids: &[u32]) -> Vec<Option<f64>> {
 /// CPU seconds used between two readings of the same processes, by those running at both.
 fn cpu_used(before: &[Option<f64>], after: &[Option<f64>]) -> f64 {
     before.iter().zip(after).filter_map(|(b, a)| Some(a.as_ref()? - b.as_ref()?)).sum()
+}
+
+/// What kvgate's filters have counted so far, summed over the gateways: requests the sidecar
+/// routed, and requests left to Envoy (passed through or fallen back). `None` when kvgate is
+/// not routing.
+fn kvgate_routed(stack: &Stack, policy: Policy) -> anyhow::Result<Option<(u64, u64)>> {
+    if policy.routing().0 != Routing::Kvgate {
+        return Ok(None);
+    }
+    let stat = |n: &str| stack.envoy_stat_total(&format!("wasmcustom.kvgate.requests.{n}"));
+    let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")?;
+    Ok(Some((stat("routed")?, other)))
 }
 
 /// Each engine's cumulative counters, from its `/metrics` (summed over its ranks).
