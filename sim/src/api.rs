@@ -8,6 +8,13 @@
 //! goes to the data-parallel rank named by `X-data-parallel-rank`, else to the next in turn.
 //! Output tokens are seeded by `--seed` and the request body, and there are always exactly
 //! `max_tokens` of them (the simulator never samples EOS, as with `ignore_eos`).
+//!
+//! With prefill/decode disaggregation on ([`crate::kv_transfer`]), completions and chat read
+//! vLLM's `kv_transfer_params` or SGLang's `bootstrap_*` fields, answers say whether a remote
+//! prefill was asked for (`x-kvgate-sim-remote-prefill`) and, unstreamed, the prompt tokens
+//! computed here (`x-kvgate-sim-prompt-computed`); a vLLM prefill engine serves its held
+//! blocks at `POST /_kv/pull`, an SGLang prefill server its rooms at `POST /_kv/bootstrap` on
+//! its bootstrap listener.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,11 +34,12 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::engine::{Engine, SubmitError};
+use crate::engine::{Ending, Engine, SubmitError, Submitted, Transfer};
 use crate::extra_keys::ExtraKeys;
 use crate::kv_events::Chaos;
+use crate::kv_transfer::{room_rank, JoinRoom, Plan, Protocol, PullRequest, Released};
 use crate::lora::Registry;
-use crate::scheduler::Emitted;
+use crate::scheduler::{Emitted, HoldKey};
 
 /// The header naming the replica that served a response.
 pub const REPLICA_HEADER: &str = "x-kvgate-replica";
@@ -39,6 +47,11 @@ pub const REPLICA_HEADER: &str = "x-kvgate-replica";
 const DEFAULT_MAX_TOKENS: u32 = 16;
 /// The header that picks a data-parallel rank (vLLM's).
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+/// With disaggregation on: whether the request asked for a remote prefill (`true`/`false`).
+pub const REMOTE_PREFILL_HEADER: &str = "x-kvgate-sim-remote-prefill";
+/// With disaggregation on, on answers that are not streamed: the prompt tokens this engine
+/// computed for the request.
+pub const PROMPT_COMPUTED_HEADER: &str = "x-kvgate-sim-prompt-computed";
 
 /// What the handlers share.
 pub struct AppState {
@@ -63,11 +76,17 @@ pub struct AppState {
     /// Prompts this server tokenized itself (text and chat prompts; token-id prompts are not
     /// tokenized): `kvgate_sim:prompts_tokenized_total`, which shows token forwarding work.
     pub prompts_tokenized: AtomicU64,
+    /// The prefill/decode disaggregation protocol spoken, if any.
+    pub protocol: Protocol,
 }
 
 /// The routes.
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let routes = Router::new();
+    // A vLLM prefill engine's side channel: its decoders read held blocks here.
+    let routes =
+        if matches!(state.protocol, Protocol::Nixl(_)) { routes.route("/_kv/pull", post(kv_pull)) } else { routes };
+    routes
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(responses))
@@ -82,6 +101,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/_chaos/restart_publisher", post(restart_publisher))
         // vLLM (uvicorn) puts no limit on request bodies; neither does the simulator.
         .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(state)
+}
+
+/// An SGLang prefill server's bootstrap listener (`--disaggregation-bootstrap-port`): its
+/// decoders join rooms here.
+pub fn bootstrap_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/_kv/bootstrap", post(join_room))
+        .route("/health", get(|| async { StatusCode::OK }))
         .with_state(state)
 }
 
@@ -182,6 +210,12 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
         Ok(r) => r,
         Err(refusal) => return refusal.into_response(&state),
     };
+    // Disaggregation covers completions and chat; a Responses request is always served here.
+    let plan = if endpoint == Endpoint::Responses { Ok(Plan::Local) } else { state.protocol.plan(&body) };
+    let plan = match plan {
+        Ok(plan) => plan,
+        Err(message) => return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", message),
+    };
     let requested = match headers.get(DP_RANK_HEADER).map(|v| v.to_str().ok().and_then(|v| v.trim().parse().ok())) {
         None => None,
         Some(Some(rank)) => Some(rank),
@@ -190,16 +224,44 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
             return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", msg);
         }
     };
-    let Some(rank) = state.engine.pick(requested) else {
+    // An SGLang prefill server keeps a room on the rank its decoder will ask.
+    let requested = match plan {
+        Plan::BootstrapPrefill(room) => Some(room_rank(room, state.engine.ranks().len())),
+        _ => requested,
+    };
+    let Some((rank_index, rank)) = state.engine.pick(requested) else {
         let msg = format!("data-parallel rank {requested:?} out of range (size {})", state.engine.ranks().len());
         return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", msg);
     };
-    let max_tokens = request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS).max(1);
+    // A prefill for a remote decoder samples one token: SGLang's prefill sets
+    // `max_new_tokens = 1`; vLLM's proxies ask for `max_tokens: 1`.
+    let max_tokens = match plan {
+        Plan::RemoteDecode | Plan::BootstrapPrefill(_) => 1,
+        _ => request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS).max(1),
+    };
     let mut rng = rand::rngs::StdRng::seed_from_u64(state.seed ^ xxh3_64(&body));
     let output: Vec<u32> = (0..max_tokens).map(|_| rng.random_range(1000..9000)).collect();
+    let kind = match endpoint {
+        Endpoint::Completions => "cmpl-",
+        Endpoint::ChatCompletions => "chatcmpl-",
+        Endpoint::Responses => "resp_",
+    };
+    let id = format!("{kind}{:016x}", rng.random::<u64>());
     let prompt_len = tokens.len();
-    let mut tokens_rx = match state.engine.submit(rank, tokens, output, keys) {
-        Ok(rx) => rx,
+    let origin = Origin { rank: rank_index, remote_prefill: matches!(plan, Plan::RemotePrefill(_)), room: plan.room() };
+    let transfer = match plan {
+        Plan::Local => Transfer::None,
+        Plan::RemoteDecode => Transfer::Hold(HoldKey::Request(id.clone())),
+        Plan::BootstrapPrefill(room) => {
+            if let Some(refused) = wait_for_decoder(&state, rank_index, &id, room).await {
+                return refused;
+            }
+            Transfer::Hold(HoldKey::Room(room))
+        }
+        Plan::RemotePrefill(source) => Transfer::Load(source),
+    };
+    let submitted = match state.engine.submit(rank, tokens, output, keys, transfer) {
+        Ok(submitted) => submitted,
         Err(e @ SubmitError::TooLong { .. }) => {
             return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string())
         }
@@ -207,17 +269,18 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
             return error(&state, StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailableError", e.to_string())
         }
     };
-    let kind = match endpoint {
-        Endpoint::Completions => "cmpl-",
-        Endpoint::ChatCompletions => "chatcmpl-",
-        Endpoint::Responses => "resp_",
-    };
-    let id = format!("{kind}{:016x}", rng.random::<u64>());
     match (endpoint, request.stream) {
-        (Endpoint::Responses, true) => return stream_response(state, request, id, prompt_len, max_tokens, tokens_rx),
-        (_, true) => return stream(state, endpoint, request, id, prompt_len, tokens_rx),
+        (Endpoint::Responses, true) => {
+            let response = stream_response(state.clone(), request, id, prompt_len, max_tokens, submitted.tokens);
+            return disaggregation_headers(&state, response, origin, None);
+        }
+        (_, true) => {
+            let response = stream(state.clone(), endpoint, request, id, prompt_len, submitted, origin);
+            return disaggregation_headers(&state, response, origin, None);
+        }
         _ => {}
     }
+    let Submitted { tokens: mut tokens_rx, ending } = submitted;
     let mut output = Vec::new();
     let mut cached = 0;
     while let Some(e) = tokens_rx.recv().await {
@@ -227,11 +290,25 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
             break;
         }
     }
+    // Sent before the last token, or dropped: this does not wait.
+    let ending = ending.await.ok();
+    if let Some(Ending::TransferFailed(reason)) = &ending {
+        let (status, body) = transfer_failure(&state, &id, origin, reason);
+        let response = tagged(&state, (status, Json(body)).into_response());
+        return disaggregation_headers(&state, response, origin, None);
+    }
+    // `cached_tokens` is vLLM's `request.num_cached_tokens`: the tokens counted as computed when
+    // the request is first scheduled (`Scheduler.schedule`), which after a remote load are the
+    // local hits plus the loaded tokens, less the last one it recomputes
+    // (`_update_waiting_for_remote_kv`). So a decoder reports what it loaded as cached.
     let usage = Usage { prompt: prompt_len, completion: output.len(), cached, details: state.prompt_tokens_details };
     let text = state.tokenizer.decode(&output).unwrap_or_default();
+    // What this engine ran through the model of the prompt: all but what it found or loaded
+    // (vLLM's `local_compute`, per request).
+    let computed = Some(prompt_len - cached);
     if endpoint == Endpoint::Responses {
         let body = response_object(&id, &request.model, max_tokens, Some(&text), Some(&usage));
-        return tagged(&state, Json(body).into_response());
+        return disaggregation_headers(&state, tagged(&state, Json(body).into_response()), origin, computed);
     }
     let choice = match endpoint {
         Endpoint::Completions => {
@@ -242,9 +319,83 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
         }
     };
     let object = if endpoint == Endpoint::Completions { "text_completion" } else { "chat.completion" };
-    let body = json!({"id": id, "object": object, "created": unix_now(), "model": request.model,
+    let mut body = json!({"id": id, "object": object, "created": unix_now(), "model": request.model,
         "choices": [choice], "usage": usage.json()});
-    tagged(&state, Json(body).into_response())
+    if let (Some(Ending::Held(block_ids)), Protocol::Nixl(nixl)) = (&ending, &state.protocol) {
+        body["kv_transfer_params"] = nixl.prefill_params(rank_index, &id, block_ids);
+    }
+    disaggregation_headers(&state, tagged(&state, Json(body).into_response()), origin, computed)
+}
+
+/// Where a request was served, for what its disaggregation answers say.
+#[derive(Debug, Clone, Copy)]
+struct Origin {
+    /// The data-parallel rank.
+    rank: usize,
+    /// Whether it asked for a remote prefill.
+    remote_prefill: bool,
+    /// Its SGLang bootstrap room.
+    room: Option<u64>,
+}
+
+/// With disaggregation on, tags a response with whether its request asked for a remote
+/// prefill and, when known (not for streams, whose headers leave before the load), the prompt
+/// tokens this engine computed for it.
+fn disaggregation_headers(
+    state: &AppState,
+    mut response: Response,
+    origin: Origin,
+    computed: Option<usize>,
+) -> Response {
+    if state.protocol.is_on() {
+        let headers = response.headers_mut();
+        headers.insert(
+            REMOTE_PREFILL_HEADER,
+            HeaderValue::from_static(if origin.remote_prefill { "true" } else { "false" }),
+        );
+        if let Some(computed) = computed {
+            headers.insert(PROMPT_COMPUTED_HEADER, HeaderValue::from(computed));
+        }
+    }
+    response
+}
+
+/// The error a decode whose remote prefill could not be loaded gets. vLLM fails it with
+/// finish reason `error`, which its server answers with `GenerationError`: 500, "Internal
+/// server error" (`serving.py`, `_raise_if_error`). SGLang's decode aborts it with a 500 whose
+/// message is the transfer error (`decode.py`, `pop_transferred`), and its OpenAI server
+/// answers an `HTTPException` with the status as the error type.
+fn transfer_failure(state: &AppState, id: &str, origin: Origin, reason: &str) -> (StatusCode, Value) {
+    let status = StatusCode::INTERNAL_SERVER_ERROR;
+    let (message, kind) = match (&state.protocol, origin.room) {
+        (Protocol::Bootstrap(_), Some(room)) => (
+            format!(
+                "Decode transfer failed for request rank={} decode_req.req.rid='{id}' decode_req.req.bootstrap_room={room} with exception KVTransferError(bootstrap_room={room}): {reason}",
+                origin.rank
+            ),
+            "500",
+        ),
+        _ => ("Internal server error".to_owned(), "InternalServerError"),
+    };
+    (status, json!({"object": "error", "message": message, "type": kind, "param": null, "code": status.as_u16()}))
+}
+
+/// An SGLang prefill request waits for its room's decoder to join before it is computed
+/// (`PrefillBootstrapQueue`); one that waits in vain is refused as SGLang's prefill refuses
+/// it (`Prefill bootstrap failed …`, 500).
+async fn wait_for_decoder(state: &AppState, rank: usize, id: &str, room: u64) -> Option<Response> {
+    let Protocol::Bootstrap(bootstrap) = &state.protocol else { return None };
+    if bootstrap.arrivals.wait(room, bootstrap.timeout).await {
+        return None;
+    }
+    if let Some(r) = state.engine.ranks().get(rank) {
+        r.stats.bootstrap_failures.fetch_add(1, Ordering::Relaxed);
+    }
+    let message = format!(
+        "Prefill bootstrap failed for request rank={rank} req.rid='{id}' req.bootstrap_room={room} with exception KVTransferError(bootstrap_room={room}): Request {room} timed out after {:.1}s in KVPoll.Bootstrapping",
+        bootstrap.timeout.as_secs_f64()
+    );
+    Some(error(state, StatusCode::INTERNAL_SERVER_ERROR, "500", message))
 }
 
 /// `usage`, vLLM style.
@@ -383,8 +534,10 @@ fn stream(
     request: ParsedRequest,
     id: String,
     prompt_len: usize,
-    mut tokens_rx: tokio::sync::mpsc::UnboundedReceiver<Emitted>,
+    submitted: Submitted,
+    origin: Origin,
 ) -> Response {
+    let Submitted { tokens: mut tokens_rx, ending } = submitted;
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
     let worker = state.clone();
     tokio::spawn(async move {
@@ -421,6 +574,14 @@ fn stream(
             if e.finished {
                 break;
             }
+        }
+        if let Ok(Ending::TransferFailed(reason)) = ending.await {
+            // The status line is gone: the error goes in the stream, as vLLM and SGLang send it.
+            let (_, error) = transfer_failure(&worker, &id, origin, &reason);
+            if tx.send(Bytes::from(format!("data: {error}\n\n"))).await.is_ok() {
+                let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            }
+            return;
         }
         if request.include_usage {
             let mut body =
@@ -530,7 +691,7 @@ async fn unload_lora_adapter(State(state): State<Arc<AppState>>, body: Bytes) ->
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let mut text = crate::metrics::render(&state.model, state.engine.ranks(), state.engine.config());
+    let mut text = crate::metrics::render(&state.model, state.engine.ranks(), state.engine.config(), &state.protocol);
     let tokenized = state.prompts_tokenized.load(Ordering::Relaxed);
     text.push_str(&format!(
         "# TYPE kvgate_sim:prompts_tokenized_total counter\nkvgate_sim:prompts_tokenized_total{{model_name=\"{}\"}} {tokenized}\n",
@@ -571,4 +732,66 @@ async fn restart_publisher(State(state): State<Arc<AppState>>) -> Response {
         rank.publisher().restart();
     }
     tagged(&state, StatusCode::OK.into_response())
+}
+
+/// `POST /_kv/pull` (vLLM protocol, sim-private): a decoder reads a prefill request's held
+/// blocks, which frees them, as the NIXL read and its notification do. 404 if they are not
+/// held (expired, already read, unknown).
+async fn kv_pull(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let Protocol::Nixl(nixl) = &state.protocol else {
+        return error(&state, StatusCode::NOT_FOUND, "NotFoundError", "no KV connector".into());
+    };
+    let pull: PullRequest = match serde_json::from_slice(&body) {
+        Ok(pull) => pull,
+        Err(e) => return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()),
+    };
+    let Some(rank) = nixl.rank_of(&pull.remote_engine_id) else {
+        let message = format!("engine {:?} is not here", pull.remote_engine_id);
+        return error(&state, StatusCode::NOT_FOUND, "NotFoundError", message);
+    };
+    match state.engine.release(rank, HoldKey::Request(pull.remote_request_id.clone())).await {
+        Some(blocks) => {
+            let released = Released { block_ids: blocks.into_iter().map(|b| b as u64).collect() };
+            tagged(&state, Json(released).into_response())
+        }
+        None => {
+            let message =
+                format!("request {:?} holds no blocks here (expired, read, or unknown)", pull.remote_request_id);
+            error(&state, StatusCode::NOT_FOUND, "NotFoundError", message)
+        }
+    }
+}
+
+/// `POST /_kv/bootstrap` (SGLang protocol, sim-private, on the bootstrap listener): a decoder
+/// joins a room — which lets the room's prefill request be computed — and waits until the
+/// prefill holds the room's blocks, which it takes (they are freed). 408 after the bootstrap
+/// timeout.
+async fn join_room(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let Protocol::Bootstrap(bootstrap) = &state.protocol else {
+        return error(&state, StatusCode::NOT_FOUND, "NotFoundError", "not a prefill server".into());
+    };
+    let room = match serde_json::from_slice::<JoinRoom>(&body) {
+        Ok(join) => join.bootstrap_room,
+        Err(e) => return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()),
+    };
+    bootstrap.arrivals.arrive(room, bootstrap.timeout);
+    let rank = room_rank(room, state.engine.ranks().len());
+    let deadline = tokio::time::Instant::now() + bootstrap.timeout;
+    loop {
+        let changed = state.engine.holds_changed().notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        if let Some(blocks) = state.engine.release(rank, HoldKey::Room(room)).await {
+            let released = Released { block_ids: blocks.into_iter().map(|b| b as u64).collect() };
+            return tagged(&state, Json(released).into_response());
+        }
+        if tokio::time::timeout_at(deadline, changed).await.is_err() {
+            bootstrap.arrivals.forget(room);
+            let message = format!(
+                "Request {room} timed out after {:.1}s in KVPoll.WaitingForInput",
+                bootstrap.timeout.as_secs_f64()
+            );
+            return error(&state, StatusCode::REQUEST_TIMEOUT, "RequestTimeout", message);
+        }
+    }
 }

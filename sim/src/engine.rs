@@ -5,20 +5,27 @@
 //! (`duration / speedup` of wall time, against an absolute deadline so timer slack does not
 //! accumulate), publish the step's events, hand each produced token to its request. A
 //! request whose client went away is aborted and its blocks freed.
+//!
+//! Under prefill/decode disaggregation ([`Transfer`]) the loop also moves KV: a remote
+//! prefill the scheduler admits is loaded by a task of its own ([`Puller`]), which reports
+//! back to the loop; blocks held for a remote decoder are freed when it reads them
+//! ([`Engine::release`]) or when the hold times out; and a request's [`Ending`] tells its
+//! client what became of its blocks.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::Instant;
 
 use crate::extra_keys::ExtraKeys;
 use crate::histogram::Histogram;
 use crate::kv_cache::KvCache;
-use crate::kv_events::Publisher;
-use crate::scheduler::{blocks_needed, Emitted, Limits, Scheduler, SeqId};
+use crate::kv_events::{Event, Publisher};
+use crate::kv_transfer::{FailurePolicy, Puller, Source};
+use crate::scheduler::{blocks_needed, Emitted, Held, HoldKey, Limits, Load, Remote, Scheduler, SeqId};
 use crate::time_model::StepCost;
 use crate::vllm_hash::VllmHasher;
 
@@ -39,6 +46,19 @@ pub struct EngineConfig {
     pub speedup: f64,
     /// vLLM's block hasher.
     pub hasher: VllmHasher,
+    /// How KV moves between engines, with disaggregation on.
+    pub transfer: Option<TransferSetup>,
+}
+
+/// How an engine moves KV to and from other engines.
+#[derive(Debug, Clone)]
+pub struct TransferSetup {
+    /// Loads remote prefills.
+    pub puller: Puller,
+    /// What a remote prefill that cannot be loaded does.
+    pub on_failure: FailurePolicy,
+    /// How long blocks wait for their remote decoder (wall time).
+    pub hold: Duration,
 }
 
 /// A rank's live numbers, for `/metrics`.
@@ -62,6 +82,30 @@ pub struct RankStats {
     pub prompt_tokens: AtomicU64,
     /// Output tokens produced.
     pub generation_tokens: AtomicU64,
+    /// Prompt tokens computed here.
+    pub prompt_computed: AtomicU64,
+    /// Prompt tokens found in the GPU prefix cache.
+    pub prompt_local_hits: AtomicU64,
+    /// Prompt tokens loaded (CPU tier, remote prefill).
+    pub prompt_external: AtomicU64,
+    /// Prompt tokens not computed.
+    pub prompt_cached: AtomicU64,
+    /// Cached prompt tokens computed anyway (a prompt's last token).
+    pub prompt_recomputed: AtomicU64,
+    /// Requests decoded here after a remote prefill was loaded (decode side).
+    pub remote_prefills: AtomicU64,
+    /// Requests whose blocks were held for a remote decoder (prefill side).
+    pub remote_decodes: AtomicU64,
+    /// Prompt tokens loaded from remote prefills.
+    pub transferred_tokens: AtomicU64,
+    /// Remote prefills that could not be loaded.
+    pub transfer_failures: AtomicU64,
+    /// Holds whose decoder did not come in time.
+    pub expired_holds: AtomicU64,
+    /// Blocks held for remote decoders now.
+    pub held_blocks: AtomicU64,
+    /// SGLang prefill requests whose decoder never joined their room.
+    pub bootstrap_failures: AtomicU64,
     /// Time to first token, in simulated seconds.
     pub ttft: Mutex<Histogram>,
 }
@@ -89,15 +133,65 @@ pub enum SubmitError {
     Stopped,
 }
 
+/// What a request asks of KV transfer.
+#[derive(Debug)]
+pub enum Transfer {
+    /// Nothing: prefilled and decoded here.
+    None,
+    /// Prefill for a remote decoder: when done, hold the blocks under the key.
+    Hold(HoldKey),
+    /// Decode after a remote prefill: load the prompt from the source.
+    Load(Source),
+}
+
+/// How a request ended, beyond its tokens.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// Its blocks are held for its remote decoder: their ids.
+    Held(Vec<usize>),
+    /// Its remote prefill could not be loaded, and it failed: why.
+    TransferFailed(String),
+}
+
+/// A request on its way: its tokens, then, if anything, its [`Ending`] (the sender is dropped
+/// otherwise).
+pub struct Submitted {
+    /// The tokens it produces.
+    pub tokens: mpsc::UnboundedReceiver<Emitted>,
+    /// How it ended.
+    pub ending: oneshot::Receiver<Ending>,
+}
+
+/// A request for a rank.
+struct Submission {
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+    keys: ExtraKeys,
+    transfer: Transfer,
+    arrived: Instant,
+    reply: mpsc::UnboundedSender<Emitted>,
+    ending: oneshot::Sender<Ending>,
+}
+
 enum Command {
-    Submit {
-        prompt: Vec<u32>,
-        output: Vec<u32>,
-        keys: ExtraKeys,
-        arrived: Instant,
-        reply: mpsc::UnboundedSender<Emitted>,
-    },
+    Submit(Box<Submission>),
     Reset(oneshot::Sender<bool>),
+    /// A remote prefill's load is over (`tokens` were loaded, on success).
+    Loaded {
+        id: SeqId,
+        tokens: usize,
+        result: Result<(), String>,
+    },
+    /// A decoder reads the blocks held under a key.
+    Release {
+        key: HoldKey,
+        reply: oneshot::Sender<Option<Vec<usize>>>,
+    },
+    /// A hold timed out.
+    Expire {
+        key: HoldKey,
+        id: SeqId,
+    },
 }
 
 /// One data-parallel rank.
@@ -113,11 +207,13 @@ pub struct Engine {
     config: EngineConfig,
     ranks: Vec<Rank>,
     next: AtomicUsize,
+    holds_changed: Arc<Notify>,
 }
 
 impl Engine {
     /// Starts one loop per publisher (one per rank). Must run inside a tokio runtime.
     pub fn start(config: EngineConfig, publishers: Vec<Publisher>) -> Engine {
+        let holds_changed = Arc::new(Notify::new());
         let ranks = publishers
             .into_iter()
             .map(|publisher| {
@@ -129,12 +225,23 @@ impl Engine {
                     config.cpu_offload_blocks,
                     config.hasher.clone(),
                 );
-                let scheduler = Scheduler::new(config.limits, config.cost, cache);
-                tokio::spawn(run(scheduler, rx, publisher.clone(), stats.clone(), config.speedup));
+                let rank = RankLoop {
+                    scheduler: Scheduler::new(config.limits, config.cost, cache),
+                    commands: rx,
+                    to_self: tx.downgrade(),
+                    publisher: publisher.clone(),
+                    stats: stats.clone(),
+                    speedup: config.speedup,
+                    transfer: config.transfer.clone(),
+                    holds_changed: holds_changed.clone(),
+                    clients: HashMap::new(),
+                    sources: HashMap::new(),
+                };
+                tokio::spawn(rank.run());
                 Rank { commands: tx, publisher, stats }
             })
             .collect();
-        Engine { config, ranks, next: AtomicUsize::new(0) }
+        Engine { config, ranks, next: AtomicUsize::new(0), holds_changed }
     }
 
     /// The ranks.
@@ -148,31 +255,30 @@ impl Engine {
     }
 
     /// Picks a rank: the requested one (`X-data-parallel-rank`), or the next in turn.
-    pub fn pick(&self, requested: Option<usize>) -> Option<&Rank> {
-        match requested {
-            Some(r) => self.ranks.get(r),
-            None => self.ranks.get(self.next.fetch_add(1, Ordering::Relaxed) % self.ranks.len()),
-        }
+    pub fn pick(&self, requested: Option<usize>) -> Option<(usize, &Rank)> {
+        let i = requested.unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed) % self.ranks.len());
+        self.ranks.get(i).map(|rank| (i, rank))
     }
 
-    /// Queues a request on `rank`, under a LoRA adapter if given; its tokens arrive on the
-    /// returned channel.
+    /// Queues a request on `rank`, under a LoRA adapter if given, with its KV transfer; its
+    /// tokens arrive on the returned channel.
     pub fn submit(
         &self,
         rank: &Rank,
         prompt: Vec<u32>,
         output: Vec<u32>,
         keys: ExtraKeys,
-    ) -> Result<mpsc::UnboundedReceiver<Emitted>, SubmitError> {
+        transfer: Transfer,
+    ) -> Result<Submitted, SubmitError> {
         let needed = blocks_needed(prompt.len(), output.len(), self.config.block_size);
         if needed > self.config.num_gpu_blocks {
             return Err(SubmitError::TooLong { needed, available: self.config.num_gpu_blocks });
         }
-        let (reply, rx) = mpsc::unbounded_channel();
-        rank.commands
-            .send(Command::Submit { prompt, output, keys, arrived: Instant::now(), reply })
-            .map_err(|_| SubmitError::Stopped)?;
-        Ok(rx)
+        let (reply, tokens) = mpsc::unbounded_channel();
+        let (ending, ended) = oneshot::channel();
+        let submission = Submission { prompt, output, keys, transfer, arrived: Instant::now(), reply, ending };
+        rank.commands.send(Command::Submit(Box::new(submission))).map_err(|_| SubmitError::Stopped)?;
+        Ok(Submitted { tokens, ending: ended })
     }
 
     /// Resets every rank's prefix cache; false if any rank has requests holding blocks.
@@ -184,6 +290,19 @@ impl Engine {
         }
         ok
     }
+
+    /// A decoder reads the blocks rank `rank` holds under `key`: they are freed. Their ids, or
+    /// `None` if none are held (not yet, or any more).
+    pub async fn release(&self, rank: usize, key: HoldKey) -> Option<Vec<usize>> {
+        let (reply, released) = oneshot::channel();
+        self.ranks.get(rank)?.commands.send(Command::Release { key, reply }).ok()?;
+        released.await.ok().flatten()
+    }
+
+    /// Notified whenever a rank starts holding blocks for a remote decoder.
+    pub fn holds_changed(&self) -> &Notify {
+        &self.holds_changed
+    }
 }
 
 impl Rank {
@@ -193,102 +312,228 @@ impl Rank {
     }
 }
 
-/// A request in flight: where its tokens go, and when it arrived.
+/// A request in flight: where its tokens and ending go, and when it arrived.
 struct Client {
     reply: mpsc::UnboundedSender<Emitted>,
+    ending: Option<oneshot::Sender<Ending>>,
     arrived: Instant,
 }
 
 /// Steps later than this behind the simulated clock restart it rather than run back to back.
 const MAX_LAG: Duration = Duration::from_millis(5);
 
-async fn run(
-    mut scheduler: Scheduler,
-    mut commands: mpsc::UnboundedReceiver<Command>,
+/// A rank's loop and what it keeps.
+struct RankLoop {
+    scheduler: Scheduler,
+    commands: mpsc::UnboundedReceiver<Command>,
+    /// For the loop's own tasks (loads, hold timers), which must not keep it alive.
+    to_self: mpsc::WeakUnboundedSender<Command>,
     publisher: Publisher,
     stats: Arc<RankStats>,
     speedup: f64,
-) {
-    let mut clients: HashMap<SeqId, Client> = HashMap::new();
-    // Wall-clock instant at which the current busy period's simulated time would be 0.
-    let mut epoch: Option<Instant> = None;
-    let mut simulated = Duration::ZERO;
-    loop {
-        if scheduler.is_idle() {
-            epoch = None;
-            match commands.recv().await {
-                Some(c) => handle(c, &mut scheduler, &mut clients, &publisher),
-                None => return,
-            }
-        }
-        while let Ok(c) = commands.try_recv() {
-            handle(c, &mut scheduler, &mut clients, &publisher);
-        }
-        let out = scheduler.step();
-        if out.duration_us == 0.0 {
-            // Nothing schedulable: wait for the next command rather than spin.
-            publisher.publish(out.events);
-            match commands.recv().await {
-                Some(c) => handle(c, &mut scheduler, &mut clients, &publisher),
-                None => return,
-            }
-            continue;
-        }
-        let now = Instant::now();
-        let start = epoch.get_or_insert_with(|| {
-            simulated = Duration::ZERO;
-            now
-        });
-        let step = Duration::from_secs_f64(out.duration_us / 1e6 / speedup);
-        simulated += step;
-        let mut deadline = *start + simulated;
-        if now > deadline + MAX_LAG {
-            // The host fell behind (a slow step, a busy machine): carry on from now.
-            deadline = now + step;
-            *start = deadline.checked_sub(simulated).unwrap_or(now);
-        }
-        tokio::time::sleep_until(deadline).await;
-        publisher.publish(out.events);
-        let mut events = Vec::new();
-        for e in out.emitted {
-            let Some(client) = clients.get(&e.id) else { continue };
-            if e.index == 1 {
-                let ttft = client.arrived.elapsed().as_secs_f64() * speedup;
-                stats.ttft.lock().unwrap_or_else(|p| p.into_inner()).observe(ttft);
-            }
-            if client.reply.send(e).is_err() {
-                events.extend(scheduler.abort(e.id));
-                clients.remove(&e.id);
-            } else if e.finished {
-                clients.remove(&e.id);
-            }
-        }
-        publisher.publish(events);
-        let c = scheduler.counters();
-        stats.running.store(scheduler.num_running() as u64, Ordering::Relaxed);
-        stats.waiting.store(scheduler.num_waiting() as u64, Ordering::Relaxed);
-        stats.usage_bits.store(scheduler.cache_usage().to_bits(), Ordering::Relaxed);
-        stats.cached_blocks.store(scheduler.cached_blocks() as u64, Ordering::Relaxed);
-        stats.prefix_queries.store(c.prefix_queries, Ordering::Relaxed);
-        stats.prefix_hits.store(c.prefix_hits, Ordering::Relaxed);
-        stats.preemptions.store(c.preemptions, Ordering::Relaxed);
-        stats.prompt_tokens.store(c.prompt_tokens, Ordering::Relaxed);
-        stats.generation_tokens.store(c.generation_tokens, Ordering::Relaxed);
-    }
+    transfer: Option<TransferSetup>,
+    holds_changed: Arc<Notify>,
+    clients: HashMap<SeqId, Client>,
+    /// Where each remote prefill not yet admitted loads from.
+    sources: HashMap<SeqId, Source>,
 }
 
-fn handle(c: Command, scheduler: &mut Scheduler, clients: &mut HashMap<SeqId, Client>, publisher: &Publisher) {
-    match c {
-        Command::Submit { prompt, output, keys, arrived, reply } => {
-            // Size was checked by `Engine::submit`; a refusal here just closes the channel.
-            if let Ok(id) = scheduler.add(prompt, output, keys) {
-                clients.insert(id, Client { reply, arrived });
+impl RankLoop {
+    async fn run(mut self) {
+        // Wall-clock instant at which the current busy period's simulated time would be 0.
+        let mut epoch: Option<Instant> = None;
+        let mut simulated = Duration::ZERO;
+        loop {
+            if self.scheduler.is_idle() {
+                epoch = None;
+                let Some(c) = self.commands.recv().await else { return };
+                self.handle(c);
+            }
+            while let Ok(c) = self.commands.try_recv() {
+                self.handle(c);
+            }
+            let mut out = self.scheduler.step();
+            self.start_loads(std::mem::take(&mut out.loads));
+            if out.duration_us == 0.0 {
+                // Nothing schedulable: wait for the next command rather than spin.
+                self.publisher.publish(out.events);
+                self.record();
+                let Some(c) = self.commands.recv().await else { return };
+                self.handle(c);
+                continue;
+            }
+            let now = Instant::now();
+            let start = epoch.get_or_insert_with(|| {
+                simulated = Duration::ZERO;
+                now
+            });
+            let step = Duration::from_secs_f64(out.duration_us / 1e6 / self.speedup);
+            simulated += step;
+            let mut deadline = *start + simulated;
+            if now > deadline + MAX_LAG {
+                // The host fell behind (a slow step, a busy machine): carry on from now.
+                deadline = now + step;
+                *start = deadline.checked_sub(simulated).unwrap_or(now);
+            }
+            tokio::time::sleep_until(deadline).await;
+            self.publisher.publish(out.events);
+            self.hold(out.held);
+            self.dispatch(out.emitted);
+            self.record();
+        }
+    }
+
+    fn handle(&mut self, c: Command) {
+        match c {
+            Command::Submit(submission) => {
+                let Submission { prompt, output, keys, transfer, arrived, reply, ending } = *submission;
+                let (remote, source) = match transfer {
+                    Transfer::None => (Remote::None, None),
+                    Transfer::Hold(key) => (Remote::Decode(key), None),
+                    Transfer::Load(source) => (Remote::Prefill(source.mode()), Some(source)),
+                };
+                // Size was checked by `Engine::submit`; a refusal here just closes the channel.
+                if let Ok(id) = self.scheduler.add(prompt, output, keys, remote) {
+                    self.clients.insert(id, Client { reply, ending: Some(ending), arrived });
+                    if let Some(source) = source {
+                        self.sources.insert(id, source);
+                    }
+                }
+            }
+            Command::Reset(done) => {
+                let (ok, events) = self.scheduler.reset_prefix_cache();
+                self.publisher.publish(events);
+                let _ = done.send(ok);
+            }
+            Command::Loaded { id, tokens, result } => self.loaded(id, tokens, result),
+            Command::Release { key, reply } => {
+                let mut events = Vec::new();
+                let released = self.scheduler.release(&key, &mut events);
+                self.publisher.publish(events);
+                let _ = reply.send(released);
+            }
+            Command::Expire { key, id } => {
+                let mut events = Vec::new();
+                if self.scheduler.expire(&key, id, &mut events) {
+                    tracing::info!(?key, "blocks held for a remote decoder expired");
+                    self.stats.expired_holds.fetch_add(1, Ordering::Relaxed);
+                }
+                self.publisher.publish(events);
             }
         }
-        Command::Reset(done) => {
-            let (ok, events) = scheduler.reset_prefix_cache();
-            publisher.publish(events);
-            let _ = done.send(ok);
+    }
+
+    /// Starts loading the remote prefills the scheduler admitted, each in a task of its own.
+    fn start_loads(&mut self, loads: Vec<Load>) {
+        for load in loads {
+            let source = self.sources.remove(&load.id);
+            let (Some(source), Some(setup)) = (source, self.transfer.as_ref()) else {
+                self.loaded(load.id, load.tokens, Err("no KV transfer is configured".into()));
+                continue;
+            };
+            let (puller, to_self) = (setup.puller.clone(), self.to_self.clone());
+            tokio::spawn(async move {
+                let result = puller.pull(&source, &load).await;
+                if let Some(tx) = to_self.upgrade() {
+                    let _ = tx.send(Command::Loaded { id: load.id, tokens: load.tokens, result });
+                }
+            });
         }
+    }
+
+    /// A remote prefill's load is over: the sequence carries on, or falls back to computing
+    /// its prompt, or fails, per the failure policy.
+    fn loaded(&mut self, id: SeqId, tokens: usize, result: Result<(), String>) {
+        let reason = match result {
+            Ok(()) => {
+                let Some((events, first)) = self.scheduler.finish_load(id, true) else { return };
+                self.stats.remote_prefills.fetch_add(1, Ordering::Relaxed);
+                self.stats.transferred_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+                self.publisher.publish(events);
+                self.dispatch(first.into_iter().collect());
+                return;
+            }
+            Err(reason) => reason,
+        };
+        self.stats.transfer_failures.fetch_add(1, Ordering::Relaxed);
+        let policy = self.transfer.as_ref().map_or(FailurePolicy::Fail, |t| t.on_failure);
+        tracing::warn!(%reason, ?policy, "a remote prefill could not be loaded");
+        let events: Vec<Event> = match policy {
+            FailurePolicy::Recompute => {
+                self.scheduler.finish_load(id, false).map(|(events, _)| events).unwrap_or_default()
+            }
+            FailurePolicy::Fail => {
+                let events = self.scheduler.abort(id);
+                if let Some(ending) = self.clients.remove(&id).and_then(|c| c.ending) {
+                    let _ = ending.send(Ending::TransferFailed(reason));
+                }
+                events
+            }
+        };
+        self.publisher.publish(events);
+    }
+
+    /// Blocks now held for remote decoders: their requests learn the ids, the holds get their
+    /// timers, and whoever waits for a hold is woken.
+    fn hold(&mut self, held: Vec<Held>) {
+        if held.is_empty() {
+            return;
+        }
+        for Held { id, key, block_ids } in held {
+            self.stats.remote_decodes.fetch_add(1, Ordering::Relaxed);
+            if let Some(ending) = self.clients.get_mut(&id).and_then(|c| c.ending.take()) {
+                let _ = ending.send(Ending::Held(block_ids));
+            }
+            let wait = self.transfer.as_ref().map_or(Duration::ZERO, |t| t.hold);
+            let to_self = self.to_self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(wait).await;
+                if let Some(tx) = to_self.upgrade() {
+                    let _ = tx.send(Command::Expire { key, id });
+                }
+            });
+        }
+        self.holds_changed.notify_waiters();
+    }
+
+    /// Hands tokens to their requests; a request whose client went away is aborted.
+    fn dispatch(&mut self, emitted: Vec<Emitted>) {
+        let mut events = Vec::new();
+        for e in emitted {
+            let Some(client) = self.clients.get(&e.id) else { continue };
+            if e.index == 1 {
+                let ttft = client.arrived.elapsed().as_secs_f64() * self.speedup;
+                self.stats.ttft.lock().unwrap_or_else(|p| p.into_inner()).observe(ttft);
+            }
+            if client.reply.send(e).is_err() {
+                events.extend(self.scheduler.abort(e.id));
+                self.clients.remove(&e.id);
+            } else if e.finished {
+                self.clients.remove(&e.id);
+            }
+        }
+        self.publisher.publish(events);
+    }
+
+    /// Stores the live numbers for `/metrics`.
+    fn record(&self) {
+        let (s, stats) = (&self.scheduler, &self.stats);
+        let c = s.counters();
+        let store = |a: &AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
+        store(&stats.running, s.num_running() as u64);
+        store(&stats.waiting, s.num_waiting() as u64);
+        store(&stats.usage_bits, s.cache_usage().to_bits());
+        store(&stats.cached_blocks, s.cached_blocks() as u64);
+        store(&stats.held_blocks, s.held_blocks() as u64);
+        store(&stats.prefix_queries, c.prefix_queries);
+        store(&stats.prefix_hits, c.prefix_hits);
+        store(&stats.preemptions, c.preemptions);
+        store(&stats.prompt_tokens, c.prompt_tokens);
+        store(&stats.generation_tokens, c.generation_tokens);
+        store(&stats.prompt_computed, c.prompt_computed);
+        store(&stats.prompt_local_hits, c.prompt_local_hits);
+        store(&stats.prompt_external, c.prompt_external);
+        store(&stats.prompt_cached, c.prompt_cached);
+        store(&stats.prompt_recomputed, c.prompt_recomputed);
     }
 }

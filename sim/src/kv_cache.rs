@@ -55,6 +55,11 @@ impl Allocation {
     pub fn computed_tokens(&self) -> usize {
         self.cached_tokens + self.loaded_tokens
     }
+
+    /// Its block ids, in sequence order.
+    pub fn block_ids(&self) -> &[usize] {
+        &self.blocks
+    }
 }
 
 /// Not enough free blocks.

@@ -6,6 +6,10 @@
 //!            --kv-events-config '{"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}'
 //! ```
 //!
+//! Prefill/decode disaggregation, as vLLM (`--kv-transfer-config
+//! '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'`) or as SGLang
+//! (`--disaggregation-mode prefill --disaggregation-bootstrap-port 8998`, or `decode`).
+//!
 //! | module | responsibility |
 //! |---|---|
 //! | `api` | vLLM's OpenAI-compatible HTTP API |
@@ -14,6 +18,7 @@
 //! | `time_model` | step duration; calibrated presets |
 //! | `kv_cache` | paged blocks, prefix caching, LRU eviction, the CPU offload tier |
 //! | `kv_events` | vLLM's KV-event wire format over ZMQ PUB, replay ROUTER |
+//! | `kv_transfer` | prefill/decode disaggregation: vLLM's NixlConnector and SGLang's bootstrap request protocols, pulling held blocks, transfer time |
 //! | `lora` | LoRA adapters: registered at start or at run time, salting their blocks |
 //! | `vllm_hash` | vLLM's block hashes (sha256 over pickle or CBOR) |
 //! | `metrics` | vLLM's Prometheus metrics |
@@ -26,15 +31,18 @@ mod extra_keys;
 mod histogram;
 mod kv_cache;
 mod kv_events;
+mod kv_transfer;
 mod lora;
 mod metrics;
 mod scheduler;
 mod time_model;
 mod vllm_hash;
 
+use std::future::IntoFuture;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use axum::serve::ListenerExt;
@@ -136,6 +144,41 @@ struct Cli {
     /// LoRA adapters served from the start: `name=path` or `{"name": …, "path": …}`.
     #[arg(long, num_args = 1..)]
     lora_modules: Vec<String>,
+    /// vLLM's KV-transfer configuration JSON: `kv_connector` (only "NixlConnector"),
+    /// `kv_role`, `engine_id`, `kv_load_failure_policy` ("fail" by default, or "recompute");
+    /// `kv_connector_extra_config` and other keys are accepted and ignored. Turns on vLLM's
+    /// prefill/decode request protocol (`kv_transfer_params`).
+    #[arg(long)]
+    kv_transfer_config: Option<String>,
+    /// The host decoders reach this engine's held blocks at (`remote_host` in prefill
+    /// answers; vLLM's `VLLM_NIXL_SIDE_CHANNEL_HOST`). Default: `--host`, or 127.0.0.1 when
+    /// that is a wildcard. The port is `--port`.
+    #[arg(long, env = "VLLM_NIXL_SIDE_CHANNEL_HOST")]
+    kv_side_channel_host: Option<String>,
+    /// How long a prefill holds finished blocks for their decoder, in simulated seconds
+    /// (vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`).
+    #[arg(long, env = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", default_value_t = 480.0)]
+    kv_transfer_hold_secs: f64,
+    /// Bandwidth of KV transfers between engines, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    kv_transfer_gbps: f64,
+    /// KV bytes per token a transfer moves. Default: the preset's model's, else 131072
+    /// (Llama-3.1-8B in BF16).
+    #[arg(long)]
+    kv_bytes_per_token: Option<u64>,
+    /// SGLang's `--disaggregation-mode`: `prefill` or `decode` turns on SGLang's
+    /// prefill/decode request protocol (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`).
+    #[arg(long, value_enum, default_value_t = kv_transfer::DisaggregationMode::Null)]
+    disaggregation_mode: kv_transfer::DisaggregationMode,
+    /// SGLang's `--disaggregation-bootstrap-port`: a prefill server's bootstrap listener (on
+    /// `--host`); for a decode server, the port of requests whose `bootstrap_port` is null.
+    #[arg(long, default_value_t = 8998)]
+    disaggregation_bootstrap_port: u16,
+    /// How long one side of an SGLang room waits for the other, in simulated seconds (SGLang's
+    /// `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`): a prefill for its decoder to join, a
+    /// decoder for its prefill's KV, a prefill's blocks for their decoder.
+    #[arg(long, env = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", default_value_t = 300.0)]
+    disaggregation_bootstrap_timeout_secs: f64,
 }
 
 impl Cli {
@@ -176,7 +219,68 @@ impl Cli {
             "time-model coefficients must be finite and non-negative"
         );
         anyhow::ensure!(c.base_us > 0.0 || c.prefill_us_per_token > 0.0, "a step must take some time");
+        anyhow::ensure!(
+            self.kv_transfer_config.is_none() || self.disaggregation_mode == kv_transfer::DisaggregationMode::Null,
+            "--kv-transfer-config (vLLM) and --disaggregation-mode (SGLang) are two protocols: pick one"
+        );
+        let positive = [self.kv_transfer_gbps, self.kv_transfer_hold_secs, self.disaggregation_bootstrap_timeout_secs];
+        anyhow::ensure!(
+            positive.iter().all(|v| v.is_finite() && *v > 0.0),
+            "--kv-transfer-gbps, --kv-transfer-hold-secs and --disaggregation-bootstrap-timeout-secs must be positive"
+        );
+        anyhow::ensure!(self.kv_bytes_per_token != Some(0), "--kv-bytes-per-token must be positive");
         Ok(())
+    }
+
+    /// The disaggregation protocol the flags ask for, and how this engine moves KV for it.
+    fn disaggregation(&self) -> anyhow::Result<(kv_transfer::Protocol, Option<engine::TransferSetup>)> {
+        use kv_transfer::{Bootstrap, DisaggregationMode, FailurePolicy, Nixl, Protocol, Side};
+        // Every duration is simulated time, run `--speedup` times faster.
+        let wall = |secs: f64| Duration::from_secs_f64(secs / self.speedup);
+        let bootstrap_wait = wall(self.disaggregation_bootstrap_timeout_secs);
+        let timing = kv_transfer::TransferTiming {
+            bytes_per_token: self
+                .kv_bytes_per_token
+                .or(self.preset.kv_bytes_per_token())
+                .unwrap_or(kv_transfer::DEFAULT_KV_BYTES_PER_TOKEN),
+            gbps: self.kv_transfer_gbps,
+            speedup: self.speedup,
+        };
+        let puller = || kv_transfer::Puller::new(timing, bootstrap_wait).context("building the KV transfer client");
+        if let Some(json) = &self.kv_transfer_config {
+            let config = kv_transfer::KvTransferConfig::parse(json)?;
+            let engine_id = match config.engine_id() {
+                Some(id) => id.to_owned(),
+                None => format!("{}-{:016x}", self.replica, rand::random::<u64>()),
+            };
+            let host = match &self.kv_side_channel_host {
+                Some(host) => host.clone(),
+                None if self.host.is_unspecified() => "127.0.0.1".to_owned(),
+                None => self.host.to_string(),
+            };
+            tracing::info!(%engine_id, role = ?config.role(), policy = ?config.failure_policy(), "vLLM NixlConnector protocol");
+            let setup = engine::TransferSetup {
+                puller: puller()?,
+                on_failure: config.failure_policy(),
+                hold: wall(self.kv_transfer_hold_secs),
+            };
+            let nixl = Nixl::new(engine_id, self.data_parallel_size as usize, host, self.port);
+            return Ok((Protocol::Nixl(nixl), Some(setup)));
+        }
+        let side = match self.disaggregation_mode {
+            DisaggregationMode::Null => return Ok((Protocol::Off, None)),
+            DisaggregationMode::Prefill => Side::Prefill,
+            DisaggregationMode::Decode => Side::Decode,
+        };
+        // An SGLang decode that cannot get its KV is aborted: there is no recompute policy.
+        let setup = engine::TransferSetup { puller: puller()?, on_failure: FailurePolicy::Fail, hold: bootstrap_wait };
+        let bootstrap = Bootstrap {
+            side,
+            port: self.disaggregation_bootstrap_port,
+            timeout: bootstrap_wait,
+            arrivals: Default::default(),
+        };
+        Ok((Protocol::Bootstrap(bootstrap), Some(setup)))
     }
 }
 
@@ -194,6 +298,7 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     cli.validate()?;
+    let (protocol, transfer) = cli.disaggregation()?;
     let model = cli.served_model_name.clone().unwrap_or_else(|| cli.model.clone());
     let bundle = ModelBundle::from_dir(&model, &cli.tokenizer, cli.block_size as u32)
         .with_context(|| format!("loading the tokenizer from {}", cli.tokenizer.display()))?;
@@ -232,6 +337,7 @@ async fn main() -> anyhow::Result<()> {
                 cli.prefix_caching_hash_algo,
                 std::env::var("PYTHONHASHSEED").ok().as_deref(),
             ),
+            transfer,
         },
         publishers,
     ));
@@ -255,11 +361,29 @@ async fn main() -> anyhow::Result<()> {
         prompt_tokens_details: cli.enable_prompt_tokens_details,
         max_model_len: cli.num_gpu_blocks_override * cli.block_size,
         prompts_tokenized: Default::default(),
+        protocol,
     });
     let listen = SocketAddr::new(cli.host, cli.port);
     let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+    // An SGLang prefill server's bootstrap server listens beside the API.
+    let bootstrap = match &state.protocol {
+        kv_transfer::Protocol::Bootstrap(b) if b.side == kv_transfer::Side::Prefill => {
+            let listen = SocketAddr::new(cli.host, cli.disaggregation_bootstrap_port);
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("binding the bootstrap server {listen}"))?;
+            Some(axum::serve(listener.tap_io(no_delay), api::bootstrap_router(state.clone())))
+        }
+        _ => None,
+    };
     tracing::info!(replica = %cli.replica, %listen, preset = %cli.preset, speedup = cli.speedup, ranks = cli.data_parallel_size, "kvgate-sim ready");
-    axum::serve(listener.tap_io(no_delay), api::router(state)).await?;
+    let api = axum::serve(listener.tap_io(no_delay), api::router(state));
+    match bootstrap {
+        Some(bootstrap) => {
+            tokio::try_join!(api.into_future(), bootstrap.into_future())?;
+        }
+        None => api.await?,
+    }
     Ok(())
 }
 

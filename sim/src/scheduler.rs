@@ -13,8 +13,18 @@
 //! has computed all its tokens samples one (the first token ends the prefill), and sequences
 //! that reached their `max_tokens` finish and free their blocks. The scheduler is pure: no
 //! clock, no I/O, so tests drive it step by step.
+//!
+//! Prefill/decode disaggregation ([`Remote`]), as vLLM's scheduler runs a KV connector:
+//! - a sequence decoded elsewhere keeps its blocks when it finishes: they are held under a
+//!   [`HoldKey`] until [`Scheduler::release`] (its decoder read them) or
+//!   [`Scheduler::expire`];
+//! - a sequence prefilled elsewhere is admitted without compute budget or a running slot: it
+//!   gets blocks for its whole prompt past the local prefix hit and waits, outside the queue
+//!   (vLLM's `WAITING_FOR_REMOTE_KVS`), while the engine loads them ([`Load`]); then
+//!   [`Scheduler::finish_load`] caches the loaded blocks and puts it back at the head of the
+//!   queue to compute what is left.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use crate::extra_keys::ExtraKeys;
 use crate::kv_cache::{Allocation, KvCache};
@@ -59,6 +69,67 @@ pub struct StepOutcome {
     pub emitted: Vec<Emitted>,
     /// KV events of the step, in order.
     pub events: Vec<Event>,
+    /// Remote prefills admitted this step, for the engine to load.
+    pub loads: Vec<Load>,
+    /// Finished sequences whose blocks are now held for their remote decoder.
+    pub held: Vec<Held>,
+}
+
+/// Where a request's KV comes from or goes to, under prefill/decode disaggregation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Remote {
+    /// Prefilled and decoded here.
+    None,
+    /// Decoded elsewhere (vLLM's `do_remote_decode`, an SGLang prefill server's request): when
+    /// it finishes, its blocks are held under the key for the decoder to read.
+    Decode(HoldKey),
+    /// Prefilled elsewhere (vLLM's `do_remote_prefill`, an SGLang decode server's request):
+    /// the prompt past the local prefix hit is loaded, not computed.
+    Prefill(LoadMode),
+}
+
+/// What finished blocks are held under until their decoder reads them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum HoldKey {
+    /// vLLM: the prefill request's id (`remote_request_id`).
+    Request(String),
+    /// SGLang: the bootstrap room.
+    Room(u64),
+}
+
+/// How a decoder carries on once a remote prefill is loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadMode {
+    /// vLLM (`Scheduler._update_waiting_for_remote_kv`): the loaded prompt counts as computed
+    /// but for its last token, which the decoder computes to sample its own first token.
+    RecomputeLast,
+    /// SGLang (`decode.py`): the whole prompt is loaded with the first token the prefill
+    /// sampled, and decoding goes on from there without a prefill pass.
+    WithFirstToken,
+}
+
+/// A remote prefill to load: the engine fetches it, then calls [`Scheduler::finish_load`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Load {
+    /// The sequence.
+    pub id: SeqId,
+    /// Prompt tokens found locally (GPU or CPU tier): not loaded.
+    pub local_tokens: usize,
+    /// Prompt tokens to load.
+    pub tokens: usize,
+    /// The blocks they fill (the last one may be partial).
+    pub blocks: usize,
+}
+
+/// A finished sequence's blocks, held for its remote decoder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    /// The sequence.
+    pub id: SeqId,
+    /// What they are held under.
+    pub key: HoldKey,
+    /// The block ids, in sequence order (vLLM's `remote_block_ids`).
+    pub block_ids: Vec<usize>,
 }
 
 /// A prompt that can never fit in the cache.
@@ -82,6 +153,31 @@ pub struct Counters {
     pub prompt_tokens: u64,
     /// Output tokens produced.
     pub generation_tokens: u64,
+    /// Of the prompt tokens, those computed here (vLLM's `local_compute` source).
+    pub prompt_computed: u64,
+    /// Those found in the GPU prefix cache (`local_cache_hit`).
+    pub prompt_local_hits: u64,
+    /// Those loaded: from the CPU tier or a remote prefill (`external_kv_transfer`).
+    pub prompt_external: u64,
+    /// Those not computed (`vllm:prompt_tokens_cached`).
+    pub prompt_cached: u64,
+    /// Cached tokens computed anyway: a whole prompt cached but its last token, which a
+    /// request always computes (`vllm:prompt_tokens_recomputed`).
+    pub prompt_recomputed: u64,
+}
+
+impl Counters {
+    /// Counts a request's prompt once what it need not compute is known (`cached`, of which
+    /// `external` was loaded), by source as vLLM's `PromptTokenStats.update_from_output` does.
+    fn prompt(&mut self, len: usize, cached: usize, external: usize) {
+        let recomputed = usize::from(cached + 1 == len);
+        self.prompt_tokens += len as u64;
+        self.prompt_computed += (len - cached) as u64;
+        self.prompt_external += external as u64;
+        self.prompt_local_hits += (cached + recomputed).saturating_sub(external) as u64;
+        self.prompt_cached += cached as u64;
+        self.prompt_recomputed += recomputed as u64;
+    }
 }
 
 #[derive(Debug)]
@@ -99,6 +195,10 @@ struct Seq {
     cached_tokens: Option<usize>,
     /// Its LoRA adapter and `cache_salt`.
     keys: ExtraKeys,
+    /// Where its KV comes from or goes to.
+    remote: Remote,
+    /// Prompt tokens loaded rather than computed (CPU tier, remote prefill).
+    external: usize,
 }
 
 /// KV blocks a request holds at its longest: the prompt plus every output token but the last
@@ -115,6 +215,10 @@ pub struct Scheduler {
     cache: KvCache,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// Remote prefills being loaded, with how they carry on.
+    loading: Vec<(LoadMode, Seq)>,
+    /// Blocks of finished sequences held for remote decoders, with the sequence they were.
+    held: HashMap<HoldKey, (SeqId, Allocation)>,
     next_id: SeqId,
     counters: Counters,
 }
@@ -128,14 +232,22 @@ impl Scheduler {
             cache,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            loading: Vec::new(),
+            held: HashMap::new(),
             next_id: 0,
             counters: Counters::default(),
         }
     }
 
     /// Queues a request that will produce `output` (at least one token), with its extra keys
-    /// (LoRA adapter, `cache_salt`).
-    pub fn add(&mut self, prompt: Vec<u32>, output: Vec<u32>, keys: ExtraKeys) -> Result<SeqId, TooLong> {
+    /// (LoRA adapter, `cache_salt`) and where its KV comes from or goes to.
+    pub fn add(
+        &mut self,
+        prompt: Vec<u32>,
+        output: Vec<u32>,
+        keys: ExtraKeys,
+        remote: Remote,
+    ) -> Result<SeqId, TooLong> {
         debug_assert!(!prompt.is_empty() && !output.is_empty());
         let needed = blocks_needed(prompt.len(), output.len(), self.cache.block_size());
         if needed > self.cache.num_blocks() {
@@ -154,15 +266,20 @@ impl Scheduler {
             alloc: None,
             cached_tokens: None,
             keys,
+            remote,
+            external: 0,
         });
         Ok(id)
     }
 
-    /// Drops a request (its client went away), freeing its blocks. Returns the events.
+    /// Drops a request (its client went away, or its remote prefill could not be loaded),
+    /// freeing its blocks. Returns the events.
     pub fn abort(&mut self, id: SeqId) -> Vec<Event> {
         let mut events = Vec::new();
         let seq = if let Some(i) = self.running.iter().position(|s| s.id == id) {
             Some(self.running.remove(i))
+        } else if let Some(i) = self.loading.iter().position(|(_, s)| s.id == id) {
+            Some(self.loading.remove(i).1)
         } else {
             self.waiting.iter().position(|s| s.id == id).and_then(|i| self.waiting.remove(i))
         };
@@ -172,9 +289,9 @@ impl Scheduler {
         events
     }
 
-    /// Whether nothing is queued or running.
+    /// Whether nothing is queued, loading or running.
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_empty()
+        self.waiting.is_empty() && self.running.is_empty() && self.loading.is_empty()
     }
 
     /// Sequences running.
@@ -182,9 +299,82 @@ impl Scheduler {
         self.running.len()
     }
 
-    /// Sequences waiting (including preempted ones).
+    /// Sequences waiting (including preempted ones, and remote prefills being loaded, which
+    /// vLLM keeps in its waiting queue).
     pub fn num_waiting(&self) -> usize {
-        self.waiting.len()
+        self.waiting.len() + self.loading.len()
+    }
+
+    /// A remote load is over. Loaded, the prompt counts as computed (but for its last token
+    /// with [`LoadMode::RecomputeLast`]) and its full blocks are cached, with `BlockStored`,
+    /// as vLLM caches the blocks a connector loaded; with [`LoadMode::WithFirstToken`] the
+    /// prefill's first token is emitted now. Not loaded, the sequence computes its prompt
+    /// past the local prefix hit (vLLM's `recompute` policy). Either way it is local from now
+    /// on (a preemption recomputes it) and goes back to the head of the queue. `None` if the
+    /// sequence is gone (aborted meanwhile).
+    pub fn finish_load(&mut self, id: SeqId, loaded: bool) -> Option<(Vec<Event>, Option<Emitted>)> {
+        let i = self.loading.iter().position(|(_, s)| s.id == id)?;
+        let (mode, mut seq) = self.loading.remove(i);
+        let mut events = Vec::new();
+        let len = seq.tokens.len();
+        if !loaded {
+            seq.cached_tokens = Some(seq.computed);
+            self.counters.prompt(len, seq.computed, seq.external);
+            self.waiting.push_front(seq);
+            return Some((events, None));
+        }
+        seq.external += len - seq.computed;
+        seq.computed = match mode {
+            LoadMode::RecomputeLast => len - 1,
+            LoadMode::WithFirstToken => len,
+        };
+        let alloc = seq.alloc.as_mut().expect("loading sequences hold blocks");
+        self.cache.commit(alloc, &seq.tokens[..seq.computed], &mut events);
+        seq.cached_tokens = Some(seq.computed);
+        self.counters.prompt(len, seq.computed, seq.external);
+        if mode == LoadMode::RecomputeLast {
+            self.waiting.push_front(seq);
+            return Some((events, None));
+        }
+        let token = seq.output[0];
+        seq.generated = 1;
+        self.counters.generation_tokens += 1;
+        let finished = seq.output.len() == 1;
+        let first = Emitted { id, token, index: 1, cached_tokens: len, finished };
+        if finished {
+            if let Some(alloc) = seq.alloc.take() {
+                self.cache.free(alloc, &mut events);
+            }
+        } else {
+            seq.tokens.push(token);
+            self.waiting.push_front(seq);
+        }
+        Some((events, Some(first)))
+    }
+
+    /// A decoder read the blocks held under `key`: they are freed (and stay in the prefix
+    /// cache, findable, until evicted). Returns their ids, or `None` if nothing is held under
+    /// the key.
+    pub fn release(&mut self, key: &HoldKey, events: &mut Vec<Event>) -> Option<Vec<usize>> {
+        let (_, alloc) = self.held.remove(key)?;
+        let ids = alloc.block_ids().to_vec();
+        self.cache.free(alloc, events);
+        Some(ids)
+    }
+
+    /// The hold of sequence `id` under `key` timed out: its blocks are freed. False if they
+    /// were read meanwhile (the key may hold a later sequence's blocks by then).
+    pub fn expire(&mut self, key: &HoldKey, id: SeqId, events: &mut Vec<Event>) -> bool {
+        if self.held.get(key).is_none_or(|(held, _)| *held != id) {
+            return false;
+        }
+        self.release(key, events);
+        true
+    }
+
+    /// Blocks held for remote decoders (a block two holds share counts twice).
+    pub fn held_blocks(&self) -> usize {
+        self.held.values().map(|(_, alloc)| alloc.block_ids().len()).sum()
     }
 
     /// Fraction of GPU blocks in use.
@@ -250,11 +440,7 @@ impl Scheduler {
             let seq = &mut self.running[i];
             let alloc = seq.alloc.as_mut().expect("running sequences hold blocks");
             self.cache.commit(alloc, &seq.tokens[..target], &mut out.events);
-            if seq.generated > 0 && seq.computed >= seq.prompt_len && n == 1 {
-                out.work.decode(target);
-            } else {
-                out.work.prefill(seq.computed, n);
-            }
+            charge(&mut out.work, seq, n);
             seq.scheduled = n;
             *budget -= n;
             i += 1;
@@ -273,25 +459,60 @@ impl Scheduler {
         self.waiting.push_front(seq);
     }
 
-    /// Admits waiting sequences while budget, slots and blocks allow.
+    /// Admits waiting sequences while budget, slots and blocks allow. A remote prefill takes
+    /// blocks for its whole prompt but neither budget nor a slot, and goes to be loaded.
     fn schedule_waiting(&mut self, budget: &mut usize, out: &mut StepOutcome) {
         while *budget > 0 && self.running.len() < self.limits.max_num_seqs {
             let Some(seq) = self.waiting.front_mut() else { break };
-            let Ok(mut alloc) = self.cache.allocate(&seq.tokens, &seq.keys, *budget, &mut out.events) else {
+            if let Some(alloc) = seq.alloc.as_mut() {
+                // Back from a remote load: its blocks are taken and its prefix is computed.
+                let n = (seq.tokens.len() - seq.computed).min(*budget);
+                let target = seq.computed + n;
+                if self.cache.ensure(alloc, target, &mut out.events).is_err() {
+                    break;
+                }
+                self.cache.commit(alloc, &seq.tokens[..target], &mut out.events);
+                charge(&mut out.work, seq, n);
+                seq.scheduled = n;
+                *budget -= n;
+                let seq = self.waiting.pop_front().expect("front exists");
+                self.running.push(seq);
+                continue;
+            }
+            let load = match seq.remote {
+                Remote::Prefill(mode) => Some(mode),
+                _ => None,
+            };
+            let take = if load.is_some() { seq.tokens.len() } else { *budget };
+            let Ok(mut alloc) = self.cache.allocate(&seq.tokens, &seq.keys, take, &mut out.events) else {
                 break;
             };
             let computed = alloc.computed_tokens();
             self.counters.prefix_queries += seq.tokens.len() as u64;
             self.counters.prefix_hits += computed as u64;
+            out.work.cpu_blocks_loaded += (alloc.loaded_tokens / self.cache.block_size()) as u64;
+            seq.external = alloc.loaded_tokens;
+            seq.computed = computed;
+            if let Some(mode) = load {
+                let block_size = self.cache.block_size();
+                out.loads.push(Load {
+                    id: seq.id,
+                    local_tokens: computed,
+                    tokens: seq.tokens.len() - computed,
+                    blocks: seq.tokens.len().div_ceil(block_size) - computed / block_size,
+                });
+                seq.alloc = Some(alloc);
+                let seq = self.waiting.pop_front().expect("front exists");
+                self.loading.push((mode, seq));
+                continue;
+            }
             if seq.cached_tokens.is_none() {
                 seq.cached_tokens = Some(computed);
-                self.counters.prompt_tokens += seq.prompt_len as u64;
+                self.counters.prompt(seq.prompt_len, computed, seq.external);
             }
-            out.work.cpu_blocks_loaded += (alloc.loaded_tokens / self.cache.block_size()) as u64;
             let n = (seq.tokens.len() - computed).min(*budget);
             self.cache.commit(&mut alloc, &seq.tokens[..computed + n], &mut out.events);
             out.work.prefill(computed, n);
-            seq.computed = computed;
             seq.scheduled = n;
             seq.alloc = Some(alloc);
             *budget -= n;
@@ -331,12 +552,34 @@ impl Scheduler {
             if self.running[i].generated == self.running[i].output.len() {
                 let seq = self.running.remove(i);
                 if let Some(alloc) = seq.alloc {
-                    self.cache.free(alloc, &mut out.events);
+                    match seq.remote {
+                        Remote::Decode(key) => self.hold(seq.id, key, alloc, out),
+                        _ => self.cache.free(alloc, &mut out.events),
+                    }
                 }
             } else {
                 i += 1;
             }
         }
+    }
+
+    /// Keeps a finished sequence's blocks for its remote decoder.
+    fn hold(&mut self, id: SeqId, key: HoldKey, alloc: Allocation, out: &mut StepOutcome) {
+        out.held.push(Held { id, key: key.clone(), block_ids: alloc.block_ids().to_vec() });
+        if let Some((_, replaced)) = self.held.insert(key, (id, alloc)) {
+            // The key was reused before its decoder came: nobody can read the older blocks.
+            self.cache.free(replaced, &mut out.events);
+        }
+    }
+}
+
+/// Adds `n` scheduled tokens of `seq` to the step's work: one token of a sequence past its
+/// prompt is a decode, anything else a prefill chunk.
+fn charge(work: &mut StepWork, seq: &Seq, n: usize) {
+    if seq.generated > 0 && seq.computed >= seq.prompt_len && n == 1 {
+        work.decode(seq.computed + n);
+    } else {
+        work.prefill(seq.computed, n);
     }
 }
 
@@ -398,7 +641,7 @@ mod tests {
     #[test]
     fn a_request_prefills_then_decodes_one_token_per_step() {
         let mut s = scheduler(1024, roomy());
-        let id = s.add(prompt(100, 1), output(5), ExtraKeys::default()).unwrap();
+        let id = s.add(prompt(100, 1), output(5), ExtraKeys::default(), Remote::None).unwrap();
         let first = s.step();
         assert_eq!(first.work.prefill_tokens, 100);
         assert_eq!(first.emitted, vec![Emitted { id, token: 5000, index: 1, cached_tokens: 0, finished: false }]);
@@ -411,7 +654,7 @@ mod tests {
     #[test]
     fn chunked_prefill_splits_a_long_prompt_across_steps() {
         let mut s = scheduler(1024, Limits { max_num_seqs: 256, max_num_batched_tokens: 512 });
-        s.add(prompt(1300, 1), output(2), ExtraKeys::default()).unwrap();
+        s.add(prompt(1300, 1), output(2), ExtraKeys::default(), Remote::None).unwrap();
         let chunks: Vec<u64> = (0..3).map(|_| s.step().work.prefill_tokens).collect();
         assert_eq!(chunks, vec![512, 512, 276]);
     }
@@ -419,9 +662,9 @@ mod tests {
     #[test]
     fn a_decode_shares_the_step_with_a_prefill_chunk() {
         let mut s = scheduler(1024, Limits { max_num_seqs: 256, max_num_batched_tokens: 256 });
-        s.add(prompt(32, 1), output(10), ExtraKeys::default()).unwrap();
+        s.add(prompt(32, 1), output(10), ExtraKeys::default(), Remote::None).unwrap();
         s.step();
-        s.add(prompt(1000, 2), output(2), ExtraKeys::default()).unwrap();
+        s.add(prompt(1000, 2), output(2), ExtraKeys::default(), Remote::None).unwrap();
         let mixed = s.step();
         assert_eq!((mixed.work.decode_seqs, mixed.work.prefill_tokens), (1, 255), "decode first, then a chunk");
     }
@@ -430,11 +673,11 @@ mod tests {
     fn prefix_hits_shorten_ttft_and_are_counted() {
         let mut s = scheduler(1024, roomy());
         let p = prompt(4000, 1);
-        s.add(p.clone(), output(1), ExtraKeys::default()).unwrap();
+        s.add(p.clone(), output(1), ExtraKeys::default(), Remote::None).unwrap();
         let (cold, _, _) = run(&mut s);
         let mut warm_prompt = p.clone();
         warm_prompt.extend(prompt(50, 9));
-        s.add(warm_prompt, output(1), ExtraKeys::default()).unwrap();
+        s.add(warm_prompt, output(1), ExtraKeys::default(), Remote::None).unwrap();
         let (warm, _, outcomes) = run(&mut s);
         assert_eq!(outcomes[0].emitted[0].cached_tokens, 4000 / BS * BS);
         assert!(warm * 5.0 < cold, "warm TTFT {warm} µs vs cold {cold} µs");
@@ -450,7 +693,7 @@ mod tests {
         let throughput = |concurrency: usize| {
             let mut s = scheduler(100_000, Limits { max_num_seqs: 8, max_num_batched_tokens: 8192 });
             for i in 0..concurrency {
-                s.add(prompt(64, i as u32), output(64), ExtraKeys::default()).unwrap();
+                s.add(prompt(64, i as u32), output(64), ExtraKeys::default(), Remote::None).unwrap();
             }
             let (t, _, outcomes) = run(&mut s);
             assert!(outcomes.iter().all(|o| o.work.decode_seqs <= 8));
@@ -465,7 +708,7 @@ mod tests {
     fn the_token_budget_caps_prefill_throughput() {
         let mut s = scheduler(100_000, Limits { max_num_seqs: 256, max_num_batched_tokens: 1024 });
         for i in 0..10 {
-            s.add(prompt(1000, i), output(1), ExtraKeys::default()).unwrap();
+            s.add(prompt(1000, i), output(1), ExtraKeys::default(), Remote::None).unwrap();
         }
         let (_, _, outcomes) = run(&mut s);
         assert!(outcomes.iter().all(|o| o.work.prefill_tokens <= 1024));
@@ -476,8 +719,8 @@ mod tests {
     fn out_of_blocks_preempts_the_newest_and_recomputes_it() {
         // 20 blocks of 16: two requests of 120 prompt + 100 output tokens cannot both finish.
         let mut s = scheduler(20, roomy());
-        let a = s.add(prompt(120, 1), output(100), ExtraKeys::default()).unwrap();
-        let b = s.add(prompt(120, 2), output(100), ExtraKeys::default()).unwrap();
+        let a = s.add(prompt(120, 1), output(100), ExtraKeys::default(), Remote::None).unwrap();
+        let b = s.add(prompt(120, 2), output(100), ExtraKeys::default(), Remote::None).unwrap();
         let (_, _, outcomes) = run(&mut s);
         assert!(s.counters().preemptions > 0);
         let tokens = |id| outcomes.iter().flat_map(|o| &o.emitted).filter(|e| e.id == id).count();
@@ -488,13 +731,13 @@ mod tests {
     #[test]
     fn a_prompt_larger_than_the_cache_is_refused() {
         let mut s = scheduler(4, roomy());
-        assert!(s.add(prompt(100, 1), output(1), ExtraKeys::default()).is_err());
+        assert!(s.add(prompt(100, 1), output(1), ExtraKeys::default(), Remote::None).is_err());
     }
 
     #[test]
     fn decode_completed_blocks_are_stored_and_all_blocks_freed_at_the_end() {
         let mut s = scheduler(64, roomy());
-        s.add(prompt(40, 1), output(30), ExtraKeys::default()).unwrap();
+        s.add(prompt(40, 1), output(30), ExtraKeys::default(), Remote::None).unwrap();
         let (_, _, outcomes) = run(&mut s);
         let events: Vec<Event> = outcomes.into_iter().flat_map(|o| o.events).collect();
         // 40 + 29 computed tokens = 4 full blocks of 16.
@@ -505,11 +748,137 @@ mod tests {
     #[test]
     fn abort_frees_the_blocks() {
         let mut s = scheduler(64, roomy());
-        let id = s.add(prompt(100, 1), output(50), ExtraKeys::default()).unwrap();
+        let id = s.add(prompt(100, 1), output(50), ExtraKeys::default(), Remote::None).unwrap();
         s.step();
         assert!(s.cache_usage() > 0.0);
         s.abort(id);
         assert!(s.is_idle());
         assert_eq!(s.cache_usage(), 0.0);
+    }
+
+    fn key(name: &str) -> HoldKey {
+        HoldKey::Request(name.into())
+    }
+
+    fn remote_decode(s: &mut Scheduler, p: Vec<u32>, name: &str) -> (SeqId, Held) {
+        let id = s.add(p, output(1), ExtraKeys::default(), Remote::Decode(key(name))).unwrap();
+        let (_, _, outcomes) = run(s);
+        let held: Vec<Held> = outcomes.into_iter().flat_map(|o| o.held).collect();
+        assert_eq!(held.len(), 1);
+        (id, held[0].clone())
+    }
+
+    #[test]
+    fn a_remote_decode_holds_its_blocks_until_its_decoder_reads_them() {
+        let mut s = scheduler(64, roomy());
+        let (id, held) = remote_decode(&mut s, prompt(100, 1), "r1");
+        assert_eq!((held.id, held.key.clone(), held.block_ids.len()), (id, key("r1"), 7), "100 tokens fill 7 blocks");
+        assert!(s.is_idle(), "nothing left to run");
+        assert_eq!((s.held_blocks(), s.cache_usage()), (7, 7.0 / 64.0), "held blocks stay in use");
+        let cached = s.cached_blocks();
+        let mut events = Vec::new();
+        assert_eq!(s.release(&key("r1"), &mut events), Some(held.block_ids));
+        assert_eq!((s.held_blocks(), s.cache_usage(), s.cached_blocks()), (0, 0.0, cached), "freed, still cached");
+        assert_eq!(s.release(&key("r1"), &mut events), None, "read once");
+    }
+
+    #[test]
+    fn a_hold_expires_unless_read_and_only_its_own() {
+        let mut s = scheduler(64, roomy());
+        let (first, _) = remote_decode(&mut s, prompt(40, 1), "r");
+        let (second, _) = remote_decode(&mut s, prompt(40, 2), "r");
+        assert_eq!(s.held_blocks(), 3, "the reused key dropped the first hold");
+        let mut events = Vec::new();
+        assert!(!s.expire(&key("r"), first, &mut events), "the first one's timer finds the second's blocks");
+        assert!(s.expire(&key("r"), second, &mut events));
+        assert_eq!((s.held_blocks(), s.cache_usage()), (0, 0.0));
+        assert!(!s.expire(&key("r"), second, &mut events), "gone");
+    }
+
+    #[test]
+    fn a_vllm_remote_prefill_is_loaded_then_computes_only_its_last_token() {
+        let mut s = scheduler(64, roomy());
+        // 64 tokens of the prompt are cached locally.
+        let p = prompt(100, 1);
+        s.add(p[..70].to_vec(), output(1), ExtraKeys::default(), Remote::None).unwrap();
+        run(&mut s);
+        let before = s.counters();
+        let id = s.add(p.clone(), output(3), ExtraKeys::default(), Remote::Prefill(LoadMode::RecomputeLast)).unwrap();
+        let admitted = s.step();
+        assert_eq!(admitted.loads, vec![Load { id, local_tokens: 64, tokens: 36, blocks: 3 }]);
+        assert!(admitted.work.is_empty() && admitted.duration_us == 0.0, "a load takes no compute");
+        assert_eq!((s.num_waiting(), s.num_running(), s.is_idle()), (1, 0, false));
+        assert!(s.step().work.is_empty(), "nothing to do while it loads");
+        let (events, first) = s.finish_load(id, true).unwrap();
+        assert_eq!(first, None);
+        // 99 tokens count as computed: blocks 5 and 6 (of 16 tokens) are stored now.
+        assert_eq!(stored(&events), 2);
+        let (_, _, outcomes) = run(&mut s);
+        assert_eq!(outcomes[0].work.prefill_tokens, 1, "the last prompt token");
+        assert!(outcomes[1..].iter().all(|o| o.work.prefill_tokens == 0 && o.work.decode_seqs == 1));
+        let emitted: Vec<&Emitted> = outcomes.iter().flat_map(|o| &o.emitted).collect();
+        assert_eq!(emitted.len(), 3);
+        assert_eq!(emitted[0].cached_tokens, 99, "vLLM reports the loaded prompt as cached");
+        let c = s.counters();
+        let d = |f: fn(&Counters) -> u64| f(&c) - f(&before);
+        let by_source = (d(|c| c.prompt_computed), d(|c| c.prompt_local_hits), d(|c| c.prompt_external));
+        assert_eq!(by_source, (1, 64, 36));
+        assert_eq!((d(|c| c.prompt_cached), d(|c| c.prompt_recomputed), d(|c| c.prompt_tokens)), (99, 1, 100));
+        assert_eq!(s.cache_usage(), 0.0);
+    }
+
+    #[test]
+    fn an_sglang_remote_prefill_arrives_with_its_first_token() {
+        let mut s = scheduler(64, roomy());
+        let id =
+            s.add(prompt(100, 1), output(3), ExtraKeys::default(), Remote::Prefill(LoadMode::WithFirstToken)).unwrap();
+        let load = s.step().loads[0];
+        assert_eq!((load.local_tokens, load.tokens, load.blocks), (0, 100, 7));
+        let (events, first) = s.finish_load(id, true).unwrap();
+        assert_eq!(stored(&events), 6);
+        assert_eq!(first, Some(Emitted { id, token: 5000, index: 1, cached_tokens: 100, finished: false }));
+        let (_, _, outcomes) = run(&mut s);
+        assert_eq!(outcomes.len(), 2, "two more tokens, decoded");
+        assert!(outcomes.iter().all(|o| o.work.prefill_tokens == 0 && o.work.decode_seqs == 1));
+        let c = s.counters();
+        assert_eq!((c.prompt_computed, c.prompt_external, c.prompt_cached, c.generation_tokens), (0, 100, 100, 3));
+        // A one-token request finishes with its load.
+        let id =
+            s.add(prompt(20, 2), output(1), ExtraKeys::default(), Remote::Prefill(LoadMode::WithFirstToken)).unwrap();
+        s.step();
+        let (_, first) = s.finish_load(id, true).unwrap();
+        assert!(first.unwrap().finished);
+        assert!(s.is_idle());
+        assert_eq!(s.cache_usage(), 0.0);
+    }
+
+    #[test]
+    fn a_failed_load_computes_the_prompt_here() {
+        let mut s = scheduler(64, Limits { max_num_seqs: 256, max_num_batched_tokens: 64 });
+        let id =
+            s.add(prompt(100, 1), output(2), ExtraKeys::default(), Remote::Prefill(LoadMode::RecomputeLast)).unwrap();
+        s.step();
+        let (_, first) = s.finish_load(id, false).unwrap();
+        assert_eq!(first, None);
+        let (_, _, outcomes) = run(&mut s);
+        let chunks: Vec<u64> = outcomes.iter().map(|o| o.work.prefill_tokens).filter(|n| *n > 0).collect();
+        assert_eq!(chunks, vec![64, 36], "chunked prefill of the whole prompt");
+        assert_eq!(outcomes.iter().flat_map(|o| &o.emitted).next().unwrap().cached_tokens, 0);
+        let c = s.counters();
+        assert_eq!((c.prompt_computed, c.prompt_external, c.prompt_cached), (100, 0, 0));
+        assert_eq!(s.finish_load(id, true), None, "unknown once it left the loading set");
+    }
+
+    #[test]
+    fn aborting_a_loading_request_frees_its_blocks() {
+        let mut s = scheduler(64, roomy());
+        let id =
+            s.add(prompt(100, 1), output(2), ExtraKeys::default(), Remote::Prefill(LoadMode::RecomputeLast)).unwrap();
+        s.step();
+        assert!(s.cache_usage() > 0.0, "blocks are taken for the load");
+        s.abort(id);
+        assert!(s.is_idle());
+        assert_eq!(s.cache_usage(), 0.0);
+        assert_eq!(s.finish_load(id, true), None);
     }
 }

@@ -140,6 +140,18 @@ impl Preset {
         }
     }
 
+    /// KV bytes per token of the preset's model (all layers, K and V, BF16), if it has one:
+    /// what a prefill/decode transfer moves.
+    pub fn kv_bytes_per_token(self) -> Option<u64> {
+        match self {
+            Preset::Test => None,
+            // 32 layers × 8 KV heads × 128 × (K, V) × 2 B.
+            Preset::Llama8bH100 => Some(32 * 8 * 128 * 2 * 2),
+            // 64 layers × 8 KV heads × 128 × (K, V) × 2 B, both TP ranks together.
+            Preset::Dense32bH100Tp2 => Some(64 * 8 * 128 * 2 * 2),
+        }
+    }
+
     /// The published numbers the preset is calibrated to (sources in the sim's README):
     /// prefill throughput for one 2048-token prompt, and decode inter-token latency at batch 1
     /// and batch 64 with 1024 tokens of context each.
