@@ -19,7 +19,9 @@
 //!   "request_usage": true,
 //!   "admission_wait_ms": 0,
 //!   "priority_header": null,
-//!   "tenant_header": null
+//!   "tenant_header": null,
+//!   "prefill_cluster": null,
+//!   "prefill_timeout_ms": 60000
 //! }
 //! ```
 
@@ -97,6 +99,14 @@ pub struct FilterConfig {
     /// `priority_header`, name only a header your own filters set: a client that could set it
     /// would take a fresh turn with every new value.
     pub tenant_header: Option<String>,
+    /// The Envoy cluster prefill legs go to (disaggregated pools): one whose load balancer
+    /// is `override_host` on `x-gateway-destination-endpoint`, with the prefill workers among
+    /// its hosts — the engines' own cluster will do. Unset (default): a disaggregated pool's
+    /// requests are served whole on their decode worker.
+    pub prefill_cluster: Option<String>,
+    /// How long a vLLM prefill leg may take before the request is served whole on its decode
+    /// worker instead (it stays paused meanwhile; SGLang legs run beside the request).
+    pub prefill_timeout_ms: u64,
 }
 
 impl Default for FilterConfig {
@@ -120,6 +130,8 @@ impl Default for FilterConfig {
             admission_wait_ms: 0,
             priority_header: None,
             tenant_header: None,
+            prefill_cluster: None,
+            prefill_timeout_ms: 60_000,
         }
     }
 }
@@ -141,7 +153,11 @@ impl FilterConfig {
             config.fetch_timeout_ms,
             config.retry_ms,
             config.models_refresh_ms,
+            config.prefill_timeout_ms,
         ];
+        if config.prefill_cluster.as_deref() == Some("") {
+            return Err("kvgate filter configuration: prefill_cluster must not be empty".into());
+        }
         if periods.contains(&0) {
             return Err("kvgate filter configuration: timeouts, retry_ms and models_refresh_ms must be positive".into());
         }
@@ -162,7 +178,13 @@ mod tests {
 
     #[test]
     fn rejects_bad_configs() {
-        for bad in [&b"{"[..], br#"{"unknown": 1}"#, br#"{"route_timeout_ms": 0}"#, br#"{"sidecar_cluster": ""}"#] {
+        for bad in [
+            &b"{"[..],
+            br#"{"unknown": 1}"#,
+            br#"{"route_timeout_ms": 0}"#,
+            br#"{"prefill_cluster": ""}"#,
+            br#"{"sidecar_cluster": ""}"#,
+        ] {
             assert!(FilterConfig::parse(bad).is_err());
         }
     }

@@ -138,6 +138,9 @@ pub trait Host: SidecarCalls {
     fn enqueue(&self, queue: u32, item: &[u8]) -> Result<(), HostStatus>;
     /// Answers the client itself (the request goes no further).
     fn send_local_reply(&self, code: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostStatus>;
+    /// Sends a request of the filter's own (a prefill leg) to `cluster` with these headers
+    /// (pseudo-headers included); the answer comes to `on_http_call_response`.
+    fn call(&self, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout: Duration) -> Result<u32, HostStatus>;
 }
 
 /// What the root context ([`crate::root::Root`]) needs from its host: calls to the sidecar,
@@ -275,5 +278,9 @@ impl Host for Envoy {
 
     fn send_local_reply(&self, code: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostStatus> {
         hostcalls::send_http_response(code, headers.to_vec(), Some(body)).map_err(status)
+    }
+
+    fn call(&self, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout: Duration) -> Result<u32, HostStatus> {
+        hostcalls::dispatch_http_call(cluster, headers.to_vec(), Some(body), vec![], timeout).map_err(status)
     }
 }

@@ -10,6 +10,10 @@
 //!    `forward_chat_tokens`, a chat carries them in `kv_transfer_params.prompt_token_ids`.
 //! 3. Sidecar answer: set the destination header and resume. On *any* failure (bad body,
 //!    sidecar down, timeout, bad answer) resume without it: Envoy's fallback LB routes.
+//!    In a disaggregated pool the answer names a prefill leg too ([`crate::disagg`]): vLLM's
+//!    is sent first and the request waits for it, then goes to its decode worker with the
+//!    leg's `kv_transfer_params`; SGLang's is sent beside the request. A leg that cannot be
+//!    sent, fails or times out leaves the request whole on its decode worker.
 //! 4. Response: report the first body byte (prefill done) and the end of the exchange to the
 //!    root context's lifecycle queue, with the engine's `usage` from the response's end. A
 //!    streamed completion that did not ask for usage is made to (`request_usage`), and the
@@ -23,14 +27,16 @@ use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::{envelope, Endpoint, Envelope};
 use kvgate_shared::route::RequestKeys;
 use kvgate_shared::wire::{
-    LifecycleEvent, LifecycleKind, RouteResponse, DESTINATION_HEADER, DP_RANK_HEADER, OVERRIDES_HEADER, SESSION_HEADER,
+    LifecycleEvent, LifecycleKind, PrefillLeg, RouteResponse, Transfer, DESTINATION_HEADER, DP_RANK_HEADER,
+    OVERRIDES_HEADER, SESSION_HEADER,
 };
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
 use crate::config::FilterConfig;
+use crate::disagg;
 use crate::host::{Envoy, Host};
-use crate::metrics::Outcome;
+use crate::metrics::{LegOutcome, Outcome};
 use crate::plan::{
     booking_id, engine_usage, offload, parse_overrides, plan, routable, streamed_tokens, with_token_prompt, Skip,
     USAGE_TAIL_BYTES,
@@ -62,6 +68,22 @@ struct Decision {
     forwarded: bool,
 }
 
+/// A disaggregated request's prefill leg.
+#[derive(Debug)]
+struct Leg {
+    /// The id its load is booked under.
+    booking_id: String,
+    /// Its prefill worker.
+    replica: String,
+    /// The call's token while it runs.
+    token: Option<u32>,
+    /// vLLM: the request waits for the leg's answer.
+    awaited: bool,
+    sent_at: Instant,
+    /// How it went, once known.
+    outcome: Option<LegOutcome>,
+}
+
 /// The most bytes of a priority or tenant header passed on to the sidecar.
 const MAX_KEY_BYTES: usize = 256;
 
@@ -91,6 +113,10 @@ pub struct RequestContext<H: Host = Envoy> {
     stripper: Option<UsageStripper>,
     body_done_at: Option<Instant>,
     decision: Decision,
+    /// The request's `:path`, which a prefill leg is sent to as well.
+    path: String,
+    /// In a disaggregated pool, the request's prefill leg.
+    leg: Option<Leg>,
 }
 
 impl RequestContext<Envoy> {
@@ -119,6 +145,8 @@ impl<H: Host> RequestContext<H> {
             stripper: None,
             body_done_at: None,
             decision: Decision::default(),
+            path: String::new(),
+            leg: None,
         }
     }
 
@@ -136,9 +164,14 @@ impl<H: Host> RequestContext<H> {
     }
 
     fn report(&self, kind: LifecycleKind) {
+        self.report_for(&self.hints.request_id, kind);
+    }
+
+    /// Reports about one booking of the request: its own, or its prefill leg's.
+    fn report_for(&self, booking_id: &str, kind: LifecycleKind) {
         let Some(model) = self.booked.clone() else { return };
         let Some(queue) = self.shared.borrow().queue else { return };
-        let event = LifecycleEvent { model, request_id: self.hints.request_id.clone(), kind };
+        let event = LifecycleEvent { model, request_id: booking_id.to_owned(), kind };
         if let Ok(bytes) = codec::encode(&event) {
             if let Err(status) = self.host.enqueue(queue, &bytes) {
                 log::warn!("kvgate: lifecycle report lost: {status:?}");
@@ -445,6 +478,130 @@ impl<H: Host> RequestContext<H> {
         }
     }
 
+    /// Sends a disaggregated request's prefill leg; a leg that cannot be sent leaves the
+    /// request whole on its decode worker.
+    fn start_leg(&mut self, leg: PrefillLeg) {
+        let sent = self.send_leg(&leg);
+        let (token, awaited) = match &sent {
+            Ok((token, awaited)) => (Some(*token), *awaited),
+            Err(why) => {
+                log::debug!("kvgate: prefill leg not sent, serving whole: {why}");
+                (None, false)
+            }
+        };
+        let booking_id = leg.booking_id;
+        self.leg =
+            Some(Leg { booking_id, replica: leg.replica, token, awaited, sent_at: Instant::now(), outcome: None });
+        if sent.is_err() {
+            self.end_leg(LegOutcome::Unsent);
+        }
+    }
+
+    /// Sends the leg to its prefill worker (through `prefill_cluster`, whose `override_host`
+    /// reads the destination header the filter sets on its own call); for SGLang, the
+    /// request's body then carries the bootstrap room too. Returns the call's token and
+    /// whether the request waits for its answer.
+    fn send_leg(&mut self, leg: &PrefillLeg) -> Result<(u32, bool), String> {
+        let (cluster, timeout) = {
+            let config = &self.shared.borrow().config;
+            let cluster = config.prefill_cluster.clone().ok_or("no prefill_cluster is configured")?;
+            (cluster, Duration::from_millis(config.prefill_timeout_ms))
+        };
+        if self.endpoint == Some(Endpoint::Responses) {
+            return Err("a Responses request has no prefill leg".into());
+        }
+        let body = self.host.request_body(self.upstream_len);
+        let (leg_body, decode_body) = match &leg.transfer {
+            Transfer::Vllm => (disagg::vllm_prefill(&body).map_err(|e| e.to_string())?, None),
+            Transfer::Sglang { host, port, room } => {
+                let (decode, prefill) = disagg::sglang(&body, host, *port, *room).map_err(|e| e.to_string())?;
+                (prefill, Some(decode))
+            }
+        };
+        let authority = self.request_header(":authority").unwrap_or_else(|| "kvgate".into());
+        let rank = leg.dp_rank.map(|r| r.to_string());
+        let passed: Vec<(&str, String)> = ["x-request-id", "authorization"]
+            .into_iter()
+            .filter_map(|name| Some((name, self.request_header(name)?)))
+            .collect();
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", self.path.as_str()),
+            (":authority", authority.as_str()),
+            ("content-type", "application/json"),
+            (DESTINATION_HEADER, leg.endpoint.as_str()),
+        ];
+        headers.extend(rank.as_deref().map(|r| (DP_RANK_HEADER, r)));
+        headers.extend(passed.iter().map(|(name, value)| (*name, value.as_str())));
+        let token = self.host.call(&cluster, &headers, &leg_body, timeout).map_err(|s| format!("{s:?}"))?;
+        if let Some(decode) = decode_body {
+            if !self.replace_body(&decode) {
+                log::warn!(
+                    "kvgate: cannot add the bootstrap room to the decode request; its prefill leg will time out"
+                );
+            }
+        }
+        // vLLM's leg is awaited; SGLang's runs beside the request.
+        Ok((token, matches!(leg.transfer, Transfer::Vllm)))
+    }
+
+    /// The prefill leg answered (or timed out): vLLM's request goes on to its decode worker
+    /// with the leg's `kv_transfer_params`, or whole if the leg failed.
+    fn leg_answered(&mut self, num_headers: usize, body_size: usize) {
+        let Some(leg) = &mut self.leg else { return };
+        leg.token = None;
+        let awaited = std::mem::take(&mut leg.awaited);
+        let booking_id = leg.booking_id.clone();
+        let outcome = if num_headers == 0 {
+            LegOutcome::Timeout
+        } else if self.host.call_status().as_deref() != Some("200") {
+            LegOutcome::Failed
+        } else {
+            let answer = self.host.call_body(body_size).unwrap_or_default();
+            if let Some((prompt_tokens, cached_tokens)) = engine_usage(&answer) {
+                self.report_for(&booking_id, LifecycleKind::Usage { prompt_tokens, cached_tokens });
+            }
+            match awaited {
+                true => match disagg::vllm_decode(&self.host.request_body(self.upstream_len), &answer) {
+                    Ok(decode) if self.replace_body(&decode) => LegOutcome::Ok,
+                    Ok(_) => LegOutcome::Failed,
+                    Err(e) => {
+                        log::debug!("kvgate: prefill leg unusable, serving whole: {e}");
+                        LegOutcome::Failed
+                    }
+                },
+                false => LegOutcome::Ok,
+            }
+        };
+        self.end_leg(outcome);
+        if awaited {
+            self.resume();
+        }
+    }
+
+    /// The leg is over: its booking is released and its outcome counted.
+    fn end_leg(&mut self, outcome: LegOutcome) {
+        let Some(leg) = &mut self.leg else { return };
+        leg.outcome = Some(outcome);
+        let sent = (outcome != LegOutcome::Unsent).then(|| leg.sent_at.elapsed().as_micros() as u64);
+        let booking_id = leg.booking_id.clone();
+        self.report_for(&booking_id, LifecycleKind::Done);
+        if let Some(m) = &self.shared.borrow().metrics {
+            m.leg(&self.host, outcome, sent);
+        }
+    }
+
+    /// Replaces the whole request body as it goes upstream; false if the host refused.
+    fn replace_body(&mut self, body: &[u8]) -> bool {
+        if let Err(status) = self.host.replace_request_body(self.upstream_len, body) {
+            log::warn!("kvgate: cannot rewrite the request body: {status:?}");
+            return false;
+        }
+        self.upstream_len = body.len();
+        self.set_content_length();
+        true
+    }
+
     fn apply_decision(&mut self, num_headers: usize, body_size: usize) -> Outcome {
         if num_headers == 0 {
             log::debug!("kvgate: sidecar timed out; falling back");
@@ -477,6 +634,9 @@ impl<H: Host> RequestContext<H> {
                 self.decision.replica = answer.replica.clone();
                 self.decision.endpoint = answer.endpoint.clone();
                 self.decision.overlap_blocks = answer.overlap_blocks;
+                if let Some(leg) = answer.prefill {
+                    self.start_leg(leg);
+                }
                 Outcome::Routed
             }
             Err(status) => {
@@ -488,7 +648,11 @@ impl<H: Host> RequestContext<H> {
 }
 
 impl<H: Host> Context for RequestContext<H> {
-    fn on_http_call_response(&mut self, _token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        if self.leg.as_ref().is_some_and(|l| l.token == Some(token)) {
+            self.leg_answered(num_headers, body_size);
+            return;
+        }
         let outcome = self.apply_decision(num_headers, body_size);
         if let Some(t) = self.body_done_at {
             self.decision.micros = t.elapsed().as_micros();
@@ -497,7 +661,8 @@ impl<H: Host> Context for RequestContext<H> {
             m.outcome(&self.host, outcome);
             m.sidecar(&self.host, self.decision.micros.saturating_sub(self.decision.plan_micros) as u64);
         }
-        if outcome != Outcome::Shed {
+        let awaiting_leg = self.leg.as_ref().is_some_and(|l| l.awaited);
+        if outcome != Outcome::Shed && !awaiting_leg {
             self.resume();
         }
     }
@@ -512,9 +677,9 @@ impl<H: Host> HttpContext for RequestContext<H> {
             }
         }
         let method = self.request_header(":method");
-        let path = self.request_header(":path").unwrap_or_default();
+        self.path = self.request_header(":path").unwrap_or_default();
         let content_type = self.request_header("content-type");
-        self.endpoint = routable(method.as_deref(), &path, content_type.as_deref());
+        self.endpoint = routable(method.as_deref(), &self.path, content_type.as_deref());
         if self.endpoint.is_none() || end_of_stream {
             self.endpoint = None;
             return Action::Continue;
@@ -574,6 +739,11 @@ impl<H: Host> HttpContext for RequestContext<H> {
                 ("x-kvgate-truncated", d.truncated.to_string()),
                 ("x-kvgate-offloaded", d.offloaded.to_string()),
                 ("x-kvgate-forwarded-tokens", d.forwarded.to_string()),
+                ("x-kvgate-prefill-on", self.leg.as_ref().map(|l| l.replica.clone()).unwrap_or_default()),
+                (
+                    "x-kvgate-prefill-leg",
+                    self.leg.as_ref().and_then(|l| l.outcome).map(LegOutcome::label).unwrap_or_default().into(),
+                ),
             ];
             for (name, value) in headers {
                 if let Err(status) = self.host.set_response_header(name, &value) {
@@ -616,6 +786,10 @@ impl<H: Host> HttpContext for RequestContext<H> {
     }
 
     fn on_log(&mut self) {
+        // A leg still running when the exchange ends (its call is cancelled with it).
+        if let Some(leg) = self.leg.as_ref().filter(|l| l.outcome.is_none()) {
+            self.report_for(&leg.booking_id, LifecycleKind::Done);
+        }
         if let Some((prompt_tokens, cached_tokens)) = engine_usage(&self.tail) {
             self.report(LifecycleKind::Usage { prompt_tokens, cached_tokens });
         }

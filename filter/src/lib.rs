@@ -10,6 +10,7 @@
 //! |---|---|
 //! | [`config`] | the plugin configuration |
 //! | [`plan`] | body → route request (pure, natively testable) |
+//! | [`disagg`] | the bodies of a disaggregated request's prefill and decode legs (pure) |
 //! | [`fetches`] | when to (re)fetch each model's tokenizer (pure) |
 //! | [`redelivery`] | lifecycle batches to send again, with backoff (pure) |
 //! | [`root`] | tokenizer loading, lifecycle batching (one per VM) |
@@ -20,6 +21,7 @@
 //! | [`usage`] | asking the engine for `usage` on a streaming client's behalf, and taking it back out (pure) |
 
 pub mod config;
+pub mod disagg;
 pub mod fetches;
 pub mod host;
 pub mod http;

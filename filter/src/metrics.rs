@@ -11,6 +11,8 @@
 //! | `kvgate.requests.offloaded` | counter | the body was tokenized by the sidecar (`offload_bytes`) |
 //! | `kvgate.requests.tokens_forwarded` | counter | the prompt went upstream as token ids (`forward_tokens`) |
 //! | `kvgate.requests.untokenizable` | counter | a request for a routed model whose prompt kvgate cannot read (content parts it does not render, a failing template): routed and booked on an estimate of its size |
+//! | `kvgate.prefill_legs.<outcome>` | counter | disaggregated requests' prefill legs: `ok` (vLLM: its KV went to the decode worker; SGLang: it answered), `failed` (an error status, or no `kv_transfer_params` in its answer), `timeout`, `unsent` (no `prefill_cluster`, an endpoint or body a leg cannot carry, or the call could not be made); the request is then served whole on its decode worker |
+//! | `kvgate.prefill_leg_us` | histogram | a prefill leg's round trip, µs |
 //! | `kvgate.tokenize_us` | histogram | parse + template + tokenize + hash, µs |
 //! | `kvgate.sidecar_us` | histogram | the sidecar round trip, µs |
 //! | `kvgate.segment_cache.hits` / `.misses` | counter | prompt pieces served / tokenized |
@@ -42,6 +44,36 @@ pub struct FilterMetrics {
     lifecycle_retried: u32,
     lifecycle_dropped: u32,
     vm_memory: u32,
+    legs_ok: u32,
+    legs_failed: u32,
+    legs_timeout: u32,
+    legs_unsent: u32,
+    leg_us: u32,
+}
+
+/// How a prefill leg went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LegOutcome {
+    /// Answered as the protocol expects.
+    Ok,
+    /// An error status, or an answer the decode request cannot use.
+    Failed,
+    /// No answer in `prefill_timeout_ms`.
+    Timeout,
+    /// Not sent.
+    Unsent,
+}
+
+impl LegOutcome {
+    /// The debug header's value.
+    pub fn label(self) -> &'static str {
+        match self {
+            LegOutcome::Ok => "ok",
+            LegOutcome::Failed => "failed",
+            LegOutcome::Timeout => "timeout",
+            LegOutcome::Unsent => "unsent",
+        }
+    }
 }
 
 /// How a request left the filter.
@@ -81,6 +113,11 @@ impl FilterMetrics {
             lifecycle_retried: counter("kvgate.lifecycle.retried")?,
             lifecycle_dropped: counter("kvgate.lifecycle.dropped")?,
             vm_memory: hostcalls::define_metric(MetricType::Gauge, "kvgate.vm_memory_bytes").ok()?,
+            legs_ok: counter("kvgate.prefill_legs.ok")?,
+            legs_failed: counter("kvgate.prefill_legs.failed")?,
+            legs_timeout: counter("kvgate.prefill_legs.timeout")?,
+            legs_unsent: counter("kvgate.prefill_legs.unsent")?,
+            leg_us: histogram("kvgate.prefill_leg_us")?,
         })
     }
 
@@ -148,6 +185,20 @@ impl FilterMetrics {
         #[cfg(not(target_arch = "wasm32"))]
         let pages = 0;
         sink.record(self.vm_memory, pages * 65_536);
+    }
+
+    /// Counts a prefill leg's outcome, and its round trip if it was sent.
+    pub fn leg(&self, sink: &impl MetricSink, outcome: LegOutcome, micros: Option<u64>) {
+        let id = match outcome {
+            LegOutcome::Ok => self.legs_ok,
+            LegOutcome::Failed => self.legs_failed,
+            LegOutcome::Timeout => self.legs_timeout,
+            LegOutcome::Unsent => self.legs_unsent,
+        };
+        sink.increment(id, 1);
+        if let Some(micros) = micros {
+            sink.record(self.leg_us, micros);
+        }
     }
 
     /// Records the sidecar round trip.

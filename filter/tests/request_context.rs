@@ -17,8 +17,8 @@ use kvgate_shared::hash::Salt;
 use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{
-    LifecycleEvent, LifecycleKind, ModelBundle, PromptCount, RouteBodyRequest, RouteRequest, RouteResponse,
-    DESTINATION_HEADER,
+    LifecycleEvent, LifecycleKind, ModelBundle, PrefillLeg, PromptCount, RouteBodyRequest, RouteRequest, RouteResponse,
+    Transfer, DESTINATION_HEADER,
 };
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
@@ -44,6 +44,8 @@ struct State {
     resumed: u32,
     upstream: Option<String>,
     queued: Vec<LifecycleEvent>,
+    /// (cluster, headers, body) of each request the filter sent upstream itself.
+    legs: Vec<(String, HashMap<String, String>, Vec<u8>)>,
 }
 
 #[derive(Clone, Default)]
@@ -128,6 +130,12 @@ impl Host for Fake {
         self.0.borrow_mut().local_reply = Some((code, headers, body.to_vec()));
         Ok(())
     }
+    fn call(&self, cluster: &str, headers: &[(&str, &str)], body: &[u8], _: Duration) -> Result<u32, HostStatus> {
+        let headers = headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let mut s = self.0.borrow_mut();
+        s.legs.push((cluster.into(), headers, body.to_vec()));
+        Ok(100 + s.legs.len() as u32)
+    }
 }
 
 fn shared(config: FilterConfig) -> Rc<RefCell<Shared>> {
@@ -180,7 +188,13 @@ fn answer(fake: &Fake, status: &str, response: &RouteResponse) -> usize {
 }
 
 fn routed_to(endpoint: &str) -> RouteResponse {
-    RouteResponse { endpoint: Some(endpoint.into()), replica: Some("b".into()), overlap_blocks: 3, dp_rank: None }
+    RouteResponse {
+        endpoint: Some(endpoint.into()),
+        replica: Some("b".into()),
+        overlap_blocks: 3,
+        dp_rank: None,
+        prefill: None,
+    }
 }
 
 /// Runs the response: headers, one body chunk, the end.
@@ -326,7 +340,7 @@ fn every_sidecar_failure_fails_open_and_still_releases() {
     // A sidecar answer without a replica routes nowhere either.
     let (mut ctx, fake) = request(&chat("hi"), &[], FilterConfig::default());
     send(&mut ctx, &fake);
-    let nowhere = RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None };
+    let nowhere = RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None, prefill: None };
     let size = answer(&fake, "200", &nowhere);
     ctx.on_http_call_response(1, 2, size, 0);
     assert!(!fake.0.borrow().request_headers.contains_key(DESTINATION_HEADER));
@@ -497,4 +511,134 @@ fn a_responses_request_is_routed_and_its_usage_read() {
     let completed = "event: response.completed\ndata: {\"response\":{\"usage\":{\"input_tokens\":21,\"input_tokens_details\":{\"cached_tokens\":16}}},\"type\":\"response.completed\"}\n\n";
     respond(&mut ctx, &fake, "127.0.0.1:8001", completed);
     assert!(kinds(&fake).contains(&LifecycleKind::Usage { prompt_tokens: 21, cached_tokens: Some(16) }));
+}
+
+/// The sidecar's answer for a disaggregated request: decode on `127.0.0.1:8003`, prefill on
+/// `127.0.0.1:8001`.
+fn disaggregated(transfer: Transfer) -> RouteResponse {
+    let leg = PrefillLeg {
+        endpoint: "127.0.0.1:8001".into(),
+        replica: "p".into(),
+        dp_rank: None,
+        overlap_blocks: 2,
+        booking_id: "000000000000feed-42/prefill".into(),
+        transfer,
+    };
+    RouteResponse { prefill: Some(leg), ..routed_to("127.0.0.1:8003") }
+}
+
+fn pd_config() -> FilterConfig {
+    FilterConfig { prefill_cluster: Some("engines".into()), debug_headers: true, ..FilterConfig::default() }
+}
+
+fn body_json(fake: &Fake) -> serde_json::Value {
+    serde_json::from_slice(&fake.0.borrow().request_body).unwrap()
+}
+
+fn events_of(fake: &Fake, id: &str) -> Vec<LifecycleKind> {
+    fake.0.borrow().queued.iter().filter(|e| e.request_id == id).map(|e| e.kind.clone()).collect()
+}
+
+#[test]
+fn a_vllm_prefill_leg_runs_first_and_its_transfer_parameters_go_to_the_decode_worker() {
+    let headers = [("x-request-id", "client-id"), (DESTINATION_HEADER, "6.6.6.6:1"), (":authority", "gw")];
+    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "messages": [{"role": "user", "content": "a long question"}],
+        "stream": true, "max_tokens": 40});
+    let (mut ctx, fake) = request(&body.to_string(), &headers, pd_config());
+    send(&mut ctx, &fake);
+    let size = answer(&fake, "200", &disaggregated(Transfer::Vllm));
+    ctx.on_http_call_response(1, 2, size, 0);
+    let (cluster, leg_headers, leg_body) = fake.0.borrow().legs[0].clone();
+    assert_eq!(fake.0.borrow().resumed, 0, "the request waits for its prefill leg");
+    assert_eq!(cluster, "engines");
+    assert_eq!(
+        leg_headers[DESTINATION_HEADER], "127.0.0.1:8001",
+        "the leg goes to the prefill worker, whatever the client said"
+    );
+    assert_eq!(
+        (leg_headers[":path"].as_str(), leg_headers["x-request-id"].as_str()),
+        ("/v1/chat/completions", "client-id")
+    );
+    let leg: serde_json::Value = serde_json::from_slice(&leg_body).unwrap();
+    assert_eq!(
+        (&leg["kv_transfer_params"]["do_remote_decode"], &leg["max_tokens"], &leg["stream"]),
+        (&serde_json::json!(true), &serde_json::json!(1), &serde_json::json!(false))
+    );
+    // The prefill worker answers with where its KV is.
+    let reply = r#"{"choices":[{"text":"x"}],"usage":{"prompt_tokens":20,"prompt_tokens_details":{"cached_tokens":16}},
+        "kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e1","remote_block_ids":[1,2],"remote_host":"127.0.0.1","remote_port":8001}}"#;
+    fake.0.borrow_mut().answer = Some(("200".into(), reply.as_bytes().to_vec()));
+    ctx.on_http_call_response(101, 3, reply.len(), 0);
+    let s = fake.0.borrow();
+    assert_eq!(s.resumed, 1, "then it goes on");
+    assert_eq!(s.request_headers[DESTINATION_HEADER], "127.0.0.1:8003", "to the decode worker");
+    assert_eq!(s.request_headers.get("content-length"), None, "no length was set, none is added");
+    drop(s);
+    let sent = body_json(&fake);
+    assert_eq!(sent["kv_transfer_params"]["remote_engine_id"], "e1");
+    assert_eq!((&sent["stream"], &sent["max_tokens"]), (&serde_json::json!(true), &serde_json::json!(40)));
+    assert_eq!(
+        events_of(&fake, "000000000000feed-42/prefill"),
+        [LifecycleKind::Usage { prompt_tokens: 20, cached_tokens: Some(16) }, LifecycleKind::Done],
+        "the leg's prediction is checked and its booking released"
+    );
+    respond(&mut ctx, &fake, "127.0.0.1:8003", "data: [DONE]\n\n");
+    assert_eq!(fake.0.borrow().response_headers["x-kvgate-prefill-leg"], "ok");
+    assert_eq!(fake.0.borrow().response_headers["x-kvgate-prefill-on"], "p");
+    assert_eq!(events_of(&fake, "000000000000feed-42").last(), Some(&LifecycleKind::Done));
+}
+
+#[test]
+fn a_failed_or_late_prefill_leg_leaves_the_request_whole_on_its_decode_worker() {
+    for (status, headers, outcome) in [("503", 2, "failed"), ("200", 2, "failed"), ("", 0, "timeout")] {
+        let (mut ctx, fake) = request(&chat("a long question"), &[], pd_config());
+        send(&mut ctx, &fake);
+        let size = answer(&fake, "200", &disaggregated(Transfer::Vllm));
+        ctx.on_http_call_response(1, 2, size, 0);
+        let reply = br#"{"choices":[]}"#;
+        fake.0.borrow_mut().answer = Some((status.into(), reply.to_vec()));
+        ctx.on_http_call_response(101, headers, reply.len(), 0);
+        assert_eq!(fake.0.borrow().resumed, 1, "{outcome}: the request goes on");
+        assert_eq!(fake.0.borrow().request_headers[DESTINATION_HEADER], "127.0.0.1:8003");
+        assert!(body_json(&fake).get("kv_transfer_params").is_none(), "{outcome}: served whole");
+        assert_eq!(events_of(&fake, "000000000000feed-42/prefill"), [LifecycleKind::Done]);
+        respond(&mut ctx, &fake, "127.0.0.1:8003", "{}");
+        assert_eq!(fake.0.borrow().response_headers["x-kvgate-prefill-leg"], outcome);
+    }
+}
+
+#[test]
+fn without_a_prefill_cluster_the_request_is_served_whole_at_once() {
+    let (mut ctx, fake) = request(&chat("a long question"), &[], FilterConfig::default());
+    send(&mut ctx, &fake);
+    let size = answer(&fake, "200", &disaggregated(Transfer::Vllm));
+    ctx.on_http_call_response(1, 2, size, 0);
+    assert_eq!((fake.0.borrow().resumed, fake.0.borrow().legs.len()), (1, 0));
+    assert_eq!(events_of(&fake, "000000000000feed-42/prefill"), [LifecycleKind::Done], "the leg's booking is released");
+}
+
+#[test]
+fn sglang_legs_run_beside_the_request_with_one_bootstrap_room() {
+    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "messages": [{"role": "user", "content": "a long question"}],
+        "stream": true, "bootstrap_host": "6.6.6.6"});
+    let (mut ctx, fake) = request(&body.to_string(), &[("content-length", "10")], pd_config());
+    send(&mut ctx, &fake);
+    let transfer = Transfer::Sglang { host: "127.0.0.1".into(), port: 8998, room: 77 };
+    let size = answer(&fake, "200", &disaggregated(transfer));
+    ctx.on_http_call_response(1, 2, size, 0);
+    assert_eq!(fake.0.borrow().resumed, 1, "the decode request goes at once");
+    let sent = body_json(&fake);
+    assert_eq!(
+        (&sent["bootstrap_host"], &sent["bootstrap_port"], &sent["bootstrap_room"]),
+        (&serde_json::json!("127.0.0.1"), &serde_json::json!(8998), &serde_json::json!(77))
+    );
+    let len = fake.0.borrow().request_body.len().to_string();
+    assert_eq!(fake.0.borrow().request_headers["content-length"], len, "its length follows the body");
+    let leg: serde_json::Value = serde_json::from_slice(&fake.0.borrow().legs[0].2).unwrap();
+    assert_eq!((&leg["bootstrap_room"], &leg["stream"]), (&serde_json::json!(77), &serde_json::json!(false)));
+    assert!(events_of(&fake, "000000000000feed-42/prefill").is_empty(), "the leg is still running");
+    fake.0.borrow_mut().answer = Some(("200".into(), b"{}".to_vec()));
+    ctx.on_http_call_response(101, 2, 2, 0);
+    assert_eq!(fake.0.borrow().resumed, 1, "nothing more to resume");
+    assert_eq!(events_of(&fake, "000000000000feed-42/prefill"), [LifecycleKind::Done]);
 }

@@ -86,8 +86,13 @@ mod tests {
             tenant: None,
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
-        let resp =
-            RouteResponse { endpoint: Some("127.0.0.1:1".into()), replica: None, overlap_blocks: 3, dp_rank: Some(1) };
+        let resp = RouteResponse {
+            endpoint: Some("127.0.0.1:1".into()),
+            replica: None,
+            overlap_blocks: 3,
+            dp_rank: Some(1),
+            prefill: None,
+        };
         assert_eq!(decode::<RouteResponse>(&encode(&resp).unwrap()).unwrap(), resp);
     }
 
@@ -95,7 +100,8 @@ mod tests {
     fn rejects_garbage_and_trailing_bytes() {
         assert!(decode::<RouteRequest>(&[0xff; 3]).is_err());
         let mut bytes =
-            encode(&RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None }).unwrap();
+            encode(&RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None, prefill: None })
+                .unwrap();
         bytes.push(0);
         assert!(matches!(decode::<RouteResponse>(&bytes), Err(CodecError::Trailing(1))));
     }

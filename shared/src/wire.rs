@@ -21,7 +21,7 @@ pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 /// The version of these types as encoded. The filter sends it on every sidecar call
 /// ([`WIRE_VERSION_HEADER`]); a sidecar of another version answers 409 naming both, instead
 /// of misreading the body. Bump it with any change to an encoded type's fields.
-pub const WIRE_VERSION: &str = "6";
+pub const WIRE_VERSION: &str = "7";
 
 /// The header that carries [`WIRE_VERSION`].
 pub const WIRE_VERSION_HEADER: &str = "x-kvgate-wire";
@@ -178,6 +178,47 @@ pub struct RouteResponse {
     /// The data-parallel rank chosen within the replica, for [`DP_RANK_HEADER`]; `None` for an
     /// engine without ranks.
     pub dp_rank: Option<u32>,
+    /// In a disaggregated pool, the prefill leg the filter runs before (vLLM) or beside
+    /// (SGLang) sending the request to `endpoint`, its decode worker; `None`: the request is
+    /// served whole at `endpoint`.
+    pub prefill: Option<PrefillLeg>,
+}
+
+/// Where a disaggregated request's prompt is computed, and how its KV reaches the decode
+/// worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefillLeg {
+    /// The prefill worker, `ip:port` for [`DESTINATION_HEADER`] on the leg.
+    pub endpoint: String,
+    /// Its replica id.
+    pub replica: String,
+    /// Its data-parallel rank, for [`DP_RANK_HEADER`] on the leg.
+    pub dp_rank: Option<u32>,
+    /// Prompt blocks already cached there.
+    pub overlap_blocks: u32,
+    /// The id the leg's load is booked under: lifecycle reports about the leg (its usage,
+    /// its end) name it.
+    pub booking_id: String,
+    /// The engines' KV-transfer protocol.
+    pub transfer: Transfer,
+}
+
+/// A KV-transfer protocol, with what the filter puts in the request bodies.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Transfer {
+    /// vLLM (NixlConnector's request protocol): the leg asks for `do_remote_decode` and one
+    /// token; its response's `kv_transfer_params` go into the request to the decode worker.
+    Vllm,
+    /// SGLang: both legs carry the prefill worker's bootstrap address and a room, and are
+    /// sent at once.
+    Sglang {
+        /// `bootstrap_host`: the prefill worker's address.
+        host: String,
+        /// `bootstrap_port`: its bootstrap server.
+        port: u16,
+        /// `bootstrap_room`: pairs the two legs.
+        room: u64,
+    },
 }
 
 /// A point in a routed request's life, reported by the filter.

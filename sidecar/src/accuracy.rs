@@ -41,6 +41,16 @@ impl Prediction {
             prompt_tokens: exact.then_some(prompt_tokens),
         }
     }
+
+    /// The prediction for a decode worker that receives an exactly counted prompt's KV from
+    /// a prefill worker: engines report transferred tokens as cached. vLLM computes the last
+    /// prompt token itself (it samples the first output token from it); SGLang computes none.
+    pub fn transferred(prompt_tokens: u64, computes_last: bool) -> Prediction {
+        Prediction {
+            cached_tokens: prompt_tokens.saturating_sub(u64::from(computes_last)),
+            prompt_tokens: Some(prompt_tokens),
+        }
+    }
 }
 
 /// What the engine reported for the request.

@@ -174,9 +174,73 @@ pub struct PoolConfig {
     /// piling onto an engine, and are shed (429) past a bound. Off by default.
     #[serde(default)]
     pub admission: AdmissionConfig,
+    /// Prefill/decode disaggregation: replicas with `role = "prefill"` compute prompts,
+    /// `role = "decode"` ones generate, and each request gets a prefill worker (by cache
+    /// and prefill load) and a decode worker (by load). Off (unset) by default.
+    #[serde(default)]
+    pub disaggregation: Option<DisaggregationConfig>,
     /// The replicas (static discovery).
     #[serde(default)]
     pub replicas: Vec<ReplicaConfig>,
+}
+
+/// How a pool's requests are split between prefill and decode workers ([`Role`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DisaggregationConfig {
+    /// The engines' protocol: `vllm` (the prefill leg first, its `kv_transfer_params` then
+    /// go with the request to the decode worker: NixlConnector and the connectors sharing
+    /// its request protocol) or `sglang` (both legs at once, joined by a bootstrap room).
+    pub mode: TransferProtocol,
+    /// Conditional disaggregation: a request whose prompt, less what the chosen decode
+    /// worker has cached, is shorter than this many tokens is served whole on the decode
+    /// worker (default 256): a transfer costs more than so short a prefill.
+    #[serde(default = "default_min_remote_prefill")]
+    pub min_remote_prefill_tokens: u64,
+    /// Serve a request whole on its decode worker when even the best prefill worker has
+    /// more than this many prefill tokens booked (prefill saturated). Unset: never.
+    #[serde(default)]
+    pub max_prefill_backlog_tokens: Option<u64>,
+}
+
+/// The KV-transfer protocol of a disaggregated pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferProtocol {
+    /// vLLM: sequential legs, `kv_transfer_params` from the prefill response.
+    Vllm,
+    /// SGLang: parallel legs, `bootstrap_host`/`bootstrap_port`/`bootstrap_room`.
+    Sglang,
+}
+
+/// What a replica does in a disaggregated pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Whole requests, and either leg (the default, and the only role without
+    /// disaggregation).
+    #[default]
+    Both,
+    /// Prefill legs only.
+    Prefill,
+    /// Decode legs and requests served whole.
+    Decode,
+}
+
+impl Role {
+    /// Whether it takes prefill legs.
+    pub fn prefills(self) -> bool {
+        self != Role::Decode
+    }
+
+    /// Whether it takes decode legs (and whole requests).
+    pub fn decodes(self) -> bool {
+        self != Role::Prefill
+    }
+}
+
+fn default_min_remote_prefill() -> u64 {
+    256
 }
 
 /// When a replica counts as saturated, from kvgate's own books, and how long requests may
@@ -373,6 +437,12 @@ pub struct DiscoveryConfig {
     /// Data-parallel ranks of every discovered engine (see [`ReplicaConfig::data_parallel_size`]).
     #[serde(default = "one")]
     pub data_parallel_size: u32,
+    /// The role of every discovered engine (see [`ReplicaConfig::role`]).
+    #[serde(default)]
+    pub role: Role,
+    /// The SGLang bootstrap port of every discovered prefill engine.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 /// A discovery source.
@@ -411,6 +481,8 @@ impl Default for DiscoveryConfig {
             kv_events_topic: String::new(),
             interval_secs: default_discovery_interval(),
             data_parallel_size: 1,
+            role: Role::Both,
+            bootstrap_port: None,
         }
     }
 }
@@ -432,6 +504,8 @@ impl DiscoveryConfig {
             kv_events_topic: self.kv_events_topic.clone(),
             kv_replay: self.kv_replay.as_deref().map(fill),
             data_parallel_size: self.data_parallel_size,
+            role: self.role,
+            bootstrap_port: self.bootstrap_port,
         }
     }
 }
@@ -463,6 +537,7 @@ impl PoolConfig {
             adapters: Vec::new(),
             adapters_poll_secs: default_adapters_poll(),
             admission: AdmissionConfig::default(),
+            disaggregation: None,
             replicas,
         }
     }
@@ -504,6 +579,40 @@ impl PoolConfig {
             .map(|(_, mode)| (*mode).to_owned())
     }
 
+    /// Roles only with disaggregation; with it, a static pool has workers for both legs and,
+    /// in `sglang` mode, every prefill worker names its bootstrap port.
+    fn check_roles(&self) -> anyhow::Result<()> {
+        let discovered = (self.discovery.kind != DiscoveryKind::Static)
+            .then(|| self.discovery.replica(SocketAddr::from(([10, 0, 0, 1], 8000))));
+        let replicas: Vec<&ReplicaConfig> = self.replicas.iter().chain(discovered.as_ref()).collect();
+        let Some(d) = &self.disaggregation else {
+            if let Some(r) = replicas.iter().find(|r| r.role != Role::Both) {
+                bail!("pool {:?}: replica {:?} has a role but the pool has no disaggregation", self.model, r.id);
+            }
+            return Ok(());
+        };
+        if d.mode == TransferProtocol::Sglang {
+            if let Some(r) = replicas.iter().find(|r| r.role.prefills() && r.bootstrap_port.is_none()) {
+                bail!(
+                    "pool {:?}: replica {:?} may take prefill legs but has no bootstrap_port (sglang mode)",
+                    self.model,
+                    r.id
+                );
+            }
+        }
+        let both_legs = replicas.iter().any(|r| r.role.prefills()) && replicas.iter().any(|r| r.role.decodes());
+        if self.discovery.kind == DiscoveryKind::Static && !both_legs {
+            bail!("pool {:?}: disaggregation needs replicas for prefill and for decode", self.model);
+        }
+        if self.policy == Policy::PrefixAffinity {
+            bail!(
+                "pool {:?}: disaggregation chooses prefill workers by their KV events; prefix_affinity reads none",
+                self.model
+            );
+        }
+        Ok(())
+    }
+
     /// Whether this pool subscribes to its engines' KV events (all but `prefix_affinity`).
     pub fn reads_events(&self) -> bool {
         self.policy != Policy::PrefixAffinity
@@ -530,6 +639,8 @@ impl ReplicaConfig {
             kv_events_topic: String::new(),
             kv_replay: None,
             data_parallel_size: 1,
+            role: Role::Both,
+            bootstrap_port: None,
         }
     }
 }
@@ -562,6 +673,13 @@ pub struct ReplicaConfig {
     /// with `X-data-parallel-rank`.
     #[serde(default = "one")]
     pub data_parallel_size: u32,
+    /// In a disaggregated pool: `prefill`, `decode` or `both` (default).
+    #[serde(default)]
+    pub role: Role,
+    /// SGLang's `--disaggregation-bootstrap-port` of a prefill engine (disaggregation mode
+    /// `sglang`): the decode worker fetches the prompt's KV through it.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 /// A pool's routing policy. Every policy books load, so switching keeps load tracking.
@@ -841,6 +959,7 @@ impl Config {
             if d.interval_secs == 0 {
                 bail!("pool {:?}: discovery.interval_secs must be positive", pool.model);
             }
+            pool.check_roles()?;
             let mut ids = HashSet::new();
             let mut endpoints = HashSet::new();
             for r in &pool.replicas {
@@ -1066,6 +1185,46 @@ mod tests {
         assert!(with("[sync]\nlisten = \"tcp://0.0.0.0:9913\"").is_err(), "no peers");
         assert!(with("[sync]\nlisten = \"ipc:///x\"\npeers = [\"tcp://a:1\"]").is_err());
         assert!(load(BASE, &[]).unwrap().sync.is_none(), "off by default");
+    }
+
+    #[test]
+    fn disaggregated_pools_need_both_roles_and_sglang_bootstrap_ports() {
+        let pd = |mode: &str, prefill: &str| {
+            format!(
+                r#"
+                [[pools]]
+                model = "m"
+                tokenizer = "tok"
+                block_size = 16
+                disaggregation = {{ mode = "{mode}" }}
+                [[pools.replicas]]
+                id = "p"
+                endpoint = "127.0.0.1:8001"
+                kv_events = "tcp://127.0.0.1:5557"
+                {prefill}
+                [[pools.replicas]]
+                id = "d"
+                endpoint = "127.0.0.1:8002"
+                kv_events = "tcp://127.0.0.1:5567"
+                role = "decode"
+                "#
+            )
+        };
+        let c = load(&pd("vllm", "role = \"prefill\""), &[]).unwrap();
+        let d = c.pools[0].disaggregation.as_ref().unwrap();
+        assert_eq!(
+            (d.mode, d.min_remote_prefill_tokens, d.max_prefill_backlog_tokens),
+            (TransferProtocol::Vllm, 256, None)
+        );
+        assert_eq!(c.pools[0].replicas[0].role, Role::Prefill);
+        assert!(load(&pd("sglang", "role = \"prefill\""), &[]).is_err(), "no bootstrap port");
+        assert!(load(&pd("sglang", "role = \"prefill\"\nbootstrap_port = 8998"), &[]).is_ok());
+        assert!(load(&pd("vllm", "role = \"decode\""), &[]).is_err(), "nothing prefills");
+        assert!(load(&pd("vllm", ""), &[]).is_ok(), "`both` takes prefill legs too");
+        assert!(load(&pd("nixl", "role = \"prefill\""), &[]).is_err());
+        let roles_alone = BASE
+            .replace("kv_events = \"tcp://127.0.0.1:5557\"", "kv_events = \"tcp://127.0.0.1:5557\"\nrole = \"decode\"");
+        assert!(load(&roles_alone, &[]).is_err(), "a role without disaggregation");
     }
 
     #[test]

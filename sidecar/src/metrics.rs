@@ -115,6 +115,18 @@ pub struct Metrics {
     pub admission_wait_seconds: Histogram,
     /// Requests waiting for capacity now, per pool.
     pub admission_waiting: Family<PoolLabels, Gauge>,
+    /// Decisions in disaggregated pools, by mode: `disaggregated`, or served whole for
+    /// `short_prompt`, `prefill_busy`, `no_prefill_worker` or `several_prompts`.
+    pub disaggregation: Family<ModeLabels, Counter>,
+}
+
+/// Labels of a disaggregated pool's decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModeLabels {
+    /// The pool's model.
+    pub model: String,
+    /// `disaggregated`, or why the request was served whole.
+    pub mode: String,
 }
 
 /// Labels of an admission outcome.
@@ -177,6 +189,12 @@ impl Default for Metrics {
         let admission = Family::default();
         let admission_wait_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 14));
         let admission_waiting = Family::default();
+        let disaggregation = Family::default();
+        registry.register(
+            "disaggregation_decisions",
+            "Decisions in disaggregated pools, by mode (disaggregated, or why served whole)",
+            disaggregation.clone(),
+        );
         registry.register(
             "admission",
             "Requests that waited for capacity, by outcome (admitted, queue_full, queue_time)",
@@ -299,6 +317,7 @@ impl Default for Metrics {
             admission,
             admission_wait_seconds,
             admission_waiting,
+            disaggregation,
         }
     }
 }

@@ -10,7 +10,7 @@ use super::Pool;
 use crate::accuracy::{Check, EngineUsage};
 use crate::config::Policy;
 use crate::index::{Overlap, ReplicaIdx};
-use crate::metrics::DecisionLabels;
+use crate::metrics::{DecisionLabels, ModeLabels};
 
 /// Decisions kept for `/debug/explain`.
 pub(super) const EXPLANATIONS: usize = 256;
@@ -27,6 +27,8 @@ pub(super) struct Kept {
     candidates: Vec<Scored>,
     /// The prediction, once the engine's report has been checked against it.
     checked: Option<Checked>,
+    /// In a disaggregated pool: the decision's mode, or `prefill_leg` for a leg's.
+    disaggregation: Option<&'static str>,
 }
 
 /// A decision's prediction against what the engine reported.
@@ -76,6 +78,10 @@ pub struct Explanation {
     pub candidates: Vec<CandidateTerms>,
     /// The prediction against the engine's report, once the request has ended.
     pub checked: Option<Checked>,
+    /// In a disaggregated pool: `disaggregated` (its prefill leg is explained under
+    /// `<request_id>/prefill`, marked `prefill_leg`) or why it was served whole
+    /// (`short_prompt`, `prefill_busy`, `no_prefill_worker`, `several_prompts`).
+    pub disaggregation: Option<&'static str>,
 }
 
 impl Pool {
@@ -96,6 +102,7 @@ impl Pool {
                 prompt_tokens: k.prompt_tokens,
                 chosen: Some(name(k.chosen)),
                 checked: k.checked,
+                disaggregation: k.disaggregation,
                 candidates: k
                     .candidates
                     .iter()
@@ -113,6 +120,8 @@ impl Pool {
             .collect()
     }
 
+    /// Counts a decision and keeps it for `/debug/explain`; `mode` is its disaggregation mode
+    /// in a disaggregated pool.
     pub(super) fn record(
         &self,
         req: &RouteRequest,
@@ -120,16 +129,20 @@ impl Pool {
         candidates: Vec<Scored>,
         best: ReplicaIdx,
         overlap: Overlap,
+        mode: Option<&'static str>,
     ) {
         let labels = self.labels(best);
         self.metrics.route_decisions.get_or_create(&labels).inc();
         let outcome = if overlap.device > 0 { "hit" } else { "miss" };
         let policy_name =
             serde_json::to_value(policy).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
-        let decision = DecisionLabels { model: labels.model, policy: policy_name, outcome: outcome.to_owned() };
+        let decision = DecisionLabels { model: labels.model.clone(), policy: policy_name, outcome: outcome.to_owned() };
         self.metrics.decisions.get_or_create(&decision).inc();
         self.metrics.chosen_overlap_blocks.observe(f64::from(overlap.device));
-        let explanation = Kept {
+        if let Some(mode) = mode {
+            self.metrics.disaggregation.get_or_create(&ModeLabels { model: labels.model, mode: mode.to_owned() }).inc();
+        }
+        self.keep(Kept {
             request_id: req.request_id.clone(),
             client_request_id: req.client_request_id.clone(),
             policy,
@@ -137,7 +150,32 @@ impl Pool {
             chosen: best,
             candidates,
             checked: None,
-        };
+            disaggregation: mode,
+        });
+    }
+
+    /// Keeps a request's prefill leg for `/debug/explain`, under the leg's booking id.
+    pub(super) fn record_leg(
+        &self,
+        req: &RouteRequest,
+        leg_id: String,
+        policy: Policy,
+        candidates: Vec<Scored>,
+        chosen: ReplicaIdx,
+    ) {
+        self.keep(Kept {
+            request_id: leg_id,
+            client_request_id: req.client_request_id.clone(),
+            policy,
+            prompt_tokens: u64::from(req.prompt_tokens),
+            chosen,
+            candidates,
+            checked: None,
+            disaggregation: Some("prefill_leg"),
+        });
+    }
+
+    fn keep(&self, explanation: Kept) {
         let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
         if kept.len() == EXPLANATIONS {
             kept.pop_front();

@@ -14,6 +14,7 @@
 //! so a membership change can never deadlock with routing or lifecycle reports. Every lock is
 //! a private field: only this module's files take them.
 
+mod disagg;
 mod explain;
 mod health;
 mod lifecycle;

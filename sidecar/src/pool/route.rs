@@ -7,10 +7,11 @@ use std::time::Instant;
 use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::wire::{PromptCount, RouteRequest, RouteResponse};
 
+use super::disagg::{self, Prompt, Split};
 use super::members::NONE;
 use super::{Member, Pool};
 use crate::accuracy::Prediction;
-use crate::config::Policy;
+use crate::config::{Policy, TransferProtocol};
 use crate::index::{Overlap, ReplicaIdx};
 use crate::load::flows::Flow;
 use crate::load::{LoadTable, NewBooking};
@@ -42,6 +43,7 @@ pub(super) struct Scored {
 }
 
 /// The request as the pool measures it.
+#[derive(Clone, Copy)]
 struct Shape<'a> {
     /// The prompt's block hashes (none if computed with another block size).
     hashes: &'a [SequenceHash],
@@ -59,6 +61,24 @@ struct Shape<'a> {
     /// Its output limit: the request's `max_tokens`, else what the engine defaults to (its
     /// context length left after the prompt, with the pool's `max_model_len`).
     max_tokens: Option<u64>,
+    /// Whether its response streams.
+    stream: bool,
+}
+
+impl Shape<'_> {
+    /// A disaggregated request's prefill leg: its prompt, one sequence, one token, not
+    /// streamed.
+    fn leg(&self) -> Self {
+        Shape { sequences: 1, max_tokens: Some(1), stream: false, ..*self }
+    }
+}
+
+/// Under which id, for which flow, and whether the prompt is computed elsewhere (and its KV
+/// sent over with which protocol).
+struct BookAs<'a> {
+    id: &'a str,
+    flow: Option<Flow>,
+    remote: Option<TransferProtocol>,
 }
 
 /// What was booked where.
@@ -71,7 +91,7 @@ struct Booked {
 }
 
 fn nowhere() -> RouteResponse {
-    RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None }
+    RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None, prefill: None }
 }
 
 /// Every replica the request may go to is saturated: it waits, or is shed.
@@ -110,7 +130,10 @@ impl Pool {
         // Lock order: members, index, affinity, load.
         let members = self.members();
         // Active replicas serving the model, with the cache each is credited.
-        let eligible = self.eligible(&members, req, shape.hashes);
+        let candidates = self.eligible(&members, req, shape.hashes);
+        // In a disaggregated pool, decode workers take the request, prefill workers its leg.
+        let pd = self.config.disaggregation.as_ref();
+        let (eligible, prefillers) = disagg::by_role(&members, candidates, pd);
         if eligible.is_empty() {
             return Ok(nowhere());
         }
@@ -132,23 +155,53 @@ impl Pool {
         let Some(choice) = self.choose(policy, req, &members, &eligible, &scored, &scoring) else {
             return Ok(nowhere());
         };
+        // Where the prompt is computed: there, or in a prefill worker's leg.
+        let prompt = Prompt { tokens: shape.prompt_tokens, prompts: req.prompts.max(1), block_size: shape.block_size };
+        let split = disagg::split(pd, &load, &prefillers, eligible[choice], prompt, &scoring);
         // Reserve the request's load there before anyone else decides.
-        let booked = book(&mut load, req, &shape, &scoring, eligible[choice], flow);
-        let figures = load.load(booked.slot);
+        let remote = pd.filter(|_| matches!(split, Split::Remote { .. })).map(|d| d.mode);
+        let decode = BookAs { id: &req.request_id, flow, remote };
+        let booked = book(&mut load, &shape, &scoring, eligible[choice], decode);
+        // And the leg's prefill on its worker, under the leg's own id.
+        let leg_id = disagg::leg_booking_id(&req.request_id);
+        let leg = match &split {
+            Split::Remote { at, .. } => {
+                let prefill = BookAs { id: &leg_id, flow: None, remote: None };
+                Some(book(&mut load, &shape.leg(), &scoring, *at, prefill))
+            }
+            Split::Whole(_) => None,
+        };
+        let figures: Vec<_> = std::iter::once(&booked).chain(&leg).map(|b| (b.slot, load.load(b.slot))).collect();
         drop(load);
         // Remember where the prefix went, and expect the engine's events for it.
         self.after_booking(&members[booked.slot.get()], &shape, &booked);
+        if let Some(leg) = &leg {
+            self.after_booking(&members[leg.slot.get()], &shape, leg);
+        }
         let (replica, dp_rank) = (members[booked.slot.get()].replica.clone(), members[booked.slot.get()].rank);
+        let prefill = leg.as_ref().zip(pd).map(|(leg, pd)| {
+            disagg::leg(req, &members[leg.slot.get()], leg.overlap.device, pd.mode, rand::random::<u64>() >> 1)
+        });
         drop(members);
         // Gauges, the other gateways, `/debug/explain`.
-        self.publish_load(booked.slot, figures);
-        self.share_booking(req, &replica.id, &shape, &booked);
-        self.record(req, policy, scored, booked.slot, booked.overlap);
+        for (slot, figures) in figures {
+            self.publish_load(slot, figures);
+        }
+        self.share_booking(&req.request_id, &replica.id, &shape, &booked);
+        if let (Some(leg), Some(p)) = (&leg, &prefill) {
+            self.share_booking(&leg_id, &p.replica, &shape.leg(), leg);
+        }
+        let mode = split.mode();
+        self.record(req, policy, scored, booked.slot, booked.overlap, mode);
+        if let (Split::Remote { scored, .. }, Some(leg)) = (split, &leg) {
+            self.record_leg(req, leg_id, policy, scored, leg.slot);
+        }
         Ok(RouteResponse {
             endpoint: Some(replica.endpoint.to_string()),
             replica: Some(replica.id),
             overlap_blocks: booked.overlap.device,
             dp_rank,
+            prefill,
         })
     }
 
@@ -189,6 +242,7 @@ impl Pool {
                 .max_tokens
                 .map(u64::from)
                 .or_else(|| self.config.max_model_len.map(|len| len.saturating_sub(prompt_tokens).max(1))),
+            stream: req.stream,
         }
     }
 
@@ -273,12 +327,12 @@ impl Pool {
     }
 
     /// Tells the other gateways (when sync is on).
-    fn share_booking(&self, req: &RouteRequest, target: &str, shape: &Shape<'_>, booked: &Booked) {
+    fn share_booking(&self, request_id: &str, target: &str, shape: &Shape<'_>, booked: &Booked) {
         let (true, Some(outbox)) = (booked.booked, self.outbox.get()) else { return };
         outbox.send(SyncEvent::Booked {
             model: self.config.model.clone(),
             target: target.to_owned(),
-            request_id: req.request_id.clone(),
+            request_id: request_id.to_owned(),
             prefill_tokens: booked.prefill_tokens,
             hashes: shape.hashes.to_vec(),
             total_blocks: shape.total_blocks,
@@ -326,31 +380,33 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
         .collect()
 }
 
-/// Books the request on the chosen replica: its prefill left after the overlap, its blocks.
-fn book(
-    load: &mut LoadTable,
-    req: &RouteRequest,
-    shape: &Shape<'_>,
-    scoring: &ScoringConfig,
-    at: Eligible,
-    flow: Option<Flow>,
-) -> Booked {
-    let prefill_tokens = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, at.overlap);
-    // What the engine should report: a prompt that was not tokenized predicts nothing.
-    let prediction = (shape.prompt_count != PromptCount::Estimated).then(|| {
-        let exact = shape.prompt_count == PromptCount::Exact;
-        Prediction::new(u64::from(at.overlap.device), shape.block_size, shape.prompt_tokens, exact)
-    });
+/// Books the request (or its prefill leg) on the chosen replica: its prefill left after the
+/// overlap — none if the prompt is computed elsewhere — and its blocks.
+fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: Eligible, to: BookAs<'_>) -> Booked {
+    let prefill_tokens = match to.remote {
+        Some(_) => 0,
+        None => scoring.prefill_tokens(shape.booked_tokens, shape.block_size, at.overlap),
+    };
+    // What the engine should report: a prompt that was not tokenized predicts nothing, nor
+    // does a transferred one that was not counted exactly.
+    let exact = shape.prompt_count == PromptCount::Exact;
+    let prediction = match to.remote {
+        Some(protocol) => {
+            exact.then(|| Prediction::transferred(shape.prompt_tokens, protocol == TransferProtocol::Vllm))
+        }
+        None => (shape.prompt_count != PromptCount::Estimated)
+            .then(|| Prediction::new(u64::from(at.overlap.device), shape.block_size, shape.prompt_tokens, exact)),
+    };
     let booking = NewBooking {
-        request_id: &req.request_id,
+        request_id: to.id,
         prefill_tokens,
         hashes: shape.hashes,
         total_blocks: shape.total_blocks,
         max_tokens: shape.max_tokens,
         sequences: shape.sequences,
         prediction,
-        streamed: req.stream,
-        flow,
+        streamed: shape.stream,
+        flow: to.flow,
     };
     let booked = load.book(at.slot, booking, Instant::now());
     Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked }

@@ -17,6 +17,8 @@ pub struct ReplicaState {
     pub id: String,
     /// `ip:port`.
     pub endpoint: String,
+    /// What it does in a disaggregated pool (`both` elsewhere).
+    pub role: crate::config::Role,
     /// Blocks indexed, all tiers.
     pub blocks_indexed: usize,
     /// Blocks indexed on host memory.
@@ -99,6 +101,7 @@ impl Pool {
                 ReplicaState {
                     id: r.id.clone(),
                     endpoint: r.endpoint.to_string(),
+                    role: r.role,
                     blocks_indexed: index.replica_blocks(i),
                     host_blocks: index.replica_tier_blocks(i, Tier::Host),
                     disk_blocks: index.replica_tier_blocks(i, Tier::Disk),

@@ -479,3 +479,115 @@ fn decisions_do_not_wait_for_a_batch_of_events_being_applied() {
     assert_eq!(p.find_matches(&prompt_block_hashes(&arriving, 4, Salt::NONE))[0].device, 8, "visible once it ends");
     assert_eq!(chosen(&p.route(&request("after", &arriving), &cfg)), 0);
 }
+
+/// A disaggregated pool: `r0`, `r1` prefill, `r2`, `r3` decode; block size 4, remote
+/// prefill from 64 uncached tokens.
+fn pd_pool(mode: crate::config::TransferProtocol, backlog: Option<u64>) -> Pool {
+    use crate::config::{DisaggregationConfig, Role};
+    let replicas = (0..4)
+        .map(|i| {
+            let endpoint = format!("127.0.0.1:{}", 8000 + i).parse().unwrap();
+            let role = if i < 2 { Role::Prefill } else { Role::Decode };
+            ReplicaConfig {
+                role,
+                bootstrap_port: (i < 2).then_some(9000 + i as u16),
+                ..ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
+            }
+        })
+        .collect();
+    let disaggregation =
+        DisaggregationConfig { mode, min_remote_prefill_tokens: 64, max_prefill_backlog_tokens: backlog };
+    let config = PoolConfig { disaggregation: Some(disaggregation), ..PoolConfig::new("m", "unused", 4, replicas) };
+    Pool::new(config, Vec::new(), Arc::new(Metrics::default()))
+}
+
+fn replica_load(p: &Pool, id: &str) -> (u64, u64) {
+    let state = p.state();
+    let r = state.replicas.iter().find(|r| r.id == id).unwrap();
+    (r.prefill_tokens, r.active_requests)
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_where_it_is_cached_and_decoded_elsewhere() {
+    let p = pd_pool(crate::config::TransferProtocol::Vllm, None);
+    let prompt: Vec<u32> = (0..200).collect();
+    cache_on(&p, 1, &prompt[..160]);
+    let r = p.route(&request("long", &prompt), &ScoringConfig::default());
+    let leg = r.prefill.clone().expect("a prefill leg");
+    assert_eq!((leg.replica.as_str(), leg.endpoint.as_str(), leg.overlap_blocks), ("r1", "127.0.0.1:8001", 40));
+    assert_eq!(leg.booking_id, "long/prefill");
+    assert_eq!(leg.transfer, kvgate_shared::wire::Transfer::Vllm);
+    let decoder = r.replica.clone().unwrap();
+    assert!(decoder == "r2" || decoder == "r3", "decoded on a decode worker, not {decoder}");
+    // The leg's prefill is booked on r1 (what it has not cached), the decode worker computes
+    // no prompt.
+    assert_eq!(replica_load(&p, "r1"), (40, 1));
+    assert_eq!(replica_load(&p, &decoder), (0, 1));
+    let explained = p.explain(Some("long/prefill"), 1);
+    assert_eq!(explained[0].disaggregation, Some("prefill_leg"));
+    assert_eq!(explained[0].candidates.len(), 2, "both prefill workers scored");
+    assert_eq!(p.explain(Some("long"), 1)[0].disaggregation, Some("disaggregated"));
+    // Both predictions are checked against what the engines report: the leg's cache on r1,
+    // and on the decode worker every prompt token but the last, which vLLM computes there.
+    use crate::accuracy::EngineUsage;
+    assert!(p.engine_usage("long/prefill", EngineUsage { prompt_tokens: 200, cached_tokens: 160 }));
+    assert!(p.engine_usage("long", EngineUsage { prompt_tokens: 200, cached_tokens: 199 }));
+    for id in ["long/prefill", "long"] {
+        let checked = p.explain(Some(id), 1)[0].checked.expect("checked");
+        assert_eq!((checked.check.cached_error, checked.check.prompt_mismatch), (0, false), "{id}");
+    }
+    // The leg's end frees the prefill worker; the request's end the decode worker.
+    assert!(p.lifecycle("long/prefill", false));
+    assert_eq!(replica_load(&p, "r1"), (0, 0));
+    assert!(p.lifecycle("long", false));
+    assert_eq!(replica_load(&p, &decoder), (0, 0));
+}
+
+#[test]
+fn short_or_cached_prompts_are_served_whole_on_the_decode_worker() {
+    let p = pd_pool(crate::config::TransferProtocol::Vllm, None);
+    let short: Vec<u32> = (0..40).collect();
+    let r = p.route(&request("short", &short), &ScoringConfig::default());
+    assert!(r.prefill.is_none(), "40 tokens are prefilled in place");
+    assert!(matches!(r.replica.as_deref(), Some("r2" | "r3")));
+    assert_eq!(p.explain(Some("short"), 1)[0].disaggregation, Some("short_prompt"));
+    // A long prompt the decode worker r3 mostly holds: 24 tokens left to compute there.
+    let long: Vec<u32> = (1000..1200).collect();
+    cache_on(&p, 3, &long[..176]);
+    let r = p.route(&request("cached", &long), &ScoringConfig::default());
+    assert_eq!((r.replica.as_deref(), r.prefill.as_ref()), (Some("r3"), None));
+    let (prefill, _) = replica_load(&p, "r3");
+    assert!(prefill >= 24, "its rest is prefilled on r3: {prefill}");
+}
+
+#[test]
+fn busy_prefill_workers_leave_prompts_to_the_decode_workers() {
+    let p = pd_pool(crate::config::TransferProtocol::Vllm, Some(150));
+    let cfg = ScoringConfig::default();
+    for i in 0..2u32 {
+        let prompt: Vec<u32> = (0..200).map(|t| 10_000 * (i + 1) + t).collect();
+        assert!(p.route(&request(&format!("p{i}"), &prompt), &cfg).prefill.is_some());
+    }
+    // Both prefill workers have 200 tokens booked, above the 150 allowed.
+    let prompt: Vec<u32> = (50_000..50_200).collect();
+    let r = p.route(&request("third", &prompt), &cfg);
+    assert!(r.prefill.is_none());
+    assert_eq!(p.explain(Some("third"), 1)[0].disaggregation, Some("prefill_busy"));
+    let text = p.metrics.render();
+    assert!(text.contains(r#"kvgate_disaggregation_decisions_total{model="m",mode="prefill_busy"} 1"#), "{text}");
+    assert!(text.contains(r#"kvgate_disaggregation_decisions_total{model="m",mode="disaggregated"} 2"#), "{text}");
+}
+
+#[test]
+fn sglang_legs_carry_the_prefill_workers_bootstrap_address_and_a_room() {
+    let p = pd_pool(crate::config::TransferProtocol::Sglang, None);
+    let prompt: Vec<u32> = (0..200).collect();
+    cache_on(&p, 0, &prompt[..120]);
+    let leg = p.route(&request("sg", &prompt), &ScoringConfig::default()).prefill.expect("a leg");
+    let kvgate_shared::wire::Transfer::Sglang { host, port, room } = leg.transfer else { panic!("{leg:?}") };
+    assert_eq!((leg.replica.as_str(), host.as_str(), port), ("r0", "127.0.0.1", 9000));
+    assert!(room < 1 << 63, "a room SGLang takes: {room}");
+    let again: Vec<u32> = (5000..5200).collect();
+    let other = p.route(&request("sg2", &again), &ScoringConfig::default()).prefill.expect("a leg");
+    assert_ne!(other.transfer, kvgate_shared::wire::Transfer::Sglang { host, port, room }, "a room per request");
+}

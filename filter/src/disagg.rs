@@ -1,0 +1,179 @@
+//! Prefill/decode disaggregation: the bodies of a disaggregated request's two legs (pure,
+//! natively testable). [`crate::http`] sends them.
+//!
+//! - **vLLM** (NixlConnector's request protocol; vLLM's reference is its
+//!   `toy_proxy_server.py`): the prefill leg is the request with one output token, not
+//!   streamed, and `kv_transfer_params` asking for a remote decode ([`vllm_prefill`]); the
+//!   `kv_transfer_params` its response carries (the prefill worker's engine id, block ids,
+//!   host, port…) then go into the request to the decode worker ([`vllm_decode`]).
+//! - **SGLang**: both legs carry the prefill worker's bootstrap address and a room
+//!   ([`sglang`]) and are sent at once; the prefill leg is not streamed.
+//!
+//! Whatever a client put in `kv_transfer_params` or the `bootstrap_*` fields is replaced:
+//! only kvgate says where an engine pulls KV from. The one key kept is the forwarded prompt's
+//! token ids ([`FORWARDED_IDS`]), which the filter itself may have written.
+
+use kvgate_shared::prompt::openai::FORWARDED_IDS;
+use serde_json::{json, Map, Value};
+
+/// Why a leg's body could not be built, or its answer not used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LegError {
+    /// The request body is not a JSON object.
+    #[error("the request body is not a JSON object")]
+    NotAnObject,
+    /// The prefill worker's response carries no `kv_transfer_params` object.
+    #[error("the prefill response carries no kv_transfer_params")]
+    NoTransferParams,
+}
+
+/// The body as a JSON object.
+fn object(body: &[u8]) -> Result<Map<String, Value>, LegError> {
+    match serde_json::from_slice(body) {
+        Ok(Value::Object(o)) => Ok(o),
+        _ => Err(LegError::NotAnObject),
+    }
+}
+
+fn encoded(o: Map<String, Value>) -> Vec<u8> {
+    // Serializing a `Value` cannot fail.
+    serde_json::to_vec(&Value::Object(o)).unwrap_or_default()
+}
+
+/// The request's own `kv_transfer_params`, cleared of everything but the forwarded prompt.
+fn own_params(o: &Map<String, Value>) -> Map<String, Value> {
+    let mut params = Map::new();
+    if let Some(ids) = o.get("kv_transfer_params").and_then(|p| p.get(FORWARDED_IDS)) {
+        params.insert(FORWARDED_IDS.into(), ids.clone());
+    }
+    params
+}
+
+/// A leg that only computes the prompt: one token, whole (not streamed).
+fn prefill_only(o: &mut Map<String, Value>) {
+    o.insert("max_tokens".into(), json!(1));
+    if o.contains_key("max_completion_tokens") {
+        o.insert("max_completion_tokens".into(), json!(1));
+    }
+    o.insert("stream".into(), json!(false));
+    o.remove("stream_options");
+}
+
+/// vLLM's prefill leg: the request computing its prompt only, holding the KV for a remote
+/// decoder.
+pub fn vllm_prefill(body: &[u8]) -> Result<Vec<u8>, LegError> {
+    let mut o = object(body)?;
+    let mut params = own_params(&o);
+    for (key, value) in [
+        ("do_remote_decode", json!(true)),
+        ("do_remote_prefill", json!(false)),
+        ("remote_engine_id", Value::Null),
+        ("remote_block_ids", Value::Null),
+        ("remote_host", Value::Null),
+        ("remote_port", Value::Null),
+    ] {
+        params.insert(key.into(), value);
+    }
+    o.insert("kv_transfer_params".into(), Value::Object(params));
+    prefill_only(&mut o);
+    Ok(encoded(o))
+}
+
+/// vLLM's decode request: the request as it was, with the prefill response's
+/// `kv_transfer_params` (and the forwarded prompt, if it had one).
+pub fn vllm_decode(body: &[u8], prefill_response: &[u8]) -> Result<Vec<u8>, LegError> {
+    let mut o = object(body)?;
+    let answer = object(prefill_response).map_err(|_| LegError::NoTransferParams)?;
+    let Some(Value::Object(remote)) = answer.get("kv_transfer_params") else { return Err(LegError::NoTransferParams) };
+    let mut params = own_params(&o);
+    params.extend(remote.clone());
+    o.insert("kv_transfer_params".into(), Value::Object(params));
+    Ok(encoded(o))
+}
+
+/// SGLang's legs: the decode request (the request with the bootstrap address and room) and
+/// the prefill leg (the same, not streamed).
+pub fn sglang(body: &[u8], host: &str, port: u16, room: u64) -> Result<(Vec<u8>, Vec<u8>), LegError> {
+    let mut o = object(body)?;
+    o.insert("bootstrap_host".into(), json!(host));
+    o.insert("bootstrap_port".into(), json!(port));
+    o.insert("bootstrap_room".into(), json!(room));
+    let params = own_params(&o);
+    if params.is_empty() {
+        o.remove("kv_transfer_params");
+    } else {
+        o.insert("kv_transfer_params".into(), Value::Object(params));
+    }
+    let mut prefill = o.clone();
+    prefill.remove("stream_options");
+    prefill.insert("stream".into(), json!(false));
+    Ok((encoded(o), encoded(prefill)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(bytes: &[u8]) -> Value {
+        serde_json::from_slice(bytes).unwrap()
+    }
+
+    #[test]
+    fn the_vllm_prefill_leg_asks_for_a_remote_decode_and_one_token() {
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,
+            "stream_options":{"include_usage":true},"max_tokens":50,"max_completion_tokens":50,
+            "kv_transfer_params":{"prompt_token_ids":[1,2,3],"remote_host":"evil.example","do_remote_prefill":true}}"#;
+        let leg = parsed(&vllm_prefill(body).unwrap());
+        assert_eq!(
+            leg["kv_transfer_params"],
+            json!({"prompt_token_ids": [1, 2, 3], "do_remote_decode": true, "do_remote_prefill": false,
+                "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null})
+        );
+        assert_eq!(
+            (&leg["max_tokens"], &leg["max_completion_tokens"], &leg["stream"]),
+            (&json!(1), &json!(1), &json!(false))
+        );
+        assert!(leg.get("stream_options").is_none());
+        assert_eq!(leg["messages"], json!([{"role": "user", "content": "hi"}]));
+        let no_completion_limit = parsed(&vllm_prefill(br#"{"prompt":"x"}"#).unwrap());
+        assert!(no_completion_limit.get("max_completion_tokens").is_none());
+        assert_eq!(vllm_prefill(b"[1]"), Err(LegError::NotAnObject));
+    }
+
+    #[test]
+    fn the_vllm_decode_request_carries_what_the_prefill_worker_answered() {
+        let body = br#"{"model":"m","prompt":"x","stream":true,"max_tokens":50,
+            "kv_transfer_params":{"remote_host":"evil.example","prompt_token_ids":[7]}}"#;
+        let answer = br#"{"id":"cmpl-1","choices":[{"text":"a"}],"kv_transfer_params":{"do_remote_prefill":true,
+            "do_remote_decode":false,"remote_block_ids":[4,5],"remote_engine_id":"e1","remote_host":"10.0.0.2",
+            "remote_port":5600,"tp_size":1}}"#;
+        let decode = parsed(&vllm_decode(body, answer).unwrap());
+        assert_eq!(
+            decode["kv_transfer_params"],
+            json!({"prompt_token_ids": [7], "do_remote_prefill": true, "do_remote_decode": false,
+                "remote_block_ids": [4, 5], "remote_engine_id": "e1", "remote_host": "10.0.0.2",
+                "remote_port": 5600, "tp_size": 1})
+        );
+        assert_eq!((&decode["stream"], &decode["max_tokens"]), (&json!(true), &json!(50)));
+        for bad in [&br#"{"choices":[]}"#[..], br#"{"kv_transfer_params":null}"#, b"not json"] {
+            assert_eq!(vllm_decode(body, bad), Err(LegError::NoTransferParams), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn sglang_legs_share_the_bootstrap_room_and_only_the_decode_leg_streams() {
+        let body = br#"{"model":"m","prompt":"x","stream":true,"stream_options":{"include_usage":true},
+            "bootstrap_host":"evil.example","bootstrap_room":1,"kv_transfer_params":{"remote_host":"evil.example"}}"#;
+        let (decode, prefill) = sglang(body, "10.0.0.2", 8998, 42).unwrap();
+        let (decode, prefill) = (parsed(&decode), parsed(&prefill));
+        for leg in [&decode, &prefill] {
+            assert_eq!(
+                (&leg["bootstrap_host"], &leg["bootstrap_port"], &leg["bootstrap_room"]),
+                (&json!("10.0.0.2"), &json!(8998), &json!(42))
+            );
+            assert!(leg.get("kv_transfer_params").is_none(), "a client's transfer parameters are dropped");
+        }
+        assert_eq!((&decode["stream"], &prefill["stream"]), (&json!(true), &json!(false)));
+        assert!(decode.get("stream_options").is_some() && prefill.get("stream_options").is_none());
+    }
+}
