@@ -75,6 +75,27 @@ pub struct StackOptions {
     pub gateways: usize,
     /// With several kvgate gateways, their sidecars share bookings over the sync mesh.
     pub sync: bool,
+    /// Prefill/decode disaggregation of the pool (none by default).
+    pub disaggregation: Option<Disaggregation>,
+}
+
+/// A disaggregated pool: the engines' protocol and what each engine does.
+#[derive(Debug, Clone)]
+pub struct Disaggregation {
+    /// `vllm` (engines run with a NixlConnector `--kv-transfer-config`) or `sglang` (prefill
+    /// engines with a bootstrap port).
+    pub mode: String,
+    /// Each engine's role in order: `prefill`, `decode` or `both`.
+    pub roles: Vec<String>,
+    /// More keys of the pool's `disaggregation` table, e.g. `min_remote_prefill_tokens = 64`.
+    pub keys: String,
+}
+
+impl Disaggregation {
+    /// The role of engine `i` (`both` past the list).
+    fn role(&self, i: usize) -> &str {
+        self.roles.get(i).map_or("both", String::as_str)
+    }
 }
 
 impl Default for StackOptions {
@@ -102,6 +123,7 @@ impl Default for StackOptions {
             hot_restart: false,
             gateways: 1,
             sync: true,
+            disaggregation: None,
         }
     }
 }
@@ -118,6 +140,10 @@ pub struct SimHandle {
     pub events_port: u16,
     /// KV-events replay ROUTER port.
     pub replay_port: u16,
+    /// Its SGLang bootstrap port, when it prefills for an SGLang-mode pool.
+    pub bootstrap_port: Option<u16>,
+    /// Its role in a disaggregated pool.
+    pub role: Option<String>,
     proc: Proc,
 }
 
@@ -125,7 +151,16 @@ impl SimHandle {
     /// An engine on 127.0.0.1 that the caller started (a real vLLM, say): its HTTP port, its
     /// KV-events PUB and replay ports, and its process.
     pub fn new(id: &str, port: u16, events_port: u16, replay_port: u16, proc: Proc) -> SimHandle {
-        SimHandle { id: id.to_owned(), host: [127, 0, 0, 1].into(), port, events_port, replay_port, proc }
+        SimHandle {
+            id: id.to_owned(),
+            host: [127, 0, 0, 1].into(),
+            port,
+            events_port,
+            replay_port,
+            bootstrap_port: None,
+            role: None,
+            proc,
+        }
     }
 
     /// `http://host:port{path}`.
@@ -194,7 +229,7 @@ impl Stack {
         let mut sims = Vec::new();
         for i in 0..opts.replicas {
             let id = ((b'a' + i as u8) as char).to_string();
-            sims.push(Stack::spawn_sim(opts, artifacts, &id, &dir)?);
+            sims.push(Stack::spawn_sim(opts, artifacts, &id, i, &dir)?);
         }
         Stack::front(opts, artifacts, sims, dir)
     }
@@ -207,6 +242,7 @@ impl Stack {
         opts: &StackOptions,
         artifacts: &Artifacts,
         id: &str,
+        index: usize,
         dir: &std::path::Path,
     ) -> anyhow::Result<SimHandle> {
         let mut attempt = 0;
@@ -232,9 +268,31 @@ impl Stack {
                 .arg("--enable-prompt-tokens-details")
                 .args(["--data-parallel-size", &opts.data_parallel_size.to_string()])
                 .args(&opts.sim_args);
+            // Its part in a disaggregated pool, with the flags the engines take for it.
+            let role = opts.disaggregation.as_ref().map(|d| (d.mode.as_str(), d.role(index)));
+            let bootstrap_port = match role {
+                Some(("sglang", "prefill" | "both")) => Some(free_port()?),
+                _ => None,
+            };
+            match role {
+                Some(("vllm", _)) => {
+                    let config = json!({"kv_connector": "NixlConnector", "kv_role": "kv_both"});
+                    cmd.args(["--kv-transfer-config", &config.to_string()]);
+                }
+                Some(("sglang", role)) => {
+                    let mode = if role == "both" { "null" } else { role };
+                    cmd.args(["--disaggregation-mode", mode]);
+                    if let Some(port) = bootstrap_port {
+                        cmd.args(["--disaggregation-bootstrap-port", &port.to_string()]);
+                    }
+                }
+                _ => {}
+            }
             let log = dir.join(format!("sim-{id}-{attempt}.log"));
             let mut sim =
                 SimHandle::new(id, port, events_port, replay_port, Proc::spawn(&format!("sim {id}"), cmd, &log)?);
+            sim.bootstrap_port = bootstrap_port;
+            sim.role = role.map(|(_, r)| r.to_owned());
             let url = sim.url("/health");
             let started = wait_for(&format!("sim {id} health"), START_TIMEOUT, || {
                 if sim.proc.check_alive().is_err() {
@@ -269,8 +327,10 @@ impl Stack {
             let (id, port, events_port, replay_port) = (&sim.id, sim.port, sim.events_port, sim.replay_port);
             let replay =
                 if opts.replay { format!("kv_replay = \"tcp://127.0.0.1:{replay_port}\"\n") } else { String::new() };
+            let role = sim.role.as_deref().map(|r| format!("role = \"{r}\"\n")).unwrap_or_default();
+            let bootstrap = sim.bootstrap_port.map(|p| format!("bootstrap_port = {p}\n")).unwrap_or_default();
             replicas_toml.push_str(&format!(
-                "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\n{replay}data_parallel_size = {}\n",
+                "\n[[pools.replicas]]\nid = \"{id}\"\nendpoint = \"127.0.0.1:{port}\"\nkv_events = \"tcp://127.0.0.1:{events_port}\"\n{replay}data_parallel_size = {}\n{role}{bootstrap}",
                 opts.data_parallel_size
             ));
         }
@@ -301,9 +361,14 @@ impl Stack {
                 sync_ports.iter().filter(|p| *p != own).map(|p| format!("\"tcp://127.0.0.1:{p}\"")).collect();
             format!("\n[sync]\nid = \"gw{i}\"\nlisten = \"tcp://127.0.0.1:{own}\"\npeers = [{}]\n", peers.join(", "))
         };
+        let disaggregation = match &opts.disaggregation {
+            Some(d) if d.keys.is_empty() => format!("disaggregation = {{ mode = \"{}\" }}", d.mode),
+            Some(d) => format!("disaggregation = {{ mode = \"{}\", {} }}", d.mode, d.keys),
+            None => String::new(),
+        };
         let sidecar_config = |port: u16, i: usize| {
             format!(
-                "listen = \"127.0.0.1:{port}\"\n{}\n{}\n\n[scoring]\n{}\n\n[[pools]]\nmodel = {:?}\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{replicas_toml}",
+                "listen = \"127.0.0.1:{port}\"\n{}\n{}\n\n[scoring]\n{}\n\n[[pools]]\nmodel = {:?}\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{disaggregation}\n{replicas_toml}",
                 opts.sidecar_toml,
                 sync_toml(i),
                 opts.scoring_toml,
@@ -323,6 +388,10 @@ impl Stack {
 
         let mut filter_config = json!({"route_timeout_ms": opts.route_timeout_ms, "offload_timeout_ms": opts.route_timeout_ms.max(1000),
                 "retry_ms": 200, "debug_headers": true});
+        if opts.disaggregation.is_some() {
+            // Prefill legs go to the engines' own cluster.
+            filter_config["prefill_cluster"] = json!("pool");
+        }
         if let Value::Object(config) = &mut filter_config {
             config.extend(opts.filter_config.clone());
         }

@@ -91,7 +91,7 @@ fn test() -> anyhow::Result<()> {
     build_wasm()?;
     // `--workspace` keeps feature unification identical to the step above: no rebuilds.
     cargo(&["build", "--workspace", "--bins"])?;
-    for suite in ["gateway", "faults"] {
+    for suite in ["gateway", "disaggregation", "faults"] {
         cargo(&["test", "--workspace", "--test", suite, "--", "--ignored", "--test-threads", "1"])?;
     }
     // Three minutes, not the hour: CI must stay under 30 minutes on 2 cores.
