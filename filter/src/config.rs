@@ -104,8 +104,11 @@ pub struct FilterConfig {
     /// its hosts — the engines' own cluster will do. Unset (default): a disaggregated pool's
     /// requests are served whole on their decode worker.
     pub prefill_cluster: Option<String>,
-    /// How long a vLLM prefill leg may take before the request is served whole on its decode
-    /// worker instead (it stays paused meanwhile; SGLang legs run beside the request).
+    /// How long a prefill leg may take. A vLLM request waits for its leg (paused) and past
+    /// this is served whole on its decode worker; an SGLang leg runs beside its request and
+    /// is cancelled past this (its decode worker then fails the request, as SGLang does).
+    /// With `prefill_cluster` set, a client's own `kv_transfer_params` (but forwarded prompt
+    /// token ids) and `bootstrap_*` fields are taken out of every request.
     pub prefill_timeout_ms: u64,
 }
 

@@ -49,8 +49,36 @@ fn own_params(o: &Map<String, Value>) -> Map<String, Value> {
     params
 }
 
+/// The request without what a client may not set in a disaggregated deployment: its
+/// `kv_transfer_params` (but the forwarded prompt) and the `bootstrap_*` fields, which would
+/// make an engine pull KV from a host of the client's choosing or hold blocks for nobody.
+/// `None` if it has none of them (or is not a JSON object: the engine refuses it anyway).
+pub fn without_transfer_fields(body: &[u8]) -> Option<Vec<u8>> {
+    let mentions = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
+    if !mentions(b"kv_transfer_params") && !mentions(b"bootstrap_") {
+        return None;
+    }
+    let mut o = object(body).ok()?;
+    let mut changed = false;
+    for key in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
+        changed |= o.remove(key).is_some();
+    }
+    if let Some(Value::Object(params)) = o.get("kv_transfer_params") {
+        let own = own_params(&o);
+        if params.len() != own.len() {
+            changed = true;
+            match own.is_empty() {
+                true => o.remove("kv_transfer_params"),
+                false => o.insert("kv_transfer_params".into(), Value::Object(own)),
+            };
+        }
+    }
+    changed.then(|| encoded(o))
+}
+
 /// A leg that only computes the prompt: one token, whole (not streamed).
 fn prefill_only(o: &mut Map<String, Value>) {
+    o.remove("min_tokens");
     o.insert("max_tokens".into(), json!(1));
     if o.contains_key("max_completion_tokens") {
         o.insert("max_completion_tokens".into(), json!(1));
@@ -157,6 +185,19 @@ mod tests {
         assert_eq!((&decode["stream"], &decode["max_tokens"]), (&json!(true), &json!(50)));
         for bad in [&br#"{"choices":[]}"#[..], br#"{"kv_transfer_params":null}"#, b"not json"] {
             assert_eq!(vllm_decode(body, bad), Err(LegError::NoTransferParams), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn a_clients_transfer_fields_are_taken_out() {
+        let body = br#"{"model":"m","prompt":"x","bootstrap_host":"evil.example","bootstrap_room":3,
+            "kv_transfer_params":{"do_remote_prefill":true,"remote_host":"evil.example","prompt_token_ids":[1]}}"#;
+        let clean = parsed(&without_transfer_fields(body).unwrap());
+        assert_eq!(clean, json!({"model": "m", "prompt": "x", "kv_transfer_params": {"prompt_token_ids": [1]}}));
+        let only_params = br#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true}}"#;
+        assert_eq!(parsed(&without_transfer_fields(only_params).unwrap()), json!({"prompt": "x"}));
+        for untouched in [&br#"{"prompt":"x"}"#[..], br#"{"prompt":"bootstrap_ is only text"}"#, b"not json"] {
+            assert_eq!(without_transfer_fields(untouched), None, "{}", String::from_utf8_lossy(untouched));
         }
     }
 

@@ -216,8 +216,16 @@ impl<H: Host> RequestContext<H> {
     fn route_body(&mut self) -> Action {
         let Some(endpoint) = self.endpoint else { return Action::Continue };
         self.body_done_at = Some(Instant::now());
-        let body = self.host.request_body(self.buffered);
+        let mut body = self.host.request_body(self.buffered);
         self.upstream_len = body.len();
+        // In a disaggregated deployment only kvgate says where an engine pulls KV from.
+        if self.shared.borrow().config.prefill_cluster.is_some() {
+            if let Some(clean) = disagg::without_transfer_fields(&body) {
+                if self.replace_body(&clean) {
+                    body = clean;
+                }
+            }
+        }
         // One pass over the body, whatever its size: its model (all an offload reads) and
         // how it streams.
         let envelope = envelope(&body);
@@ -586,9 +594,23 @@ impl<H: Host> RequestContext<H> {
         let sent = (outcome != LegOutcome::Unsent).then(|| leg.sent_at.elapsed().as_micros() as u64);
         let booking_id = leg.booking_id.clone();
         self.report_for(&booking_id, LifecycleKind::Done);
+        if outcome != LegOutcome::Ok {
+            // The decode worker computes the prompt itself: its booking takes the prefill.
+            self.report(LifecycleKind::ServedWhole);
+        }
         if let Some(m) = &self.shared.borrow().metrics {
             m.leg(&self.host, outcome, sent);
         }
+    }
+
+    /// A leg the sidecar booked that will not be sent (the decision could not be applied):
+    /// its booking is released.
+    fn drop_leg(&mut self, leg: Option<PrefillLeg>) {
+        let Some(leg) = leg else { return };
+        let (booking_id, replica) = (leg.booking_id, leg.replica);
+        self.leg =
+            Some(Leg { booking_id, replica, token: None, awaited: false, sent_at: Instant::now(), outcome: None });
+        self.end_leg(LegOutcome::Unsent);
     }
 
     /// Replaces the whole request body as it goes upstream; false if the host refused.
@@ -618,14 +640,19 @@ impl<H: Host> RequestContext<H> {
         let Some(body) = self.host.call_body(body_size) else {
             return Outcome::FallbackError;
         };
-        let Ok(answer) = codec::decode::<RouteResponse>(&body) else {
+        let Ok(mut answer) = codec::decode::<RouteResponse>(&body) else {
             log::warn!("kvgate: undecodable sidecar answer; falling back");
             return Outcome::FallbackError;
         };
-        let Some(endpoint) = &answer.endpoint else { return Outcome::FallbackError };
+        let leg = answer.prefill.take();
+        let Some(endpoint) = &answer.endpoint else {
+            self.drop_leg(leg);
+            return Outcome::FallbackError;
+        };
         if let Some(rank) = answer.dp_rank {
             if let Err(status) = self.host.set_request_header(DP_RANK_HEADER, &rank.to_string()) {
                 log::warn!("kvgate: cannot set {DP_RANK_HEADER}: {status:?}");
+                self.drop_leg(leg);
                 return Outcome::FallbackError;
             }
         }
@@ -634,13 +661,14 @@ impl<H: Host> RequestContext<H> {
                 self.decision.replica = answer.replica.clone();
                 self.decision.endpoint = answer.endpoint.clone();
                 self.decision.overlap_blocks = answer.overlap_blocks;
-                if let Some(leg) = answer.prefill {
+                if let Some(leg) = leg {
                     self.start_leg(leg);
                 }
                 Outcome::Routed
             }
             Err(status) => {
                 log::warn!("kvgate: cannot set the destination header: {status:?}");
+                self.drop_leg(leg);
                 Outcome::FallbackError
             }
         }
@@ -693,6 +721,8 @@ impl<H: Host> HttpContext for RequestContext<H> {
             wait_ms: u32::try_from(self.shared.borrow().config.admission_wait_ms).unwrap_or(u32::MAX),
             priority: self.configured_header(|c| c.priority_header.as_deref()),
             tenant: self.configured_header(|c| c.tenant_header.as_deref()),
+            prefill_legs: self.shared.borrow().config.prefill_cluster.is_some()
+                && self.endpoint != Some(Endpoint::Responses),
         };
         Action::Pause
     }

@@ -318,6 +318,7 @@ pub fn offload<'a>(
         wait_ms: hints.wait_ms,
         priority: hints.priority.clone(),
         tenant: hints.tenant.clone(),
+        prefill_legs: hints.prefill_legs,
     };
     Ok((model.to_string(), request))
 }
@@ -505,6 +506,7 @@ mod tests {
             wait_ms: 250,
             priority: Some("batch".into()),
             tenant: Some("t1".into()),
+            prefill_legs: true,
         };
         fn off<'a>(
             endpoint: Endpoint,

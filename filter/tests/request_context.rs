@@ -602,6 +602,11 @@ fn a_failed_or_late_prefill_leg_leaves_the_request_whole_on_its_decode_worker() 
         assert_eq!(fake.0.borrow().request_headers[DESTINATION_HEADER], "127.0.0.1:8003");
         assert!(body_json(&fake).get("kv_transfer_params").is_none(), "{outcome}: served whole");
         assert_eq!(events_of(&fake, "000000000000feed-42/prefill"), [LifecycleKind::Done]);
+        assert_eq!(
+            events_of(&fake, "000000000000feed-42"),
+            [LifecycleKind::ServedWhole],
+            "its booking takes the prefill"
+        );
         respond(&mut ctx, &fake, "127.0.0.1:8003", "{}");
         assert_eq!(fake.0.borrow().response_headers["x-kvgate-prefill-leg"], outcome);
     }
@@ -641,4 +646,23 @@ fn sglang_legs_run_beside_the_request_with_one_bootstrap_room() {
     ctx.on_http_call_response(101, 2, 2, 0);
     assert_eq!(fake.0.borrow().resumed, 1, "nothing more to resume");
     assert_eq!(events_of(&fake, "000000000000feed-42/prefill"), [LifecycleKind::Done]);
+}
+
+#[test]
+fn in_a_disaggregated_deployment_a_clients_transfer_fields_never_reach_an_engine() {
+    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "messages": [{"role": "user", "content": "hi"}],
+        "kv_transfer_params": {"do_remote_prefill": true, "remote_host": "6.6.6.6", "remote_port": 1},
+        "bootstrap_host": "6.6.6.6", "bootstrap_room": 1});
+    let (mut ctx, fake) = request(&body.to_string(), &[], pd_config());
+    send(&mut ctx, &fake);
+    let sent = body_json(&fake);
+    assert!(sent.get("kv_transfer_params").is_none() && sent.get("bootstrap_host").is_none(), "{sent}");
+    // Whatever happens next: here the sidecar is down and Envoy balances the request.
+    ctx.on_http_call_response(1, 0, 0, 0);
+    assert_eq!(fake.0.borrow().resumed, 1);
+    assert!(body_json(&fake).get("kv_transfer_params").is_none());
+    // Without a prefill cluster (an aggregated deployment) the body is the client's.
+    let (mut ctx, fake) = request(&body.to_string(), &[], FilterConfig::default());
+    send(&mut ctx, &fake);
+    assert!(body_json(&fake).get("kv_transfer_params").is_some());
 }

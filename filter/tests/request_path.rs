@@ -171,6 +171,7 @@ proptest! {
             wait_ms: 0,
             priority: None,
             tenant: None,
+            prefill_legs: false,
         };
         let body = br#"{"model":"qwen3","prompt":"hello there","messages":[{"role":"user","content":"hi"}]}"#;
         check(endpoint.unwrap_or(Endpoint::Completions), body, &hints, 1 << 20);

@@ -84,6 +84,7 @@ mod tests {
             wait_ms: 0,
             priority: None,
             tenant: None,
+            prefill_legs: false,
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
         let resp = RouteResponse {

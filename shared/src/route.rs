@@ -24,6 +24,9 @@ pub struct RequestKeys {
     pub priority: Option<String>,
     /// The tenant header's value, if the filter is configured to read one.
     pub tenant: Option<String>,
+    /// Whether the filter can run a prefill leg for it (see
+    /// [`crate::wire::RouteRequest::prefill_legs`]).
+    pub prefill_legs: bool,
 }
 
 /// The prompt as far as it is known.
@@ -79,6 +82,7 @@ pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptT
         wait_ms: keys.wait_ms,
         priority: keys.priority.clone(),
         tenant: keys.tenant.clone(),
+        prefill_legs: keys.prefill_legs,
     }
 }
 
@@ -104,6 +108,7 @@ pub fn estimated_request(model: &str, keys: &RequestKeys, tokens: u32, block_siz
         wait_ms: keys.wait_ms,
         priority: keys.priority.clone(),
         tenant: keys.tenant.clone(),
+        prefill_legs: keys.prefill_legs,
     }
 }
 

@@ -100,6 +100,10 @@ pub struct RouteRequest {
     /// The request's tenant, for fairness between tenants while requests wait: the value of
     /// the filter's `tenant_header`, if configured.
     pub tenant: Option<String>,
+    /// Whether the filter can run a prefill leg for it (its `prefill_cluster` is set and the
+    /// endpoint is one legs exist for): in a disaggregated pool a request that cannot is
+    /// served whole.
+    pub prefill_legs: bool,
 }
 
 /// How a [`RouteRequest`]'s `prompt_tokens` was arrived at: what its prediction of the
@@ -146,6 +150,8 @@ pub struct RouteBodyRequest<'a> {
     pub priority: Option<String>,
     /// Its tenant, as in [`RouteRequest`].
     pub tenant: Option<String>,
+    /// Whether the filter can run a prefill leg for it, as in [`RouteRequest`].
+    pub prefill_legs: bool,
 }
 
 /// Scoring knobs a request may override (Dynamo's `router_config_override`).
@@ -228,6 +234,9 @@ pub enum LifecycleKind {
     FirstToken,
     /// The response ended (or the request was abandoned): the replica's load is released.
     Done,
+    /// The prefill leg did not deliver (it failed or timed out): the request was served whole
+    /// on its decode worker, which computes its prompt after all.
+    ServedWhole,
     /// Decode progress (the filter's `decode_progress`): output tokens streamed so far,
     /// reported each time the sequence crosses a KV block boundary.
     Progress(u32),

@@ -261,6 +261,7 @@ fn main() {
             wait_ms: 0,
             priority: None,
             tenant: None,
+            prefill_legs: false,
         };
         row("idle", prompt_tokens, &decide_for(&p, &request, secs), None);
         run.store(true, Ordering::Relaxed);

@@ -78,6 +78,7 @@ fn bench(c: &mut Criterion) {
                 wait_ms: 0,
                 priority: None,
                 tenant: None,
+                prefill_legs: false,
             };
             group.bench_function(BenchmarkId::new(format!("{prompt_tokens}_tokens"), replicas), |b| {
                 b.iter(|| {

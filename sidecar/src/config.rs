@@ -201,6 +201,22 @@ pub struct DisaggregationConfig {
     /// more than this many prefill tokens booked (prefill saturated). Unset: never.
     #[serde(default)]
     pub max_prefill_backlog_tokens: Option<u64>,
+    /// How prefill workers are chosen: `kv_aware` (default: the cost on prefill terms, cache
+    /// overlap credited) or `round_robin` (in turn, blind to cache and load: what a
+    /// disaggregating router without a KV index does; the benchmark's baseline).
+    #[serde(default)]
+    pub prefill_policy: PrefillPolicy,
+}
+
+/// How a disaggregated pool chooses prefill workers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillPolicy {
+    /// Lowest prefill cost after cache credit.
+    #[default]
+    KvAware,
+    /// In turn.
+    RoundRobin,
 }
 
 /// The KV-transfer protocol of a disaggregated pool.
@@ -437,12 +453,6 @@ pub struct DiscoveryConfig {
     /// Data-parallel ranks of every discovered engine (see [`ReplicaConfig::data_parallel_size`]).
     #[serde(default = "one")]
     pub data_parallel_size: u32,
-    /// The role of every discovered engine (see [`ReplicaConfig::role`]).
-    #[serde(default)]
-    pub role: Role,
-    /// The SGLang bootstrap port of every discovered prefill engine.
-    #[serde(default)]
-    pub bootstrap_port: Option<u16>,
 }
 
 /// A discovery source.
@@ -481,8 +491,6 @@ impl Default for DiscoveryConfig {
             kv_events_topic: String::new(),
             interval_secs: default_discovery_interval(),
             data_parallel_size: 1,
-            role: Role::Both,
-            bootstrap_port: None,
         }
     }
 }
@@ -504,8 +512,8 @@ impl DiscoveryConfig {
             kv_events_topic: self.kv_events_topic.clone(),
             kv_replay: self.kv_replay.as_deref().map(fill),
             data_parallel_size: self.data_parallel_size,
-            role: self.role,
-            bootstrap_port: self.bootstrap_port,
+            role: Role::Both,
+            bootstrap_port: None,
         }
     }
 }
@@ -579,36 +587,37 @@ impl PoolConfig {
             .map(|(_, mode)| (*mode).to_owned())
     }
 
-    /// Roles only with disaggregation; with it, a static pool has workers for both legs and,
-    /// in `sglang` mode, every prefill worker names its bootstrap port.
+    /// Roles only with disaggregation; with it, a static pool (discovery gives every engine
+    /// one role) with workers for both legs and, in `sglang` mode, prefill servers that name
+    /// their bootstrap port.
     fn check_roles(&self) -> anyhow::Result<()> {
-        let discovered = (self.discovery.kind != DiscoveryKind::Static)
-            .then(|| self.discovery.replica(SocketAddr::from(([10, 0, 0, 1], 8000))));
-        let replicas: Vec<&ReplicaConfig> = self.replicas.iter().chain(discovered.as_ref()).collect();
         let Some(d) = &self.disaggregation else {
-            if let Some(r) = replicas.iter().find(|r| r.role != Role::Both) {
+            if let Some(r) = self.replicas.iter().find(|r| r.role != Role::Both) {
                 bail!("pool {:?}: replica {:?} has a role but the pool has no disaggregation", self.model, r.id);
             }
             return Ok(());
         };
-        if d.mode == TransferProtocol::Sglang {
-            if let Some(r) = replicas.iter().find(|r| r.role.prefills() && r.bootstrap_port.is_none()) {
-                bail!(
-                    "pool {:?}: replica {:?} may take prefill legs but has no bootstrap_port (sglang mode)",
-                    self.model,
-                    r.id
-                );
-            }
-        }
-        let both_legs = replicas.iter().any(|r| r.role.prefills()) && replicas.iter().any(|r| r.role.decodes());
-        if self.discovery.kind == DiscoveryKind::Static && !both_legs {
-            bail!("pool {:?}: disaggregation needs replicas for prefill and for decode", self.model);
+        if self.discovery.kind != DiscoveryKind::Static {
+            bail!("pool {:?}: disaggregation needs static replicas (each with its role)", self.model);
         }
         if self.policy == Policy::PrefixAffinity {
             bail!(
                 "pool {:?}: disaggregation chooses prefill workers by their KV events; prefix_affinity reads none",
                 self.model
             );
+        }
+        let prefills = |r: &&ReplicaConfig| match d.mode {
+            TransferProtocol::Vllm => r.role.prefills(),
+            // An SGLang server in neither disaggregation mode ignores a bootstrap room.
+            TransferProtocol::Sglang => r.role == Role::Prefill,
+        };
+        if !self.replicas.iter().any(|r| prefills(&r)) || !self.replicas.iter().any(|r| r.role.decodes()) {
+            bail!("pool {:?}: disaggregation needs replicas for prefill and for decode", self.model);
+        }
+        if d.mode == TransferProtocol::Sglang {
+            if let Some(r) = self.replicas.iter().find(|r| r.role == Role::Prefill && r.bootstrap_port.is_none()) {
+                bail!("pool {:?}: prefill replica {:?} has no bootstrap_port (sglang mode)", self.model, r.id);
+            }
         }
         Ok(())
     }
@@ -1220,11 +1229,14 @@ mod tests {
         assert!(load(&pd("sglang", "role = \"prefill\""), &[]).is_err(), "no bootstrap port");
         assert!(load(&pd("sglang", "role = \"prefill\"\nbootstrap_port = 8998"), &[]).is_ok());
         assert!(load(&pd("vllm", "role = \"decode\""), &[]).is_err(), "nothing prefills");
-        assert!(load(&pd("vllm", ""), &[]).is_ok(), "`both` takes prefill legs too");
+        assert!(load(&pd("vllm", ""), &[]).is_ok(), "`both` takes vLLM's prefill legs too");
+        assert!(load(&pd("sglang", ""), &[]).is_err(), "an SGLang server in neither mode takes no leg");
         assert!(load(&pd("nixl", "role = \"prefill\""), &[]).is_err());
         let roles_alone = BASE
             .replace("kv_events = \"tcp://127.0.0.1:5557\"", "kv_events = \"tcp://127.0.0.1:5557\"\nrole = \"decode\"");
         assert!(load(&roles_alone, &[]).is_err(), "a role without disaggregation");
+        let discovered = DNS.replace("block_size = 16", "block_size = 16\ndisaggregation = { mode = \"vllm\" }");
+        assert!(load(&discovered, &[]).is_err(), "discovery gives every engine one role");
     }
 
     #[test]

@@ -68,6 +68,7 @@ fn request_from(id: &str, seed: u64, wait_ms: u32, priority: Option<&str>, tenan
         wait_ms,
         priority: priority.map(str::to_owned),
         tenant: tenant.map(str::to_owned),
+        prefill_legs: false,
     };
     codec::encode(&request).unwrap()
 }

@@ -63,6 +63,7 @@ fn route_request(model: &str, id: &str, client_id: &str) -> RouteRequest {
         wait_ms: 0,
         priority: None,
         tenant: None,
+        prefill_legs: false,
     }
 }
 

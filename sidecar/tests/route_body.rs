@@ -62,6 +62,7 @@ fn offload(body: &str) -> Vec<u8> {
         wait_ms: 0,
         priority: None,
         tenant: None,
+        prefill_legs: false,
     };
     codec::encode(&request).unwrap()
 }

@@ -48,6 +48,7 @@ fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
         wait_ms: 0,
         priority: None,
         tenant: None,
+        prefill_legs: false,
     }
 }
 

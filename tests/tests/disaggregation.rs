@@ -72,7 +72,11 @@ fn vllm_prefill_legs_run_where_the_prompt_is_cached_and_decode_elsewhere() {
     assert_eq!(first.header("x-kvgate-routed-to"), decoder, "where the sidecar sent it");
     assert_eq!(first.header("x-kvgate-prefill-leg"), "ok");
     assert_eq!(first.header("x-kvgate-sim-remote-prefill"), "true");
-    assert_eq!(first.header("x-kvgate-sim-prompt-computed"), "1", "the decode worker computed only the last prompt token");
+    assert_eq!(
+        first.header("x-kvgate-sim-prompt-computed"),
+        "1",
+        "the decode worker computed only the last prompt token"
+    );
     assert_eq!(sim_metric(&stack, "b", REMOTE_DECODES), 1.0);
     assert_eq!(sim_metric(&stack, &decoder, REMOTE_PREFILLS), 1.0);
     assert_eq!(decisions("disaggregated"), disaggregated + 1.0);
@@ -141,6 +145,10 @@ fn a_dead_prefill_worker_costs_no_request() {
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn sglang_legs_meet_in_a_bootstrap_room() {
     let stack = start("pd-sglang", "sglang");
+    // Every request to a decode server gets a leg (the start-up probes too): count from here.
+    let before = |metric: &str| ["a", "b", "c", "d"].map(|id| sim_metric(&stack, id, metric));
+    let (prefills_before, decodes_before) = (before(REMOTE_PREFILLS), before(REMOTE_DECODES));
+    let index = |id: &str| (id.as_bytes()[0] - b'a') as usize;
     let doc = document(43, 600);
     let reply = stream(&stack.gateway("/v1/chat/completions"), chat(&doc, "first question")).unwrap();
     assert_eq!(reply.status, 200);
@@ -148,7 +156,11 @@ fn sglang_legs_meet_in_a_bootstrap_room() {
     let decoder = reply.header("x-kvgate-replica").to_owned();
     assert!(matches!(prefill_on.as_str(), "a" | "b"), "{prefill_on:?}");
     assert!(matches!(decoder.as_str(), "c" | "d"), "{decoder:?}");
-    assert_eq!(sim_metric(&stack, &decoder, REMOTE_PREFILLS), 1.0, "the decode worker took the prompt's KV");
+    assert_eq!(
+        sim_metric(&stack, &decoder, REMOTE_PREFILLS),
+        prefills_before[index(&decoder)] + 1.0,
+        "the decode worker took the prompt's KV"
+    );
     // The leg's own answer ends its booking on the prefill worker.
     wait_for("the prefill leg's booking released", Duration::from_secs(10), || {
         let state = stack.sidecar_state().ok()?;
@@ -157,5 +169,5 @@ fn sglang_legs_meet_in_a_bootstrap_room() {
         (prefill["active_requests"] == 0).then_some(())
     })
     .unwrap();
-    assert_eq!(sim_metric(&stack, &prefill_on, REMOTE_DECODES), 1.0);
+    assert_eq!(sim_metric(&stack, &prefill_on, REMOTE_DECODES), decodes_before[index(&prefill_on)] + 1.0);
 }

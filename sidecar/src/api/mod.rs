@@ -282,6 +282,7 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
             LifecycleKind::Done => ("done", pool.is_some_and(|p| p.lifecycle(id, false))),
             LifecycleKind::Progress(n) => ("progress", pool.is_some_and(|p| p.progress(id, *n))),
             LifecycleKind::RanOn(endpoint) => ("ran_on", pool.is_some_and(|p| p.ran_on(id, endpoint))),
+            LifecycleKind::ServedWhole => ("served_whole", pool.is_some_and(|p| p.served_whole(id))),
             LifecycleKind::Usage { prompt_tokens, cached_tokens } => {
                 let usage = EngineUsage {
                     prompt_tokens: u64::from(*prompt_tokens),

@@ -459,6 +459,25 @@ impl LoadTable {
         Some((from, hashes))
     }
 
+    /// A booking's replica, its prompt's hashes and all its prompt blocks.
+    pub fn booked_prompt(&self, request_id: &str) -> Option<(ReplicaIdx, Vec<SequenceHash>, u64)> {
+        let b = self.bookings.get(request_id)?;
+        Some((b.replica, b.hashes.clone(), b.hashes.len() as u64 + b.private_blocks))
+    }
+
+    /// A request booked without prefill (its prompt was to be computed by a prefill leg) is
+    /// computing it where it is booked after all: `prefill_tokens` are added, unless its
+    /// prefill is already over, and its prediction, made for a transfer, is dropped.
+    pub fn served_whole(&mut self, request_id: &str, prefill_tokens: u64) -> bool {
+        let Some(b) = self.bookings.get_mut(request_id) else { return false };
+        b.prediction = None;
+        if !b.prefill_done {
+            b.prefill_tokens += prefill_tokens;
+            self.replicas[b.replica.get()].prefill_tokens += prefill_tokens;
+        }
+        true
+    }
+
     fn release(&mut self, request_id: &str) -> bool {
         let Some(b) = self.bookings.remove(request_id) else { return false };
         self.blocks_booked -= b.hashes.len() as u64 + b.private_blocks;

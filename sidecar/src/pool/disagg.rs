@@ -8,11 +8,13 @@
 //! ([`leg_booking_id`]): its prefill on the prefill worker, released when the filter reports
 //! the leg's end; the decode worker is booked with the decode only.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use kvgate_shared::wire::{PrefillLeg, RouteRequest, Transfer};
 
 use super::route::{Eligible, Scored};
 use super::Member;
-use crate::config::{DisaggregationConfig, TransferProtocol};
+use crate::config::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
 use crate::load::LoadTable;
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 
@@ -42,9 +44,11 @@ pub(super) enum Whole {
     PrefillBusy,
     /// No prefill worker may take it (none active, or only the decode worker itself).
     NoPrefillWorker,
-    /// A `/v1/completions` list of prompts: one engine request each, which one leg cannot
-    /// carry.
-    SeveralPrompts,
+    /// Several sequences: a `/v1/completions` list of prompts, or `n`/`best_of` above 1 —
+    /// several engine requests, each of which would pull the one leg's KV.
+    SeveralSequences,
+    /// The filter cannot run a leg for it (no `prefill_cluster`, or a Responses request).
+    NoLeg,
 }
 
 impl Split {
@@ -56,7 +60,8 @@ impl Split {
             Split::Whole(Whole::ShortPrompt) => Some("short_prompt"),
             Split::Whole(Whole::PrefillBusy) => Some("prefill_busy"),
             Split::Whole(Whole::NoPrefillWorker) => Some("no_prefill_worker"),
-            Split::Whole(Whole::SeveralPrompts) => Some("several_prompts"),
+            Split::Whole(Whole::SeveralSequences) => Some("several_sequences"),
+            Split::Whole(Whole::NoLeg) => Some("no_leg"),
         }
     }
 }
@@ -66,60 +71,82 @@ impl Split {
 pub(super) struct Prompt {
     /// Prompt tokens (the first prompt's).
     pub tokens: u64,
-    /// Prompts in the request.
-    pub prompts: u32,
+    /// Sequences the request decodes (prompts × samples).
+    pub sequences: u64,
     /// The pool's block size.
     pub block_size: u64,
+    /// Whether the filter can run a leg for it.
+    pub legs: bool,
 }
 
 /// Splits the candidates by role: those that decode (every candidate, outside a
-/// disaggregated pool) and those that may take a prefill leg.
+/// disaggregated pool) and those that may take a prefill leg. SGLang's prefill legs go to
+/// prefill servers only: an aggregated (`both`) server ignores the bootstrap room.
 pub(super) fn by_role(
     members: &[Member],
     candidates: Vec<Eligible>,
     pool: Option<&DisaggregationConfig>,
 ) -> (Vec<Eligible>, Vec<Eligible>) {
-    if pool.is_none() {
-        return (candidates, Vec::new());
-    }
+    let Some(pool) = pool else { return (candidates, Vec::new()) };
     let role = |e: &Eligible| members[e.slot.get()].replica.role;
-    let prefillers = candidates.iter().filter(|e| role(e).prefills()).copied().collect();
+    let prefills = |r: Role| match pool.mode {
+        TransferProtocol::Vllm => r.prefills(),
+        TransferProtocol::Sglang => r == Role::Prefill,
+    };
+    let prefillers = candidates.iter().filter(|e| prefills(role(e))).copied().collect();
     let decoders = candidates.into_iter().filter(|e| role(e).decodes()).collect();
     (decoders, prefillers)
 }
 
 /// Where the prompt of a request going to `decoder` is computed, from the pool's
-/// disaggregation settings, the prefill workers' cost and their books.
+/// disaggregation settings, the prefill workers' cost and their books. `turn` is the
+/// pool's count of round-robin turns (`prefill_policy = "round_robin"`). An SGLang decode
+/// server serves nothing without a bootstrap room, so a request going to one gets a leg
+/// whatever its length and the prefill workers' backlog.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn split(
     pool: Option<&DisaggregationConfig>,
     load: &LoadTable,
     prefillers: &[Eligible],
     decoder: Eligible,
+    decoder_role: Role,
     prompt: Prompt,
     scoring: &ScoringConfig,
+    turn: &AtomicUsize,
 ) -> Split {
     let Some(pool) = pool else { return Split::Whole(Whole::Aggregated) };
-    if prompt.prompts > 1 {
-        return Split::Whole(Whole::SeveralPrompts);
+    let must = pool.mode == TransferProtocol::Sglang && decoder_role == Role::Decode;
+    if !prompt.legs {
+        return Split::Whole(Whole::NoLeg);
+    }
+    if prompt.sequences > 1 {
+        return Split::Whole(Whole::SeveralSequences);
     }
     let uncached = scoring.prefill_tokens(prompt.tokens, prompt.block_size, decoder.overlap);
-    if uncached < pool.min_remote_prefill_tokens {
+    if !must && uncached < pool.min_remote_prefill_tokens {
         return Split::Whole(Whole::ShortPrompt);
     }
     let others: Vec<Eligible> = prefillers.iter().filter(|e| e.slot != decoder.slot).copied().collect();
     if others.is_empty() {
         return Split::Whole(Whole::NoPrefillWorker);
     }
-    let scored = score_prefill(load, &others, prompt, scoring);
-    let logits: Vec<f64> = scored.iter().map(|s| s.logit).collect();
-    let Some(best) = score::select(&logits, scoring.temperature, &mut rand::rng()) else {
-        return Split::Whole(Whole::NoPrefillWorker);
-    };
-    let backlog = scored[best].inputs.prefill_tokens;
-    if pool.max_prefill_backlog_tokens.is_some_and(|max| backlog > max) {
+    let room = |e: &Eligible| pool.max_prefill_backlog_tokens.is_none_or(|max| load.load(e.slot).prefill_tokens <= max);
+    let open: Vec<Eligible> = others.iter().filter(|e| must || room(e)).copied().collect();
+    if open.is_empty() {
         return Split::Whole(Whole::PrefillBusy);
     }
-    Split::Remote { at: others[best], scored }
+    let scored = score_prefill(load, &open, prompt, scoring);
+    let best = match pool.prefill_policy {
+        PrefillPolicy::KvAware => {
+            let logits: Vec<f64> = scored.iter().map(|s| s.logit).collect();
+            let Some(best) = score::select(&logits, scoring.temperature, &mut rand::rng()) else {
+                return Split::Whole(Whole::NoPrefillWorker);
+            };
+            best
+        }
+        PrefillPolicy::RoundRobin => turn.fetch_add(1, Ordering::Relaxed) % open.len(),
+    };
+    Split::Remote { at: open[best], scored }
 }
 
 /// Each prefill worker's cost on prefill terms alone: its prefill left after its cache

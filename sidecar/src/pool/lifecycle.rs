@@ -76,6 +76,24 @@ impl Pool {
         true
     }
 
+    /// A disaggregated request's prefill leg did not deliver and its decode worker computes
+    /// the prompt itself: its booking there gets the prefill of what that worker has not
+    /// cached. Returns false if it is not booked here.
+    pub fn served_whole(&self, request_id: &str) -> bool {
+        // Lock order: index, then load; the booking is read first without holding either.
+        let Some((slot, hashes, blocks)) = self.load_table().booked_prompt(request_id) else { return false };
+        let cached = self.index.read().find_matches(&hashes).get(slot.get()).map_or(0, |o| u64::from(o.device));
+        let block_size = u64::from(self.config.block_size);
+        let prefill = blocks.saturating_sub(cached) * block_size;
+        let figures = {
+            let mut load = self.load_table();
+            load.served_whole(request_id, prefill).then(|| load.load(slot))
+        };
+        let Some(figures) = figures else { return false };
+        self.publish_load(slot, figures);
+        true
+    }
+
     /// Records what an engine reports it is running (see [`crate::load::engine_metrics`]).
     pub fn observe_engine(&self, slot: ReplicaIdx, report: EngineReport) {
         let figures = {

@@ -75,6 +75,8 @@ pub struct Pool {
     explanations: Mutex<VecDeque<Kept>>,
     /// The `round_robin` cursor.
     next: AtomicUsize,
+    /// Round-robin turns among prefill workers (`prefill_policy = "round_robin"`).
+    next_prefill: AtomicUsize,
     /// Where bookings and their lifecycle go for the other gateways (when sync is on).
     outbox: std::sync::OnceLock<Outbox>,
     /// Where this gateway sent which blocks: the `prefix_affinity` policy's overlap, or, for
@@ -115,6 +117,7 @@ impl Pool {
             started: Instant::now(),
             explanations: Mutex::new(VecDeque::with_capacity(EXPLANATIONS)),
             next: AtomicUsize::new(0),
+            next_prefill: AtomicUsize::new(0),
             affinity: Mutex::new(affinity),
             accuracy: Mutex::default(),
             outbox: std::sync::OnceLock::new(),

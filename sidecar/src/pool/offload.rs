@@ -93,5 +93,6 @@ fn keys(req: &RouteBodyRequest<'_>) -> RequestKeys {
         wait_ms: req.wait_ms,
         priority: req.priority.clone(),
         tenant: req.tenant.clone(),
+        prefill_legs: req.prefill_legs,
     }
 }

@@ -156,20 +156,27 @@ impl Pool {
             return Ok(nowhere());
         };
         // Where the prompt is computed: there, or in a prefill worker's leg.
-        let prompt = Prompt { tokens: shape.prompt_tokens, prompts: req.prompts.max(1), block_size: shape.block_size };
-        let split = disagg::split(pd, &load, &prefillers, eligible[choice], prompt, &scoring);
+        let prompt = Prompt {
+            tokens: shape.prompt_tokens,
+            sequences: shape.sequences,
+            block_size: shape.block_size,
+            legs: req.prefill_legs,
+        };
+        let role = members[eligible[choice].slot.get()].replica.role;
+        let split = disagg::split(pd, &load, &prefillers, eligible[choice], role, prompt, &scoring, &self.next_prefill);
         // Reserve the request's load there before anyone else decides.
         let remote = pd.filter(|_| matches!(split, Split::Remote { .. })).map(|d| d.mode);
         let decode = BookAs { id: &req.request_id, flow, remote };
         let booked = book(&mut load, &shape, &scoring, eligible[choice], decode);
-        // And the leg's prefill on its worker, under the leg's own id.
+        // And the leg's prefill on its worker, under the leg's own id — unless the request
+        // has ended already (its filter stopped waiting): nobody would end the leg.
         let leg_id = disagg::leg_booking_id(&req.request_id);
         let leg = match &split {
-            Split::Remote { at, .. } => {
+            Split::Remote { at, .. } if booked.booked => {
                 let prefill = BookAs { id: &leg_id, flow: None, remote: None };
                 Some(book(&mut load, &shape.leg(), &scoring, *at, prefill))
             }
-            Split::Whole(_) => None,
+            _ => None,
         };
         let figures: Vec<_> = std::iter::once(&booked).chain(&leg).map(|b| (b.slot, load.load(b.slot))).collect();
         drop(load);

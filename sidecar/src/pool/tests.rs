@@ -49,6 +49,7 @@ fn request(id: &str, tokens: &[u32]) -> RouteRequest {
         wait_ms: 0,
         priority: None,
         tenant: None,
+        prefill_legs: true,
     }
 }
 
@@ -483,7 +484,17 @@ fn decisions_do_not_wait_for_a_batch_of_events_being_applied() {
 /// A disaggregated pool: `r0`, `r1` prefill, `r2`, `r3` decode; block size 4, remote
 /// prefill from 64 uncached tokens.
 fn pd_pool(mode: crate::config::TransferProtocol, backlog: Option<u64>) -> Pool {
-    use crate::config::{DisaggregationConfig, Role};
+    use crate::config::DisaggregationConfig;
+    pd_pool_with(DisaggregationConfig {
+        mode,
+        min_remote_prefill_tokens: 64,
+        max_prefill_backlog_tokens: backlog,
+        prefill_policy: crate::config::PrefillPolicy::KvAware,
+    })
+}
+
+fn pd_pool_with(disaggregation: crate::config::DisaggregationConfig) -> Pool {
+    use crate::config::Role;
     let replicas = (0..4)
         .map(|i| {
             let endpoint = format!("127.0.0.1:{}", 8000 + i).parse().unwrap();
@@ -495,8 +506,6 @@ fn pd_pool(mode: crate::config::TransferProtocol, backlog: Option<u64>) -> Pool 
             }
         })
         .collect();
-    let disaggregation =
-        DisaggregationConfig { mode, min_remote_prefill_tokens: 64, max_prefill_backlog_tokens: backlog };
     let config = PoolConfig { disaggregation: Some(disaggregation), ..PoolConfig::new("m", "unused", 4, replicas) };
     Pool::new(config, Vec::new(), Arc::new(Metrics::default()))
 }
@@ -590,4 +599,93 @@ fn sglang_legs_carry_the_prefill_workers_bootstrap_address_and_a_room() {
     let again: Vec<u32> = (5000..5200).collect();
     let other = p.route(&request("sg2", &again), &ScoringConfig::default()).prefill.expect("a leg");
     assert_ne!(other.transfer, kvgate_shared::wire::Transfer::Sglang { host, port, room }, "a room per request");
+}
+
+#[test]
+fn round_robin_prefill_takes_turns_blind_to_the_cache() {
+    use crate::config::{DisaggregationConfig, PrefillPolicy, TransferProtocol};
+    let p = pd_pool_with(DisaggregationConfig {
+        mode: TransferProtocol::Vllm,
+        min_remote_prefill_tokens: 64,
+        max_prefill_backlog_tokens: None,
+        prefill_policy: PrefillPolicy::RoundRobin,
+    });
+    let cfg = ScoringConfig::default();
+    let legs: Vec<String> = (0..4u32)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..200).map(|t| 10_000 * (i + 1) + t).collect();
+            cache_on(&p, 1, &prompt[..160]);
+            p.route(&request(&format!("rr{i}"), &prompt), &cfg).prefill.expect("a leg").replica
+        })
+        .collect();
+    assert_eq!(legs, ["r0", "r1", "r0", "r1"], "every prompt cached on r1, and still in turn");
+}
+
+#[test]
+fn requests_no_leg_can_serve_are_served_whole_and_ended_requests_book_no_leg() {
+    let p = pd_pool(crate::config::TransferProtocol::Vllm, None);
+    let cfg = ScoringConfig::default();
+    let prompt: Vec<u32> = (0..200).collect();
+    let no_leg = RouteRequest { prefill_legs: false, ..request("no-leg", &prompt) };
+    assert!(p.route(&no_leg, &cfg).prefill.is_none());
+    assert_eq!(p.explain(Some("no-leg"), 1)[0].disaggregation, Some("no_leg"));
+    let sampled = RouteRequest { samples: 2, ..request("n2", &(300..500).collect::<Vec<u32>>()) };
+    assert!(p.route(&sampled, &cfg).prefill.is_none(), "two sequences would pull one leg's KV");
+    // A request whose end was reported before its decision (its filter gave up waiting).
+    assert!(!p.lifecycle("gone", false));
+    let gone = p.route(&request("gone", &(600..800).collect::<Vec<u32>>()), &cfg);
+    assert!(gone.prefill.is_none(), "no leg nobody would end");
+    assert_eq!((replica_load(&p, "r0"), replica_load(&p, "r1")), ((0, 0), (0, 0)));
+}
+
+#[test]
+fn a_leg_that_did_not_deliver_moves_the_prefill_to_the_decode_worker() {
+    let p = pd_pool(crate::config::TransferProtocol::Vllm, None);
+    let prompt: Vec<u32> = (0..200).collect();
+    let r = p.route(&request("failed", &prompt), &ScoringConfig::default());
+    let decoder = r.replica.unwrap();
+    assert_eq!(replica_load(&p, &decoder).0, 0);
+    assert!(p.lifecycle("failed/prefill", false));
+    assert!(p.served_whole("failed"));
+    assert_eq!(replica_load(&p, &decoder).0, 200, "the whole prompt, none of it cached there");
+    use crate::accuracy::EngineUsage;
+    p.engine_usage("failed", EngineUsage { prompt_tokens: 200, cached_tokens: 0 });
+    assert!(p.explain(Some("failed"), 1)[0].checked.is_none(), "the transfer's prediction no longer holds");
+}
+
+#[test]
+fn sglang_decode_servers_always_get_a_leg_and_aggregated_servers_take_none() {
+    use crate::config::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
+    // r0 prefill, r1 both, r2 and r3 decode.
+    let replicas = (0..4)
+        .map(|i| {
+            let endpoint = format!("127.0.0.1:{}", 8000 + i).parse().unwrap();
+            let role = [Role::Prefill, Role::Both, Role::Decode, Role::Decode][i];
+            ReplicaConfig {
+                role,
+                bootstrap_port: (i == 0).then_some(9000),
+                ..ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
+            }
+        })
+        .collect();
+    let disaggregation = DisaggregationConfig {
+        mode: TransferProtocol::Sglang,
+        min_remote_prefill_tokens: 64,
+        max_prefill_backlog_tokens: Some(0),
+        prefill_policy: PrefillPolicy::KvAware,
+    };
+    let config = PoolConfig { disaggregation: Some(disaggregation), ..PoolConfig::new("m", "unused", 4, replicas) };
+    let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
+    let cfg = ScoringConfig::default();
+    for i in 0..6u32 {
+        let short: Vec<u32> = (0..8).map(|t| 1000 * i + t).collect();
+        let r = p.route(&request(&format!("s{i}"), &short), &cfg);
+        match r.replica.as_deref() {
+            Some("r2" | "r3") => {
+                assert_eq!(r.prefill.map(|l| l.replica).as_deref(), Some("r0"), "{i}: a room, short or busy")
+            }
+            Some("r1") => assert!(r.prefill.is_none(), "{i}: served whole where that works"),
+            other => panic!("{i}: decoded on {other:?}"),
+        }
+    }
 }

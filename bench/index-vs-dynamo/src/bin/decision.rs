@@ -71,6 +71,7 @@ fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration
             wait_ms: 0,
             priority: None,
             tenant: None,
+            prefill_legs: false,
         };
         let decision = pool.route(&request, &scoring);
         pool.lifecycle(&id, false);
