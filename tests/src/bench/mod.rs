@@ -60,6 +60,10 @@ pub enum Policy {
     /// kvgate `kv_aware` with several gateways whose sidecars do not share their bookings:
     /// the sync mesh's ablation (the same as `kvgate-kv-aware` at one gateway).
     KvgateNoSync,
+    /// kvgate `kv_aware` on a disaggregated fleet (vLLM's protocol): the first half of the
+    /// engines prefill, the rest decode; prefill workers chosen by `prefill_policy`
+    /// (`kv_aware` or `round_robin`).
+    KvgatePd(&'static str),
     /// A peer router in place of Envoy.
     Peer(Peer),
 }
@@ -96,7 +100,7 @@ impl Knob {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 14] = [
+    pub const ALL: [Policy; 16] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
@@ -107,6 +111,8 @@ impl Policy {
         Policy::KvgateAdmission,
         Policy::KvgateFlowControl,
         Policy::KvgateNoSync,
+        Policy::KvgatePd("kv_aware"),
+        Policy::KvgatePd("round_robin"),
         Policy::Peer(Peer::SglangCacheAware),
         Policy::Peer(Peer::SmgCacheAware),
         Policy::Peer(Peer::VllmRouterCacheAware),
@@ -123,6 +129,8 @@ impl Policy {
             Policy::KvgateAdmission => "kvgate-kv-aware-admission".into(),
             Policy::KvgateFlowControl => "kvgate-kv-aware-flow-control".into(),
             Policy::KvgateNoSync => "kvgate-kv-aware-no-sync".into(),
+            Policy::KvgatePd("kv_aware") => "kvgate-pd".into(),
+            Policy::KvgatePd(p) => format!("kvgate-pd-{}-prefill", p.replace('_', "-")),
             Policy::Peer(p) => p.name().into(),
         }
     }
@@ -147,9 +155,11 @@ impl Policy {
             Policy::EnvoyRoundRobin | Policy::Peer(_) => (Routing::RoundRobin, "round_robin"),
             Policy::EnvoyLeastRequest => (Routing::LeastRequest, "round_robin"),
             Policy::Kvgate(p) => (Routing::Kvgate, p),
-            Policy::KvgateTuned(..) | Policy::KvgateAdmission | Policy::KvgateFlowControl | Policy::KvgateNoSync => {
-                (Routing::Kvgate, "kv_aware")
-            }
+            Policy::KvgateTuned(..)
+            | Policy::KvgateAdmission
+            | Policy::KvgateFlowControl
+            | Policy::KvgateNoSync
+            | Policy::KvgatePd(_) => (Routing::Kvgate, "kv_aware"),
         }
     }
 
@@ -200,6 +210,16 @@ impl Policy {
             sim_args: fleet.sim_args(gpu_blocks),
             gateways: if matches!(self, Policy::Peer(_)) { 1 } else { gateways },
             sync: *self != Policy::KvgateNoSync,
+            disaggregation: match self {
+                Policy::KvgatePd(prefill_policy) => Some(crate::stack::Disaggregation {
+                    mode: "vllm".into(),
+                    roles: (0..fleet.replicas)
+                        .map(|i| if i < fleet.replicas / 2 { "prefill" } else { "decode" }.to_owned())
+                        .collect(),
+                    keys: format!("prefill_policy = \"{prefill_policy}\""),
+                }),
+                _ => None,
+            },
             ..StackOptions::default()
         }
     }

@@ -121,6 +121,8 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
                 ttft_p90: med(&|s| s.ttft_p90),
                 ttft_p99: med(&|s| s.ttft_p99),
                 itl_p50: med(&|s| s.itl_p50),
+                itl_p90: med(&|s| s.itl_p90),
+                itl_p99: med(&|s| s.itl_p99),
                 e2e_p50: med(&|s| s.e2e_p50),
                 e2e_p99: med(&|s| s.e2e_p99),
                 output_tps: med(&|s| Some(s.output_tps)).unwrap_or(0.0),
@@ -156,20 +158,22 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean | router CPU ms/req |"
+        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | ITL p90 | ITL p99 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean | router CPU ms/req |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for q in points.iter().filter(|q| setting.has_point(q)) {
         let m = &q.median;
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {} | {} |",
             q.policy,
             secs(m.ttft_p50),
             secs(m.ttft_p90),
             secs(m.ttft_p99),
             q.ttft_p90_vs_round_robin.map_or("–".into(), |r| format!("{r:.2}×")),
             secs(m.itl_p50),
+            secs(m.itl_p90),
+            secs(m.itl_p99),
             secs(m.e2e_p50),
             secs(m.e2e_p99),
             m.output_tps,

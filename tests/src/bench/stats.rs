@@ -41,6 +41,10 @@ pub struct Summary {
     pub ttft_p99: Option<f64>,
     /// Median over requests of their mean inter-token latency.
     pub itl_p50: Option<f64>,
+    /// The 90th percentile of the same.
+    pub itl_p90: Option<f64>,
+    /// The 99th percentile of the same.
+    pub itl_p99: Option<f64>,
     /// End-to-end percentiles.
     pub e2e_p50: Option<f64>,
     /// .
@@ -101,6 +105,8 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
         ttft_p90: percentile(&ttfts, 90.0),
         ttft_p99: percentile(&ttfts, 99.0),
         itl_p50: percentile(&itls, 50.0),
+        itl_p90: percentile(&itls, 90.0),
+        itl_p99: percentile(&itls, 99.0),
         e2e_p50: percentile(&e2es, 50.0),
         e2e_p99: percentile(&e2es, 99.0),
         output_tps: if span > 0.0 { tokens as f64 / span } else { 0.0 },
