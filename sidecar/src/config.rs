@@ -453,6 +453,13 @@ pub struct DiscoveryConfig {
     /// Data-parallel ranks of every discovered engine (see [`ReplicaConfig::data_parallel_size`]).
     #[serde(default = "one")]
     pub data_parallel_size: u32,
+    /// A disaggregated pool's prefill workers: a second name (`dns`) or cluster (`envoy`),
+    /// found the same way; `name`'s engines are then its decode workers.
+    #[serde(default)]
+    pub prefill_name: Option<String>,
+    /// SGLang's bootstrap port of every discovered prefill worker (`sglang` mode).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 /// A discovery source.
@@ -491,11 +498,30 @@ impl Default for DiscoveryConfig {
             kv_events_topic: String::new(),
             interval_secs: default_discovery_interval(),
             data_parallel_size: 1,
+            prefill_name: None,
+            bootstrap_port: None,
         }
     }
 }
 
 impl DiscoveryConfig {
+    /// The replicas found at `name` and, in a disaggregated pool, at `prefill_name`
+    /// (`prefill` those, `decode` the others); an address found at both is a prefill worker.
+    pub fn replicas(&self, found: Vec<SocketAddr>, prefill: Vec<SocketAddr>) -> Vec<ReplicaConfig> {
+        let main = if self.prefill_name.is_some() { Role::Decode } else { Role::Both };
+        let mut by_addr = std::collections::BTreeMap::new();
+        by_addr.extend(found.into_iter().map(|a| (a, main)));
+        by_addr.extend(prefill.into_iter().map(|a| (a, Role::Prefill)));
+        by_addr
+            .into_iter()
+            .map(|(addr, role)| ReplicaConfig {
+                role,
+                bootstrap_port: self.bootstrap_port.filter(|_| role == Role::Prefill),
+                ..self.replica(addr)
+            })
+            .collect()
+    }
+
     /// The replica at `addr` (its HTTP address): id and endpoint `ip:port`, event endpoints
     /// from the templates.
     pub fn replica(&self, addr: SocketAddr) -> ReplicaConfig {
@@ -587,18 +613,24 @@ impl PoolConfig {
             .map(|(_, mode)| (*mode).to_owned())
     }
 
-    /// Roles only with disaggregation; with it, a static pool (discovery gives every engine
-    /// one role) with workers for both legs and, in `sglang` mode, prefill servers that name
-    /// their bootstrap port.
+    /// Roles only with disaggregation; with it, workers for both legs (listed, or a discovered
+    /// `prefill_name`) and, in `sglang` mode, prefill servers' bootstrap port.
     fn check_roles(&self) -> anyhow::Result<()> {
         let Some(d) = &self.disaggregation else {
             if let Some(r) = self.replicas.iter().find(|r| r.role != Role::Both) {
                 bail!("pool {:?}: replica {:?} has a role but the pool has no disaggregation", self.model, r.id);
             }
+            if self.discovery.prefill_name.is_some() {
+                bail!("pool {:?}: discovery.prefill_name but the pool has no disaggregation", self.model);
+            }
             return Ok(());
         };
-        if self.discovery.kind != DiscoveryKind::Static {
-            bail!("pool {:?}: disaggregation needs static replicas (each with its role)", self.model);
+        let discovered = self.discovery.kind != DiscoveryKind::Static;
+        if discovered && self.discovery.prefill_name.is_none() {
+            bail!("pool {:?}: a discovered disaggregated pool needs discovery.prefill_name", self.model);
+        }
+        if discovered && d.mode == TransferProtocol::Sglang && self.discovery.bootstrap_port.is_none() {
+            bail!("pool {:?}: discovery.bootstrap_port is needed in sglang mode", self.model);
         }
         if self.policy == Policy::PrefixAffinity {
             bail!(
@@ -611,7 +643,8 @@ impl PoolConfig {
             // An SGLang server in neither disaggregation mode ignores a bootstrap room.
             TransferProtocol::Sglang => r.role == Role::Prefill,
         };
-        if !self.replicas.iter().any(|r| prefills(&r)) || !self.replicas.iter().any(|r| r.role.decodes()) {
+        let both = self.replicas.iter().any(|r| prefills(&r)) && self.replicas.iter().any(|r| r.role.decodes());
+        if !discovered && !both {
             bail!("pool {:?}: disaggregation needs replicas for prefill and for decode", self.model);
         }
         if d.mode == TransferProtocol::Sglang {
@@ -1236,7 +1269,20 @@ mod tests {
             .replace("kv_events = \"tcp://127.0.0.1:5557\"", "kv_events = \"tcp://127.0.0.1:5557\"\nrole = \"decode\"");
         assert!(load(&roles_alone, &[]).is_err(), "a role without disaggregation");
         let discovered = DNS.replace("block_size = 16", "block_size = 16\ndisaggregation = { mode = \"vllm\" }");
-        assert!(load(&discovered, &[]).is_err(), "discovery gives every engine one role");
+        assert!(load(&discovered, &[]).is_err(), "no prefill_name: every engine one role");
+        let replay = "kv_replay = \"tcp://{ip}:5558\"";
+        let named = discovered.replace(replay, &format!("{replay}\nprefill_name = \"prefill.llm.svc\""));
+        let c = load(&named, &[]).unwrap();
+        let d = &c.pools[0].discovery;
+        let addr = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let found = d.replicas(vec![addr("10.0.0.1:8000"), addr("10.0.0.2:8000")], vec![addr("10.0.0.2:8000")]);
+        let roles: Vec<(String, Role)> = found.into_iter().map(|r| (r.id, r.role)).collect();
+        assert_eq!(roles, [("10.0.0.1:8000".into(), Role::Decode), ("10.0.0.2:8000".into(), Role::Prefill)]);
+        assert!(load(&named.replace("\"vllm\"", "\"sglang\""), &[]).is_err(), "sglang needs the bootstrap port");
+        assert!(
+            load(&DNS.replace(replay, &format!("{replay}\nprefill_name = \"p\"")), &[]).is_err(),
+            "no disaggregation"
+        );
     }
 
     #[test]

@@ -117,6 +117,16 @@ fn kvgate_configs_and_filter_configs_validate_and_agree_with_the_engines() {
         std::fs::read_to_string(k8s.join("overlays/envoy-discovery/kvgate.toml")).unwrap(),
     ];
     configs.push(find(&docs, "ConfigMap", "kvgate-config")["data"]["kvgate.toml"].as_str().unwrap().to_owned());
+    // The disaggregated example's, whose discovery names the headless Service of each role.
+    let pd = find(&docs, "ConfigMap", "kvgate-config-pd")["data"]["kvgate.toml"].as_str().unwrap().to_owned();
+    let pd_config = load_config(&pd);
+    let discovery = &pd_config.pools[0].discovery;
+    for (service, name) in
+        [("vllm-decode-headless", Some(&discovery.name)), ("vllm-prefill-headless", discovery.prefill_name.as_ref())]
+    {
+        assert!(name.is_some_and(|n| n.starts_with(&format!("{service}.llm."))), "{service} is discovered");
+        find(&docs, "Service", service);
+    }
     let configs: Vec<Config> = configs.iter().map(|t| load_config(t)).collect();
 
     // The engines, as examples/vllm.yaml runs them.

@@ -31,7 +31,11 @@ impl Resolver for SystemResolver {
 /// (including "no such name") means "unknown", not "no replicas".
 pub fn replicas(config: &DiscoveryConfig, resolver: &mut dyn Resolver) -> std::io::Result<Vec<ReplicaConfig>> {
     let addrs: BTreeSet<SocketAddr> = resolver.lookup(&config.name, config.port)?.into_iter().collect();
-    Ok(addrs.into_iter().map(|a| config.replica(a)).collect())
+    let prefill = match &config.prefill_name {
+        Some(name) => resolver.lookup(name, config.port)?,
+        None => Vec::new(),
+    };
+    Ok(config.replicas(addrs.into_iter().collect(), prefill))
 }
 
 /// Resolves the pool's name every `interval_secs` and applies the result until `stop`.
@@ -85,6 +89,18 @@ mod tests {
         assert_eq!(found[0].kv_events, "tcp://10.0.0.7:5557");
         assert_eq!(found[0].kv_replay.as_deref(), Some("tcp://10.0.0.7:5558"));
         assert_eq!(found[1].kv_events, "tcp://[fd00::5]:5557", "IPv6 in brackets");
+    }
+
+    #[test]
+    fn a_second_name_gives_a_disaggregated_pools_prefill_workers() {
+        use crate::config::Role;
+        let (d, p): (SocketAddr, SocketAddr) = ("10.0.0.7:8000".parse().unwrap(), "10.0.0.9:8000".parse().unwrap());
+        let config = DiscoveryConfig { prefill_name: Some("prefill".into()), bootstrap_port: Some(8998), ..config() };
+        let found = replicas(&config, &mut Scripted(vec![Ok(vec![d]), Ok(vec![p])])).unwrap();
+        let roles: Vec<_> = found.iter().map(|r| (r.endpoint, r.role, r.bootstrap_port)).collect();
+        assert_eq!(roles, [(d, Role::Decode, None), (p, Role::Prefill, Some(8998))]);
+        let failed = replicas(&config, &mut Scripted(vec![Ok(vec![d]), Err(std::io::ErrorKind::NotFound.into())]));
+        assert!(failed.is_err(), "half a fleet is not the fleet: the last membership is kept");
     }
 
     #[test]

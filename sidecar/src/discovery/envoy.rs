@@ -70,7 +70,11 @@ pub fn replicas(config: &DiscoveryConfig, client: &reqwest::blocking::Client) ->
         .and_then(|r| r.error_for_status())
         .and_then(|r| r.json())
         .map_err(|e| format!("{url}: {e}"))?;
-    Ok(healthy_hosts(&doc, &config.name)?.into_iter().map(|a| config.replica(a)).collect())
+    let prefill = match &config.prefill_name {
+        Some(cluster) => healthy_hosts(&doc, cluster)?,
+        None => Vec::new(),
+    };
+    Ok(config.replicas(healthy_hosts(&doc, &config.name)?, prefill))
 }
 
 /// Polls the admin API every `interval_secs` and applies the result until `stop`.
