@@ -64,6 +64,10 @@ pub enum Policy {
     /// engines prefill, the rest decode; prefill workers chosen by `prefill_policy`
     /// (`kv_aware` or `round_robin`).
     KvgatePd(&'static str),
+    /// [`Policy::KvgatePd`] (`kv_aware`) with conditional disaggregation on load too: a
+    /// request is served whole on its decode worker while every prefill worker has two full
+    /// prefill batches (`2 × max_num_batched_tokens`) booked.
+    KvgatePdConditional,
     /// A peer router in place of Envoy.
     Peer(Peer),
 }
@@ -100,7 +104,7 @@ impl Knob {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 16] = [
+    pub const ALL: [Policy; 17] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
@@ -113,6 +117,7 @@ impl Policy {
         Policy::KvgateNoSync,
         Policy::KvgatePd("kv_aware"),
         Policy::KvgatePd("round_robin"),
+        Policy::KvgatePdConditional,
         Policy::Peer(Peer::SglangCacheAware),
         Policy::Peer(Peer::SmgCacheAware),
         Policy::Peer(Peer::VllmRouterCacheAware),
@@ -131,6 +136,7 @@ impl Policy {
             Policy::KvgateNoSync => "kvgate-kv-aware-no-sync".into(),
             Policy::KvgatePd("kv_aware") => "kvgate-pd".into(),
             Policy::KvgatePd(p) => format!("kvgate-pd-{}-prefill", p.replace('_', "-")),
+            Policy::KvgatePdConditional => "kvgate-pd-conditional".into(),
             Policy::Peer(p) => p.name().into(),
         }
     }
@@ -159,7 +165,8 @@ impl Policy {
             | Policy::KvgateAdmission
             | Policy::KvgateFlowControl
             | Policy::KvgateNoSync
-            | Policy::KvgatePd(_) => (Routing::Kvgate, "kv_aware"),
+            | Policy::KvgatePd(_)
+            | Policy::KvgatePdConditional => (Routing::Kvgate, "kv_aware"),
         }
     }
 
@@ -210,15 +217,21 @@ impl Policy {
             sim_args: fleet.sim_args(gpu_blocks),
             gateways: if matches!(self, Policy::Peer(_)) { 1 } else { gateways },
             sync: *self != Policy::KvgateNoSync,
-            disaggregation: match self {
-                Policy::KvgatePd(prefill_policy) => Some(crate::stack::Disaggregation {
+            disaggregation: {
+                let keys = match self {
+                    Policy::KvgatePd(prefill_policy) => Some(format!("prefill_policy = \"{prefill_policy}\"")),
+                    Policy::KvgatePdConditional => {
+                        Some(format!("max_prefill_backlog_tokens = {}", 2 * fleet.max_num_batched_tokens))
+                    }
+                    _ => None,
+                };
+                keys.map(|keys| crate::stack::Disaggregation {
                     mode: "vllm".into(),
                     roles: (0..fleet.replicas)
                         .map(|i| if i < fleet.replicas / 2 { "prefill" } else { "decode" }.to_owned())
                         .collect(),
-                    keys: format!("prefill_policy = \"{prefill_policy}\""),
-                }),
-                _ => None,
+                    keys,
+                })
             },
             ..StackOptions::default()
         }
