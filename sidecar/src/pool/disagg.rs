@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvgate_shared::wire::{PrefillLeg, RouteRequest, Transfer};
 
-use super::route::{Eligible, Scored};
+use super::route::{self, Eligible, Scored};
 use super::Member;
 use crate::config::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
 use crate::load::LoadTable;
@@ -162,13 +162,7 @@ fn score_prefill(load: &LoadTable, eligible: &[Eligible], prompt: Prompt, scorin
         })
         .collect();
     let request = RequestShape { prompt_tokens: prompt.tokens, block_size: prompt.block_size };
-    let logits = score::logits(scoring, request, &inputs);
-    eligible
-        .iter()
-        .zip(inputs)
-        .zip(logits)
-        .map(|((e, inputs), logit)| Scored { slot: e.slot, inputs, logit, trusted: e.trusted })
-        .collect()
+    route::scored(eligible, inputs, request, scoring)
 }
 
 /// The id a request's prefill leg is booked under.

@@ -378,6 +378,16 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
         })
         .collect();
     let request = RequestShape { prompt_tokens: shape.booked_tokens, block_size: shape.block_size };
+    scored(eligible, inputs, request, scoring)
+}
+
+/// The eligible replicas' costs for these inputs (one per replica, in order).
+pub(super) fn scored(
+    eligible: &[Eligible],
+    inputs: Vec<Candidate>,
+    request: RequestShape,
+    scoring: &ScoringConfig,
+) -> Vec<Scored> {
     let logits = score::logits(scoring, request, &inputs);
     eligible
         .iter()
