@@ -1,8 +1,8 @@
 //! The simulator as a process: its HTTP API and its KV events, checked with kvgate's own
 //! decoder. (The scheduler, cache and time model are unit-tested inside the crate.)
 
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
+
 use std::time::{Duration, Instant};
 
 use kvgate_e2e::client::{client, post};
@@ -21,21 +21,10 @@ struct Sim {
 impl Sim {
     fn start(name: &str, ranks: u32, extra: &[&str]) -> Sim {
         let (port, events) = (free_port().unwrap(), free_port().unwrap());
-        let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate-sim"));
-        cmd.args(["--port", &port.to_string(), "--replica", name, "--model", "qwen3", "--block-size", "16"])
-            .arg("--tokenizer")
-            .arg(repo.join("models/qwen3-0.6b"))
-            .args(["--data-parallel-size", &ranks.to_string(), "--enable-prompt-tokens-details"])
-            .args(["--kv-events-config", &json!({"endpoint": format!("tcp://*:{events}")}).to_string()])
-            .args(extra);
-        let log = repo.join(format!("target/e2e-logs/sim-{name}-{}.log", std::process::id()));
-        let proc = Proc::spawn(name, cmd, &log).unwrap();
-        let url = format!("http://127.0.0.1:{port}/health");
-        wait_for("sim health", Duration::from_secs(30), || {
-            client().get(&url).send().ok().filter(|r| r.status().is_success())
-        })
-        .unwrap();
+        let ranks_flag = ranks.to_string();
+        let mut flags = vec!["--data-parallel-size", ranks_flag.as_str()];
+        flags.extend_from_slice(extra);
+        let proc = common::spawn_sim(name, port, events, &flags);
         let ctx = zmq::Context::new();
         let subs = (0..ranks)
             .map(|r| {
