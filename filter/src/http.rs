@@ -84,6 +84,13 @@ struct Leg {
     outcome: Option<LegOutcome>,
 }
 
+impl Leg {
+    /// The sidecar's leg, sent as the call `token` (none: not sent).
+    fn new(leg: PrefillLeg, token: Option<u32>, awaited: bool) -> Leg {
+        Leg { booking_id: leg.booking_id, replica: leg.replica, token, awaited, sent_at: Instant::now(), outcome: None }
+    }
+}
+
 /// The most bytes of a priority or tenant header passed on to the sidecar.
 const MAX_KEY_BYTES: usize = 256;
 
@@ -392,12 +399,9 @@ impl<H: Host> RequestContext<H> {
     /// body stays valid whatever the sidecar answers, so a failure here just leaves the text.
     fn forward_tokens(&mut self, endpoint: Endpoint, body: &[u8], ids: &[u32]) {
         let Some(forwarded) = with_token_prompt(endpoint, body, ids) else { return };
-        if let Err(status) = self.host.replace_request_body(body.len(), &forwarded) {
-            log::warn!("kvgate: cannot forward token ids: {status:?}");
+        if !self.replace_body(&forwarded) {
             return;
         }
-        self.upstream_len = forwarded.len();
-        self.set_content_length();
         self.decision.forwarded = true;
         if let Some(m) = &self.shared.borrow().metrics {
             m.forwarded(&self.host);
@@ -489,19 +493,12 @@ impl<H: Host> RequestContext<H> {
     /// Sends a disaggregated request's prefill leg; a leg that cannot be sent leaves the
     /// request whole on its decode worker.
     fn start_leg(&mut self, leg: PrefillLeg) {
-        let sent = self.send_leg(&leg);
-        let (token, awaited) = match &sent {
-            Ok((token, awaited)) => (Some(*token), *awaited),
+        match self.send_leg(&leg) {
+            Ok((token, awaited)) => self.leg = Some(Leg::new(leg, Some(token), awaited)),
             Err(why) => {
                 log::debug!("kvgate: prefill leg not sent, serving whole: {why}");
-                (None, false)
+                self.drop_leg(Some(leg));
             }
-        };
-        let booking_id = leg.booking_id;
-        self.leg =
-            Some(Leg { booking_id, replica: leg.replica, token, awaited, sent_at: Instant::now(), outcome: None });
-        if sent.is_err() {
-            self.end_leg(LegOutcome::Unsent);
         }
     }
 
@@ -603,13 +600,11 @@ impl<H: Host> RequestContext<H> {
         }
     }
 
-    /// A leg the sidecar booked that will not be sent (the decision could not be applied):
-    /// its booking is released.
+    /// A leg the sidecar booked that will not be sent (the decision could not be applied, or
+    /// the leg could not be built or dispatched): its booking is released.
     fn drop_leg(&mut self, leg: Option<PrefillLeg>) {
         let Some(leg) = leg else { return };
-        let (booking_id, replica) = (leg.booking_id, leg.replica);
-        self.leg =
-            Some(Leg { booking_id, replica, token: None, awaited: false, sent_at: Instant::now(), outcome: None });
+        self.leg = Some(Leg::new(leg, None, false));
         self.end_leg(LegOutcome::Unsent);
     }
 
