@@ -13,6 +13,9 @@
 //! only kvgate says where an engine pulls KV from. The one key kept is the forwarded prompt's
 //! token ids ([`FORWARDED_IDS`]), which the filter itself may have written.
 
+use std::sync::OnceLock;
+
+use aho_corasick::AhoCorasick;
 use kvgate_shared::prompt::openai::FORWARDED_IDS;
 use serde_json::{json, Map, Value};
 
@@ -54,8 +57,11 @@ fn own_params(o: &Map<String, Value>) -> Map<String, Value> {
 /// make an engine pull KV from a host of the client's choosing or hold blocks for nobody.
 /// `None` if it has none of them (or is not a JSON object: the engine refuses it anyway).
 pub fn without_transfer_fields(body: &[u8]) -> Option<Vec<u8>> {
-    let mentions = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
-    if !mentions(b"kv_transfer_params") && !mentions(b"bootstrap_") {
+    // One pass over the body for both names: it may be 16 MiB, on an Envoy worker. (Building
+    // the searcher cannot fail for two short names; if it did, every body would be parsed.)
+    static NAMES: OnceLock<Option<AhoCorasick>> = OnceLock::new();
+    let names = NAMES.get_or_init(|| AhoCorasick::new(["kv_transfer_params", "bootstrap_"]).ok());
+    if !names.as_ref().is_none_or(|n| n.is_match(body)) {
         return None;
     }
     let mut o = object(body).ok()?;
