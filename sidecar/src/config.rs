@@ -95,6 +95,15 @@ pub struct SyncConfig {
     /// dialled on the `listen` port and re-resolved every 5 s.
     #[serde(default)]
     pub peers_dns: Option<String>,
+    /// How long a starting sidecar waits for a peer to hand its view over (on the port after
+    /// the sync port) before it rebuilds the index from the engines instead (default 5000;
+    /// peers that do not accept connections are not waited for).
+    #[serde(default = "default_handover_timeout_ms")]
+    pub handover_timeout_ms: u64,
+}
+
+fn default_handover_timeout_ms() -> u64 {
+    5_000
 }
 
 /// A model served by a set of interchangeable replicas.

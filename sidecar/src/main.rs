@@ -21,7 +21,7 @@ use kvgate_shared::prompt::content_format::ContentFormat;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::prompt::Renderer;
 
-use kvgate_sidecar::config::{Config, DiscoveryKind, ProcessEnv};
+use kvgate_sidecar::config::{Config, DiscoveryKind, ProcessEnv, SyncConfig};
 use kvgate_sidecar::discovery::dns::SystemResolver;
 use kvgate_sidecar::discovery::Supervisor;
 use kvgate_sidecar::metrics::Metrics;
@@ -209,6 +209,12 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let zmq_ctx = zmq::Context::new();
     let mut supervisors = Vec::new();
     let mut watchers = Vec::new();
+    // The mesh id is settled once (it may be random): the handover and sync use the same.
+    let sync = config.sync.clone().map(|s| SyncConfig { id: Some(s.id()), ..s });
+    // Before any event stream starts: a peer's view, if a peer runs.
+    if let Some(sync) = &sync {
+        kvgate_sidecar::sync::state::recover(sync, &sync.id(), &pools, &zmq_ctx);
+    }
     for pool in pools.values() {
         let supervisor = Arc::new(Supervisor::start(zmq_ctx.clone(), pool.clone(), metrics.clone())?);
         match pool.config().discovery.kind {
@@ -241,7 +247,7 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         let interval = Duration::from_secs(pool.config().engine_metrics_secs);
         watchers.push(kvgate_sidecar::load::engine_metrics::spawn(pool.clone(), interval, stop.clone())?);
     }
-    if let Some(sync) = &config.sync {
+    if let Some(sync) = &sync {
         watchers.extend(kvgate_sidecar::sync::start(sync, &pools, metrics.clone(), &zmq_ctx, stop.clone())?);
     }
     tokio::spawn(async move {

@@ -69,6 +69,10 @@ pub struct Metrics {
     pub wire_mismatches: Counter,
     /// Sync messages dropped because the peer sidecar speaks another sync version.
     pub sync_mismatches: Counter,
+    /// Views handed over to starting peers.
+    pub handovers_served: Counter,
+    /// Blocks restored from a peer's view at start, per replica.
+    pub handover_restored_blocks: Family<ReplicaLabels, Counter>,
     /// Time to score and book one request.
     pub route_seconds: Histogram,
     /// KV events applied to the index.
@@ -164,6 +168,8 @@ impl Default for Metrics {
         let route_fallbacks = Family::default();
         let wire_mismatches = Counter::default();
         let sync_mismatches = Counter::default();
+        let handovers_served = Counter::default();
+        let handover_restored_blocks = Family::default();
         let decisions = Family::default();
         let chosen_overlap_blocks = Histogram::new([0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0]);
         let route_seconds = Histogram::new(exponential_buckets(5e-6, 2.0, 16));
@@ -250,6 +256,16 @@ impl Default for Metrics {
             sync_mismatches.clone(),
         );
         registry.register(
+            "handovers_served",
+            "Views (index and bookings) handed over to sidecars that started while this one ran",
+            handovers_served.clone(),
+        );
+        registry.register(
+            "handover_restored_blocks",
+            "Blocks this sidecar restored at start from a peer's view instead of the engines' replay",
+            handover_restored_blocks.clone(),
+        );
+        registry.register(
             "decisions",
             "Decisions by policy and outcome (hit: the chosen replica held part of the prompt)",
             decisions.clone(),
@@ -293,6 +309,8 @@ impl Default for Metrics {
             route_fallbacks,
             wire_mismatches,
             sync_mismatches,
+            handovers_served,
+            handover_restored_blocks,
             decisions,
             chosen_overlap_blocks,
             route_seconds,

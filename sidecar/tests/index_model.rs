@@ -165,6 +165,37 @@ proptest! {
             drop(copy);
             drop(index.write());
         }
+        // A peer restored from this index's export (the handover to a starting sidecar)
+        // agrees with the model too, and every block leaves it after as many removals as
+        // were stored.
+        let mut restored = KvIndex::new(BS, IDS[REPLICAS - 1] + 1);
+        {
+            let mut live = index.write();
+            for id in IDS {
+                live.apply(Write::Change(ReplicaIdx::new(id), Change::Mark(Some(7)))).unwrap();
+            }
+            drop(live);
+            let copy = index.read();
+            for id in IDS {
+                let snapshot = copy.export(ReplicaIdx::new(id)).expect("marked");
+                prop_assert_eq!(snapshot.through_seq, 7);
+                restored.restore(ReplicaIdx::new(id), &snapshot);
+            }
+        }
+        for q in &queries {
+            let tokens: Vec<u32> = q.iter().flat_map(|s| block_tokens(*s)).collect();
+            let hashes = prompt_block_hashes(&tokens, BS, Salt::NONE);
+            let found = restored.find_matches(&hashes);
+            prop_assert_eq!(IDS.map(|r| found[r]).to_vec(), model.matches(&hashes), "restored, query {:?}", q);
+        }
+        for ((replica, t, engine), (_, stored)) in &model.entries {
+            for _ in 0..*stored {
+                restored.remove(ReplicaIdx::new(IDS[*replica]), tier(*t), &[*engine]);
+            }
+        }
+        for id in IDS {
+            prop_assert_eq!(restored.replica_blocks(ReplicaIdx::new(id)), 0);
+        }
     }
 }
 

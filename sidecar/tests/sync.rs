@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvgate_e2e::process::{free_port, wait_for};
+use kvgate_e2e::process::{free_port, free_port_run, wait_for};
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::wire::RouteRequest;
 use kvgate_sidecar::config::{Policy, PoolConfig, ReplicaConfig, SyncConfig};
@@ -58,12 +58,15 @@ fn active(pool: &Pool) -> Vec<u64> {
 
 #[test]
 fn bookings_reach_the_other_gateway_and_leave_with_their_lifecycle() {
-    let (port_a, port_b) = (free_port().unwrap(), free_port().unwrap());
+    // Each sync port and the next (the handover).
+    let first = free_port_run(4).unwrap();
+    let (port_a, port_b) = (first, first + 2);
     let sync = |id: &str, own: u16, peer: u16| SyncConfig {
         id: Some(id.into()),
         listen: format!("tcp://127.0.0.1:{own}"),
         peers: vec![format!("tcp://127.0.0.1:{peer}")],
         peers_dns: None,
+        handover_timeout_ms: 5_000,
     };
     let (a, b) = (pool(), pool());
     let stop = Arc::new(AtomicBool::new(false));
@@ -141,7 +144,7 @@ fn bookings_reach_the_other_gateway_and_leave_with_their_lifecycle() {
 /// dropped, never booked.
 #[test]
 fn a_peer_of_another_release_is_counted_not_booked() {
-    let (port_old, port_b) = (free_port().unwrap(), free_port().unwrap());
+    let (port_old, port_b) = (free_port().unwrap(), free_port_run(2).unwrap());
     let ctx = zmq::Context::new();
     let old = ctx.socket(zmq::PUB).unwrap();
     old.bind(&format!("tcp://127.0.0.1:{port_old}")).unwrap();
@@ -152,6 +155,7 @@ fn a_peer_of_another_release_is_counted_not_booked() {
         listen: format!("tcp://127.0.0.1:{port_b}"),
         peers: vec![format!("tcp://127.0.0.1:{port_old}")],
         peers_dns: None,
+        handover_timeout_ms: 5_000,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let threads = kvgate_sidecar::sync::start(

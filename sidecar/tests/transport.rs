@@ -3,8 +3,7 @@
 //! leaves the replica degraded, a dropped connection withholds cache credit until the engine
 //! is back, and more replicas than ingest workers are each ingested whole and in order.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
@@ -12,119 +11,10 @@ use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::discovery::Supervisor;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
-use rmp::encode as mp;
 
-const BS: usize = 4;
+mod common;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Tokens of block `b` of a conversation `conv`.
-fn block(conv: u32, b: u32) -> Vec<u32> {
-    (0..BS as u32).map(|i| conv * 1000 + b * 10 + i).collect()
-}
-
-/// A vLLM map-format batch storing block `b` of `conv` (engine hash = conv*100 + b).
-fn store(conv: u32, b: u32) -> Vec<u8> {
-    store_sized(conv, b, BS)
-}
-
-/// The same, claiming (and carrying tokens for) block size `bs`.
-fn store_sized(conv: u32, b: u32, bs: usize) -> Vec<u8> {
-    let mut buf = Vec::new();
-    mp::write_array_len(&mut buf, 3).unwrap();
-    mp::write_f64(&mut buf, 1.0).unwrap();
-    mp::write_array_len(&mut buf, 1).unwrap();
-    mp::write_map_len(&mut buf, 6).unwrap();
-    mp::write_str(&mut buf, "type").unwrap();
-    mp::write_str(&mut buf, "BlockStored").unwrap();
-    mp::write_str(&mut buf, "block_hashes").unwrap();
-    mp::write_array_len(&mut buf, 1).unwrap();
-    mp::write_uint(&mut buf, u64::from(conv * 100 + b)).unwrap();
-    mp::write_str(&mut buf, "parent_block_hash").unwrap();
-    if b == 0 {
-        mp::write_nil(&mut buf).unwrap();
-    } else {
-        mp::write_uint(&mut buf, u64::from(conv * 100 + b - 1)).unwrap();
-    }
-    mp::write_str(&mut buf, "token_ids").unwrap();
-    mp::write_array_len(&mut buf, bs as u32).unwrap();
-    for t in block(conv, b).into_iter().cycle().take(bs) {
-        mp::write_uint(&mut buf, u64::from(t)).unwrap();
-    }
-    mp::write_str(&mut buf, "block_size").unwrap();
-    mp::write_uint(&mut buf, bs as u64).unwrap();
-    mp::write_str(&mut buf, "medium").unwrap();
-    mp::write_str(&mut buf, "GPU").unwrap();
-    mp::write_uint(&mut buf, 0).unwrap();
-    buf
-}
-
-/// Published messages kept for replay: `(seq, payload)`.
-type Buffer = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
-
-/// A fake engine: PUB for live events, ROUTER answering replay requests from its buffer with
-/// vLLM 0.26+'s reply layout.
-struct Engine {
-    publisher: zmq::Socket,
-    buffer: Buffer,
-    stop: Arc<AtomicBool>,
-}
-
-impl Engine {
-    fn start(ctx: &zmq::Context, pub_port: u16, replay_port: Option<u16>) -> Engine {
-        let publisher = ctx.socket(zmq::PUB).unwrap();
-        // A restarted engine's ports may still be held by its predecessor for a moment.
-        wait_for("the events port", || publisher.bind(&format!("tcp://127.0.0.1:{pub_port}")).is_ok());
-        let buffer: Buffer = Arc::default();
-        let stop = Arc::new(AtomicBool::new(false));
-        if let Some(port) = replay_port {
-            let router = ctx.socket(zmq::ROUTER).unwrap();
-            wait_for("the replay port", || router.bind(&format!("tcp://127.0.0.1:{port}")).is_ok());
-            router.set_rcvtimeo(100).unwrap();
-            let (buffer, stop) = (buffer.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let Ok(frames) = router.recv_multipart(0) else { continue };
-                    let [identity, _empty, start] = <[Vec<u8>; 3]>::try_from(frames).unwrap();
-                    let start = u64::from_be_bytes(start.try_into().unwrap());
-                    for (seq, payload) in buffer.lock().unwrap().iter().filter(|(s, _)| *s >= start) {
-                        router.send_multipart([&identity[..], b"", b"topic", &seq.to_be_bytes(), payload], 0).unwrap();
-                    }
-                    router.send_multipart([&identity[..], b"", b"", &[0xff; 8], b""], 0).unwrap();
-                }
-            });
-        }
-        Engine { publisher, buffer, stop }
-    }
-
-    /// Records the message for replay and, unless `drop`, publishes it.
-    fn send(&self, seq: u64, payload: &[u8], drop: bool) {
-        self.buffer.lock().unwrap().push((seq, payload.to_vec()));
-        if !drop {
-            self.publisher.send_multipart([&b"topic"[..], &seq.to_be_bytes(), payload], 0).unwrap();
-        }
-    }
-
-    fn restart(&self) {
-        self.buffer.lock().unwrap().clear();
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
+use common::{block, free_port, store, store_sized, wait_for, Engine, BS};
 
 struct Rig {
     pool: Arc<Pool>,

@@ -64,6 +64,8 @@ pub struct StackOptions {
     pub data_parallel_size: u32,
     /// The sidecar replays missed events from the engines (`kv_replay`); false leaves it out.
     pub replay: bool,
+    /// Engine steps each engine keeps for replay (vLLM's `buffer_steps`; default 10 000).
+    pub replay_buffer_steps: Option<usize>,
     /// Top-level keys of the sidecar's config (e.g. `stall_timeout_secs = 1`).
     pub sidecar_toml: String,
     /// Envoy reaches the sidecar through a proxy that delays each request this long (0: directly).
@@ -118,6 +120,7 @@ impl Default for StackOptions {
             envoy_discovery: false,
             data_parallel_size: 1,
             replay: true,
+            replay_buffer_steps: None,
             sidecar_toml: String::new(),
             sidecar_delay_ms: 0,
             hot_restart: false,
@@ -257,7 +260,10 @@ impl Stack {
                 // Ranks publish on base + rank: events and replay each need a run of ports.
                 (false, n) => (free_port()?, free_port_run(n as u16)?, free_port_run(n as u16)?),
             };
-            let events_config = json!({"endpoint": format!("tcp://*:{events_port}"), "replay_endpoint": format!("tcp://*:{replay_port}")});
+            let mut events_config = json!({"endpoint": format!("tcp://*:{events_port}"), "replay_endpoint": format!("tcp://*:{replay_port}")});
+            if let Some(steps) = opts.replay_buffer_steps {
+                events_config["buffer_steps"] = json!(steps);
+            }
             let mut cmd = Command::new(&artifacts.sim);
             // LoRA adapters may be loaded at run time when a test passes `--enable-lora`.
             cmd.env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True");
@@ -354,7 +360,13 @@ impl Stack {
         // Each gateway's sync endpoint, when their sidecars form a mesh.
         let meshed = opts.routing == Routing::Kvgate && opts.gateways > 1 && opts.sync;
         let sync_ports: Vec<u16> =
-            if meshed { (0..opts.gateways).map(|_| free_port()).collect::<Result<_, _>>()? } else { Vec::new() };
+            // Each sync port and the one after it (the handover to a starting peer).
+            if meshed {
+                let first = free_port_run(2 * opts.gateways as u16)?;
+                (0..opts.gateways as u16).map(|i| first + 2 * i).collect()
+            } else {
+                Vec::new()
+            };
         let sync_toml = |i: usize| -> String {
             let Some(own) = sync_ports.get(i) else { return String::new() };
             let peers: Vec<String> =
@@ -511,10 +523,18 @@ impl Stack {
         Ok(client::client().get(self.sidecar_url("/debug/state")).send()?.json()?)
     }
 
+    /// `http://127.0.0.1:<gateway i's sidecar>{path}` (0: the first's).
+    ///
+    /// # Panics
+    /// If there is no gateway `i`.
+    pub fn sidecar_url_of(&self, i: usize, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.gateways[i].sidecar_port)
+    }
+
     /// The `/debug/state` of gateway `i`'s sidecar (0: the first's).
     pub fn sidecar_state_of(&self, i: usize) -> anyhow::Result<Value> {
-        let port = self.gateways.get(i).ok_or_else(|| anyhow::anyhow!("no gateway {i}"))?.sidecar_port;
-        Ok(client::client().get(format!("http://127.0.0.1:{port}/debug/state")).send()?.json()?)
+        anyhow::ensure!(i < self.gateways.len(), "no gateway {i}");
+        Ok(client::client().get(self.sidecar_url_of(i, "/debug/state")).send()?.json()?)
     }
 
     /// Blocks the sidecar has indexed for a replica.
@@ -548,9 +568,15 @@ impl Stack {
     /// Starts the sidecar again with its config (after [`Stack::kill_sidecar`], or killing
     /// it first) and waits until it answers.
     pub fn restart_sidecar(&mut self) -> anyhow::Result<()> {
-        let Some(p) = self.gateways[0].sidecar.as_mut() else { anyhow::bail!("this stack has no sidecar") };
+        self.restart_sidecar_of(0)
+    }
+
+    /// [`Stack::restart_sidecar`] for gateway `i`'s sidecar.
+    pub fn restart_sidecar_of(&mut self, i: usize) -> anyhow::Result<()> {
+        let gateway = self.gateways.get_mut(i).ok_or_else(|| anyhow::anyhow!("no gateway {i}"))?;
+        let Some(p) = gateway.sidecar.as_mut() else { anyhow::bail!("this stack has no sidecar") };
         p.restart()?;
-        let url = self.sidecar_url("/healthz");
+        let url = format!("http://127.0.0.1:{}/healthz", gateway.sidecar_port);
         wait_for("sidecar health", START_TIMEOUT, || http_ok(&url).then_some(()))
     }
 

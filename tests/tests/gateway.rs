@@ -1506,3 +1506,55 @@ fn gateways_share_their_bookings_over_the_mesh() {
     let reply = held.join().unwrap().unwrap();
     assert_eq!((reply.status, reply.header("x-kvgate-replica")), (200, busy.as_str()));
 }
+
+/// 38. A gateway's sidecar restarts while the other runs, after the engines' replay buffers
+///     (4 steps here) have rolled past the cached documents: it takes its peer's index and
+///     bookings over before it reads an event, so its first decisions follow the documents
+///     to the engines holding them, as its peer's do. (Rebuilding from replay alone, it would
+///     know none of them.)
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn a_restarted_sidecar_takes_its_peers_view_over() {
+    let opts = StackOptions {
+        name: "handover".into(),
+        replicas: 2,
+        gateways: 2,
+        replay_buffer_steps: Some(4),
+        ..Default::default()
+    };
+    let mut stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let urls = stack.gateways("/v1/chat/completions");
+    let docs: Vec<String> = (0..6).map(|i| document(70 + i, 400)).collect();
+    let mut homes = Vec::new();
+    for doc in &docs {
+        let reply = post(&urls[0], chat(doc, "q").to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200);
+        homes.push(reply.header("x-kvgate-replica").to_owned());
+    }
+    // More traffic, so the engines' replay buffers hold none of the documents' steps.
+    for i in 0..4 {
+        assert_eq!(post(&urls[0], chat(&document(90 + i, 200), "q").to_string(), &[]).unwrap().status, 200);
+    }
+    let blocks = |stack: &Stack, i: usize| -> Option<u64> {
+        let state = stack.sidecar_state_of(i).ok()?;
+        Some(state["pools"][0]["replicas"].as_array()?.iter().filter_map(|r| r["blocks_indexed"].as_u64()).sum())
+    };
+    wait_for("both sidecars indexed the same blocks", Duration::from_secs(10), || {
+        let (a, b) = (blocks(&stack, 0)?, blocks(&stack, 1)?);
+        (a > 0 && a == b).then_some(())
+    })
+    .unwrap();
+
+    stack.restart_sidecar_of(1).unwrap();
+    let restored = blocks(&stack, 1).unwrap();
+    assert_eq!(restored, blocks(&stack, 0).unwrap(), "gateway 1's sidecar starts with its peer's index");
+    for (doc, home) in docs.iter().zip(&homes) {
+        let reply = post(&urls[1], chat(doc, "q").to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200);
+        let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap();
+        assert_eq!(reply.header("x-kvgate-replica"), home, "the document is followed to its engine");
+        assert!(overlap >= 400 / 16, "its cached blocks are credited: {overlap}");
+    }
+    let metrics = client().get(stack.sidecar_url_of(1, "/metrics")).send().unwrap().text().unwrap();
+    assert_eq!(metric_sum(&metrics, "kvgate_handover_restored_blocks_total", ""), restored as f64);
+}

@@ -240,6 +240,9 @@ fn kvgate_configs_and_filter_configs_validate_and_agree_with_the_engines() {
     assert_eq!(sync_svc["spec"]["clusterIP"], "None");
     assert_eq!(sync_svc["spec"]["ports"][0]["port"].as_u64(), Some(sync_port));
     assert!(container["ports"].as_array().unwrap().iter().any(|p| p["containerPort"].as_u64() == Some(sync_port)));
+    // A starting sidecar asks its peers for their view on the sync port + 1.
+    assert_eq!(sync_svc["spec"]["ports"][1]["port"].as_u64(), Some(sync_port + 1));
+    assert!(container["ports"].as_array().unwrap().iter().any(|p| p["containerPort"].as_u64() == Some(sync_port + 1)));
     let monitor = find(&docs, "PodMonitor", "kvgate");
     let ports: HashSet<&str> =
         monitor["spec"]["podMetricsEndpoints"].as_array().unwrap().iter().filter_map(|e| e["port"].as_str()).collect();

@@ -13,6 +13,8 @@
 //!   the slot is emptied in a later batch after the flag was set (batches never overlap), so
 //!   nothing may be written.
 //! - Health and metrics are updated once a job is applied, outside the lock.
+//! - Each job ends with the replica's applied mark ([`Change::Mark`]), written in the same
+//!   batch, so an export of the index always stands at a message boundary.
 //! - The job queue is bounded: an ingest worker that outruns the applier waits, a socket's
 //!   inbox fills, and messages are dropped and counted there (then replayed as gaps).
 
@@ -140,7 +142,13 @@ fn apply_batch(pool: &Pool, queue: &mut VecDeque<InProgress>) -> Vec<(InProgress
                 current.refused.push(e.label());
             }
         }
-        if current.changes.peek().is_none() {
+        // The applied mark stands at a message boundary: the message's sequence number once
+        // it is all in (none while a lost range may have left stale entries), unknown while
+        // it is half applied. Peers export only marked replicas (`crate::sync::state`).
+        let whole = current.changes.peek().is_none();
+        let mark = (whole && !current.progress.degraded).then_some(current.progress.last_seq).flatten();
+        let _ = index.apply(Write::Change(current.replica, Change::Mark(mark)));
+        if whole {
             done.extend(queue.pop_front().map(|j| (j, true)));
         }
     }

@@ -110,6 +110,13 @@ impl Ingest {
         Ingest { block_size, last_seq: None, degraded: false, group_kinds: HashMap::new() }
     }
 
+    /// A replica whose entries were restored from a peer's snapshot through `seq`: its
+    /// stream goes on from `seq + 1` (a gap before the next message is replayed as usual; an
+    /// earlier sequence number means the engine restarted since, and clears it).
+    pub fn resume(block_size: usize, seq: u64) -> Ingest {
+        Ingest { last_seq: Some(seq), ..Ingest::new(block_size) }
+    }
+
     /// Whether a lost range may have left stale blocks in the index.
     pub fn degraded(&self) -> bool {
         self.degraded
@@ -441,6 +448,35 @@ mod tests {
         assert_eq!((out.gaps_replayed, out.gaps_lost, out.applied), (1, 0, 2));
         assert_eq!(depth(&index, 3), 3);
         assert!(!ingest.degraded());
+    }
+
+    #[test]
+    fn a_resumed_stream_replays_only_what_came_after_its_snapshot() {
+        // A peer's snapshot holds blocks 0 and 1 (messages 0 and 1); the engine has since
+        // published message 2, and buffers all three.
+        let m: Vec<Vec<u8>> =
+            (0..4).map(|i| stored(&[i as u64 + 1], (i > 0).then_some(i as u64), &toks(i), &[])).collect();
+        let mut source = KvIndex::new(4, 1);
+        let mut ingest = Ingest::new(4);
+        feed(&mut ingest, 0, &m[0], &mut source, &mut NoReplay);
+        feed(&mut ingest, 1, &m[1], &mut source, &mut NoReplay);
+        source.mark_applied(ReplicaIdx::new(0), ingest.last_seq());
+        let snapshot = source.export(ReplicaIdx::new(0)).unwrap();
+
+        let mut index = KvIndex::new(4, 1);
+        index.restore(ReplicaIdx::new(0), &snapshot);
+        let mut resumed = Ingest::resume(4, snapshot.through_seq);
+        let mut buffer = Buffer((0..3).map(|s| (s, m[s as usize].clone())).collect());
+        let out = feed(&mut resumed, 3, &m[3], &mut index, &mut buffer);
+        assert_eq!((out.gaps_replayed, out.applied, out.cleared), (1, 2, false), "message 2 replayed, then 3");
+        assert_eq!(depth(&index, 4), 4);
+        assert!(!resumed.degraded());
+
+        // An engine that restarted since the snapshot starts its sequence again: cleared.
+        let mut resumed = Ingest::resume(4, snapshot.through_seq);
+        let out = feed(&mut resumed, 0, &m[0], &mut index, &mut NoReplay);
+        assert!(out.cleared);
+        assert_eq!(depth(&index, 2), 1);
     }
 
     #[test]

@@ -162,6 +162,13 @@ pub fn spawn(
     ingesters: &Ingesters,
 ) -> std::io::Result<JoinHandle<()>> {
     let (tx, rx) = sync_channel::<Message>(INBOX_MESSAGES);
+    let block_size = pool.config().block_size as usize;
+    // A snapshot a peer handed over is restored before the stream's first message; its
+    // ingestion resumes after it.
+    let ingest = match pool.restore(source.replica) {
+        Some(seq) => Ingest::resume(block_size, seq),
+        None => Ingest::new(block_size),
+    };
     let stream = Arc::new(Stream {
         replica: source.replica,
         stop: source.stop.clone(),
@@ -169,7 +176,7 @@ pub fn spawn(
         queued: AtomicUsize::new(0),
         bytes: AtomicUsize::new(0),
         scheduled: AtomicBool::new(false),
-        state: Mutex::new(StreamState { inbox: rx, ingest: Ingest::new(pool.config().block_size as usize) }),
+        state: Mutex::new(StreamState { inbox: rx, ingest }),
     });
     let inbox = Inbox { tx, stream, runs: ingesters.runs.clone() };
     std::thread::Builder::new().name(format!("kv-read-{}", source.config.id)).spawn(move || {

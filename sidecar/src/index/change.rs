@@ -3,7 +3,7 @@
 
 use kvgate_shared::hash::{EngineHash, Salt};
 
-use super::{ApplyError, KvIndex, ReplicaIdx, Store, Tier};
+use super::{ApplyError, KvIndex, ReplicaIdx, ReplicaSnapshot, Store, Tier};
 
 /// A change to one replica's index entries (decoded from its events by `crate::events`).
 #[derive(Debug, Clone, PartialEq)]
@@ -20,6 +20,12 @@ pub enum Change {
         /// The engine hashes removed.
         engine_hashes: Vec<EngineHash>,
     },
+    /// Replace the replica's entries with a peer's snapshot of them (a sidecar starting
+    /// while its peers run, `crate::sync::state`).
+    Restore(Box<ReplicaSnapshot>),
+    /// Set the replica's applied mark ([`KvIndex::mark_applied`]): written by the applier
+    /// after each message, so that an export always stands at a message boundary.
+    Mark(Option<u64>),
 }
 
 /// A `BlockStored`, owned, with its salts worked out: [`Store`] without the borrow.
@@ -48,6 +54,8 @@ impl Change {
             Change::Clear => 1,
             Change::Store(s) => s.engine_hashes.len(),
             Change::Remove { engine_hashes, .. } => engine_hashes.len(),
+            Change::Restore(snapshot) => snapshot.blocks(),
+            Change::Mark(_) => 0,
         }
     }
 
@@ -57,6 +65,8 @@ impl Change {
             Change::Clear => index.clear_replica(replica),
             Change::Remove { tier, engine_hashes } => index.remove(replica, *tier, engine_hashes),
             Change::Store(s) => return index.store(replica, s.as_store()),
+            Change::Restore(snapshot) => index.restore(replica, snapshot),
+            Change::Mark(seq) => index.mark_applied(replica, *seq),
         }
         Ok(())
     }

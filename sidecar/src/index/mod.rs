@@ -28,6 +28,7 @@ mod arena;
 mod change;
 pub mod mirror;
 mod sharded;
+mod snapshot;
 
 use arena::{Arena, DEAD};
 pub use change::{Change, StoredBlocks, Write};
@@ -35,6 +36,7 @@ use kvgate_shared::hash::{local_block_hash, next_sequence_hash, EngineHash, Salt
 pub use mirror::Mirrored;
 use serde::Serialize;
 use sharded::{EngineShards, Head, HeadShards, Map};
+pub use snapshot::{ReplicaSnapshot, SnapshotBlock, TierSnapshot};
 
 /// A replica's slot in its pool: its position in the pool's member list and in every
 /// per-replica table. The list only grows; a slot emptied when its replica left is taken by
@@ -228,6 +230,9 @@ impl ReplicaTier {
 #[derive(Debug, Default, Clone)]
 struct ReplicaBlocks {
     tiers: [ReplicaTier; 3],
+    /// The applied mark: the replica's events through this sequence number are in, none
+    /// after it (`None`: unknown). Set by the applier; what [`KvIndex::export`] stands on.
+    applied: Option<u64>,
 }
 
 /// The index of one pool (one model, one block size).
@@ -344,6 +349,7 @@ impl KvIndex {
 
     /// Forgets everything a replica holds (`AllBlocksCleared`, restart, removal).
     pub fn clear_replica(&mut self, replica: ReplicaIdx) {
+        self.replicas[replica.get()].applied = None;
         let tiers = std::mem::take(&mut self.replicas[replica.get()].tiers);
         for (t, rt) in tiers.into_iter().enumerate() {
             self.live[t] -= rt.engine.len();

@@ -76,6 +76,11 @@ impl<M, const S: usize, const SHIFT: u32> Sharded<M, S, SHIFT> {
         self.shards.get(Self::index(key)).unwrap_or(&self.empty)
     }
 
+    /// Every shard (none before the first insert).
+    pub(super) fn shards(&self) -> impl Iterator<Item = &M> {
+        self.shards.iter()
+    }
+
     /// Every shard, to change (none before the first insert).
     pub(super) fn shards_mut(&mut self) -> impl Iterator<Item = &mut M> {
         self.shards.iter_mut()
@@ -142,6 +147,11 @@ impl EngineMap {
     /// Removes `engine`; returns its slot.
     pub(super) fn remove(&mut self, EngineHash(engine): EngineHash) -> Option<u32> {
         self.table.find_entry(engine, |e| e.engine() == engine).ok().map(|o| o.remove().0.slot)
+    }
+
+    /// Every entry: (engine hash, slot).
+    pub(super) fn entries(&self) -> impl Iterator<Item = (EngineHash, u32)> + '_ {
+        self.table.iter().map(|e| (EngineHash(e.engine()), e.slot))
     }
 
     /// Every entry's slot, to change.

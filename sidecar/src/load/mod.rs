@@ -106,6 +106,8 @@ struct Booking {
     prefill_ends_at: Option<Instant>,
     /// Its tenant and class, if it named a tenant.
     flow: Option<Flow>,
+    /// Booked by a peer gateway (its id is `origin/request_id`).
+    from_peer: bool,
 }
 
 #[derive(Debug, Default)]
@@ -212,6 +214,27 @@ pub struct NewBooking<'a> {
     pub streamed: bool,
     /// Its tenant and class, if it named a tenant (for fairness under admission control).
     pub flow: Option<Flow>,
+    /// Booked by a peer gateway (its id is `origin/request_id`), not by this one.
+    pub from_peer: bool,
+}
+
+/// A booking as a starting peer takes it over (`crate::pool::handover`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BookingExport {
+    /// Its id in this table.
+    pub id: String,
+    /// Its replica.
+    pub replica: ReplicaIdx,
+    /// Prefill tokens still to compute (0 once its prefill is over).
+    pub prefill_tokens: u64,
+    /// The prompt's sequence hashes.
+    pub hashes: Vec<SequenceHash>,
+    /// All blocks the prompt occupies.
+    pub total_blocks: u64,
+    /// Sequences it decodes.
+    pub sequences: u64,
+    /// Booked by a peer gateway, not by this one.
+    pub from_peer: bool,
 }
 
 impl LoadTable {
@@ -367,6 +390,7 @@ impl LoadTable {
                 sequences: booking.sequences.max(1),
                 prefill_ends_at,
                 flow: booking.flow,
+                from_peer: booking.from_peer,
             },
         );
         if let Some(flow) = booking.flow {
@@ -508,6 +532,22 @@ impl LoadTable {
         }
     }
 
+    /// Every booking, for a peer that starts ([`BookingExport`]).
+    pub fn export(&self) -> Vec<BookingExport> {
+        self.bookings
+            .iter()
+            .map(|(id, b)| BookingExport {
+                id: id.clone(),
+                replica: b.replica,
+                prefill_tokens: if b.prefill_done { 0 } else { b.prefill_tokens },
+                hashes: b.hashes.clone(),
+                total_blocks: b.hashes.len() as u64 + b.private_blocks,
+                sequences: b.sequences,
+                from_peer: b.from_peer,
+            })
+            .collect()
+    }
+
     /// Releases bookings older than `max_age` (their end was never reported). Returns how many.
     pub fn expire(&mut self, now: Instant, max_age: Duration) -> usize {
         let stale: Vec<String> = self
@@ -543,6 +583,7 @@ mod tests {
             sequences: 1,
             streamed: true,
             flow: None,
+            from_peer: false,
         }
     }
 

@@ -140,6 +140,7 @@ impl Pool {
                     streamed: true,
                     // Fairness between tenants is each gateway's own.
                     flow: None,
+                    from_peer: true,
                 };
                 load.book(slot, booking, Instant::now());
                 Some(slot)

@@ -16,6 +16,7 @@
 
 mod disagg;
 mod explain;
+mod handover;
 mod health;
 mod lifecycle;
 mod members;
@@ -41,6 +42,7 @@ use crate::metrics::{Metrics, ReplicaLabels};
 use crate::sync::event::Outbox;
 
 pub use explain::{CandidateTerms, Checked, Explanation};
+pub use handover::TakenOver;
 pub use members::{targets, Member, ReplicaHealth};
 pub use offload::OffloadError;
 pub use route::Admit;
@@ -86,6 +88,8 @@ pub struct Pool {
     accuracy: Mutex<Accuracy>,
     /// The queue of requests waiting for capacity (with admission control on).
     admission: Option<Gate>,
+    /// What a peer handed over and is not used yet (`handover.rs`).
+    handover: Mutex<handover::Staged>,
 }
 
 // Locks are only poisoned if a holder panicked; the data is still consistent enough to serve.
@@ -121,6 +125,7 @@ impl Pool {
             affinity: Mutex::new(affinity),
             accuracy: Mutex::default(),
             outbox: std::sync::OnceLock::new(),
+            handover: Mutex::default(),
         }
     }
 

@@ -424,6 +424,7 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         prediction,
         streamed: shape.stream,
         flow: to.flow,
+        from_peer: false,
     };
     let booked = load.book(at.slot, booking, Instant::now());
     Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked }

@@ -130,6 +130,7 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
                 sequences: 1,
                 streamed: true,
                 flow: None,
+                from_peer: false,
             },
             Instant::now(),
         );

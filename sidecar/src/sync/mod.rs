@@ -15,7 +15,10 @@
 //! - Messages carry the sync version in their topic (`kvgate-sync/<version>`): a peer of
 //!   another release is heard, counted (`kvgate_sync_mismatches_total`) and logged once, and
 //!   its messages are dropped rather than misread.
-//! - Only load is shared. KV events come from the engines to every sidecar directly, and a
+//! - A sidecar that starts while its peers run takes their index and bookings over before it
+//!   reads any event ([`state`], on the sync port + 1), so a restart after the engines' replay
+//!   buffers rolled over loses nothing.
+//! - Only load is shared as it happens. KV events come from the engines to every sidecar directly, and a
 //!   peer can only book work on replicas this sidecar already knows, so a peer (or an
 //!   impostor on the sync port — restrict it with a NetworkPolicy) can skew load, never
 //!   steer a request to a host outside the pool.
@@ -29,6 +32,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub mod event;
+pub mod handover;
+pub mod state;
 
 use crate::config::SyncConfig;
 use crate::metrics::Metrics;
@@ -54,7 +59,8 @@ const OUTBOX: usize = 65_536;
 const POLL: Duration = Duration::from_millis(100);
 const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 
-/// Starts the publisher and the subscriber, and hands every pool its outbox.
+/// Starts the publisher, the subscriber and the handover server, and hands every pool its
+/// outbox.
 pub fn start(
     config: &SyncConfig,
     pools: &HashMap<String, Arc<Pool>>,
@@ -79,11 +85,12 @@ pub fn start(
         let (id, stop) = (id.clone(), stop.clone());
         std::thread::Builder::new().name("sync-pub".into()).spawn(move || publish_loop(&publisher, &id, &rx, &stop))?
     };
+    let handover = state::serve(config, id.clone(), pools.clone(), metrics.clone(), ctx, stop.clone())?;
     let (config, pools) = (config.clone(), pools.clone());
     let receive = std::thread::Builder::new()
         .name("sync-sub".into())
         .spawn(move || receive_loop(&subscriber, &config, &id, &pools, &metrics, &stop))?;
-    Ok(vec![publish, receive])
+    Ok(vec![publish, receive, handover])
 }
 
 fn publish_loop(socket: &zmq::Socket, origin: &str, rx: &Receiver<SyncEvent>, stop: &AtomicBool) {

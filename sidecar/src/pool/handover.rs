@@ -1,0 +1,187 @@
+//! A sidecar that starts while its peers run takes over their view instead of rebuilding it
+//! from the engines (whose replay buffers may have rolled over): what a pool exports for a
+//! starting peer ([`Pool::export_handover`]) and how it takes a peer's export over
+//! ([`Pool::take_over`]). Owns the `handover` lock: what was handed over and not yet used.
+//!
+//! - Index entries are staged per target id and restored when the target's event stream
+//!   starts ([`Pool::restore`], before the stream reads a message, in one batch of index
+//!   writes): its ingestion resumes after the snapshot's sequence number, so the gap up to
+//!   the engine's next message is replayed and nothing is applied twice.
+//! - Bookings are booked at once on the targets the pool has; those naming targets it does not
+//!   have yet (discovery has not answered) wait for the next membership change, then go.
+//!   Bookings of other gateways keep their `origin/request_id` ids, so their ends, which the
+//!   origin publishes, release them; this sidecar's own (a restart under the same id) keep
+//!   their plain ids, so its filter's reports release them.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use super::Pool;
+use crate::events::ingest::{Outcome, Progress};
+use crate::index::{Change, ReplicaIdx, ReplicaSnapshot, Write};
+use crate::load::NewBooking;
+use crate::sync::handover::{BookingHandover, PoolHandover, ReplicaHandover};
+
+/// What a peer handed over and is not used yet.
+#[derive(Debug, Default)]
+pub(super) struct Staged {
+    /// Target id → its snapshot, until its event stream starts.
+    restores: HashMap<String, ReplicaSnapshot>,
+    /// Bookings on targets the pool does not have yet, and this sidecar's id.
+    bookings: Vec<BookingHandover>,
+    own_id: String,
+    /// The waiting bookings had their one more membership change.
+    retried: bool,
+}
+
+/// What [`Pool::take_over`] took.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TakenOver {
+    /// Targets whose index entries were staged.
+    pub replicas: usize,
+    /// Their blocks.
+    pub blocks: usize,
+    /// Bookings booked now.
+    pub bookings: usize,
+    /// Bookings waiting for their targets to join.
+    pub waiting: usize,
+}
+
+impl Pool {
+    /// This pool's view for a starting peer: the index entries of every active, trusted
+    /// target whose applied mark is set, and every booking. `own_id` is this sidecar's id.
+    pub fn export_handover(&self, own_id: &str) -> PoolHandover {
+        // Lock order: members, then the index (one replica at a time), then the load table.
+        let members = self.members();
+        let mut replicas = Vec::new();
+        for (slot, m) in members.iter().enumerate() {
+            if !m.active || !m.health.trusted() {
+                continue;
+            }
+            if let Some(snapshot) = self.index.read().export(ReplicaIdx::new(slot)) {
+                replicas.push(ReplicaHandover { target: m.replica.id.clone(), snapshot });
+            }
+        }
+        let bookings = self
+            .load_table()
+            .export()
+            .into_iter()
+            .map(|b| {
+                let (origin, request_id) = match b.id.split_once('/').filter(|_| b.from_peer) {
+                    Some((origin, id)) => (origin.to_owned(), id.to_owned()),
+                    None => (own_id.to_owned(), b.id),
+                };
+                BookingHandover {
+                    origin,
+                    request_id,
+                    target: members[b.replica.get()].replica.id.clone(),
+                    prefill_tokens: b.prefill_tokens,
+                    hashes: b.hashes,
+                    total_blocks: b.total_blocks,
+                    sequences: b.sequences,
+                }
+            })
+            .collect();
+        PoolHandover { model: self.config.model.clone(), block_size: self.config.block_size, replicas, bookings }
+    }
+
+    /// Takes a peer's view over: stages its index entries, books its bookings. `own_id` is
+    /// this sidecar's id. Call it before the pool's event streams start.
+    pub fn take_over(&self, view: PoolHandover, own_id: &str) -> TakenOver {
+        let mut taken = TakenOver { replicas: view.replicas.len(), ..TakenOver::default() };
+        let mut staged = self.staged();
+        for r in view.replicas {
+            taken.blocks += r.snapshot.blocks();
+            staged.restores.insert(r.target, r.snapshot);
+        }
+        staged.own_id = own_id.to_owned();
+        staged.bookings = view.bookings;
+        staged.retried = false;
+        drop(staged);
+        (taken.bookings, taken.waiting) = self.book_handed_over();
+        taken
+    }
+
+    /// Restores the snapshot handed over for the target in `slot`, if one waits for it (its
+    /// event stream is about to start); returns the sequence number its stream resumes after.
+    pub fn restore(&self, slot: ReplicaIdx) -> Option<u64> {
+        let target = self.members().get(slot.get())?.replica.id.clone();
+        let snapshot = self.staged().restores.remove(&target)?;
+        let (seq, blocks) = (snapshot.through_seq, snapshot.blocks());
+        let mut index = self.index_mut();
+        index.apply(Write::Change(slot, Change::Restore(Box::new(snapshot)))).expect("a restore is never refused");
+        index.apply(Write::Change(slot, Change::Mark(Some(seq)))).expect("a mark is never refused");
+        drop(index);
+        self.after_ingest(slot, Progress { last_seq: Some(seq), degraded: false }, &Outcome::default());
+        self.metrics.handover_restored_blocks.get_or_create(&self.labels(slot)).inc_by(blocks as u64);
+        tracing::info!(model = %self.config.model, replica = %target, seq, blocks, "index entries restored from a peer");
+        Some(seq)
+    }
+
+    /// Books the handed-over bookings whose targets are in the pool; the others wait for one
+    /// more membership change, then are dropped. Returns how many were booked and how many
+    /// wait.
+    pub(super) fn book_handed_over(&self) -> (usize, usize) {
+        let (bookings, own_id) = {
+            let mut staged = self.staged();
+            if staged.bookings.is_empty() {
+                return (0, 0);
+            }
+            (std::mem::take(&mut staged.bookings), staged.own_id.clone())
+        };
+        // Lock order: members, then the load table.
+        let members = self.members();
+        let slot_of = |target: &str| members.iter().position(|m| m.active && m.replica.id == target);
+        let (mut booked, mut waiting, mut touched) = (0, Vec::new(), Vec::new());
+        let mut load = self.load_table();
+        let now = Instant::now();
+        for b in bookings {
+            let Some(slot) = slot_of(&b.target).map(ReplicaIdx::new) else {
+                waiting.push(b);
+                continue;
+            };
+            let from_peer = b.origin != own_id;
+            let id = if from_peer { format!("{}/{}", b.origin, b.request_id) } else { b.request_id.clone() };
+            let booking = NewBooking {
+                request_id: &id,
+                prefill_tokens: b.prefill_tokens,
+                hashes: &b.hashes,
+                total_blocks: b.total_blocks,
+                max_tokens: None,
+                prediction: None,
+                sequences: b.sequences,
+                // Its first token is reported by its origin (or this sidecar's filter).
+                streamed: true,
+                flow: None,
+                from_peer,
+            };
+            if load.book(slot, booking, now) {
+                booked += 1;
+                touched.push(slot);
+            }
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        let figures: Vec<_> = touched.into_iter().map(|slot| (slot, load.load(slot))).collect();
+        drop(load);
+        drop(members);
+        for (slot, f) in figures {
+            self.publish_load(slot, f);
+        }
+        let mut staged = self.staged();
+        if !staged.retried {
+            staged.retried = true;
+            let n = waiting.len();
+            staged.bookings = waiting;
+            return (booked, n);
+        }
+        if !waiting.is_empty() {
+            tracing::info!(model = %self.config.model, n = waiting.len(), "handed-over bookings name targets this pool does not have; dropped");
+        }
+        (booked, 0)
+    }
+
+    fn staged(&self) -> std::sync::MutexGuard<'_, Staged> {
+        self.handover.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
