@@ -106,6 +106,14 @@ pub struct RankStats {
     pub held_blocks: AtomicU64,
     /// SGLang prefill requests whose decoder never joined their room.
     pub bootstrap_failures: AtomicU64,
+    /// Wall time the steps were given (their simulated durations over the speedup), µs.
+    pub step_wall_us: AtomicU64,
+    /// Wall time the loop fell behind the simulated clock and did not catch up (the clock
+    /// was restarted from now: simulated time ran slow by that much), µs. Near zero when the
+    /// host keeps up; a benchmark whose engines lose time here measures the host.
+    pub clock_lost_us: AtomicU64,
+    /// How often the simulated clock was restarted because the loop fell behind.
+    pub clock_resets: AtomicU64,
     /// Time to first token, in simulated seconds.
     pub ttft: Mutex<Histogram>,
 }
@@ -370,8 +378,12 @@ impl RankLoop {
             let step = Duration::from_secs_f64(out.duration_us / 1e6 / self.speedup);
             simulated += step;
             let mut deadline = *start + simulated;
+            self.stats.step_wall_us.fetch_add(step.as_micros() as u64, Ordering::Relaxed);
             if now > deadline + MAX_LAG {
                 // The host fell behind (a slow step, a busy machine): carry on from now.
+                let lost = now - (deadline - step);
+                self.stats.clock_lost_us.fetch_add(lost.as_micros() as u64, Ordering::Relaxed);
+                self.stats.clock_resets.fetch_add(1, Ordering::Relaxed);
                 deadline = now + step;
                 *start = deadline.checked_sub(simulated).unwrap_or(now);
             }

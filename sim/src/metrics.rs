@@ -53,6 +53,11 @@ pub fn render(model: &str, ranks: &[Rank], config: &EngineConfig, protocol: &Pro
     }
     gauge(&mut out, "vllm:prompt_tokens_cached_total", "counter", &|r| load(&r.stats.prompt_cached));
     gauge(&mut out, "vllm:prompt_tokens_recomputed_total", "counter", &|r| load(&r.stats.prompt_recomputed));
+    // Whether the host kept up with the simulated clock (a benchmark's engines must).
+    let secs = |a: &AtomicU64| (a.load(Ordering::Relaxed) as f64 / 1e6).to_string();
+    gauge(&mut out, "kvgate_sim:step_wall_seconds_total", "counter", &|r| secs(&r.stats.step_wall_us));
+    gauge(&mut out, "kvgate_sim:clock_lost_seconds_total", "counter", &|r| secs(&r.stats.clock_lost_us));
+    gauge(&mut out, "kvgate_sim:clock_resets_total", "counter", &|r| load(&r.stats.clock_resets));
     if protocol.is_on() {
         gauge(&mut out, "kvgate_sim:remote_prefill_requests_total", "counter", &|r| load(&r.stats.remote_prefills));
         gauge(&mut out, "kvgate_sim:remote_decode_requests_total", "counter", &|r| load(&r.stats.remote_decodes));

@@ -423,18 +423,21 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                             queried: a.queried - b.queried,
                             hits: a.hits - b.hits,
                             generated: a.generated - b.generated,
+                            stepped_s: a.stepped_s - b.stepped_s,
+                            lost_s: a.lost_s - b.lost_s,
                         })
                         .collect();
                     let mut summary = stats::summarize(&outcomes, config.slo_ttft_s, &work);
                     summary.router_cpu_ms = (!outcomes.is_empty()).then(|| cpu * 1000.0 / outcomes.len() as f64);
                     eprintln!(
-                        "bench:   {} ok, {} errors, TTFT p50 {:?} p90 {:?}, hit ratio {:?}, load max/mean {:?}, kvgate routed/other {:?}",
+                        "bench:   {} ok, {} errors, TTFT p50 {:?} p90 {:?}, hit ratio {:?}, load max/mean {:?}, sim clock lag {:?}, kvgate routed/other {:?}",
                         summary.ok,
                         summary.errors,
                         summary.ttft_p50,
                         summary.ttft_p90,
                         summary.hit_ratio,
                         summary.load_max_over_mean,
+                        summary.sim_clock_lag,
                         kvgate_routed
                     );
                     if let Some(failed) = outcomes.iter().find(|o| !o.ok()) {
@@ -489,6 +492,8 @@ fn engine_counters(stack: &Stack) -> anyhow::Result<Vec<EngineWork>> {
             queried: sim.metric("vllm:prefix_cache_queries_total")?,
             hits: sim.metric("vllm:prefix_cache_hits_total")?,
             generated: sim.metric("vllm:generation_tokens_total")?,
+            stepped_s: sim.metric("kvgate_sim:step_wall_seconds_total")?,
+            lost_s: sim.metric("kvgate_sim:clock_lost_seconds_total")?,
         });
     }
     Ok(out)

@@ -130,6 +130,7 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
                 hit_ratio: med(&|s| s.hit_ratio),
                 load_max_over_mean: med(&|s| s.load_max_over_mean),
                 router_cpu_ms: med(&|s| s.router_cpu_ms),
+                sim_clock_lag: med(&|s| s.sim_clock_lag),
             };
             Point {
                 ttft_p90_vs_round_robin: ratio(&|s| s.ttft_p90),
@@ -158,14 +159,14 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | ITL p90 | ITL p99 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean | router CPU ms/req |"
+        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | ITL p90 | ITL p99 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean | router CPU ms/req | sim clock lag |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for q in points.iter().filter(|q| setting.has_point(q)) {
         let m = &q.median;
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {} | {} | {} |",
             q.policy,
             secs(m.ttft_p50),
             secs(m.ttft_p90),
@@ -184,6 +185,7 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
             num(m.hit_ratio, 3),
             num(m.load_max_over_mean, 2),
             num(m.router_cpu_ms, 2),
+            m.sim_clock_lag.map_or("–".into(), |l| format!("{:.1} %", l * 100.0)),
         );
     }
     md

@@ -60,6 +60,10 @@ pub struct Summary {
     /// CPU time the routers' processes used (every gateway's Envoy and sidecar, or every
     /// instance of a peer router) per request sent, in wall-clock milliseconds.
     pub router_cpu_ms: Option<f64>,
+    /// The engines' simulated clocks' lag: wall time lost behind the clock over wall time
+    /// stepped, all engines together (0: the host kept up; a few % or more: the run measures
+    /// the host's CPU as much as the routing).
+    pub sim_clock_lag: Option<f64>,
 }
 
 /// One engine's counters over a run (differences of its `/metrics` before and after).
@@ -71,6 +75,10 @@ pub struct EngineWork {
     pub hits: f64,
     /// `vllm:generation_tokens_total`: output tokens.
     pub generated: f64,
+    /// `kvgate_sim:step_wall_seconds_total`: wall time its steps were given.
+    pub stepped_s: f64,
+    /// `kvgate_sim:clock_lost_seconds_total`: of that, time its clock fell behind and lost.
+    pub lost_s: f64,
 }
 
 impl EngineWork {
@@ -94,6 +102,8 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
     let loads: Vec<f64> = engines.iter().map(EngineWork::load).collect();
     let queried: f64 = engines.iter().map(|e| e.queried).sum();
     let hit_ratio = (queried > 0.0).then(|| engines.iter().map(|e| e.hits).sum::<f64>() / queried);
+    let stepped: f64 = engines.iter().map(|e| e.stepped_s).sum();
+    let sim_clock_lag = (stepped > 0.0).then(|| engines.iter().map(|e| e.lost_s).sum::<f64>() / stepped);
     let mean_load = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
     Summary {
         requests: outcomes.len(),
@@ -115,6 +125,7 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
         load_max_over_mean: (mean_load > 0.0).then(|| loads.iter().copied().fold(0.0, f64::max) / mean_load),
         // Measured around the run by its driver, not from the outcomes.
         router_cpu_ms: None,
+        sim_clock_lag,
     }
 }
 
@@ -184,8 +195,8 @@ mod tests {
         failed.ttft = None;
         let outcomes = vec![outcome("a", 0.1, 100, 0), outcome("a", 3.0, 100, 50), outcome("b", 0.2, 100, 100), failed];
         let engines = [
-            EngineWork { queried: 200.0, hits: 50.0, generated: 20.0 },
-            EngineWork { queried: 100.0, hits: 100.0, generated: 10.0 },
+            EngineWork { queried: 200.0, hits: 50.0, generated: 20.0, stepped_s: 3.0, lost_s: 0.3 },
+            EngineWork { queried: 100.0, hits: 100.0, generated: 10.0, stepped_s: 1.0, lost_s: 0.0 },
             EngineWork::default(),
         ];
         let s = summarize(&outcomes, 1.0, &engines);
@@ -195,6 +206,7 @@ mod tests {
         // Loads: 170, 10, 0 → mean 60, max 170.
         assert!((s.load_max_over_mean.unwrap() - 170.0 / 60.0).abs() < 1e-9);
         assert_eq!(s.output_tps, 15.0, "30 tokens over 2 s");
+        assert!((s.sim_clock_lag.unwrap() - 0.3 / 4.0).abs() < 1e-9, "0.3 s lost of 4 s stepped");
     }
 
     #[test]
