@@ -1,9 +1,9 @@
 //! `cargo xtask bench e2e`: every routing policy on the same simulated fleet and workloads.
 //!
 //! ```text
-//! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation]
+//! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation,cache-pressure]
 //!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
-//!                       [--speedup 10] [--mix none|priorities|tenants] [--gateways 1,2,4]
+//!                       [--speedup 10] [--mix none|priorities|tenants|outside] [--gateways 1,2,4]
 //!                       [--out DIR]
 //! ```
 //!
@@ -14,7 +14,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context};
 use kvgate_e2e::bench::report::{self, Facts};
-use kvgate_e2e::bench::workloads::{Mix, Mooncake, MultiTurn, SharedPrefix, Workload};
+use kvgate_e2e::bench::workloads::{CachePressure, Mix, Mooncake, MultiTurn, SharedPrefix, Workload};
 use kvgate_e2e::bench::{self, BenchConfig, Fleet, Policy};
 use kvgate_e2e::{repo_root, Artifacts};
 
@@ -98,6 +98,16 @@ fn workloads(quick: bool) -> Vec<Workload> {
                 max_input_tokens: 8192,
                 max_output_tokens: 200,
             }),
+            Workload::CachePressure(CachePressure {
+                documents: 30,
+                reads_per_document: 6,
+                document_tokens: 3000,
+                one_offs: 180,
+                one_off_tokens: 2000,
+                question_tokens: 100,
+                output_tokens: 50,
+                pressure: 3.0,
+            }),
         ]
     } else {
         vec![
@@ -123,6 +133,16 @@ fn workloads(quick: bool) -> Vec<Workload> {
                 time_compression: 1.0,
                 max_input_tokens: 16_384,
                 max_output_tokens: 500,
+            }),
+            Workload::CachePressure(CachePressure {
+                documents: 60,
+                reads_per_document: 8,
+                document_tokens: 6000,
+                one_offs: 480,
+                one_off_tokens: 4000,
+                question_tokens: 200,
+                output_tokens: 200,
+                pressure: 3.0,
             }),
         ]
     }

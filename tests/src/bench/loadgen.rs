@@ -102,11 +102,18 @@ impl Outcome {
     }
 }
 
+/// The tenant of requests sent straight to the engines ([`Target::with_engines`]).
+pub const OUTSIDE: &str = "outside";
+
 /// How the generator reaches the gateways.
 #[derive(Clone)]
 pub struct Target {
     client: reqwest::Client,
     bases: Arc<[String]>,
+    /// The engines, for requests of tenant [`OUTSIDE`]: traffic the routers do not see.
+    engines: Arc<[String]>,
+    /// Requests sent straight to the engines so far: each goes to the next in turn.
+    outside: Arc<AtomicU64>,
     /// Requests sent so far: each goes to a gateway picked by a hash of its number.
     sent: Arc<AtomicU64>,
     speedup: f64,
@@ -132,7 +139,29 @@ impl Target {
             );
         }
         let client = reqwest::Client::builder().pool_max_idle_per_host(1024).tcp_nodelay(true).build()?;
-        Ok(Target { client, bases: bases.into(), sent: Arc::default(), speedup, start: Instant::now(), timeout })
+        Ok(Target {
+            client,
+            bases: bases.into(),
+            engines: Arc::new([]),
+            outside: Arc::default(),
+            sent: Arc::default(),
+            speedup,
+            start: Instant::now(),
+            timeout,
+        })
+    }
+
+    /// Sends requests of tenant [`OUTSIDE`] to `engines` in turn (loopback only), around
+    /// every gateway; without engines they go through the gateways like the rest.
+    pub fn with_engines(mut self, engines: &[String]) -> anyhow::Result<Target> {
+        for base in engines {
+            anyhow::ensure!(
+                base.starts_with("http://127.0.0.1:"),
+                "the load generator only targets loopback, not {base}"
+            );
+        }
+        self.engines = engines.into();
+        Ok(self)
     }
 
     /// The gateway the next request goes to: uniform over the bases (splitmix64 of how many
@@ -181,7 +210,14 @@ impl Target {
     }
 
     async fn stream(&self, path: &str, body: &Value, tags: Tags, sent: Instant, o: &mut Outcome) -> anyhow::Result<()> {
-        let mut request = self.client.post(format!("{}{path}", self.next_base())).json(body);
+        let base = match tags.tenant {
+            Some(OUTSIDE) if !self.engines.is_empty() => {
+                let n = self.outside.fetch_add(1, Ordering::Relaxed) as usize;
+                &self.engines[n % self.engines.len()]
+            }
+            _ => self.next_base(),
+        };
+        let mut request = self.client.post(format!("{base}{path}")).json(body);
         if let Some(class) = tags.priority {
             request = request.header(PRIORITY_HEADER, class);
         }

@@ -60,6 +60,9 @@ pub enum Policy {
     /// kvgate `kv_aware` with several gateways whose sidecars do not share their bookings:
     /// the sync mesh's ablation (the same as `kvgate-kv-aware` at one gateway).
     KvgateNoSync,
+    /// kvgate `kv_aware` also reading each engine's own load from its `/metrics` every
+    /// second (`engine_metrics_secs = 1`), so traffic that bypasses the gateways counts.
+    KvgateEngineMetrics,
     /// kvgate `kv_aware` on a disaggregated fleet (vLLM's protocol): the first half of the
     /// engines prefill, the rest decode; prefill workers chosen by `prefill_policy`
     /// (`kv_aware` or `round_robin`).
@@ -104,7 +107,7 @@ impl Knob {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 17] = [
+    pub const ALL: [Policy; 18] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
@@ -115,6 +118,7 @@ impl Policy {
         Policy::KvgateAdmission,
         Policy::KvgateFlowControl,
         Policy::KvgateNoSync,
+        Policy::KvgateEngineMetrics,
         Policy::KvgatePd("kv_aware"),
         Policy::KvgatePd("round_robin"),
         Policy::KvgatePdConditional,
@@ -134,6 +138,7 @@ impl Policy {
             Policy::KvgateAdmission => "kvgate-kv-aware-admission".into(),
             Policy::KvgateFlowControl => "kvgate-kv-aware-flow-control".into(),
             Policy::KvgateNoSync => "kvgate-kv-aware-no-sync".into(),
+            Policy::KvgateEngineMetrics => "kvgate-kv-aware-engine-metrics".into(),
             Policy::KvgatePd("kv_aware") => "kvgate-pd".into(),
             Policy::KvgatePd(p) => format!("kvgate-pd-{}-prefill", p.replace('_', "-")),
             Policy::KvgatePdConditional => "kvgate-pd-conditional".into(),
@@ -165,6 +170,7 @@ impl Policy {
             | Policy::KvgateAdmission
             | Policy::KvgateFlowControl
             | Policy::KvgateNoSync
+            | Policy::KvgateEngineMetrics
             | Policy::KvgatePd(_)
             | Policy::KvgatePdConditional => (Routing::Kvgate, "kv_aware"),
         }
@@ -202,6 +208,7 @@ impl Policy {
                 }
                 (pool, filter)
             }
+            Policy::KvgateEngineMetrics => ("engine_metrics_secs = 1".into(), serde_json::Map::new()),
             _ => (String::new(), serde_json::Map::new()),
         };
         StackOptions {
@@ -250,7 +257,7 @@ pub struct Fleet {
     /// Simulated time runs this much faster than the wall clock.
     pub speedup: f64,
     /// GPU blocks per engine (shared-prefix sizes its own: 70 % of its resident set, at
-    /// least 4 whole requests).
+    /// least 4 whole requests; cache-pressure its working set over its pressure).
     pub gpu_blocks: usize,
     /// `--max-num-seqs`.
     pub max_num_seqs: usize,
@@ -266,6 +273,12 @@ impl Fleet {
             Workload::SharedPrefix(s) => {
                 let request = s.system_tokens + s.question_tokens + s.output_tokens as usize;
                 (s.resident_tokens() * 7 / 10 / self.replicas).max(4 * request) / self.block_size as usize
+            }
+            // The working set over the pressure, but room for at least 4 whole requests.
+            Workload::CachePressure(c) => {
+                let request = c.document_tokens.max(c.one_off_tokens) + c.question_tokens + c.output_tokens as usize;
+                let fleet = (c.working_set_tokens() as f64 / c.pressure) as usize;
+                (fleet / self.replicas).max(4 * request) / self.block_size as usize
             }
             _ => self.gpu_blocks,
         }
@@ -402,7 +415,9 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     let cpu_before = cpu_of(&router_pids);
                     let before = engine_counters(&stack)?;
                     let routed_before = kvgate_routed(&stack, *policy)?;
-                    let target = Target::spread(&bases, config.fleet.speedup, Duration::from_secs(600))?;
+                    let engines: Vec<String> = stack.sims.iter().map(|s| s.url("")).collect();
+                    let target = Target::spread(&bases, config.fleet.speedup, Duration::from_secs(600))?
+                        .with_engines(&engines)?;
                     let duration = Duration::from_secs_f64(config.max_duration_s);
                     let outcomes: Vec<Outcome> = runtime.block_on(async {
                         match plan {

@@ -1,4 +1,5 @@
-//! The benchmark's workloads: `shared-prefix`, `mooncake-conversation` and `multi-turn`.
+//! The benchmark's workloads: `shared-prefix`, `mooncake-conversation`, `multi-turn` and
+//! `cache-pressure`.
 //!
 //! Each is deterministic for a seed: the same run twice sends the same bytes at the same
 //! (simulated) times.
@@ -12,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::loadgen::{Conversation, Planned, Tags};
+use super::loadgen::{Conversation, Planned, Tags, OUTSIDE};
 use crate::workload::document;
 
 /// The model name the fleet serves.
@@ -68,6 +69,32 @@ pub struct MultiTurn {
     pub think_s: f64,
 }
 
+/// Caches much smaller than the working set: `documents` long documents, each read
+/// `reads_per_document` times (a different question each), among `one_offs` prompts read
+/// once, all shuffled and sent as Poisson arrivals. The fleet's KV cache holds 1/`pressure`
+/// of the working set, so between two reads of a document the one-offs evict it wherever it
+/// is not kept warm: a router that guesses where documents are (an approximate tree) sends
+/// reads to where they were evicted; one that reads the engines' events knows.
+#[derive(Debug, Clone, Serialize)]
+pub struct CachePressure {
+    /// Shared documents.
+    pub documents: usize,
+    /// Reads of each document.
+    pub reads_per_document: usize,
+    /// Document length.
+    pub document_tokens: usize,
+    /// Prompts read once.
+    pub one_offs: usize,
+    /// Their length.
+    pub one_off_tokens: usize,
+    /// Question length (after a document).
+    pub question_tokens: usize,
+    /// Output tokens per request.
+    pub output_tokens: u32,
+    /// Working set over the fleet's KV capacity.
+    pub pressure: f64,
+}
+
 /// A workload, ready to plan.
 #[derive(Debug, Clone, Serialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
@@ -78,6 +105,8 @@ pub enum Workload {
     MooncakeConversation(Mooncake),
     /// See [`MultiTurn`].
     MultiTurn(MultiTurn),
+    /// See [`CachePressure`].
+    CachePressure(CachePressure),
 }
 
 /// What a workload sends.
@@ -95,6 +124,7 @@ impl Workload {
             Workload::SharedPrefix(_) => "shared-prefix",
             Workload::MooncakeConversation(_) => "mooncake-conversation",
             Workload::MultiTurn(_) => "multi-turn",
+            Workload::CachePressure(_) => "cache-pressure",
         }
     }
 
@@ -113,12 +143,23 @@ impl Workload {
                 "{} users × {} rounds, system {} + context {} + question {} tokens, output {}, think {} s",
                 w.users, w.rounds, w.system_tokens, w.context_tokens, w.question_tokens, w.output_tokens, w.think_s
             ),
+            Workload::CachePressure(w) => format!(
+                "{} documents × {} reads of {} + {} tokens, {} one-offs of {} tokens, output {}, working set {:.1}× the fleet's KV cache",
+                w.documents,
+                w.reads_per_document,
+                w.document_tokens,
+                w.question_tokens,
+                w.one_offs,
+                w.one_off_tokens,
+                w.output_tokens,
+                w.pressure
+            ),
         }
     }
 
     /// Whether `qps` drives arrivals (the trace and the conversations have their own).
     pub fn uses_qps(&self) -> bool {
-        matches!(self, Workload::SharedPrefix(_))
+        matches!(self, Workload::SharedPrefix(_) | Workload::CachePressure(_))
     }
 
     /// Builds the plan. `qps` is in simulated time; `trace` is the Mooncake file.
@@ -128,6 +169,7 @@ impl Workload {
             Workload::SharedPrefix(w) => Plan::OpenLoop(w.plan(qps, &mut rng)),
             Workload::MooncakeConversation(w) => Plan::OpenLoop(w.plan(trace)?),
             Workload::MultiTurn(w) => Plan::Conversations(w.plan()),
+            Workload::CachePressure(w) => Plan::OpenLoop(w.plan(qps, &mut rng)),
         })
     }
 }
@@ -144,11 +186,14 @@ pub enum Mix {
     Priorities,
     /// Two tenants: `burst` sends ten times as many requests as `steady`.
     Tenants,
+    /// Traffic the routers do not see: 30 % of the requests (tenant `outside`) go straight to
+    /// the engines, in turn, bypassing every gateway.
+    Outside,
 }
 
 impl Mix {
     /// Every mix.
-    pub const ALL: [Mix; 3] = [Mix::None, Mix::Priorities, Mix::Tenants];
+    pub const ALL: [Mix; 4] = [Mix::None, Mix::Priorities, Mix::Tenants, Mix::Outside];
 
     /// The name on the command line.
     pub fn name(self) -> &'static str {
@@ -156,6 +201,7 @@ impl Mix {
             Mix::None => "none",
             Mix::Priorities => "priorities",
             Mix::Tenants => "tenants",
+            Mix::Outside => "outside",
         }
     }
 
@@ -177,6 +223,7 @@ impl Mix {
                 Mix::Tenants => {
                     Tags { priority: None, tenant: Some(if rng.random_bool(1.0 / 11.0) { "steady" } else { "burst" }) }
                 }
+                Mix::Outside => Tags { priority: None, tenant: rng.random_bool(0.3).then_some(OUTSIDE) },
             };
         }
     }
@@ -217,6 +264,50 @@ impl SharedPrefix {
     pub fn resident_tokens(&self) -> usize {
         self.groups * (self.system_tokens + self.prompts_per_group * self.question_tokens)
     }
+}
+
+impl CachePressure {
+    fn plan(&self, qps: f64, rng: &mut StdRng) -> Vec<Planned> {
+        // `Some((document, read))` or `None` for a one-off; shuffled together.
+        let mut items: Vec<Option<(usize, usize)>> = (0..self.documents)
+            .flat_map(|d| (0..self.reads_per_document).map(move |r| Some((d, r))))
+            .chain((0..self.one_offs).map(|_| None))
+            .collect();
+        items.shuffle(rng);
+        let times = poisson(items.len(), qps, rng);
+        let mut one_off = 0u32;
+        items
+            .into_iter()
+            .zip(times)
+            .map(|(item, at)| {
+                let messages = match item {
+                    Some((d, r)) => {
+                        let document = document(20_000 + d as u32, self.document_tokens);
+                        let question = document_question(d, r, self.reads_per_document, self.question_tokens);
+                        json!([{"role": "system", "content": document}, {"role": "user", "content": question}])
+                    }
+                    None => {
+                        one_off += 1;
+                        json!([{"role": "user", "content": document(3_000_000 + one_off, self.one_off_tokens)}])
+                    }
+                };
+                let body =
+                    json!({"model": MODEL, "max_tokens": self.output_tokens, "ignore_eos": true, "messages": messages});
+                Planned { at, path: "/v1/chat/completions", body, tags: Tags::default() }
+            })
+            .collect()
+    }
+
+    /// Tokens of every distinct prompt: what the fleet would need to cache all of them.
+    pub fn working_set_tokens(&self) -> usize {
+        self.documents * (self.document_tokens + self.reads_per_document * self.question_tokens)
+            + self.one_offs * self.one_off_tokens
+    }
+}
+
+/// The question of read `r` of document `d`.
+fn document_question(d: usize, r: usize, reads: usize, tokens: usize) -> String {
+    document(2_000_000 + (d * reads + r) as u32, tokens)
 }
 
 /// Common English words, each a single token (with its leading space) for Qwen3.
@@ -359,6 +450,43 @@ mod tests {
         assert_eq!(systems.len(), 3, "one system prompt per group");
         let again = w.plan(10.0, &mut StdRng::seed_from_u64(1));
         assert_eq!(plan[5].body, again[5].body, "deterministic for a seed");
+    }
+
+    #[test]
+    fn cache_pressure_reads_each_document_several_times_among_one_offs() {
+        let w = CachePressure {
+            documents: 3,
+            reads_per_document: 4,
+            document_tokens: 30,
+            one_offs: 5,
+            one_off_tokens: 20,
+            question_tokens: 5,
+            output_tokens: 7,
+            pressure: 3.0,
+        };
+        let plan = w.plan(10.0, &mut StdRng::seed_from_u64(1));
+        assert_eq!(plan.len(), 3 * 4 + 5);
+        assert!(plan.windows(2).all(|p| p[0].at < p[1].at));
+        let mut firsts = std::collections::HashMap::<String, usize>::new();
+        for p in &plan {
+            *firsts.entry(p.body["messages"][0]["content"].as_str().unwrap().to_owned()).or_default() += 1;
+        }
+        let mut counts: Vec<usize> = firsts.into_values().collect();
+        counts.sort_unstable();
+        assert_eq!(counts, [1, 1, 1, 1, 1, 4, 4, 4], "five one-offs, three documents read four times");
+        assert_eq!(w.working_set_tokens(), 3 * (30 + 4 * 5) + 5 * 20);
+    }
+
+    #[test]
+    fn the_outside_mix_sends_about_three_tenths_around_the_gateways() {
+        let w =
+            SharedPrefix { groups: 50, prompts_per_group: 20, system_tokens: 2, question_tokens: 1, output_tokens: 1 };
+        let mut plan = Plan::OpenLoop(w.plan(10.0, &mut StdRng::seed_from_u64(1)));
+        Mix::Outside.tag(&mut plan, 7);
+        let Plan::OpenLoop(requests) = plan else { unreachable!() };
+        let outside = requests.iter().filter(|p| p.tags.tenant == Some(OUTSIDE)).count();
+        assert!((250..350).contains(&outside), "{outside} of 1000");
+        assert!(requests.iter().all(|p| p.tags.priority.is_none() && p.tags.tenant.is_none_or(|t| t == OUTSIDE)));
     }
 
     #[test]
