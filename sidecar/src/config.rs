@@ -948,6 +948,15 @@ impl Config {
             if sync.peers.is_empty() && sync.peers_dns.is_none() {
                 bail!("sync needs peers or peers_dns");
             }
+            // The handover to starting peers listens on the sync port + 1.
+            let port = sync.listen.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok());
+            let Some(handover) = port.and_then(|p| p.checked_add(1)) else {
+                bail!("sync.listen {:?} needs a port below 65535 (the handover takes the next)", sync.listen);
+            };
+            let taken = std::iter::once(self.listen.port()).chain(self.metrics_listen.map(|m| m.port()));
+            if let Some(p) = taken.into_iter().find(|p| *p == handover) {
+                bail!("sync.listen's port + 1 ({p}) is where starting peers are handed this sidecar's view; listen and metrics_listen must not use it");
+            }
         }
         let s = &self.scoring;
         for (name, v) in [
@@ -1236,6 +1245,8 @@ mod tests {
         assert!(with("[sync]\nlisten = \"tcp://0.0.0.0:9913\"").is_err(), "no peers");
         assert!(with("[sync]\nlisten = \"ipc:///x\"\npeers = [\"tcp://a:1\"]").is_err());
         assert!(load(BASE, &[]).unwrap().sync.is_none(), "off by default");
+        let clash = load(&format!("metrics_listen = \"0.0.0.0:9914\"\n[sync]\nlisten = \"tcp://0.0.0.0:9913\"\npeers = [\"tcp://a:1\"]\n{BASE}"), &[]);
+        assert!(clash.unwrap_err().to_string().contains("port + 1"), "the handover's port is taken");
     }
 
     #[test]

@@ -211,8 +211,11 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let mut watchers = Vec::new();
     // The mesh id is settled once (it may be random): the handover and sync use the same.
     let sync = config.sync.clone().map(|s| SyncConfig { id: Some(s.id()), ..s });
-    // Before any event stream starts: a peer's view, if a peer runs.
     if let Some(sync) = &sync {
+        // The mesh first, so that peers' request ends are heard while their view is taken
+        // over (an end that comes before its booking is remembered, and the booking skipped);
+        // then, before any event stream starts, a peer's view, if a peer runs.
+        watchers.extend(kvgate_sidecar::sync::start(sync, &pools, metrics.clone(), &zmq_ctx, stop.clone())?);
         kvgate_sidecar::sync::state::recover(sync, &sync.id(), &pools, &zmq_ctx);
     }
     for pool in pools.values() {
@@ -248,7 +251,10 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         watchers.push(kvgate_sidecar::load::engine_metrics::spawn(pool.clone(), interval, stop.clone())?);
     }
     if let Some(sync) = &sync {
-        watchers.extend(kvgate_sidecar::sync::start(sync, &pools, metrics.clone(), &zmq_ctx, stop.clone())?);
+        // Our own view is handed to starting peers once our streams run.
+        let handover =
+            kvgate_sidecar::sync::state::serve(sync, sync.id(), pools.clone(), metrics.clone(), &zmq_ctx, stop.clone());
+        watchers.push(handover?);
     }
     tokio::spawn(async move {
         let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };

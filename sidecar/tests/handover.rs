@@ -37,7 +37,8 @@ struct Gateway {
 }
 
 impl Gateway {
-    /// Starts as `main` does: the handover first, then the event streams, then the mesh.
+    /// Starts as `main` does: the mesh, then a peer's view, the event streams, and the
+    /// handover to later peers.
     /// Returns what it took over, if a peer answered.
     fn start(
         ctx: &zmq::Context,
@@ -70,13 +71,16 @@ impl Gateway {
             peers_dns: None,
             handover_timeout_ms: 5_000,
         };
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = kvgate_sidecar::sync::start(&sync, &pools, metrics.clone(), ctx, stop.clone()).unwrap();
         let taken = kvgate_sidecar::sync::state::recover(&sync, id, &pools, ctx).map(|(from, taken)| {
             assert_eq!(from, "a", "the peer that answered");
             taken
         });
         let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics.clone()).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let threads = kvgate_sidecar::sync::start(&sync, &pools, metrics.clone(), ctx, stop.clone()).unwrap();
+        let handover =
+            kvgate_sidecar::sync::state::serve(&sync, id.into(), pools, metrics.clone(), ctx, stop.clone()).unwrap();
+        threads.push(handover);
         (Gateway { pool, metrics, supervisor, threads, stop }, taken)
     }
 
@@ -219,9 +223,25 @@ fn a_starting_sidecar_takes_its_peers_view_over_and_resumes_the_streams() {
         assert_eq!(b.overlaps(prompt), a.overlaps(prompt), "still the same after the snapshot");
     }
     assert_eq!(a.overlaps(&conversation(2, BLOCKS))[1].device, 10);
-    wait_for("C heard from both engines", || c.last_seqs() == after);
-    assert_eq!(c.overlaps(&conversation(3, 1))[0].device, 1, "C indexes what comes now");
+
+    // C hears nothing until its subscriptions are up (ZMQ's slow joiner): each engine
+    // stores a new block until C has heard from both.
+    let mut next = [u64::from(BLOCKS) + 2, u64::from(BLOCKS) + 1];
+    let mut conv = 10;
+    wait_for("C heard from both engines", || {
+        conv += 1;
+        for (e, seq) in engines.iter().zip(next.iter_mut()) {
+            e.send(*seq, &store(conv, 0), false);
+            *seq += 1;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        c.last_seqs().iter().all(Option::is_some)
+    });
+    let last = next.map(|s| Some(s - 1));
+    wait_for("A, B and C applied every message", || [&a, &b, &c].iter().all(|g| g.last_seqs() == last));
+    assert_eq!(c.overlaps(&conversation(conv, 1))[0].device, 1, "C indexes what comes now");
     assert_eq!(c.overlaps(&conversation(1, BLOCKS))[0].device, 0, "but lost what came before the buffers' window");
+    assert_eq!(b.overlaps(&conversation(1, BLOCKS)), a.overlaps(&conversation(1, BLOCKS)));
 
     // A's requests end through A: B, which took them over, releases them too.
     for i in 0..3 {

@@ -188,10 +188,19 @@ proptest! {
             let found = restored.find_matches(&hashes);
             prop_assert_eq!(IDS.map(|r| found[r]).to_vec(), model.matches(&hashes), "restored, query {:?}", q);
         }
+        // Every block survives all but its last removal (its extra references came along)…
         for ((replica, t, engine), (_, stored)) in &model.entries {
-            for _ in 0..*stored {
+            for _ in 1..*stored {
                 restored.remove(ReplicaIdx::new(IDS[*replica]), tier(*t), &[*engine]);
             }
+        }
+        for (r, id) in IDS.iter().enumerate() {
+            let held = model.entries.keys().filter(|(rr, _, _)| *rr == r).count();
+            prop_assert_eq!(restored.replica_blocks(ReplicaIdx::new(*id)), held);
+        }
+        // …and leaves with it.
+        for (replica, t, engine) in model.entries.keys() {
+            restored.remove(ReplicaIdx::new(IDS[*replica]), tier(*t), &[*engine]);
         }
         for id in IDS {
             prop_assert_eq!(restored.replica_blocks(ReplicaIdx::new(id)), 0);

@@ -168,3 +168,61 @@ fn finish(pool: &Pool, metrics: &Metrics, done: InProgress) {
         metrics.dropped(&labels, reason);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use kvgate_shared::hash::{EngineHash, Salt};
+
+    use super::*;
+    use crate::config::{PoolConfig, ReplicaConfig};
+    use crate::index::{StoredBlocks, Tier};
+
+    fn pool() -> Pool {
+        let replica = ReplicaConfig::new("r0", "127.0.0.1:8000".parse().unwrap(), "tcp://127.0.0.1:1");
+        Pool::new(PoolConfig::new("m", "unused", 4, vec![replica]), Vec::new(), Arc::new(Metrics::default()))
+    }
+
+    /// A message `seq` storing `chains` chains of `blocks` blocks, one change each.
+    fn job(seq: u64, chains: u64, blocks: u64, degraded: bool) -> InProgress {
+        let store = |c: u64| {
+            let first = (seq * 10 + c) * 1000;
+            Change::Store(StoredBlocks {
+                parent: None,
+                engine_hashes: (0..blocks).map(|b| EngineHash(first + b)).collect(),
+                token_ids: (0..blocks * 4).map(|t| (first * 4 + t) as u32).collect(),
+                block_size: 4,
+                salt: Salt::NONE,
+                extra: Vec::new(),
+                tier: Tier::Device,
+            })
+        };
+        InProgress::new(Job {
+            replica: ReplicaIdx::new(0),
+            stop: Arc::default(),
+            planned: Planned { changes: (0..chains).map(store).collect(), outcome: Outcome::default() },
+            progress: Progress { last_seq: Some(seq), degraded },
+        })
+    }
+
+    /// What a starting peer would be handed: (sequence number, blocks) of the replica.
+    fn exported(pool: &Pool) -> Option<(u64, usize)> {
+        pool.export_handover("me").replicas.first().map(|r| (r.snapshot.through_seq, r.snapshot.blocks()))
+    }
+
+    #[test]
+    fn a_replica_is_exported_only_at_message_boundaries_and_never_after_a_loss() {
+        let pool = pool();
+        // Three changes of 100 blocks: a batch (128 blocks) takes two.
+        let mut queue = VecDeque::from([job(0, 3, 100, false)]);
+        assert!(apply_batch(&pool, &mut queue).is_empty(), "the message spans two batches");
+        assert_eq!(exported(&pool), None, "half applied: not exported");
+        assert_eq!(apply_batch(&pool, &mut queue).len(), 1);
+        assert_eq!(exported(&pool), Some((0, 300)));
+
+        queue.push_back(job(1, 1, 1, true));
+        assert_eq!(apply_batch(&pool, &mut queue).len(), 1);
+        assert_eq!(exported(&pool), None, "a loss may have left stale entries");
+    }
+}

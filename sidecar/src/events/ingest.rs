@@ -15,6 +15,10 @@
 //!   It keeps its load-based candidacy and earns credit again for blocks stored after the loss.
 //! - **seq ≤ last**: the engine restarted with an empty cache: clear the replica at once, then
 //!   treat the message as a first message.
+//! - **resumed** from a peer's snapshot (`Ingest::resume`): the snapshot's sequence number is
+//!   the last; a gap to the first message that cannot be replayed clears the replica and
+//!   rebuilds it as at first contact (the snapshot may hold removed blocks; nothing is
+//!   degraded, as nothing this sidecar saw was lost).
 //!
 //! Event rules: the tier comes from `medium` (unknown media are dropped), `locality: REMOTE`
 //! is dropped, only the main full-attention KV group is indexed, LoRA names and extra keys
@@ -96,6 +100,9 @@ pub struct Ingest {
     block_size: usize,
     last_seq: Option<u64>,
     degraded: bool,
+    /// Restored from a peer's snapshot and no message seen since: if the gap to the first
+    /// one cannot be replayed, the stream starts over as at first contact (not degraded).
+    resumed: bool,
     /// Learned `kv_cache_spec_kind` per KV group.
     group_kinds: HashMap<i64, String>,
 }
@@ -107,14 +114,15 @@ fn is_full_attention(kind: &str) -> bool {
 impl Ingest {
     /// A replica seen for the first time, in a pool of `block_size`.
     pub fn new(block_size: usize) -> Ingest {
-        Ingest { block_size, last_seq: None, degraded: false, group_kinds: HashMap::new() }
+        Ingest { block_size, last_seq: None, degraded: false, resumed: false, group_kinds: HashMap::new() }
     }
 
     /// A replica whose entries were restored from a peer's snapshot through `seq`: its
-    /// stream goes on from `seq + 1` (a gap before the next message is replayed as usual; an
-    /// earlier sequence number means the engine restarted since, and clears it).
+    /// stream goes on from `seq + 1` (a gap before the next message is replayed as usual, and
+    /// if it cannot be, the replica starts over as at first contact; an earlier sequence
+    /// number means the engine restarted since, and clears it).
     pub fn resume(block_size: usize, seq: u64) -> Ingest {
-        Ingest { last_seq: Some(seq), ..Ingest::new(block_size) }
+        Ingest { last_seq: Some(seq), resumed: true, ..Ingest::new(block_size) }
     }
 
     /// Whether a lost range may have left stale blocks in the index.
@@ -145,16 +153,7 @@ impl Ingest {
             }
         }
         match self.last_seq {
-            None => {
-                // First contact: rebuild from whatever the engine still buffers before `seq`.
-                if seq > 0 {
-                    if let Ok(messages) = replay.replay(0) {
-                        for (s, p) in messages.into_iter().filter(|(s, _)| *s < seq) {
-                            self.apply_payload(s, &p, changes, out);
-                        }
-                    }
-                }
-            }
+            None => self.rebuild(seq, replay, changes, out),
             Some(last) if seq > last + 1 => {
                 let missing = last + 1..seq;
                 let got = replay.replay(missing.start).unwrap_or_default();
@@ -168,6 +167,12 @@ impl Ingest {
                 }
                 if expected == missing.end {
                     out.gaps_replayed += 1;
+                } else if self.resumed {
+                    // A peer's snapshot older than the engine's buffer: start over as at first
+                    // contact, with nothing of the snapshot kept (it may hold removed blocks).
+                    changes.push(Change::Clear);
+                    out.cleared = true;
+                    self.rebuild(seq, replay, changes, out);
                 } else {
                     out.gaps_lost += 1;
                     self.lose(changes, &mut out.cleared);
@@ -175,8 +180,20 @@ impl Ingest {
             }
             Some(_) => {}
         }
+        self.resumed = false;
         self.apply_payload(seq, payload, changes, out);
         planned
+    }
+
+    /// First contact: rebuilds from whatever the engine still buffers before `seq`.
+    fn rebuild(&mut self, seq: u64, replay: &mut dyn Replay, changes: &mut Vec<Change>, out: &mut Outcome) {
+        if seq > 0 {
+            if let Ok(messages) = replay.replay(0) {
+                for (s, p) in messages.into_iter().filter(|(s, _)| *s < seq) {
+                    self.apply_payload(s, &p, changes, out);
+                }
+            }
+        }
     }
 
     /// Events were lost: what is indexed may be stale. Forget it and say so.
@@ -471,6 +488,16 @@ mod tests {
         assert_eq!((out.gaps_replayed, out.applied, out.cleared), (1, 2, false), "message 2 replayed, then 3");
         assert_eq!(depth(&index, 4), 4);
         assert!(!resumed.degraded());
+
+        // A snapshot older than the engine's buffer (only 2 and 3 kept): the replica starts
+        // over from what the buffer holds, not degraded.
+        let mut resumed = Ingest::resume(4, 0);
+        let mut short = Buffer((2..4).map(|s| (s, m[s as usize].clone())).collect());
+        let mut stale = KvIndex::new(4, 1);
+        stale.restore(ReplicaIdx::new(0), &snapshot);
+        let out = feed(&mut resumed, 4, &stored(&[9], None, &toks(9), &[]), &mut stale, &mut short);
+        assert!(out.cleared && out.gaps_lost == 0 && !resumed.degraded());
+        assert_eq!(depth(&stale, 1), 0, "the snapshot's blocks are gone");
 
         // An engine that restarted since the snapshot starts its sequence again: cleared.
         let mut resumed = Ingest::resume(4, snapshot.through_seq);

@@ -235,6 +235,8 @@ pub struct BookingExport {
     pub sequences: u64,
     /// Booked by a peer gateway, not by this one.
     pub from_peer: bool,
+    /// How long ago it was booked.
+    pub age: Duration,
 }
 
 impl LoadTable {
@@ -532,8 +534,8 @@ impl LoadTable {
         }
     }
 
-    /// Every booking, for a peer that starts ([`BookingExport`]).
-    pub fn export(&self) -> Vec<BookingExport> {
+    /// Every booking as of `now`, for a peer that starts ([`BookingExport`]).
+    pub fn export(&self, now: Instant) -> Vec<BookingExport> {
         self.bookings
             .iter()
             .map(|(id, b)| BookingExport {
@@ -544,6 +546,7 @@ impl LoadTable {
                 total_blocks: b.hashes.len() as u64 + b.private_blocks,
                 sequences: b.sequences,
                 from_peer: b.from_peer,
+                age: now.saturating_duration_since(b.booked_at),
             })
             .collect()
     }

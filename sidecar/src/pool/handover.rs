@@ -14,7 +14,7 @@
 //!   their plain ids, so its filter's reports release them.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::Pool;
 use crate::events::ingest::{Outcome, Progress};
@@ -22,11 +22,20 @@ use crate::index::{Change, ReplicaIdx, ReplicaSnapshot, Write};
 use crate::load::NewBooking;
 use crate::sync::handover::{BookingHandover, PoolHandover, ReplicaHandover};
 
+/// How long after a handover a target that joins still restores its snapshot.
+const RESTORE_WITHIN: Duration = Duration::from_secs(30);
+/// How often, and how far apart, an export tries a replica that is mid-message.
+const UNMARKED_TRIES: usize = 5;
+const UNMARKED_WAIT: Duration = Duration::from_millis(2);
+
 /// What a peer handed over and is not used yet.
 #[derive(Debug, Default)]
 pub(super) struct Staged {
-    /// Target id → its snapshot, until its event stream starts.
-    restores: HashMap<String, ReplicaSnapshot>,
+    /// Target id → its `kv_events` endpoint and snapshot, until its event stream starts.
+    restores: HashMap<String, (String, ReplicaSnapshot)>,
+    /// When they were handed over: a target that joins later than [`RESTORE_WITHIN`] starts
+    /// from the engine's replay instead of an old snapshot.
+    taken_at: Option<Instant>,
     /// Bookings on targets the pool does not have yet, and this sidecar's id.
     bookings: Vec<BookingHandover>,
     own_id: String,
@@ -50,21 +59,36 @@ pub struct TakenOver {
 impl Pool {
     /// This pool's view for a starting peer: the index entries of every active, trusted
     /// target whose applied mark is set, and every booking. `own_id` is this sidecar's id.
+    /// Holds no lock for long: `members` only to list the targets, the index one replica at
+    /// a time.
     pub fn export_handover(&self, own_id: &str) -> PoolHandover {
-        // Lock order: members, then the index (one replica at a time), then the load table.
-        let members = self.members();
+        let targets: Vec<(ReplicaIdx, String, String)> = self
+            .members()
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.active && m.health.trusted())
+            .map(|(slot, m)| (ReplicaIdx::new(slot), m.replica.id.clone(), m.replica.kv_events.clone()))
+            .collect();
         let mut replicas = Vec::new();
-        for (slot, m) in members.iter().enumerate() {
-            if !m.active || !m.health.trusted() {
-                continue;
-            }
-            if let Some(snapshot) = self.index.read().export(ReplicaIdx::new(slot)) {
-                replicas.push(ReplicaHandover { target: m.replica.id.clone(), snapshot });
+        for (slot, target, kv_events) in targets {
+            // A replica whose applier is mid-message has no mark: it gets a few more tries.
+            let snapshot = (0..UNMARKED_TRIES).find_map(|try_| {
+                if try_ > 0 {
+                    std::thread::sleep(UNMARKED_WAIT);
+                }
+                self.index.read().export(slot)
+            });
+            // The slot may have changed hands meanwhile: only a snapshot of the same target.
+            let same = || self.members().get(slot.get()).is_some_and(|m| m.active && m.replica.id == target);
+            if let Some(snapshot) = snapshot.filter(|_| same()) {
+                replicas.push(ReplicaHandover { target, kv_events, snapshot });
             }
         }
+        // Lock order: members, then the load table.
+        let members = self.members();
         let bookings = self
             .load_table()
-            .export()
+            .export(Instant::now())
             .into_iter()
             .map(|b| {
                 let (origin, request_id) = match b.id.split_once('/').filter(|_| b.from_peer) {
@@ -79,6 +103,7 @@ impl Pool {
                     hashes: b.hashes,
                     total_blocks: b.total_blocks,
                     sequences: b.sequences,
+                    age_ms: b.age.as_millis() as u64,
                 }
             })
             .collect();
@@ -92,8 +117,9 @@ impl Pool {
         let mut staged = self.staged();
         for r in view.replicas {
             taken.blocks += r.snapshot.blocks();
-            staged.restores.insert(r.target, r.snapshot);
+            staged.restores.insert(r.target, (r.kv_events, r.snapshot));
         }
+        staged.taken_at = Some(Instant::now());
         staged.own_id = own_id.to_owned();
         staged.bookings = view.bookings;
         staged.retried = false;
@@ -105,8 +131,18 @@ impl Pool {
     /// Restores the snapshot handed over for the target in `slot`, if one waits for it (its
     /// event stream is about to start); returns the sequence number its stream resumes after.
     pub fn restore(&self, slot: ReplicaIdx) -> Option<u64> {
-        let target = self.members().get(slot.get())?.replica.id.clone();
-        let snapshot = self.staged().restores.remove(&target)?;
+        let (target, kv_events) = {
+            let members = self.members();
+            let m = members.get(slot.get())?;
+            (m.replica.id.clone(), m.replica.kv_events.clone())
+        };
+        let snapshot = {
+            let mut staged = self.staged();
+            let fresh = staged.taken_at.is_some_and(|t| t.elapsed() < RESTORE_WITHIN);
+            let (from, snapshot) = staged.restores.remove(&target)?;
+            // Only onto the engine it was taken from, and only soon after.
+            (fresh && from == kv_events).then_some(snapshot)?
+        };
         let (seq, blocks) = (snapshot.through_seq, snapshot.blocks());
         let mut index = self.index_mut();
         index.apply(Write::Change(slot, Change::Restore(Box::new(snapshot)))).expect("a restore is never refused");
@@ -155,7 +191,9 @@ impl Pool {
                 flow: None,
                 from_peer,
             };
-            if load.book(slot, booking, now) {
+            // It keeps its age: expiry comes when it would have at its origin.
+            let booked_at = now.checked_sub(Duration::from_millis(b.age_ms)).unwrap_or(now);
+            if load.book(slot, booking, booked_at) {
                 booked += 1;
                 touched.push(slot);
             }

@@ -9,11 +9,18 @@ use serde::{Deserialize, Serialize};
 use crate::index::ReplicaSnapshot;
 
 /// What a starting sidecar sends to ask for a handover; the version moves whenever
-/// [`Handover`]'s encoding does. A peer of another release does not answer it.
+/// [`Part`]'s encoding does. A peer of another release does not answer it.
 pub const REQUEST: &[u8] = b"kvgate-handover/1";
 
-/// One frame of a handover: the first names the sender, then each replica and each pool's
-/// bookings come on their own.
+/// The most prompt hashes a frame of bookings carries (~9 MB): bookings come in as many
+/// frames as that takes.
+pub const BOOKING_HASHES_PER_FRAME: usize = 1 << 20;
+/// A replica with more blocks than this (~34 MB decoded) is not handed over: the starting
+/// peer rebuilds it from the engine's replay, as it would without a peer.
+pub const MAX_REPLICA_BLOCKS: usize = 2 << 20;
+
+/// One frame of a handover. The first names the sender; every other frame names its pool,
+/// so each stands on its own: a frame that cannot be read loses only itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Part {
     /// Who answers.
@@ -21,17 +28,27 @@ pub enum Part {
         /// The answering sidecar's id.
         origin: String,
     },
-    /// One pool (model, block size) and its bookings; its replicas follow.
+    /// A pool: its model and block size. Its bookings and replicas come in their own frames.
     Pool {
         /// The pool's model.
         model: String,
         /// Its block size.
         block_size: u32,
-        /// Its bookings.
+    },
+    /// Some of a pool's bookings.
+    Bookings {
+        /// The pool's model.
+        model: String,
+        /// The bookings.
         bookings: Vec<BookingHandover>,
     },
-    /// One replica of the pool named last.
-    Replica(ReplicaHandover),
+    /// One replica of a pool.
+    Replica {
+        /// The pool's model.
+        model: String,
+        /// The replica's entries.
+        replica: ReplicaHandover,
+    },
 }
 
 /// Why frames are not a handover.
@@ -40,32 +57,71 @@ pub enum HandoverError {
     /// A frame did not decode.
     #[error("frame {0} does not decode: {1}")]
     Frame(usize, String),
-    /// The frames are not `From`, then pools each followed by their replicas.
-    #[error("frame {0} is out of order")]
-    Order(usize),
+    /// The first frame does not name the sender.
+    #[error("the first frame does not name the sender")]
+    NoSender,
 }
 
 impl Handover {
-    /// Its frames, in order.
-    pub fn into_parts(self) -> impl Iterator<Item = Part> {
-        std::iter::once(Part::From { origin: self.origin }).chain(self.pools.into_iter().flat_map(|p| {
-            std::iter::once(Part::Pool { model: p.model, block_size: p.block_size, bookings: p.bookings })
-                .chain(p.replicas.into_iter().map(Part::Replica))
-        }))
+    /// Its frames: the sender, then per pool its name, its bookings in frames of at most
+    /// [`BOOKING_HASHES_PER_FRAME`] hashes, and each replica of at most
+    /// [`MAX_REPLICA_BLOCKS`] blocks (bigger ones are left out).
+    pub fn into_parts(self) -> Vec<Part> {
+        let mut parts = vec![Part::From { origin: self.origin }];
+        for pool in self.pools {
+            let model = pool.model;
+            parts.push(Part::Pool { model: model.clone(), block_size: pool.block_size });
+            let mut chunk: Vec<BookingHandover> = Vec::new();
+            let mut hashes = 0;
+            for b in pool.bookings {
+                if !chunk.is_empty() && hashes + b.hashes.len() > BOOKING_HASHES_PER_FRAME {
+                    parts.push(Part::Bookings { model: model.clone(), bookings: std::mem::take(&mut chunk) });
+                    hashes = 0;
+                }
+                hashes += b.hashes.len();
+                chunk.push(b);
+            }
+            if !chunk.is_empty() {
+                parts.push(Part::Bookings { model: model.clone(), bookings: chunk });
+            }
+            for replica in pool.replicas.into_iter().filter(|r| r.snapshot.blocks() <= MAX_REPLICA_BLOCKS) {
+                parts.push(Part::Replica { model: model.clone(), replica });
+            }
+        }
+        parts
     }
 
-    /// Put back together from its frames.
+    /// Put back together from its frames, in any order after the first; frames of a pool
+    /// whose own frame is missing are dropped.
     pub fn from_parts(parts: impl IntoIterator<Item = Part>) -> Result<Handover, HandoverError> {
-        let mut parts = parts.into_iter().enumerate();
-        let Some((_, Part::From { origin })) = parts.next() else { return Err(HandoverError::Order(0)) };
+        let mut parts = parts.into_iter();
+        let Some(Part::From { origin }) = parts.next() else { return Err(HandoverError::NoSender) };
         let mut pools: Vec<PoolHandover> = Vec::new();
-        for (i, part) in parts {
+        let mut orphans = Vec::new();
+        for part in parts {
             match part {
-                Part::From { .. } => return Err(HandoverError::Order(i)),
-                Part::Pool { model, block_size, bookings } => {
-                    pools.push(PoolHandover { model, block_size, replicas: Vec::new(), bookings })
+                Part::From { .. } => {}
+                Part::Pool { model, block_size } => {
+                    if !pools.iter().any(|p| p.model == model) {
+                        pools.push(PoolHandover { model, block_size, replicas: Vec::new(), bookings: Vec::new() });
+                    }
                 }
-                Part::Replica(r) => pools.last_mut().ok_or(HandoverError::Order(i))?.replicas.push(r),
+                other => orphans.push(other),
+            }
+        }
+        for part in orphans {
+            match part {
+                Part::Bookings { model, bookings } => {
+                    if let Some(pool) = pools.iter_mut().find(|p| p.model == model) {
+                        pool.bookings.extend(bookings);
+                    }
+                }
+                Part::Replica { model, replica } => {
+                    if let Some(pool) = pools.iter_mut().find(|p| p.model == model) {
+                        pool.replicas.push(replica);
+                    }
+                }
+                Part::From { .. } | Part::Pool { .. } => {}
             }
         }
         Ok(Handover { origin, pools })
@@ -99,6 +155,8 @@ pub struct PoolHandover {
 pub struct ReplicaHandover {
     /// The target's id (`replica` or `replica#rank`).
     pub target: String,
+    /// Where its events come from: a snapshot is restored only onto the same engine.
+    pub kv_events: String,
     /// Its blocks, and the event it stands at.
     pub snapshot: ReplicaSnapshot,
 }
@@ -120,42 +178,83 @@ pub struct BookingHandover {
     pub total_blocks: u64,
     /// Sequences it decodes.
     pub sequences: u64,
+    /// How long ago it was booked, ms: it keeps its age, so a booking whose end never comes
+    /// expires when it would have at its origin.
+    pub age_ms: u64,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn booking(id: &str, hashes: usize) -> BookingHandover {
+        BookingHandover {
+            origin: "gw-b".into(),
+            request_id: id.into(),
+            target: "a".into(),
+            prefill_tokens: 5,
+            hashes: vec![SequenceHash(7); hashes],
+            total_blocks: hashes as u64,
+            sequences: 1,
+            age_ms: 3,
+        }
+    }
+
+    fn replica(target: &str, blocks: usize) -> ReplicaHandover {
+        let mut snapshot = ReplicaSnapshot::default();
+        snapshot.tiers[2].blocks =
+            vec![crate::index::SnapshotBlock { engine: Default::default(), seq: SequenceHash(1), head: true }; blocks];
+        ReplicaHandover { target: target.into(), kv_events: format!("tcp://{target}:5557"), snapshot }
+    }
+
     #[test]
-    fn a_handover_survives_its_frames_and_bad_orders_are_refused() {
-        let replica = |t: &str| ReplicaHandover { target: t.into(), snapshot: ReplicaSnapshot::default() };
-        let pool = |m: &str, rs: Vec<ReplicaHandover>| PoolHandover {
+    fn a_handover_survives_its_frames_and_big_parts_are_split_or_left_out() {
+        let pool = |m: &str, rs: Vec<ReplicaHandover>, bs: Vec<BookingHandover>| PoolHandover {
             model: m.into(),
             block_size: 16,
             replicas: rs,
-            bookings: vec![BookingHandover {
-                origin: "gw-b".into(),
-                request_id: "r1".into(),
-                target: "a".into(),
-                prefill_tokens: 5,
-                hashes: vec![SequenceHash(7)],
-                total_blocks: 2,
-                sequences: 1,
-            }],
+            bookings: bs,
         };
+        let big = BOOKING_HASHES_PER_FRAME / 2 + 1;
         let h = Handover {
             origin: "gw-a".into(),
             pools: vec![
-                pool("m1", vec![replica("a"), replica("b")]),
-                pool("m2", vec![]),
-                pool("m3", vec![replica("c")]),
+                pool(
+                    "m1",
+                    vec![replica("a", 3), replica("b", 0)],
+                    vec![booking("r1", big), booking("r2", big), booking("r3", 1)],
+                ),
+                pool("m2", vec![], vec![]),
+                pool("m3", vec![replica("c", 1), replica("huge", MAX_REPLICA_BLOCKS + 1)], vec![booking("r4", 0)]),
             ],
         };
-        let parts: Vec<Part> = h.clone().into_parts().collect();
-        assert_eq!(parts.len(), 1 + 3 + 3);
-        assert_eq!(Handover::from_parts(parts.clone()), Ok(h));
-        assert_eq!(Handover::from_parts(parts[1..].to_vec()), Err(HandoverError::Order(0)));
-        let orphan = vec![parts[0].clone(), Part::Replica(replica("a"))];
-        assert_eq!(Handover::from_parts(orphan), Err(HandoverError::Order(1)));
+        let parts = h.clone().into_parts();
+        let kinds: Vec<&str> = parts
+            .iter()
+            .map(|p| match p {
+                Part::From { .. } => "from",
+                Part::Pool { .. } => "pool",
+                Part::Bookings { .. } => "bookings",
+                Part::Replica { .. } => "replica",
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            ["from", "pool", "bookings", "bookings", "replica", "replica", "pool", "pool", "bookings", "replica"],
+            "m1's bookings in two frames; the huge replica left out"
+        );
+        let mut expected = h.clone();
+        expected.pools[2].replicas.pop();
+        assert_eq!(Handover::from_parts(parts.clone()), Ok(expected.clone()));
+
+        // Any order after the sender; a frame of a pool never named is dropped.
+        let mut shuffled = parts.clone();
+        shuffled[1..].reverse();
+        let back = Handover::from_parts(shuffled).unwrap();
+        assert_eq!(back.pools.len(), 3);
+        assert_eq!(back.pools.iter().map(|p| p.replicas.len() + p.bookings.len()).sum::<usize>(), 3 + 4);
+        let orphan = vec![parts[0].clone(), Part::Replica { model: "m9".into(), replica: replica("x", 1) }];
+        assert_eq!(Handover::from_parts(orphan).unwrap().pools, []);
+        assert_eq!(Handover::from_parts(parts[1..].to_vec()), Err(HandoverError::NoSender));
     }
 }

@@ -16,12 +16,13 @@
 //!   another release is heard, counted (`kvgate_sync_mismatches_total`) and logged once, and
 //!   its messages are dropped rather than misread.
 //! - A sidecar that starts while its peers run takes their index and bookings over before it
-//!   reads any event ([`state`], on the sync port + 1), so a restart after the engines' replay
-//!   buffers rolled over loses nothing.
-//! - Only load is shared as it happens. KV events come from the engines to every sidecar directly, and a
-//!   peer can only book work on replicas this sidecar already knows, so a peer (or an
-//!   impostor on the sync port — restrict it with a NetworkPolicy) can skew load, never
-//!   steer a request to a host outside the pool.
+//!   reads any event ([`state`], on the sync port + 1), so it routes on the fleet's whole
+//!   cache from its first request even after the engines' replay buffers rolled over.
+//! - As it happens, only load is shared; KV events come from the engines to every sidecar
+//!   directly. A peer can only book work on replicas this sidecar already knows and, through
+//!   a handover, give cache credit on them, so a peer (or an impostor on the sync ports —
+//!   restrict both with a NetworkPolicy) can skew load and credit, never steer a request to a
+//!   host outside the pool.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::ToSocketAddrs;
@@ -59,8 +60,8 @@ const OUTBOX: usize = 65_536;
 const POLL: Duration = Duration::from_millis(100);
 const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 
-/// Starts the publisher, the subscriber and the handover server, and hands every pool its
-/// outbox.
+/// Starts the publisher and the subscriber, and hands every pool its outbox. (The handover
+/// to starting peers is [`state::serve`], started once this sidecar's own streams run.)
 pub fn start(
     config: &SyncConfig,
     pools: &HashMap<String, Arc<Pool>>,
@@ -85,12 +86,11 @@ pub fn start(
         let (id, stop) = (id.clone(), stop.clone());
         std::thread::Builder::new().name("sync-pub".into()).spawn(move || publish_loop(&publisher, &id, &rx, &stop))?
     };
-    let handover = state::serve(config, id.clone(), pools.clone(), metrics.clone(), ctx, stop.clone())?;
     let (config, pools) = (config.clone(), pools.clone());
     let receive = std::thread::Builder::new()
         .name("sync-sub".into())
         .spawn(move || receive_loop(&subscriber, &config, &id, &pools, &metrics, &stop))?;
-    Ok(vec![publish, receive, handover])
+    Ok(vec![publish, receive])
 }
 
 fn publish_loop(socket: &zmq::Socket, origin: &str, rx: &Receiver<SyncEvent>, stop: &AtomicBool) {

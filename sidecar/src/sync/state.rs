@@ -2,14 +2,16 @@
 //! ([`serve`], a ROUTER on the sync port + 1); a starting sidecar asks its peers before its
 //! pools read any event ([`recover`]) and takes over the first whole answer.
 //!
-//! - Peers are the sync peers (`peers`, `peers_dns`), asked on their sync port + 1. Those not
-//!   accepting TCP connections are skipped at once, so a sidecar with no peer up (the first
-//!   gateway, or one alone) starts without waiting; otherwise it waits at most
-//!   `handover_timeout_ms` for an answer and, with none, rebuilds from the engines' replay as
-//!   before.
-//! - An answer is one multipart message, one [`Part`] a frame (a replica's blocks each), every
-//!   frame at most [`MAX_FRAME_BYTES`]. A peer of another release does not answer (the request
-//!   names the version); a sidecar never takes its own answer.
+//! - Peers are the sync peers (`peers`, `peers_dns`), asked on their sync port + 1, one at a
+//!   time. Those not accepting TCP connections are skipped at once, so a sidecar with no peer
+//!   up (the first gateway, or one alone) starts without waiting; otherwise it waits at most
+//!   `handover_timeout_ms` in all and, with no answer, rebuilds from the engines' replay as
+//!   before. A peer of another release does not answer (the request names the version), so
+//!   during an upgrade the wait runs out; a sidecar never takes its own answer.
+//! - An answer is one multipart message, one [`Part`] a frame (a replica's blocks each,
+//!   bookings in bounded frames), every frame at most [`MAX_FRAME_BYTES`] (a bigger one is
+//!   left out, its replica rebuilt from replay). Frames are read one by one: one that cannot
+//!   be read loses only itself.
 //! - What a peer hands over is trusted as its sync messages are (a NetworkPolicy should fence
 //!   both ports): it can skew cache credit and load, never add a target to a pool.
 
@@ -25,8 +27,9 @@ use crate::config::SyncConfig;
 use crate::metrics::Metrics;
 use crate::pool::{Pool, TakenOver};
 
-/// The largest frame of an answer (a replica of a million blocks is ~20 MB).
-pub const MAX_FRAME_BYTES: i64 = 64 << 20;
+/// The largest frame of an answer the server sends and the asker reads (a replica of a
+/// million blocks is ~20 MB; bookings come in frames of a bounded number of hashes).
+pub const MAX_FRAME_BYTES: i64 = 48 << 20;
 /// How long a TCP probe of a peer's handover port may take.
 const PROBE: Duration = Duration::from_millis(300);
 /// How often the server wakes up to check for shutdown.
@@ -81,6 +84,11 @@ pub fn serve(
             let mut reply = vec![peer, Vec::new()];
             for part in view.into_parts() {
                 match kvgate_shared::codec::encode(&part) {
+                    // Past the bound the asker would drop the connection: the frame is left
+                    // out, and its replica rebuilt from the engine's replay there.
+                    Ok(bytes) if bytes.len() as i64 > MAX_FRAME_BYTES => {
+                        tracing::warn!(bytes = bytes.len(), "a handover frame is too big; left out")
+                    }
                     Ok(bytes) => reply.push(bytes),
                     Err(e) => tracing::warn!(error = %e, "a handover frame is not encodable; left out"),
                 }
@@ -104,24 +112,34 @@ pub fn recover(
     pools: &HashMap<String, Arc<Pool>>,
     ctx: &zmq::Context,
 ) -> Option<(String, Vec<(String, TakenOver)>)> {
+    let deadline = Instant::now() + Duration::from_millis(config.handover_timeout_ms);
     let own = handover_endpoint(&config.listen);
     let peers: Vec<String> = config
         .peer_endpoints()
         .iter()
         .filter_map(|p| handover_endpoint(p))
-        .filter(|p| Some(p) != own.as_ref() && accepts_tcp(p))
+        .filter(|p| Some(p) != own.as_ref() && Instant::now() < deadline && accepts_tcp(p))
         .collect();
     if peers.is_empty() {
         tracing::info!("no sync peer is up; the index is rebuilt from the engines");
         return None;
     }
-    let deadline = Instant::now() + Duration::from_millis(config.handover_timeout_ms);
-    let view = match ask(ctx, &peers, own_id, deadline) {
-        Ok(view) => view,
-        Err(e) => {
-            tracing::warn!(error = %e, "no handover from the sync peers; the index is rebuilt from the engines");
-            return None;
+    // One peer at a time (each answer is a whole export), each with its share of the time.
+    let mut view = None;
+    for (i, peer) in peers.iter().enumerate() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let share = left / (peers.len() - i) as u32;
+        match ask(ctx, peer, own_id, Instant::now() + share) {
+            Ok(answer) => {
+                view = Some(answer);
+                break;
+            }
+            Err(e) => tracing::warn!(%peer, error = %e, "no handover from this peer"),
         }
+    }
+    let Some(view) = view else {
+        tracing::warn!("no handover from the sync peers; the index is rebuilt from the engines");
+        return None;
     };
     let mut taken = Vec::new();
     for pool_view in view.pools {
@@ -150,52 +168,45 @@ fn accepts_tcp(endpoint: &str) -> bool {
 enum AskError {
     #[error("zmq: {0}")]
     Zmq(#[from] zmq::Error),
-    #[error("no whole answer before the deadline")]
+    #[error("no answer before the deadline")]
     Timeout,
+    #[error("our own answer")]
+    Ourselves,
     #[error(transparent)]
     Handover(#[from] HandoverError),
 }
 
-/// Sends the request to every peer and returns the first whole answer that is not our own.
-fn ask(ctx: &zmq::Context, peers: &[String], own_id: &str, deadline: Instant) -> Result<Handover, AskError> {
-    let mut sockets = Vec::new();
-    for peer in peers {
-        let socket = ctx.socket(zmq::DEALER)?;
-        socket.set_linger(0)?;
-        socket.set_maxmsgsize(MAX_FRAME_BYTES)?;
-        socket.connect(peer)?;
-        socket.send_multipart([&b""[..], REQUEST], 0)?;
-        sockets.push(socket);
+/// Asks `peer` and returns its answer, unless it is our own.
+fn ask(ctx: &zmq::Context, peer: &str, own_id: &str, deadline: Instant) -> Result<Handover, AskError> {
+    let socket = ctx.socket(zmq::DEALER)?;
+    socket.set_linger(0)?;
+    socket.set_maxmsgsize(MAX_FRAME_BYTES)?;
+    socket.connect(peer)?;
+    socket.send_multipart([&b""[..], REQUEST], 0)?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() || socket.poll(zmq::POLLIN, left.as_millis().max(1) as i64)? == 0 {
+        return Err(AskError::Timeout);
     }
-    let mut last_error = AskError::Timeout;
-    while let Some(left) = deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) {
-        let mut items: Vec<zmq::PollItem> = sockets.iter().map(|s| s.as_poll_item(zmq::POLLIN)).collect();
-        zmq::poll(&mut items, left.as_millis().max(1) as i64)?;
-        let ready: Vec<usize> = (0..items.len()).filter(|&i| items[i].is_readable()).collect();
-        for i in ready {
-            let frames = sockets[i].recv_multipart(zmq::DONTWAIT)?;
-            match decode(frames) {
-                Ok(view) if view.origin != own_id => return Ok(view),
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!(peer = %peers[i], error = %e, "a peer's handover does not decode");
-                    last_error = e.into();
-                }
-            }
-        }
+    let view = decode(socket.recv_multipart(0)?)?;
+    if view.origin == own_id {
+        return Err(AskError::Ourselves);
     }
-    Err(last_error)
+    Ok(view)
 }
 
+/// The answer's frames, each decoded on its own: one that cannot be read loses only itself.
 fn decode(frames: Vec<Vec<u8>>) -> Result<Handover, HandoverError> {
     let mut frames = frames.into_iter();
     if frames.next().is_none_or(|empty| !empty.is_empty()) {
-        return Err(HandoverError::Order(0));
+        return Err(HandoverError::NoSender);
     }
-    let parts = frames
-        .enumerate()
-        .map(|(i, f)| kvgate_shared::codec::decode::<Part>(&f).map_err(|e| HandoverError::Frame(i, e.to_string())))
-        .collect::<Result<Vec<Part>, HandoverError>>()?;
+    let parts = frames.enumerate().filter_map(|(i, f)| match kvgate_shared::codec::decode::<Part>(&f) {
+        Ok(part) => Some(part),
+        Err(e) => {
+            tracing::warn!(error = %HandoverError::Frame(i, e.to_string()), "a handover frame left out");
+            None
+        }
+    });
     Handover::from_parts(parts)
 }
 
