@@ -110,10 +110,9 @@ pub const OUTSIDE: &str = "outside";
 pub struct Target {
     client: reqwest::Client,
     bases: Arc<[String]>,
-    /// The engines, for requests of tenant [`OUTSIDE`]: traffic the routers do not see.
+    /// The engines; requests of tenant [`OUTSIDE`] go to the first: traffic the routers do
+    /// not see, all on one engine (a batch job or a client pinned to one pod).
     engines: Arc<[String]>,
-    /// Requests sent straight to the engines so far: each goes to the next in turn.
-    outside: Arc<AtomicU64>,
     /// Requests sent so far: each goes to a gateway picked by a hash of its number.
     sent: Arc<AtomicU64>,
     speedup: f64,
@@ -143,7 +142,6 @@ impl Target {
             client,
             bases: bases.into(),
             engines: Arc::new([]),
-            outside: Arc::default(),
             sent: Arc::default(),
             speedup,
             start: Instant::now(),
@@ -151,7 +149,7 @@ impl Target {
         })
     }
 
-    /// Sends requests of tenant [`OUTSIDE`] to `engines` in turn (loopback only), around
+    /// Sends requests of tenant [`OUTSIDE`] to the first of `engines` (loopback only), around
     /// every gateway; without engines they go through the gateways like the rest.
     pub fn with_engines(mut self, engines: &[String]) -> anyhow::Result<Target> {
         for base in engines {
@@ -211,10 +209,7 @@ impl Target {
 
     async fn stream(&self, path: &str, body: &Value, tags: Tags, sent: Instant, o: &mut Outcome) -> anyhow::Result<()> {
         let base = match tags.tenant {
-            Some(OUTSIDE) if !self.engines.is_empty() => {
-                let n = self.outside.fetch_add(1, Ordering::Relaxed) as usize;
-                &self.engines[n % self.engines.len()]
-            }
+            Some(OUTSIDE) if !self.engines.is_empty() => &self.engines[0],
             _ => self.next_base(),
         };
         let mut request = self.client.post(format!("{base}{path}")).json(body);

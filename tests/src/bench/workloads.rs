@@ -187,7 +187,8 @@ pub enum Mix {
     /// Two tenants: `burst` sends ten times as many requests as `steady`.
     Tenants,
     /// Traffic the routers do not see: 30 % of the requests (tenant `outside`) go straight to
-    /// the engines, in turn, bypassing every gateway.
+    /// one engine (the first), bypassing every gateway, as a batch job or a client pinned to
+    /// one pod would.
     Outside,
 }
 
