@@ -11,10 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use common::{block, removed, store, wait_for, Engine, BS};
+use common::{block, removed, request, store, wait_for, Engine, BS};
 use kvgate_e2e::process::free_port_run;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
-use kvgate_shared::wire::{PromptCount, RouteRequest};
 use kvgate_sidecar::config::{PoolConfig, ReplicaConfig, SyncConfig};
 use kvgate_sidecar::discovery::Supervisor;
 use kvgate_sidecar::index::Overlap;
@@ -110,28 +109,6 @@ impl Drop for Gateway {
 /// The first `n` blocks of conversation `conv`, as tokens.
 fn conversation(conv: u32, n: u32) -> Vec<u32> {
     (0..n).flat_map(|b| block(conv, b)).collect()
-}
-
-fn request(id: &str, tokens: &[u32]) -> RouteRequest {
-    RouteRequest {
-        request_id: id.into(),
-        client_request_id: None,
-        model: "m".into(),
-        prompt_tokens: tokens.len() as u32,
-        prompt_count: PromptCount::Exact,
-        block_hashes: prompt_block_hashes(tokens, BS, Salt::NONE),
-        block_size: BS as u32,
-        session: None,
-        overrides: None,
-        max_tokens: None,
-        prompts: 1,
-        samples: 1,
-        stream: true,
-        wait_ms: 0,
-        priority: None,
-        tenant: None,
-        prefill_legs: false,
-    }
 }
 
 #[test]

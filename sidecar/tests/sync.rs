@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
 use kvgate_e2e::process::{free_port, free_port_run, wait_for};
-use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::wire::RouteRequest;
 use kvgate_sidecar::config::{Policy, PoolConfig, ReplicaConfig, SyncConfig};
 use kvgate_sidecar::metrics::Metrics;
@@ -31,25 +32,7 @@ fn pool() -> Arc<Pool> {
 
 fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
     let tokens: Vec<u32> = (0..64).map(|t| seed * 1000 + t).collect();
-    RouteRequest {
-        request_id: id.into(),
-        client_request_id: None,
-        model: "m".into(),
-        prompt_tokens: 64,
-        prompt_count: kvgate_shared::wire::PromptCount::Exact,
-        block_hashes: prompt_block_hashes(&tokens, 4, Salt::NONE),
-        block_size: 4,
-        session: session.map(str::to_owned),
-        overrides: None,
-        max_tokens: None,
-        prompts: 1,
-        samples: 1,
-        stream: true,
-        wait_ms: 0,
-        priority: None,
-        tenant: None,
-        prefill_legs: false,
-    }
+    RouteRequest { session: session.map(str::to_owned), ..common::request(id, &tokens) }
 }
 
 fn active(pool: &Pool) -> Vec<u64> {

@@ -1,5 +1,6 @@
-//! A fake vLLM engine for the transport and handover tests: a PUB socket publishing
-//! map-format KV-event batches and a ROUTER answering replay requests from its buffer.
+//! What the sidecar's integration tests share: a fake vLLM engine (a PUB socket publishing
+//! map-format KV-event batches, a ROUTER answering replay requests from its buffer) and a
+//! routing request for pool `m`.
 
 #![allow(dead_code)] // each test file uses part of it
 
@@ -7,6 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::wire::{PromptCount, RouteRequest};
 use rmp::encode as mp;
 
 /// The block size the tests' pools and engines use.
@@ -21,6 +24,29 @@ pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     while !cond() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A streamed request for pool `m` (block size [`BS`]) whose prompt is `tokens`.
+pub fn request(id: &str, tokens: &[u32]) -> RouteRequest {
+    RouteRequest {
+        request_id: id.into(),
+        client_request_id: None,
+        model: "m".into(),
+        prompt_tokens: tokens.len() as u32,
+        prompt_count: PromptCount::Exact,
+        block_hashes: prompt_block_hashes(tokens, BS, Salt::NONE),
+        block_size: BS as u32,
+        session: None,
+        overrides: None,
+        max_tokens: None,
+        prompts: 1,
+        samples: 1,
+        stream: true,
+        wait_ms: 0,
+        priority: None,
+        tenant: None,
+        prefill_legs: false,
     }
 }
 
