@@ -20,8 +20,8 @@ pub enum Change {
         /// The engine hashes removed.
         engine_hashes: Vec<EngineHash>,
     },
-    /// Replace the replica's entries with a peer's snapshot of them (a sidecar starting
-    /// while its peers run, `crate::sync::state`).
+    /// Replace the replica's entries and applied mark with a peer's snapshot of them (a
+    /// sidecar starting while its peers run, `crate::sync::state`).
     Restore(Box<ReplicaSnapshot>),
     /// Set the replica's applied mark ([`KvIndex::mark_applied`]): written by the applier
     /// after each message, so that an export always stands at a message boundary.

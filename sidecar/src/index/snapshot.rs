@@ -80,11 +80,13 @@ impl KvIndex {
         Some(ReplicaSnapshot { through_seq, tiers: r.tiers.each_ref().map(ReplicaTier::export) })
     }
 
-    /// Replaces the replica's entries with a snapshot's. A snapshot is a peer's word, so it is
-    /// taken defensively: a repeated engine hash is dropped, the first block of each tier
-    /// heads a chain, and extra references count only for blocks present.
+    /// Replaces the replica's entries with a snapshot's, and its applied mark with the
+    /// snapshot's sequence number. A snapshot is a peer's word, so it is taken defensively: a
+    /// repeated engine hash is dropped, the first block of each tier heads a chain, and extra
+    /// references count only for blocks present.
     pub fn restore(&mut self, replica: ReplicaIdx, snapshot: &ReplicaSnapshot) {
         self.clear_replica(replica);
+        self.replicas[replica.get()].applied = Some(snapshot.through_seq);
         for (t, tier) in snapshot.tiers.iter().enumerate() {
             let rt = &mut self.replicas[replica.get()].tiers[t];
             let heads = &mut self.heads[t];
@@ -173,6 +175,7 @@ mod tests {
             assert_eq!(matches(&copy, prompt)[0], matches(&source, prompt)[0], "prompt {prompt:?}");
         }
         assert_eq!(copy.replica_blocks(ReplicaIdx::new(0)), source.replica_blocks(ReplicaIdx::new(0)));
+        assert_eq!(copy.export(ReplicaIdx::new(0)), Some(snapshot.clone()), "restored at the snapshot's mark");
 
         // Removals after the restore name blocks by engine hash, as the engine will; the
         // twice-stored block needs two.

@@ -144,10 +144,10 @@ impl Pool {
             (fresh && from == kv_events).then_some(snapshot)?
         };
         let (seq, blocks) = (snapshot.through_seq, snapshot.blocks());
-        let mut index = self.index_mut();
-        index.apply(Write::Change(slot, Change::Restore(Box::new(snapshot)))).expect("a restore is never refused");
-        index.apply(Write::Change(slot, Change::Mark(Some(seq)))).expect("a mark is never refused");
-        drop(index);
+        // The restore sets the replica's applied mark too: it is exportable again at once.
+        self.index_mut()
+            .apply(Write::Change(slot, Change::Restore(Box::new(snapshot))))
+            .expect("a restore is never refused");
         self.after_ingest(slot, Progress { last_seq: Some(seq), degraded: false }, &Outcome::default());
         self.metrics.handover_restored_blocks.get_or_create(&self.labels(slot)).inc_by(blocks as u64);
         tracing::info!(model = %self.config.model, replica = %target, seq, blocks, "index entries restored from a peer");
