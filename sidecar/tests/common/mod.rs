@@ -62,47 +62,46 @@ pub fn store(conv: u32, b: u32) -> Vec<u8> {
 
 /// The same, claiming (and carrying tokens for) block size `bs`.
 pub fn store_sized(conv: u32, b: u32, bs: usize) -> Vec<u8> {
-    let mut buf = Vec::new();
-    mp::write_array_len(&mut buf, 3).unwrap();
-    mp::write_f64(&mut buf, 1.0).unwrap();
-    mp::write_array_len(&mut buf, 1).unwrap();
-    mp::write_map_len(&mut buf, 6).unwrap();
-    mp::write_str(&mut buf, "type").unwrap();
-    mp::write_str(&mut buf, "BlockStored").unwrap();
-    mp::write_str(&mut buf, "block_hashes").unwrap();
-    mp::write_array_len(&mut buf, 1).unwrap();
-    mp::write_uint(&mut buf, u64::from(conv * 100 + b)).unwrap();
-    mp::write_str(&mut buf, "parent_block_hash").unwrap();
-    if b == 0 {
-        mp::write_nil(&mut buf).unwrap();
-    } else {
-        mp::write_uint(&mut buf, u64::from(conv * 100 + b - 1)).unwrap();
-    }
-    mp::write_str(&mut buf, "token_ids").unwrap();
-    mp::write_array_len(&mut buf, bs as u32).unwrap();
-    for t in block(conv, b).into_iter().cycle().take(bs) {
-        mp::write_uint(&mut buf, u64::from(t)).unwrap();
-    }
-    mp::write_str(&mut buf, "block_size").unwrap();
-    mp::write_uint(&mut buf, bs as u64).unwrap();
-    mp::write_str(&mut buf, "medium").unwrap();
-    mp::write_str(&mut buf, "GPU").unwrap();
-    mp::write_uint(&mut buf, 0).unwrap();
-    buf
+    batch("BlockStored", 4, |buf| {
+        mp::write_str(buf, "block_hashes").unwrap();
+        mp::write_array_len(buf, 1).unwrap();
+        mp::write_uint(buf, u64::from(conv * 100 + b)).unwrap();
+        mp::write_str(buf, "parent_block_hash").unwrap();
+        if b == 0 {
+            mp::write_nil(buf).unwrap();
+        } else {
+            mp::write_uint(buf, u64::from(conv * 100 + b - 1)).unwrap();
+        }
+        mp::write_str(buf, "token_ids").unwrap();
+        mp::write_array_len(buf, bs as u32).unwrap();
+        for t in block(conv, b).into_iter().cycle().take(bs) {
+            mp::write_uint(buf, u64::from(t)).unwrap();
+        }
+        mp::write_str(buf, "block_size").unwrap();
+        mp::write_uint(buf, bs as u64).unwrap();
+    })
 }
 
 /// A vLLM map-format batch removing block `b` of `conv`.
 pub fn removed(conv: u32, b: u32) -> Vec<u8> {
+    batch("BlockRemoved", 1, |buf| {
+        mp::write_str(buf, "block_hashes").unwrap();
+        mp::write_array_len(buf, 1).unwrap();
+        mp::write_uint(buf, u64::from(conv * 100 + b)).unwrap();
+    })
+}
+
+/// A vLLM map-format batch of one GPU event of `kind`, whose other `fields` key/value pairs
+/// `write` puts between its `type` and its `medium`.
+fn batch(kind: &str, fields: u32, write: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
     let mut buf = Vec::new();
     mp::write_array_len(&mut buf, 3).unwrap();
     mp::write_f64(&mut buf, 1.0).unwrap();
     mp::write_array_len(&mut buf, 1).unwrap();
-    mp::write_map_len(&mut buf, 3).unwrap();
+    mp::write_map_len(&mut buf, fields + 2).unwrap();
     mp::write_str(&mut buf, "type").unwrap();
-    mp::write_str(&mut buf, "BlockRemoved").unwrap();
-    mp::write_str(&mut buf, "block_hashes").unwrap();
-    mp::write_array_len(&mut buf, 1).unwrap();
-    mp::write_uint(&mut buf, u64::from(conv * 100 + b)).unwrap();
+    mp::write_str(&mut buf, kind).unwrap();
+    write(&mut buf);
     mp::write_str(&mut buf, "medium").unwrap();
     mp::write_str(&mut buf, "GPU").unwrap();
     mp::write_uint(&mut buf, 0).unwrap();
