@@ -145,6 +145,17 @@ pub fn free_port_run(n: u16) -> anyhow::Result<u16> {
     anyhow::bail!("no {n} consecutive free ports found")
 }
 
+/// Pins every thread of `pid` to `core` (Linux `taskset`); threads and children it starts
+/// later inherit the pinning.
+pub fn pin(pid: u32, core: usize) -> anyhow::Result<()> {
+    let status = Command::new("taskset")
+        .args(["-a", "-p", "-c", &core.to_string(), &pid.to_string()])
+        .stdout(Stdio::null())
+        .status()?;
+    anyhow::ensure!(status.success(), "taskset {pid} failed");
+    Ok(())
+}
+
 /// A process's resident set size in bytes (`VmRSS` of `/proc/<pid>/status`), if readable.
 pub fn rss_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;

@@ -861,6 +861,7 @@ fn bench_harness_runs_policies_side_by_side() {
         seed: 1,
         mix: Mix::Priorities,
         peers_venv: kvgate_e2e::repo_root().join("target/peers-venv"),
+        pin: false,
     };
     let results = bench::run(&config, &Artifacts::locate("debug")).expect("the benchmark runs");
     assert_eq!(results.len(), 3);

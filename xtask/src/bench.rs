@@ -4,7 +4,7 @@
 //! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation,cache-pressure]
 //!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
 //!                       [--speedup 10] [--mix none|priorities|tenants|outside] [--gateways 1,2,4]
-//!                       [--out DIR]
+//!                       [--pin] [--out DIR]
 //! ```
 //!
 //! Writes `target/bench/<UTC timestamp>/{report.md,results.json,*.svg}` (or `--out`).
@@ -30,6 +30,7 @@ struct Args {
     policies: Option<Vec<String>>,
     speedup: Option<f64>,
     mix: Mix,
+    pin: bool,
     out: Option<PathBuf>,
 }
 
@@ -43,6 +44,7 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
         policies: None,
         speedup: None,
         mix: Mix::None,
+        pin: false,
         out: None,
     };
     let mut it = args.iter();
@@ -64,6 +66,7 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
             "--repeats" => a.repeats = Some(it.next().context("--repeats needs a value")?.parse()?),
             "--speedup" => a.speedup = Some(it.next().context("--speedup needs a value")?.parse()?),
             "--mix" => a.mix = Mix::parse(it.next().context("--mix needs a value")?)?,
+            "--pin" => a.pin = true,
             "--out" => a.out = Some(PathBuf::from(it.next().context("--out needs a value")?)),
             other => bail!("unknown flag {other}"),
         }
@@ -222,6 +225,7 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
         seed: 7,
         mix: args.mix,
         peers_venv: kvgate_e2e::bench::peers::venv_dir(&repo_root().join("target")),
+        pin: args.pin,
     };
     install::all()?;
     if config.policies.iter().any(|p| matches!(p, Policy::Peer(_))) {

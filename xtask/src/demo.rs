@@ -45,6 +45,7 @@ pub fn run() -> anyhow::Result<()> {
         seed: 7,
         mix: kvgate_e2e::bench::workloads::Mix::None,
         peers_venv: bench::peers::venv_dir(&repo_root().join("target")),
+        pin: false,
     };
     println!(
         "\n== {} simulated engines; Envoy alone vs Envoy + kvgate, each on a fresh fleet ==",

@@ -330,6 +330,10 @@ pub struct BenchConfig {
     pub mix: workloads::Mix,
     /// The venv with the peer routers.
     pub peers_venv: PathBuf,
+    /// Pin the routers (every gateway's Envoy and sidecar, or every peer instance) to core 0
+    /// and the engines and the load generator to core 1, so neither side's CPU slows the
+    /// other's (`taskset`; a 2-core machine's only split).
+    pub pin: bool,
 }
 
 /// One run's result.
@@ -361,6 +365,10 @@ pub struct RunResult {
 
 /// Runs every (workload, QPS, repeat, policy) combination, reporting progress on stderr.
 pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<RunResult>> {
+    if config.pin {
+        // Before the runtime and every stack start, so their threads inherit core 1.
+        crate::process::pin(std::process::id(), 1)?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let mut results = Vec::new();
     for workload in &config.workloads {
@@ -412,6 +420,11 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                         true => stack.gateway_pids(),
                         false => peers.iter().filter_map(|p| p.pid()).collect(),
                     };
+                    if config.pin {
+                        for &pid in &router_pids {
+                            crate::process::pin(pid, 0)?;
+                        }
+                    }
                     let cpu_before = cpu_of(&router_pids);
                     let before = engine_counters(&stack)?;
                     let routed_before = kvgate_routed(&stack, *policy)?;

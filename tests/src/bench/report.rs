@@ -215,6 +215,12 @@ pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResu
         "- {} repeat(s) per point, medians shown; TTFT SLO for goodput {} s; latencies in simulated time",
         config.repeats, config.slo_ttft_s
     );
+    if config.pin {
+        let _ = writeln!(
+            md,
+            "- pinned (`taskset`): the routers' processes on core 0, the engines and the load generator on core 1"
+        );
+    }
     let commands: std::collections::BTreeSet<(&str, &str)> =
         results.iter().filter_map(|r| Some((r.policy.as_str(), r.router_command.as_deref()?))).collect();
     if !commands.is_empty() {
@@ -431,6 +437,7 @@ mod tests {
             trace: "t".into(),
             seed: 0,
             peers_venv: "v".into(),
+            pin: false,
         };
         let facts = Facts { command: "c".into(), commit: "x".into(), machine: "m".into(), started: "s".into() };
         let mut results = vec![run(BASELINE, 0, 4.0), run("kvgate-kv-aware", 0, 1.0)];

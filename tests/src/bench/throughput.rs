@@ -8,7 +8,6 @@
 //! Envoy alone and for Envoy with kvgate, and the difference at the same rate is what kvgate
 //! adds. A closed loop of [`CLIENTS`] clients then finds each setup's ceiling.
 
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,6 +17,7 @@ use serde_json::json;
 
 use super::stats::percentile;
 use crate::client::client;
+use crate::process::pin;
 use crate::workload::document;
 use crate::{Artifacts, Routing, Stack, StackOptions};
 
@@ -65,16 +65,6 @@ fn peak_rss_mb(pid: u32) -> Option<f64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb / 1024.0)
-}
-
-/// Pins every thread of `pid` to `core` (Linux `taskset`).
-fn pin(pid: u32, core: usize) -> anyhow::Result<()> {
-    let status = Command::new("taskset")
-        .args(["-a", "-p", "-c", &core.to_string(), &pid.to_string()])
-        .stdout(std::process::Stdio::null())
-        .status()?;
-    anyhow::ensure!(status.success(), "taskset {pid} failed");
-    Ok(())
 }
 
 fn options(routing: Routing) -> StackOptions {
