@@ -135,7 +135,8 @@ pub struct PoolConfig {
     /// `kv_aware`: for this long after routing a prompt to a replica, its blocks count as cached
     /// there even before the engine's events say so (default 10 s; 0 turns it off). Without
     /// it, prompts sharing a prefix that arrive while the first is still queued or in prefill
-    /// see no overlap anywhere and spread, duplicating the prefix across engines.
+    /// see no overlap anywhere and spread, duplicating the prefix across engines. With the
+    /// sync mesh, prompts routed by the other gateways count too.
     #[serde(default = "default_inflight_credit")]
     pub inflight_credit_secs: u64,
     /// A replica that leaves the pool (health checks, outlier ejection, a DNS change) stops

@@ -115,13 +115,16 @@ impl Pool {
     /// Applies another gateway's booking or lifecycle event to the load table, under
     /// `origin/request_id`. A booking on a target this pool does not have is ignored.
     pub fn apply_remote(&self, origin: &str, event: &SyncEvent) {
-        // Lock order: members before load.
+        // Lock order: members, affinity, load.
         let target_slot = match event {
             SyncEvent::Booked { target, .. } => {
                 self.members().iter().position(|m| m.active && m.replica.id == *target).map(ReplicaIdx::new)
             }
             _ => None,
         };
+        if let (Some(slot), SyncEvent::Booked { hashes, .. }) = (target_slot, event) {
+            self.record_peer_route(slot, hashes);
+        }
         let mut load = self.load_table();
         let touched = match event {
             SyncEvent::Booked { request_id, prefill_tokens, hashes, total_blocks, sequences, .. } => {

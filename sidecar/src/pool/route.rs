@@ -333,6 +333,16 @@ impl Pool {
         }
     }
 
+    /// A peer gateway booked `hashes` on `slot`: where this gateway remembers its own routes
+    /// (`prefix_affinity`, in-flight credit), it remembers the peer's too, so a request sharing
+    /// the prefix that reaches this gateway before the engine's events follows it there
+    /// instead of prefilling it a second time elsewhere.
+    pub(super) fn record_peer_route(&self, slot: ReplicaIdx, hashes: &[SequenceHash]) {
+        if self.records_routes() {
+            self.affinity_index().record(slot, hashes, Instant::now());
+        }
+    }
+
     /// Tells the other gateways (when sync is on).
     fn share_booking(&self, request_id: &str, target: &str, shape: &Shape<'_>, booked: &Booked) {
         let (true, Some(outbox)) = (booked.booked, self.outbox.get()) else { return };

@@ -15,6 +15,7 @@ use crate::index::{Store, Tier};
 use crate::load::EngineReport;
 use crate::load::NewBooking;
 use crate::score::ScoringConfig;
+use crate::sync::event::SyncEvent;
 
 fn pool(replicas: usize) -> Pool {
     pool_with(replicas, Policy::KvAware)
@@ -384,6 +385,40 @@ fn kv_aware_credits_prefixes_routed_moments_ago() {
     p.route(&request("first", &prompt), &cfg);
     assert!(p.lifecycle("first", true));
     assert_eq!(p.route(&request("second", &longer), &cfg).overlap_blocks, 0, "no credit without events");
+}
+
+#[test]
+fn kv_aware_credits_prefixes_a_peer_routed_moments_ago() {
+    let cfg = ScoringConfig::default();
+    let prompt: Vec<u32> = (0..256).collect();
+    let mut longer = prompt.clone();
+    longer.extend(5000..5016);
+    // Another gateway sent the prompt to r2 a moment ago; the engine's events have not arrived.
+    let peer_booked = |p: &Pool| {
+        p.apply_remote(
+            "peer",
+            &SyncEvent::Booked {
+                model: "m".into(),
+                target: "r2".into(),
+                request_id: "first".into(),
+                prefill_tokens: 256,
+                hashes: prompt_block_hashes(&prompt, 4, Salt::NONE),
+                total_blocks: 64,
+                sequences: 1,
+            },
+        )
+    };
+    let p = pool(3);
+    peer_booked(&p);
+    let second = p.route(&request("second", &longer), &cfg);
+    assert_eq!((chosen(&second), second.overlap_blocks), (2, 64), "follows the peer's route before any event");
+    // Without in-flight credit the peer's booking is only load, which r2 is the one to avoid.
+    let mut config = pool(3).config;
+    config.inflight_credit_secs = 0;
+    let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
+    peer_booked(&p);
+    let second = p.route(&request("second", &longer), &cfg);
+    assert!(chosen(&second) != 2 && second.overlap_blocks == 0, "{second:?}");
 }
 
 #[test]
