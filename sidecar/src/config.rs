@@ -128,8 +128,9 @@ pub struct PoolConfig {
     /// sent (default 120 s).
     #[serde(default = "default_affinity_ttl")]
     pub affinity_ttl_secs: u64,
-    /// `prefix_affinity`: distinct blocks remembered, least recently routed dropped first
-    /// (default 262144, about 25 MiB).
+    /// `prefix_affinity`, and `kv_aware`'s in-flight credit: distinct blocks remembered, least
+    /// recently routed dropped first (default 262144, about 25 MiB). With the sync mesh the
+    /// in-flight credit holds every gateway's routes: size it for the fleet's traffic.
     #[serde(default = "default_affinity_blocks")]
     pub affinity_blocks: usize,
     /// `kv_aware`: for this long after routing a prompt to a replica, its blocks count as cached

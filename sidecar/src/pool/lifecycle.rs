@@ -1,7 +1,7 @@
 //! What happens to a booking after the decision: first token, decode progress, end, expiry;
 //! the same for other gateways' bookings (sync); and load the engines report that kvgate did
-//! not book. Every write goes to the load table, then the replica's gauges are published
-//! (never while the table is held).
+//! not book. Every write goes to the load table (a peer's booking also to the in-flight
+//! credit), then the replica's gauges are published (never while the table is held).
 
 use std::time::{Duration, Instant};
 
@@ -113,12 +113,15 @@ impl Pool {
     }
 
     /// Applies another gateway's booking or lifecycle event to the load table, under
-    /// `origin/request_id`. A booking on a target this pool does not have is ignored.
+    /// `origin/request_id`, and a booking's prefix to the in-flight credit
+    /// ([`Pool::record_peer_route`]). A booking on a target this pool does not have is ignored.
     pub fn apply_remote(&self, origin: &str, event: &SyncEvent) {
-        // Lock order: members, affinity, load.
+        // Lock order: members, affinity, load. `members` is held until the booking is made, so
+        // the slot cannot be retired and given to a newcomer in between.
+        let members = self.members();
         let target_slot = match event {
             SyncEvent::Booked { target, .. } => {
-                self.members().iter().position(|m| m.active && m.replica.id == *target).map(ReplicaIdx::new)
+                members.iter().position(|m| m.active && m.replica.id == *target).map(ReplicaIdx::new)
             }
             _ => None,
         };
@@ -163,6 +166,7 @@ impl Pool {
         };
         let figures = touched.map(|slot| (slot, load.load(slot)));
         drop(load);
+        drop(members);
         if let Some((slot, figures)) = figures {
             self.publish_load(slot, figures);
         }

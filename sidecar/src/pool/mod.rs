@@ -82,7 +82,7 @@ pub struct Pool {
     /// Where bookings and their lifecycle go for the other gateways (when sync is on).
     outbox: std::sync::OnceLock<Outbox>,
     /// Where this gateway sent which blocks: the `prefix_affinity` policy's overlap, or, for
-    /// `kv_aware`, the in-flight credit (`inflight_credit_secs`).
+    /// `kv_aware`, the in-flight credit (`inflight_credit_secs`), peers' bookings included.
     affinity: Mutex<ApproxIndex>,
     /// Every prediction checked against what the engine reported, and the alarm.
     accuracy: Mutex<Accuracy>,

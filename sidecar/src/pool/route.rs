@@ -18,6 +18,10 @@ use crate::load::{LoadTable, NewBooking};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 use crate::sync::event::SyncEvent;
 
+/// Blocks of one peer's booking counted as in-flight credit, at most (256k tokens in blocks of
+/// 16): a quarter of the smallest sensible `affinity_blocks`, so no one message flushes it.
+const PEER_ROUTE_BLOCKS: usize = 16_384;
+
 /// A replica the request may go to, and the cache it is credited with.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Eligible {
@@ -324,7 +328,7 @@ impl Pool {
     /// Records where the prefix went (`prefix_affinity`, in-flight credit), and that events
     /// are now expected from the replica if its engine must store a new block.
     fn after_booking(&self, member: &Member, shape: &Shape<'_>, booked: &Booked) {
-        if self.records_routes() {
+        if self.records_routes() && booked.booked {
             self.affinity_index().record(booked.slot, shape.hashes, Instant::now());
         }
         if self.config.policy != Policy::PrefixAffinity && booked.booked && booked.prefill_tokens >= shape.block_size {
@@ -333,12 +337,14 @@ impl Pool {
         }
     }
 
-    /// A peer gateway booked `hashes` on `slot`: where this gateway remembers its own routes
-    /// (`prefix_affinity`, in-flight credit), it remembers the peer's too, so a request sharing
-    /// the prefix that reaches this gateway before the engine's events follows it there
-    /// instead of prefilling it a second time elsewhere.
+    /// A peer gateway booked `hashes` on `slot`: under `kv_aware`'s in-flight credit it counts
+    /// as routed from here too, so a request sharing the prefix that reaches this gateway
+    /// before the engine's events follows it there instead of prefilling it a second time
+    /// elsewhere. At most [`PEER_ROUTE_BLOCKS`] of its blocks, so one peer message cannot
+    /// flush what this gateway remembers. (`prefix_affinity` keeps to its own routes.)
     pub(super) fn record_peer_route(&self, slot: ReplicaIdx, hashes: &[SequenceHash]) {
-        if self.records_routes() {
+        if self.inflight_credit() {
+            let hashes = &hashes[..hashes.len().min(PEER_ROUTE_BLOCKS)];
             self.affinity_index().record(slot, hashes, Instant::now());
         }
     }

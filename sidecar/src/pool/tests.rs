@@ -412,6 +412,14 @@ fn kv_aware_credits_prefixes_a_peer_routed_moments_ago() {
     peer_booked(&p);
     let second = p.route(&request("second", &longer), &cfg);
     assert_eq!((chosen(&second), second.overlap_blocks), (2, 64), "follows the peer's route before any event");
+    // A booking on a replica this gateway does not know gives no credit anywhere.
+    let p = pool(2);
+    peer_booked(&p);
+    assert_eq!(p.route(&request("second", &longer), &cfg).overlap_blocks, 0, "r2 is not in this pool");
+    // `prefix_affinity` keeps to where this gateway sent prompts.
+    let p = pool_with(3, Policy::PrefixAffinity);
+    peer_booked(&p);
+    assert_eq!(p.route(&request("second", &longer), &cfg).overlap_blocks, 0, "a peer's route is not affinity");
     // Without in-flight credit the peer's booking is only load, which r2 is the one to avoid.
     let mut config = pool(3).config;
     config.inflight_credit_secs = 0;
@@ -434,6 +442,22 @@ fn membership_changes_under_traffic_do_not_deadlock() {
                 p.route(&request(&id, &[i % 50; 8]), &ScoringConfig::default());
                 p.lifecycle(&id, true);
                 p.lifecycle(&id, false);
+                let peer_id = format!("p{w}-{i}");
+                let hashes = prompt_block_hashes(&[i % 50; 8], 4, Salt::NONE);
+                let target = format!("r{}", i % 4);
+                p.apply_remote(
+                    "peer",
+                    &SyncEvent::Booked {
+                        model: "m".into(),
+                        target,
+                        request_id: peer_id.clone(),
+                        prefill_tokens: 8,
+                        hashes,
+                        total_blocks: 2,
+                        sequences: 1,
+                    },
+                );
+                p.apply_remote("peer", &SyncEvent::Done { model: "m".into(), request_id: peer_id });
                 if i % 100 == 0 {
                     p.expire(Duration::from_secs(300));
                     p.state();

@@ -18,12 +18,14 @@
 //! - A sidecar that starts while its peers run takes their index and bookings over before it
 //!   reads any event ([`state`], on the sync port + 1), so it routes on the fleet's whole
 //!   cache from its first request even after the engines' replay buffers rolled over.
-//! - As it happens, only bookings are shared — their load, and, under `kv_aware`'s in-flight
-//!   credit, where their prefix went moments ago, before the engine's events say it is cached;
-//!   KV events come from the engines to every sidecar directly. A peer can only book work on replicas this sidecar already knows and, through
-//!   a handover, give cache credit on them, so a peer (or an impostor on the sync ports —
-//!   restrict both with a NetworkPolicy) can skew load and credit, never steer a request to a
-//!   host outside the pool.
+//! - As it happens, only bookings and their lifecycle are shared; KV events come from the
+//!   engines to every sidecar directly. Under `kv_aware`'s in-flight credit a peer's booking
+//!   also counts as cached where it went, for `inflight_credit_secs`, until the engine's
+//!   events say so (a `ran_on` correction of our own is not sent: a peer's credit stays on
+//!   the replica first named until it expires). A peer can only book work and give credit on
+//!   replicas this sidecar already knows — through a booking, or a handover — so a peer (or
+//!   an impostor on the sync ports: restrict both with a NetworkPolicy) can skew load and
+//!   credit, never steer a request to a host outside the pool.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::ToSocketAddrs;
