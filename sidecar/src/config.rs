@@ -6,8 +6,8 @@
 //! request_expiry_secs = 300         # bookings whose end is never reported are dropped after this
 //! stall_timeout_secs = 30           # no events while blocks are expected: no cache credit
 //!
-//! [scoring]                         # see score::ScoringConfig; Dynamo's defaults, plus
-//! prefill_load_scale = 1.0          # kvgate's duplicate_penalty = 4.0 (0: Dynamo's cost)
+//! [scoring]                         # see score::ScoringConfig; Dynamo's cost, with kvgate's
+//! prefill_load_scale = 4.0          # defaults (Dynamo's: 1.0) and duplicate_penalty = 4.0
 //!
 //! [[pools]]
 //! model = "qwen3"                   # the OpenAI `model` field

@@ -10,10 +10,13 @@
 //!          + W_DUP · (max_j overlap_j − overlap_i)
 //! ```
 //!
-//! The last term is kvgate's (`W_DUP` = 0 is Dynamo's cost exactly): a replica that would
-//! recompute blocks another candidate holds also *duplicates* them, and with a full cache
-//! every duplicated block evicts some other prefix's block. `W_DUP` charges for that, so a
-//! prefix stays on its replica unless the load difference outweighs the lost cache too.
+//! kvgate's defaults differ from Dynamo's in `SCALE` (4, Dynamo's 1: a block of prefill is
+//! what a new request waits behind, a block of decode only slows each step slightly) and in
+//! the last term, kvgate's own (`W_DUP` = 0 and `SCALE` = 1 are Dynamo's cost exactly,
+//! [`ScoringConfig::dynamo`]): a replica that would recompute blocks another candidate holds
+//! also *duplicates* them, and with a full cache every duplicated block evicts some other
+//! prefix's block. `W_DUP` charges for that, so a prefix stays on its replica unless the load
+//! difference outweighs the lost cache too.
 //!
 //! `dev_i` is the device-tier overlap in blocks, `host_i`/`disk_i` the blocks continuing it
 //! on lower tiers, `P_i` the booked prefill tokens, `D_i` the
@@ -29,7 +32,10 @@ use crate::index::Overlap;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ScoringConfig {
-    /// `DYN_ROUTER_PREFILL_LOAD_SCALE`.
+    /// `DYN_ROUTER_PREFILL_LOAD_SCALE`: what a block of prefill weighs against a block of
+    /// active decode. kvgate's default 4 (Dynamo's: 1): a new request waits behind the
+    /// prefills ahead of it and its own, while decodes slow each step only slightly
+    /// (measured in `docs/benchmarks`: better TTFT on every workload but one, unchanged there).
     pub prefill_load_scale: f64,
     /// `DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT`.
     pub kv_overlap_credit: f64,
@@ -55,7 +61,7 @@ pub struct ScoringConfig {
 impl Default for ScoringConfig {
     fn default() -> Self {
         ScoringConfig {
-            prefill_load_scale: 1.0,
+            prefill_load_scale: 4.0,
             kv_overlap_credit: 1.0,
             kv_overlap_credit_decay: 0.0,
             active_request_weight: 0.0,
@@ -68,9 +74,10 @@ impl Default for ScoringConfig {
 }
 
 impl ScoringConfig {
-    /// Dynamo 1.6.1's default cost exactly: kvgate's defaults without the duplicate penalty.
+    /// Dynamo 1.6.1's default cost exactly: kvgate's defaults with Dynamo's prefill weight
+    /// and without the duplicate penalty.
     pub fn dynamo() -> ScoringConfig {
-        ScoringConfig { duplicate_penalty: 0.0, ..ScoringConfig::default() }
+        ScoringConfig { prefill_load_scale: 1.0, duplicate_penalty: 0.0, ..ScoringConfig::default() }
     }
 
     /// This configuration with a request's overrides applied.

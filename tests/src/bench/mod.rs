@@ -47,6 +47,9 @@ pub enum Policy {
     Kvgate(&'static str),
     /// kvgate `kv_aware` with one scoring knob set to a value.
     KvgateTuned(Knob, u32),
+    /// kvgate `kv_aware` with Dynamo 1.6.1's cost exactly (`prefill_load_scale = 1`, no
+    /// duplicate penalty): Dynamo's scoring on kvgate's index.
+    KvgateDynamoCost,
     /// kvgate `kv_aware` with admission control: a replica is saturated at 90 % of its KV
     /// cache booked or two full prefill batches booked, and a request waits at most one
     /// simulated second for one that is not, else it is shed (429).
@@ -81,7 +84,7 @@ pub enum Knob {
     /// `prefill_load_scale = N`: a prefill block costs N decode blocks.
     PrefillLoadScale,
     /// `duplicate_penalty = N`: recomputing a block another replica holds costs N more
-    /// blocks (0: Dynamo 1.6.1's cost exactly).
+    /// blocks (0: none, as in Dynamo's cost).
     DuplicatePenalty,
 }
 
@@ -114,7 +117,7 @@ impl Policy {
         Policy::Kvgate("least_load"),
         Policy::Kvgate("prefix_affinity"),
         Policy::Kvgate("kv_aware"),
-        Policy::KvgateTuned(Knob::DuplicatePenalty, 0),
+        Policy::KvgateDynamoCost,
         Policy::KvgateAdmission,
         Policy::KvgateFlowControl,
         Policy::KvgateNoSync,
@@ -135,6 +138,7 @@ impl Policy {
             Policy::EnvoyLeastRequest => "envoy-least-request".into(),
             Policy::Kvgate(p) => format!("kvgate-{}", p.replace('_', "-")),
             Policy::KvgateTuned(knob, n) => format!("{}{n}", knob.name_prefix()),
+            Policy::KvgateDynamoCost => "kvgate-kv-aware-dynamo-cost".into(),
             Policy::KvgateAdmission => "kvgate-kv-aware-admission".into(),
             Policy::KvgateFlowControl => "kvgate-kv-aware-flow-control".into(),
             Policy::KvgateNoSync => "kvgate-kv-aware-no-sync".into(),
@@ -167,6 +171,7 @@ impl Policy {
             Policy::EnvoyLeastRequest => (Routing::LeastRequest, "round_robin"),
             Policy::Kvgate(p) => (Routing::Kvgate, p),
             Policy::KvgateTuned(..)
+            | Policy::KvgateDynamoCost
             | Policy::KvgateAdmission
             | Policy::KvgateFlowControl
             | Policy::KvgateNoSync
@@ -182,6 +187,7 @@ impl Policy {
         let (routing, pool_policy) = self.routing();
         let scoring_toml = match self {
             Policy::KvgateTuned(knob, n) => format!("{} = {n}.0", knob.key()),
+            Policy::KvgateDynamoCost => "prefill_load_scale = 1.0\nduplicate_penalty = 0.0".into(),
             _ => String::new(),
         };
         let (pool_toml, filter_config) = match self {
@@ -557,6 +563,8 @@ mod tests {
             (o.routing, o.pool_policy.as_str(), o.scoring_toml.as_str()),
             (Routing::Kvgate, "kv_aware", "duplicate_penalty = 3.0")
         );
+        let o = Policy::KvgateDynamoCost.stack_options("x", &fleet, 100, 1);
+        assert_eq!(o.scoring_toml, "prefill_load_scale = 1.0\nduplicate_penalty = 0.0");
         let o = Policy::KvgateAdmission.stack_options("x", &fleet, 100, 1);
         assert!(
             o.pool_toml.contains("kv_blocks = 100") && o.pool_toml.contains("max_queue_ms = 1000"),
