@@ -165,7 +165,8 @@ pub struct PoolConfig {
     #[serde(default = "default_tokenizer_mode")]
     pub tokenizer_mode: String,
     /// Poll each engine's `/metrics` this often and count the requests it runs beyond those
-    /// kvgate booked as load (traffic that bypasses kvgate). 0 (default) turns it off.
+    /// kvgate booked as load (traffic that bypasses kvgate), those it reports waiting as
+    /// prefill still to come. 0 (default) turns it off.
     #[serde(default)]
     pub engine_metrics_secs: u64,
     /// Where the replicas come from (default: the `replicas` below, reloaded with the file).

@@ -17,7 +17,10 @@
 //! Traffic that does not come through kvgate is invisible to bookings. With
 //! `engine_metrics_secs`, [`engine_metrics`] polls each engine's own request count and
 //! [`LoadTable::observe`] books the difference as *external* requests, each charged the
-//! pool's mean blocks per booked request (their sizes are unknown).
+//! pool's mean blocks per booked request (their sizes are unknown); those of them the engine
+//! reports still waiting — its waiting requests beyond kvgate's own bookings in prefill —
+//! are charged the pool's mean prefill tokens per booked request too, since a request queued
+//! behind them waits for their prefill.
 
 pub mod engine_metrics;
 pub mod flows;
@@ -71,7 +74,8 @@ impl EngineReport {
 /// What a replica is busy with, as the scorer sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ReplicaLoad {
-    /// Booked prefill tokens of requests that have not produced a first token (`P_i`).
+    /// Booked prefill tokens of requests that have not produced a first token, and the mean
+    /// booked prefill for each external request the engine reports waiting (`P_i`).
     pub prefill_tokens: u64,
     /// Unique blocks of the active requests (`active_decode_blocks`), external ones included.
     pub active_blocks: u64,
@@ -113,10 +117,14 @@ struct Booking {
 #[derive(Debug, Default)]
 struct Replica {
     prefill_tokens: u64,
+    /// Bookings whose prefill is not over.
+    prefilling: u64,
     private_blocks: u64,
     requests: u64,
     /// Requests the engine last reported beyond those booked here.
     external: u64,
+    /// Of those, how many it reported waiting beyond the bookings in prefill here.
+    external_waiting: u64,
     /// The engine's last report.
     engine: Option<EngineReport>,
     /// Output blocks of active requests, and the blocks their decode-progress weights
@@ -141,6 +149,9 @@ pub struct LoadTable {
     bookings: HashMap<String, Booking>,
     /// Prompt blocks of all bookings (for the mean an external request is charged).
     blocks_booked: u64,
+    /// Prefill tokens all bookings were booked with (for the mean a waiting external
+    /// request is charged).
+    prefill_booked: u64,
     /// Requests whose end was reported before they were booked (a lifecycle batch can
     /// overtake a slow decision): booking them later must not leak load.
     ended_early: EndedEarly,
@@ -247,6 +258,7 @@ impl LoadTable {
             replicas: (0..replicas).map(|_| Replica::default()).collect(),
             bookings: HashMap::new(),
             blocks_booked: 0,
+            prefill_booked: 0,
             flows: Flows::default(),
             ended_early: EndedEarly::default(),
             prefill_ends: BinaryHeap::new(),
@@ -286,7 +298,8 @@ impl LoadTable {
     /// The replica left the pool: drops every booking on it (their lifecycle reports are
     /// then ignored as unknown) and its external load. Returns how many.
     pub fn clear_replica(&mut self, replica: ReplicaIdx) -> usize {
-        self.replicas[replica.get()].external = 0;
+        let r = &mut self.replicas[replica.get()];
+        (r.external, r.external_waiting) = (0, 0);
         let gone: Vec<String> =
             self.bookings.iter().filter(|(_, b)| b.replica == replica).map(|(id, _)| id.clone()).collect();
         for id in &gone {
@@ -319,9 +332,10 @@ impl LoadTable {
     pub fn load(&self, replica: ReplicaIdx) -> ReplicaLoad {
         let r = &self.replicas[replica.get()];
         let external_blocks = if r.external == 0 { 0 } else { r.external * self.mean_blocks_per_request() };
+        let external_prefill = r.external_waiting * self.mean_prefill_per_request();
         let blocks = r.shared_blocks.len() as u64 + r.private_blocks + r.output_blocks;
         ReplicaLoad {
-            prefill_tokens: r.prefill_tokens,
+            prefill_tokens: r.prefill_tokens + external_prefill,
             active_blocks: blocks.saturating_sub(r.discounted) + external_blocks,
             requests: r.requests + r.external,
             external: r.external,
@@ -330,10 +344,13 @@ impl LoadTable {
     }
 
     /// The engine reports itself: whatever of its requests (running + waiting) exceeds the
-    /// requests booked here is external load until the next report.
+    /// requests booked here is external load until the next report, and whatever of its
+    /// waiting requests exceeds the bookings in prefill here (at most the external ones) is
+    /// external prefill still to come.
     pub fn observe(&mut self, replica: ReplicaIdx, report: EngineReport) {
         let r = &mut self.replicas[replica.get()];
         r.external = report.requests.saturating_sub(r.requests);
+        r.external_waiting = report.waiting.saturating_sub(r.prefilling).min(r.external);
         r.engine = Some(report);
     }
 
@@ -343,6 +360,11 @@ impl LoadTable {
             return 1;
         }
         (self.blocks_booked / self.bookings.len() as u64).max(1)
+    }
+
+    /// Mean prefill tokens a request was booked with, 0 when nothing is booked.
+    fn mean_prefill_per_request(&self) -> u64 {
+        self.prefill_booked.checked_div(self.bookings.len() as u64).unwrap_or(0)
     }
 
     /// How many of the prompt's blocks would be new on this replica's active set: Dynamo's
@@ -362,6 +384,7 @@ impl LoadTable {
         self.release(booking.request_id);
         let r = &mut self.replicas[replica.get()];
         r.prefill_tokens += booking.prefill_tokens;
+        r.prefilling += 1;
         r.requests += booking.sequences.max(1);
         for h in booking.hashes {
             *r.shared_blocks.entry(*h).or_default() += 1;
@@ -369,6 +392,7 @@ impl LoadTable {
         let private_blocks = booking.total_blocks.saturating_sub(booking.hashes.len() as u64);
         r.private_blocks += private_blocks;
         self.blocks_booked += booking.hashes.len() as u64 + private_blocks;
+        self.prefill_booked += booking.prefill_tokens;
         let prefill_ends_at = (!booking.streamed).then(|| {
             let secs = booking.prefill_tokens as f64 / self.prefill_rate(replica);
             now + Duration::from_secs_f64(secs.min(3_600.0))
@@ -435,6 +459,7 @@ impl LoadTable {
             b.prefill_done = true;
             let r = &mut self.replicas[b.replica.get()];
             r.prefill_tokens -= b.prefill_tokens;
+            r.prefilling -= 1;
             let secs = now.saturating_duration_since(b.booked_at).as_secs_f64();
             if b.prefill_ends_at.is_none() && b.prefill_tokens >= RATE_MIN_TOKENS && secs > 0.0 {
                 let sample = b.prefill_tokens as f64 / secs;
@@ -472,6 +497,7 @@ impl LoadTable {
         let r = &mut self.replicas[to.get()];
         if !b.prefill_done {
             r.prefill_tokens += b.prefill_tokens;
+            r.prefilling += 1;
         }
         r.requests += b.sequences;
         r.private_blocks += b.private_blocks;
@@ -500,6 +526,7 @@ impl LoadTable {
         if !b.prefill_done {
             b.prefill_tokens += prefill_tokens;
             self.replicas[b.replica.get()].prefill_tokens += prefill_tokens;
+            self.prefill_booked += prefill_tokens;
         }
         true
     }
@@ -507,6 +534,7 @@ impl LoadTable {
     fn release(&mut self, request_id: &str) -> bool {
         let Some(b) = self.bookings.remove(request_id) else { return false };
         self.blocks_booked -= b.hashes.len() as u64 + b.private_blocks;
+        self.prefill_booked -= b.prefill_tokens;
         self.detach(&b);
         if let Some(flow) = b.flow {
             self.flows.remove(flow);
@@ -519,6 +547,7 @@ impl LoadTable {
         let r = &mut self.replicas[b.replica.get()];
         if !b.prefill_done {
             r.prefill_tokens -= b.prefill_tokens;
+            r.prefilling -= 1;
         }
         r.requests -= b.sequences;
         r.private_blocks -= b.private_blocks;
@@ -716,6 +745,29 @@ mod tests {
         assert!(t.finish("a") && t.finish("b"));
         t.observe(ReplicaIdx::new(1), EngineReport { requests: 2, ..Default::default() });
         assert_eq!(t.load(ReplicaIdx::new(1)).active_blocks, 2, "1 block each when nothing is booked");
+    }
+
+    #[test]
+    fn external_requests_the_engine_reports_waiting_are_charged_a_prefill() {
+        let mut t = LoadTable::new(2, 8_000.0);
+        let now = Instant::now();
+        // Two bookings on replica 0, prefills of 300 and 100 tokens: a mean of 200.
+        assert!(t.book(ReplicaIdx::new(0), booking("a", 300, &[1, 2], 2), now));
+        assert!(t.book(ReplicaIdx::new(0), booking("b", 100, &[3], 1), now));
+        // Replica 1 runs 1 request and queues 3 that kvgate did not send.
+        t.observe(ReplicaIdx::new(1), EngineReport { requests: 4, waiting: 3, ..Default::default() });
+        assert_eq!(t.load(ReplicaIdx::new(1)).prefill_tokens, 3 * 200);
+        // Replica 0 reports its 2 bookings waiting and 1 request of its own, running: the
+        // waiting ones are kvgate's, already booked with their prefill.
+        t.observe(ReplicaIdx::new(0), EngineReport { requests: 3, waiting: 2, ..Default::default() });
+        assert_eq!((t.load(ReplicaIdx::new(0)).prefill_tokens, t.load(ReplicaIdx::new(0)).external), (400, 1));
+        // Once their prefill is over, a request waiting there is an outsider's.
+        assert!(t.prefill_done("a", now) && t.prefill_done("b", now));
+        t.observe(ReplicaIdx::new(0), EngineReport { requests: 3, waiting: 1, ..Default::default() });
+        assert_eq!(t.load(ReplicaIdx::new(0)).prefill_tokens, 200);
+        assert!(t.finish("a") && t.finish("b"));
+        t.observe(ReplicaIdx::new(1), EngineReport { requests: 4, waiting: 3, ..Default::default() });
+        assert_eq!(t.load(ReplicaIdx::new(1)).prefill_tokens, 0, "nothing booked: no mean to charge");
     }
 
     #[test]
