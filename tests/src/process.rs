@@ -4,6 +4,7 @@ use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// A running child, killed (and reaped) on drop. Its output goes to a log file. It can be
@@ -126,23 +127,47 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Opt
     }
 }
 
-/// A free TCP port on 127.0.0.1 (bound then released).
+/// A free TCP port (bound on all interfaces, then released), below the kernel's ephemeral
+/// range: between its choice and its use no outgoing connection can take it — a ZMQ socket
+/// redialling a peer that is not up yet picks a fresh ephemeral port every 100 ms, and once
+/// took a sidecar's handover port that way.
 pub fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    free_port_run(1)
 }
 
-/// `n` consecutive free ports (on all interfaces); returns the first. For an engine's HTTP,
-/// events and replay ports at fixed offsets, as when several engines share a host.
+/// `n` consecutive free ports (on all interfaces, below the ephemeral range, as
+/// [`free_port`]); returns the first. For an engine's HTTP, events and replay ports at fixed
+/// offsets, as when several engines share a host.
 pub fn free_port_run(n: u16) -> anyhow::Result<u16> {
-    for _ in 0..100 {
-        let p = free_port()?;
+    let (low, high) = below_ephemeral();
+    let span = u32::from(high - low);
+    // Each process starts at its own offset and every claim moves past the ports it tried,
+    // so no two claims of a process (nor, mostly, of processes side by side) overlap.
+    let start = std::process::id().wrapping_mul(7919);
+    for _ in 0..span / u32::from(n.max(1)) {
+        let first = low as u32 + start.wrapping_add(NEXT_PORT.fetch_add(u32::from(n), Ordering::Relaxed)) % span;
+        let Some(last) = first.checked_add(u32::from(n)).filter(|end| *end <= u32::from(high)) else { continue };
         let held: Vec<_> =
-            (0..n).map_while(|i| std::net::TcpListener::bind(("0.0.0.0", p.checked_add(i)?)).ok()).collect();
+            (first..last).map_while(|p| std::net::TcpListener::bind(("0.0.0.0", p as u16)).ok()).collect();
         if held.len() == usize::from(n) {
-            return Ok(p);
+            return Ok(first as u16);
         }
     }
-    anyhow::bail!("no {n} consecutive free ports found")
+    anyhow::bail!("no {n} consecutive free ports found below {high}")
+}
+
+/// How far [`free_port_run`] has gone.
+static NEXT_PORT: AtomicU32 = AtomicU32::new(0);
+
+/// Ports [`free_port_run`] chooses from: 10000 (or half the range's start, if lower) up to
+/// the start of the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`;
+/// Linux's default starts at 32768).
+fn below_ephemeral() -> (u16, u16) {
+    let start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    (10_000.min(start / 2), start)
 }
 
 /// Pins every thread of `pid` to `core` (Linux `taskset`); threads and children it starts
