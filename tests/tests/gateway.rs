@@ -791,13 +791,15 @@ fn publisher_restart_clears_the_replica() {
     assert_eq!(post(&c.url("/_chaos/restart_publisher"), String::new(), &[]).unwrap().status, 200);
     let fresh = post(&c.url("/v1/chat/completions"), chat(&document(31, 40), "new").to_string(), &[]).unwrap();
     assert_eq!(fresh.status, 200);
-    kvgate_e2e::process::wait_for("the restart seen", std::time::Duration::from_secs(10), || {
-        (replica_state(&stack, "c")["last_seq"] == 0).then_some(())
-    })
-    .unwrap();
+    // The warm-up was the old publisher's first message (seq 0 too), so `last_seq` alone
+    // cannot tell the restart was seen: wait for the old blocks to leave.
     let fresh_blocks = fresh.json()["usage"]["prompt_tokens"].as_u64().unwrap() / 16;
-    let indexed = replica_state(&stack, "c")["blocks_indexed"].as_u64().unwrap();
-    assert!(indexed <= fresh_blocks + 1, "only blocks stored after the restart remain: {indexed} > {fresh_blocks}");
+    let indexed = || replica_state(&stack, "c")["blocks_indexed"].as_u64().unwrap();
+    let seen = kvgate_e2e::process::wait_for("the restart seen", std::time::Duration::from_secs(10), || {
+        (indexed() <= fresh_blocks + 1).then_some(())
+    });
+    assert!(seen.is_ok(), "only blocks stored after the restart remain: {} > {fresh_blocks}", indexed());
+    assert_eq!(replica_state(&stack, "c")["last_seq"], 0, "the new publisher's sequence");
 }
 
 /// 8. Inside Envoy, a conversation's earlier turns come from the filter's segment cache, and
