@@ -117,7 +117,7 @@ struct Booking {
 #[derive(Debug, Default)]
 struct Replica {
     prefill_tokens: u64,
-    /// Bookings whose prefill is not over.
+    /// Sequences of the bookings whose prefill is not over (the engine counts each one).
     prefilling: u64,
     private_blocks: u64,
     requests: u64,
@@ -384,7 +384,7 @@ impl LoadTable {
         self.release(booking.request_id);
         let r = &mut self.replicas[replica.get()];
         r.prefill_tokens += booking.prefill_tokens;
-        r.prefilling += 1;
+        r.prefilling += booking.sequences.max(1);
         r.requests += booking.sequences.max(1);
         for h in booking.hashes {
             *r.shared_blocks.entry(*h).or_default() += 1;
@@ -459,7 +459,7 @@ impl LoadTable {
             b.prefill_done = true;
             let r = &mut self.replicas[b.replica.get()];
             r.prefill_tokens -= b.prefill_tokens;
-            r.prefilling -= 1;
+            r.prefilling -= b.sequences;
             let secs = now.saturating_duration_since(b.booked_at).as_secs_f64();
             if b.prefill_ends_at.is_none() && b.prefill_tokens >= RATE_MIN_TOKENS && secs > 0.0 {
                 let sample = b.prefill_tokens as f64 / secs;
@@ -497,7 +497,7 @@ impl LoadTable {
         let r = &mut self.replicas[to.get()];
         if !b.prefill_done {
             r.prefill_tokens += b.prefill_tokens;
-            r.prefilling += 1;
+            r.prefilling += b.sequences;
         }
         r.requests += b.sequences;
         r.private_blocks += b.private_blocks;
@@ -547,7 +547,7 @@ impl LoadTable {
         let r = &mut self.replicas[b.replica.get()];
         if !b.prefill_done {
             r.prefill_tokens -= b.prefill_tokens;
-            r.prefilling -= 1;
+            r.prefilling -= b.sequences;
         }
         r.requests -= b.sequences;
         r.private_blocks -= b.private_blocks;
@@ -768,6 +768,10 @@ mod tests {
         assert!(t.finish("a") && t.finish("b"));
         t.observe(ReplicaIdx::new(1), EngineReport { requests: 4, waiting: 3, ..Default::default() });
         assert_eq!(t.load(ReplicaIdx::new(1)).prefill_tokens, 0, "nothing booked: no mean to charge");
+        // A booking of three sequences is three requests waiting at the engine, all kvgate's.
+        assert!(t.book(ReplicaIdx::new(1), NewBooking { sequences: 3, ..booking("n3", 90, &[4], 1) }, now));
+        t.observe(ReplicaIdx::new(1), EngineReport { requests: 4, waiting: 3, ..Default::default() });
+        assert_eq!((t.load(ReplicaIdx::new(1)).prefill_tokens, t.load(ReplicaIdx::new(1)).external), (90, 1));
     }
 
     #[test]
