@@ -3,7 +3,8 @@
 //!
 //! The rules:
 //! - a replica is saturated once the blocks booked on it reach `kv_fraction × kv_blocks`, or
-//!   the prefill tokens booked on it reach `max_prefill_tokens` (either criterion off at 0);
+//!   the prefill tokens booked on it (with engine metrics, plus an estimate for the outside
+//!   requests its engine reports waiting) reach `max_prefill_tokens` (either criterion off at 0);
 //! - a request that finds every candidate saturated waits; so does one that finds others
 //!   waiting ahead of it. A request decides only when nobody waits ahead of it, or on its
 //!   tenant's fair-share headroom (below);

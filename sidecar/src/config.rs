@@ -288,7 +288,8 @@ pub struct AdmissionConfig {
     #[serde(default = "default_kv_fraction")]
     pub kv_fraction: f64,
     /// A replica is saturated once the prefill tokens booked on it (uncached, not yet
-    /// computed) reach this. 0: not a criterion.
+    /// computed; with `engine_metrics_secs`, plus the mean booked prefill for each outside
+    /// request its engine reports waiting) reach this. 0: not a criterion.
     #[serde(default)]
     pub max_prefill_tokens: u64,
     /// Also trust what the engines say (needs `engine_metrics_secs`): a replica is saturated

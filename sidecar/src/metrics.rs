@@ -292,7 +292,11 @@ impl Default for Metrics {
             last_event.clone(),
         );
         registry.register("active_requests", "Booked, unfinished requests per replica", active_requests.clone());
-        registry.register("prefill_tokens", "Booked prefill tokens per replica", prefill_tokens.clone());
+        registry.register(
+            "prefill_tokens",
+            "Booked prefill tokens per replica (with engine metrics, plus outside requests waiting)",
+            prefill_tokens.clone(),
+        );
         registry.register(
             "external_requests",
             "Requests an engine reports beyond those kvgate booked",

@@ -139,6 +139,7 @@ pub fn free_port() -> anyhow::Result<u16> {
 /// [`free_port`]); returns the first. For an engine's HTTP, events and replay ports at fixed
 /// offsets, as when several engines share a host.
 pub fn free_port_run(n: u16) -> anyhow::Result<u16> {
+    anyhow::ensure!(n > 0, "no ports asked for");
     let (low, high) = below_ephemeral();
     let span = u32::from(high - low);
     // Each process starts at its own offset and every claim moves past the ports it tried,
@@ -162,12 +163,17 @@ static NEXT_PORT: AtomicU32 = AtomicU32::new(0);
 /// Ports [`free_port_run`] chooses from: 10000 (or half the range's start, if lower) up to
 /// the start of the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`;
 /// Linux's default starts at 32768).
+/// A host whose ephemeral range starts too low to leave room gets 32768–60999 (Linux's
+/// default range) instead.
 fn below_ephemeral() -> (u16, u16) {
     let start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
         .unwrap_or(32_768);
-    (10_000.min(start / 2), start)
+    match (10_000.min(start / 2), start) {
+        (low, high) if low >= 1024 => (low, high),
+        _ => (32_768, 61_000),
+    }
 }
 
 /// Pins every thread of `pid` to `core` (Linux `taskset`); threads and children it starts

@@ -45,7 +45,7 @@ pub struct StackOptions {
     pub route_timeout_ms: u64,
     /// The kvgate pool's policy (`kv_aware`, `least_load`, `round_robin`, …).
     pub pool_policy: String,
-    /// Lines of the sidecar's `[scoring]` table (empty: Dynamo's defaults).
+    /// Lines of the sidecar's `[scoring]` table (empty: kvgate's defaults).
     pub scoring_toml: String,
     /// More keys of the sidecar's pool (e.g. `engine_metrics_secs = 1`).
     pub pool_toml: String,

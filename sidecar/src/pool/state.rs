@@ -29,7 +29,8 @@ pub struct ReplicaState {
     pub active_requests: u64,
     /// Requests the engine reports beyond those (`engine_metrics_secs`).
     pub external_requests: u64,
-    /// Booked prefill tokens.
+    /// Booked prefill tokens (with engine metrics, plus the estimate for outside requests
+    /// the engine reports waiting).
     pub prefill_tokens: u64,
     /// Unique active blocks.
     pub active_blocks: u64,

@@ -19,7 +19,8 @@
 //! difference outweighs the lost cache too.
 //!
 //! `dev_i` is the device-tier overlap in blocks, `host_i`/`disk_i` the blocks continuing it
-//! on lower tiers, `P_i` the booked prefill tokens, `D_i` the
+//! on lower tiers, `P_i` the booked prefill tokens (with engine metrics, also an estimate for
+//! the outside requests the engine reports waiting), `D_i` the
 //! active blocks plus this request's new ones, `R_i` the active requests. The lowest logit wins;
 //! ties are broken uniformly at random.
 
@@ -51,10 +52,10 @@ pub struct ScoringConfig {
     /// over min-max-normalised costs spreads load across near-equal replicas.
     pub temperature: f64,
     /// Cost per block that a replica would recompute although another candidate holds it
-    /// (`W_DUP`; overlaps counted as in the credit, lower tiers discounted). 0 = Dynamo's cost;
-    /// the default 4 means recomputing a prefix held elsewhere costs five times its prefill
-    /// (measured in `docs/benchmarks`: higher keeps more prefixes in one place and balances
-    /// load less).
+    /// (`W_DUP`; overlaps counted as in the credit, lower tiers discounted; not multiplied by
+    /// `prefill_load_scale`). 0 with `prefill_load_scale = 1` is Dynamo's cost; the defaults
+    /// (4 and 4) make recomputing a prefix held elsewhere cost twice its prefill (measured in
+    /// `docs/benchmarks`: higher keeps more prefixes in one place and balances load less).
     pub duplicate_penalty: f64,
 }
 
