@@ -1480,6 +1480,13 @@ fn gateways_share_their_bookings_over_the_mesh() {
     let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
     let urls = stack.gateways("/v1/chat/completions");
     assert_eq!(urls.len(), 2);
+    // Gateway 1's filter decides (its tokenizer is loaded) before the test starts: a request
+    // it let Envoy balance would say nothing of the mesh.
+    wait_for("gateway 1 routes", Duration::from_secs(20), || {
+        let reply = post(&urls[1], chat(&document(49, 50), "warm").to_string(), &[]).ok()?;
+        (reply.status == 200 && !matches!(reply.header("x-kvgate-routed-to"), "" | "fallback")).then_some(())
+    })
+    .unwrap();
     // A long answer through gateway 0 holds one replica (2 ms a token: ~6 s).
     let mut long = chat(&document(40, 600), "tell a long story");
     long["max_tokens"] = json!(3000);
@@ -1503,6 +1510,7 @@ fn gateways_share_their_bookings_over_the_mesh() {
     for i in 0..3 {
         let reply = post(&urls[1], chat(&document(50 + i, 600), "q").to_string(), &[]).unwrap();
         assert_eq!(reply.status, 200);
+        assert_eq!(reply.header("x-kvgate-routed-to"), reply.header("x-kvgate-replica"), "gateway 1's sidecar chose");
         assert_ne!(reply.header("x-kvgate-replica"), busy, "request {i} through gateway 1 avoids the busy replica");
     }
     assert!(!held.is_finished(), "the long answer was still running throughout");
