@@ -145,7 +145,7 @@ pub fn free_port_run(n: u16) -> anyhow::Result<u16> {
     // Each process starts at its own offset and every claim moves past the ports it tried,
     // so no two claims of a process (nor, mostly, of processes side by side) overlap.
     let start = std::process::id().wrapping_mul(7919);
-    for _ in 0..span / u32::from(n.max(1)) {
+    for _ in 0..span / u32::from(n) {
         let first = low as u32 + start.wrapping_add(NEXT_PORT.fetch_add(u32::from(n), Ordering::Relaxed)) % span;
         let Some(last) = first.checked_add(u32::from(n)).filter(|end| *end <= u32::from(high)) else { continue };
         let held: Vec<_> =
@@ -162,9 +162,8 @@ static NEXT_PORT: AtomicU32 = AtomicU32::new(0);
 
 /// Ports [`free_port_run`] chooses from: 10000 (or half the range's start, if lower) up to
 /// the start of the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`;
-/// Linux's default starts at 32768).
-/// A host whose ephemeral range starts too low to leave room gets 32768–60999 (Linux's
-/// default range) instead.
+/// Linux's default starts at 32768). A host whose ephemeral range starts too low to leave
+/// room gets 32768–60999 (Linux's default range) instead.
 fn below_ephemeral() -> (u16, u16) {
     let start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()

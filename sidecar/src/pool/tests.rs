@@ -387,6 +387,19 @@ fn kv_aware_credits_prefixes_routed_moments_ago() {
     assert_eq!(p.route(&request("second", &longer), &cfg).overlap_blocks, 0, "no credit without events");
 }
 
+/// Another gateway's booking of `tokens` on `target`, as the sync mesh delivers it.
+fn peer_booking(target: &str, request_id: &str, tokens: &[u32]) -> SyncEvent {
+    SyncEvent::Booked {
+        model: "m".into(),
+        target: target.into(),
+        request_id: request_id.into(),
+        prefill_tokens: tokens.len() as u64,
+        hashes: prompt_block_hashes(tokens, 4, Salt::NONE),
+        total_blocks: tokens.len().div_ceil(4) as u64,
+        sequences: 1,
+    }
+}
+
 #[test]
 fn kv_aware_credits_prefixes_a_peer_routed_moments_ago() {
     let cfg = ScoringConfig::default();
@@ -394,20 +407,7 @@ fn kv_aware_credits_prefixes_a_peer_routed_moments_ago() {
     let mut longer = prompt.clone();
     longer.extend(5000..5016);
     // Another gateway sent the prompt to r2 a moment ago; the engine's events have not arrived.
-    let peer_booked = |p: &Pool| {
-        p.apply_remote(
-            "peer",
-            &SyncEvent::Booked {
-                model: "m".into(),
-                target: "r2".into(),
-                request_id: "first".into(),
-                prefill_tokens: 256,
-                hashes: prompt_block_hashes(&prompt, 4, Salt::NONE),
-                total_blocks: 64,
-                sequences: 1,
-            },
-        )
-    };
+    let peer_booked = |p: &Pool| p.apply_remote("peer", &peer_booking("r2", "first", &prompt));
     let p = pool(3);
     peer_booked(&p);
     let second = p.route(&request("second", &longer), &cfg);
@@ -443,20 +443,7 @@ fn membership_changes_under_traffic_do_not_deadlock() {
                 p.lifecycle(&id, true);
                 p.lifecycle(&id, false);
                 let peer_id = format!("p{w}-{i}");
-                let hashes = prompt_block_hashes(&[i % 50; 8], 4, Salt::NONE);
-                let target = format!("r{}", i % 4);
-                p.apply_remote(
-                    "peer",
-                    &SyncEvent::Booked {
-                        model: "m".into(),
-                        target,
-                        request_id: peer_id.clone(),
-                        prefill_tokens: 8,
-                        hashes,
-                        total_blocks: 2,
-                        sequences: 1,
-                    },
-                );
+                p.apply_remote("peer", &peer_booking(&format!("r{}", i % 4), &peer_id, &[i % 50; 8]));
                 p.apply_remote("peer", &SyncEvent::Done { model: "m".into(), request_id: peer_id });
                 if i % 100 == 0 {
                     p.expire(Duration::from_secs(300));

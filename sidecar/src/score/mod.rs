@@ -36,7 +36,7 @@ pub struct ScoringConfig {
     /// `DYN_ROUTER_PREFILL_LOAD_SCALE`: what a block of prefill weighs against a block of
     /// active decode. kvgate's default 4 (Dynamo's: 1): a new request waits behind the
     /// prefills ahead of it and its own, while decodes slow each step only slightly
-    /// (measured in `docs/benchmarks`: better TTFT on every workload but one, unchanged there).
+    /// (measured in `docs/benchmarks`: TTFT better or equal on every workload measured).
     pub prefill_load_scale: f64,
     /// `DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT`.
     pub kv_overlap_credit: f64,
