@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use kvgate_e2e::client::{client, post};
-use kvgate_e2e::process::{free_port, wait_for, Proc};
+use kvgate_e2e::process::{free_port, free_port_run, wait_for, Proc};
 use kvgate_sidecar::events::decode::{decode_batch, EventBatch, KvEvent};
 use serde_json::{json, Value};
 
@@ -20,7 +20,8 @@ struct Sim {
 
 impl Sim {
     fn start(name: &str, ranks: u32, extra: &[&str]) -> Sim {
-        let (port, events) = (free_port().unwrap(), free_port().unwrap());
+        // Rank r publishes on events + r: the events ports are one run, none another test's.
+        let (port, events) = (free_port().unwrap(), free_port_run(ranks as u16).unwrap());
         let ranks_flag = ranks.to_string();
         let mut flags = vec!["--data-parallel-size", ranks_flag.as_str()];
         flags.extend_from_slice(extra);
