@@ -129,6 +129,9 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
                 goodput: med(&|s| Some(s.goodput)).unwrap_or(0.0),
                 hit_ratio: med(&|s| s.hit_ratio),
                 load_max_over_mean: med(&|s| s.load_max_over_mean),
+                load_floor: med(&|s| s.load_floor),
+                decision_us_p50: med(&|s| s.decision_us_p50),
+                decision_us_p90: med(&|s| s.decision_us_p90),
                 router_cpu_ms: med(&|s| s.router_cpu_ms),
                 sim_clock_lag: med(&|s| s.sim_clock_lag),
             };
@@ -159,14 +162,14 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | ITL p90 | ITL p99 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean | router CPU ms/req | sim clock lag |"
+        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | ITL p90 | ITL p99 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean (floor) | router CPU ms/req | kvgate decision p50 / p90 | sim clock lag |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for q in points.iter().filter(|q| setting.has_point(q)) {
         let m = &q.median;
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {}{} | {} | {} | {} |",
             q.policy,
             secs(m.ttft_p50),
             secs(m.ttft_p90),
@@ -184,7 +187,12 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
             m.status_429,
             num(m.hit_ratio, 3),
             num(m.load_max_over_mean, 2),
+            m.load_floor.map_or(String::new(), |f| format!(" (≥ {f:.2})")),
             num(m.router_cpu_ms, 2),
+            match (m.decision_us_p50, m.decision_us_p90) {
+                (Some(p50), Some(p90)) => format!("{:.2} / {:.2} ms", p50 / 1000.0, p90 / 1000.0),
+                _ => "–".into(),
+            },
             m.sim_clock_lag.map_or("–".into(), |l| format!("{:.1} %", l * 100.0)),
         );
     }

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use super::loadgen::Outcome;
+use super::loadgen::{Outcome, OUTSIDE};
 
 /// Nearest-rank percentile of unsorted values (`p` in 0..=100); `None` if empty.
 pub fn percentile(values: &[f64], p: f64) -> Option<f64> {
@@ -57,6 +57,16 @@ pub struct Summary {
     pub hit_ratio: Option<f64>,
     /// Max over mean of per-engine token load (uncached prompt + output tokens computed).
     pub load_max_over_mean: Option<f64>,
+    /// The least max/mean any router could reach with the traffic it did not see (tenant
+    /// `outside`, all on one engine): that engine's outside load over the mean engine load,
+    /// at least 1. `None` without such traffic.
+    pub load_floor: Option<f64>,
+    /// kvgate's routing decision on the request path (`x-kvgate-decision-us`: the filter's
+    /// body-to-destination time, tokenizing and scoring included), wall µs, median and p90;
+    /// `None` for routers without it.
+    pub decision_us_p50: Option<f64>,
+    /// .
+    pub decision_us_p90: Option<f64>,
     /// CPU time the routers' processes used (every gateway's Envoy and sidecar, or every
     /// instance of a peer router) per request sent, in wall-clock milliseconds.
     pub router_cpu_ms: Option<f64>,
@@ -105,6 +115,7 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
     let stepped: f64 = engines.iter().map(|e| e.stepped_s).sum();
     let sim_clock_lag = (stepped > 0.0).then(|| engines.iter().map(|e| e.lost_s).sum::<f64>() / stepped);
     let mean_load = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
+    let decisions: Vec<f64> = ok.iter().filter_map(|o| o.decision_us).map(|us| us as f64).collect();
     Summary {
         requests: outcomes.len(),
         ok: ok.len(),
@@ -123,10 +134,23 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
         goodput: ttfts.iter().filter(|t| **t <= slo_ttft_s).count() as f64 / outcomes.len().max(1) as f64,
         hit_ratio,
         load_max_over_mean: (mean_load > 0.0).then(|| loads.iter().copied().fold(0.0, f64::max) / mean_load),
+        load_floor: (mean_load > 0.0).then(|| unseen_load(&ok)).flatten().map(|unseen| (unseen / mean_load).max(1.0)),
+        decision_us_p50: percentile(&decisions, 50.0),
+        decision_us_p90: percentile(&decisions, 90.0),
         // Measured around the run by its driver, not from the outcomes.
         router_cpu_ms: None,
         sim_clock_lag,
     }
+}
+
+/// The most token load (uncached prompt + output, as the engines count it) that traffic no
+/// router saw (tenant [`OUTSIDE`]) put on one engine; `None` without such traffic.
+fn unseen_load(ok: &[&Outcome]) -> Option<f64> {
+    let mut per_engine = std::collections::HashMap::<&str, u64>::new();
+    for o in ok.iter().filter(|o| o.tags.tenant == Some(OUTSIDE)) {
+        *per_engine.entry(&o.replica).or_default() += o.prompt_tokens.saturating_sub(o.cached_tokens) + o.output_tokens;
+    }
+    per_engine.into_values().max().map(|tokens| tokens as f64)
 }
 
 /// One priority class's or tenant's requests in a run, summarised as a run is (without the
@@ -207,6 +231,30 @@ mod tests {
         assert!((s.load_max_over_mean.unwrap() - 170.0 / 60.0).abs() < 1e-9);
         assert_eq!(s.output_tps, 15.0, "30 tokens over 2 s");
         assert!((s.sim_clock_lag.unwrap() - 0.3 / 4.0).abs() < 1e-9, "0.3 s lost of 4 s stepped");
+        assert_eq!((s.load_floor, s.decision_us_p50), (None, None), "no outside traffic, no decisions");
+    }
+
+    /// Traffic around the routers sets a floor under the balance they can reach; decisions
+    /// are timed from the filter's header.
+    #[test]
+    fn outside_traffic_floors_the_balance_and_decisions_are_timed() {
+        let outside = |replica, prompt, cached| Outcome {
+            tags: Tags { priority: None, tenant: Some(OUTSIDE) },
+            ..outcome(replica, 0.1, prompt, cached)
+        };
+        let routed = |us| Outcome { decision_us: Some(us), ..outcome("b", 0.1, 100, 0) };
+        let outcomes = vec![outside("a", 200, 50), outside("a", 100, 0), outside("b", 30, 0), routed(900), routed(100)];
+        // Engine loads 300 and 100: mean 200. Outside traffic put 150 + 10 + 100 + 10 = 270 on "a".
+        let engines = [
+            EngineWork { queried: 300.0, hits: 50.0, generated: 50.0, ..EngineWork::default() },
+            EngineWork { queried: 100.0, hits: 0.0, generated: 0.0, ..EngineWork::default() },
+        ];
+        let s = summarize(&outcomes, 1.0, &engines);
+        assert!((s.load_floor.unwrap() - 270.0 / 200.0).abs() < 1e-9, "{:?}", s.load_floor);
+        assert_eq!((s.decision_us_p50, s.decision_us_p90), (Some(100.0), Some(900.0)));
+        // Outside load below the mean: the floor is perfect balance.
+        let light = summarize(&[outside("a", 20, 0)], 1.0, &engines);
+        assert_eq!(light.load_floor, Some(1.0));
     }
 
     #[test]
