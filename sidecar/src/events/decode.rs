@@ -92,6 +92,9 @@ pub struct BlockRemoved {
 /// hostile input must not be allowed to nest deeply (it would overflow the thread's stack).
 const MAX_DEPTH: usize = 32;
 
+/// How deep an event's fields sit: batch, events, event.
+const FIELD_DEPTH: usize = 3;
+
 /// Decodes one msgpack payload.
 ///
 /// It reads the payload in one pass, straight into the events' fields: no intermediate tree,
@@ -232,7 +235,6 @@ impl Fields {
     /// Reads `field`'s value. Optional fields of another type read as absent, as vLLM's
     /// readers would ignore them; the lists an event is made of must be well-formed.
     fn read(&mut self, field: Field, r: &mut Reader<'_>) -> Result<(), DecodeError> {
-        const DEPTH: usize = 3;
         if r.take_nil() {
             return Ok(());
         }
@@ -240,15 +242,15 @@ impl Fields {
             Field::BlockHashes => self.block_hashes = Some(r.list("block_hashes", Reader::hash)?),
             Field::ParentBlockHash => self.parent_block_hash = Some(r.hash()?),
             Field::TokenIds => self.token_ids = Some(r.list("token_ids", Reader::token_id)?),
-            Field::BlockSize => self.block_size = r.scalar(DEPTH)?.as_u64().and_then(|n| u32::try_from(n).ok()),
-            Field::LoraId => self.lora_id = r.scalar(DEPTH)?.as_i64(),
-            Field::GroupIdx => self.group_idx = r.scalar(DEPTH)?.as_i64(),
-            Field::Medium => self.medium = r.scalar(DEPTH)?.into_string(),
-            Field::LoraName => self.lora_name = r.scalar(DEPTH)?.into_string(),
-            Field::KvCacheSpecKind => self.kv_cache_spec_kind = r.scalar(DEPTH)?.into_string(),
-            Field::CacheSalt => self.cache_salt = r.scalar(DEPTH)?.into_string(),
-            Field::Locality => self.locality = r.scalar(DEPTH)?.into_string(),
-            Field::ExtraKeys => self.extra_keys = Some(r.extra_keys(DEPTH)?),
+            Field::BlockSize => self.block_size = r.scalar(FIELD_DEPTH)?.as_u64().and_then(|n| u32::try_from(n).ok()),
+            Field::LoraId => self.lora_id = r.scalar(FIELD_DEPTH)?.as_i64(),
+            Field::GroupIdx => self.group_idx = r.scalar(FIELD_DEPTH)?.as_i64(),
+            Field::Medium => self.medium = r.scalar(FIELD_DEPTH)?.into_string(),
+            Field::LoraName => self.lora_name = r.scalar(FIELD_DEPTH)?.into_string(),
+            Field::KvCacheSpecKind => self.kv_cache_spec_kind = r.scalar(FIELD_DEPTH)?.into_string(),
+            Field::CacheSalt => self.cache_salt = r.scalar(FIELD_DEPTH)?.into_string(),
+            Field::Locality => self.locality = r.scalar(FIELD_DEPTH)?.into_string(),
+            Field::ExtraKeys => self.extra_keys = Some(r.extra_keys(FIELD_DEPTH)?),
         }
         Ok(())
     }
@@ -282,17 +284,16 @@ impl Fields {
 
 /// One event: a positional array whose first element is the tag, or a map with a `"type"`.
 fn decode_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
-    const DEPTH: usize = 3;
     let mut fields = Fields::default();
     let kind = match r.head()? {
         Head::Array(len) => {
-            let tag = if len == 0 { None } else { r.scalar(DEPTH)?.into_string() };
+            let tag = if len == 0 { None } else { r.scalar(FIELD_DEPTH)?.into_string() };
             let kind = Kind::from_tag(&tag.ok_or_else(|| shape("event array has no tag"))?)?;
             let layout = kind.positional();
             for position in 1..len as usize {
                 match layout.get(position - 1) {
                     Some(field) => fields.read(*field, r)?,
-                    None => r.skip(DEPTH)?,
+                    None => r.skip(FIELD_DEPTH)?,
                 }
             }
             kind
@@ -301,10 +302,10 @@ fn decode_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
             // vLLM writes the tag first; where it is not, find it before reading the rest.
             let kind = Kind::from_tag(&r.clone().map_tag(len)?)?;
             for _ in 0..len {
-                let key = r.scalar(DEPTH)?;
+                let key = r.scalar(FIELD_DEPTH)?;
                 match key.as_str().and_then(|name| kind.named(name)) {
                     Some(field) => fields.read(field, r)?,
-                    None => r.skip(DEPTH)?,
+                    None => r.skip(FIELD_DEPTH)?,
                 }
             }
             kind
@@ -551,13 +552,13 @@ impl<'a> Reader<'a> {
     /// The `"type"` of a map event with `len` pairs (this cursor at its first key).
     fn map_tag(&mut self, len: u32) -> Result<String, DecodeError> {
         for _ in 0..len {
-            if self.scalar(3)?.as_str() == Some("type") {
-                if let Some(tag) = self.scalar(3)?.into_string() {
+            if self.scalar(FIELD_DEPTH)?.as_str() == Some("type") {
+                if let Some(tag) = self.scalar(FIELD_DEPTH)?.into_string() {
                     return Ok(tag);
                 }
                 break;
             }
-            self.skip(3)?;
+            self.skip(FIELD_DEPTH)?;
         }
         Err(shape("event map has no \"type\""))
     }
