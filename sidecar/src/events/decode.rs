@@ -723,82 +723,78 @@ mod tests {
     /// an unsigned, a signed or a bytes value, chosen by `seed`.
     fn encode_event(w: &mut Vec<u8>, event: &KvEvent, positional: bool, seed: u64) {
         use rmp::encode as mp;
-        type Put = Box<dyn Fn(&mut Vec<u8>)>;
-        let hash = move |h: EngineHash| -> Put {
-            Box::new(move |w: &mut Vec<u8>| match (h.0 ^ seed) % 3 {
-                0 => drop(mp::write_uint(w, h.0)),
-                1 => drop(mp::write_sint(w, h.0 as i64)),
-                _ => drop(mp::write_bin(w, &[&[7u8; 4][..], &h.0.to_be_bytes()].concat())),
-            })
+        // Each field is encoded to its own bytes first (`None` = absent), then laid out.
+        let bytes = |put: &dyn Fn(&mut Vec<u8>)| {
+            let mut b = Vec::new();
+            put(&mut b);
+            b
         };
-        let hashes = move |hs: Vec<EngineHash>| -> Put {
-            Box::new(move |w: &mut Vec<u8>| {
+        let hash = |w: &mut Vec<u8>, h: EngineHash| match (h.0 ^ seed) % 3 {
+            0 => drop(mp::write_uint(w, h.0)),
+            1 => drop(mp::write_sint(w, h.0 as i64)),
+            _ => drop(mp::write_bin(w, &[&[7u8; 4][..], &h.0.to_be_bytes()].concat())),
+        };
+        let hashes = |hs: &[EngineHash]| {
+            bytes(&|w| {
                 mp::write_array_len(w, hs.len() as u32).unwrap();
-                hs.iter().for_each(|h| hash(*h)(w));
+                hs.iter().for_each(|h| hash(w, *h));
             })
         };
-        let opt = |v: Option<Put>| -> Put { v.unwrap_or_else(|| Box::new(|w: &mut Vec<u8>| drop(mp::write_nil(w)))) };
-        let int =
-            |v: Option<i64>| opt(v.map(|i| -> Put { Box::new(move |w: &mut Vec<u8>| drop(mp::write_sint(w, i))) }));
-        let text = |v: &Option<String>| {
-            opt(v.clone().map(|s| -> Put { Box::new(move |w: &mut Vec<u8>| mp::write_str(w, &s).unwrap()) }))
+        let int = |i: i64| bytes(&|w| drop(mp::write_sint(w, i)));
+        let text = |s: &String| bytes(&|w| mp::write_str(w, s).unwrap());
+        let key = |w: &mut Vec<u8>, k: &ExtraKey| match k {
+            ExtraKey::Str(s) => mp::write_str(w, s).unwrap(),
+            ExtraKey::Int(i) => drop(mp::write_sint(w, *i)),
+            _ => unreachable!("not generated"),
         };
-        let (tag, fields): (&str, Vec<(&str, Option<Put>)>) = match event {
-            KvEvent::BlockStored(s) => {
-                let tokens = s.token_ids.clone();
-                let extra = s.extra_keys.clone();
-                (
-                    "BlockStored",
-                    vec![
-                        ("block_hashes", Some(hashes(s.block_hashes.clone()))),
-                        ("parent_block_hash", s.parent_block_hash.map(hash)),
-                        (
-                            "token_ids",
-                            Some(Box::new(move |w: &mut Vec<u8>| {
-                                mp::write_array_len(w, tokens.len() as u32).unwrap();
-                                tokens.iter().for_each(|t| drop(mp::write_uint(w, u64::from(*t))));
-                            })),
-                        ),
-                        ("block_size", Some(int(Some(i64::from(s.block_size))))),
-                        ("lora_id", s.lora_id.map(|i| int(Some(i)))),
-                        ("medium", s.medium.as_ref().map(|_| text(&s.medium))),
-                        ("lora_name", s.lora_name.as_ref().map(|_| text(&s.lora_name))),
-                        (
-                            "extra_keys",
-                            extra.map(|per_block| -> Put {
-                                Box::new(move |w: &mut Vec<u8>| {
-                                    mp::write_array_len(w, per_block.len() as u32).unwrap();
-                                    for keys in &per_block {
-                                        match keys {
-                                            None => drop(mp::write_nil(w)),
-                                            Some(keys) => {
-                                                mp::write_array_len(w, keys.len() as u32).unwrap();
-                                                for k in keys {
-                                                    match k {
-                                                        ExtraKey::Str(s) => mp::write_str(w, s).unwrap(),
-                                                        ExtraKey::Int(i) => drop(mp::write_sint(w, *i)),
-                                                        _ => unreachable!("not generated"),
-                                                    }
-                                                }
-                                            }
+        // A field's name and its encoded value (`None` = absent).
+        type Field = (&'static str, Option<Vec<u8>>);
+        let (tag, fields): (&str, Vec<Field>) = match event {
+            KvEvent::BlockStored(s) => (
+                "BlockStored",
+                vec![
+                    ("block_hashes", Some(hashes(&s.block_hashes))),
+                    ("parent_block_hash", s.parent_block_hash.map(|h| bytes(&|w| hash(w, h)))),
+                    (
+                        "token_ids",
+                        Some(bytes(&|w| {
+                            mp::write_array_len(w, s.token_ids.len() as u32).unwrap();
+                            s.token_ids.iter().for_each(|t| drop(mp::write_uint(w, u64::from(*t))));
+                        })),
+                    ),
+                    ("block_size", Some(int(i64::from(s.block_size)))),
+                    ("lora_id", s.lora_id.map(int)),
+                    ("medium", s.medium.as_ref().map(text)),
+                    ("lora_name", s.lora_name.as_ref().map(text)),
+                    (
+                        "extra_keys",
+                        s.extra_keys.as_ref().map(|per_block| {
+                            bytes(&|w| {
+                                mp::write_array_len(w, per_block.len() as u32).unwrap();
+                                for keys in per_block {
+                                    match keys {
+                                        None => drop(mp::write_nil(w)),
+                                        Some(keys) => {
+                                            mp::write_array_len(w, keys.len() as u32).unwrap();
+                                            keys.iter().for_each(|k| key(w, k));
                                         }
                                     }
-                                })
-                            }),
-                        ),
-                        ("group_idx", s.group_idx.map(|i| int(Some(i)))),
-                        ("kv_cache_spec_kind", s.kv_cache_spec_kind.as_ref().map(|_| text(&s.kv_cache_spec_kind))),
-                        ("cache_salt", s.cache_salt.as_ref().map(|_| text(&s.cache_salt))),
-                        ("locality", s.locality.as_ref().map(|_| text(&s.locality))),
-                    ],
-                )
-            }
+                                }
+                            })
+                        }),
+                    ),
+                    ("group_idx", s.group_idx.map(int)),
+                    ("kv_cache_spec_kind", s.kv_cache_spec_kind.as_ref().map(text)),
+                    ("cache_salt", s.cache_salt.as_ref().map(text)),
+                    ("locality", s.locality.as_ref().map(text)),
+                ],
+            ),
             KvEvent::BlockRemoved(r) => (
                 "BlockRemoved",
                 vec![
-                    ("block_hashes", Some(hashes(r.block_hashes.clone()))),
-                    ("medium", r.medium.as_ref().map(|_| text(&r.medium))),
-                    ("group_idx", r.group_idx.map(|i| int(Some(i)))),
+                    ("block_hashes", Some(hashes(&r.block_hashes))),
+                    ("medium", r.medium.as_ref().map(text)),
+                    ("group_idx", r.group_idx.map(int)),
                 ],
             ),
             KvEvent::AllBlocksCleared => ("AllBlocksCleared", vec![]),
@@ -810,15 +806,16 @@ mod tests {
             while fields.last().is_some_and(|(_, v)| v.is_none()) && seed.is_multiple_of(2) {
                 fields.pop();
             }
+            let nil = bytes(&|w| drop(mp::write_nil(w)));
             mp::write_array_len(w, 1 + fields.len() as u32).unwrap();
             mp::write_str(w, tag).unwrap();
-            fields.into_iter().for_each(|(_, v)| opt(v)(w));
+            fields.iter().for_each(|(_, v)| w.extend_from_slice(v.as_ref().unwrap_or(&nil)));
         } else {
-            let mut pairs: Vec<(&str, Put)> = fields.into_iter().filter_map(|(n, v)| Some((n, v?))).collect();
-            pairs.push(("type", Box::new(move |w: &mut Vec<u8>| mp::write_str(w, tag).unwrap())));
+            let mut pairs: Vec<(&str, Vec<u8>)> = fields.into_iter().filter_map(|(n, v)| Some((n, v?))).collect();
+            pairs.push(("type", bytes(&|w| mp::write_str(w, tag).unwrap())));
             pairs.push((
                 "not_a_field",
-                Box::new(|w: &mut Vec<u8>| {
+                bytes(&|w| {
                     mp::write_array_len(w, 2).unwrap();
                     mp::write_map_len(w, 1).unwrap();
                     mp::write_str(w, "token_ids").unwrap();
@@ -828,9 +825,9 @@ mod tests {
             ));
             pairs.sort_by_key(|(n, _)| n.bytes().fold(seed, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b))));
             mp::write_map_len(w, pairs.len() as u32).unwrap();
-            for (name, put) in pairs {
+            for (name, value) in pairs {
                 mp::write_str(w, name).unwrap();
-                put(w);
+                w.extend_from_slice(&value);
             }
         }
     }
