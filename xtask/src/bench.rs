@@ -4,8 +4,11 @@
 //! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation,cache-pressure]
 //!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
 //!                       [--speedup 10] [--mix none|priorities|tenants|outside] [--gateways 1,2,4]
-//!                       [--pin] [--out DIR]
+//!                       [--users 48] [--user-spacing 0.25] [--pin] [--out DIR]
 //! ```
+//!
+//! `--users` and `--user-spacing` set multi-turn's load (it is a closed loop, so `--qps` does
+//! not drive it): how many users, and the simulated seconds between their first questions.
 //!
 //! Writes `target/bench/<UTC timestamp>/{report.md,results.json,*.svg}` (or `--out`).
 
@@ -30,6 +33,8 @@ struct Args {
     policies: Option<Vec<String>>,
     speedup: Option<f64>,
     mix: Mix,
+    users: Option<usize>,
+    user_spacing_s: Option<f64>,
     pin: bool,
     out: Option<PathBuf>,
 }
@@ -44,6 +49,8 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
         policies: None,
         speedup: None,
         mix: Mix::None,
+        users: None,
+        user_spacing_s: None,
         pin: false,
         out: None,
     };
@@ -66,6 +73,20 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
             "--repeats" => a.repeats = Some(it.next().context("--repeats needs a value")?.parse()?),
             "--speedup" => a.speedup = Some(it.next().context("--speedup needs a value")?.parse()?),
             "--mix" => a.mix = Mix::parse(it.next().context("--mix needs a value")?)?,
+            "--users" => {
+                let users: usize = it.next().context("--users needs a value")?.parse()?;
+                if users == 0 {
+                    bail!("--users: at least one user");
+                }
+                a.users = Some(users);
+            }
+            "--user-spacing" => {
+                let s: f64 = it.next().context("--user-spacing needs a value")?.parse()?;
+                if !(s.is_finite() && s >= 0.0) {
+                    bail!("--user-spacing: a number of seconds ≥ 0");
+                }
+                a.user_spacing_s = Some(s);
+            }
             "--pin" => a.pin = true,
             "--out" => a.out = Some(PathBuf::from(it.next().context("--out needs a value")?)),
             other => bail!("unknown flag {other}"),
@@ -204,6 +225,12 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
             }
         }
         all.retain(|w| names.iter().any(|n| n == w.name()));
+    }
+    for w in &mut all {
+        if let Workload::MultiTurn(m) = w {
+            m.users = args.users.unwrap_or(m.users);
+            m.user_spacing_s = args.user_spacing_s.unwrap_or(m.user_spacing_s);
+        }
     }
     let policies = match &args.policies {
         Some(names) => names.iter().map(|n| Policy::parse(n)).collect::<anyhow::Result<Vec<_>>>()?,
