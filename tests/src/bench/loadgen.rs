@@ -72,6 +72,8 @@ pub struct Outcome {
     pub routed_to: String,
     /// How long the filter's routing decision took, µs (`x-kvgate-decision-us`).
     pub decision_us: Option<u64>,
+    /// The part of it spent rendering and tokenizing the prompt, µs (`x-kvgate-tokenize-us`).
+    pub tokenize_us: Option<u64>,
     /// When it was sent, from the start of the run.
     pub sent_at: f64,
     /// Time to first token.
@@ -188,6 +190,7 @@ impl Target {
             replica: String::new(),
             routed_to: String::new(),
             decision_us: None,
+            tokenize_us: None,
             sent_at: (sent - self.start).as_secs_f64() * self.speedup,
             ttft: None,
             itl_mean: None,
@@ -227,6 +230,7 @@ impl Target {
         o.replica = header("x-kvgate-replica");
         o.routed_to = header("x-kvgate-routed-to");
         o.decision_us = header("x-kvgate-decision-us").parse().ok();
+        o.tokenize_us = header("x-kvgate-tokenize-us").parse().ok();
         if o.status != 200 {
             o.e2e = scale(sent.elapsed().as_secs_f64());
             return Ok(());

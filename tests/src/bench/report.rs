@@ -132,6 +132,7 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
                 load_floor: med(&|s| s.load_floor),
                 decision_us_p50: med(&|s| s.decision_us_p50),
                 decision_us_p90: med(&|s| s.decision_us_p90),
+                tokenize_us_p50: med(&|s| s.tokenize_us_p50),
                 router_cpu_ms: med(&|s| s.router_cpu_ms),
                 sim_clock_lag: med(&|s| s.sim_clock_lag),
             };
@@ -162,7 +163,7 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | ITL p90 | ITL p99 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean (floor) | router CPU ms/req | kvgate decision p50 / p90 | sim clock lag |"
+        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | ITL p90 | ITL p99 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean (floor) | router CPU ms/req | kvgate decision p50 / p90 (in-filter tokenizing p50) | sim clock lag |"
     );
     let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for q in points.iter().filter(|q| setting.has_point(q)) {
@@ -189,8 +190,11 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
             num(m.load_max_over_mean, 2),
             m.load_floor.map_or(String::new(), |f| format!(" (≥ {f:.2})")),
             num(m.router_cpu_ms, 2),
-            match (m.decision_us_p50, m.decision_us_p90) {
-                (Some(p50), Some(p90)) => format!("{:.2} / {:.2} ms", p50 / 1000.0, p90 / 1000.0),
+            match (m.decision_us_p50, m.decision_us_p90, m.tokenize_us_p50) {
+                (Some(p50), Some(p90), Some(tok)) => {
+                    format!("{:.2} / {:.2} ms ({:.2})", p50 / 1000.0, p90 / 1000.0, tok / 1000.0)
+                }
+                (Some(p50), Some(p90), None) => format!("{:.2} / {:.2} ms", p50 / 1000.0, p90 / 1000.0),
                 _ => "–".into(),
             },
             m.sim_clock_lag.map_or("–".into(), |l| format!("{:.1} %", l * 100.0)),

@@ -67,6 +67,9 @@ pub struct Summary {
     pub decision_us_p50: Option<f64>,
     /// .
     pub decision_us_p90: Option<f64>,
+    /// The median of the decisions' rendering and tokenizing in Envoy (`x-kvgate-tokenize-us`),
+    /// wall µs; a prompt offloaded to the sidecar is tokenized there, in the rest of the decision.
+    pub tokenize_us_p50: Option<f64>,
     /// CPU time the routers' processes used (every gateway's Envoy and sidecar, or every
     /// instance of a peer router) per request sent, in wall-clock milliseconds.
     pub router_cpu_ms: Option<f64>,
@@ -116,6 +119,7 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
     let sim_clock_lag = (stepped > 0.0).then(|| engines.iter().map(|e| e.lost_s).sum::<f64>() / stepped);
     let mean_load = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
     let decisions: Vec<f64> = ok.iter().filter_map(|o| o.decision_us).map(|us| us as f64).collect();
+    let tokenizing: Vec<f64> = ok.iter().filter_map(|o| o.tokenize_us).map(|us| us as f64).collect();
     Summary {
         requests: outcomes.len(),
         ok: ok.len(),
@@ -137,6 +141,7 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
         load_floor: (mean_load > 0.0).then(|| unseen_load(&ok)).flatten().map(|unseen| (unseen / mean_load).max(1.0)),
         decision_us_p50: percentile(&decisions, 50.0),
         decision_us_p90: percentile(&decisions, 90.0),
+        tokenize_us_p50: percentile(&tokenizing, 50.0),
         // Measured around the run by its driver, not from the outcomes.
         router_cpu_ms: None,
         sim_clock_lag,
@@ -189,6 +194,7 @@ mod tests {
             replica: replica.into(),
             routed_to: replica.into(),
             decision_us: None,
+            tokenize_us: None,
             sent_at: 0.0,
             ttft: Some(ttft),
             itl_mean: Some(0.01),
