@@ -319,3 +319,21 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     println!("{md}\nwritten to {}", dir.display());
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> anyhow::Result<Args> {
+        parse(&a.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn multi_turn_load_flags_are_read_and_checked() {
+        let a = args(&["--users", "128", "--user-spacing", "0.1"]).unwrap();
+        assert_eq!((a.users, a.user_spacing_s), (Some(128), Some(0.1)));
+        for bad in [&["--users", "0"][..], &["--users"], &["--user-spacing", "-1"], &["--user-spacing", "inf"]] {
+            assert!(args(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -190,11 +190,13 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
             num(m.load_max_over_mean, 2),
             m.load_floor.map_or(String::new(), |f| format!(" (≥ {f:.2})")),
             num(m.router_cpu_ms, 2),
-            match (m.decision_us_p50, m.decision_us_p90, m.tokenize_us_p50) {
-                (Some(p50), Some(p90), Some(tok)) => {
-                    format!("{:.2} / {:.2} ms ({:.2})", p50 / 1000.0, p90 / 1000.0, tok / 1000.0)
-                }
-                (Some(p50), Some(p90), None) => format!("{:.2} / {:.2} ms", p50 / 1000.0, p90 / 1000.0),
+            match (m.decision_us_p50, m.decision_us_p90) {
+                (Some(p50), Some(p90)) => format!(
+                    "{:.2} / {:.2} ms{}",
+                    p50 / 1000.0,
+                    p90 / 1000.0,
+                    m.tokenize_us_p50.map_or(String::new(), |t| format!(" ({:.2})", t / 1000.0))
+                ),
                 _ => "–".into(),
             },
             m.sim_clock_lag.map_or("–".into(), |l| format!("{:.1} %", l * 100.0)),

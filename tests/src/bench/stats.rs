@@ -248,7 +248,7 @@ mod tests {
             tags: Tags { priority: None, tenant: Some(OUTSIDE) },
             ..outcome(replica, 0.1, prompt, cached)
         };
-        let routed = |us| Outcome { decision_us: Some(us), ..outcome("b", 0.1, 100, 0) };
+        let routed = |us| Outcome { decision_us: Some(us), tokenize_us: Some(us / 10), ..outcome("b", 0.1, 100, 0) };
         let outcomes = vec![outside("a", 200, 50), outside("a", 100, 0), outside("b", 30, 0), routed(900), routed(100)];
         // Engine loads 300 and 100: mean 200. Outside traffic put 150 + 10 + 100 + 10 = 270 on "a".
         let engines = [
@@ -258,6 +258,7 @@ mod tests {
         let s = summarize(&outcomes, 1.0, &engines);
         assert!((s.load_floor.unwrap() - 270.0 / 200.0).abs() < 1e-9, "{:?}", s.load_floor);
         assert_eq!((s.decision_us_p50, s.decision_us_p90), (Some(100.0), Some(900.0)));
+        assert_eq!(s.tokenize_us_p50, Some(10.0), "the tokenizing part's median");
         // Outside load below the mean: the floor is perfect balance.
         let light = summarize(&[outside("a", 20, 0)], 1.0, &engines);
         assert_eq!(light.load_floor, Some(1.0));
