@@ -4,7 +4,7 @@
 //! real transport (reader, ingester, applier), with vLLM's map-format messages: each stores a
 //! 16-block prompt and removes the one stored 64 messages earlier, so the index stays the
 //! same size. The index also holds, per replica, 64 prompts of the measured size sharing
-//! group prefixes (as `decision.rs`), which the decided prompt partly matches.
+//! group prefixes (`fleet/mod.rs`, as `decision.rs`), which the decided prompt partly matches.
 //!
 //! Four phases, each measuring every decision's latency (route + release) on this thread:
 //! 1. **idle**: no events.
@@ -20,21 +20,22 @@
 //! It prints p50 / p99 / p99.9 / max per phase and the events applied per second. Run: `cargo bench -p kvgate-sidecar --bench contention [-- SECONDS]` (default 3
 //! per phase).
 
+mod fleet;
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvgate_shared::hash::{prompt_block_hashes, EngineHash, Salt};
 use kvgate_shared::wire::RouteRequest;
 use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::discovery::Supervisor;
-use kvgate_sidecar::index::{ReplicaIdx, Store, Tier};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::score::ScoringConfig;
 use rmp::encode as mp;
 
-const BS: usize = 16;
+use fleet::{tokens, BS};
+
 const REPLICAS: usize = 64;
 /// Blocks per published message, and how many messages a prompt stays stored.
 const MESSAGE_BLOCKS: u64 = 16;
@@ -42,10 +43,6 @@ const WINDOW: u64 = 64;
 /// Messages per second, all replicas together, that the transport keeps up with on the
 /// 2-core machine (unthrottled, about half are dropped and replayed or lost).
 const SUSTAINED_RATE: u64 = 8_000;
-
-fn tokens(seed: u64, n: usize) -> Vec<u32> {
-    (0..n as u64).map(|i| (seed.wrapping_mul(0x9e37_79b9).wrapping_add(i * 7919) % 150_000) as u32).collect()
-}
 
 fn endpoint(kind: &str, r: usize) -> String {
     format!("inproc://bench-{kind}-{r}")
@@ -63,25 +60,8 @@ fn pool(prompt_tokens: usize) -> Arc<Pool> {
         .collect();
     let config = PoolConfig::new("m", "unused", BS as u32, configs);
     let p = Arc::new(Pool::new(config, Vec::new(), Arc::new(Metrics::default())));
-    for r in 0..REPLICAS {
-        for q in 0..64u64 {
-            let mut t = tokens(q % 8, 16 * BS);
-            t.extend(tokens(1_000_000 + r as u64 * 1000 + q, prompt_tokens - 16 * BS));
-            // Engine hashes of the preloaded prompts stay clear of the published ones (bit 62).
-            let engine: Vec<EngineHash> =
-                (0..t.len() / BS).map(|b| EngineHash(1 << 62 | (r as u64) << 40 | q << 20 | b as u64)).collect();
-            let store = Store {
-                parent: None,
-                engine_hashes: &engine,
-                token_ids: &t[..engine.len() * BS],
-                block_size: BS,
-                salt: Salt::NONE,
-                extra: &[],
-                tier: Tier::Device,
-            };
-            p.store_blocks(ReplicaIdx::new(r), store).expect("consistent");
-        }
-    }
+    // Engine hashes of the preloaded prompts stay clear of the published ones (bit 62).
+    fleet::preload(&p, REPLICAS, prompt_tokens, 1 << 62);
     p
 }
 
@@ -242,27 +222,7 @@ fn main() {
         std::thread::sleep(Duration::from_millis(200));
         let p = pool(prompt_tokens);
         let supervisor = Supervisor::start(ctx.clone(), p.clone(), Arc::new(Metrics::default())).unwrap();
-        let mut t = tokens(3, 16 * BS);
-        t.extend(tokens(42, prompt_tokens - 16 * BS));
-        let request = RouteRequest {
-            request_id: "bench".into(),
-            client_request_id: None,
-            model: "m".into(),
-            prompt_tokens: prompt_tokens as u32,
-            prompt_count: kvgate_shared::wire::PromptCount::Exact,
-            block_hashes: prompt_block_hashes(&t, BS, Salt::NONE),
-            block_size: BS as u32,
-            session: None,
-            overrides: None,
-            max_tokens: None,
-            prompts: 1,
-            samples: 1,
-            stream: true,
-            wait_ms: 0,
-            priority: None,
-            tenant: None,
-            prefill_legs: false,
-        };
+        let request = fleet::request(prompt_tokens);
         row("idle", prompt_tokens, &decide_for(&p, &request, secs), None);
         run.store(true, Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(500));

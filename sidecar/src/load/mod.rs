@@ -26,6 +26,7 @@ pub mod engine_metrics;
 pub mod flows;
 
 use std::cmp::Reverse;
+use std::collections::hash_map::Entry;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -131,8 +132,10 @@ struct Replica {
     /// discount (see [`LoadTable::progress`]).
     output_blocks: u64,
     discounted: u64,
-    /// Sequence hash → how many active requests on this replica include it.
-    shared_blocks: HashMap<SequenceHash, u32>,
+    /// Sequence hash → how many active requests on this replica include it. Every decision
+    /// looks up and every booking writes each of the prompt's blocks here, so the hasher is
+    /// a fast one (seeded per process: the keys derive from what clients send).
+    shared_blocks: HashMap<SequenceHash, u32, foldhash::fast::RandomState>,
     /// Prefill tokens per second, learned from streamed requests (`None` until one is).
     prefill_rate: Option<f64>,
 }
@@ -554,10 +557,10 @@ impl LoadTable {
         r.output_blocks -= b.output_blocks;
         r.discounted -= b.discounted;
         for h in &b.hashes {
-            if let Some(n) = r.shared_blocks.get_mut(h) {
-                *n -= 1;
-                if *n == 0 {
-                    r.shared_blocks.remove(h);
+            if let Entry::Occupied(mut n) = r.shared_blocks.entry(*h) {
+                *n.get_mut() -= 1;
+                if *n.get() == 0 {
+                    n.remove();
                 }
             }
         }
