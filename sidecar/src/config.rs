@@ -756,6 +756,19 @@ pub enum Policy {
     PrefixAffinity,
 }
 
+impl Policy {
+    /// Its name in the configuration (and in metric labels).
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::KvAware => "kv_aware",
+            Policy::LeastLoad => "least_load",
+            Policy::RoundRobin => "round_robin",
+            Policy::ConsistentHash => "consistent_hash",
+            Policy::PrefixAffinity => "prefix_affinity",
+        }
+    }
+}
+
 /// Who binds the KV-event socket.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -1094,6 +1107,16 @@ mod tests {
         let result = Config::load(&path, &MapEnv(env.iter().copied().collect()));
         std::fs::remove_dir_all(&dir)?;
         result
+    }
+
+    #[test]
+    fn policy_names_are_the_configured_ones() {
+        let all =
+            [Policy::KvAware, Policy::LeastLoad, Policy::RoundRobin, Policy::ConsistentHash, Policy::PrefixAffinity];
+        for p in all {
+            let parsed: Policy = serde_json::from_value(serde_json::Value::from(p.name())).unwrap();
+            assert_eq!(parsed, p, "{}", p.name());
+        }
     }
 
     #[test]

@@ -377,12 +377,13 @@ impl KvIndex {
     /// prompt's next block in the next slot, and when it does not, goes on from the replica's
     /// head of that block, if any.
     pub fn find_overlaps(&self, hashes: &[SequenceHash]) -> Vec<(u32, Overlap)> {
-        let mut out: Vec<(u32, Overlap)> = Vec::new();
         let mut starts = hashes.first().into_iter().flat_map(|first| self.heads[0].shard(*first).of(*first)).peekable();
         let lower_tiers = self.live[1] != 0 || self.live[2] != 0;
         if starts.peek().is_none() && !lower_tiers {
-            return out;
+            return Vec::new();
         }
+        // Room for every replica's entry at once (a hit is usually on many).
+        let mut out: Vec<(u32, Overlap)> = Vec::with_capacity(self.replicas.len());
         // A hash equal to the removed-slot marker would match removed slots: the walk stops
         // before it (no block is stored under it).
         let hashes = &hashes[..hashes.iter().position(|h| *h == DEAD).unwrap_or(hashes.len())];

@@ -134,9 +134,11 @@ impl Pool {
         let labels = self.labels(best);
         self.metrics.route_decisions.get_or_create(&labels).inc();
         let outcome = if overlap.device > 0 { "hit" } else { "miss" };
-        let policy_name =
-            serde_json::to_value(policy).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
-        let decision = DecisionLabels { model: labels.model.clone(), policy: policy_name, outcome: outcome.to_owned() };
+        let decision = DecisionLabels {
+            model: labels.model.clone(),
+            policy: policy.name().to_owned(),
+            outcome: outcome.to_owned(),
+        };
         self.metrics.decisions.get_or_create(&decision).inc();
         self.metrics.chosen_overlap_blocks.observe(f64::from(overlap.device));
         if let Some(mode) = mode {
