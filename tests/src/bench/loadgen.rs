@@ -63,6 +63,9 @@ pub struct Conversation {
 /// What happened to one request. Latencies are in simulated seconds.
 #[derive(Debug, Clone, Serialize)]
 pub struct Outcome {
+    /// Which request of the workload it was, the same under every policy: its position in an
+    /// open-loop plan (`"17"`), or a conversation's user and turn (`"u3.t2"`).
+    pub request: String,
     /// HTTP status (0: no response).
     pub status: u16,
     /// The engine that served it (`x-kvgate-replica`).
@@ -101,6 +104,31 @@ impl Outcome {
     /// A successful, complete response.
     pub fn ok(&self) -> bool {
         self.status == 200 && self.error.is_none() && self.ttft.is_some()
+    }
+}
+
+#[cfg(test)]
+impl Outcome {
+    /// A request served by `replica` in `ttft` (10 output tokens, 2 s end to end), for tests.
+    pub(crate) fn served(request: &str, replica: &str, ttft: f64) -> Outcome {
+        Outcome {
+            request: request.into(),
+            status: 200,
+            replica: replica.into(),
+            routed_to: replica.into(),
+            decision_us: None,
+            tokenize_us: None,
+            sent_at: 0.0,
+            ttft: Some(ttft),
+            itl_mean: Some(0.01),
+            e2e: 2.0,
+            output_tokens: 10,
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            error: None,
+            tags: Tags::default(),
+            text: String::new(),
+        }
     }
 }
 
@@ -186,6 +214,7 @@ impl Target {
         body["stream_options"] = json!({"include_usage": true});
         let sent = Instant::now();
         let mut outcome = Outcome {
+            request: String::new(),
             status: 0,
             replica: String::new(),
             routed_to: String::new(),
@@ -276,10 +305,12 @@ impl Target {
     /// stops starting new ones after `duration` (simulated). Waits for all to finish.
     pub async fn open_loop(&self, plan: Vec<Planned>, duration: Duration) -> Vec<Outcome> {
         let mut running = Vec::new();
-        for p in plan.into_iter().take_while(|p| p.at <= duration) {
+        for (i, p) in plan.into_iter().take_while(|p| p.at <= duration).enumerate() {
             tokio::time::sleep_until(self.wall(p.at)).await;
             let target = self.clone();
-            running.push(tokio::spawn(async move { target.send(p.path, p.body, p.tags).await }));
+            running.push(tokio::spawn(async move {
+                Outcome { request: i.to_string(), ..target.send(p.path, p.body, p.tags).await }
+            }));
         }
         let mut out = Vec::new();
         for r in running {
@@ -299,20 +330,21 @@ impl Target {
         duration: Duration,
     ) -> Vec<Outcome> {
         let mut users = Vec::new();
-        for c in conversations {
+        for (user, c) in conversations.into_iter().enumerate() {
             let target = self.clone();
             let model = model.to_owned();
             users.push(tokio::spawn(async move {
                 let mut outcomes = Vec::new();
                 tokio::time::sleep_until(target.wall(c.start)).await;
                 let mut history = vec![json!({"role": "system", "content": c.system})];
-                for question in c.questions {
+                for (turn, question) in c.questions.into_iter().enumerate() {
                     if target.start.elapsed().mul_f64(target.speedup) > duration {
                         break;
                     }
                     history.push(json!({"role": "user", "content": question}));
                     let body = json!({"model": model, "messages": history, "max_tokens": c.max_tokens});
                     let o = target.send("/v1/chat/completions", body, Tags::default()).await;
+                    let o = Outcome { request: format!("u{user}.t{turn}"), ..o };
                     history.push(json!({"role": "assistant", "content": o.text}));
                     outcomes.push(o);
                     tokio::time::sleep(c.think.div_f64(target.speedup)).await;

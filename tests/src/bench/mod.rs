@@ -7,7 +7,7 @@
 //! | `loadgen` | sends the plan through the gateway (open or closed loop), streaming SSE |
 //! | `stats` | percentiles, goodput, hit ratio, load balance |
 //! | `peers` | SGLang's and vLLM's routers, installed from PyPI, on the same fleet |
-//! | `report` | `report.md`, `results.json`, SVG charts |
+//! | `report` | `report.md`, `results.json`, `requests/*.jsonl`, SVG charts |
 //! | `filter` | `cargo xtask bench filter`: latency kvgate adds, tokenization in Envoy vs native |
 //! | `throughput` | `cargo xtask bench filter`, then: routed requests/s one Envoy worker sustains |
 //! | `memory` | `cargo xtask bench filter`, last: what 15 MiB bodies leave in Envoy's memory |
@@ -364,9 +364,22 @@ pub struct RunResult {
     pub kvgate_routed: Option<(u64, u64)>,
     /// Per priority class and tenant (runs with a [`workloads::Mix`]).
     pub by_tag: Vec<stats::TagSummary>,
-    /// Every successful request's TTFT (for the CDF chart).
+    /// Every request's outcome (`requests/*.jsonl` and the CDF chart).
     #[serde(skip)]
-    pub ttfts: Vec<f64>,
+    pub outcomes: Vec<Outcome>,
+}
+
+impl RunResult {
+    /// Every successful request's TTFT.
+    pub fn ttfts(&self) -> Vec<f64> {
+        self.outcomes.iter().filter(|o| o.ok()).filter_map(|o| o.ttft).collect()
+    }
+
+    /// The file its requests are written to, under `requests/`.
+    pub fn requests_file(&self) -> String {
+        let load = self.qps.map_or("closed".to_owned(), |q| format!("{q}qps"));
+        format!("{}-{}-{}gw-{load}-r{}.jsonl", self.workload, self.policy, self.gateways, self.repeat)
+    }
 }
 
 /// Runs every (workload, QPS, repeat, policy) combination, reporting progress on stderr.
@@ -485,9 +498,9 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                         repeat,
                         router_command: peers.first().map(|p| p.command.clone()),
                         kvgate_routed,
-                        ttfts: outcomes.iter().filter(|o| o.ok()).filter_map(|o| o.ttft).collect(),
                         by_tag: stats::by_tag(&outcomes, config.slo_ttft_s),
                         summary,
+                        outcomes,
                     });
                 }
             }

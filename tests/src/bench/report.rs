@@ -205,12 +205,29 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
     md
 }
 
-/// Writes `report.md`, `results.json` and the charts into `dir`; returns the report's text.
+/// Writes each run's outcomes, one JSON object per request and line, into `dir`: the same
+/// request under two policies can then be compared (`request` names it in every run).
+fn write_requests(dir: &Path, results: &[RunResult]) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    for run in results {
+        let mut lines = String::new();
+        for o in &run.outcomes {
+            lines.push_str(&serde_json::to_string(o)?);
+            lines.push('\n');
+        }
+        std::fs::write(dir.join(run.requests_file()), lines)?;
+    }
+    Ok(())
+}
+
+/// Writes `report.md`, `results.json`, `requests/` and the charts into `dir`; returns the
+/// report's text.
 pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResult]) -> anyhow::Result<String> {
     std::fs::create_dir_all(dir)?;
     let points = points(results);
     let json = serde_json::json!({"facts": facts, "config": config, "points": points, "runs": results});
     std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(&json)?)?;
+    write_requests(&dir.join("requests"), results)?;
 
     let mut md = String::new();
     let _ = writeln!(md, "# kvgate benchmark\n");
@@ -318,7 +335,7 @@ const COLORS: [RGBColor; 7] = [
 /// One line per policy: the fraction of requests with TTFT ≤ x (repeat 0).
 fn ttft_cdf(path: &Path, title: &str, results: &[RunResult], setting: &Setting) -> anyhow::Result<()> {
     let runs: Vec<&RunResult> = results.iter().filter(|r| setting.has(r) && r.repeat == 0).collect();
-    let max = runs.iter().flat_map(|r| r.ttfts.iter().copied()).fold(0.0, f64::max).max(1e-3);
+    let max = runs.iter().flat_map(|r| r.ttfts()).fold(0.0, f64::max).max(1e-3);
     let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
@@ -329,7 +346,7 @@ fn ttft_cdf(path: &Path, title: &str, results: &[RunResult], setting: &Setting) 
         .build_cartesian_2d((1e-3..max * 1.05).log_scale(), 0.0..1.0)?;
     chart.configure_mesh().x_desc("TTFT (simulated seconds, log scale)").y_desc("fraction of requests").draw()?;
     for (i, run) in runs.iter().enumerate() {
-        let mut v = run.ttfts.clone();
+        let mut v = run.ttfts();
         v.sort_by(f64::total_cmp);
         let n = v.len().max(1) as f64;
         let color = COLORS[i % COLORS.len()];
@@ -393,6 +410,7 @@ fn throughput_vs_qps(path: &Path, ladder: &Setting, points: &[Point]) -> anyhow:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::loadgen::Outcome;
 
     fn run(policy: &str, repeat: usize, p90: f64) -> RunResult {
         RunResult {
@@ -404,7 +422,7 @@ mod tests {
             kvgate_routed: None,
             router_command: None,
             summary: Summary { ttft_p90: Some(p90), ttft_p50: Some(p90 / 2.0), ..Summary::default() },
-            ttfts: vec![p90 / 2.0, p90],
+            outcomes: vec![Outcome::served("0", "a", p90 / 2.0), Outcome::served("1", "b", p90)],
             by_tag: Vec::new(),
         }
     }
@@ -493,5 +511,9 @@ mod tests {
             assert!(body.len() > 100, "{file} written");
         }
         assert!(std::fs::read_to_string(dir.join("ttft-cdf-w-1qps.svg")).unwrap().contains("kvgate-kv-aware"));
+        let requests = std::fs::read_to_string(dir.join("requests/w-kvgate-kv-aware-2gw-1qps-r0.jsonl")).unwrap();
+        let lines: Vec<serde_json::Value> = requests.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 2, "one line per request: {requests}");
+        assert_eq!((lines[1]["request"].as_str(), lines[1]["ttft"].as_f64()), (Some("1"), Some(1.0)), "{requests}");
     }
 }

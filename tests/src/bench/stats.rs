@@ -189,23 +189,7 @@ mod tests {
     use crate::bench::loadgen::Tags;
 
     fn outcome(replica: &str, ttft: f64, prompt: u64, cached: u64) -> Outcome {
-        Outcome {
-            status: 200,
-            replica: replica.into(),
-            routed_to: replica.into(),
-            decision_us: None,
-            tokenize_us: None,
-            sent_at: 0.0,
-            ttft: Some(ttft),
-            itl_mean: Some(0.01),
-            e2e: 2.0,
-            output_tokens: 10,
-            prompt_tokens: prompt,
-            cached_tokens: cached,
-            error: None,
-            tags: Tags::default(),
-            text: String::new(),
-        }
+        Outcome { prompt_tokens: prompt, cached_tokens: cached, ..Outcome::served("0", replica, ttft) }
     }
 
     #[test]
