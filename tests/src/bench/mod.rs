@@ -78,7 +78,8 @@ pub enum Policy {
     Peer(Peer),
 }
 
-/// A kvgate scoring setting a [`Policy::KvgateTuned`] sets on top of `kv_aware`.
+/// A kvgate setting a [`Policy::KvgateTuned`] sets on top of `kv_aware`: a scoring weight or
+/// the filter's offload threshold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum Knob {
     /// `prefill_load_scale = N`: a prefill block costs N decode blocks.
@@ -86,16 +87,20 @@ pub enum Knob {
     /// `duplicate_penalty = N`: recomputing a block another replica holds costs N more
     /// blocks (0: none, as in Dynamo's cost).
     DuplicatePenalty,
+    /// The filter's `offload_bytes = N KiB`: larger bodies are tokenized by the sidecar,
+    /// smaller ones in Envoy.
+    OffloadKib,
 }
 
 impl Knob {
-    const ALL: [Knob; 2] = [Knob::PrefillLoadScale, Knob::DuplicatePenalty];
+    const ALL: [Knob; 3] = [Knob::PrefillLoadScale, Knob::DuplicatePenalty, Knob::OffloadKib];
 
-    /// The key in the pool's `[scoring]` table.
-    fn key(self) -> &'static str {
+    /// The key in the pool's `[scoring]` table (`None`: a filter setting).
+    fn scoring_key(self) -> Option<&'static str> {
         match self {
-            Knob::PrefillLoadScale => "prefill_load_scale",
-            Knob::DuplicatePenalty => "duplicate_penalty",
+            Knob::PrefillLoadScale => Some("prefill_load_scale"),
+            Knob::DuplicatePenalty => Some("duplicate_penalty"),
+            Knob::OffloadKib => None,
         }
     }
 
@@ -104,6 +109,7 @@ impl Knob {
         match self {
             Knob::PrefillLoadScale => "kvgate-kv-aware-prefill-x",
             Knob::DuplicatePenalty => "kvgate-kv-aware-dup-x",
+            Knob::OffloadKib => "kvgate-kv-aware-offload-kib-",
         }
     }
 }
@@ -186,7 +192,7 @@ impl Policy {
     fn stack_options(&self, name: &str, fleet: &Fleet, gpu_blocks: usize, gateways: usize) -> StackOptions {
         let (routing, pool_policy) = self.routing();
         let scoring_toml = match self {
-            Policy::KvgateTuned(knob, n) => format!("{} = {n}.0", knob.key()),
+            Policy::KvgateTuned(knob, n) => knob.scoring_key().map(|key| format!("{key} = {n}.0")).unwrap_or_default(),
             Policy::KvgateDynamoCost => "prefill_load_scale = 1.0\nduplicate_penalty = 0.0".into(),
             _ => String::new(),
         };
@@ -215,6 +221,11 @@ impl Policy {
                 (pool, filter)
             }
             Policy::KvgateEngineMetrics => ("engine_metrics_secs = 1".into(), serde_json::Map::new()),
+            Policy::KvgateTuned(Knob::OffloadKib, kib) => {
+                let mut filter = serde_json::Map::new();
+                filter.insert("offload_bytes".into(), (u64::from(*kib) << 10).into());
+                (String::new(), filter)
+            }
             _ => (String::new(), serde_json::Map::new()),
         };
         StackOptions {
@@ -576,6 +587,8 @@ mod tests {
             (o.routing, o.pool_policy.as_str(), o.scoring_toml.as_str()),
             (Routing::Kvgate, "kv_aware", "duplicate_penalty = 3.0")
         );
+        let o = Policy::KvgateTuned(Knob::OffloadKib, 256).stack_options("x", &fleet, 100, 1);
+        assert_eq!((o.scoring_toml.as_str(), &o.filter_config["offload_bytes"]), ("", &serde_json::json!(262_144)));
         let o = Policy::KvgateDynamoCost.stack_options("x", &fleet, 100, 1);
         assert_eq!(o.scoring_toml, "prefill_load_scale = 1.0\nduplicate_penalty = 0.0");
         let o = Policy::KvgateAdmission.stack_options("x", &fleet, 100, 1);
