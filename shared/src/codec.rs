@@ -68,23 +68,9 @@ mod tests {
     #[test]
     fn round_trips_route_messages() {
         let req = RouteRequest {
-            request_id: "r1".into(),
-            client_request_id: None,
-            model: "m".into(),
-            prompt_tokens: 42,
-            prompt_count: crate::wire::PromptCount::Exact,
-            block_hashes: [u64::MAX, 0, 7].map(SequenceHash).to_vec(),
-            block_size: 16,
             session: Some("s".into()),
             overrides: Some(crate::wire::ScoringOverrides { temperature: Some(0.5), ..Default::default() }),
-            max_tokens: None,
-            prompts: 1,
-            samples: 1,
-            stream: true,
-            wait_ms: 0,
-            priority: None,
-            tenant: None,
-            prefill_legs: false,
+            ..RouteRequest::exact("r1", "m", 42, 16, [u64::MAX, 0, 7].map(SequenceHash).to_vec())
         };
         assert_eq!(decode::<RouteRequest>(&encode(&req).unwrap()).unwrap(), req);
         let resp = RouteResponse {

@@ -106,6 +106,39 @@ pub struct RouteRequest {
     pub prefill_legs: bool,
 }
 
+impl RouteRequest {
+    /// A streamed request of one prompt, `prompt_tokens` long exactly, whose full blocks of
+    /// `block_size` tokens hash to `block_hashes`; nothing else set (no session, overrides,
+    /// class, tenant or prefill leg). Tests, benchmarks and tools start from it.
+    pub fn exact(
+        request_id: &str,
+        model: &str,
+        prompt_tokens: u32,
+        block_size: u32,
+        block_hashes: Vec<crate::hash::SequenceHash>,
+    ) -> RouteRequest {
+        RouteRequest {
+            request_id: request_id.to_owned(),
+            client_request_id: None,
+            model: model.to_owned(),
+            prompt_tokens,
+            prompt_count: PromptCount::Exact,
+            block_hashes,
+            block_size,
+            session: None,
+            overrides: None,
+            max_tokens: None,
+            prompts: 1,
+            samples: 1,
+            stream: true,
+            wait_ms: 0,
+            priority: None,
+            tenant: None,
+            prefill_legs: false,
+        }
+    }
+}
+
 /// How a [`RouteRequest`]'s `prompt_tokens` was arrived at: what its prediction of the
 /// engine's `usage` can be checked against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -47,23 +47,8 @@ async fn post(state: &Arc<AppState>, path: &str, body: Vec<u8>) -> (StatusCode, 
 
 fn route_request(model: &str, id: &str, client_id: &str) -> RouteRequest {
     RouteRequest {
-        request_id: id.into(),
         client_request_id: Some(client_id.into()),
-        model: model.into(),
-        prompt_tokens: 64,
-        prompt_count: kvgate_shared::wire::PromptCount::Exact,
-        block_hashes: (0..16).map(SequenceHash).collect(),
-        block_size: 4,
-        session: None,
-        overrides: None,
-        max_tokens: None,
-        prompts: 1,
-        samples: 1,
-        stream: true,
-        wait_ms: 0,
-        priority: None,
-        tenant: None,
-        prefill_legs: false,
+        ..RouteRequest::exact(id, model, 64, 4, (0..16).map(SequenceHash).collect())
     }
 }
 

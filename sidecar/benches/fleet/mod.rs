@@ -8,7 +8,7 @@
 //! own blocks, with the prefix's last block as their parent.
 
 use kvgate_shared::hash::{prompt_block_hashes, EngineHash, Salt};
-use kvgate_shared::wire::{PromptCount, RouteRequest};
+use kvgate_shared::wire::RouteRequest;
 use kvgate_sidecar::index::{ReplicaIdx, Store, Tier};
 use kvgate_sidecar::pool::Pool;
 
@@ -58,23 +58,5 @@ pub fn preload(pool: &Pool, replicas: usize, prompt_tokens: usize, tag: u64) {
 pub fn request(prompt_tokens: usize) -> RouteRequest {
     let mut t = tokens(3, PREFIX_BLOCKS * BS);
     t.extend(tokens(42, prompt_tokens - PREFIX_BLOCKS * BS));
-    RouteRequest {
-        request_id: "bench".into(),
-        client_request_id: None,
-        model: "m".into(),
-        prompt_tokens: prompt_tokens as u32,
-        prompt_count: PromptCount::Exact,
-        block_hashes: prompt_block_hashes(&t, BS, Salt::NONE),
-        block_size: BS as u32,
-        session: None,
-        overrides: None,
-        max_tokens: None,
-        prompts: 1,
-        samples: 1,
-        stream: true,
-        wait_ms: 0,
-        priority: None,
-        tenant: None,
-        prefill_legs: false,
-    }
+    RouteRequest::exact("bench", "m", prompt_tokens as u32, BS as u32, prompt_block_hashes(&t, BS, Salt::NONE))
 }

@@ -34,23 +34,8 @@ fn pool_with(replicas: usize, policy: Policy) -> Pool {
 
 fn request(id: &str, tokens: &[u32]) -> RouteRequest {
     RouteRequest {
-        request_id: id.into(),
-        client_request_id: None,
-        model: "m".into(),
-        prompt_tokens: tokens.len() as u32,
-        prompt_count: kvgate_shared::wire::PromptCount::Exact,
-        block_hashes: prompt_block_hashes(tokens, 4, Salt::NONE),
-        block_size: 4,
-        session: None,
-        overrides: None,
-        max_tokens: None,
-        prompts: 1,
-        samples: 1,
-        stream: true,
-        wait_ms: 0,
-        priority: None,
-        tenant: None,
         prefill_legs: true,
+        ..RouteRequest::exact(id, "m", tokens.len() as u32, 4, prompt_block_hashes(tokens, 4, Salt::NONE))
     }
 }
 

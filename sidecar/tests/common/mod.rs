@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
-use kvgate_shared::wire::{PromptCount, RouteRequest};
+use kvgate_shared::wire::RouteRequest;
 use rmp::encode as mp;
 
 /// The block size the tests' pools and engines use.
@@ -29,25 +29,7 @@ pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
 
 /// A streamed request for pool `m` (block size [`BS`]) whose prompt is `tokens`.
 pub fn request(id: &str, tokens: &[u32]) -> RouteRequest {
-    RouteRequest {
-        request_id: id.into(),
-        client_request_id: None,
-        model: "m".into(),
-        prompt_tokens: tokens.len() as u32,
-        prompt_count: PromptCount::Exact,
-        block_hashes: prompt_block_hashes(tokens, BS, Salt::NONE),
-        block_size: BS as u32,
-        session: None,
-        overrides: None,
-        max_tokens: None,
-        prompts: 1,
-        samples: 1,
-        stream: true,
-        wait_ms: 0,
-        priority: None,
-        tenant: None,
-        prefill_legs: false,
-    }
+    RouteRequest::exact(id, "m", tokens.len() as u32, BS as u32, prompt_block_hashes(tokens, BS, Salt::NONE))
 }
 
 /// Tokens of block `b` of a conversation `conv`.

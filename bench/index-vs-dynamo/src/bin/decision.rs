@@ -54,25 +54,7 @@ fn kvgate(replicas: usize, prompt_len: usize, iterations: usize) -> Vec<Duration
     for i in 0..iterations {
         let id = format!("bench-{i}");
         let started = Instant::now();
-        let request = RouteRequest {
-            request_id: id.clone(),
-            client_request_id: None,
-            model: "m".into(),
-            prompt_tokens: prompt.len() as u32,
-            prompt_count: kvgate_shared::wire::PromptCount::Exact,
-            block_hashes: prompt_block_hashes(&prompt, BLOCK as usize, Salt::NONE),
-            block_size: BLOCK,
-            session: None,
-            overrides: None,
-            max_tokens: None,
-            prompts: 1,
-            samples: 1,
-            stream: true,
-            wait_ms: 0,
-            priority: None,
-            tenant: None,
-            prefill_legs: false,
-        };
+        let request = RouteRequest::exact(&id, "m", prompt.len() as u32, BLOCK, prompt_block_hashes(&prompt, BLOCK as usize, Salt::NONE));
         let decision = pool.route(&request, &scoring);
         pool.lifecycle(&id, false);
         times.push(started.elapsed());
