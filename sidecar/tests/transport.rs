@@ -208,3 +208,46 @@ fn many_replicas_share_the_ingest_workers_in_order() {
     assert!(state.replicas.iter().all(|r| r.last_seq == Some(u64::from(BLOCKS - 1)) && !r.degraded));
     supervisor.shutdown();
 }
+
+/// One reader serves every replica: a replica that leaves the pool is unsubscribed (its
+/// engine sees the connection close), and the one that stays goes on being read.
+#[test]
+fn a_replica_that_leaves_is_unsubscribed_and_the_others_go_on() {
+    let ctx = zmq::Context::new();
+    let ports = [free_port(), free_port()];
+    let engines = ports.map(|p| Engine::start(&ctx, p, None));
+    let closed = ctx.socket(zmq::PAIR).unwrap();
+    engines[1].publisher.monitor("inproc://leaving-engine", zmq::SocketEvent::DISCONNECTED.to_raw().into()).unwrap();
+    closed.connect("inproc://leaving-engine").unwrap();
+    let replica = |r: usize| ReplicaConfig {
+        kv_events_topic: "topic".into(),
+        ..ReplicaConfig::new(
+            &format!("r{r}"),
+            format!("127.0.0.1:{}", r + 1).parse().unwrap(),
+            &format!("tcp://127.0.0.1:{}", ports[r]),
+        )
+    };
+    let metrics = Arc::new(Metrics::default());
+    // No grace period: a replica that leaves is retired at once.
+    let config =
+        PoolConfig { leave_grace_secs: 0, ..PoolConfig::new("m", "unused", BS as u32, vec![replica(0), replica(1)]) };
+    let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
+    let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics).unwrap();
+    for (r, engine) in engines.iter().enumerate() {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.state().replicas[r].last_seq != Some(0) {
+            assert!(Instant::now() < deadline, "subscriber {r} never connected");
+            engine.restart();
+            engine.send(0, &store(r as u32, 0), false);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    supervisor.apply(&[replica(0)]).unwrap();
+    closed.set_rcvtimeo(10_000).unwrap();
+    let event = closed.recv_multipart(0).expect("the engine that left sees its subscriber go");
+    assert_eq!(u16::from_le_bytes([event[0][0], event[0][1]]), zmq::SocketEvent::DISCONNECTED.to_raw());
+    engines[0].send(1, &store(0, 1), false);
+    wait_for("the staying replica's next message", || pool.state().replicas[0].last_seq == Some(1));
+    supervisor.shutdown();
+}

@@ -29,19 +29,18 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::config::{Config, DiscoveryKind, Env, ReplicaConfig};
 use crate::events::apply::Applier;
-use crate::events::transport::{self, Ingesters, Source};
+use crate::events::transport::{Ingesters, Readers, Source};
 use crate::index::ReplicaIdx;
 use crate::metrics::{DiscoveryLabels, Metrics};
 use crate::pool::Pool;
 
-/// Starts and stops one pool's event threads as its membership changes: the pool's applier
-/// and ingest workers, and each replica's reader.
+/// Starts and stops one pool's event ingestion as its membership changes: the pool's applier,
+/// ingest workers and reader, and each replica's subscription.
 pub struct Supervisor {
-    ctx: zmq::Context,
     pool: Arc<Pool>,
     metrics: Arc<Metrics>,
-    ingesters: Ingesters,
-    /// Stops the applier and the ingest workers (shutdown).
+    readers: Readers,
+    /// Stops the applier, the ingest workers and the reader (shutdown).
     stop_applier: Arc<AtomicBool>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -55,9 +54,10 @@ impl Supervisor {
         // One ingest worker per core: more would only take CPU from routing decisions.
         let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
         let (ingesters, mut threads) = Ingesters::spawn(&ctx, &pool, &applier, workers, &stop_applier)?;
-        threads.push(thread);
+        let (readers, reader) = Readers::spawn(&ctx, pool.clone(), metrics.clone(), &ingesters, &stop_applier)?;
+        threads.extend([thread, reader]);
         let threads = Mutex::new(threads);
-        let supervisor = Supervisor { ctx, pool, metrics, ingesters, stop_applier, threads };
+        let supervisor = Supervisor { pool, metrics, readers, stop_applier, threads };
         let initial = supervisor.pool.active();
         supervisor.spawn(initial)?;
         Ok(supervisor)
@@ -68,9 +68,11 @@ impl Supervisor {
         &self.pool
     }
 
-    /// Makes `replicas` the pool's membership and starts event threads for newcomers.
+    /// Makes `replicas` the pool's membership, reads the events of newcomers and stops reading
+    /// those that left.
     pub fn apply(&self, replicas: &[ReplicaConfig]) -> std::io::Result<()> {
         let start = self.pool.set_members(replicas);
+        self.readers.wake();
         self.spawn(start)
     }
 
@@ -97,9 +99,7 @@ impl Supervisor {
         let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
         threads.retain(|t| !t.is_finished());
         for (replica, config, stop) in sources.into_iter().filter(|_| self.pool.config().reads_events()) {
-            let source = Source { replica, config, stop };
-            let (ctx, pool, metrics) = (self.ctx.clone(), self.pool.clone(), self.metrics.clone());
-            threads.push(transport::spawn(ctx, pool, source, metrics, &self.ingesters)?);
+            self.readers.add(&self.pool, Source { replica, config, stop });
         }
         let active = self.pool.members().iter().filter(|m| m.active).count();
         self.metrics.replicas.get_or_create(&self.labels(self.pool.config().discovery.kind)).set(active as i64);

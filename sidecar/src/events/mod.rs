@@ -4,9 +4,10 @@
 //!   0.9 (positional arrays) to 0.33 (tagged maps), and SGLang's.
 //! - [`ingest`]: one replica's stream → index [`ingest::Change`]s: sequence numbers, replay of
 //!   gaps, restarts, degraded state, tiers, salts, KV-group filtering. Pure, unit-tested.
-//! - [`transport`]: per replica, the ZMQ sockets and a reader thread (SUB socket → an inbox
-//!   bounded in bytes); per pool, one ingest worker per core that runs each replica's stream
-//!   in turns (decode and replay, no lock held → jobs).
+//! - [`transport`]: per replica, the ZMQ sockets and an inbox bounded in bytes; per pool, one
+//!   reader thread waiting on every replica's SUB socket (socket → inbox) and one ingest
+//!   worker per core that runs each replica's stream in turns (decode and replay, no lock
+//!   held → jobs).
 //! - [`apply`]: per pool, the one thread that writes the index: jobs applied in bounded
 //!   batches to the standby copy of the index, each made live when it ends.
 //!

@@ -1,17 +1,23 @@
-//! ZMQ transport: per replica a reader thread on a SUB socket, feeding an inbox bounded in
-//! bytes; per pool a few ingest workers (one per core) that run each replica's
-//! [`super::ingest::Ingest`] — decoding, replaying gaps — with no lock held, and hand the
-//! changes to the pool's [`Applier`].
+//! ZMQ transport: per pool one reader thread waiting on every replica's SUB socket at once
+//! (`zmq::poll`) and moving each message into its replica's inbox, bounded in bytes; per pool
+//! a few ingest workers (one per core) that run each replica's [`super::ingest::Ingest`] —
+//! decoding, replaying gaps — with no lock held, and hand the changes to the pool's
+//! [`Applier`].
 //!
 //! - A replica's ingestion is a [`Stream`]: its inbox and its `Ingest` state. When a message
 //!   arrives the reader schedules the stream on the pool's run queue (once: a scheduled
 //!   stream is not queued again); a worker takes it, ingests up to [`TURN`] messages, and
 //!   queues it again if more are waiting. So one replica's messages are ingested in order, by
 //!   one worker at a time, and a busy replica cannot hold a worker while others wait.
-//! - Few workers, not one thread per replica: under an event storm the threads that want the
-//!   CPU are the workers, not as many as there are replicas, so the API's threads (routing
-//!   decisions) still get their share. Readers mostly wait on their socket.
-//! - Readers and workers run at a lower CPU priority than the API ([`crate::niceness`]).
+//! - Few threads, not one per replica: under an event storm the threads that want the CPU are
+//!   the reader, the workers and the applier, however many replicas there are, so the API's
+//!   threads (routing decisions) still get their share. One reader per replica was measured
+//!   against this (`docs/benchmarks/contention.md`): 64 reader threads waking for every
+//!   message preempted decisions more often. The reader takes up to [`TURN`] messages from a
+//!   socket per round, so one busy engine cannot starve the others' sockets.
+//! - Replicas join with [`Readers::add`]; one whose stop flag is set (it left the pool, or
+//!   shutdown) is dropped, and its sockets closed, at the reader's next round.
+//! - The reader and the workers run at a lower CPU priority than the API ([`crate::niceness`]).
 //! - A replay that hangs holds one worker for at most its timeout; the other workers go on.
 //! - The reader never waits: when the inbox is full (in bytes or in messages) the message is
 //!   dropped and counted (`reason="inbox_full"`), and ingestion sees a sequence gap, which
@@ -152,37 +158,217 @@ impl Ingesters {
     }
 }
 
-/// Starts the reader thread of one replica; its ingestion runs on the pool's `ingesters`.
-/// The reader runs until the replica's stop flag is set.
-pub fn spawn(
+/// A pool's reader: one thread that waits on every replica's SUB socket at once and moves
+/// each message into its replica's inbox. Replicas are added with [`Readers::add`] and leave
+/// when their stop flag is set.
+pub struct Readers {
+    added: Sender<(Source, Inbox)>,
+    /// Wakes the reader to take up a new replica or drop one that left (a PAIR socket).
+    wake: Mutex<zmq::Socket>,
+    block_size: usize,
+    runs: Sender<Arc<Stream>>,
+}
+
+impl Readers {
+    /// Starts the reader thread of `pool`; it runs until `stop` is set. Its replicas' ingestion
+    /// runs on `ingesters`.
+    pub fn spawn(
+        ctx: &zmq::Context,
+        pool: Arc<Pool>,
+        metrics: Arc<Metrics>,
+        ingesters: &Ingesters,
+        stop: &Arc<AtomicBool>,
+    ) -> std::io::Result<(Readers, JoinHandle<()>)> {
+        static READERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let endpoint = format!("inproc://kv-readers-{}", READERS.fetch_add(1, Ordering::Relaxed));
+        let pair = |bind: bool| -> zmq::Result<zmq::Socket> {
+            let socket = ctx.socket(zmq::PAIR)?;
+            socket.set_linger(0)?;
+            if bind {
+                socket.bind(&endpoint)?;
+            } else {
+                socket.connect(&endpoint)?;
+            }
+            Ok(socket)
+        };
+        let (woken, wake) = (pair(true)?, pair(false)?);
+        let (added, sources) = channel();
+        let (ctx, stop) = (ctx.clone(), stop.clone());
+        let name = format!("kv-read-{}", pool.config().model);
+        let block_size = pool.config().block_size as usize;
+        let thread = std::thread::Builder::new().name(name).spawn(move || {
+            give_way_to_routing();
+            Reader { ctx, pool, metrics, woken, sources, subscriptions: Vec::new() }.run(&stop);
+        })?;
+        Ok((Readers { added, wake: Mutex::new(wake), block_size, runs: ingesters.runs.clone() }, thread))
+    }
+
+    /// Starts reading `source`'s events into `pool`.
+    pub fn add(&self, pool: &Pool, source: Source) {
+        let (tx, rx) = sync_channel::<Message>(INBOX_MESSAGES);
+        // A snapshot a peer handed over is restored before the stream's first message; its
+        // ingestion resumes after it.
+        let ingest = match pool.restore(source.replica) {
+            Some(seq) => Ingest::resume(self.block_size, seq),
+            None => Ingest::new(self.block_size),
+        };
+        let stream = Arc::new(Stream {
+            replica: source.replica,
+            stop: source.stop.clone(),
+            replay: source.config.kv_replay.clone(),
+            queued: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            scheduled: AtomicBool::new(false),
+            state: Mutex::new(StreamState { inbox: rx, ingest }),
+        });
+        // A stopped reader means the pool is shutting down: nothing left to do.
+        let _ = self.added.send((source, Inbox { tx, stream, runs: self.runs.clone() }));
+        self.wake();
+    }
+
+    /// Has the reader look at its replicas again now (one may have left the pool).
+    pub fn wake(&self) {
+        // A full pipe already holds a wake-up the reader has yet to see.
+        let _ = self.wake.lock().unwrap_or_else(|e| e.into_inner()).send(&b""[..], zmq::DONTWAIT);
+    }
+}
+
+/// The reader thread's state.
+struct Reader {
     ctx: zmq::Context,
     pool: Arc<Pool>,
-    source: Source,
     metrics: Arc<Metrics>,
-    ingesters: &Ingesters,
-) -> std::io::Result<JoinHandle<()>> {
-    let (tx, rx) = sync_channel::<Message>(INBOX_MESSAGES);
-    let block_size = pool.config().block_size as usize;
-    // A snapshot a peer handed over is restored before the stream's first message; its
-    // ingestion resumes after it.
-    let ingest = match pool.restore(source.replica) {
-        Some(seq) => Ingest::resume(block_size, seq),
-        None => Ingest::new(block_size),
-    };
-    let stream = Arc::new(Stream {
-        replica: source.replica,
-        stop: source.stop.clone(),
-        replay: source.config.kv_replay.clone(),
-        queued: AtomicUsize::new(0),
-        bytes: AtomicUsize::new(0),
-        scheduled: AtomicBool::new(false),
-        state: Mutex::new(StreamState { inbox: rx, ingest }),
-    });
-    let inbox = Inbox { tx, stream, runs: ingesters.runs.clone() };
-    std::thread::Builder::new().name(format!("kv-read-{}", source.config.id)).spawn(move || {
-        give_way_to_routing();
-        read_loop(&ctx, &pool, &source, &metrics, &inbox);
-    })
+    woken: zmq::Socket,
+    sources: Receiver<(Source, Inbox)>,
+    subscriptions: Vec<Subscription>,
+}
+
+/// One replica the reader reads.
+struct Subscription {
+    source: Source,
+    inbox: Inbox,
+    /// Its sockets, or when to try opening them again.
+    sockets: Result<Sockets, std::time::Instant>,
+}
+
+/// A replica's SUB socket and the monitor of its connection.
+struct Sockets {
+    sub: zmq::Socket,
+    monitor: zmq::Socket,
+}
+
+/// What a round of the reader found on one subscription.
+#[derive(Clone, Copy)]
+struct Ready {
+    message: bool,
+    monitor: bool,
+}
+
+impl Reader {
+    fn run(mut self, stop: &AtomicBool) {
+        while !stop.load(Ordering::Relaxed) {
+            self.subscriptions.extend(self.sources.try_iter().map(|(source, inbox)| Subscription {
+                source,
+                inbox,
+                sockets: Err(std::time::Instant::now()),
+            }));
+            self.subscriptions.retain(|s| !s.source.stop.load(Ordering::Relaxed));
+            for s in &mut self.subscriptions {
+                s.open_when_due(&self.ctx);
+            }
+            let ready = match self.poll() {
+                Ok(ready) => ready,
+                Err(e) => {
+                    tracing::warn!(error = %e, "KV-event poll failed; polling again");
+                    std::thread::sleep(POLL);
+                    continue;
+                }
+            };
+            let (pool, metrics, mut ready) = (&*self.pool, &*self.metrics, ready.into_iter());
+            self.subscriptions.retain_mut(|s| ready.next().flatten().is_none_or(|r| s.read(pool, metrics, r)));
+        }
+    }
+
+    /// Waits until a replica has a message or a connection event (or until [`POLL`]), and says
+    /// which: one entry per subscription, `None` where its sockets are closed.
+    fn poll(&self) -> zmq::Result<Vec<Option<Ready>>> {
+        let mut items = vec![self.woken.as_poll_item(zmq::POLLIN)];
+        for sockets in self.subscriptions.iter().filter_map(|s| s.sockets.as_ref().ok()) {
+            items.push(sockets.sub.as_poll_item(zmq::POLLIN));
+            items.push(sockets.monitor.as_poll_item(zmq::POLLIN));
+        }
+        zmq::poll(&mut items, POLL.as_millis() as i64)?;
+        if items[0].is_readable() {
+            while self.woken.recv_bytes(zmq::DONTWAIT).is_ok() {}
+        }
+        let mut found =
+            items[1..].chunks(2).map(|pair| Ready { message: pair[0].is_readable(), monitor: pair[1].is_readable() });
+        Ok(self.subscriptions.iter().map(|s| s.sockets.as_ref().ok().and_then(|_| found.next())).collect())
+    }
+}
+
+impl Subscription {
+    /// Opens the replica's sockets if they are closed and it is time to try.
+    fn open_when_due(&mut self, ctx: &zmq::Context) {
+        let Err(due) = self.sockets else { return };
+        if std::time::Instant::now() < due {
+            return;
+        }
+        let config = &self.source.config;
+        let opened =
+            open_sub(ctx, config).and_then(|sub| Ok(Sockets { monitor: monitor(ctx, &sub, &config.id)?, sub }));
+        self.sockets = opened.map_err(|e| {
+            tracing::warn!(endpoint = %config.kv_events, error = %e, "cannot open the KV-event socket; retrying");
+            std::time::Instant::now() + Duration::from_secs(1)
+        });
+    }
+
+    /// Handles what `ready` says is waiting: a disconnection, and up to [`TURN`] messages
+    /// moved into the inbox. False once the replica's ingestion has gone.
+    fn read(&mut self, pool: &Pool, metrics: &Metrics, ready: Ready) -> bool {
+        let replica = self.source.replica;
+        let Ok(sockets) = &self.sockets else { return true };
+        if ready.monitor && disconnected(&sockets.monitor) {
+            pool.publisher_disconnected(replica);
+        }
+        if !ready.message {
+            return true;
+        }
+        for _ in 0..TURN {
+            let frames = match sockets.sub.recv_multipart(zmq::DONTWAIT) {
+                Ok(f) => f,
+                Err(zmq::Error::EAGAIN) => return true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "KV-event receive failed; reopening");
+                    self.sockets = Err(std::time::Instant::now());
+                    return true;
+                }
+            };
+            let [_topic, seq, payload] = <[Vec<u8>; 3]>::try_from(frames).unwrap_or_default();
+            let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()).map(u64::from_be_bytes) else {
+                metrics.dropped(&pool.labels(replica), "bad_frames");
+                continue;
+            };
+            let (len, stream) = (payload.len(), &self.inbox.stream);
+            if stream.bytes.load(Ordering::Relaxed) + len > INBOX_BYTES {
+                metrics.dropped(&pool.labels(replica), "inbox_full");
+                continue;
+            }
+            // Counted before it is sent, so a worker never sees a message it was not told of.
+            stream.bytes.fetch_add(len, Ordering::Relaxed);
+            stream.queued.fetch_add(1, Ordering::SeqCst);
+            match self.inbox.tx.try_send((seq, payload)) {
+                Ok(()) => stream.schedule(&self.inbox.runs),
+                Err(TrySendError::Full(_)) => {
+                    stream.bytes.fetch_sub(len, Ordering::Relaxed);
+                    stream.queued.fetch_sub(1, Ordering::SeqCst);
+                    metrics.dropped(&pool.labels(replica), "inbox_full");
+                }
+                Err(TrySendError::Disconnected(_)) => return false,
+            }
+        }
+        true
+    }
 }
 
 /// Lowers this event thread's CPU priority below the API's (see [`crate::niceness`]).
@@ -195,7 +381,6 @@ pub(super) fn give_way_to_routing() {
 fn open_sub(ctx: &zmq::Context, r: &ReplicaConfig) -> zmq::Result<zmq::Socket> {
     let socket = ctx.socket(zmq::SUB)?;
     socket.set_maxmsgsize(MAX_MESSAGE_BYTES)?;
-    socket.set_rcvtimeo(POLL.as_millis() as i32)?;
     socket.set_rcvhwm(SOCKET_MESSAGES)?;
     socket.set_linger(0)?;
     socket.set_subscribe(r.kv_events_topic.as_bytes())?;
@@ -225,64 +410,6 @@ fn disconnected(monitor: &zmq::Socket) -> bool {
         dropped |= event == Some(zmq::SocketEvent::DISCONNECTED.to_raw());
     }
     dropped
-}
-
-fn read_loop(ctx: &zmq::Context, pool: &Pool, source: &Source, metrics: &Metrics, inbox: &Inbox) {
-    let (replica, stop) = (source.replica, &source.stop);
-    while !stop.load(Ordering::Relaxed) {
-        let opened = open_sub(ctx, &source.config).and_then(|s| Ok((monitor(ctx, &s, &source.config.id)?, s)));
-        let (events, socket) = match opened {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(endpoint = %source.config.kv_events, error = %e, "cannot open the KV-event socket; retrying");
-                std::thread::sleep(Duration::from_secs(1));
-                continue;
-            }
-        };
-        while !stop.load(Ordering::Relaxed) {
-            let mut items = [socket.as_poll_item(zmq::POLLIN), events.as_poll_item(zmq::POLLIN)];
-            if let Err(e) = zmq::poll(&mut items, POLL.as_millis() as i64) {
-                tracing::warn!(error = %e, "KV-event poll failed; reopening");
-                break;
-            }
-            if items[1].is_readable() && disconnected(&events) {
-                pool.publisher_disconnected(replica);
-            }
-            if !items[0].is_readable() {
-                continue;
-            }
-            let frames = match socket.recv_multipart(zmq::DONTWAIT) {
-                Ok(f) => f,
-                Err(zmq::Error::EAGAIN) => continue,
-                Err(e) => {
-                    tracing::warn!(error = %e, "KV-event receive failed; reopening");
-                    break;
-                }
-            };
-            let [_topic, seq, payload] = <[Vec<u8>; 3]>::try_from(frames).unwrap_or_default();
-            let Ok(seq) = <[u8; 8]>::try_from(seq.as_slice()).map(u64::from_be_bytes) else {
-                metrics.dropped(&pool.labels(replica), "bad_frames");
-                continue;
-            };
-            let (len, stream) = (payload.len(), &inbox.stream);
-            if stream.bytes.load(Ordering::Relaxed) + len > INBOX_BYTES {
-                metrics.dropped(&pool.labels(replica), "inbox_full");
-                continue;
-            }
-            // Counted before it is sent, so a worker never sees a message it was not told of.
-            stream.bytes.fetch_add(len, Ordering::Relaxed);
-            stream.queued.fetch_add(1, Ordering::SeqCst);
-            match inbox.tx.try_send((seq, payload)) {
-                Ok(()) => stream.schedule(&inbox.runs),
-                Err(TrySendError::Full(_)) => {
-                    stream.bytes.fetch_sub(len, Ordering::Relaxed);
-                    stream.queued.fetch_sub(1, Ordering::SeqCst);
-                    metrics.dropped(&pool.labels(replica), "inbox_full");
-                }
-                Err(TrySendError::Disconnected(_)) => return,
-            }
-        }
-    }
 }
 
 /// An ingest worker: runs scheduled streams, a turn at a time, until `stop`.
