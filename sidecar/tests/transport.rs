@@ -161,30 +161,21 @@ fn a_dropped_connection_withholds_credit_until_the_engine_is_back() {
     assert!(rig.pool.members()[0].health.trusted());
 }
 
-/// More replicas than ingest workers: every replica's stream is ingested whole and in order
-/// (each block's parent is the one before, so a message applied early would be refused).
-#[test]
-fn many_replicas_share_the_ingest_workers_in_order() {
-    const REPLICAS: u32 = 12;
-    const BLOCKS: u32 = 200;
-    let ctx = zmq::Context::new();
-    let ports: Vec<u16> = (0..REPLICAS).map(|_| free_port()).collect();
-    let engines: Vec<Engine> = ports.iter().map(|p| Engine::start(&ctx, *p, None)).collect();
-    let replicas = (0..REPLICAS as usize)
-        .map(|r| ReplicaConfig {
-            kv_events_topic: "topic".into(),
-            ..ReplicaConfig::new(
-                &format!("r{r}"),
-                format!("127.0.0.1:{}", r + 1).parse().unwrap(),
-                &format!("tcp://127.0.0.1:{}", ports[r]),
-            )
-        })
-        .collect();
-    let metrics = Arc::new(Metrics::default());
-    let pool = Arc::new(Pool::new(PoolConfig::new("m", "unused", BS as u32, replicas), Vec::new(), metrics.clone()));
-    let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics).unwrap();
-    // Each subscriber has seq 0 (block 0) before the rest is sent: ZMQ drops what a
-    // subscriber that is still joining would have received.
+/// Replica `r` of a pool whose engines publish on `ports`.
+fn replica(r: usize, ports: &[u16]) -> ReplicaConfig {
+    ReplicaConfig {
+        kv_events_topic: "topic".into(),
+        ..ReplicaConfig::new(
+            &format!("r{r}"),
+            format!("127.0.0.1:{}", r + 1).parse().unwrap(),
+            &format!("tcp://127.0.0.1:{}", ports[r]),
+        )
+    }
+}
+
+/// Sends each engine's seq 0 (block 0) until its subscriber has it: ZMQ drops what a
+/// subscriber that is still joining would have received.
+fn connect_all(pool: &Pool, engines: &[Engine]) {
     for (r, engine) in engines.iter().enumerate() {
         let deadline = Instant::now() + Duration::from_secs(10);
         while pool.state().replicas[r].last_seq != Some(0) {
@@ -194,6 +185,22 @@ fn many_replicas_share_the_ingest_workers_in_order() {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// More replicas than ingest workers: every replica's stream is ingested whole and in order
+/// (each block's parent is the one before, so a message applied early would be refused).
+#[test]
+fn many_replicas_share_the_ingest_workers_in_order() {
+    const REPLICAS: u32 = 12;
+    const BLOCKS: u32 = 200;
+    let ctx = zmq::Context::new();
+    let ports: Vec<u16> = (0..REPLICAS).map(|_| free_port()).collect();
+    let engines: Vec<Engine> = ports.iter().map(|p| Engine::start(&ctx, *p, None)).collect();
+    let replicas = (0..REPLICAS as usize).map(|r| replica(r, &ports)).collect();
+    let metrics = Arc::new(Metrics::default());
+    let pool = Arc::new(Pool::new(PoolConfig::new("m", "unused", BS as u32, replicas), Vec::new(), metrics.clone()));
+    let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics).unwrap();
+    connect_all(&pool, &engines);
     for b in 1..BLOCKS {
         for (r, engine) in engines.iter().enumerate() {
             engine.send(u64::from(b), &store(r as u32, b), false);
@@ -219,31 +226,17 @@ fn a_replica_that_leaves_is_unsubscribed_and_the_others_go_on() {
     let closed = ctx.socket(zmq::PAIR).unwrap();
     engines[1].publisher.monitor("inproc://leaving-engine", zmq::SocketEvent::DISCONNECTED.to_raw().into()).unwrap();
     closed.connect("inproc://leaving-engine").unwrap();
-    let replica = |r: usize| ReplicaConfig {
-        kv_events_topic: "topic".into(),
-        ..ReplicaConfig::new(
-            &format!("r{r}"),
-            format!("127.0.0.1:{}", r + 1).parse().unwrap(),
-            &format!("tcp://127.0.0.1:{}", ports[r]),
-        )
-    };
     let metrics = Arc::new(Metrics::default());
     // No grace period: a replica that leaves is retired at once.
-    let config =
-        PoolConfig { leave_grace_secs: 0, ..PoolConfig::new("m", "unused", BS as u32, vec![replica(0), replica(1)]) };
+    let config = PoolConfig {
+        leave_grace_secs: 0,
+        ..PoolConfig::new("m", "unused", BS as u32, vec![replica(0, &ports), replica(1, &ports)])
+    };
     let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
     let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics).unwrap();
-    for (r, engine) in engines.iter().enumerate() {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while pool.state().replicas[r].last_seq != Some(0) {
-            assert!(Instant::now() < deadline, "subscriber {r} never connected");
-            engine.restart();
-            engine.send(0, &store(r as u32, 0), false);
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    connect_all(&pool, &engines);
 
-    supervisor.apply(&[replica(0)]).unwrap();
+    supervisor.apply(&[replica(0, &ports)]).unwrap();
     closed.set_rcvtimeo(10_000).unwrap();
     let event = closed.recv_multipart(0).expect("the engine that left sees its subscriber go");
     assert_eq!(u16::from_le_bytes([event[0][0], event[0][1]]), zmq::SocketEvent::DISCONNECTED.to_raw());
