@@ -278,6 +278,8 @@ impl Reader {
             }
             let ready = match self.poll() {
                 Ok(ready) => ready,
+                // A signal (SIGHUP reloads the config) interrupted the wait: nothing failed.
+                Err(zmq::Error::EINTR) => continue,
                 Err(e) => {
                     tracing::warn!(error = %e, "KV-event poll failed; polling again");
                     std::thread::sleep(POLL);
