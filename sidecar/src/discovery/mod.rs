@@ -10,8 +10,8 @@
 //!   reports them, minus those Envoy considers unhealthy ([`envoy`]).
 //!
 //! A [`Supervisor`] applies each membership to its pool ([`crate::pool::Pool::set_members`]):
-//! unchanged replicas keep their index and bookings, replicas that left are emptied and their
-//! event threads stopped, new ones get event threads. A failed lookup keeps the last
+//! unchanged replicas keep their index and bookings, replicas that left are emptied and no
+//! longer read, new ones are read from. A failed lookup keeps the last
 //! membership and counts `kvgate_discovery_errors_total`.
 //!
 //! Beside membership, [`adapters`] learns which LoRA adapters each replica serves from its
@@ -46,8 +46,8 @@ pub struct Supervisor {
 }
 
 impl Supervisor {
-    /// A supervisor for `pool`; starts its applier and the event threads of its configured
-    /// replicas.
+    /// A supervisor for `pool`; starts its event threads (applier, ingest workers, reader)
+    /// and reads its configured replicas.
     pub fn start(ctx: zmq::Context, pool: Arc<Pool>, metrics: Arc<Metrics>) -> std::io::Result<Supervisor> {
         let stop_applier = Arc::new(AtomicBool::new(false));
         let (applier, thread) = Applier::spawn(pool.clone(), metrics.clone(), stop_applier.clone())?;

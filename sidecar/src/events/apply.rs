@@ -47,7 +47,7 @@ const POLL: Duration = Duration::from_millis(200);
 pub struct Job {
     /// The replica's slot.
     pub replica: ReplicaIdx,
-    /// Its event threads' stop flag: set when it left the pool.
+    /// Its events' stop flag: set when it left the pool.
     pub stop: Arc<AtomicBool>,
     /// The changes and what happened to the message.
     pub planned: Planned,

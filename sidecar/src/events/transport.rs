@@ -19,7 +19,7 @@
 //!   shutdown) is dropped, and its sockets closed, at the reader's next round.
 //! - The reader and the workers run at a lower CPU priority than the API ([`crate::niceness`]).
 //! - A replay that hangs holds one worker for at most its timeout; the other workers go on.
-//! - The reader never waits: when the inbox is full (in bytes or in messages) the message is
+//! - The reader never blocks on a replica: when the inbox is full (in bytes or in messages) the message is
 //!   dropped and counted (`reason="inbox_full"`), and ingestion sees a sequence gap, which
 //!   it replays like any other.
 //! - Messages must be exactly `[topic, seq (8 bytes, big-endian), payload]`.
@@ -55,7 +55,8 @@ const SOCKET_MESSAGES: i32 = 10_000;
 pub const INBOX_BYTES: usize = 64 << 20;
 /// Messages buffered between a reader and its ingester.
 const INBOX_MESSAGES: usize = 10_000;
-/// How often blocked calls wake up to check for shutdown.
+/// The longest a blocked call waits before checking for shutdown; also how late the reader
+/// notices a replica that left without waking it, and how often it retries a failed socket.
 const POLL: Duration = Duration::from_millis(200);
 /// Messages a worker ingests from one replica before it takes the next scheduled one.
 pub const TURN: usize = 32;
@@ -66,15 +67,15 @@ const REPLAY_MAX_MESSAGES: usize = 100_000;
 /// The most payload bytes one replay returns.
 const REPLAY_MAX_BYTES: usize = 256 << 20;
 
-/// One replica's event source: its slot, its endpoints, and the flag that stops its threads
-/// (set when it leaves the pool, or at shutdown).
+/// One replica's event source: its slot, its endpoints, and the flag that stops reading and
+/// ingesting its events (set when it leaves the pool, or at shutdown).
 #[derive(Debug, Clone)]
 pub struct Source {
     /// The replica's slot in the pool.
     pub replica: ReplicaIdx,
     /// Its endpoints.
     pub config: ReplicaConfig,
-    /// Stops its reader and its ingestion.
+    /// Stops its subscription and its ingestion.
     pub stop: Arc<AtomicBool>,
 }
 
@@ -221,8 +222,12 @@ impl Readers {
             scheduled: AtomicBool::new(false),
             state: Mutex::new(StreamState { inbox: rx, ingest }),
         });
-        // A stopped reader means the pool is shutting down: nothing left to do.
-        let _ = self.added.send((source, Inbox { tx, stream, runs: self.runs.clone() }));
+        let id = source.config.id.clone();
+        if self.added.send((source, Inbox { tx, stream, runs: self.runs.clone() })).is_err() {
+            // The reader stops at shutdown; any other time it would have died, and its
+            // replicas' health (stalled, no credit) shows it too.
+            tracing::error!(replica = %id, "the pool's KV-event reader has stopped; this replica's events will not be read");
+        }
         self.wake();
     }
 
@@ -326,9 +331,13 @@ impl Subscription {
     }
 
     /// Handles what `ready` says is waiting: a disconnection, and up to [`TURN`] messages
-    /// moved into the inbox. False once the replica's ingestion has gone.
+    /// moved into the inbox. False once the replica has left (its slot may already hold a
+    /// newcomer, which must not see this engine's events) or its ingestion has gone.
     fn read(&mut self, pool: &Pool, metrics: &Metrics, ready: Ready) -> bool {
         let replica = self.source.replica;
+        if self.source.stop.load(Ordering::Relaxed) {
+            return false;
+        }
         let Ok(sockets) = &self.sockets else { return true };
         if ready.monitor && disconnected(&sockets.monitor) {
             pool.publisher_disconnected(replica);

@@ -72,7 +72,7 @@ pub struct Member {
     pub leaving_since: Option<Instant>,
     /// Its ingestion health.
     pub health: Arc<ReplicaHealth>,
-    /// Set to stop its event threads (when it leaves or its endpoints change).
+    /// Set to stop reading and ingesting its events (when it leaves or its endpoints change).
     pub stop: Arc<AtomicBool>,
     /// LoRA adapters its engine lists in `/v1/models` (see `adapters_poll_secs`).
     pub adapters: BTreeSet<String>,
@@ -135,7 +135,7 @@ impl Pool {
         read(&self.members)
     }
 
-    /// The active replicas' slots with their event-thread stop flags: what to start
+    /// The active replicas' slots with their event stop flags: what to start
     /// ingestion for at startup.
     pub fn active(&self) -> Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)> {
         let members = self.members();
@@ -143,14 +143,14 @@ impl Pool {
         active.map(|(i, m)| (ReplicaIdx::new(i), m.replica.clone(), m.stop.clone())).collect()
     }
 
-    /// Makes `replicas` the pool's membership, and returns the slots whose event threads must
+    /// Makes `replicas` the pool's membership, and returns the slots whose events must
     /// be started, with their config and stop flag.
     ///
     /// - An unchanged replica keeps everything (index, bookings, health).
     /// - A replica that left stops being a candidate at once. For `leave_grace_secs` it keeps
-    ///   its index and event threads: back within that (a health-check flap, an outlier
+    ///   its index and event ingestion: back within that (a health-check flap, an outlier
     ///   ejection) it is routable again, warm. After that its slot is emptied
-    ///   ([`Pool::retire_departed`]): threads stopped, index and bookings dropped.
+    ///   ([`Pool::retire_departed`]): events no longer read, index and bookings dropped.
     /// - A new replica — or one whose endpoints changed, which is a new engine as far as its
     ///   cache goes — starts empty, in an emptied slot if there is one (so pod rollouts do not
     ///   grow the slots every decision scans), else a new one.
@@ -226,7 +226,7 @@ impl Pool {
         start
     }
 
-    /// Puts a new replica in slot `i` (emptied already) and queues its event threads.
+    /// Puts a new replica in slot `i` (emptied already) and queues it to be read.
     fn join(
         &self,
         i: ReplicaIdx,
@@ -256,7 +256,7 @@ impl Pool {
         }
     }
 
-    /// Takes a replica out: stops its event threads, then (in `index`, a batch opened after
+    /// Takes a replica out: stops reading its events, then (in `index`, a batch opened after
     /// any the applier had begun, so a stopped applier cannot write after it) drops its blocks
     /// and bookings.
     fn retire(&self, i: ReplicaIdx, m: &mut Member, index: &mut Batch<'_, KvIndex>) {
@@ -304,7 +304,7 @@ impl Pool {
         all
     }
 
-    /// Stops every replica's event threads (shutdown).
+    /// Stops reading every replica's events (shutdown).
     pub fn stop_all(&self) {
         for m in self.members().iter() {
             m.stop.store(true, Ordering::Relaxed);

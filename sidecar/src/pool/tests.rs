@@ -212,7 +212,7 @@ fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
         [(0, "r0"), (1, "r3")],
         "a changed replica restarts in its slot; a newcomer takes the slot r1 emptied"
     );
-    assert!(stop_r1.load(Ordering::Relaxed), "the leaver's event threads are told to stop");
+    assert!(stop_r1.load(Ordering::Relaxed), "the leaver's events are no longer read");
     let matches = p.find_matches(&prompt_block_hashes(&prompt, 4, Salt::NONE));
     let device: Vec<u32> = matches.iter().map(|o| o.device).collect();
     assert_eq!(device, [0, 0, 16], "r2 keeps its blocks; r0 (new engine) and r3 (in r1's emptied slot) hold none");
