@@ -58,8 +58,7 @@ impl Supervisor {
         threads.extend([thread, reader]);
         let threads = Mutex::new(threads);
         let supervisor = Supervisor { pool, metrics, readers, stop_applier, threads };
-        let initial = supervisor.pool.active();
-        supervisor.spawn(initial)?;
+        supervisor.read(supervisor.pool.active());
         Ok(supervisor)
     }
 
@@ -70,17 +69,17 @@ impl Supervisor {
 
     /// Makes `replicas` the pool's membership, reads the events of newcomers and stops reading
     /// those that left.
-    pub fn apply(&self, replicas: &[ReplicaConfig]) -> std::io::Result<()> {
+    pub fn apply(&self, replicas: &[ReplicaConfig]) {
         let start = self.pool.set_members(replicas);
         self.readers.wake();
-        self.spawn(start)
+        self.read(start);
     }
 
     /// Applies one refresh of a polled source: its replicas, or the reason it has none this
     /// time (which keeps the membership as it was and is counted).
     pub fn refresh(&self, kind: DiscoveryKind, found: Result<Vec<ReplicaConfig>, String>) {
-        match found.and_then(|replicas| self.apply(&replicas).map_err(|e| e.to_string())) {
-            Ok(()) => {}
+        match found {
+            Ok(replicas) => self.apply(&replicas),
             Err(e) => self.failed(kind, &e),
         }
     }
@@ -95,15 +94,14 @@ impl Supervisor {
         DiscoveryLabels { model: self.pool.config().model.clone(), kind: kind.label().into() }
     }
 
-    fn spawn(&self, sources: Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)>) -> std::io::Result<()> {
-        let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
-        threads.retain(|t| !t.is_finished());
+    /// Reads the events of `sources` (when the pool reads events at all) and exports the
+    /// number of active replicas.
+    fn read(&self, sources: Vec<(ReplicaIdx, ReplicaConfig, Arc<AtomicBool>)>) {
         for (replica, config, stop) in sources.into_iter().filter(|_| self.pool.config().reads_events()) {
             self.readers.add(&self.pool, Source { replica, config, stop });
         }
         let active = self.pool.members().iter().filter(|m| m.active).count();
         self.metrics.replicas.get_or_create(&self.labels(self.pool.config().discovery.kind)).set(active as i64);
-        Ok(())
     }
 
     /// Stops every event thread and waits for them.
@@ -188,10 +186,7 @@ fn apply_static(config: &Config, supervisors: &[Arc<Supervisor>]) {
         {
             tracing::warn!(model = %current.model, "only replica lists are reloaded; restart the sidecar for the other changes");
         }
-        if let Err(e) = s.apply(&new.replicas) {
-            s.failed(DiscoveryKind::Static, &e);
-        } else {
-            tracing::info!(model = %current.model, replicas = new.replicas.len(), "config reloaded");
-        }
+        s.apply(&new.replicas);
+        tracing::info!(model = %current.model, replicas = new.replicas.len(), "config reloaded");
     }
 }

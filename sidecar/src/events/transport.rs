@@ -19,9 +19,9 @@
 //!   shutdown) is dropped, and its sockets closed, at the reader's next round.
 //! - The reader and the workers run at a lower CPU priority than the API ([`crate::niceness`]).
 //! - A replay that hangs holds one worker for at most its timeout; the other workers go on.
-//! - The reader never blocks on a replica: when the inbox is full (in bytes or in messages) the message is
-//!   dropped and counted (`reason="inbox_full"`), and ingestion sees a sequence gap, which
-//!   it replays like any other.
+//! - The reader never blocks on a replica: when the inbox is full (in bytes or in messages)
+//!   the message is dropped and counted (`reason="inbox_full"`), and ingestion sees a
+//!   sequence gap, which it replays like any other.
 //! - Messages must be exactly `[topic, seq (8 bytes, big-endian), payload]`.
 //! - A ZMQ socket monitor watches the connection: when it drops (the engine died or
 //!   restarted, or the network failed) the replica earns no cache credit until its next
@@ -33,7 +33,7 @@
 //!   bytes; past a bound it counts as lost (the replica is degraded, not stalled).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, sync_channel, Receiver, RecvTimeoutError, Sender, SyncSender, TrySendError};
+use std::sync::mpsc::{channel, sync_channel, Receiver, RecvTimeoutError, SendError, Sender, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -166,7 +166,6 @@ pub struct Readers {
     added: Sender<(Source, Inbox)>,
     /// Wakes the reader to take up a new replica or drop one that left (a PAIR socket).
     wake: Mutex<zmq::Socket>,
-    block_size: usize,
     runs: Sender<Arc<Stream>>,
 }
 
@@ -196,12 +195,11 @@ impl Readers {
         let (added, sources) = channel();
         let (ctx, stop) = (ctx.clone(), stop.clone());
         let name = format!("kv-read-{}", pool.config().model);
-        let block_size = pool.config().block_size as usize;
         let thread = std::thread::Builder::new().name(name).spawn(move || {
             give_way_to_routing();
             Reader { ctx, pool, metrics, woken, sources, subscriptions: Vec::new() }.run(&stop);
         })?;
-        Ok((Readers { added, wake: Mutex::new(wake), block_size, runs: ingesters.runs.clone() }, thread))
+        Ok((Readers { added, wake: Mutex::new(wake), runs: ingesters.runs.clone() }, thread))
     }
 
     /// Starts reading `source`'s events into `pool`.
@@ -209,9 +207,10 @@ impl Readers {
         let (tx, rx) = sync_channel::<Message>(INBOX_MESSAGES);
         // A snapshot a peer handed over is restored before the stream's first message; its
         // ingestion resumes after it.
+        let block_size = pool.config().block_size as usize;
         let ingest = match pool.restore(source.replica) {
-            Some(seq) => Ingest::resume(self.block_size, seq),
-            None => Ingest::new(self.block_size),
+            Some(seq) => Ingest::resume(block_size, seq),
+            None => Ingest::new(block_size),
         };
         let stream = Arc::new(Stream {
             replica: source.replica,
@@ -222,11 +221,10 @@ impl Readers {
             scheduled: AtomicBool::new(false),
             state: Mutex::new(StreamState { inbox: rx, ingest }),
         });
-        let id = source.config.id.clone();
-        if self.added.send((source, Inbox { tx, stream, runs: self.runs.clone() })).is_err() {
+        if let Err(SendError((source, _))) = self.added.send((source, Inbox { tx, stream, runs: self.runs.clone() })) {
             // The reader stops at shutdown; any other time it would have died, and its
             // replicas' health (stalled, no credit) shows it too.
-            tracing::error!(replica = %id, "the pool's KV-event reader has stopped; this replica's events will not be read");
+            tracing::error!(replica = %source.config.id, "the pool's KV-event reader has stopped; this replica's events will not be read");
         }
         self.wake();
     }
