@@ -186,6 +186,29 @@ pub fn pin(pid: u32, core: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Lowers every thread of `pid` to nice value `nice` (only ever lower: raising needs
+/// privilege); threads it starts later inherit the value from the thread that starts them.
+#[allow(unsafe_code)]
+pub fn renice(pid: u32, nice: i32) -> anyhow::Result<()> {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let Some(tid) = task?.file_name().to_str().and_then(|t| t.parse::<libc::id_t>().ok()) else { continue };
+        // SAFETY: setpriority takes and returns plain integers; no memory is shared.
+        let status = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
+        // A thread that ended since the listing is no failure.
+        if status != 0 && std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists() {
+            anyhow::bail!("renice thread {tid} of {pid}: {}", std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// A thread's nice value (field 19 of `/proc/<pid>/task/<tid>/stat`), if readable.
+pub fn nice_of(pid: u32, tid: u32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+    // The fields after the command name's closing ')': the state is the first, nice the 17th.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(16)?.parse().ok()
+}
+
 /// A process's resident set size in bytes (`VmRSS` of `/proc/<pid>/status`), if readable.
 pub fn rss_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -203,4 +226,23 @@ pub fn cpu_seconds(pid: u32) -> Option<f64> {
     // utime and stime are fields 14 and 15 of the line: 12 and 13 after the pid and the name.
     let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
     Some(ticks as f64 / 100.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renice_lowers_every_thread_of_a_running_process() {
+        let mut child = Command::new("sleep").arg("30").spawn().expect("sleep runs");
+        let pid = child.id();
+        let before = nice_of(pid, pid).expect("its nice value is readable");
+        let lower = (before + 7).min(19);
+        let result = renice(pid, lower);
+        let after = nice_of(pid, pid);
+        let _ = child.kill();
+        let _ = child.wait();
+        result.expect("lowering a child's priority needs no privilege");
+        assert_eq!(after, Some(lower));
+    }
 }

@@ -864,6 +864,7 @@ fn bench_harness_runs_policies_side_by_side() {
         mix: Mix::Priorities,
         peers_venv: kvgate_e2e::repo_root().join("target/peers-venv"),
         pin: false,
+        engines_nice: None,
     };
     let results = bench::run(&config, &Artifacts::locate("debug")).expect("the benchmark runs");
     assert_eq!(results.len(), 3);

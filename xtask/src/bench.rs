@@ -4,11 +4,15 @@
 //! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation,cache-pressure]
 //!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
 //!                       [--speedup 10] [--mix none|priorities|tenants|outside] [--gateways 1,2,4]
-//!                       [--users 48] [--user-spacing 0.25] [--pin] [--out DIR]
+//!                       [--users 48] [--user-spacing 0.25] [--pin] [--nice-engines 10]
+//!                       [--out DIR]
 //! ```
 //!
 //! `--users` and `--user-spacing` set multi-turn's load (it is a closed loop, so `--qps` does
 //! not drive it): how many users, and the simulated seconds between their first questions.
+//! `--pin` puts the routers on one core and the engines on the other; `--nice-engines N`
+//! instead runs the engines' threads at nice N, so a router never waits for a CPU an engine
+//! holds and the engines still get every cycle the routers leave.
 //!
 //! Writes `target/bench/<UTC timestamp>/{report.md,results.json,*.svg}` (or `--out`).
 
@@ -36,6 +40,7 @@ struct Args {
     users: Option<usize>,
     user_spacing_s: Option<f64>,
     pin: bool,
+    nice_engines: Option<i32>,
     out: Option<PathBuf>,
 }
 
@@ -52,6 +57,7 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
         users: None,
         user_spacing_s: None,
         pin: false,
+        nice_engines: None,
         out: None,
     };
     let mut it = args.iter();
@@ -88,6 +94,13 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
                 a.user_spacing_s = Some(s);
             }
             "--pin" => a.pin = true,
+            "--nice-engines" => {
+                let nice: i32 = it.next().context("--nice-engines needs a value")?.parse()?;
+                if !(1..=19).contains(&nice) {
+                    bail!("--nice-engines: a nice value from 1 to 19");
+                }
+                a.nice_engines = Some(nice);
+            }
             "--out" => a.out = Some(PathBuf::from(it.next().context("--out needs a value")?)),
             other => bail!("unknown flag {other}"),
         }
@@ -253,6 +266,7 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
         mix: args.mix,
         peers_venv: kvgate_e2e::bench::peers::venv_dir(&repo_root().join("target")),
         pin: args.pin,
+        engines_nice: args.nice_engines,
     };
     install::all()?;
     if config.policies.iter().any(|p| matches!(p, Policy::Peer(_))) {
@@ -333,6 +347,17 @@ mod tests {
         let a = args(&["--users", "128", "--user-spacing", "0.1"]).unwrap();
         assert_eq!((a.users, a.user_spacing_s), (Some(128), Some(0.1)));
         for bad in [&["--users", "0"][..], &["--users"], &["--user-spacing", "-1"], &["--user-spacing", "inf"]] {
+            assert!(args(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn engines_nice_is_read_and_checked() {
+        assert_eq!(args(&["--nice-engines", "10"]).unwrap().nice_engines, Some(10));
+        assert_eq!(args(&[]).unwrap().nice_engines, None);
+        for bad in
+            [&["--nice-engines", "0"][..], &["--nice-engines", "20"], &["--nice-engines", "-5"], &["--nice-engines"]]
+        {
             assert!(args(bad).is_err(), "{bad:?}");
         }
     }

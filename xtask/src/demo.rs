@@ -46,6 +46,7 @@ pub fn run() -> anyhow::Result<()> {
         mix: kvgate_e2e::bench::workloads::Mix::None,
         peers_venv: bench::peers::venv_dir(&repo_root().join("target")),
         pin: false,
+        engines_nice: None,
     };
     println!(
         "\n== {} simulated engines; Envoy alone vs Envoy + kvgate, each on a fresh fleet ==",

@@ -351,6 +351,10 @@ pub struct BenchConfig {
     /// and the engines and the load generator to core 1, so neither side's CPU slows the
     /// other's (`taskset`; a 2-core machine's only split).
     pub pin: bool,
+    /// Run every engine's threads at this nice value (1–19): the routers take the CPU when
+    /// they need it and the engines every other cycle, as if the engines had hardware of
+    /// their own, without halving their share as [`BenchConfig::pin`] does on two cores.
+    pub engines_nice: Option<i32>,
 }
 
 /// One run's result.
@@ -421,6 +425,11 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     let gpu_blocks = config.fleet.gpu_blocks_for(workload);
                     let options = policy.stack_options(&policy.name(), &config.fleet, gpu_blocks, gateways);
                     let stack = Stack::start(&options, artifacts)?;
+                    if let Some(nice) = config.engines_nice {
+                        for pid in stack.engine_pids() {
+                            crate::process::renice(pid, nice)?;
+                        }
+                    }
                     let peers = match policy {
                         Policy::Peer(p) => {
                             let ports =

@@ -252,6 +252,9 @@ pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResu
             "- pinned (`taskset`): the routers' processes on core 0, the engines and the load generator on core 1"
         );
     }
+    if let Some(nice) = config.engines_nice {
+        let _ = writeln!(md, "- the engines' threads at nice {nice}: the routers and the load generator run first");
+    }
     let commands: std::collections::BTreeSet<(&str, &str)> =
         results.iter().filter_map(|r| Some((r.policy.as_str(), r.router_command.as_deref()?))).collect();
     if !commands.is_empty() {
@@ -470,6 +473,7 @@ mod tests {
             seed: 0,
             peers_venv: "v".into(),
             pin: false,
+            engines_nice: None,
         };
         let facts = Facts { command: "c".into(), commit: "x".into(), machine: "m".into(), started: "s".into() };
         let mut results = vec![run(BASELINE, 0, 4.0), run("kvgate-kv-aware", 0, 1.0)];
