@@ -186,17 +186,19 @@ pub fn pin(pid: u32, core: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Lowers every thread of `pid` to nice value `nice` (only ever lower: raising needs
-/// privilege); threads it starts later inherit the value from the thread that starts them.
+/// Sets every thread of `pid` to nice value `nice` (raising a priority needs privilege);
+/// threads it starts later inherit the value from the thread that starts them.
 #[allow(unsafe_code)]
 pub fn renice(pid: u32, nice: i32) -> anyhow::Result<()> {
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         let Some(tid) = task?.file_name().to_str().and_then(|t| t.parse::<libc::id_t>().ok()) else { continue };
         // SAFETY: setpriority takes and returns plain integers; no memory is shared.
-        let status = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
-        // A thread that ended since the listing is no failure.
-        if status != 0 && std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists() {
-            anyhow::bail!("renice thread {tid} of {pid}: {}", std::io::Error::last_os_error());
+        if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) } != 0 {
+            let error = std::io::Error::last_os_error();
+            // A thread that ended since the listing is no failure.
+            if std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists() {
+                anyhow::bail!("renice thread {tid} of {pid}: {error}");
+            }
         }
     }
     Ok(())
