@@ -204,13 +204,6 @@ pub fn renice(pid: u32, nice: i32) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A thread's nice value (field 19 of `/proc/<pid>/task/<tid>/stat`), if readable.
-pub fn nice_of(pid: u32, tid: u32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
-    // The fields after the command name's closing ')': the state is the first, nice the 17th.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(16)?.parse().ok()
-}
-
 /// A process's resident set size in bytes (`VmRSS` of `/proc/<pid>/status`), if readable.
 pub fn rss_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -233,6 +226,13 @@ pub fn cpu_seconds(pid: u32) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A thread's nice value (field 19 of `/proc/<pid>/task/<tid>/stat`), if readable.
+    fn nice_of(pid: u32, tid: u32) -> Option<i32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+        // The fields after the command name's closing ')': the state is the first, nice the 17th.
+        stat.rsplit_once(')')?.1.split_whitespace().nth(16)?.parse().ok()
+    }
 
     #[test]
     fn renice_lowers_every_thread_of_a_running_process() {
