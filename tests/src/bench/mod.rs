@@ -497,9 +497,10 @@ pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<Ru
                     let mut summary = stats::summarize(&outcomes, config.slo_ttft_s, &work);
                     summary.router_cpu_ms = (!outcomes.is_empty()).then(|| cpu * 1000.0 / outcomes.len() as f64);
                     eprintln!(
-                        "bench:   {} ok, {} errors, TTFT p50 {:?} p90 {:?}, hit ratio {:?}, load max/mean {:?}, sim clock lag {:?}, kvgate routed/other {:?}",
+                        "bench:   {} ok, {} errors ({} shed), TTFT p50 {:?} p90 {:?} (served), hit ratio {:?}, load max/mean {:?}, sim clock lag {:?}, kvgate routed/other {:?}",
                         summary.ok,
                         summary.errors,
+                        summary.status_429,
                         summary.ttft_p50,
                         summary.ttft_p90,
                         summary.hit_ratio,

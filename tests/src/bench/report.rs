@@ -117,6 +117,7 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
                 errors: med(&|s| Some(s.errors as f64)).unwrap_or(0.0) as usize,
                 status_503: med(&|s| Some(s.status_503 as f64)).unwrap_or(0.0) as usize,
                 status_429: med(&|s| Some(s.status_429 as f64)).unwrap_or(0.0) as usize,
+                shed_share: med(&|s| Some(s.shed_share)).unwrap_or(0.0),
                 ttft_p50: med(&|s| s.ttft_p50),
                 ttft_p90: med(&|s| s.ttft_p90),
                 ttft_p99: med(&|s| s.ttft_p99),
@@ -158,23 +159,30 @@ fn num(v: Option<f64>, digits: usize) -> String {
     v.map_or("–".into(), |v| format!("{v:.digits$}"))
 }
 
+/// Requests shed (429) and their share of those sent: `141 (18.8 %)`. TTFT percentiles are
+/// over the requests served, so every table that shows them shows this beside them.
+fn shed(s: &Summary) -> String {
+    format!("{} ({:.1} %)", s.status_429, s.shed_share * 100.0)
+}
+
 /// The markdown table of one setting: a row per policy, medians over repeats.
 pub fn table(points: &[Point], setting: &Setting) -> String {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | p90 vs RR | ITL p50 | ITL p90 | ITL p99 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean (floor) | router CPU ms/req | kvgate decision p50 / p90 (in-filter tokenizing p50) | sim clock lag |"
+        "| policy | TTFT p50 | TTFT p90 | TTFT p99 | shed (429) | p90 vs RR | ITL p50 | ITL p90 | ITL p99 | E2E p50 | E2E p99 | out tok/s | goodput | errors (503, 429) | hit ratio | load max/mean (floor) | router CPU ms/req | kvgate decision p50 / p90 (in-filter tokenizing p50) | sim clock lag |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for q in points.iter().filter(|q| setting.has_point(q)) {
         let m = &q.median;
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {}{} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2} | {} ({}, {}) | {} | {}{} | {} | {} | {} |",
             q.policy,
             secs(m.ttft_p50),
             secs(m.ttft_p90),
             secs(m.ttft_p99),
+            shed(m),
             q.ttft_p90_vs_round_robin.map_or("–".into(), |r| format!("{r:.2}×")),
             secs(m.itl_p50),
             secs(m.itl_p90),
@@ -243,7 +251,7 @@ pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResu
     );
     let _ = writeln!(
         md,
-        "- {} repeat(s) per point, medians shown; TTFT SLO for goodput {} s; latencies in simulated time",
+        "- {} repeat(s) per point, medians shown; TTFT SLO for goodput {} s; latencies in simulated time, over the requests served: a shed (429) or failed request has none, is counted beside them, and is a miss in goodput",
         config.repeats, config.slo_ttft_s
     );
     if config.pin {
@@ -315,7 +323,7 @@ pub fn tag_table(results: &[RunResult], setting: &Setting) -> String {
                 r.repeat,
                 s.requests,
                 s.ok,
-                s.status_429,
+                shed(s),
                 secs(s.ttft_p50),
                 secs(s.ttft_p90),
                 s.goodput
@@ -335,7 +343,16 @@ const COLORS: [RGBColor; 7] = [
     RGBColor(127, 127, 127),
 ];
 
-/// One line per policy: the fraction of requests with TTFT ≤ x (repeat 0).
+/// The fraction of a run's requests sent with TTFT ≤ each served request's TTFT, in order:
+/// shed and failed requests have none, so the line ends below 1 by their share.
+fn cdf(run: &RunResult) -> Vec<(f64, f64)> {
+    let mut v = run.ttfts();
+    v.sort_by(f64::total_cmp);
+    let sent = run.outcomes.len().max(1) as f64;
+    v.into_iter().enumerate().map(|(k, t)| (t, (k + 1) as f64 / sent)).collect()
+}
+
+/// One line per policy: the fraction of requests sent with TTFT ≤ x (repeat 0).
 fn ttft_cdf(path: &Path, title: &str, results: &[RunResult], setting: &Setting) -> anyhow::Result<()> {
     let runs: Vec<&RunResult> = results.iter().filter(|r| setting.has(r) && r.repeat == 0).collect();
     let max = runs.iter().flat_map(|r| r.ttfts()).fold(0.0, f64::max).max(1e-3);
@@ -347,15 +364,12 @@ fn ttft_cdf(path: &Path, title: &str, results: &[RunResult], setting: &Setting) 
         .x_label_area_size(40)
         .y_label_area_size(50)
         .build_cartesian_2d((1e-3..max * 1.05).log_scale(), 0.0..1.0)?;
-    chart.configure_mesh().x_desc("TTFT (simulated seconds, log scale)").y_desc("fraction of requests").draw()?;
+    chart.configure_mesh().x_desc("TTFT (simulated seconds, log scale)").y_desc("fraction of requests sent").draw()?;
     for (i, run) in runs.iter().enumerate() {
-        let mut v = run.ttfts();
-        v.sort_by(f64::total_cmp);
-        let n = v.len().max(1) as f64;
         let color = COLORS[i % COLORS.len()];
         chart
             .draw_series(LineSeries::new(
-                v.iter().enumerate().map(|(k, t)| (t.max(1e-3), (k + 1) as f64 / n)),
+                cdf(run).into_iter().map(|(t, share)| (t.max(1e-3), share)),
                 color.stroke_width(2),
             ))?
             .label(run.policy.clone())
@@ -448,6 +462,14 @@ mod tests {
         assert_eq!(rr.ttft_p90_vs_round_robin, Some(1.0));
     }
 
+    /// A run that shed a third of its requests draws a TTFT line that ends at two thirds.
+    #[test]
+    fn the_ttft_cdf_is_over_requests_sent() {
+        let mut r = run("kvgate-kv-aware-admission", 0, 2.0);
+        r.outcomes.push(Outcome { status: 429, ttft: None, ..Outcome::served("2", "", 0.0) });
+        assert_eq!(cdf(&r), [(1.0, 1.0 / 3.0), (2.0, 2.0 / 3.0)]);
+    }
+
     #[test]
     fn writes_a_report_with_tables_json_and_charts() {
         let dir = std::env::temp_dir().join(format!("kvgate-report-{}", std::process::id()));
@@ -477,6 +499,7 @@ mod tests {
         };
         let facts = Facts { command: "c".into(), commit: "x".into(), machine: "m".into(), started: "s".into() };
         let mut results = vec![run(BASELINE, 0, 4.0), run("kvgate-kv-aware", 0, 1.0)];
+        results[1].summary = Summary { requests: 4, status_429: 1, shed_share: 0.25, ..results[1].summary.clone() };
         let mut more = results.clone();
         for r in &mut more {
             r.qps = Some(2.0);
@@ -494,6 +517,7 @@ mod tests {
                 requests: 3,
                 ok: 2,
                 status_429: 1,
+                shed_share: 1.0 / 3.0,
                 ttft_p50: Some(0.2),
                 ttft_p90: Some(1.5),
                 goodput: 0.5,
@@ -501,9 +525,14 @@ mod tests {
             },
         }];
         let md = write(&dir, &config, &facts, &results).unwrap();
-        assert!(md.contains("| kvgate-kv-aware | 500 ms | 1.00 s |"), "{md}");
+        assert!(md.contains("| policy | TTFT p50 | TTFT p90 | TTFT p99 | shed (429) | p90 vs RR |"), "{md}");
         assert!(
-            md.contains("| kvgate-kv-aware | 0 | priority=interactive | 3 | 2 | 1 | 200 ms | 1.50 s | 0.50 |"),
+            md.contains("| kvgate-kv-aware | 500 ms | 1.00 s | – | 1 (25.0 %) | 4.00× |"),
+            "shed beside TTFT: {md}"
+        );
+        assert!(md.contains("| envoy-round-robin | 2.00 s | 4.00 s | – | 0 (0.0 %) | 1.00× |"), "{md}");
+        assert!(
+            md.contains("| kvgate-kv-aware | 0 | priority=interactive | 3 | 2 | 1 (33.3 %) | 200 ms | 1.50 s | 0.50 |"),
             "{md}"
         );
         assert!(md.contains("4.00×"));

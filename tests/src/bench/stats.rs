@@ -33,7 +33,10 @@ pub struct Summary {
     pub status_503: usize,
     /// Of those, 429s: shed by admission control.
     pub status_429: usize,
-    /// TTFT percentiles.
+    /// `status_429` over `requests`: the share shed, which the TTFT percentiles do not see.
+    pub shed_share: f64,
+    /// TTFT percentiles over the requests served: a shed or failed request has no TTFT, so
+    /// they say nothing of it (`status_429`, `shed_share` and `goodput` do).
     pub ttft_p50: Option<f64>,
     /// .
     pub ttft_p90: Option<f64>,
@@ -51,7 +54,8 @@ pub struct Summary {
     pub e2e_p99: Option<f64>,
     /// Output tokens per simulated second, over the run's span.
     pub output_tps: f64,
-    /// Fraction of requests that completed with TTFT within the SLO.
+    /// Fraction of requests sent that completed with TTFT within the SLO: a shed or failed
+    /// request counts as a miss.
     pub goodput: f64,
     /// Prefix-cache hits / queries, from the engines' `/metrics`.
     pub hit_ratio: Option<f64>,
@@ -120,12 +124,14 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
     let mean_load = loads.iter().sum::<f64>() / loads.len().max(1) as f64;
     let decisions: Vec<f64> = ok.iter().filter_map(|o| o.decision_us).map(|us| us as f64).collect();
     let tokenizing: Vec<f64> = ok.iter().filter_map(|o| o.tokenize_us).map(|us| us as f64).collect();
+    let shed = outcomes.iter().filter(|o| o.status == 429).count();
     Summary {
         requests: outcomes.len(),
         ok: ok.len(),
         errors: outcomes.len() - ok.len(),
         status_503: outcomes.iter().filter(|o| o.status == 503).count(),
-        status_429: outcomes.iter().filter(|o| o.status == 429).count(),
+        status_429: shed,
+        shed_share: shed as f64 / outcomes.len().max(1) as f64,
         ttft_p50: percentile(&ttfts, 50.0),
         ttft_p90: percentile(&ttfts, 90.0),
         ttft_p99: percentile(&ttfts, 99.0),
@@ -222,6 +228,20 @@ mod tests {
         assert_eq!(s.output_tps, 15.0, "30 tokens over 2 s");
         assert!((s.sim_clock_lag.unwrap() - 0.3 / 4.0).abs() < 1e-9, "0.3 s lost of 4 s stepped");
         assert_eq!((s.load_floor, s.decision_us_p50), (None, None), "no outside traffic, no decisions");
+    }
+
+    /// Shed requests have no TTFT, so the percentiles cannot show them: the summary counts
+    /// them, and their share, beside the percentiles, and goodput counts them as misses.
+    #[test]
+    fn shed_requests_are_counted_beside_the_ttft_they_lack() {
+        let shed = || Outcome { status: 429, ttft: None, ..outcome("a", 0.0, 0, 0) };
+        let outcomes = vec![outcome("a", 0.1, 1, 0), outcome("a", 0.2, 1, 0), outcome("b", 0.3, 1, 0), shed(), shed()];
+        let s = summarize(&outcomes, 1.0, &[]);
+        assert_eq!((s.requests, s.ok, s.errors, s.status_429), (5, 3, 2, 2));
+        assert_eq!(s.shed_share, 0.4, "2 of 5 shed");
+        assert_eq!((s.ttft_p50, s.ttft_p90), (Some(0.2), Some(0.3)), "over the 3 served only");
+        assert_eq!(s.goodput, 0.6, "3 of 5 sent within the SLO: the shed are misses");
+        assert_eq!(summarize(&[], 1.0, &[]).shed_share, 0.0, "nothing sent, nothing shed");
     }
 
     /// Traffic around the routers sets a floor under the balance they can reach; decisions
