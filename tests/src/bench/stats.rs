@@ -61,9 +61,11 @@ pub struct Summary {
     pub hit_ratio: Option<f64>,
     /// Max over mean of per-engine token load (uncached prompt + output tokens computed).
     pub load_max_over_mean: Option<f64>,
-    /// The least max/mean any router could reach with the traffic it did not see (tenant
-    /// `outside`, all on one engine): that engine's outside load over the mean engine load,
-    /// at least 1. `None` without such traffic.
+    /// A floor under this run's max/mean set by the traffic no router saw (tenant `outside`,
+    /// all on one engine): that engine's outside load over this run's mean engine load, at
+    /// least 1. The mean is this run's, so a router that leaves more uncached work raises it
+    /// and lowers its own floor: floors of different routers are not one bound. `None`
+    /// without such traffic.
     pub load_floor: Option<f64>,
     /// kvgate's routing decision on the request path (`x-kvgate-decision-us`: the filter's
     /// body-to-destination time, tokenizing and scoring included), wall µs, median and p90;
@@ -244,7 +246,7 @@ mod tests {
         assert_eq!(summarize(&[], 1.0, &[]).shed_share, 0.0, "nothing sent, nothing shed");
     }
 
-    /// Traffic around the routers sets a floor under the balance they can reach; decisions
+    /// Traffic around the routers sets a floor under the run's balance; decisions
     /// are timed from the filter's header.
     #[test]
     fn outside_traffic_floors_the_balance_and_decisions_are_timed() {
