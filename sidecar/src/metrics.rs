@@ -103,8 +103,14 @@ pub struct Metrics {
     pub discovery_errors: Family<DiscoveryLabels, Counter>,
     /// Predicted minus engine-reported cached prompt tokens, per chosen replica.
     pub prediction_error: Family<ReplicaLabels, Histogram, fn() -> Histogram>,
-    /// Predictions checked against the engine, per replica (`reason`: exact, over, under).
+    /// Predictions checked against the engine, per replica (`reason`: a
+    /// [`crate::accuracy::Class`]: exact, in_flight, evicted, cached_since, over, under).
     pub predictions: Family<ReasonLabels, Counter>,
+    /// Routed requests whose prediction was not checked (`reason`: an
+    /// [`crate::accuracy::Unchecked`]: no_cached_tokens, no_usage, moved, estimated).
+    pub predictions_unchecked: Family<ReasonLabels, Counter>,
+    /// 1 if a replica's engine reports cached prompt tokens, 0 if its last usage had none.
+    pub engine_reports_cached_tokens: Family<ReplicaLabels, Gauge>,
     /// Exactly counted prompts whose token count the engine reported differently.
     pub prompt_token_mismatches: Family<ReplicaLabels, Counter>,
     /// 1 while a pool's predictions keep missing what its engines report.
@@ -189,6 +195,8 @@ impl Default for Metrics {
         let prediction_error: Family<ReplicaLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(prediction_error_histogram);
         let predictions = Family::default();
+        let predictions_unchecked = Family::default();
+        let engine_reports_cached_tokens = Family::default();
         let prompt_token_mismatches = Family::default();
         let prediction_alarm = Family::default();
         let estimated_requests = Family::default();
@@ -224,8 +232,22 @@ impl Default for Metrics {
         );
         registry.register(
             "predictions",
-            "Cache predictions checked against the engine's usage (reason: exact, over, under)",
+            "Cache predictions checked against the engine's usage (reason: exact; in_flight, short by the credit \
+             for a prefix routed there moments ago; evicted, or cached_since, the replica's events changed its cache \
+             in between; over, under: unexplained)",
             predictions.clone(),
+        );
+        registry.register(
+            "predictions_unchecked",
+            "Routed requests whose cache prediction was not checked (reason: no_cached_tokens, the engine reports \
+             none; no_usage; moved, it ran elsewhere; estimated, its prompt was not counted)",
+            predictions_unchecked.clone(),
+        );
+        registry.register(
+            "engine_reports_cached_tokens",
+            "1 if the replica's engine reports cached prompt tokens (vLLM --enable-prompt-tokens-details, SGLang \
+             --enable-cache-report), 0 if it does not",
+            engine_reports_cached_tokens.clone(),
         );
         registry.register(
             "prompt_token_mismatches",
@@ -333,6 +355,8 @@ impl Default for Metrics {
             discovery_errors,
             prediction_error,
             predictions,
+            predictions_unchecked,
+            engine_reports_cached_tokens,
             prompt_token_mismatches,
             prediction_alarm,
             estimated_requests,

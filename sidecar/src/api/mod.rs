@@ -21,7 +21,6 @@ use kvgate_shared::wire::{
     WIRE_VERSION, WIRE_VERSION_HEADER,
 };
 
-use crate::accuracy::EngineUsage;
 use crate::admission::Place;
 use crate::metrics::{AdmissionLabels, FallbackLabels, Metrics, PoolLabels, ReasonLabels};
 use crate::pool::{Admit, OffloadError, Pool};
@@ -284,11 +283,8 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
             LifecycleKind::RanOn(endpoint) => ("ran_on", pool.is_some_and(|p| p.ran_on(id, endpoint))),
             LifecycleKind::ServedWhole => ("served_whole", pool.is_some_and(|p| p.served_whole(id))),
             LifecycleKind::Usage { prompt_tokens, cached_tokens } => {
-                let usage = EngineUsage {
-                    prompt_tokens: u64::from(*prompt_tokens),
-                    cached_tokens: u64::from(cached_tokens.unwrap_or(0)),
-                };
-                ("usage", pool.is_some_and(|p| p.engine_usage(id, usage)))
+                let (prompt, cached) = (u64::from(*prompt_tokens), cached_tokens.map(u64::from));
+                ("usage", pool.is_some_and(|p| p.engine_usage(id, prompt, cached)))
             }
         };
         let reason = format!("{kind}/{}", if known { "known" } else { "unknown" });

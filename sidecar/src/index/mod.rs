@@ -233,6 +233,19 @@ struct ReplicaBlocks {
     /// The applied mark: the replica's events through this sequence number are in, none
     /// after it (`None`: unknown). Set by the applier; what [`KvIndex::export`] stands on.
     applied: Option<u64>,
+    /// Device blocks stored and removed so far.
+    churn: Churn,
+}
+
+/// How many blocks a replica's events have stored on, and removed from, its device tier since
+/// the index began: two readings tell whether its cache changed in between (for
+/// [`crate::accuracy`], which explains a missed prediction by them).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Churn {
+    /// Device blocks stored.
+    pub stored: u64,
+    /// Device blocks removed, evicted or cleared.
+    pub removed: u64,
 }
 
 /// The index of one pool (one model, one block size).
@@ -297,6 +310,7 @@ impl KvIndex {
         let heads = &mut self.heads[t];
         // The slot of the block the next one chains to, if it is on this tier.
         let mut prev = parent.and_then(|(pt, slot)| (pt == t).then_some(slot));
+        let mut stored = 0;
         for (i, (engine_hash, tokens)) in s.engine_hashes.iter().zip(s.token_ids.chunks_exact(s.block_size)).enumerate()
         {
             let salt = s.salt.combine(s.extra.get(i).copied().unwrap_or(Salt::NONE));
@@ -318,9 +332,13 @@ impl KvIndex {
                         heads.shard_mut(seq).insert(Head { seq, replica: replica.0, slot });
                     }
                     self.live[t] += 1;
+                    stored += 1;
                     prev = Some(slot);
                 }
             }
+        }
+        if t == Tier::Device.idx() {
+            self.replicas[replica.get()].churn.stored += stored;
         }
         Ok(())
     }
@@ -331,6 +349,7 @@ impl KvIndex {
         let t = tier.idx();
         let rt = &mut self.replicas[replica.get()].tiers[t];
         let heads = &mut self.heads[t];
+        let mut removed = 0;
         for engine_hash in engine_hashes {
             if let Some(extra) = rt.extra_refs.get_mut(engine_hash) {
                 *extra -= 1;
@@ -342,15 +361,21 @@ impl KvIndex {
             if let Some(slot) = rt.engine.shard_mut(*engine_hash).remove(*engine_hash) {
                 rt.kill(slot, replica.0, heads);
                 self.live[t] -= 1;
+                removed += 1;
             }
         }
         rt.tidy(replica.0, heads);
+        if tier == Tier::Device {
+            self.replicas[replica.get()].churn.removed += removed;
+        }
     }
 
     /// Forgets everything a replica holds (`AllBlocksCleared`, restart, removal).
     pub fn clear_replica(&mut self, replica: ReplicaIdx) {
-        self.replicas[replica.get()].applied = None;
-        let tiers = std::mem::take(&mut self.replicas[replica.get()].tiers);
+        let r = &mut self.replicas[replica.get()];
+        r.applied = None;
+        r.churn.removed += r.tiers[Tier::Device.idx()].engine.len() as u64;
+        let tiers = std::mem::take(&mut r.tiers);
         for (t, rt) in tiers.into_iter().enumerate() {
             self.live[t] -= rt.engine.len();
             for (slot, seq) in rt.arena.heads() {
@@ -501,6 +526,11 @@ impl KvIndex {
     /// Blocks indexed for a replica, on all tiers.
     pub fn replica_blocks(&self, replica: ReplicaIdx) -> usize {
         self.replicas[replica.get()].tiers.iter().map(|t| t.engine.len()).sum()
+    }
+
+    /// What a replica's events have done to its device tier so far.
+    pub fn churn(&self, replica: ReplicaIdx) -> Churn {
+        self.replicas[replica.get()].churn
     }
 
     /// Blocks indexed for a replica on one tier.

@@ -439,9 +439,10 @@ impl LoadTable {
         self.flows.len()
     }
 
-    /// The replica a request is booked on and what was predicted for it there.
-    pub fn prediction(&self, request_id: &str) -> Option<(ReplicaIdx, Prediction)> {
-        self.bookings.get(request_id).and_then(|b| Some((b.replica, b.prediction?)))
+    /// The replica a request is booked on and what was predicted for it there, taken: a
+    /// prediction is checked once.
+    pub fn take_prediction(&mut self, request_id: &str) -> Option<(ReplicaIdx, Prediction)> {
+        self.bookings.get_mut(request_id).and_then(|b| Some((b.replica, b.prediction.take()?)))
     }
 
     /// Its bookkeeping: bookings held, and ends remembered that came before their booking.
@@ -583,18 +584,20 @@ impl LoadTable {
             .collect()
     }
 
-    /// Releases bookings older than `max_age` (their end was never reported). Returns how many.
-    pub fn expire(&mut self, now: Instant, max_age: Duration) -> usize {
+    /// Releases bookings older than `max_age` (their end was never reported). Returns how
+    /// many, and the replicas of those whose prediction was never checked.
+    pub fn expire(&mut self, now: Instant, max_age: Duration) -> (usize, Vec<ReplicaIdx>) {
         let stale: Vec<String> = self
             .bookings
             .iter()
             .filter(|(_, b)| now.saturating_duration_since(b.booked_at) > max_age)
             .map(|(id, _)| id.clone())
             .collect();
+        let unchecked = stale.iter().filter_map(|id| self.take_prediction(id)).map(|(slot, _)| slot).collect();
         for id in &stale {
             self.release(id);
         }
-        stale.len()
+        (stale.len(), unchecked)
     }
 }
 
@@ -720,7 +723,7 @@ mod tests {
         assert_eq!(t.flows_in_flight(), 4, "a moved booking keeps its flow");
         t.clear_replica(ReplicaIdx::new(1));
         assert_eq!(t.flows_in_flight(), 1, "gone with their replica: moved, rebooked, cleared");
-        assert_eq!(t.expire(now + Duration::from_secs(10), Duration::from_secs(1)), 1);
+        assert_eq!(t.expire(now + Duration::from_secs(10), Duration::from_secs(1)).0, 1);
         assert_eq!(t.flows_in_flight(), 0);
         assert!(!t.finish("late") && !book(&mut t, "late", 0, 6), "an early end books nothing");
         assert_eq!(t.flows_in_flight(), 0);
@@ -837,8 +840,8 @@ mod tests {
         t.book(ReplicaIdx::new(0), booking("a", 10, &[], 1), now);
         t.book(ReplicaIdx::new(1), booking("a", 20, &[], 1), now);
         assert_eq!((t.load(ReplicaIdx::new(0)).requests, t.load(ReplicaIdx::new(1)).requests), (0, 1));
-        assert_eq!(t.expire(now + Duration::from_secs(10), Duration::from_secs(60)), 0);
-        assert_eq!(t.expire(now + Duration::from_secs(61), Duration::from_secs(60)), 1);
+        assert_eq!(t.expire(now + Duration::from_secs(10), Duration::from_secs(60)).0, 0);
+        assert_eq!(t.expire(now + Duration::from_secs(61), Duration::from_secs(60)).0, 1);
         assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
     }
 }

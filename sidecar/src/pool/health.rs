@@ -1,12 +1,12 @@
 //! Each replica's ingestion health (events applied, last sequence number, degraded, stalled,
-//! disconnected): written by the applier and the transport, read by routing (`trusted`) and
+//! disconnected) and whether its engine reports cached tokens: written by the applier and the transport, read by routing (`trusted`) and
 //! `/debug/state`. The flags live in each member's `ReplicaHealth` (atomics); this file keeps
 //! them and their gauges in step.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::members::NONE;
+use super::members::{CACHE_REPORT_NO, CACHE_REPORT_YES, NONE};
 use super::{Member, Pool};
 use crate::events::ingest::{Outcome, Progress};
 use crate::index::ReplicaIdx;
@@ -59,6 +59,27 @@ impl Pool {
             tracing::warn!(replica = %self.labels(replica).replica, "KV-event publisher disconnected; no cache credit until it is back");
             self.publish_health(replica);
         }
+    }
+
+    /// Records whether a replica's engine reported cached prompt tokens in a usage report;
+    /// says once, when it first reports none, how to turn them on.
+    pub(super) fn cache_report(&self, replica: ReplicaIdx, reported: bool) {
+        let h = self.members()[replica.get()].health.clone();
+        let now = if reported { CACHE_REPORT_YES } else { CACHE_REPORT_NO };
+        if h.cache_report.swap(now, Ordering::Relaxed) == now {
+            return;
+        }
+        let labels = self.labels(replica);
+        if !reported {
+            tracing::warn!(
+                model = %labels.model,
+                replica = %labels.replica,
+                "the engine reports no cached prompt tokens, so kvgate cannot check its cache predictions for it \
+                 (counted in kvgate_predictions_unchecked_total, no alarm): start vLLM with \
+                 --enable-prompt-tokens-details (SGLang: --enable-cache-report)"
+            );
+        }
+        self.metrics.engine_reports_cached_tokens.get_or_create(&labels).set(i64::from(reported));
     }
 
     fn publish_health(&self, replica: ReplicaIdx) {

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use super::Pool;
-use crate::accuracy::{AlarmChange, Check, EngineUsage};
+use crate::accuracy::{AlarmChange, Check, EngineUsage, Unchecked};
 use crate::index::ReplicaIdx;
 use crate::load::EngineReport;
 use crate::load::{NewBooking, ReplicaLoad};
@@ -14,23 +14,32 @@ use crate::metrics::{PoolLabels, ReasonLabels};
 use crate::sync::event::{Outbox, SyncEvent};
 
 impl Pool {
-    /// Checks what the engine reported for a request (its response's `usage`) against what
-    /// was predicted when it was booked: metrics, `/debug/explain`, the pool's alarm. Returns
+    /// Checks what the engine reported for a request (its response's `usage`: prompt tokens,
+    /// and cached tokens if the engine reports them) against what was predicted when it was
+    /// booked: metrics, `/debug/explain`, the pool's alarm. An engine that reports no cached
+    /// tokens has its prompt count checked, is shown as such, and raises no alarm. Returns
     /// false if the request is not booked here (or nothing was predicted for it).
-    pub fn engine_usage(&self, request_id: &str, usage: EngineUsage) -> bool {
-        let Some((slot, predicted)) = self.load_table().prediction(request_id) else { return false };
-        let check = Check::new(predicted, usage);
+    pub fn engine_usage(&self, request_id: &str, prompt_tokens: u64, cached_tokens: Option<u64>) -> bool {
+        let Some((slot, predicted)) = self.load_table().take_prediction(request_id) else { return false };
         let labels = self.labels(slot);
+        if predicted.prompt_tokens.is_some_and(|p| p != prompt_tokens) {
+            self.metrics.prompt_token_mismatches.get_or_create(&labels).inc();
+            self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).prompt_mismatch();
+        }
+        self.cache_report(slot, cached_tokens.is_some());
+        let Some(cached_tokens) = cached_tokens else {
+            self.unchecked(slot, Unchecked::NoCachedTokens);
+            return true;
+        };
+        let usage = EngineUsage { prompt_tokens, cached_tokens };
+        let check = Check::new(predicted, usage, self.index.read().churn(slot));
         self.metrics.prediction_error.get_or_create(&labels).observe(check.cached_error as f64);
         let outcome = ReasonLabels {
             model: labels.model.clone(),
             replica: labels.replica.clone(),
-            reason: check.outcome().into(),
+            reason: check.class.label().into(),
         };
         self.metrics.predictions.get_or_create(&outcome).inc();
-        if check.prompt_mismatch {
-            self.metrics.prompt_token_mismatches.get_or_create(&labels).inc();
-        }
         let change = self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).record(check);
         let pool = PoolLabels { model: self.config.model.clone() };
         match change {
@@ -55,6 +64,14 @@ impl Pool {
         true
     }
 
+    /// Counts a routed request whose prediction was not checked.
+    pub(super) fn unchecked(&self, slot: ReplicaIdx, reason: Unchecked) {
+        let labels = self.labels(slot);
+        let labels = ReasonLabels { model: labels.model, replica: labels.replica, reason: reason.label().into() };
+        self.metrics.predictions_unchecked.get_or_create(&labels).inc();
+        self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).unchecked(reason);
+    }
+
     /// The request ran on the replica at `endpoint` (`ip:port`), not where it was booked: its
     /// booking moves there, and so does the credit for its prefix. Returns false if it is not
     /// booked here, or was already there, or `endpoint` is no active replica of this pool.
@@ -63,9 +80,15 @@ impl Pool {
         let Some(to) = to.map(ReplicaIdx::new) else { return false };
         let moved = {
             let mut load = self.load_table();
-            load.move_booking(request_id, to).map(|(from, hashes)| (from, hashes, load.load(from), load.load(to)))
+            let elsewhere = load.replica_of(request_id).is_some_and(|at| at != to);
+            let predicted = if elsewhere { load.take_prediction(request_id) } else { None };
+            let moved = load.move_booking(request_id, to);
+            moved.map(|(from, hashes)| (from, hashes, load.load(from), load.load(to), predicted.is_some()))
         };
-        let Some((from, hashes, left, arrived)) = moved else { return false };
+        let Some((from, hashes, left, arrived, predicted)) = moved else { return false };
+        if predicted {
+            self.unchecked(from, Unchecked::Moved);
+        }
         if self.records_routes() {
             self.affinity_index().record(to, &hashes, Instant::now());
         }
@@ -87,9 +110,13 @@ impl Pool {
         let prefill = blocks.saturating_sub(cached) * block_size;
         let figures = {
             let mut load = self.load_table();
-            load.served_whole(request_id, prefill).then(|| load.load(slot))
+            let predicted = load.take_prediction(request_id).is_some();
+            load.served_whole(request_id, prefill).then(|| (load.load(slot), predicted))
         };
-        let Some(figures) = figures else { return false };
+        let Some((figures, predicted)) = figures else { return false };
+        if predicted {
+            self.unchecked(slot, Unchecked::Moved);
+        }
         self.publish_load(slot, figures);
         true
     }
@@ -197,9 +224,14 @@ impl Pool {
     pub fn lifecycle(&self, request_id: &str, first_token: bool) -> bool {
         let mut load = self.load_table();
         let replica = load.replica_of(request_id);
+        // An end with its prediction still there came without a usage report.
+        let unchecked = if first_token { None } else { load.take_prediction(request_id).map(|(slot, _)| slot) };
         let known = if first_token { load.prefill_done(request_id, Instant::now()) } else { load.finish(request_id) };
         let figures = replica.map(|r| (r, load.load(r)));
         drop(load);
+        if let Some(slot) = unchecked {
+            self.unchecked(slot, Unchecked::NoUsage);
+        }
         if let Some((r, figures)) = figures {
             self.publish_load(r, figures);
         }
@@ -245,11 +277,14 @@ impl Pool {
     /// Releases bookings older than `max_age`.
     pub fn expire(&self, max_age: Duration) -> usize {
         let slots = self.members().len();
-        let (n, figures) = {
+        let (n, unchecked, figures) = {
             let mut load = self.load_table();
-            let n = load.expire(Instant::now(), max_age);
-            (n, (0..slots).map(|i| load.load(ReplicaIdx::new(i))).collect::<Vec<_>>())
+            let (n, unchecked) = load.expire(Instant::now(), max_age);
+            (n, unchecked, (0..slots).map(|i| load.load(ReplicaIdx::new(i))).collect::<Vec<_>>())
         };
+        for slot in unchecked {
+            self.unchecked(slot, Unchecked::NoUsage);
+        }
         for (i, f) in figures.into_iter().enumerate() {
             self.publish_load(ReplicaIdx::new(i), f);
         }

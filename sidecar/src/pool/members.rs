@@ -3,7 +3,7 @@
 //! the adapter poller ([`Pool::set_adapters`]).
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,7 +32,17 @@ pub struct ReplicaHealth {
     pub disconnected: AtomicBool,
     /// Since when (ms since the pool started) events are expected; `NONE` if not.
     pub(super) awaiting_events_since: AtomicU64,
+    /// Whether its engine reports cached prompt tokens: [`CACHE_REPORT_UNKNOWN`] until its
+    /// first usage report, then [`CACHE_REPORT_YES`] or [`CACHE_REPORT_NO`].
+    pub(super) cache_report: AtomicU8,
 }
+
+/// [`ReplicaHealth::cache_report`] before any usage report.
+pub(super) const CACHE_REPORT_UNKNOWN: u8 = 0;
+/// The engine's last usage report had cached tokens.
+pub(super) const CACHE_REPORT_YES: u8 = 1;
+/// It had none.
+pub(super) const CACHE_REPORT_NO: u8 = 2;
 
 impl Default for ReplicaHealth {
     fn default() -> Self {
@@ -43,6 +53,7 @@ impl Default for ReplicaHealth {
             stalled: AtomicBool::new(false),
             disconnected: AtomicBool::new(false),
             awaiting_events_since: AtomicU64::new(NONE),
+            cache_report: AtomicU8::new(CACHE_REPORT_UNKNOWN),
         }
     }
 }

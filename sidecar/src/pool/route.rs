@@ -10,9 +10,9 @@ use kvgate_shared::wire::{PromptCount, RouteRequest, RouteResponse};
 use super::disagg::{self, Prompt, Split};
 use super::members::NONE;
 use super::{Member, Pool};
-use crate::accuracy::Prediction;
+use crate::accuracy::{Prediction, Unchecked};
 use crate::config::{Policy, TransferProtocol};
-use crate::index::{Overlap, ReplicaIdx};
+use crate::index::{Churn, Overlap, ReplicaIdx};
 use crate::load::flows::Flow;
 use crate::load::{LoadTable, NewBooking};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
@@ -29,6 +29,10 @@ pub(super) struct Eligible {
     pub slot: ReplicaIdx,
     /// Its overlap with the prompt, as credited (none while its events cannot be trusted).
     pub overlap: Overlap,
+    /// Of the device blocks credited, those its index held (the rest: in-flight credit).
+    pub indexed: u32,
+    /// What its events had done to its cache when the index was read.
+    pub churn: Churn,
     /// Whether its index entries were trusted.
     pub trusted: bool,
 }
@@ -92,6 +96,8 @@ struct Booked {
     prefill_tokens: u64,
     /// False if the request had already ended (its end overtook the decision).
     booked: bool,
+    /// Whether the engine's report will be checked against a prediction.
+    predicted: bool,
 }
 
 fn nowhere() -> RouteResponse {
@@ -194,9 +200,12 @@ impl Pool {
             disagg::leg(req, &members[leg.slot.get()], leg.overlap.device, pd.mode, rand::random::<u64>() >> 1)
         });
         drop(members);
-        // Gauges, the other gateways, `/debug/explain`.
+        // Gauges, the other gateways, `/debug/explain`, what will not be checked.
         for (slot, figures) in figures {
             self.publish_load(slot, figures);
+        }
+        for b in std::iter::once(&booked).chain(&leg).filter(|b| b.booked && !b.predicted) {
+            self.unchecked(b.slot, Unchecked::Estimated);
         }
         self.share_booking(&req.request_id, &replica.id, &shape, &booked);
         if let (Some(leg), Some(p)) = (&leg, &prefill) {
@@ -262,10 +271,11 @@ impl Pool {
     /// — and, under `kv_aware`, with prefixes routed there moments ago (`inflight_credit_secs`).
     fn eligible(&self, members: &[Member], req: &RouteRequest, hashes: &[SequenceHash]) -> Vec<Eligible> {
         let affinity = self.config.policy == Policy::PrefixAffinity;
+        let index = self.index.read();
         let overlaps = if affinity {
             self.affinity_index().find_matches(hashes, members.len(), Instant::now())
         } else {
-            self.index.read().find_matches(hashes)
+            index.find_matches(hashes)
         };
         let mut eligible: Vec<Eligible> = members
             .iter()
@@ -275,9 +285,11 @@ impl Pool {
                 // The affinity index does not depend on events, so a silent publisher is moot.
                 let trusted = affinity || m.health.trusted();
                 let overlap = if trusted { overlaps[i] } else { Overlap::default() };
-                Eligible { slot: ReplicaIdx::new(i), overlap, trusted }
+                let slot = ReplicaIdx::new(i);
+                Eligible { slot, overlap, indexed: overlap.device, churn: index.churn(slot), trusted }
             })
             .collect();
+        drop(index);
         if self.inflight_credit() {
             let recent = self.affinity_index().find_matches(hashes, members.len(), Instant::now());
             for e in &mut eligible {
@@ -427,8 +439,10 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         Some(protocol) => {
             exact.then(|| Prediction::transferred(shape.prompt_tokens, protocol == TransferProtocol::Vllm))
         }
-        None => (shape.prompt_count != PromptCount::Estimated)
-            .then(|| Prediction::new(u64::from(at.overlap.device), shape.block_size, shape.prompt_tokens, exact)),
+        None => (shape.prompt_count != PromptCount::Estimated).then(|| {
+            let (indexed, credited) = (u64::from(at.indexed), u64::from(at.overlap.device));
+            Prediction::new(indexed, credited, shape.block_size, shape.prompt_tokens, exact, at.churn)
+        }),
     };
     let booking = NewBooking {
         request_id: to.id,
@@ -443,7 +457,7 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         from_peer: false,
     };
     let booked = load.book(at.slot, booking, Instant::now());
-    Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked }
+    Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked, predicted: prediction.is_some() }
 }
 
 /// Rendezvous (highest-random-weight) hashing over the eligible replicas: a session keeps its

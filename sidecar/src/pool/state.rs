@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 
 use serde::Serialize;
 
-use super::members::NONE;
+use super::members::{CACHE_REPORT_NO, CACHE_REPORT_YES, NONE};
 use super::Pool;
 use crate::accuracy::AccuracyTotals;
 use crate::admission::Gate;
@@ -52,6 +52,9 @@ pub struct ReplicaState {
     pub disconnected: bool,
     /// LoRA adapters its engine lists.
     pub adapters: Vec<String>,
+    /// Whether its engine reports cached prompt tokens in `usage` (`null` before its first
+    /// report): without them kvgate's predictions for it cannot be checked.
+    pub reports_cached_tokens: Option<bool>,
 }
 
 /// One pool in `/debug/state`.
@@ -118,6 +121,11 @@ impl Pool {
                     stalled: h.stalled.load(Ordering::Relaxed),
                     disconnected: h.disconnected.load(Ordering::Relaxed),
                     adapters: m.adapters.iter().cloned().collect(),
+                    reports_cached_tokens: match h.cache_report.load(Ordering::Relaxed) {
+                        CACHE_REPORT_YES => Some(true),
+                        CACHE_REPORT_NO => Some(false),
+                        _ => None,
+                    },
                 }
             })
             .collect();

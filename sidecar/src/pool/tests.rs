@@ -570,9 +570,8 @@ fn a_long_prompt_is_prefilled_where_it_is_cached_and_decoded_elsewhere() {
     assert_eq!(p.explain(Some("long"), 1)[0].disaggregation, Some("disaggregated"));
     // Both predictions are checked against what the engines report: the leg's cache on r1,
     // and on the decode worker every prompt token but the last, which vLLM computes there.
-    use crate::accuracy::EngineUsage;
-    assert!(p.engine_usage("long/prefill", EngineUsage { prompt_tokens: 200, cached_tokens: 160 }));
-    assert!(p.engine_usage("long", EngineUsage { prompt_tokens: 200, cached_tokens: 199 }));
+    assert!(p.engine_usage("long/prefill", 200, Some(160)));
+    assert!(p.engine_usage("long", 200, Some(199)));
     for id in ["long/prefill", "long"] {
         let checked = p.explain(Some(id), 1)[0].checked.expect("checked");
         assert_eq!((checked.check.cached_error, checked.check.prompt_mismatch), (0, false), "{id}");
@@ -680,8 +679,7 @@ fn a_leg_that_did_not_deliver_moves_the_prefill_to_the_decode_worker() {
     assert!(p.lifecycle("failed/prefill", false));
     assert!(p.served_whole("failed"));
     assert_eq!(replica_load(&p, &decoder).0, 200, "the whole prompt, none of it cached there");
-    use crate::accuracy::EngineUsage;
-    p.engine_usage("failed", EngineUsage { prompt_tokens: 200, cached_tokens: 0 });
+    p.engine_usage("failed", 200, Some(0));
     assert!(p.explain(Some("failed"), 1)[0].checked.is_none(), "the transfer's prediction no longer holds");
 }
 
@@ -720,4 +718,58 @@ fn sglang_decode_servers_always_get_a_leg_and_aggregated_servers_take_none() {
             other => panic!("{i}: decoded on {other:?}"),
         }
     }
+}
+
+#[test]
+fn a_same_prefix_burst_is_checked_against_what_was_cached_then() {
+    let p = pool(2);
+    let prompt: Vec<u32> = (0..64).collect();
+    let cfg = ScoringConfig::default();
+    let first = p.route(&request("first", &prompt), &cfg);
+    // Routed moments after the first, before any event: credited with the first's prefix.
+    let second = p.route(&request("second", &prompt), &cfg);
+    assert_eq!(second.replica, first.replica, "the in-flight credit draws it there");
+    assert_eq!(second.overlap_blocks, 16);
+    // The engine scheduled both in one step: neither found anything cached.
+    assert!(p.engine_usage("first", 64, Some(0)));
+    assert!(p.engine_usage("second", 64, Some(0)));
+    let t = p.state().prediction;
+    assert_eq!((t.checked, t.exact, t.in_flight, t.over), (2, 1, 1, 0), "{t:?}");
+    assert!(!p.engine_usage("second", 64, Some(0)), "a prediction is checked once");
+}
+
+#[test]
+fn evictions_between_decision_and_report_explain_a_shortfall() {
+    let p = pool(2);
+    let prompt: Vec<u32> = (0..64).collect();
+    cache_on(&p, 1, &prompt);
+    let r = p.route(&request("r", &prompt), &ScoringConfig::default());
+    assert_eq!((chosen(&r), r.overlap_blocks), (1, 16));
+    let hashes: Vec<EngineHash> = (0..16).map(|i| EngineHash(i + 1000)).collect();
+    let removal = Change::Remove { tier: Tier::Device, engine_hashes: hashes };
+    p.index_mut().apply(Write::Change(ReplicaIdx::new(1), removal)).unwrap();
+    assert!(p.engine_usage("r", 64, Some(0)));
+    let t = p.state().prediction;
+    assert_eq!((t.evicted, t.over, t.alarm), (1, 0, false), "{t:?}");
+}
+
+#[test]
+fn requests_that_cannot_be_checked_are_counted_with_their_reason() {
+    let p = pool(1);
+    let cfg = ScoringConfig::default();
+    p.route(&request("silent", &(0..64).collect::<Vec<u32>>()), &cfg);
+    assert!(p.lifecycle("silent", false), "it ends without a usage report");
+    p.route(&request("no-details", &(100..164).collect::<Vec<u32>>()), &cfg);
+    assert!(p.engine_usage("no-details", 65, None), "an engine without cached-token details");
+    let mut estimated = request("estimated", &[]);
+    (estimated.prompt_tokens, estimated.prompt_count) = (500, kvgate_shared::wire::PromptCount::Estimated);
+    p.route(&estimated, &cfg);
+    let state = p.state();
+    let u = state.prediction.unchecked;
+    assert_eq!((u.no_usage, u.no_cached_tokens, u.estimated, state.prediction.checked), (1, 1, 1, 0), "{u:?}");
+    assert_eq!(state.prediction.prompt_mismatches, 1, "the prompt count is still compared");
+    assert_eq!(state.replicas[0].reports_cached_tokens, Some(false));
+    p.route(&request("detailed", &(200..264).collect::<Vec<u32>>()), &cfg);
+    assert!(p.engine_usage("detailed", 64, Some(0)));
+    assert_eq!(p.state().replicas[0].reports_cached_tokens, Some(true));
 }
