@@ -5,9 +5,11 @@
 //! `/v1/unload_lora_adapter`.
 //!
 //! Every response carries `x-kvgate-replica: <id>` so tests can see who served it. A request
-//! goes to the data-parallel rank named by `X-data-parallel-rank`, else to the next in turn.
-//! Output tokens are seeded by `--seed` and the request body, and there are always exactly
-//! `max_tokens` of them (the simulator never samples EOS, as with `ignore_eos`).
+//! is one engine request per prompt of a completion's list, `n` each ([`crate::fanout`]); each
+//! goes to the data-parallel rank named by `X-data-parallel-rank`, else to the next in turn, as
+//! vLLM's load balancer places each. Output tokens are seeded by `--seed` and the request
+//! body, and there are always exactly `max_tokens` of them per sequence (the simulator never
+//! samples EOS, as with `ignore_eos`).
 //!
 //! With prefill/decode disaggregation on ([`crate::kv_transfer`]), completions and chat read
 //! vLLM's `kv_transfer_params` or SGLang's `bootstrap_*` fields, answers say whether a remote
@@ -31,15 +33,16 @@ use kvgate_shared::prompt::openai::{parse, Endpoint, ParsedRequest, Prompt};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::prompt::PromptError;
 use rand::{Rng, SeedableRng};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::engine::{Ending, Engine, SubmitError, Submitted, Transfer};
+use crate::engine::{Ending, Engine, Produced, Sequence, SubmitError, Submitted, Transfer};
 use crate::extra_keys::ExtraKeys;
+use crate::fanout::{self, Fanout, Gathered, Usage};
 use crate::kv_events::Chaos;
 use crate::kv_transfer::{room_rank, JoinRoom, Plan, Protocol, PullRequest, Released};
 use crate::lora::Registry;
-use crate::scheduler::{Emitted, HoldKey};
+use crate::scheduler::HoldKey;
 
 /// The header naming the replica that served a response.
 pub const REPLICA_HEADER: &str = "x-kvgate-replica";
@@ -162,15 +165,20 @@ impl Refusal {
 /// A request, checked and tokenized.
 struct Admitted {
     request: ParsedRequest,
-    tokens: Vec<u32>,
+    /// Each prompt's tokens: one, or a completion's list.
+    prompts: Vec<Vec<u32>>,
+    /// Sequences decoded per prompt (`n`).
+    n: usize,
     /// The adapter its `model` names (if not the base model) and its `cache_salt`.
     keys: ExtraKeys,
 }
 
-/// Parses, checks the model (the base model or a loaded adapter) and tokenizes a request the
-/// way vLLM's server does. Adapters share the base model's tokenizer.
-fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Admitted, Refusal> {
+/// Parses, checks the model (the base model or a loaded adapter) and `n`, and tokenizes every
+/// prompt of a request the way vLLM's server does. Adapters share the base model's tokenizer.
+fn admit(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Admitted, Refusal> {
     let request = parse(endpoint, body).map_err(|e| Refusal::bad_request(e.to_string()))?;
+    let fields: Map<String, Value> = serde_json::from_slice(body).map_err(|e| Refusal::bad_request(e.to_string()))?;
+    let n = fanout::samples(endpoint, &fields).map_err(Refusal::bad_request)?;
     let lora = if request.model == state.model {
         None
     } else {
@@ -182,15 +190,25 @@ fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Ad
             }
         }
     };
+    let prompts = match fanout::prompts(&request, &fields).map_err(Refusal::bad_request)? {
+        None => vec![prompt_tokens(state, &request)?],
+        Some(list) => list
+            .into_iter()
+            .map(|prompt| prompt_tokens(state, &ParsedRequest { prompt, ..request.clone() }))
+            .collect::<Result<_, _>>()?,
+    };
+    let keys = ExtraKeys { lora, cache_salt: request.cache_salt.as_deref().map(Arc::from) };
+    Ok(Admitted { request, prompts, n, keys })
+}
+
+/// The tokens of `request`'s prompt.
+fn prompt_tokens(state: &AppState, request: &ParsedRequest) -> Result<Vec<u32>, Refusal> {
     if !matches!(request.prompt, Prompt::Tokens(_)) {
         state.prompts_tokenized.fetch_add(1, Ordering::Relaxed);
     }
-    match state.tokenizer.prompt_tokens(&request) {
+    match state.tokenizer.prompt_tokens(request) {
         Ok(t) if t.is_empty() => Err(Refusal::bad_request("the prompt is empty".into())),
-        Ok(tokens) => {
-            let keys = ExtraKeys { lora, cache_salt: request.cache_salt.as_deref().map(Arc::from) };
-            Ok(Admitted { request, tokens, keys })
-        }
+        Ok(tokens) => Ok(tokens),
         Err(
             e @ (PromptError::Invalid(_)
             | PromptError::Template(_)
@@ -206,7 +224,7 @@ fn prompt_tokens(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Ad
 }
 
 async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, body: Bytes) -> Response {
-    let Admitted { request, tokens, keys } = match prompt_tokens(&state, endpoint, &body) {
+    let Admitted { request, prompts, n, keys } = match admit(&state, endpoint, &body) {
         Ok(r) => r,
         Err(refusal) => return refusal.into_response(&state),
     };
@@ -216,6 +234,13 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
         Ok(plan) => plan,
         Err(message) => return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", message),
     };
+    let fanout = Fanout::new(prompts.iter().map(Vec::len).collect(), n);
+    if !matches!(plan, Plan::Local) && fanout.sequences() > 1 {
+        let message = "kvgate-sim moves the KV of one sequence per request: prefill/decode disaggregation takes \
+                       one prompt and n = 1"
+            .to_owned();
+        return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", message);
+    }
     let requested = match headers.get(DP_RANK_HEADER).map(|v| v.to_str().ok().and_then(|v| v.trim().parse().ok())) {
         None => None,
         Some(Some(rank)) => Some(rank),
@@ -240,14 +265,15 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
         _ => request.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS).max(1),
     };
     let mut rng = rand::rngs::StdRng::seed_from_u64(state.seed ^ xxh3_64(&body));
-    let output: Vec<u32> = (0..max_tokens).map(|_| rng.random_range(1000..9000)).collect();
+    // Each sequence samples its own tokens, as vLLM's children do.
+    let outputs: Vec<Vec<u32>> =
+        (0..fanout.sequences()).map(|_| (0..max_tokens).map(|_| rng.random_range(1000..9000)).collect()).collect();
     let kind = match endpoint {
         Endpoint::Completions => "cmpl-",
         Endpoint::ChatCompletions => "chatcmpl-",
         Endpoint::Responses => "resp_",
     };
     let id = format!("{kind}{:016x}", rng.random::<u64>());
-    let prompt_len = tokens.len();
     let origin = Origin { rank: rank_index, remote_prefill: matches!(plan, Plan::RemotePrefill(_)), room: plan.room() };
     let transfer = match plan {
         Plan::Local => Transfer::None,
@@ -260,7 +286,17 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
         }
         Plan::RemotePrefill(source) => Transfer::Load(source),
     };
-    let submitted = match state.engine.submit(rank, tokens, output, keys, transfer) {
+    // Sequence s is child s % n of prompt s / n; each is placed as vLLM's load balancer places
+    // each child request: on the requested rank, else the next in turn.
+    let mut transfer = Some(transfer);
+    let mut sequences = Vec::with_capacity(fanout.sequences());
+    for (seq, output) in outputs.into_iter().enumerate() {
+        let rank = if seq == 0 { rank } else { state.engine.pick(requested).map_or(rank, |(_, r)| r) };
+        let prompt = prompts[fanout.prompt_of(seq)].clone();
+        let transfer = transfer.take().unwrap_or(Transfer::None);
+        sequences.push((rank, Sequence { prompt, output, keys: keys.clone(), transfer }));
+    }
+    let submitted = match state.engine.submit(sequences) {
         Ok(submitted) => submitted,
         Err(e @ SubmitError::TooLong { .. }) => {
             return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string())
@@ -271,24 +307,21 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
     };
     match (endpoint, request.stream) {
         (Endpoint::Responses, true) => {
+            let prompt_len = fanout.prompt_tokens();
             let response = stream_response(state.clone(), request, id, prompt_len, max_tokens, submitted.tokens);
             return disaggregation_headers(&state, response, origin, None);
         }
         (_, true) => {
-            let response = stream(state.clone(), endpoint, request, id, prompt_len, submitted, origin);
+            let response = stream(state.clone(), endpoint, request, id, fanout, submitted, origin);
             return disaggregation_headers(&state, response, origin, None);
         }
         _ => {}
     }
     let Submitted { tokens: mut tokens_rx, ending } = submitted;
-    let mut output = Vec::new();
-    let mut cached = 0;
-    while let Some(e) = tokens_rx.recv().await {
-        output.push(e.token);
-        cached = e.cached_tokens;
-        if e.finished {
-            break;
-        }
+    let mut gathered = Gathered::new(fanout);
+    while !gathered.done() {
+        let Some(produced) = tokens_rx.recv().await else { break };
+        gathered.push(&produced);
     }
     // Sent before the last token, or dropped: this does not wait.
     let ending = ending.await.ok();
@@ -300,27 +333,30 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
     // `cached_tokens` is vLLM's `request.num_cached_tokens`: the tokens counted as computed when
     // the request is first scheduled (`Scheduler.schedule`), which after a remote load are the
     // local hits plus the loaded tokens, less the last one it recomputes
-    // (`_update_waiting_for_remote_kv`). So a decoder reports what it loaded as cached.
-    let usage = Usage { prompt: prompt_len, completion: output.len(), cached, details: state.prompt_tokens_details };
-    let text = state.tokenizer.decode(&output).unwrap_or_default();
+    // (`_update_waiting_for_remote_kv`). So a decoder reports what it loaded as cached. With
+    // several sequences, it is one sequence's (see `fanout`).
+    let usage = gathered.usage(false, state.prompt_tokens_details);
     // What this engine ran through the model of the prompt: all but what it found or loaded
-    // (vLLM's `local_compute`, per request).
-    let computed = Some(prompt_len - cached);
+    // (vLLM's `local_compute`, per request; disaggregated requests are one sequence).
+    let computed = Some(usage.prompt - usage.cached);
+    let text = |seq: usize| state.tokenizer.decode(gathered.tokens(seq)).unwrap_or_default();
     if endpoint == Endpoint::Responses {
-        let body = response_object(&id, &request.model, max_tokens, Some(&text), Some(&usage));
+        let body = response_object(&id, &request.model, max_tokens, Some(&text(0)), Some(&usage));
         return disaggregation_headers(&state, tagged(&state, Json(body).into_response()), origin, computed);
     }
-    let choice = match endpoint {
-        Endpoint::Completions => {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length", "stop_reason": null})
-        }
-        _ => {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": "length", "stop_reason": null})
-        }
-    };
+    let choices: Vec<Value> = (0..gathered.fanout().sequences())
+        .map(|seq| match endpoint {
+            Endpoint::Completions => {
+                json!({"index": seq, "text": text(seq), "logprobs": null, "finish_reason": "length", "stop_reason": null})
+            }
+            _ => {
+                json!({"index": seq, "message": {"role": "assistant", "content": text(seq)}, "logprobs": null, "finish_reason": "length", "stop_reason": null})
+            }
+        })
+        .collect();
     let object = if endpoint == Endpoint::Completions { "text_completion" } else { "chat.completion" };
     let mut body = json!({"id": id, "object": object, "created": unix_now(), "model": request.model,
-        "choices": [choice], "usage": usage.json()});
+        "choices": choices, "usage": usage.json()});
     if let (Some(Ending::Held(block_ids)), Protocol::Nixl(nixl)) = (&ending, &state.protocol) {
         body["kv_transfer_params"] = nixl.prefill_params(rank_index, &id, block_ids);
     }
@@ -398,31 +434,6 @@ async fn wait_for_decoder(state: &AppState, rank: usize, id: &str, room: u64) ->
     Some(error(state, StatusCode::INTERNAL_SERVER_ERROR, "500", message))
 }
 
-/// `usage`, vLLM style.
-struct Usage {
-    prompt: usize,
-    completion: usize,
-    cached: usize,
-    details: bool,
-}
-
-impl Usage {
-    fn json(&self) -> Value {
-        let mut u = json!({"prompt_tokens": self.prompt, "completion_tokens": self.completion, "total_tokens": self.prompt + self.completion});
-        if self.details {
-            u["prompt_tokens_details"] = json!({"cached_tokens": self.cached});
-        }
-        u
-    }
-
-    /// The Responses API's `usage`: cached tokens are always reported there.
-    fn responses_json(&self) -> Value {
-        json!({"input_tokens": self.prompt, "input_tokens_details": {"cached_tokens": self.cached},
-            "output_tokens": self.completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": self.prompt + self.completion})
-    }
-}
-
 /// A Responses API `response` object as vLLM writes it: `text` is the finished output (none
 /// while in progress), `usage` is set once it is done. Output always stops at the limit, so a
 /// finished response is `incomplete` for `max_output_tokens`, as vLLM reports it.
@@ -452,7 +463,7 @@ fn stream_response(
     id: String,
     prompt_len: usize,
     max_tokens: u32,
-    mut tokens_rx: tokio::sync::mpsc::UnboundedReceiver<Emitted>,
+    mut tokens_rx: tokio::sync::mpsc::UnboundedReceiver<Produced>,
 ) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
     let worker = state.clone();
@@ -485,7 +496,7 @@ fn stream_response(
         }
         let mut usage = Usage { prompt: prompt_len, completion: 0, cached: 0, details: true };
         let mut text = String::new();
-        while let Some(e) = tokens_rx.recv().await {
+        while let Some(Produced { emitted: e, .. }) = tokens_rx.recv().await {
             usage.completion = e.index;
             usage.cached = e.cached_tokens;
             let delta = worker.tokenizer.decode(&[e.token]).unwrap_or_default();
@@ -528,12 +539,16 @@ fn stream_response(
     sse(&state, rx)
 }
 
+/// A streamed completion or chat, chunk by chunk as vLLM's `completion_stream_generator` and
+/// `chat_completion_stream_generator` write it: a chat opens every choice with its role when
+/// the first output arrives; each token is a chunk of its choice's `index`; `usage` at the end
+/// if asked for ([`Gathered::usage`]).
 fn stream(
     state: Arc<AppState>,
     endpoint: Endpoint,
     request: ParsedRequest,
     id: String,
-    prompt_len: usize,
+    fanout: Fanout,
     submitted: Submitted,
     origin: Origin,
 ) -> Response {
@@ -542,7 +557,7 @@ fn stream(
     let worker = state.clone();
     tokio::spawn(async move {
         // When the client goes away, this task ends and drops `tokens_rx`: the engine aborts
-        // the request and frees its blocks.
+        // the request's sequences and frees their blocks.
         let created = unix_now();
         let object = if endpoint == Endpoint::Completions { "text_completion" } else { "chat.completion.chunk" };
         let chunk = |choices: Value| -> Bytes {
@@ -550,29 +565,28 @@ fn stream(
                 json!({"id": id, "object": object, "created": created, "model": request.model, "choices": choices});
             Bytes::from(format!("data: {body}\n\n"))
         };
-        let piece = |delta: &str, finish: Value| match endpoint {
+        let piece = |index: usize, delta: &str, finish: Value| match endpoint {
             Endpoint::Completions => {
-                json!([{"index": 0, "text": delta, "logprobs": null, "finish_reason": finish, "stop_reason": null}])
+                json!([{"index": index, "text": delta, "logprobs": null, "finish_reason": finish, "stop_reason": null}])
             }
-            _ => json!([{"index": 0, "delta": {"content": delta}, "logprobs": null, "finish_reason": finish}]),
+            _ => json!([{"index": index, "delta": {"content": delta}, "logprobs": null, "finish_reason": finish}]),
         };
-        let mut usage = Usage { prompt: prompt_len, completion: 0, cached: 0, details: worker.prompt_tokens_details };
-        while let Some(e) = tokens_rx.recv().await {
-            if e.index == 1 && endpoint == Endpoint::ChatCompletions {
-                let first = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-                if tx.send(chunk(first)).await.is_err() {
-                    return;
+        let mut gathered = Gathered::new(fanout);
+        while !gathered.done() {
+            let Some(produced) = tokens_rx.recv().await else { break };
+            if gathered.push(&produced) && endpoint == Endpoint::ChatCompletions {
+                for index in 0..gathered.fanout().n() {
+                    let role = json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+                    if tx.send(chunk(role)).await.is_err() {
+                        return;
+                    }
                 }
             }
-            usage.completion = e.index;
-            usage.cached = e.cached_tokens;
+            let e = produced.emitted;
             let text = worker.tokenizer.decode(&[e.token]).unwrap_or_default();
             let finish = if e.finished { json!("length") } else { Value::Null };
-            if tx.send(chunk(piece(&text, finish))).await.is_err() {
+            if tx.send(chunk(piece(produced.seq, &text, finish))).await.is_err() {
                 return;
-            }
-            if e.finished {
-                break;
             }
         }
         if let Ok(Ending::TransferFailed(reason)) = ending.await {
@@ -586,7 +600,7 @@ fn stream(
         if request.include_usage {
             let mut body =
                 json!({"id": id, "object": object, "created": created, "model": request.model, "choices": []});
-            body["usage"] = usage.json();
+            body["usage"] = gathered.usage(true, worker.prompt_tokens_details).json();
             if tx.send(Bytes::from(format!("data: {body}\n\n"))).await.is_err() {
                 return;
             }
@@ -611,8 +625,9 @@ fn sse(state: &AppState, rx: tokio::sync::mpsc::Receiver<Bytes>) -> Response {
 async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let is_chat = serde_json::from_slice::<Value>(&body).ok().is_some_and(|v| v.get("messages").is_some());
     let endpoint = if is_chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
-    match prompt_tokens(&state, endpoint, &body) {
-        Ok(Admitted { tokens, .. }) => {
+    match admit(&state, endpoint, &body) {
+        Ok(Admitted { mut prompts, .. }) => {
+            let tokens = prompts.swap_remove(0);
             let body = json!({"count": tokens.len(), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": null});
             tagged(&state, Json(body).into_response())
         }

@@ -161,28 +161,51 @@ pub enum Ending {
     TransferFailed(String),
 }
 
-/// A request on its way: its tokens, then, if anything, its [`Ending`] (the sender is dropped
-/// otherwise).
+/// One engine request: a prompt and the output tokens it will produce, its extra keys and KV
+/// transfer. An API request is one or more of them (a completion's prompts, `n` children each).
+#[derive(Debug)]
+pub struct Sequence {
+    /// The prompt's tokens.
+    pub prompt: Vec<u32>,
+    /// The output tokens it produces (its `max_tokens`).
+    pub output: Vec<u32>,
+    /// Its LoRA adapter and `cache_salt`.
+    pub keys: ExtraKeys,
+    /// What it asks of KV transfer.
+    pub transfer: Transfer,
+}
+
+/// A token one of a request's sequences produced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Produced {
+    /// The sequence: its place in the request's [`Engine::submit`] list.
+    pub seq: usize,
+    /// The token.
+    pub emitted: Emitted,
+}
+
+/// A request on its way: its sequences' tokens, then, if anything, its first sequence's
+/// [`Ending`] (the sender is dropped otherwise).
 pub struct Submitted {
-    /// The tokens it produces.
-    pub tokens: mpsc::UnboundedReceiver<Emitted>,
-    /// How it ended.
+    /// The tokens its sequences produce, in the order the engine produced them (a step's in
+    /// batch order, as vLLM's output processor sees them). Closed once every sequence ended.
+    pub tokens: mpsc::UnboundedReceiver<Produced>,
+    /// How its first sequence ended.
     pub ending: oneshot::Receiver<Ending>,
 }
 
-/// A request for a rank.
+/// A sequence for a rank.
 struct Submission {
-    prompt: Vec<u32>,
-    output: Vec<u32>,
-    keys: ExtraKeys,
-    transfer: Transfer,
+    seq: usize,
+    sequence: Sequence,
     arrived: Instant,
-    reply: mpsc::UnboundedSender<Emitted>,
-    ending: oneshot::Sender<Ending>,
+    reply: mpsc::UnboundedSender<Produced>,
+    ending: Option<oneshot::Sender<Ending>>,
 }
 
 enum Command {
-    Submit(Box<Submission>),
+    /// Sequences to queue, in order, before the next step.
+    Submit(Vec<Submission>),
     Reset(oneshot::Sender<bool>),
     /// A remote prefill's load is over (`tokens` were loaded, on success).
     Loaded {
@@ -268,24 +291,33 @@ impl Engine {
         self.ranks.get(i).map(|rank| (i, rank))
     }
 
-    /// Queues a request on `rank`, under a LoRA adapter if given, with its KV transfer; its
-    /// tokens arrive on the returned channel.
-    pub fn submit(
-        &self,
-        rank: &Rank,
-        prompt: Vec<u32>,
-        output: Vec<u32>,
-        keys: ExtraKeys,
-        transfer: Transfer,
-    ) -> Result<Submitted, SubmitError> {
-        let needed = blocks_needed(prompt.len(), output.len(), self.config.block_size);
-        if needed > self.config.num_gpu_blocks {
-            return Err(SubmitError::TooLong { needed, available: self.config.num_gpu_blocks });
+    /// Queues a request's sequences, each on its rank; their tokens arrive on one channel,
+    /// tagged with their place in `sequences`. A rank gets its sequences together, in order,
+    /// so they are scheduled as requests added between two steps are (vLLM's engine core
+    /// takes every queued request before it schedules). Nothing is queued if any sequence can
+    /// never fit in the cache.
+    pub fn submit(&self, sequences: Vec<(&Rank, Sequence)>) -> Result<Submitted, SubmitError> {
+        for (_, s) in &sequences {
+            let needed = blocks_needed(s.prompt.len(), s.output.len(), self.config.block_size);
+            if needed > self.config.num_gpu_blocks {
+                return Err(SubmitError::TooLong { needed, available: self.config.num_gpu_blocks });
+            }
         }
         let (reply, tokens) = mpsc::unbounded_channel();
         let (ending, ended) = oneshot::channel();
-        let submission = Submission { prompt, output, keys, transfer, arrived: Instant::now(), reply, ending };
-        rank.commands.send(Command::Submit(Box::new(submission))).map_err(|_| SubmitError::Stopped)?;
+        let mut ending = Some(ending);
+        let arrived = Instant::now();
+        let mut batches: Vec<(&Rank, Vec<Submission>)> = Vec::new();
+        for (seq, (rank, sequence)) in sequences.into_iter().enumerate() {
+            let submission = Submission { seq, sequence, arrived, reply: reply.clone(), ending: ending.take() };
+            match batches.iter_mut().find(|(r, _)| std::ptr::eq(*r, rank)) {
+                Some((_, batch)) => batch.push(submission),
+                None => batches.push((rank, vec![submission])),
+            }
+        }
+        for (rank, batch) in batches {
+            rank.commands.send(Command::Submit(batch)).map_err(|_| SubmitError::Stopped)?;
+        }
         Ok(Submitted { tokens, ending: ended })
     }
 
@@ -320,9 +352,11 @@ impl Rank {
     }
 }
 
-/// A request in flight: where its tokens and ending go, and when it arrived.
+/// A sequence in flight: its place in its request, where its tokens and ending go, and when
+/// it arrived.
 struct Client {
-    reply: mpsc::UnboundedSender<Emitted>,
+    seq: usize,
+    reply: mpsc::UnboundedSender<Produced>,
     ending: Option<oneshot::Sender<Ending>>,
     arrived: Instant,
 }
@@ -397,18 +431,20 @@ impl RankLoop {
 
     fn handle(&mut self, c: Command) {
         match c {
-            Command::Submit(submission) => {
-                let Submission { prompt, output, keys, transfer, arrived, reply, ending } = *submission;
-                let (remote, source) = match transfer {
-                    Transfer::None => (Remote::None, None),
-                    Transfer::Hold(key) => (Remote::Decode(key), None),
-                    Transfer::Load(source) => (Remote::Prefill(source.mode()), Some(source)),
-                };
-                // Size was checked by `Engine::submit`; a refusal here just closes the channel.
-                if let Ok(id) = self.scheduler.add(prompt, output, keys, remote) {
-                    self.clients.insert(id, Client { reply, ending: Some(ending), arrived });
-                    if let Some(source) = source {
-                        self.sources.insert(id, source);
+            Command::Submit(submissions) => {
+                for Submission { seq, sequence, arrived, reply, ending } in submissions {
+                    let Sequence { prompt, output, keys, transfer } = sequence;
+                    let (remote, source) = match transfer {
+                        Transfer::None => (Remote::None, None),
+                        Transfer::Hold(key) => (Remote::Decode(key), None),
+                        Transfer::Load(source) => (Remote::Prefill(source.mode()), Some(source)),
+                    };
+                    // Size was checked by `Engine::submit`; a refusal here just drops the sender.
+                    if let Ok(id) = self.scheduler.add(prompt, output, keys, remote) {
+                        self.clients.insert(id, Client { seq, reply, ending, arrived });
+                        if let Some(source) = source {
+                            self.sources.insert(id, source);
+                        }
                     }
                 }
             }
@@ -508,7 +544,7 @@ impl RankLoop {
         self.holds_changed.notify_waiters();
     }
 
-    /// Hands tokens to their requests; a request whose client went away is aborted.
+    /// Hands tokens to their sequences; a sequence whose client went away is aborted.
     fn dispatch(&mut self, emitted: Vec<Emitted>) {
         let mut events = Vec::new();
         for e in emitted {
@@ -517,7 +553,7 @@ impl RankLoop {
                 let ttft = client.arrived.elapsed().as_secs_f64() * self.speedup;
                 self.stats.ttft.lock().unwrap_or_else(|p| p.into_inner()).observe(ttft);
             }
-            if client.reply.send(e).is_err() {
+            if client.reply.send(Produced { seq: client.seq, emitted: e }).is_err() {
                 events.extend(self.scheduler.abort(e.id));
                 self.clients.remove(&e.id);
             } else if e.finished {

@@ -13,6 +13,7 @@
 //! | module | responsibility |
 //! |---|---|
 //! | `api` | vLLM's OpenAI-compatible HTTP API |
+//! | `fanout` | a request's sequences (`n`, a completion's prompt list), its choices and `usage` |
 //! | `engine` | one scheduler loop per data-parallel rank, in (sped-up) wall-clock time |
 //! | `scheduler` | vLLM v1's continuous batching, chunked prefill and preemption |
 //! | `time_model` | step duration; calibrated presets |
@@ -28,6 +29,7 @@
 mod api;
 mod engine;
 mod extra_keys;
+mod fanout;
 mod histogram;
 mod kv_cache;
 mod kv_events;

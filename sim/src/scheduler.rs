@@ -687,6 +687,34 @@ mod tests {
     }
 
     #[test]
+    fn children_of_one_prompt_compute_it_once_and_find_its_blocks() {
+        // vLLM's parallel sampling (n = 3): three requests with one prompt, queued together.
+        // The first caches the prompt's full blocks as it is scheduled; the others, scheduled
+        // after it in the same step, find them (up to len − 1 tokens) and compute the rest.
+        let mut s = scheduler(64, roomy());
+        let p = prompt(100, 1);
+        let ids: Vec<SeqId> = (0..3)
+            .map(|c| {
+                let output = (0..2).map(|i| 5000 + 10 * c + i).collect();
+                s.add(p.clone(), output, ExtraKeys::default(), Remote::None).unwrap()
+            })
+            .collect();
+        let first = s.step();
+        assert_eq!(first.work.prefill_tokens, 100 + 4 + 4, "the prompt once, then each child's last 4 tokens");
+        let emitted: Vec<(SeqId, usize)> = first.emitted.iter().map(|e| (e.id, e.cached_tokens)).collect();
+        assert_eq!(emitted, vec![(ids[0], 0), (ids[1], 96), (ids[2], 96)], "in the order they were queued");
+        assert_eq!(stored(&first.events), 6, "the prompt's 6 full blocks, stored once");
+        assert_eq!(s.cache_usage(), 9.0 / 64.0, "6 shared blocks, and a tail block each");
+        let c = s.counters();
+        assert_eq!((c.prompt_tokens, c.prompt_computed, c.prompt_local_hits), (300, 108, 192));
+        assert_eq!((c.prefix_queries, c.prefix_hits), (300, 192));
+        let (_, _, rest) = run(&mut s);
+        assert_eq!(rest.len(), 1, "the second tokens, decoded together");
+        assert_eq!(rest[0].work.decode_seqs, 3);
+        assert_eq!(s.cache_usage(), 0.0);
+    }
+
+    #[test]
     fn max_num_seqs_caps_the_batch_and_throughput_saturates() {
         // Throughput (output tokens per simulated second) grows with offered concurrency up
         // to max_num_seqs, then stays flat: the extra requests only wait.
