@@ -79,6 +79,9 @@ pub struct StackOptions {
     pub sync: bool,
     /// Prefill/decode disaggregation of the pool (none by default).
     pub disaggregation: Option<Disaggregation>,
+    /// The engines report cached prompt tokens (`--enable-prompt-tokens-details`, as vLLM
+    /// must be told to); false leaves the flag out.
+    pub prompt_tokens_details: bool,
 }
 
 /// A disaggregated pool: the engines' protocol and what each engine does.
@@ -127,6 +130,7 @@ impl Default for StackOptions {
             gateways: 1,
             sync: true,
             disaggregation: None,
+            prompt_tokens_details: true,
         }
     }
 }
@@ -271,9 +275,11 @@ impl Stack {
                 .arg("--tokenizer")
                 .arg(&artifacts.model_dir)
                 .args(["--block-size", &opts.block_size.to_string(), "--kv-events-config", &events_config.to_string()])
-                .arg("--enable-prompt-tokens-details")
                 .args(["--data-parallel-size", &opts.data_parallel_size.to_string()])
                 .args(&opts.sim_args);
+            if opts.prompt_tokens_details {
+                cmd.arg("--enable-prompt-tokens-details");
+            }
             // Its part in a disaggregated pool, with the flags the engines take for it.
             let role = opts.disaggregation.as_ref().map(|d| (d.mode.as_str(), d.role(index)));
             let bootstrap_port = match role {
