@@ -85,7 +85,7 @@ pub struct RouteRequest {
     /// Prompts in the request (a `/v1/completions` list is one engine request each; the hashes
     /// and `prompt_tokens` are the first's, the others are booked as its size, uncached).
     pub prompts: u32,
-    /// Sequences decoded per prompt: `max(n, best_of)`.
+    /// Sequences decoded per prompt: `n`.
     pub samples: u32,
     /// Whether the response streams. A non-streamed response's first byte is its last, so
     /// the sidecar estimates when its prefill ends instead of waiting for that report.

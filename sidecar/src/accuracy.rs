@@ -17,7 +17,8 @@
 //! Requests that cannot be checked are counted by [`Unchecked`] reason, never as misses: an
 //! engine that does not report cached tokens (vLLM without `--enable-prompt-tokens-details`,
 //! SGLang without `--enable-cache-report`), a request that ended without a usage report, one
-//! that ran elsewhere than predicted, one whose prompt was estimated, not counted.
+//! that ran elsewhere than predicted, one whose prompt was estimated, not counted, and one that
+//! runs several sequences (the engine reports one sequence's cached tokens, not a known one).
 //!
 //! A pool whose predictions keep missing raises an **alarm**: over the last [`WINDOW`]
 //! checks, fewer than half right (cleared again at 90 %). Exact, in-flight and evicted
@@ -192,13 +193,13 @@ pub enum Unchecked {
     Moved,
     /// Its prompt was estimated, so nothing was predicted.
     Estimated,
+    /// It runs several sequences (a list of prompts, or `n` above 1), and the engine reports
+    /// the cached tokens of one of them (vLLM: whichever finished last, or streamed, the
+    /// first to answer), which no prediction can name in advance.
+    SeveralSequences,
 }
 
 impl Unchecked {
-    /// Every reason.
-    pub const ALL: [Unchecked; 4] =
-        [Unchecked::NoCachedTokens, Unchecked::NoUsage, Unchecked::Moved, Unchecked::Estimated];
-
     /// Its label in metrics.
     pub fn label(self) -> &'static str {
         match self {
@@ -206,6 +207,7 @@ impl Unchecked {
             Unchecked::NoUsage => "no_usage",
             Unchecked::Moved => "moved",
             Unchecked::Estimated => "estimated",
+            Unchecked::SeveralSequences => "several_sequences",
         }
     }
 }
@@ -256,6 +258,8 @@ pub struct UncheckedTotals {
     pub moved: u64,
     /// Its prompt was estimated.
     pub estimated: u64,
+    /// It runs several sequences.
+    pub several_sequences: u64,
 }
 
 /// What a check did to the alarm.
@@ -314,6 +318,7 @@ impl Accuracy {
             Unchecked::NoUsage => &mut u.no_usage,
             Unchecked::Moved => &mut u.moved,
             Unchecked::Estimated => &mut u.estimated,
+            Unchecked::SeveralSequences => &mut u.several_sequences,
         } += 1;
     }
 

@@ -1618,18 +1618,22 @@ fn a_restarted_sidecar_takes_its_peers_view_over() {
 
 /// 39. `n` and a completion's list of prompts, through Envoy: the engine answers `n` choices
 ///     per prompt (the simulator runs them as vLLM 0.32 does), and the sidecar, which books
-///     prompts × `n` sequences, releases every one of them when the answer ends and checks its
-///     prediction against the engine's `usage`, whose `prompt_tokens` counts each prompt once.
+///     prompts × `n` sequences, releases every one of them when the answer ends and counts the
+///     request unchecked (`several_sequences`): vLLM reports one sequence's cached tokens,
+///     which no prediction can name. The real-vLLM suite (check 1d) checks the same with vLLM.
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
-fn n_choices_and_prompt_lists_are_booked_released_and_checked() {
+fn n_choices_and_prompt_lists_are_booked_released_and_counted() {
     let stack = start("fanout");
-    let checked = || metric_sum(&stack.sidecar_metrics().unwrap(), "kvgate_predictions_total", "");
+    let several = || {
+        let metrics = stack.sidecar_metrics().unwrap();
+        metric_sum(&metrics, "kvgate_predictions_unchecked_total", "reason=\"several_sequences\"")
+    };
     let mut three = chat(&document(95, 300), "three answers, please");
     three["n"] = json!(3);
     let two_prompts = json!({"model": "qwen3", "prompt": [document(96, 300), document(97, 300)], "max_tokens": 2});
     for (path, body, choices) in [("/v1/chat/completions", three, 3), ("/v1/completions", two_prompts, 2)] {
-        let before = checked();
+        let before = several();
         let reply = post(&stack.gateway(path), body.to_string(), &[]).unwrap();
         assert_eq!(reply.status, 200, "{path}: {}", reply.body);
         let answer = reply.json();
@@ -1645,11 +1649,8 @@ fn n_choices_and_prompt_lists_are_booked_released_and_checked() {
             (idle && bookings(&stack)? == 0).then_some(())
         })
         .unwrap_or_else(|e| panic!("{path}: {e}: {}", replica_state(&stack, &routed)));
-        wait_for("the prediction checked", Duration::from_secs(10), || (checked() > before).then_some(())).unwrap();
+        wait_for("counted unchecked", Duration::from_secs(10), || (several() > before).then_some(())).unwrap();
         let prediction = stack.sidecar_state().unwrap()["pools"][0]["prediction"].clone();
-        assert_eq!(
-            prediction["prompt_mismatches"], 0,
-            "{path}: the engine counted the prompts as predicted: {prediction}"
-        );
+        assert_eq!(prediction["over"].as_u64().unwrap() + prediction["under"].as_u64().unwrap(), 0, "{prediction}");
     }
 }

@@ -77,9 +77,13 @@ pub struct ParsedRequest {
     /// vLLM's `cache_salt`: the prompt's first block is hashed with it, so only requests
     /// with the same salt share cached prefixes.
     pub cache_salt: Option<String>,
-    /// Sequences decoded per prompt: `max(n, best_of)` (1 without either).
+    /// Sequences decoded per prompt: `n` (1 without it), at most vLLM's 16 384. vLLM 0.32
+    /// has no `best_of` (its request models ignore unknown fields), so neither does kvgate.
     pub samples: u32,
 }
+
+/// The largest `n` vLLM accepts (`SamplingParams._verify_num_sequences`).
+const MAX_N: u64 = 16_384;
 
 /// Parses a request body for `endpoint`.
 ///
@@ -118,9 +122,11 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
         Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
         Some(_) => return Err(PromptError::Invalid("`cache_salt` must be a non-empty string".into())),
     };
-    let count = |key: &str| obj.get(key).and_then(Value::as_u64).map_or(1, |n| n.clamp(1, 1024) as u32);
-    // Responses have neither: one sequence.
-    let samples = if endpoint == Endpoint::Responses { 1 } else { count("n").max(count("best_of")) };
+    // Responses have no `n`: one sequence.
+    let samples = match endpoint {
+        Endpoint::Responses => 1,
+        _ => obj.get("n").and_then(Value::as_u64).map_or(1, |n| n.clamp(1, MAX_N) as u32),
+    };
     Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, include_usage, session, cache_salt, samples })
 }
 
@@ -343,7 +349,9 @@ mod tests {
         let r = completion(r#"{"model":"m","prompt":"x","n":3}"#).unwrap();
         assert_eq!(r.samples, 3);
         let r = completion(r#"{"model":"m","prompt":"x","n":2,"best_of":5}"#).unwrap();
-        assert_eq!(r.samples, 5, "best_of sequences are decoded, n returned");
+        assert_eq!(r.samples, 2, "vLLM 0.32 has no best_of: n sequences run");
+        let r = completion(r#"{"model":"m","prompt":"x","n":99999}"#).unwrap();
+        assert_eq!(r.samples, 16_384, "no more than vLLM accepts");
         let r = completion(r#"{"model":"m","prompt":"x","user":"u1"}"#).unwrap();
         assert_eq!(r.samples, 1);
         assert!(!r.include_usage);

@@ -104,7 +104,7 @@ struct Booking {
     max_tokens: Option<u64>,
     /// What the engine should report for it.
     prediction: Option<Prediction>,
-    /// Sequences it decodes (prompts × `n`/`best_of`): what it adds to `requests`.
+    /// Sequences it decodes (prompts × `n`): what it adds to `requests`.
     sequences: u64,
     /// When its prefill is taken to end, for a response that is not streamed (its first
     /// token is never reported in time).
@@ -222,7 +222,7 @@ pub struct NewBooking<'a> {
     pub max_tokens: Option<u64>,
     /// What the engine should report for it (checked by [`crate::accuracy`]).
     pub prediction: Option<Prediction>,
-    /// Sequences it decodes: a list of prompts, `n` or `best_of` above 1 count each.
+    /// Sequences it decodes: a list of prompts, or `n` above 1, count each.
     pub sequences: u64,
     /// Whether the response streams (its first token is reported when it arrives).
     pub streamed: bool,

@@ -44,7 +44,7 @@ pub(super) enum Whole {
     PrefillBusy,
     /// No prefill worker may take it (none active, or only the decode worker itself).
     NoPrefillWorker,
-    /// Several sequences: a `/v1/completions` list of prompts, or `n`/`best_of` above 1 —
+    /// Several sequences: a `/v1/completions` list of prompts, or `n` above 1 —
     /// several engine requests, each of which would pull the one leg's KV.
     SeveralSequences,
     /// The filter cannot run a leg for it (no `prefill_cluster`, or a Responses request).

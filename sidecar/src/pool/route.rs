@@ -96,8 +96,8 @@ struct Booked {
     prefill_tokens: u64,
     /// False if the request had already ended (its end overtook the decision).
     booked: bool,
-    /// Whether the engine's report will be checked against a prediction.
-    predicted: bool,
+    /// Why the engine's report will not be checked against a prediction, if it will not.
+    unpredicted: Option<Unchecked>,
 }
 
 fn nowhere() -> RouteResponse {
@@ -204,8 +204,10 @@ impl Pool {
         for (slot, figures) in figures {
             self.publish_load(slot, figures);
         }
-        for b in std::iter::once(&booked).chain(&leg).filter(|b| b.booked && !b.predicted) {
-            self.unchecked(b.slot, Unchecked::Estimated);
+        for b in std::iter::once(&booked).chain(&leg).filter(|b| b.booked) {
+            if let Some(reason) = b.unpredicted {
+                self.unchecked(b.slot, reason);
+            }
         }
         self.share_booking(&req.request_id, &replica.id, &shape, &booked);
         if let (Some(leg), Some(p)) = (&leg, &prefill) {
@@ -433,16 +435,13 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         None => scoring.prefill_tokens(shape.booked_tokens, shape.block_size, at.overlap),
     };
     // What the engine should report: a prompt that was not tokenized predicts nothing, nor
-    // does a transferred one that was not counted exactly.
-    let exact = shape.prompt_count == PromptCount::Exact;
-    let prediction = match to.remote {
-        Some(protocol) => {
-            exact.then(|| Prediction::transferred(shape.prompt_tokens, protocol == TransferProtocol::Vllm))
-        }
-        None => (shape.prompt_count != PromptCount::Estimated).then(|| {
-            let (indexed, credited) = (u64::from(at.indexed), u64::from(at.overlap.device));
-            Prediction::new(indexed, credited, shape.block_size, shape.prompt_tokens, exact, at.churn)
-        }),
+    // does a transferred one that was not counted exactly, nor several sequences (the engine
+    // reports one of them).
+    let prediction = if shape.sequences > 1 { None } else { predict(shape, at, to.remote) };
+    let unpredicted = match prediction {
+        Some(_) => None,
+        None if shape.sequences > 1 => Some(Unchecked::SeveralSequences),
+        None => Some(Unchecked::Estimated),
     };
     let booking = NewBooking {
         request_id: to.id,
@@ -457,7 +456,22 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         from_peer: false,
     };
     let booked = load.book(at.slot, booking, Instant::now());
-    Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked, predicted: prediction.is_some() }
+    Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked, unpredicted }
+}
+
+/// What the engine should report for one sequence's prompt booked `at` (`remote`: its KV comes
+/// from a prefill worker over that protocol).
+fn predict(shape: &Shape<'_>, at: Eligible, remote: Option<TransferProtocol>) -> Option<Prediction> {
+    let exact = shape.prompt_count == PromptCount::Exact;
+    match remote {
+        Some(protocol) => {
+            exact.then(|| Prediction::transferred(shape.prompt_tokens, protocol == TransferProtocol::Vllm))
+        }
+        None => (shape.prompt_count != PromptCount::Estimated).then(|| {
+            let (indexed, credited) = (u64::from(at.indexed), u64::from(at.overlap.device));
+            Prediction::new(indexed, credited, shape.block_size, shape.prompt_tokens, exact, at.churn)
+        }),
+    }
 }
 
 /// Rendezvous (highest-random-weight) hashing over the eligible replicas: a session keeps its

@@ -764,9 +764,13 @@ fn requests_that_cannot_be_checked_are_counted_with_their_reason() {
     let mut estimated = request("estimated", &[]);
     (estimated.prompt_tokens, estimated.prompt_count) = (500, kvgate_shared::wire::PromptCount::Estimated);
     p.route(&estimated, &cfg);
+    let several = RouteRequest { samples: 3, ..request("several", &(300..364).collect::<Vec<u32>>()) };
+    p.route(&several, &cfg);
+    assert!(!p.engine_usage("several", 64, Some(60)), "one sequence's report names no prediction");
     let state = p.state();
     let u = state.prediction.unchecked;
-    assert_eq!((u.no_usage, u.no_cached_tokens, u.estimated, state.prediction.checked), (1, 1, 1, 0), "{u:?}");
+    let counts = (u.no_usage, u.no_cached_tokens, u.estimated, u.several_sequences, state.prediction.checked);
+    assert_eq!(counts, (1, 1, 1, 1, 0), "{u:?}");
     assert_eq!(state.prediction.prompt_mismatches, 1, "the prompt count is still compared");
     assert_eq!(state.replicas[0].reports_cached_tokens, Some(false));
     p.route(&request("detailed", &(200..264).collect::<Vec<u32>>()), &cfg);
