@@ -354,8 +354,10 @@ fn streams_without_usage_are_checked_and_reach_the_client_as_asked() {
     assert!(asked.usage.is_some_and(|u| u["prompt_tokens"].as_u64().unwrap() > 300));
 }
 
-/// `/v1/responses` is rendered as vLLM renders it, routed on its cache, and its prediction
-/// checked against the engine's `input_tokens_details.cached_tokens`, streamed or not.
+/// `/v1/responses` is routed on its cache and its prediction checked against the engine's
+/// `input_tokens_details.cached_tokens`, streamed or not. The simulator renders with kvgate's
+/// code, so the prompt count here is kvgate against itself; vLLM's own rendering is checked by
+/// the real-vLLM suite (check 1c) and the vectors of `shared/tests`.
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn responses_requests_are_routed_on_their_cache() {
@@ -1045,8 +1047,9 @@ fn completions_prompts_are_forwarded_as_token_ids() {
 
 /// 11b. Token forwarding for chats: with `forward_chat_tokens`, a chat reaches the engine with
 ///     the filter's ids in `kv_transfer_params.prompt_token_ids` (beside the client's own
-///     parameters), as vLLM 0.32 takes them: the engine renders and tokenizes nothing and
-///     counts exactly the prompt it would have rendered. A chat with `echo` is left alone.
+///     parameters), as vLLM 0.32 takes them (check 1b of the real-vLLM suite shows vLLM does):
+///     the engine renders and tokenizes nothing and counts exactly the prompt it would have
+///     rendered. A chat with `echo` is left alone.
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn chats_are_forwarded_as_token_ids() {

@@ -58,8 +58,8 @@ pub struct Case {
     pub seed: u32,
     /// Each request's `max_tokens` (the engine's answer is random text).
     pub max_tokens: u32,
-    /// The share of checks that must be exact: 0.99, or 0 where evictions are the point and
-    /// every miss must be explained instead.
+    /// The share of checks that must be exact (0 where evictions are the point); in every
+    /// case each miss must be explained.
     pub min_exact: f64,
 }
 
@@ -254,14 +254,17 @@ pub fn check(stack: &Stack, case: &Case) -> anyhow::Result<(Row, Tally)> {
         && tally.lost() == 0
         && tally.prompt_mismatches == 0
         && tally.exact_share() >= case.min_exact
-        && (case.min_exact > 0.0 || unexplained == 0);
+        && unexplained == 0;
     let expected = if case.min_exact > 0.0 { EXPECT_EXACT } else { EXPECT_EXPLAINED };
     Ok((Row { scenario: case.name, expected, measured: tally.summary(), pass }, tally))
 }
 
-/// What a case that must be exact expects.
-const EXPECT_EXACT: &str = "≥ 99 % of the checks exact; every request checked or counted with its reason; no prompt \
-                            counted differently";
+/// What a case that must be mostly exact expects. The target is 99 %; a miss the engine's
+/// timing explains (the index a few events behind, a request scheduled before the prefix it
+/// was credited with was cached) happens more often on a busy host, so the check fails below
+/// [`Case::min_exact`] or on any unexplained miss, and the report shows the share.
+const EXPECT_EXACT: &str = "target ≥ 99 % of the checks exact (fails below 95 % or on any unexplained miss); every \
+                            request checked or counted with its reason; no prompt counted differently";
 /// What a case under eviction expects.
 const EXPECT_EXPLAINED: &str = "every miss explained (evicted since, in flight, cached since); every request checked \
                                 or counted with its reason; no prompt counted differently";
