@@ -64,9 +64,9 @@ pub fn run() -> anyhow::Result<()> {
     let rr = points.iter().find(|p| p.policy == Policy::EnvoyRoundRobin.name());
     if let (Some(k), Some(r)) = (kvgate, rr) {
         println!(
-            "\nkvgate kv_aware vs Envoy round robin: TTFT p90 {:.1}x lower, p50 {:.1}x lower; prefix-cache hit ratio {:.2} vs {:.2}",
-            k.ttft_p90_vs_round_robin.unwrap_or(f64::NAN),
-            k.ttft_p50_vs_round_robin.unwrap_or(f64::NAN),
+            "\nkvgate kv_aware vs Envoy round robin: TTFT p90 {} lower, p50 {} lower; prefix-cache hit ratio {:.2} vs {:.2}",
+            report::gain(k.ttft_p90_vs_round_robin.unwrap_or(f64::NAN)),
+            report::gain(k.ttft_p50_vs_round_robin.unwrap_or(f64::NAN)),
             k.median.hit_ratio.unwrap_or(f64::NAN),
             r.median.hit_ratio.unwrap_or(f64::NAN),
         );
@@ -132,11 +132,11 @@ fn decision_latency(stack: &Stack) -> anyhow::Result<()> {
     warm.sort_unstable();
     let warm_median = warm[warm.len() / 2];
     println!(
-        "  {tokens}-token conversation + one new turn: {:.2} ms warm (median of {}) vs {:.2} ms cold: {:.1}x faster",
+        "  {tokens}-token conversation + one new turn: {:.2} ms warm (median of {}) vs {:.2} ms cold: {} faster",
         warm_median as f64 / 1000.0,
         warm.len(),
         cold as f64 / 1000.0,
-        cold as f64 / warm_median.max(1) as f64
+        report::gain(cold as f64 / warm_median.max(1) as f64)
     );
     Ok(())
 }

@@ -317,7 +317,7 @@ pub fn tables(report: &Report) -> String {
     for r in &report.rows {
         let shipped = if r.offloaded { " (offloaded)" } else { "" };
         md += &format!(
-            "| ~{}k tokens | {} | {:.2} ms | {:.2} ms{shipped} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2}× |\n",
+            "| ~{}k tokens | {} | {:.2} ms | {:.2} ms{shipped} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {} |\n",
             r.tokens / 1000,
             r.cache,
             r.envoy_ms,
@@ -326,7 +326,7 @@ pub fn tables(report: &Report) -> String {
             r.inline_ms,
             r.inline_tokenize_us / 1000.0,
             r.native_tokenize_us / 1000.0,
-            r.inline_tokenize_us / r.native_tokenize_us.max(1.0),
+            super::report::gain(r.inline_tokenize_us / r.native_tokenize_us.max(1.0)),
         );
     }
     md += "\nCold ÷ warm in-Envoy tokenize time (the segment cache):";
@@ -334,9 +334,9 @@ pub fn tables(report: &Report) -> String {
         let cell = |cache| report.rows.iter().find(|r| r.tokens == size && r.cache == cache);
         if let (Some(cold), Some(warm)) = (cell("cold"), cell("warm")) {
             md += &format!(
-                " ~{}k {:.2}× faster;",
+                " ~{}k {} faster;",
                 size / 1000,
-                cold.inline_tokenize_us / warm.inline_tokenize_us.max(1.0)
+                super::report::gain(cold.inline_tokenize_us / warm.inline_tokenize_us.max(1.0))
             );
         }
     }

@@ -151,6 +151,16 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
         .collect()
 }
 
+/// A ratio where more is better for the router measured (a gain), to two decimals, rounded
+/// down: a report never rounds in its own favour (7.7475 is 7.74×, not 7.75×).
+pub fn gain(ratio: f64) -> String {
+    if !ratio.is_finite() {
+        return "–".into();
+    }
+    // The nudge keeps a ratio that is exactly on a hundredth (8.56) from flooring below it.
+    format!("{:.2}×", ((ratio * 100.0) + 1e-9).floor() / 100.0)
+}
+
 fn secs(v: Option<f64>) -> String {
     v.map_or("–".into(), |v| if v < 1.0 { format!("{:.0} ms", v * 1000.0) } else { format!("{v:.2} s") })
 }
@@ -183,7 +193,7 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
             secs(m.ttft_p90),
             secs(m.ttft_p99),
             shed(m),
-            q.ttft_p90_vs_round_robin.map_or("–".into(), |r| format!("{r:.2}×")),
+            q.ttft_p90_vs_round_robin.map_or("–".into(), gain),
             secs(m.itl_p50),
             secs(m.itl_p90),
             secs(m.itl_p99),
@@ -427,6 +437,14 @@ fn throughput_vs_qps(path: &Path, ladder: &Setting, points: &[Point]) -> anyhow:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gains_are_rounded_down() {
+        assert_eq!(gain(7.7475), "7.74×");
+        assert_eq!(gain(8.56), "8.56×");
+        assert_eq!(gain(0.999), "0.99×");
+        assert_eq!(gain(f64::NAN), "–");
+    }
     use crate::bench::loadgen::Outcome;
 
     fn run(policy: &str, repeat: usize, p90: f64) -> RunResult {
