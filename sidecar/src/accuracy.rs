@@ -76,12 +76,12 @@ impl Prediction {
         }
     }
 
-    /// The prediction for a decode worker that receives an exactly counted prompt's KV from
-    /// a prefill worker: engines report transferred tokens as cached. vLLM computes the last
-    /// prompt token itself (it samples the first output token from it); SGLang computes none.
-    pub fn transferred(prompt_tokens: u64, computes_last: bool) -> Prediction {
+    /// The prediction for an SGLang decode worker that receives an exactly counted prompt's
+    /// KV from a prefill worker: it reports every transferred token as cached. (A vLLM 0.32
+    /// decoder reports the prefill worker's own cache hits instead: the leg's prediction.)
+    pub fn transferred(prompt_tokens: u64) -> Prediction {
         Prediction {
-            cached_tokens: prompt_tokens.saturating_sub(u64::from(computes_last)),
+            cached_tokens: prompt_tokens,
             in_flight_tokens: 0,
             prompt_tokens: Some(prompt_tokens),
             churn: None,
@@ -390,7 +390,7 @@ mod tests {
         assert_eq!(Check::new(indexed, usage(100, 16), stored).class, Class::Over, "a store explains no shortfall");
         assert_eq!(Check::new(indexed, usage(100, 80), stored).class, Class::CachedSince);
         assert_eq!(Check::new(indexed, usage(100, 80), removed).class, Class::Under, "a removal explains no gain");
-        let transfer = Prediction::transferred(100, true);
+        let transfer = Prediction::transferred(100);
         assert_eq!(Check::new(transfer, usage(100, 0), removed).class, Class::Over, "a transfer has no churn");
     }
 

@@ -40,7 +40,7 @@ use crate::engine::{Ending, Engine, Produced, Sequence, SubmitError, Submitted, 
 use crate::extra_keys::ExtraKeys;
 use crate::fanout::{self, Fanout, Gathered, Usage};
 use crate::kv_events::Chaos;
-use crate::kv_transfer::{room_rank, JoinRoom, Plan, Protocol, PullRequest, Released};
+use crate::kv_transfer::{room_rank, JoinRoom, Plan, Protocol, PullRequest, Released, Source};
 use crate::lora::Registry;
 use crate::scheduler::HoldKey;
 
@@ -274,7 +274,13 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
         Endpoint::Responses => "resp_",
     };
     let id = format!("{kind}{:016x}", rng.random::<u64>());
-    let origin = Origin { rank: rank_index, remote_prefill: matches!(plan, Plan::RemotePrefill(_)), room: plan.room() };
+    // A vLLM 0.32 decoder reports the prefill engine's cache hits, which the prefill passed on.
+    let prefill_cached = match &plan {
+        Plan::RemotePrefill(Source::Nixl(source)) => source.prefill_cached_tokens,
+        _ => None,
+    };
+    let remote_prefill = matches!(plan, Plan::RemotePrefill(_));
+    let origin = Origin { rank: rank_index, remote_prefill, room: plan.room(), prefill_cached };
     let transfer = match plan {
         Plan::Local => Transfer::None,
         Plan::RemoteDecode => Transfer::Hold(HoldKey::Request(id.clone())),
@@ -333,12 +339,13 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
     // `cached_tokens` is vLLM's `request.num_cached_tokens`: the tokens counted as computed when
     // the request is first scheduled (`Scheduler.schedule`), which after a remote load are the
     // local hits plus the loaded tokens, less the last one it recomputes
-    // (`_update_waiting_for_remote_kv`). So a decoder reports what it loaded as cached. With
-    // several sequences, it is one sequence's (see `fanout`).
-    let usage = gathered.usage(false, state.prompt_tokens_details);
+    // (`_update_waiting_for_remote_kv`). With several sequences, it is one sequence's (see
+    // `fanout`).
+    let mut usage = gathered.usage(false, state.prompt_tokens_details);
     // What this engine ran through the model of the prompt: all but what it found or loaded
     // (vLLM's `local_compute`, per request; disaggregated requests are one sequence).
     let computed = Some(usage.prompt - usage.cached);
+    usage.cached = origin.reported_cached(usage.cached);
     let text = |seq: usize| state.tokenizer.decode(gathered.tokens(seq)).unwrap_or_default();
     if endpoint == Endpoint::Responses {
         let body = response_object(&id, &request.model, max_tokens, Some(&text(0)), Some(&usage));
@@ -358,7 +365,7 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
     let mut body = json!({"id": id, "object": object, "created": unix_now(), "model": request.model,
         "choices": choices, "usage": usage.json()});
     if let (Some(Ending::Held(block_ids)), Protocol::Nixl(nixl)) = (&ending, &state.protocol) {
-        body["kv_transfer_params"] = nixl.prefill_params(rank_index, &id, block_ids);
+        body["kv_transfer_params"] = nixl.prefill_params(rank_index, &id, block_ids, usage.cached);
     }
     disaggregation_headers(&state, tagged(&state, Json(body).into_response()), origin, computed)
 }
@@ -372,6 +379,17 @@ struct Origin {
     remote_prefill: bool,
     /// Its SGLang bootstrap room.
     room: Option<u64>,
+    /// The prefill engine's cache hits, which its vLLM prefill passed on.
+    prefill_cached: Option<usize>,
+}
+
+impl Origin {
+    /// The `cached_tokens` it reports for `cached` found or loaded: a vLLM 0.32 decoder whose
+    /// prefill said what it found cached reports that instead (`RequestState`'s
+    /// `remote_prefill_cached_tokens` in its output processor).
+    fn reported_cached(&self, cached: usize) -> usize {
+        self.prefill_cached.unwrap_or(cached)
+    }
 }
 
 /// With disaggregation on, tags a response with whether its request asked for a remote
@@ -600,7 +618,9 @@ fn stream(
         if request.include_usage {
             let mut body =
                 json!({"id": id, "object": object, "created": created, "model": request.model, "choices": []});
-            body["usage"] = gathered.usage(true, worker.prompt_tokens_details).json();
+            let mut usage = gathered.usage(true, worker.prompt_tokens_details);
+            usage.cached = origin.reported_cached(usage.cached);
+            body["usage"] = usage.json();
             if tx.send(Bytes::from(format!("data: {body}\n\n"))).await.is_err() {
                 return;
             }

@@ -225,6 +225,9 @@ pub struct NixlSource {
     pub host: String,
     /// `remote_port`
     pub port: u16,
+    /// `remote_prefill_cached_tokens`: the prefill engine's own cache hits, which vLLM 0.32's
+    /// decode engine reports as its `cached_tokens` (`OutputProcessor`'s `RequestState`).
+    pub prefill_cached_tokens: Option<usize>,
 }
 
 /// `POST /_kv/pull`: a decoder reads a prefill request's blocks.
@@ -310,6 +313,10 @@ fn nixl_plan(body: &Map<String, Value>) -> Result<Plan, String> {
                 block_ids,
                 host: text("remote_host")?,
                 port,
+                prefill_cached_tokens: params
+                    .get("remote_prefill_cached_tokens")
+                    .and_then(Value::as_u64)
+                    .map(|n| n as usize),
             })))
         }
     }
@@ -365,11 +372,13 @@ impl Nixl {
 
     /// A prefill response's `kv_transfer_params`: the keys, in order, of what vLLM's
     /// `NixlConnectorScheduler.request_finished` returns (connector version 2, which added
-    /// `remote_request_id`).
-    pub fn prefill_params(&self, rank: usize, request_id: &str, block_ids: &[usize]) -> Value {
+    /// `remote_request_id`), and the prefill's own cache hits, which vLLM 0.32's scheduler
+    /// adds as `remote_prefill_cached_tokens` when the request finishes.
+    pub fn prefill_params(&self, rank: usize, request_id: &str, block_ids: &[usize], cached: usize) -> Value {
         json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": block_ids,
             "remote_engine_id": self.engine_id(rank), "remote_request_id": request_id,
-            "remote_host": self.host, "remote_port": self.port, "tp_size": 1})
+            "remote_host": self.host, "remote_port": self.port, "tp_size": 1,
+            "remote_prefill_cached_tokens": cached})
     }
 }
 
@@ -579,7 +588,7 @@ mod tests {
             "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}});
         assert_eq!(plan(&p, prefill), Ok(Plan::RemoteDecode));
         let Protocol::Nixl(n) = &p else { unreachable!() };
-        let params = n.prefill_params(0, "cmpl-1", &[4, 5, 6]);
+        let params = n.prefill_params(0, "cmpl-1", &[4, 5, 6], 32);
         let keys: Vec<&str> = params.as_object().unwrap().keys().map(String::as_str).collect();
         assert_eq!(
             keys,
@@ -591,7 +600,8 @@ mod tests {
                 "remote_request_id",
                 "remote_host",
                 "remote_port",
-                "tp_size"
+                "tp_size",
+                "remote_prefill_cached_tokens"
             ]
         );
         // The decode request carries them back, with a chat's forwarded ids beside them.
@@ -603,6 +613,7 @@ mod tests {
             block_ids: vec![4, 5, 6],
             host: "127.0.0.1".into(),
             port: 8100,
+            prefill_cached_tokens: Some(32),
         });
         assert_eq!(plan(&p, json!({"kv_transfer_params": decode})), Ok(Plan::RemotePrefill(expected.clone())));
         assert_eq!(expected.mode(), LoadMode::RecomputeLast);

@@ -93,6 +93,18 @@ fn vllm_prefill_legs_run_where_the_prompt_is_cached_and_decode_elsewhere() {
     assert_eq!(explained["disaggregation"], "prefill_leg", "{explained}");
     assert_eq!(explained["candidates"].as_array().map(Vec::len), Some(2), "{explained}");
     assert_eq!(explained["checked"]["check"]["cached_error"], 0, "{explained}");
+    // The decode worker reports the prefill worker's cache hits (vLLM 0.32 passes them on in
+    // `remote_prefill_cached_tokens`), and its prediction says so.
+    let decode_id = first.header("x-kvgate-booking-id").to_owned();
+    let decoded = wait_for("the decode worker's prediction checked", Duration::from_secs(10), || {
+        let url = stack.sidecar_url(&format!("/debug/explain?request={decode_id}"));
+        let explained: Value = kvgate_e2e::client::client().get(url).send().ok()?.json().ok()?;
+        let decision = explained["decisions"][0].clone();
+        (!decision["checked"].is_null()).then_some(decision)
+    })
+    .unwrap();
+    assert_eq!(decoded["checked"]["check"]["class"], "exact", "{decoded}");
+    assert_eq!(decoded["checked"]["engine"]["cached_tokens"], explained["checked"]["engine"]["cached_tokens"]);
     // The decode worker now holds the prompt too: the conversation's next turn is served
     // whole there, its prompt short of what it has cached.
     stack.wait_indexed(&decoder, prompt_tokens / 16).unwrap();

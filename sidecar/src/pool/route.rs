@@ -86,7 +86,8 @@ impl Shape<'_> {
 struct BookAs<'a> {
     id: &'a str,
     flow: Option<Flow>,
-    remote: Option<TransferProtocol>,
+    /// The prompt's KV comes over this protocol from this prefill worker.
+    remote: Option<(TransferProtocol, Eligible)>,
 }
 
 /// What was booked where.
@@ -175,7 +176,10 @@ impl Pool {
         let role = members[eligible[choice].slot.get()].replica.role;
         let split = disagg::split(pd, &load, &prefillers, eligible[choice], role, prompt, &scoring, &self.next_prefill);
         // Reserve the request's load there before anyone else decides.
-        let remote = pd.filter(|_| matches!(split, Split::Remote { .. })).map(|d| d.mode);
+        let remote = match (&split, pd) {
+            (Split::Remote { at, .. }, Some(d)) => Some((d.mode, *at)),
+            _ => None,
+        };
         let decode = BookAs { id: &req.request_id, flow, remote };
         let booked = book(&mut load, &shape, &scoring, eligible[choice], decode);
         // And the leg's prefill on its worker, under the leg's own id — unless the request
@@ -460,17 +464,23 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
 }
 
 /// What the engine should report for one sequence's prompt booked `at` (`remote`: its KV comes
-/// from a prefill worker over that protocol).
-fn predict(shape: &Shape<'_>, at: Eligible, remote: Option<TransferProtocol>) -> Option<Prediction> {
+/// from that prefill worker over that protocol).
+fn predict(shape: &Shape<'_>, at: Eligible, remote: Option<(TransferProtocol, Eligible)>) -> Option<Prediction> {
     let exact = shape.prompt_count == PromptCount::Exact;
+    let cached_at = |at: Eligible| {
+        let (indexed, credited) = (u64::from(at.indexed), u64::from(at.overlap.device));
+        Prediction::new(indexed, credited, shape.block_size, shape.prompt_tokens, exact, at.churn)
+    };
     match remote {
-        Some(protocol) => {
-            exact.then(|| Prediction::transferred(shape.prompt_tokens, protocol == TransferProtocol::Vllm))
+        // vLLM 0.32's decoder reports the prefill worker's cache hits, which the prefill
+        // passes on (`remote_prefill_cached_tokens`): the leg's prediction, whose churn is
+        // another replica's.
+        Some((TransferProtocol::Vllm, prefill)) => {
+            (shape.prompt_count != PromptCount::Estimated).then(|| Prediction { churn: None, ..cached_at(prefill) })
         }
-        None => (shape.prompt_count != PromptCount::Estimated).then(|| {
-            let (indexed, credited) = (u64::from(at.indexed), u64::from(at.overlap.device));
-            Prediction::new(indexed, credited, shape.block_size, shape.prompt_tokens, exact, at.churn)
-        }),
+        // SGLang's decoder reports every transferred token as cached.
+        Some((TransferProtocol::Sglang, _)) => exact.then(|| Prediction::transferred(shape.prompt_tokens)),
+        None => (shape.prompt_count != PromptCount::Estimated).then(|| cached_at(at)),
     }
 }
 

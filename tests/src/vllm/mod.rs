@@ -702,9 +702,8 @@ fn engine_seq(stack: &Stack, id: &str) -> Option<u64> {
 /// Check 8: prefill/decode disaggregation with vLLM's CPU build. The `ExampleConnector` (KV
 /// saved to and loaded from shared storage, keyed by the prompt) runs without a GPU; kvgate's
 /// vLLM mode sends the leg to the prefill engine and the request to the decode engine, which
-/// loads the prompt's KV from storage and reports it as cached. The decode worker's
-/// prediction (every prompt token but the last, as a NIXL transfer delivers) is checked
-/// against what the connector really delivered.
+/// loads the prompt's KV from storage and reports it as cached. What the sidecar made of the
+/// decode engine's report (a class, or why it was not checked) is reported.
 fn prefill_decode(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Row> {
     let storage = setup.out.join("kv-storage");
     std::fs::create_dir_all(&storage)?;
