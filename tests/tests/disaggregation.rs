@@ -42,6 +42,17 @@ fn sim_metric(stack: &Stack, id: &str, name: &str) -> f64 {
 const REMOTE_PREFILLS: &str = "kvgate_sim:remote_prefill_requests_total";
 const REMOTE_DECODES: &str = "kvgate_sim:remote_decode_requests_total";
 
+/// The sidecar's explanation of booking `id`, once its prediction has been checked.
+fn checked_decision(stack: &Stack, id: &str) -> Value {
+    wait_for("the prediction checked", Duration::from_secs(10), || {
+        let url = stack.sidecar_url(&format!("/debug/explain?request={id}"));
+        let explained: Value = kvgate_e2e::client::client().get(url).send().ok()?.json().ok()?;
+        let decision = explained["decisions"][0].clone();
+        (!decision["checked"].is_null()).then_some(decision)
+    })
+    .unwrap()
+}
+
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn vllm_prefill_legs_run_where_the_prompt_is_cached_and_decode_elsewhere() {
@@ -82,27 +93,13 @@ fn vllm_prefill_legs_run_where_the_prompt_is_cached_and_decode_elsewhere() {
     assert_eq!(decisions("disaggregated"), disaggregated + 1.0);
     // The leg's choice is explained, both prefill workers weighed, and its prediction of the
     // cache found on `b` checked against what `b` reported.
-    let leg_id = format!("{}/prefill", first.header("x-kvgate-booking-id"));
-    let explained = wait_for("the leg's prediction checked", Duration::from_secs(10), || {
-        let url = stack.sidecar_url(&format!("/debug/explain?request={leg_id}"));
-        let explained: Value = kvgate_e2e::client::client().get(url).send().ok()?.json().ok()?;
-        let leg = explained["decisions"][0].clone();
-        (!leg["checked"].is_null()).then_some(leg)
-    })
-    .unwrap();
+    let explained = checked_decision(&stack, &format!("{}/prefill", first.header("x-kvgate-booking-id")));
     assert_eq!(explained["disaggregation"], "prefill_leg", "{explained}");
     assert_eq!(explained["candidates"].as_array().map(Vec::len), Some(2), "{explained}");
     assert_eq!(explained["checked"]["check"]["cached_error"], 0, "{explained}");
     // The decode worker reports the prefill worker's cache hits (vLLM 0.32 passes them on in
     // `remote_prefill_cached_tokens`), and its prediction says so.
-    let decode_id = first.header("x-kvgate-booking-id").to_owned();
-    let decoded = wait_for("the decode worker's prediction checked", Duration::from_secs(10), || {
-        let url = stack.sidecar_url(&format!("/debug/explain?request={decode_id}"));
-        let explained: Value = kvgate_e2e::client::client().get(url).send().ok()?.json().ok()?;
-        let decision = explained["decisions"][0].clone();
-        (!decision["checked"].is_null()).then_some(decision)
-    })
-    .unwrap();
+    let decoded = checked_decision(&stack, first.header("x-kvgate-booking-id"));
     assert_eq!(decoded["checked"]["check"]["class"], "exact", "{decoded}");
     assert_eq!(decoded["checked"]["engine"]["cached_tokens"], explained["checked"]["engine"]["cached_tokens"]);
     // The decode worker now holds the prompt too: the conversation's next turn is served
