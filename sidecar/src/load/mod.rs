@@ -486,9 +486,10 @@ impl LoadTable {
     /// The request ran on another replica than the one it was booked on (Envoy retried it
     /// elsewhere, or its host was unhealthy and Envoy's fallback balancer picked): its load
     /// moves there, as it stands (prefill done or not, decode progress). Its prediction was for
-    /// the first replica and is dropped. Returns the replica it left and the prompt's hashes,
-    /// or `None` if it is not booked or already there.
-    pub fn move_booking(&mut self, request_id: &str, to: ReplicaIdx) -> Option<(ReplicaIdx, Vec<SequenceHash>)> {
+    /// the first replica and is dropped. Returns the replica it left, the prompt's hashes and
+    /// whether an unchecked prediction was dropped, or `None` if it is not booked or already
+    /// there.
+    pub fn move_booking(&mut self, request_id: &str, to: ReplicaIdx) -> Option<(ReplicaIdx, Vec<SequenceHash>, bool)> {
         let mut b = self.bookings.remove(request_id)?;
         let from = b.replica;
         if from == to {
@@ -497,7 +498,7 @@ impl LoadTable {
         }
         self.detach(&b);
         b.replica = to;
-        b.prediction = None;
+        let dropped = b.prediction.take().is_some();
         let r = &mut self.replicas[to.get()];
         if !b.prefill_done {
             r.prefill_tokens += b.prefill_tokens;
@@ -512,7 +513,7 @@ impl LoadTable {
         }
         let hashes = b.hashes.clone();
         self.bookings.insert(request_id.to_owned(), b);
-        Some((from, hashes))
+        Some((from, hashes, dropped))
     }
 
     /// A booking's replica, its prompt's hashes and all its prompt blocks.
@@ -523,16 +524,17 @@ impl LoadTable {
 
     /// A request booked without prefill (its prompt was to be computed by a prefill leg) is
     /// computing it where it is booked after all: `prefill_tokens` are added, unless its
-    /// prefill is already over, and its prediction, made for a transfer, is dropped.
-    pub fn served_whole(&mut self, request_id: &str, prefill_tokens: u64) -> bool {
-        let Some(b) = self.bookings.get_mut(request_id) else { return false };
-        b.prediction = None;
+    /// prefill is already over, and its prediction, made for a transfer, is dropped. Returns
+    /// whether an unchecked prediction was dropped, or `None` if it is not booked.
+    pub fn served_whole(&mut self, request_id: &str, prefill_tokens: u64) -> Option<bool> {
+        let b = self.bookings.get_mut(request_id)?;
+        let dropped = b.prediction.take().is_some();
         if !b.prefill_done {
             b.prefill_tokens += prefill_tokens;
             self.replicas[b.replica.get()].prefill_tokens += prefill_tokens;
             self.prefill_booked += prefill_tokens;
         }
-        true
+        Some(dropped)
     }
 
     fn release(&mut self, request_id: &str) -> bool {
@@ -664,7 +666,7 @@ mod tests {
         assert!(t.book(ReplicaIdx::new(0), booking("r", 100, &prompt, 10), now));
         assert!(t.prefill_done("r", Instant::now()));
         let before = t.load(ReplicaIdx::new(0));
-        assert_eq!(t.move_booking("r", ReplicaIdx::new(1)), Some((ReplicaIdx::new(0), hashes.clone())));
+        assert_eq!(t.move_booking("r", ReplicaIdx::new(1)), Some((ReplicaIdx::new(0), hashes.clone(), false)));
         assert_eq!(t.load(ReplicaIdx::new(0)), ReplicaLoad::default(), "nothing stays on the replica it left");
         assert_eq!(t.load(ReplicaIdx::new(1)), before, "it carries its load as it stands (prefill done)");
         assert_eq!(t.move_booking("r", ReplicaIdx::new(1)), None, "already there");

@@ -80,10 +80,8 @@ impl Pool {
         let Some(to) = to.map(ReplicaIdx::new) else { return false };
         let moved = {
             let mut load = self.load_table();
-            let elsewhere = load.replica_of(request_id).is_some_and(|at| at != to);
-            let predicted = if elsewhere { load.take_prediction(request_id) } else { None };
             let moved = load.move_booking(request_id, to);
-            moved.map(|(from, hashes)| (from, hashes, load.load(from), load.load(to), predicted.is_some()))
+            moved.map(|(from, hashes, predicted)| (from, hashes, load.load(from), load.load(to), predicted))
         };
         let Some((from, hashes, left, arrived, predicted)) = moved else { return false };
         if predicted {
@@ -110,8 +108,7 @@ impl Pool {
         let prefill = blocks.saturating_sub(cached) * block_size;
         let figures = {
             let mut load = self.load_table();
-            let predicted = load.take_prediction(request_id).is_some();
-            load.served_whole(request_id, prefill).then(|| (load.load(slot), predicted))
+            load.served_whole(request_id, prefill).map(|predicted| (load.load(slot), predicted))
         };
         let Some((figures, predicted)) = figures else { return false };
         if predicted {

@@ -682,6 +682,7 @@ fn a_leg_that_did_not_deliver_moves_the_prefill_to_the_decode_worker() {
     assert_eq!(replica_load(&p, &decoder).0, 200, "the whole prompt, none of it cached there");
     p.engine_usage("failed", 200, Some(0));
     assert!(p.explain(Some("failed"), 1)[0].checked.is_none(), "the transfer's prediction no longer holds");
+    assert_eq!(p.state().prediction.unchecked.moved, 1, "and is counted unchecked");
 }
 
 #[test]
