@@ -2,6 +2,7 @@
 //! [`Pool::route`] reads as its steps, one line each; each step is a function below.
 
 use std::sync::atomic::Ordering;
+use std::sync::MutexGuard;
 use std::time::Instant;
 
 use kvgate_shared::hash::SequenceHash;
@@ -12,6 +13,7 @@ use super::members::NONE;
 use super::{Member, Pool};
 use crate::accuracy::{Prediction, Unchecked};
 use crate::config::{Policy, TransferProtocol};
+use crate::index::approx::ApproxIndex;
 use crate::index::{Churn, Overlap, ReplicaIdx};
 use crate::load::flows::Flow;
 use crate::load::{LoadTable, NewBooking};
@@ -140,8 +142,10 @@ impl Pool {
         let shape = self.shape(req);
         // Lock order: members, index, affinity, load.
         let members = self.members();
-        // Active replicas serving the model, with the cache each is credited.
-        let candidates = self.eligible(&members, req, shape.hashes);
+        // Active replicas serving the model, with the cache each is credited; the routes
+        // remembered are held until this decision's own is added, so concurrent decisions see
+        // each other's prefixes.
+        let (candidates, mut routes) = self.eligible(&members, req, shape.hashes);
         // In a disaggregated pool, decode workers take the request, prefill workers its leg.
         let pd = self.config.disaggregation.as_ref();
         let (eligible, prefillers) = disagg::by_role(&members, candidates, pd);
@@ -195,10 +199,10 @@ impl Pool {
         let figures: Vec<_> = std::iter::once(&booked).chain(&leg).map(|b| (b.slot, load.load(b.slot))).collect();
         drop(load);
         // Remember where the prefix went, and expect the engine's events for it.
-        self.after_booking(&members[booked.slot.get()], &shape, &booked);
-        if let Some(leg) = &leg {
-            self.after_booking(&members[leg.slot.get()], &shape, leg);
+        for b in std::iter::once(&booked).chain(&leg) {
+            self.after_booking(routes.as_deref_mut(), &members[b.slot.get()], &shape, b);
         }
+        drop(routes);
         let (replica, dp_rank) = (members[booked.slot.get()].replica.clone(), members[booked.slot.get()].rank);
         let prefill = leg.as_ref().zip(pd).map(|(leg, pd)| {
             disagg::leg(req, &members[leg.slot.get()], leg.overlap.device, pd.mode, rand::random::<u64>() >> 1)
@@ -275,14 +279,16 @@ impl Pool {
     /// The candidates: active replicas that serve the model (a learned adapter only where it
     /// is loaded), credited with their overlap — none while their publisher cannot be trusted
     /// — and, under `kv_aware`, with prefixes routed there moments ago (`inflight_credit_secs`).
-    fn eligible(&self, members: &[Member], req: &RouteRequest, hashes: &[SequenceHash]) -> Vec<Eligible> {
+    /// Returns them with the routes remembered, locked, when the pool remembers routes.
+    fn eligible(
+        &self,
+        members: &[Member],
+        req: &RouteRequest,
+        hashes: &[SequenceHash],
+    ) -> (Vec<Eligible>, Option<MutexGuard<'_, ApproxIndex>>) {
         let affinity = self.config.policy == Policy::PrefixAffinity;
         let index = self.index.read();
-        let overlaps = if affinity {
-            self.affinity_index().find_matches(hashes, members.len(), Instant::now())
-        } else {
-            index.find_matches(hashes)
-        };
+        let overlaps = if affinity { Vec::new() } else { index.find_matches(hashes) };
         let mut eligible: Vec<Eligible> = members
             .iter()
             .enumerate()
@@ -290,19 +296,25 @@ impl Pool {
             .map(|(i, m)| {
                 // The affinity index does not depend on events, so a silent publisher is moot.
                 let trusted = affinity || m.health.trusted();
-                let overlap = if trusted { overlaps[i] } else { Overlap::default() };
+                let overlap = if trusted { overlaps.get(i).copied().unwrap_or_default() } else { Overlap::default() };
                 let slot = ReplicaIdx::new(i);
                 Eligible { slot, overlap, indexed: overlap.device, churn: index.churn(slot), trusted }
             })
             .collect();
         drop(index);
-        if self.inflight_credit() {
-            let recent = self.affinity_index().find_matches(hashes, members.len(), Instant::now());
+        let routes = self.records_routes().then(|| self.affinity_index());
+        if let Some(routes) = &routes {
+            let recent = routes.find_matches(hashes, members.len(), Instant::now());
             for e in &mut eligible {
-                e.overlap = e.overlap.with_device_at_least(recent[e.slot.get()].device);
+                let here = recent[e.slot.get()];
+                if affinity {
+                    (e.overlap, e.indexed) = (here, here.device);
+                } else {
+                    e.overlap = e.overlap.with_device_at_least(here.device);
+                }
             }
         }
-        eligible
+        (eligible, routes)
     }
 
     /// Whether the pool remembers where it sent each prefix: the `prefix_affinity` policy's
@@ -345,9 +357,9 @@ impl Pool {
 
     /// Records where the prefix went (`prefix_affinity`, in-flight credit), and that events
     /// are now expected from the replica if its engine must store a new block.
-    fn after_booking(&self, member: &Member, shape: &Shape<'_>, booked: &Booked) {
-        if self.records_routes() && booked.booked {
-            self.affinity_index().record(booked.slot, shape.hashes, Instant::now());
+    fn after_booking(&self, routes: Option<&mut ApproxIndex>, member: &Member, shape: &Shape<'_>, booked: &Booked) {
+        if let (Some(routes), true) = (routes, booked.booked) {
+            routes.record(booked.slot, shape.hashes, Instant::now());
         }
         if self.config.policy != Policy::PrefixAffinity && booked.booked && booked.prefill_tokens >= shape.block_size {
             let since = &member.health.awaiting_events_since;

@@ -740,6 +740,29 @@ fn a_same_prefix_burst_is_checked_against_what_was_cached_then() {
     assert!(!p.engine_usage("second", 64, Some(0)), "a prediction is checked once");
 }
 
+/// Concurrent decisions for one new prefix see each other's routes: at most one per replica
+/// is made before the prefix went anywhere, so every other is credited with it.
+#[test]
+fn concurrent_decisions_for_one_new_prefix_each_see_the_others_routes() {
+    const THREADS: usize = 8;
+    let p = Arc::new(pool(2));
+    for round in 0..50u32 {
+        let prompt: Vec<u32> = (0..64).map(|t| round * 1000 + t).collect();
+        let barrier = Arc::new(std::sync::Barrier::new(THREADS));
+        let threads: Vec<_> = (0..THREADS)
+            .map(|i| {
+                let (p, prompt, barrier) = (p.clone(), prompt.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    p.route(&request(&format!("{round}-{i}"), &prompt), &ScoringConfig::default())
+                })
+            })
+            .collect();
+        let uncredited = threads.into_iter().map(|t| t.join().unwrap()).filter(|r| r.overlap_blocks == 0).count();
+        assert!(uncredited <= 2, "round {round}: {uncredited} of {THREADS} decisions missed the others' routes");
+    }
+}
+
 #[test]
 fn evictions_between_decision_and_report_explain_a_shortfall() {
     let p = pool(2);
