@@ -21,7 +21,7 @@ use crate::Stack;
 /// The classes a checked prediction can fall in, as the sidecar labels them.
 pub const CLASSES: [&str; 6] = ["exact", "in_flight", "evicted", "cached_since", "over", "under"];
 /// Why a routed request was not checked, as the sidecar labels it.
-pub const UNCHECKED: [&str; 4] = ["no_cached_tokens", "no_usage", "moved", "estimated"];
+pub const UNCHECKED: [&str; 5] = ["no_cached_tokens", "no_usage", "moved", "estimated", "several_sequences"];
 
 /// What the clients of a case send.
 #[derive(Debug, Clone, Copy)]
@@ -58,9 +58,9 @@ pub struct Case {
     pub seed: u32,
     /// Each request's `max_tokens` (the engine's answer is random text).
     pub max_tokens: u32,
-    /// The share of checks that must be exact (0 where evictions are the point); in every
-    /// case each miss must be explained.
-    pub min_exact: f64,
+    /// Whether its checks count towards the share that must be exact (not where evictions
+    /// are the point); in every case each miss must be explained.
+    pub exact: bool,
 }
 
 /// What the sidecar and the engines counted for one case.
@@ -99,6 +99,20 @@ impl Tally {
         }
     }
 
+    /// This tally and `other` together.
+    pub fn add(&mut self, other: &Tally) {
+        self.sent += other.sent;
+        self.failed += other.failed;
+        for (k, v) in &other.classes {
+            *self.classes.entry(k).or_default() += v;
+        }
+        for (k, v) in &other.unchecked {
+            *self.unchecked.entry(k).or_default() += v;
+        }
+        self.prompt_mismatches += other.prompt_mismatches;
+        self.preemptions += other.preemptions;
+    }
+
     fn counts(map: &BTreeMap<&'static str, u64>) -> String {
         let parts: Vec<String> = map.iter().filter(|(_, n)| **n > 0).map(|(k, n)| format!("{k} {n}")).collect();
         if parts.is_empty() {
@@ -127,7 +141,7 @@ impl Tally {
 }
 
 /// The counters a tally is the difference of.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 struct Counters {
     classes: BTreeMap<&'static str, u64>,
     unchecked: BTreeMap<&'static str, u64>,
@@ -148,6 +162,20 @@ fn counters(stack: &Stack) -> anyhow::Result<Counters> {
         unchecked: UNCHECKED.iter().map(|r| (*r, by("kvgate_predictions_unchecked_total", r))).collect(),
         mismatches: metric_sum(&text, "kvgate_prompt_token_mismatches_total", "") as u64,
         preemptions,
+    })
+}
+
+/// The counters once the previous check's reports have landed: unchanged over three of the
+/// filter's report batches (200 ms each in the test stack).
+fn settled(stack: &Stack) -> anyhow::Result<Counters> {
+    let mut last = counters(stack)?;
+    wait_for("the previous check's reports to land", Duration::from_secs(15), || {
+        std::thread::sleep(Duration::from_millis(600));
+        let now = counters(stack).ok()?;
+        (now == last).then(|| now.clone()).or_else(|| {
+            last = now;
+            None
+        })
     })
 }
 
@@ -213,7 +241,7 @@ fn client_run(stack: &Stack, model: &str, case: &Case, i: usize, barrier: &Barri
 
 /// Runs one case through the gateway and returns what was counted for it.
 pub fn run_case(stack: &Stack, case: &Case) -> anyhow::Result<Tally> {
-    let before = counters(stack)?;
+    let before = settled(stack)?;
     let barrier = &Barrier::new(case.clients);
     let model = stack.model.as_str();
     let results: Vec<(u64, u64)> = std::thread::scope(|s| {
@@ -250,22 +278,39 @@ pub fn check(stack: &Stack, case: &Case) -> anyhow::Result<(Row, Tally)> {
     eprintln!("{}: {}", case.name, tally.summary());
     let unexplained =
         tally.classes.get("over").copied().unwrap_or(0) + tally.classes.get("under").copied().unwrap_or(0);
-    let pass = tally.failed == 0
-        && tally.lost() == 0
-        && tally.prompt_mismatches == 0
-        && tally.exact_share() >= case.min_exact
-        && unexplained == 0;
-    let expected = if case.min_exact > 0.0 { EXPECT_EXACT } else { EXPECT_EXPLAINED };
+    let pass = tally.failed == 0 && tally.lost() == 0 && tally.prompt_mismatches == 0 && unexplained == 0;
+    let expected = if case.exact { EXPECT_EXACT } else { EXPECT_EXPLAINED };
     Ok((Row { scenario: case.name, expected, measured: tally.summary(), pass }, tally))
 }
 
-/// What a case that must be mostly exact expects. The target is 99 %; a miss the engine's
-/// timing explains (the index a few events behind, a request scheduled before the prefix it
-/// was credited with was cached) depends on how the host schedules the processes, and one in
-/// 32 checks is already 97 %, so the check fails below [`Case::min_exact`] or on any
-/// unexplained miss, and the report shows the share.
-const EXPECT_EXACT: &str = "target ≥ 99 % of the checks exact (fails below 95 % or on any unexplained miss); every \
-                            request checked or counted with its reason; no prompt counted differently";
+/// The share of the load cases' checks that must be exact, together.
+pub const MIN_EXACT: f64 = 0.95;
+
+/// The load cases that must be mostly exact, together: their share of exact checks. The
+/// target is 99 %. A miss the engines' timing explains depends on how the host schedules the
+/// processes — two requests booked on one replica for one new prefix reach the engine in the
+/// other order (one counted in flight, the other cached since), or the index is a few events
+/// behind — and one such pair in a case of 16 checks is already 87.5 %; so each case fails on
+/// any unexplained miss, and the cases together below [`MIN_EXACT`].
+pub fn together(name: &'static str, tallies: &[Tally]) -> Row {
+    let mut all = Tally::default();
+    for t in tallies {
+        all.add(t);
+    }
+    let measured = format!(
+        "{} checked, {:.1} % exact ({})",
+        all.checked(),
+        100.0 * all.exact_share(),
+        Tally::counts(&all.classes)
+    );
+    Row { scenario: name, expected: EXPECT_TOGETHER, measured, pass: all.exact_share() >= MIN_EXACT }
+}
+
+/// What each case that must be mostly exact expects.
+const EXPECT_EXACT: &str = "every miss explained (in flight, cached since, evicted since); every request checked or \
+                            counted with its reason; no prompt counted differently; its exact share counted in 2g";
+/// What the cases together expect.
+const EXPECT_TOGETHER: &str = "target ≥ 99 % of the checks exact (fails below 95 %)";
 /// What a case under eviction expects.
 const EXPECT_EXPLAINED: &str = "every miss explained (evicted since, in flight, cached since); every request checked \
                                 or counted with its reason; no prompt counted differently";
