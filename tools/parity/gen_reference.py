@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes reference token ids for chat requests, rendered the way vLLM 0.32 renders them.
 
-vLLM's renderer (see ../shared/docs/vllm-chat-rendering.md) normalises the OpenAI request,
+vLLM's renderer (see docs/chat-rendering.md) normalises the OpenAI request,
 then calls transformers' `apply_chat_template(tokenize=False)` and encodes the text with
 `add_special_tokens=False`. This script applies the same normalisation (content parts joined
 with "\\n" for string-format templates, or every content a list of text parts for

@@ -1,5 +1,5 @@
-//! Request → prompt token ids, the way vLLM does it (see `docs/` and
-//! `../shared/docs/vllm-chat-rendering.md` for the rules this follows).
+//! Request → prompt token ids, the way vLLM does it (the rules this follows, one by one:
+//! `docs/chat-rendering.md` at the repository's root).
 //!
 //! The pipeline is pure: bytes in, token ids out, no I/O. The filter runs it inside Envoy, the
 //! simulator runs it to count `usage.prompt_tokens`, and the CLI runs it for debugging, so all
