@@ -1,20 +1,22 @@
 """Compares the same requests under two policies of one benchmark run.
 
 Usage: python3 compare.py RUN_DIR POLICY_A POLICY_B
-RUN_DIR holds `requests/*.jsonl` (written by `cargo xtask bench e2e`); each line is one
+RUN_DIR holds `requests/*.jsonl` (written by `cargo xtask bench e2e`; gzipped, `*.jsonl.gz`,
+in the runs committed here); each line is one
 request's outcome, and `request` names it alike under every policy. Prints, for the requests
 both served, the median per-request TTFT difference (A - B) and ratio, split by whether A's
 engine found more, as much, or less of the prompt cached than B's.
 """
 import glob
+import gzip
 import json
 import statistics
 import sys
 
 
 def load(run_dir, policy):
-    [path] = glob.glob(f"{run_dir}/requests/*-{policy}-1gw-*-r0.jsonl")
-    with open(path) as f:
+    [path] = glob.glob(f"{run_dir}/requests/*-{policy}-1gw-*-r0.jsonl*")
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         return {o["request"]: o for o in map(json.loads, f) if o["ttft"] is not None}
 
 
