@@ -3,19 +3,28 @@
 //!
 //! | module | responsibility |
 //! |---|---|
-//! | [`accuracy`] | each prediction checked against the engine's `usage`, and the alarm |
-//! | [`config`] | the TOML file + `KVGATE_*` environment, validated |
-//! | [`discovery`] | each pool's replicas at run time: file reload, DNS, the local Envoy |
-//! | [`events`] | KV events: decoding, ingestion, the ZMQ transport, the pool's applier |
 //! | [`index`] | which replica holds which prefix blocks |
-//! | [`load`] | per-replica token load from route decisions and lifecycle reports |
 //! | [`score`] | Dynamo's cost function and the argmin |
+//! | [`accuracy`] | each prediction checked against the engine's `usage`, and the alarm |
+//! | [`msg`] | what the pool and its drivers pass each other (ingest outcomes, sync events, handover) |
+//! | [`load`] | per-replica token load from route decisions, lifecycle reports and engines' own figures |
+//! | [`config`] | the TOML file + `KVGATE_*` environment, validated |
+//! | [`admission`] | whether a replica is saturated, and the queue of requests waiting for capacity |
 //! | [`pool`] | one model's replicas: index + load + the routing decision |
-//! | [`api`] | the HTTP API for the filter and operators |
+//! | [`events`] | driver: KV events — decoding, ingestion, the ZMQ transport, the pool's applier |
+//! | [`sync`] | driver: bookings shared with the other gateways' sidecars, and the handover |
+//! | [`engine_poller`] | driver: each engine's `/metrics`, polled for the load it reports |
+//! | [`discovery`] | driver: each pool's replicas at run time — file reload, DNS, the local Envoy |
+//! | [`api`] | driver: the HTTP API for the filter and operators |
+//! | [`poll`] | the background poller the drivers share |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`niceness`] | background threads give way to the API for the CPU |
-//! | [`sync`] | bookings shared with the other gateways' sidecars |
 //! | [`tools`] | operator CLI tools (`events decode`, `events tap`) |
+//!
+//! Layers, bottom up: `index`, `metrics`, `niceness`, `poll`; `score`, `accuracy`, `msg`;
+//! `load`, `config`; `admission`; `pool`; the drivers `events`, `sync`, `engine_poller`, `api`;
+//! `discovery`; `tools`. A module imports only from layers below its own
+//! (`tests/layers.rs` checks every `crate::` path).
 
 // One call into libc (`niceness`) is the only unsafe code, allowed there alone.
 #![deny(unsafe_code)]
@@ -25,10 +34,12 @@ pub mod admission;
 pub mod api;
 pub mod config;
 pub mod discovery;
+pub mod engine_poller;
 pub mod events;
 pub mod index;
 pub mod load;
 pub mod metrics;
+pub mod msg;
 pub mod niceness;
 pub mod poll;
 pub mod pool;

@@ -248,7 +248,7 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     }
     for pool in pools.values().filter(|p| p.config().engine_metrics_secs > 0) {
         let interval = Duration::from_secs(pool.config().engine_metrics_secs);
-        watchers.push(kvgate_sidecar::load::engine_metrics::spawn(pool.clone(), interval, stop.clone())?);
+        watchers.push(kvgate_sidecar::engine_poller::spawn(pool.clone(), interval, stop.clone())?);
     }
     if let Some(sync) = &sync {
         // Our own view is handed to starting peers once our streams run.

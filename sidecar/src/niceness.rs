@@ -16,6 +16,14 @@
 /// a nice-0 thread competing with it, and all of it when nothing else wants the CPU.
 pub const EVENT_THREAD_NICE: i32 = 10;
 
+/// Lowers the calling background thread's priority by [`EVENT_THREAD_NICE`], below the
+/// API's; a failure is logged, and the thread runs on at its priority.
+pub fn give_way_to_routing() {
+    if let Err(e) = lower_this_thread(EVENT_THREAD_NICE) {
+        tracing::warn!(error = %e, "cannot lower a background thread's priority; decisions may wait for the CPU under an event storm");
+    }
+}
+
 /// Lowers the calling thread's priority by `nice` (only ever lower: raising needs privilege).
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)]

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::discovery::Supervisor;
+use kvgate_sidecar::index::ReplicaIdx;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 
@@ -144,12 +145,12 @@ fn a_dropped_connection_withholds_credit_until_the_engine_is_back() {
     rig.handshake(&engine, &store(1, 0));
     engine.send(1, &store(1, 1), false);
     wait_for("two blocks", || rig.depth(1, 2) == 2);
-    assert!(rig.pool.members()[0].health.trusted());
+    assert!(rig.pool.trusted(ReplicaIdx::new(0)));
 
     // The engine dies: its socket closes, and its blocks stop counting at once.
     drop(engine);
     wait_for("the disconnection", || rig.pool.state().replicas[0].disconnected);
-    assert!(!rig.pool.members()[0].health.trusted(), "no credit while the engine may be restarting");
+    assert!(!rig.pool.trusted(ReplicaIdx::new(0)), "no credit while the engine may be restarting");
     assert!(rig.metrics.render().contains("reason=\"disconnected\"} 1"));
 
     // It comes back empty, counting from 0: the replica is cleared and trusted again.
@@ -158,7 +159,7 @@ fn a_dropped_connection_withholds_credit_until_the_engine_is_back() {
     assert_eq!(rig.depth(1, 2), 0, "what the old engine held is gone");
     assert_eq!(rig.depth(2, 1), 1);
     assert!(!rig.pool.state().replicas[0].disconnected);
-    assert!(rig.pool.members()[0].health.trusted());
+    assert!(rig.pool.trusted(ReplicaIdx::new(0)));
 }
 
 /// Replica `r` of a pool whose engines publish on `ports`.

@@ -48,8 +48,7 @@ pub fn listed_adapters(body: &[u8], base: &str) -> Result<BTreeSet<String>, serd
 pub fn spawn(pool: Arc<Pool>, interval: Duration, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
     crate::poll::every(format!("adapters-{}", pool.config().model), interval, FETCH_TIMEOUT, stop, move |client| {
         // Data-parallel ranks share an endpoint: one call per engine.
-        let endpoints: HashSet<String> =
-            pool.members().iter().filter(|m| m.active).map(|m| m.replica.endpoint.to_string()).collect();
+        let endpoints: HashSet<String> = pool.active_targets().iter().map(|t| t.endpoint.to_string()).collect();
         for endpoint in endpoints {
             let url = format!("http://{endpoint}/v1/models");
             let body = client.get(&url).send().and_then(|r| r.error_for_status()).and_then(|r| r.bytes());

@@ -100,7 +100,7 @@ impl Supervisor {
         for (replica, config, stop) in sources.into_iter().filter(|_| self.pool.config().reads_events()) {
             self.readers.add(&self.pool, Source { replica, config, stop });
         }
-        let active = self.pool.members().iter().filter(|m| m.active).count();
+        let active = self.pool.active_targets().len();
         self.metrics.replicas.get_or_create(&self.labels(self.pool.config().discovery.kind)).set(active as i64);
     }
 

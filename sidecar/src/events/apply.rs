@@ -25,9 +25,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::ingest::{Outcome, Planned, Progress};
+use super::ingest::Planned;
 use crate::index::{Change, ReplicaIdx, Write};
 use crate::metrics::Metrics;
+use crate::msg::ingest::{Outcome, Progress};
 use crate::pool::Pool;
 
 /// The most blocks one batch applies. The index applies about 10–20 M blocks/s on one core,
@@ -100,7 +101,7 @@ impl InProgress {
 fn run(pool: &Pool, metrics: &Metrics, rx: &Receiver<Job>, stop: &AtomicBool) {
     // Decisions never wait for this thread (they read the index's live copy), so it can give
     // way to them like the other event threads.
-    super::transport::give_way_to_routing();
+    crate::niceness::give_way_to_routing();
     let mut queue: VecDeque<InProgress> = VecDeque::new();
     while !stop.load(Ordering::Relaxed) {
         if queue.is_empty() {

@@ -30,30 +30,7 @@ use kvgate_shared::hash::{EngineHash, ExtraKey, Salt};
 
 use super::decode::{decode_batch, BlockStored, KvEvent};
 use crate::index::{Change, KvIndex, ReplicaIdx, StoredBlocks, Tier};
-
-/// What happened to one message, for metrics.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Outcome {
-    /// Events applied to the index.
-    pub applied: u64,
-    /// Events (or whole messages) dropped, by reason.
-    pub dropped: Vec<&'static str>,
-    /// Gaps closed by replay.
-    pub gaps_replayed: u64,
-    /// Gaps that could not be closed (the replica is now degraded).
-    pub gaps_lost: u64,
-    /// The replica's blocks were cleared (restart or `AllBlocksCleared`).
-    pub cleared: bool,
-}
-
-impl Outcome {
-    /// Counts the stores the index refused when the changes were applied ([`apply`]): they
-    /// were counted as applied when planned.
-    pub fn refused(&mut self, reasons: Vec<&'static str>) {
-        self.applied -= reasons.len() as u64;
-        self.dropped.extend(reasons);
-    }
-}
+use crate::msg::ingest::{Outcome, Progress};
 
 /// Applies `changes` to `replica`'s entries in order; returns the reasons of refused stores.
 pub fn apply(replica: ReplicaIdx, changes: &[Change], index: &mut KvIndex) -> Vec<&'static str> {
@@ -83,15 +60,6 @@ impl Replay for NoReplay {
     fn replay(&mut self, _start: u64) -> Result<Vec<(u64, Vec<u8>)>, String> {
         Err("no replay endpoint".into())
     }
-}
-
-/// A replica's ingestion state after a message, as its health reports it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Progress {
-    /// The last sequence number applied.
-    pub last_seq: Option<u64>,
-    /// Whether a lost range may have left stale blocks in the index.
-    pub degraded: bool,
 }
 
 /// The ingestion state of one replica.

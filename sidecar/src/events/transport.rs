@@ -43,7 +43,7 @@ use super::ingest::{Ingest, NoReplay, Replay};
 use crate::config::{EventsMode, ReplicaConfig};
 use crate::index::ReplicaIdx;
 use crate::metrics::Metrics;
-use crate::niceness::{lower_this_thread, EVENT_THREAD_NICE};
+use crate::niceness::give_way_to_routing;
 use crate::pool::Pool;
 
 /// Largest message accepted from a publisher; ZMQ drops larger ones itself.
@@ -377,13 +377,6 @@ impl Subscription {
             }
         }
         true
-    }
-}
-
-/// Lowers this event thread's CPU priority below the API's (see [`crate::niceness`]).
-pub(super) fn give_way_to_routing() {
-    if let Err(e) = lower_this_thread(EVENT_THREAD_NICE) {
-        tracing::warn!(error = %e, "cannot lower an event thread's priority; decisions may wait for the CPU under an event storm");
     }
 }
 

@@ -1,22 +1,13 @@
 //! Load the engines report themselves: `vllm:num_requests_running` + `vllm:num_requests_waiting`
-//! from each engine's `/metrics`, polled every `engine_metrics_secs`, so that traffic which
+//! from each engine's `/metrics`, polled every `engine_metrics_secs` (`crate::engine_poller`), so that traffic which
 //! bypasses kvgate (other gateways without sync, batch jobs calling engines directly) still
 //! counts; and, for admission control, how full each engine says it is (waiting requests, KV
 //! cache usage) and its KV capacity (`vllm:cache_config_info`). Data-parallel ranks are told
 //! apart by vLLM's `engine` label.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::Duration;
 
 use super::EngineReport;
-use crate::index::ReplicaIdx;
-use crate::pool::Pool;
-
-/// How long one scrape may take.
-const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Each engine's report in a Prometheus text page, by vLLM's `engine` label (DP rank).
 ///
@@ -108,45 +99,4 @@ impl Metric {
             _ => None,
         }
     }
-}
-
-/// Scrapes every active engine of `pool` every `interval` until `stop`, and books what they
-/// report beyond kvgate's own bookings as external load.
-pub fn spawn(pool: Arc<Pool>, interval: Duration, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
-    crate::poll::every(
-        format!("engine-metrics-{}", pool.config().model),
-        interval,
-        SCRAPE_TIMEOUT,
-        stop,
-        move |client| {
-            let targets: Vec<(ReplicaIdx, String, Option<u32>)> = pool
-                .members()
-                .iter()
-                .enumerate()
-                .filter(|(_, m)| m.active)
-                .map(|(i, m)| (ReplicaIdx::new(i), m.replica.endpoint.to_string(), m.rank))
-                .collect();
-            let mut pages: HashMap<String, Option<HashMap<String, EngineReport>>> = HashMap::new();
-            for (slot, endpoint, rank) in targets {
-                let counts = pages.entry(endpoint.clone()).or_insert_with(|| {
-                    let url = format!("http://{endpoint}/metrics");
-                    match client.get(&url).send().and_then(|r| r.error_for_status()).and_then(|r| r.text()) {
-                        Ok(page) => Some(reports_by_engine(&page)),
-                        Err(e) => {
-                            tracing::debug!(%url, error = %e, "engine metrics unavailable");
-                            None
-                        }
-                    }
-                });
-                // An engine we cannot read keeps its last figure rather than dropping to zero.
-                if let Some(reports) = counts {
-                    let report = match rank {
-                        Some(r) => reports.get(&r.to_string()).copied().unwrap_or_default(),
-                        None => reports.values().fold(EngineReport::default(), |a, b| a.merge(*b)),
-                    };
-                    pool.observe_engine(slot, report);
-                }
-            }
-        },
-    )
 }

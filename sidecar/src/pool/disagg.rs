@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvgate_shared::wire::{PrefillLeg, RouteRequest, Transfer};
 
-use super::route::{self, Eligible, Scored};
+use super::candidates::{self, Eligible, Scored};
 use super::Member;
 use crate::config::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
 use crate::load::LoadTable;
@@ -162,7 +162,7 @@ fn score_prefill(load: &LoadTable, eligible: &[Eligible], prompt: Prompt, scorin
         })
         .collect();
     let request = RequestShape { prompt_tokens: prompt.tokens, block_size: prompt.block_size };
-    route::scored(eligible, inputs, request, scoring)
+    candidates::scored(eligible, inputs, request, scoring)
 }
 
 /// The id a request's prefill leg is booked under.

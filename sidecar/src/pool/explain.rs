@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use kvgate_shared::wire::RouteRequest;
 
-use super::route::Scored;
+use super::candidates::Scored;
 use super::Pool;
 use crate::accuracy::{Check, EngineUsage};
 use crate::config::Policy;

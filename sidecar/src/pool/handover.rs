@@ -17,10 +17,10 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::Pool;
-use crate::events::ingest::{Outcome, Progress};
 use crate::index::{Change, ReplicaIdx, ReplicaSnapshot, Write};
 use crate::load::NewBooking;
-use crate::sync::handover::{BookingHandover, PoolHandover, ReplicaHandover};
+use crate::msg::handover::{BookingHandover, PoolHandover, ReplicaHandover};
+use crate::msg::ingest::{Outcome, Progress};
 
 /// How long after a handover a target that joins still restores its snapshot.
 const RESTORE_WITHIN: Duration = Duration::from_secs(30);

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use super::members::{CACHE_REPORT_NO, CACHE_REPORT_YES, NONE};
 use super::{Member, Pool};
-use crate::events::ingest::{Outcome, Progress};
 use crate::index::ReplicaIdx;
 use crate::metrics::ReasonLabels;
+use crate::msg::ingest::{Outcome, Progress};
 
 impl Pool {
     /// Records what one ingested message did to a replica's health.

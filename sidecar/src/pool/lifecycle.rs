@@ -11,7 +11,7 @@ use crate::index::ReplicaIdx;
 use crate::load::EngineReport;
 use crate::load::{NewBooking, ReplicaLoad};
 use crate::metrics::{PoolLabels, ReasonLabels};
-use crate::sync::event::{Outbox, SyncEvent};
+use crate::msg::sync::{Outbox, SyncEvent};
 
 impl Pool {
     /// Checks what the engine reported for a request (its response's `usage`: prompt tokens,

@@ -15,6 +15,17 @@ use crate::metrics::ReplicaLabels;
 
 pub(super) const NONE: u64 = u64::MAX;
 
+/// An active routing target, as code outside the pool sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target {
+    /// Its slot.
+    pub slot: ReplicaIdx,
+    /// Its engine's HTTP endpoint.
+    pub endpoint: std::net::SocketAddr,
+    /// Its data-parallel rank, if it is one.
+    pub rank: Option<u32>,
+}
+
 /// Per-replica ingestion state visible to routing and `/debug/state`.
 #[derive(Debug)]
 pub struct ReplicaHealth {
@@ -141,9 +152,24 @@ pub(super) fn member(target: (ReplicaConfig, Option<u32>)) -> Member {
 }
 
 impl Pool {
-    /// The replicas' slots.
-    pub fn members(&self) -> std::sync::RwLockReadGuard<'_, Vec<Member>> {
+    /// The replicas' slots, locked (see `README.md`, "Lock order"): for this module's files
+    /// only; callers outside take one of the snapshots below.
+    pub(super) fn members(&self) -> std::sync::RwLockReadGuard<'_, Vec<Member>> {
         read(&self.members)
+    }
+
+    /// The active routing targets (each data-parallel rank one): what pollers of the
+    /// engines visit.
+    pub fn active_targets(&self) -> Vec<Target> {
+        let members = self.members();
+        let active = members.iter().enumerate().filter(|(_, m)| m.active);
+        active.map(|(i, m)| Target { slot: ReplicaIdx::new(i), endpoint: m.replica.endpoint, rank: m.rank }).collect()
+    }
+
+    /// Whether a slot's index entries are trusted for routing now (see
+    /// [`ReplicaHealth::trusted`]); false for a slot the pool does not have.
+    pub fn trusted(&self, slot: ReplicaIdx) -> bool {
+        self.members().get(slot.get()).is_some_and(|m| m.health.trusted())
     }
 
     /// The active replicas' slots with their event stop flags: what to start

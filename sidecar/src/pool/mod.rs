@@ -14,6 +14,7 @@
 //! so a membership change can never deadlock with routing or lifecycle reports. Every lock is
 //! a private field: only this module's files take them.
 
+mod candidates;
 mod disagg;
 mod explain;
 mod handover;
@@ -39,11 +40,11 @@ use crate::index::approx::ApproxIndex;
 use crate::index::{ApplyError, Change, KvIndex, Mirrored, Overlap, ReplicaIdx, Store, StoredBlocks, Write};
 use crate::load::LoadTable;
 use crate::metrics::{Metrics, ReplicaLabels};
-use crate::sync::event::Outbox;
+use crate::msg::sync::Outbox;
 
 pub use explain::{CandidateTerms, Checked, Explanation};
 pub use handover::TakenOver;
-pub use members::{targets, Member, ReplicaHealth};
+pub use members::{targets, Member, ReplicaHealth, Target};
 pub use offload::OffloadError;
 pub use route::Admit;
 pub use state::{PoolState, ReplicaState};

@@ -8,49 +8,22 @@ use std::time::Instant;
 use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::wire::{PromptCount, RouteRequest, RouteResponse};
 
+use super::candidates::{scored, Eligible, Scored};
 use super::disagg::{self, Prompt, Split};
 use super::members::NONE;
 use super::{Member, Pool};
 use crate::accuracy::{Prediction, Unchecked};
 use crate::config::{Policy, TransferProtocol};
 use crate::index::approx::ApproxIndex;
-use crate::index::{Churn, Overlap, ReplicaIdx};
+use crate::index::{Overlap, ReplicaIdx};
 use crate::load::flows::Flow;
 use crate::load::{LoadTable, NewBooking};
+use crate::msg::sync::SyncEvent;
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
-use crate::sync::event::SyncEvent;
 
 /// Blocks of one peer's booking counted as in-flight credit, at most (256k tokens in blocks of
 /// 16): a quarter of the smallest sensible `affinity_blocks`, so no one message flushes it.
 const PEER_ROUTE_BLOCKS: usize = 16_384;
-
-/// A replica the request may go to, and the cache it is credited with.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Eligible {
-    /// Its slot.
-    pub slot: ReplicaIdx,
-    /// Its overlap with the prompt, as credited (none while its events cannot be trusted).
-    pub overlap: Overlap,
-    /// Of the device blocks credited, those its index held (the rest: in-flight credit).
-    pub indexed: u32,
-    /// What its events had done to its cache when the index was read.
-    pub churn: Churn,
-    /// Whether its index entries were trusted.
-    pub trusted: bool,
-}
-
-/// An eligible replica's cost inputs and cost, as `/debug/explain` keeps them.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Scored {
-    /// Its slot.
-    pub slot: ReplicaIdx,
-    /// The cost function's inputs.
-    pub inputs: Candidate,
-    /// The cost.
-    pub logit: f64,
-    /// Whether its cache credit counted.
-    pub trusted: bool,
-}
 
 /// The request as the pool measures it.
 #[derive(Clone, Copy)]
@@ -425,22 +398,6 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
         .collect();
     let request = RequestShape { prompt_tokens: shape.booked_tokens, block_size: shape.block_size };
     scored(eligible, inputs, request, scoring)
-}
-
-/// The eligible replicas' costs for these inputs (one per replica, in order).
-pub(super) fn scored(
-    eligible: &[Eligible],
-    inputs: Vec<Candidate>,
-    request: RequestShape,
-    scoring: &ScoringConfig,
-) -> Vec<Scored> {
-    let logits = score::logits(scoring, request, &inputs);
-    eligible
-        .iter()
-        .zip(inputs)
-        .zip(logits)
-        .map(|((e, inputs), logit)| Scored { slot: e.slot, inputs, logit, trusted: e.trusted })
-        .collect()
 }
 
 /// Books the request (or its prefill leg) on the chosen replica: its prefill left after the

@@ -10,12 +10,12 @@ use kvgate_shared::wire::{RouteRequest, RouteResponse};
 
 use super::*;
 use crate::config::ReplicaConfig;
-use crate::events::ingest::{Outcome, Progress};
 use crate::index::{Store, Tier};
 use crate::load::EngineReport;
 use crate::load::NewBooking;
+use crate::msg::ingest::{Outcome, Progress};
+use crate::msg::sync::SyncEvent;
 use crate::score::ScoringConfig;
-use crate::sync::event::SyncEvent;
 
 fn pool(replicas: usize) -> Pool {
     pool_with(replicas, Policy::KvAware)
@@ -426,6 +426,7 @@ fn membership_changes_under_traffic_do_not_deadlock() {
                 let id = format!("w{w}-{i}");
                 p.route(&request(&id, &[i % 50; 8]), &ScoringConfig::default());
                 p.lifecycle(&id, true);
+                p.engine_usage(&id, 8, Some(0));
                 p.lifecycle(&id, false);
                 let peer_id = format!("p{w}-{i}");
                 p.apply_remote("peer", &peer_booking(&format!("r{}", i % 4), &peer_id, &[i % 50; 8]));

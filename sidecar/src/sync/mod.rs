@@ -35,14 +35,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub mod event;
-pub mod handover;
 pub mod state;
 
 use crate::config::SyncConfig;
 use crate::metrics::Metrics;
+use crate::msg::sync::{Outbox, SyncBatch, SyncEvent};
 use crate::pool::Pool;
-use event::{Outbox, SyncBatch, SyncEvent};
 
 /// What every sync topic starts with; the subscription, so peers of other versions are heard.
 const TOPIC_PREFIX: &[u8] = b"kvgate-sync";
@@ -74,7 +72,7 @@ pub fn start(
 ) -> anyhow::Result<Vec<JoinHandle<()>>> {
     let (tx, rx) = sync_channel(OUTBOX);
     for pool in pools.values() {
-        pool.set_outbox(Outbox(tx.clone()));
+        pool.set_outbox(Outbox::new(tx.clone()));
     }
     let publisher = ctx.socket(zmq::PUB)?;
     publisher.set_linger(0)?;

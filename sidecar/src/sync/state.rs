@@ -22,9 +22,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::handover::{Handover, HandoverError, Part, REQUEST};
 use crate::config::SyncConfig;
 use crate::metrics::Metrics;
+use crate::msg::handover::{Handover, HandoverError, Part, REQUEST};
 use crate::pool::{Pool, TakenOver};
 
 /// The largest frame of an answer the server sends and the asker reads (a replica of a

@@ -1,5 +1,5 @@
 //! What sidecars tell each other ([`SyncEvent`], batched as [`SyncBatch`]), and the
-//! [`Outbox`] a pool queues its events in. Pure types: the sockets are in [`super`].
+//! [`Outbox`] a pool queues its events in. Pure types: the sockets are in `crate::sync`.
 
 use std::sync::mpsc::{SyncSender, TrySendError};
 
@@ -53,9 +53,14 @@ pub struct SyncBatch {
 
 /// Where pools put the events to publish.
 #[derive(Debug, Clone)]
-pub struct Outbox(pub(super) SyncSender<SyncEvent>);
+pub struct Outbox(SyncSender<SyncEvent>);
 
 impl Outbox {
+    /// Events sent here go to `tx`.
+    pub fn new(tx: SyncSender<SyncEvent>) -> Outbox {
+        Outbox(tx)
+    }
+
     /// Queues an event; if the queue is full the event is dropped (peers' TTL sweeps cover it).
     pub fn send(&self, event: SyncEvent) {
         if let Err(TrySendError::Full(_)) = self.0.try_send(event) {

@@ -1,6 +1,6 @@
 //! What a running sidecar hands a peer that starts: each pool's index, replica by replica,
 //! and its bookings ([`Handover`]), sent as one [`Part`] a frame so that no frame grows with
-//! the fleet. Pure types; the sockets are in [`super::state`], what a pool exports and takes
+//! the fleet. Pure types; the sockets are in `crate::sync::state`, what a pool exports and takes
 //! over in `crate::pool::handover`.
 
 use kvgate_shared::hash::SequenceHash;
