@@ -428,7 +428,7 @@ mod tests {
         (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
     }
 
-    /// Byte-for-byte the vLLM 0.33 capture of `vllm-kv-events.md` §1.4.
+    /// Byte-for-byte a payload captured from vLLM 0.33.
     #[test]
     fn matches_vllms_bytes() {
         let events = vec![

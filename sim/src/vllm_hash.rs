@@ -229,7 +229,7 @@ mod tests {
         (event_value(&b0), event_value(&b1))
     }
 
-    /// `../shared/docs/vllm-kv-events.md` §2.5, verified against vLLM 0.33's own code.
+    /// Block hashes vLLM 0.33's own `hash_block_tokens` gives for these tokens.
     #[test]
     fn vllm_test_vectors() {
         assert_eq!(two_blocks(HashAlgo::Sha256Cbor, None), (9561501211280363793, 15292913576410714033));

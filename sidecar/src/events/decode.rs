@@ -1,4 +1,5 @@
-//! vLLM KV-event payload decoding (`../shared/docs/vllm-kv-events.md` §1).
+//! vLLM KV-event payload decoding: the msgspec classes of vLLM's
+//! `vllm/distributed/kv_events.py`, in every version's layout.
 //!
 //! A payload is `[ts, [event, …], dp_rank?]`. Each event is either a positional array whose
 //! first element is the tag (vLLM ≤ 0.23) or a map with a `"type"` key (vLLM ≥ 0.24). Array

@@ -1,5 +1,5 @@
 //! The cost function: Dynamo 1.6.1's default worker scorer
-//! (`scheduling/selector/reference.rs`, `../shared/docs/dynamo-and-ray.md` §2).
+//! (`lib/kv-router`, `scheduling/selector/reference.rs`).
 //!
 //! For each candidate replica `i`, with `bs` the block size and `ISL` the prompt tokens:
 //!
@@ -188,7 +188,7 @@ pub fn argmin<R: Rng>(logits: &[f64], rng: &mut R) -> Option<usize> {
 mod tests {
     use super::*;
 
-    /// The worked cases of `dynamo-and-ray.md` §2.2 (1024-token prompt, bs 16: its own 64 new
+    /// The cases Dynamo's scorer logs for a 1024-token prompt (bs 16: its own 64 new
     /// blocks are the decode term on an idle worker).
     #[test]
     fn matches_dynamos_logged_logits() {
