@@ -1,0 +1,165 @@
+//! `[pools.admission]`: admission control (`crate::admission`).
+
+use anyhow::bail;
+use serde::Deserialize;
+
+/// When a replica counts as saturated, from kvgate's own books, and how long requests may
+/// wait for one that is not ([`crate::admission`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// Turns admission control on for the pool.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Each replica's KV cache capacity in blocks (vLLM logs it at start-up, "GPU KV cache
+    /// size", and exports it as `num_gpu_blocks` in `vllm:cache_config_info`). 0: learned from
+    /// that metric when `engine_metrics_secs` polls the engines, else not a criterion.
+    #[serde(default)]
+    pub kv_blocks: u64,
+    /// A replica is saturated once the blocks booked on it reach this share of `kv_blocks`.
+    #[serde(default = "default_kv_fraction")]
+    pub kv_fraction: f64,
+    /// A replica is saturated once the prefill tokens booked on it (uncached, not yet
+    /// computed; with `engine_metrics_secs`, plus the mean booked prefill for each outside
+    /// request its engine reports waiting) reach this. 0: not a criterion.
+    #[serde(default)]
+    pub max_prefill_tokens: u64,
+    /// Also trust what the engines say (needs `engine_metrics_secs`): a replica is saturated
+    /// while its engine reports `vllm:kv_cache_usage_perc` ≥ `kv_fraction`, or at least
+    /// `max_engine_waiting` requests waiting. Those figures are as old as the last poll.
+    #[serde(default)]
+    pub engine_signals: bool,
+    /// With `engine_signals`: waiting requests an engine may report before it counts as
+    /// saturated (0: not a criterion).
+    #[serde(default)]
+    pub max_engine_waiting: u64,
+    /// The longest a request waits for capacity before it is shed (the filter's
+    /// `admission_wait_ms` bounds it too).
+    #[serde(default = "default_max_queue_ms")]
+    pub max_queue_ms: u64,
+    /// The most requests of a class that wait at once (each class has its own count); one
+    /// more is shed at once.
+    #[serde(default = "default_max_queued")]
+    pub max_queued: usize,
+    /// The `Retry-After` a shed request is answered with, in seconds.
+    #[serde(default = "default_retry_after")]
+    pub retry_after_secs: u32,
+    /// Priority classes. A request names its class in the filter's `priority_header` (a
+    /// header the operator's own auth filter sets); waiters of a higher `priority` go first,
+    /// and each class has its own bounds. None: one class with the bounds above.
+    #[serde(default)]
+    pub classes: Vec<ClassConfig>,
+    /// The class of a request that names none, or an unknown one (default: the lowest).
+    #[serde(default)]
+    pub default_class: Option<String>,
+    /// Fairness between tenants (requests that name one, with the filter's `tenant_header`):
+    /// a tenant holding less than its fair share of its class's requests in flight (the
+    /// class's requests split evenly over its tenants, at this gateway) goes past its class's
+    /// limits by this share of what they leave: a KV fraction `f` becomes `f + h × (1 − f)`, a
+    /// prefill backlog `p` becomes `p × (1 + h)`. So a quiet tenant is not held behind a
+    /// bursting one's backlog. 0: tenants only take turns in the queue.
+    #[serde(default = "default_fair_headroom")]
+    pub fair_headroom: f64,
+}
+
+/// One priority class of admission control.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassConfig {
+    /// The name requests give in the priority header.
+    pub name: String,
+    /// Higher goes first.
+    #[serde(default)]
+    pub priority: i32,
+    /// The longest a request of this class waits (default: the pool's `max_queue_ms`).
+    #[serde(default)]
+    pub max_queue_ms: Option<u64>,
+    /// The most requests of this class that wait at once (default: the pool's `max_queued`).
+    #[serde(default)]
+    pub max_queued: Option<usize>,
+    /// The share of a replica's KV cache this class may fill (default: the pool's
+    /// `kv_fraction`). A lower share for lower classes keeps headroom for higher ones: a batch
+    /// request waits at 70 % while an interactive one still routes until 90 %.
+    #[serde(default)]
+    pub kv_fraction: Option<f64>,
+    /// The prefill backlog this class may add to (default: the pool's `max_prefill_tokens`).
+    #[serde(default)]
+    pub max_prefill_tokens: Option<u64>,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            enabled: false,
+            kv_blocks: 0,
+            kv_fraction: default_kv_fraction(),
+            max_prefill_tokens: 0,
+            engine_signals: false,
+            max_engine_waiting: 0,
+            max_queue_ms: default_max_queue_ms(),
+            max_queued: default_max_queued(),
+            retry_after_secs: default_retry_after(),
+            classes: Vec::new(),
+            default_class: None,
+            fair_headroom: default_fair_headroom(),
+        }
+    }
+}
+
+impl AdmissionConfig {
+    pub(super) fn validate(&self, model: &str, engine_metrics_secs: u64) -> anyhow::Result<()> {
+        if !self.enabled {
+            return Ok(());
+        }
+        let polled = engine_metrics_secs > 0;
+        if self.engine_signals && !polled {
+            bail!("pool {model:?}: admission.engine_signals needs engine_metrics_secs > 0 to read the engines");
+        }
+        if self.kv_blocks == 0 && self.max_prefill_tokens == 0 && !polled {
+            bail!(
+                "pool {model:?}: admission needs kv_blocks or max_prefill_tokens, or engine_metrics_secs to learn \
+                 each engine's KV capacity, to tell when a replica is saturated"
+            );
+        }
+        if !(self.kv_fraction > 0.0 && self.kv_fraction <= 1.0) {
+            bail!("pool {model:?}: admission.kv_fraction must be in (0, 1], got {}", self.kv_fraction);
+        }
+        if !(0.0..=1.0).contains(&self.fair_headroom) {
+            bail!("pool {model:?}: admission.fair_headroom must be in [0, 1], got {}", self.fair_headroom);
+        }
+        if let Some(c) = self.classes.iter().find(|c| c.kv_fraction.is_some_and(|f| !(f > 0.0 && f <= 1.0))) {
+            bail!("pool {model:?}: admission class {:?}: kv_fraction must be in (0, 1]", c.name);
+        }
+        let mut names: Vec<&str> = self.classes.iter().map(|c| c.name.as_str()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            bail!("pool {model:?}: admission class {:?} is defined twice", w[0]);
+        }
+        if let Some(default) = &self.default_class {
+            if !names.contains(&default.as_str()) {
+                bail!("pool {model:?}: admission.default_class {default:?} is not one of the classes {names:?}");
+            }
+        }
+        Ok(())
+    }
+}
+
+fn default_fair_headroom() -> f64 {
+    0.5
+}
+
+fn default_kv_fraction() -> f64 {
+    0.9
+}
+
+fn default_max_queue_ms() -> u64 {
+    2000
+}
+
+fn default_max_queued() -> usize {
+    256
+}
+
+fn default_retry_after() -> u32 {
+    1
+}

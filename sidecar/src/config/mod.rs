@@ -1,0 +1,324 @@
+//! The sidecar's configuration: a TOML file, then `KVGATE_*` environment overrides.
+//!
+//! ```toml
+//! listen = "127.0.0.1:9911"        # loopback by default: only the local Envoy may call us
+//! allow_non_loopback_api = false    # must be true for any other listen address
+//! request_expiry_secs = 300         # bookings whose end is never reported are dropped after this
+//! stall_timeout_secs = 30           # no events while blocks are expected: no cache credit
+//!
+//! [scoring]                         # see score::ScoringConfig; Dynamo's cost, with kvgate's
+//! prefill_load_scale = 4.0          # defaults (Dynamo's: 1.0) and duplicate_penalty = 4.0
+//!
+//! [[pools]]
+//! model = "qwen3"                   # the OpenAI `model` field
+//! policy = "kv_aware"               # or least_load, round_robin, consistent_hash
+//! tokenizer = "models/qwen3-0.6b"   # dir with tokenizer.json (+ tokenizer_config.json),
+//!                                   # relative to this file
+//! block_size = 16                   # must equal the engines' --block-size
+//!
+//! [[pools.replicas]]
+//! id = "a"
+//! endpoint = "10.0.0.5:8000"        # ip:port as Envoy's cluster knows the host
+//! kv_events = "tcp://10.0.0.5:5557" # the engine's KV-events PUB socket
+//! kv_replay = "tcp://10.0.0.5:5558" # optional: its replay ROUTER (closes gaps)
+//! kv_events_mode = "connect"        # or "bind" when the engine connects to us
+//! kv_events_topic = ""              # topic prefix filter
+//! ```
+//!
+//! | file | section | used by |
+//! |---|---|---|
+//! | `mod.rs` | the file as a whole: loading, `KVGATE_*` overrides, cross-section validation | `main.rs`, `discovery` (file reload) |
+//! | `pool.rs` | `[[pools]]` and `[[pools.replicas]]`: policy, replicas, event endpoints | `pool`, `events`, `discovery` |
+//! | `disagg.rs` | `[pools.disaggregation]`: roles, transfer protocol, prefill policy | `pool` (`disagg.rs`) |
+//! | `admission.rs` | `[pools.admission]`: limits, classes, the queue | `admission` |
+//! | `discovery.rs` | `[pools.discovery]`: static, DNS or the local Envoy | `discovery` |
+//! | `sync.rs` | `[sync]`: peers, the sync and handover ports | `sync` |
+//! | `tests.rs` | parsing, defaults, overrides and validation | — |
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+use crate::score::ScoringConfig;
+
+mod admission;
+mod disagg;
+mod discovery;
+mod pool;
+mod sync;
+#[cfg(test)]
+mod tests;
+
+pub use admission::{AdmissionConfig, ClassConfig};
+pub use disagg::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
+pub use discovery::{DiscoveryConfig, DiscoveryKind};
+pub use pool::{EventsMode, Policy, PoolConfig, ReplicaConfig};
+pub use sync::SyncConfig;
+
+/// The whole sidecar configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Where the HTTP API listens. Default `127.0.0.1:9911`. Anything but a loopback address
+    /// needs `allow_non_loopback_api`.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Lets `listen` be a non-loopback address. Whoever reaches the API can book load on any
+    /// replica, post lifecycle reports, read every routing decision (`/debug/explain`) and
+    /// fetch the tokenizers: only turn this on behind a network policy that admits the
+    /// gateway alone.
+    #[serde(default)]
+    pub allow_non_loopback_api: bool,
+    /// Optional second listener serving only `GET /metrics` and `GET /healthz`, for
+    /// Prometheus and the kubelet (which cannot reach loopback), e.g. `0.0.0.0:9912`.
+    /// Nothing on it can change or steer routing.
+    #[serde(default)]
+    pub metrics_listen: Option<SocketAddr>,
+    /// Seconds after which a booking with no reported end is released. Default 300 (Dynamo's).
+    #[serde(default = "default_expiry")]
+    pub request_expiry_secs: u64,
+    /// Seconds a replica may go without any KV event while requests that must create blocks
+    /// are routed to it; past that its publisher counts as stalled and its blocks earn no
+    /// credit (routing on load continues). Default 30.
+    #[serde(default = "default_stall")]
+    pub stall_timeout_secs: u64,
+    /// Cost-function knobs.
+    #[serde(default)]
+    pub scoring: ScoringConfig,
+    /// Honour per-request `x-kvgate-scoring` overrides (credit, prefill scale, temperature).
+    /// Off by default: clients should not tune the fleet's routing.
+    #[serde(default)]
+    pub allow_request_overrides: bool,
+    /// One pool per model.
+    pub pools: Vec<PoolConfig>,
+    /// Share bookings with the sidecars of the other gateway pods (off when absent).
+    #[serde(default)]
+    pub sync: Option<SyncConfig>,
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9911))
+}
+
+fn default_expiry() -> u64 {
+    300
+}
+
+fn default_stall() -> u64 {
+    30
+}
+
+/// A source of environment variables (so tests need not touch the process environment).
+pub trait Env {
+    /// The variable's value, if set.
+    fn var(&self, key: &str) -> Option<String>;
+}
+
+/// The process environment.
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn var(&self, key: &str) -> Option<String> {
+        std::env::var(key).ok()
+    }
+}
+
+impl Config {
+    /// Loads `path`, resolves relative tokenizer paths against its directory, applies
+    /// environment overrides and validates.
+    pub fn load(path: &Path, env: &dyn Env) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let mut config: Config = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for pool in &mut config.pools {
+            if pool.tokenizer.is_relative() {
+                pool.tokenizer = base.join(&pool.tokenizer);
+            }
+        }
+        config.apply_env(env)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// `KVGATE_LISTEN` and the scoring knobs, under kvgate's names or Dynamo's.
+    fn apply_env(&mut self, env: &dyn Env) -> anyhow::Result<()> {
+        if let Some(v) = env.var("KVGATE_LISTEN") {
+            self.listen = v.parse().with_context(|| format!("KVGATE_LISTEN={v}"))?;
+        }
+        if let Some(v) = env.var("KVGATE_METRICS_LISTEN") {
+            self.metrics_listen = Some(v.parse().with_context(|| format!("KVGATE_METRICS_LISTEN={v}"))?);
+        }
+        let s = &mut self.scoring;
+        // kvgate's name, then Dynamo's for the knobs that are Dynamo's.
+        let knobs: [(&str, Option<&str>, &mut f64); 8] = [
+            ("KVGATE_PREFILL_LOAD_SCALE", Some("DYN_ROUTER_PREFILL_LOAD_SCALE"), &mut s.prefill_load_scale),
+            ("KVGATE_KV_OVERLAP_CREDIT", Some("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT"), &mut s.kv_overlap_credit),
+            (
+                "KVGATE_KV_OVERLAP_CREDIT_DECAY",
+                Some("DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT_DECAY"),
+                &mut s.kv_overlap_credit_decay,
+            ),
+            (
+                "KVGATE_ACTIVE_REQUEST_WEIGHT",
+                Some("DYN_ROUTER_DECODE_ACTIVE_REQUEST_WEIGHT"),
+                &mut s.active_request_weight,
+            ),
+            ("KVGATE_HOST_CACHE_HIT_WEIGHT", Some("DYN_ROUTER_HOST_CACHE_HIT_WEIGHT"), &mut s.host_cache_hit_weight),
+            ("KVGATE_DISK_CACHE_HIT_WEIGHT", Some("DYN_ROUTER_DISK_CACHE_HIT_WEIGHT"), &mut s.disk_cache_hit_weight),
+            ("KVGATE_TEMPERATURE", Some("DYN_ROUTER_TEMPERATURE"), &mut s.temperature),
+            ("KVGATE_DUPLICATE_PENALTY", None, &mut s.duplicate_penalty),
+        ];
+        for (ours, dynamo, slot) in knobs {
+            let found = env.var(ours).map(|v| (ours, v)).or_else(|| dynamo.and_then(|d| env.var(d).map(|v| (d, v))));
+            if let Some((key, v)) = found {
+                *slot = v.parse().with_context(|| format!("{key}={v}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Rejects configurations that cannot route correctly.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.pools.is_empty() {
+            bail!("no pools configured");
+        }
+        if self.metrics_listen == Some(self.listen) {
+            bail!("metrics_listen must differ from listen");
+        }
+        if !self.listen.ip().is_loopback() && !self.allow_non_loopback_api {
+            bail!(
+                "listen = {} is not a loopback address: the API steers routing, so it is meant for the local Envoy only; set allow_non_loopback_api = true to expose it anyway",
+                self.listen
+            );
+        }
+        for pool in &self.pools {
+            pool.check_tokenizer_mode()?;
+            pool.admission.validate(&pool.model, pool.engine_metrics_secs)?;
+        }
+        if let Some(sync) = &self.sync {
+            for e in std::iter::once(&sync.listen).chain(&sync.peers) {
+                if !e.starts_with("tcp://") {
+                    bail!("sync endpoints must be tcp://, got {e:?}");
+                }
+            }
+            if sync.peers.is_empty() && sync.peers_dns.is_none() {
+                bail!("sync needs peers or peers_dns");
+            }
+            // The handover to starting peers listens on the sync port + 1.
+            let port = sync.listen.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok());
+            let Some(handover) = port.and_then(|p| p.checked_add(1)) else {
+                bail!("sync.listen {:?} needs a port below 65535 (the handover takes the next)", sync.listen);
+            };
+            let taken = std::iter::once(self.listen.port()).chain(self.metrics_listen.map(|m| m.port()));
+            if let Some(p) = taken.into_iter().find(|p| *p == handover) {
+                bail!("sync.listen's port + 1 ({p}) is where starting peers are handed this sidecar's view; listen and metrics_listen must not use it");
+            }
+        }
+        let s = &self.scoring;
+        for (name, v) in [
+            ("prefill_load_scale", s.prefill_load_scale),
+            ("kv_overlap_credit", s.kv_overlap_credit),
+            ("kv_overlap_credit_decay", s.kv_overlap_credit_decay),
+            ("active_request_weight", s.active_request_weight),
+            ("host_cache_hit_weight", s.host_cache_hit_weight),
+            ("disk_cache_hit_weight", s.disk_cache_hit_weight),
+            ("temperature", s.temperature),
+            ("duplicate_penalty", s.duplicate_penalty),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                bail!("scoring.{name} must be a finite number >= 0, got {v}");
+            }
+        }
+        let mut models = HashSet::new();
+        for pool in &self.pools {
+            for name in std::iter::once(&pool.model).chain(&pool.adapters) {
+                if name.is_empty() || !models.insert(name.as_str()) {
+                    bail!("model or adapter name {name:?} is empty or configured twice");
+                }
+            }
+            if pool.block_size == 0 {
+                bail!("pool {:?}: block_size must be positive", pool.model);
+            }
+            if !(pool.prefill_tokens_per_sec.is_finite() && pool.prefill_tokens_per_sec >= 1.0) {
+                bail!("pool {:?}: prefill_tokens_per_sec must be at least 1", pool.model);
+            }
+            let d = &pool.discovery;
+            match d.kind {
+                DiscoveryKind::Static if pool.replicas.is_empty() => bail!("pool {:?}: no replicas", pool.model),
+                DiscoveryKind::Static => {}
+                kind => {
+                    let kind = kind.label();
+                    if !pool.replicas.is_empty() {
+                        bail!("pool {:?}: replicas are listed but discovery.kind is {kind:?}", pool.model);
+                    }
+                    if d.name.is_empty() {
+                        bail!("pool {:?}: discovery.name is required for {kind:?} discovery", pool.model);
+                    }
+                    if d.kind == DiscoveryKind::Dns && d.port == 0 {
+                        bail!("pool {:?}: discovery.port (the engines' HTTP port) is required for dns", pool.model);
+                    }
+                    if d.kind == DiscoveryKind::Envoy && !d.admin.starts_with("http://") {
+                        bail!("pool {:?}: discovery.admin must be an http:// URL, got {:?}", pool.model, d.admin);
+                    }
+                    let example = d.replica(SocketAddr::from(([10, 0, 0, 1], 8000)));
+                    if pool.reads_events() && !d.kv_events.contains("{ip}") {
+                        bail!(
+                            "pool {:?}: discovery.kv_events must contain {{ip}}, e.g. \"tcp://{{ip}}:5557\"",
+                            pool.model
+                        );
+                    }
+                    if pool.reads_events() {
+                        check_endpoints(&example)?;
+                    }
+                }
+            }
+            if d.interval_secs == 0 {
+                bail!("pool {:?}: discovery.interval_secs must be positive", pool.model);
+            }
+            pool.check_roles()?;
+            let mut ids = HashSet::new();
+            let mut endpoints = HashSet::new();
+            for r in &pool.replicas {
+                if !ids.insert(r.id.as_str()) {
+                    bail!("pool {:?}: replica id {:?} is used twice", pool.model, r.id);
+                }
+                if !endpoints.insert(r.endpoint) {
+                    bail!("pool {:?}: endpoint {} is used twice", pool.model, r.endpoint);
+                }
+                if pool.reads_events() {
+                    check_endpoints(r)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Event endpoints must be ZMQ tcp:// or ipc:// addresses, and offsettable per rank for
+/// data-parallel engines.
+fn check_endpoints(r: &ReplicaConfig) -> anyhow::Result<()> {
+    if !(1..=1024).contains(&r.data_parallel_size) {
+        bail!("replica {:?}: data_parallel_size must be 1..=1024, got {}", r.id, r.data_parallel_size);
+    }
+    for endpoint in std::iter::once(&r.kv_events).chain(&r.kv_replay) {
+        if r.data_parallel_size > 1 {
+            kvgate_shared::endpoint::for_rank(endpoint, 1).with_context(|| format!("replica {:?}", r.id))?;
+        }
+    }
+    for (key, endpoint) in [("kv_events", Some(&r.kv_events)), ("kv_replay", r.kv_replay.as_ref())] {
+        if let Some(e) = endpoint {
+            if !(e.starts_with("tcp://") || e.starts_with("ipc://")) {
+                bail!("replica {:?}: {key} must be a tcp:// or ipc:// endpoint, got {e:?}", r.id);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The serde default of counts that are 1 unless set.
+fn one() -> u32 {
+    1
+}

@@ -1,0 +1,363 @@
+//! `[[pools]]`: one model's pool, its policy and replicas (`crate::pool`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::bail;
+use kvgate_shared::prompt::content_format::ContentFormat;
+use kvgate_shared::prompt::PromptError;
+use kvgate_shared::wire::ModelBundle;
+use serde::Deserialize;
+
+use super::{one, AdmissionConfig, DisaggregationConfig, DiscoveryConfig, DiscoveryKind, Role, TransferProtocol};
+
+/// A model served by a set of interchangeable replicas.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The OpenAI `model` name clients send.
+    pub model: String,
+    /// Directory holding `tokenizer.json` and optionally `tokenizer_config.json`.
+    pub tokenizer: PathBuf,
+    /// KV block size in tokens; must match the engines'.
+    pub block_size: u32,
+    /// How message content reaches the chat template: `auto` (default: detected from the
+    /// template, as vLLM does), `string` or `openai`. Set it to what the engines'
+    /// `--chat-template-content-format` is, if they override it.
+    #[serde(default)]
+    pub chat_template_content_format: ContentFormat,
+    /// How replicas are chosen (default `kv_aware`).
+    #[serde(default)]
+    pub policy: Policy,
+    /// `prefix_affinity`: how long a routed prompt's blocks count as cached where they were
+    /// sent (default 120 s).
+    #[serde(default = "default_affinity_ttl")]
+    pub affinity_ttl_secs: u64,
+    /// `prefix_affinity`, and `kv_aware`'s in-flight credit: distinct blocks remembered, least
+    /// recently routed dropped first (default 262144, about 25 MiB). With the sync mesh the
+    /// in-flight credit holds every gateway's routes: size it for the fleet's traffic.
+    #[serde(default = "default_affinity_blocks")]
+    pub affinity_blocks: usize,
+    /// `kv_aware`: for this long after routing a prompt to a replica, its blocks count as cached
+    /// there even before the engine's events say so (default 10 s; 0 turns it off). Without
+    /// it, prompts sharing a prefix that arrive while the first is still queued or in prefill
+    /// see no overlap anywhere and spread, duplicating the prefix across engines. With the
+    /// sync mesh, prompts routed by the other gateways count too.
+    #[serde(default = "default_inflight_credit")]
+    pub inflight_credit_secs: u64,
+    /// A replica that leaves the pool (health checks, outlier ejection, a DNS change) stops
+    /// being routed to at once, but keeps its index and event subscription this long (default
+    /// 30 s): if it comes back within that, it comes back warm. 0 empties it at once.
+    #[serde(default = "default_leave_grace")]
+    pub leave_grace_secs: u64,
+    /// The prefill rate, tokens/s, assumed for a replica until it has served a streamed
+    /// request (default 8 000): a non-streamed response's first byte is its last, so its
+    /// prefill is taken to end after `prefill tokens / rate`, the rate learned per replica
+    /// from streamed requests' time to first token once there is one.
+    #[serde(default = "default_prefill_rate")]
+    pub prefill_tokens_per_sec: f64,
+    /// The engines' context length (vLLM's `--max-model-len`), if set: a request without
+    /// `max_tokens` is booked with the limit vLLM gives it, the context left after its prompt
+    /// (decode progress weighs a request's footprint by `1 − output / max_tokens`). Unset, such
+    /// a request's footprint keeps its full weight until it ends.
+    #[serde(default)]
+    pub max_model_len: Option<u64>,
+    /// The engines' `--tokenizer-mode` (vLLM's names; default `auto`). kvgate renders and
+    /// tokenizes as vLLM's `hf` mode does; `auto` is `hf` unless the tokenizer directory is a
+    /// Mistral repository's (`tekken.json` or `tokenizer.model.v*`: vLLM then picks `mistral`)
+    /// or its `config.json` names an architecture vLLM gives its own encoder. What kvgate
+    /// cannot match is refused at load, by name ([`PoolConfig::check_tokenizer_mode`]).
+    #[serde(default = "default_tokenizer_mode")]
+    pub tokenizer_mode: String,
+    /// Poll each engine's `/metrics` this often and count the requests it runs beyond those
+    /// kvgate booked as load (traffic that bypasses kvgate), those it reports waiting as
+    /// prefill still to come. 0 (default) turns it off.
+    #[serde(default)]
+    pub engine_metrics_secs: u64,
+    /// Where the replicas come from (default: the `replicas` below, reloaded with the file).
+    #[serde(default)]
+    pub discovery: DiscoveryConfig,
+    /// LoRA adapters every replica serves. A request for an adapter routes in this pool, and
+    /// its blocks (salted by the adapter name, as vLLM's `lora_name` salts stored events)
+    /// never match the base model's.
+    #[serde(default)]
+    pub adapters: Vec<String>,
+    /// Poll each engine's `/v1/models` this often and route the LoRA adapters it lists (those
+    /// whose `parent` is this pool's model) to the replicas that serve them, beside the
+    /// configured `adapters`. 0 turns it off.
+    #[serde(default = "default_adapters_poll")]
+    pub adapters_poll_secs: u64,
+    /// Admission control: when every replica is saturated, requests wait here instead of
+    /// piling onto an engine, and are shed (429) past a bound. Off by default.
+    #[serde(default)]
+    pub admission: AdmissionConfig,
+    /// Prefill/decode disaggregation: replicas with `role = "prefill"` compute prompts,
+    /// `role = "decode"` ones generate, and each request gets a prefill worker (by cache
+    /// and prefill load) and a decode worker (by load). Off (unset) by default.
+    #[serde(default)]
+    pub disaggregation: Option<DisaggregationConfig>,
+    /// The replicas (static discovery).
+    #[serde(default)]
+    pub replicas: Vec<ReplicaConfig>,
+}
+
+impl PoolConfig {
+    /// A pool of `replicas` with every optional setting at its default — what a TOML table
+    /// with only these four keys gives.
+    pub fn new(
+        model: &str,
+        tokenizer: impl Into<PathBuf>,
+        block_size: u32,
+        replicas: Vec<ReplicaConfig>,
+    ) -> PoolConfig {
+        PoolConfig {
+            model: model.to_owned(),
+            tokenizer: tokenizer.into(),
+            block_size,
+            chat_template_content_format: ContentFormat::default(),
+            policy: Policy::default(),
+            affinity_ttl_secs: default_affinity_ttl(),
+            affinity_blocks: default_affinity_blocks(),
+            inflight_credit_secs: default_inflight_credit(),
+            leave_grace_secs: default_leave_grace(),
+            prefill_tokens_per_sec: default_prefill_rate(),
+            max_model_len: None,
+            tokenizer_mode: default_tokenizer_mode(),
+            engine_metrics_secs: 0,
+            discovery: DiscoveryConfig::default(),
+            adapters: Vec::new(),
+            adapters_poll_secs: default_adapters_poll(),
+            admission: AdmissionConfig::default(),
+            disaggregation: None,
+            replicas,
+        }
+    }
+
+    /// Refuses a `tokenizer_mode` whose renderer kvgate does not reproduce: vLLM's `mistral`
+    /// (mistral-common), its DeepSeek V3.2/V4, Kimi, Inkling and Cohere encoders — named, or
+    /// what `auto` resolves to for this tokenizer directory.
+    pub fn check_tokenizer_mode(&self) -> anyhow::Result<()> {
+        let mode = match self.tokenizer_mode.as_str() {
+            "hf" => return Ok(()),
+            "auto" => self.auto_tokenizer_mode(),
+            other => Some(other.to_owned()),
+        };
+        match mode {
+            None => Ok(()),
+            Some(mode) => bail!(
+                "pool {:?}: the engines would tokenize with vLLM's {mode:?} tokenizer mode, which kvgate does not \
+                 reproduce (it renders and tokenizes as the `hf` mode does); if the engines run \
+                 --tokenizer-mode hf, set tokenizer_mode = \"hf\"",
+                self.model
+            ),
+        }
+    }
+
+    /// What vLLM's `auto` tokenizer mode picks for this tokenizer directory, if not `hf`.
+    fn auto_tokenizer_mode(&self) -> Option<String> {
+        let files: Vec<String> = std::fs::read_dir(&self.tokenizer)
+            .map(|d| d.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect())
+            .unwrap_or_default();
+        if files.iter().any(|f| f == "tekken.json" || f.starts_with("tokenizer.model.v")) {
+            return Some("mistral".into());
+        }
+        let config = std::fs::read_to_string(self.tokenizer.join("config.json")).ok()?;
+        let config: serde_json::Value = serde_json::from_str(&config).ok()?;
+        let architectures = config.get("architectures")?.as_array()?;
+        OWN_ENCODER_ARCHITECTURES
+            .iter()
+            .find(|(arch, _)| architectures.iter().any(|a| a.as_str() == Some(arch)))
+            .map(|(_, mode)| (*mode).to_owned())
+    }
+
+    /// Roles only with disaggregation; with it, workers for both legs (listed, or a discovered
+    /// `prefill_name`) and, in `sglang` mode, prefill servers' bootstrap port.
+    pub(super) fn check_roles(&self) -> anyhow::Result<()> {
+        let Some(d) = &self.disaggregation else {
+            if let Some(r) = self.replicas.iter().find(|r| r.role != Role::Both) {
+                bail!("pool {:?}: replica {:?} has a role but the pool has no disaggregation", self.model, r.id);
+            }
+            if self.discovery.prefill_name.is_some() {
+                bail!("pool {:?}: discovery.prefill_name but the pool has no disaggregation", self.model);
+            }
+            return Ok(());
+        };
+        let discovered = self.discovery.kind != DiscoveryKind::Static;
+        if discovered && self.discovery.prefill_name.is_none() {
+            bail!("pool {:?}: a discovered disaggregated pool needs discovery.prefill_name", self.model);
+        }
+        if discovered && d.mode == TransferProtocol::Sglang && self.discovery.bootstrap_port.is_none() {
+            bail!("pool {:?}: discovery.bootstrap_port is needed in sglang mode", self.model);
+        }
+        if self.policy == Policy::PrefixAffinity {
+            bail!(
+                "pool {:?}: disaggregation chooses prefill workers by their KV events; prefix_affinity reads none",
+                self.model
+            );
+        }
+        let prefills = |r: &&ReplicaConfig| match d.mode {
+            TransferProtocol::Vllm => r.role.prefills(),
+            // An SGLang server in neither disaggregation mode ignores a bootstrap room.
+            TransferProtocol::Sglang => r.role == Role::Prefill,
+        };
+        let both = self.replicas.iter().any(|r| prefills(&r)) && self.replicas.iter().any(|r| r.role.decodes());
+        if !discovered && !both {
+            bail!("pool {:?}: disaggregation needs replicas for prefill and for decode", self.model);
+        }
+        if d.mode == TransferProtocol::Sglang {
+            if let Some(r) = self.replicas.iter().find(|r| r.role == Role::Prefill && r.bootstrap_port.is_none()) {
+                bail!("pool {:?}: prefill replica {:?} has no bootstrap_port (sglang mode)", self.model, r.id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether this pool subscribes to its engines' KV events (all but `prefix_affinity`).
+    pub fn reads_events(&self) -> bool {
+        self.policy != Policy::PrefixAffinity
+    }
+
+    /// The model bundle the filter and the offload path tokenize with: the tokenizer
+    /// directory, read, with this pool's block size and content format.
+    pub fn bundle(&self) -> Result<ModelBundle, PromptError> {
+        let mut bundle = ModelBundle::from_dir(&self.model, &self.tokenizer, self.block_size)?;
+        bundle.content_format = self.chat_template_content_format;
+        Ok(bundle)
+    }
+}
+
+impl ReplicaConfig {
+    /// A replica at `endpoint` whose engine publishes events on `kv_events` (connect mode,
+    /// every topic, no replay, one rank) — what a TOML table with only these keys gives.
+    pub fn new(id: &str, endpoint: SocketAddr, kv_events: &str) -> ReplicaConfig {
+        ReplicaConfig {
+            id: id.to_owned(),
+            endpoint,
+            kv_events: kv_events.to_owned(),
+            kv_events_mode: EventsMode::default(),
+            kv_events_topic: String::new(),
+            kv_replay: None,
+            data_parallel_size: 1,
+            role: Role::Both,
+            bootstrap_port: None,
+        }
+    }
+}
+
+/// One engine replica.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaConfig {
+    /// A stable, unique name.
+    pub id: String,
+    /// `ip:port` exactly as the Envoy cluster has the host (what override_host matches).
+    pub endpoint: SocketAddr,
+    /// The engine's KV-events ZMQ endpoint, e.g. `tcp://10.0.0.5:5557` (may be left out only
+    /// in a `prefix_affinity` pool, which reads no events).
+    #[serde(default)]
+    pub kv_events: String,
+    /// `connect` (default: the engine binds its PUB, as vLLM does with `tcp://*:5557`) or
+    /// `bind` (the engine is configured to connect to us).
+    #[serde(default)]
+    pub kv_events_mode: EventsMode,
+    /// Only messages whose topic starts with this are read (vLLM's `topic`; default all).
+    #[serde(default)]
+    pub kv_events_topic: String,
+    /// The engine's replay ROUTER (vLLM's `replay_endpoint`), e.g. `tcp://10.0.0.5:5558`.
+    /// Without it, lost messages leave the replica degraded until its cache is cleared.
+    #[serde(default)]
+    pub kv_replay: Option<String>,
+    /// The engine's `--data-parallel-size` (default 1). With N > 1 each rank is a routing
+    /// target of its own: its events at `kv_events` port + rank (vLLM's rule), requests sent
+    /// with `X-data-parallel-rank`.
+    #[serde(default = "one")]
+    pub data_parallel_size: u32,
+    /// In a disaggregated pool: `prefill`, `decode` or `both` (default).
+    #[serde(default)]
+    pub role: Role,
+    /// SGLang's `--disaggregation-bootstrap-port` of a prefill engine (disaggregation mode
+    /// `sglang`): the decode worker fetches the prompt's KV through it.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
+}
+
+/// A pool's routing policy. Every policy books load, so switching keeps load tracking.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    /// Lowest token load after KV-cache credit (Dynamo's cost).
+    #[default]
+    KvAware,
+    /// The same token-load cost without any cache credit.
+    LeastLoad,
+    /// In turn.
+    RoundRobin,
+    /// Rendezvous hashing of the session key (`x-session-id`, else the body's `session_id` or
+    /// `user`); requests without one are routed `kv_aware`.
+    ConsistentHash,
+    /// The `kv_aware` cost with overlap from this gateway's own routing history instead of
+    /// KV events (for engines that publish none): see [`crate::index::approx`].
+    PrefixAffinity,
+}
+
+impl Policy {
+    /// Its name in the configuration (and in metric labels).
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::KvAware => "kv_aware",
+            Policy::LeastLoad => "least_load",
+            Policy::RoundRobin => "round_robin",
+            Policy::ConsistentHash => "consistent_hash",
+            Policy::PrefixAffinity => "prefix_affinity",
+        }
+    }
+}
+
+/// Who binds the KV-event socket.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventsMode {
+    /// We connect a SUB to the engine's bound PUB.
+    #[default]
+    Connect,
+    /// We bind the SUB; the engine's PUB connects to us.
+    Bind,
+}
+
+fn default_affinity_ttl() -> u64 {
+    120
+}
+
+fn default_inflight_credit() -> u64 {
+    10
+}
+
+fn default_leave_grace() -> u64 {
+    30
+}
+
+fn default_prefill_rate() -> f64 {
+    8_000.0
+}
+
+fn default_tokenizer_mode() -> String {
+    "auto".into()
+}
+
+/// Architectures vLLM's `auto` tokenizer mode gives their own encoder (vLLM 0.32).
+const OWN_ENCODER_ARCHITECTURES: [(&str, &str); 6] = [
+    ("DeepseekV32ForCausalLM", "deepseek_v32"),
+    ("DeepseekV4ForCausalLM", "deepseek_v4"),
+    ("DeepseekV4ForConditionalGeneration", "deepseek_v4"),
+    ("DeepseekV41ForCausalLM", "deepseek_v41"),
+    ("InklingForCausalLM", "inkling"),
+    ("KimiK3ForConditionalGeneration", "kimi_k3"),
+];
+
+fn default_adapters_poll() -> u64 {
+    10
+}
+
+fn default_affinity_blocks() -> usize {
+    1 << 18
+}

@@ -1,0 +1,294 @@
+//! The configuration: parsing, defaults, environment overrides and validation.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use super::discovery::fill_ports;
+use super::*;
+
+struct MapEnv(HashMap<&'static str, &'static str>);
+impl Env for MapEnv {
+    fn var(&self, key: &str) -> Option<String> {
+        self.0.get(key).map(|v| v.to_string())
+    }
+}
+
+const BASE: &str = r#"
+    [[pools]]
+    model = "m"
+    tokenizer = "tok"
+    block_size = 16
+    [[pools.replicas]]
+    id = "a"
+    endpoint = "127.0.0.1:8001"
+    kv_events = "tcp://127.0.0.1:5557"
+"#;
+
+fn load(text: &str, env: &[(&'static str, &'static str)]) -> anyhow::Result<Config> {
+    let dir = std::env::temp_dir().join(format!("kvgate-config-{}-{}", std::process::id(), rand::random::<u64>()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("kvgate.toml");
+    std::fs::write(&path, text)?;
+    let result = Config::load(&path, &MapEnv(env.iter().copied().collect()));
+    std::fs::remove_dir_all(&dir)?;
+    result
+}
+
+#[test]
+fn policy_names_are_the_configured_ones() {
+    let all = [Policy::KvAware, Policy::LeastLoad, Policy::RoundRobin, Policy::ConsistentHash, Policy::PrefixAffinity];
+    for p in all {
+        let parsed: Policy = serde_json::from_value(serde_json::Value::from(p.name())).unwrap();
+        assert_eq!(parsed, p, "{}", p.name());
+    }
+}
+
+#[test]
+fn tokenizer_modes_kvgate_cannot_reproduce_are_refused_by_name() {
+    let dir = std::env::temp_dir().join(format!("kvgate-mode-{}-{}", std::process::id(), rand::random::<u64>()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = |mode: Option<&str>| {
+        let mode = mode.map(|m| format!("tokenizer_mode = {m:?}\n")).unwrap_or_default();
+        BASE.replace("tokenizer = \"tok\"", &format!("tokenizer = {:?}\n{mode}", dir.display().to_string()))
+    };
+    assert!(load(&config(None), &[]).is_ok(), "an ordinary directory: auto is hf");
+    let named = load(&config(Some("mistral")), &[]).unwrap_err().to_string();
+    assert!(named.contains("\"mistral\"") && named.contains("tokenizer_mode = \"hf\""), "{named}");
+    std::fs::write(dir.join("tekken.json"), "{}").unwrap();
+    let auto = load(&config(None), &[]).unwrap_err().to_string();
+    assert!(auto.contains("\"mistral\""), "auto picks mistral for a Mistral repository: {auto}");
+    assert!(load(&config(Some("hf")), &[]).is_ok(), "engines run with --tokenizer-mode hf");
+    std::fs::remove_file(dir.join("tekken.json")).unwrap();
+    std::fs::write(dir.join("config.json"), r#"{"architectures": ["DeepseekV32ForCausalLM"]}"#).unwrap();
+    assert!(load(&config(None), &[]).unwrap_err().to_string().contains("deepseek_v32"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn admission_needs_a_saturation_criterion() {
+    let with = |keys: &str| BASE.replace("block_size = 16", &format!("block_size = 16\nadmission = {{ {keys} }}"));
+    assert!(!load(BASE, &[]).unwrap().pools[0].admission.enabled, "off by default");
+    let none = load(&with("enabled = true"), &[]).unwrap_err().to_string();
+    assert!(none.contains("kv_blocks or max_prefill_tokens"), "{none}");
+    assert!(load(&with("enabled = true, engine_signals = true, kv_blocks = 1"), &[]).is_err(), "signals need polling");
+    let learned =
+        BASE.replace("block_size = 16", "block_size = 16\nengine_metrics_secs = 1\nadmission = { enabled = true }");
+    assert!(load(&learned, &[]).is_ok(), "capacity learned from the engines");
+    assert!(load(&with("enabled = true, kv_blocks = 100, kv_fraction = 1.5"), &[]).is_err());
+    assert!(load(&with("enabled = true, kv_blocks = 100, fair_headroom = -0.1"), &[]).is_err());
+    let ok = load(&with("enabled = true, kv_blocks = 100"), &[]).unwrap();
+    let a = &ok.pools[0].admission;
+    assert_eq!((a.kv_fraction, a.max_queue_ms, a.max_queued, a.retry_after_secs), (0.9, 2000, 256, 1));
+    assert_eq!(a.fair_headroom, 0.5);
+}
+
+#[test]
+fn defaults_are_loopback_and_dynamos() {
+    let c = load(BASE, &[]).unwrap();
+    assert_eq!(c.listen, "127.0.0.1:9911".parse().unwrap());
+    assert_eq!(c.scoring, ScoringConfig::default());
+    assert!(c.pools[0].tokenizer.ends_with("tok"));
+    assert_ne!(c.pools[0].tokenizer, PathBuf::from("tok"), "resolved against the config's directory");
+}
+
+#[test]
+fn a_non_loopback_api_needs_the_explicit_flag() {
+    let open = BASE.replace("[[pools]]", "listen = \"0.0.0.0:9911\"\n\n[[pools]]");
+    let err = load(&open, &[]).unwrap_err().to_string();
+    assert!(err.contains("allow_non_loopback_api"), "{err}");
+    assert!(load(&BASE.replace("[[pools]]", "allow_non_loopback_api = true\n\n[[pools]]"), &[]).is_ok());
+    let allowed = open.replace("[[pools]]", "allow_non_loopback_api = true\n\n[[pools]]");
+    assert_eq!(load(&allowed, &[]).unwrap().listen, "0.0.0.0:9911".parse().unwrap());
+    assert!(load(BASE, &[("KVGATE_LISTEN", "10.0.0.1:9911")]).is_err(), "the environment too");
+    assert!(load(&BASE.replace("[[pools]]", "listen = \"[::1]:9911\"\n\n[[pools]]"), &[]).is_ok());
+}
+
+#[test]
+fn constructors_match_a_minimal_toml() {
+    let c = load(BASE, &[]).unwrap();
+    let replica = ReplicaConfig::new("a", "127.0.0.1:8001".parse().unwrap(), "tcp://127.0.0.1:5557");
+    assert_eq!(c.pools[0], PoolConfig::new("m", c.pools[0].tokenizer.clone(), 16, vec![replica]));
+}
+
+#[test]
+fn env_overrides_with_both_names() {
+    let c = load(
+        BASE,
+        &[
+            ("KVGATE_LISTEN", "127.0.0.1:1"),
+            ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2.5"),
+            ("KVGATE_ACTIVE_REQUEST_WEIGHT", "1"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.listen.port(), 1);
+    assert_eq!((c.scoring.prefill_load_scale, c.scoring.active_request_weight), (2.5, 1.0));
+    let ours_wins = load(BASE, &[("KVGATE_PREFILL_LOAD_SCALE", "3"), ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2")]).unwrap();
+    assert_eq!(ours_wins.scoring.prefill_load_scale, 3.0);
+    let penalty = load(BASE, &[("KVGATE_DUPLICATE_PENALTY", "0")]).unwrap();
+    assert_eq!(penalty.scoring.duplicate_penalty, 0.0);
+    assert!(load(BASE, &[("KVGATE_DUPLICATE_PENALTY", "-1")]).is_err(), "negative values are refused");
+    assert!(load(BASE, &[("KVGATE_KV_OVERLAP_CREDIT", "x")]).is_err());
+    assert!(load(BASE, &[("KVGATE_KV_OVERLAP_CREDIT", "-1")]).is_err());
+}
+
+#[test]
+fn shipped_example_is_valid() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("kvgate.example.toml");
+    let c = Config::load(&path, &MapEnv(HashMap::new())).unwrap();
+    assert_eq!(c.pools[0].replicas.len(), 2);
+    assert!(c.pools[0].tokenizer.join("tokenizer.json").exists(), "the example points at the vendored model");
+}
+
+#[test]
+fn invalid_configs_are_rejected() {
+    assert!(load("pools = []", &[]).is_err());
+    assert!(load(&BASE.replace("block_size = 16", "block_size = 0"), &[]).is_err());
+    assert!(load(
+        &format!("{BASE}\n[[pools.replicas]]\nid = \"a\"\nendpoint = \"127.0.0.1:8002\"\nkv_events = \"tcp://x:1\""),
+        &[]
+    )
+    .is_err());
+    assert!(load(&BASE.replace("tcp://", "http://"), &[]).is_err());
+    assert!(load(&format!("bogus = 1\n{BASE}"), &[]).is_err(), "unknown keys are errors");
+    assert!(
+        load(&BASE.replace("block_size = 16", "block_size = 16\nadapters = [\"m\"]"), &[]).is_err(),
+        "adapter named like a model"
+    );
+    assert!(load(&BASE.replace("block_size = 16", "block_size = 16\nadapters = [\"a\", \"a\"]"), &[]).is_err());
+    assert!(load(&BASE.replace("block_size = 16", "block_size = 16\nadapters = [\"a\"]"), &[]).is_ok());
+    assert!(load(&BASE.replace("127.0.0.1:8001", "not-an-address"), &[]).is_err());
+    let dp = |n: u32, events: &str| {
+        BASE.replace(
+            "kv_events = \"tcp://127.0.0.1:5557\"",
+            &format!("kv_events = \"{events}\"\ndata_parallel_size = {n}"),
+        )
+    };
+    assert!(load(&dp(4, "tcp://127.0.0.1:5557"), &[]).is_ok());
+    assert!(load(&dp(2, "ipc:///tmp/kv"), &[]).is_err(), "ipc endpoints cannot be offset per rank");
+    assert!(load(&dp(0, "tcp://127.0.0.1:5557"), &[]).is_err());
+}
+
+const DNS: &str = r#"
+    [[pools]]
+    model = "m"
+    tokenizer = "tok"
+    block_size = 16
+    [pools.discovery]
+    kind = "dns"
+    name = "vllm.llm.svc.cluster.local"
+    port = 8000
+    kv_events = "tcp://{ip}:5557"
+    kv_replay = "tcp://{ip}:5558"
+"#;
+
+#[test]
+fn sync_needs_tcp_endpoints_and_peers() {
+    let with = |sync: &str| load(&format!("{sync}\n{BASE}"), &[]);
+    let ok = with("[sync]\nlisten = \"tcp://0.0.0.0:9913\"\npeers_dns = \"gw.ns.svc.cluster.local\"").unwrap();
+    assert_eq!(ok.sync.unwrap().peers_dns.as_deref(), Some("gw.ns.svc.cluster.local"));
+    assert!(with("[sync]\nlisten = \"tcp://0.0.0.0:9913\"").is_err(), "no peers");
+    assert!(with("[sync]\nlisten = \"ipc:///x\"\npeers = [\"tcp://a:1\"]").is_err());
+    assert!(load(BASE, &[]).unwrap().sync.is_none(), "off by default");
+    let clash = load(&format!("metrics_listen = \"0.0.0.0:9914\"\n[sync]\nlisten = \"tcp://0.0.0.0:9913\"\npeers = [\"tcp://a:1\"]\n{BASE}"), &[]);
+    assert!(clash.unwrap_err().to_string().contains("port + 1"), "the handover's port is taken");
+}
+
+#[test]
+fn disaggregated_pools_need_both_roles_and_sglang_bootstrap_ports() {
+    let pd = |mode: &str, prefill: &str| {
+        format!(
+            r#"
+            [[pools]]
+            model = "m"
+            tokenizer = "tok"
+            block_size = 16
+            disaggregation = {{ mode = "{mode}" }}
+            [[pools.replicas]]
+            id = "p"
+            endpoint = "127.0.0.1:8001"
+            kv_events = "tcp://127.0.0.1:5557"
+            {prefill}
+            [[pools.replicas]]
+            id = "d"
+            endpoint = "127.0.0.1:8002"
+            kv_events = "tcp://127.0.0.1:5567"
+            role = "decode"
+            "#
+        )
+    };
+    let c = load(&pd("vllm", "role = \"prefill\""), &[]).unwrap();
+    let d = c.pools[0].disaggregation.as_ref().unwrap();
+    assert_eq!(
+        (d.mode, d.min_remote_prefill_tokens, d.max_prefill_backlog_tokens),
+        (TransferProtocol::Vllm, 256, None)
+    );
+    assert_eq!(c.pools[0].replicas[0].role, Role::Prefill);
+    assert!(load(&pd("sglang", "role = \"prefill\""), &[]).is_err(), "no bootstrap port");
+    assert!(load(&pd("sglang", "role = \"prefill\"\nbootstrap_port = 8998"), &[]).is_ok());
+    assert!(load(&pd("vllm", "role = \"decode\""), &[]).is_err(), "nothing prefills");
+    assert!(load(&pd("vllm", ""), &[]).is_ok(), "`both` takes vLLM's prefill legs too");
+    assert!(load(&pd("sglang", ""), &[]).is_err(), "an SGLang server in neither mode takes no leg");
+    assert!(load(&pd("nixl", "role = \"prefill\""), &[]).is_err());
+    let roles_alone =
+        BASE.replace("kv_events = \"tcp://127.0.0.1:5557\"", "kv_events = \"tcp://127.0.0.1:5557\"\nrole = \"decode\"");
+    assert!(load(&roles_alone, &[]).is_err(), "a role without disaggregation");
+    let discovered = DNS.replace("block_size = 16", "block_size = 16\ndisaggregation = { mode = \"vllm\" }");
+    assert!(load(&discovered, &[]).is_err(), "no prefill_name: every engine one role");
+    let replay = "kv_replay = \"tcp://{ip}:5558\"";
+    let named = discovered.replace(replay, &format!("{replay}\nprefill_name = \"prefill.llm.svc\""));
+    let c = load(&named, &[]).unwrap();
+    let d = &c.pools[0].discovery;
+    let addr = |s: &str| s.parse::<SocketAddr>().unwrap();
+    let found = d.replicas(vec![addr("10.0.0.1:8000"), addr("10.0.0.2:8000")], vec![addr("10.0.0.2:8000")]);
+    let roles: Vec<(String, Role)> = found.into_iter().map(|r| (r.id, r.role)).collect();
+    assert_eq!(roles, [("10.0.0.1:8000".into(), Role::Decode), ("10.0.0.2:8000".into(), Role::Prefill)]);
+    assert!(load(&named.replace("\"vllm\"", "\"sglang\""), &[]).is_err(), "sglang needs the bootstrap port");
+    assert!(load(&DNS.replace(replay, &format!("{replay}\nprefill_name = \"p\"")), &[]).is_err(), "no disaggregation");
+}
+
+#[test]
+fn prefix_affinity_pools_need_no_event_endpoints() {
+    let no_events = BASE.replace("kv_events = \"tcp://127.0.0.1:5557\"", "");
+    assert!(load(&no_events, &[]).is_err(), "kv_aware reads events");
+    let affinity = no_events.replace("block_size = 16", "block_size = 16\npolicy = \"prefix_affinity\"");
+    let c = load(&affinity, &[]).unwrap();
+    assert!(!c.pools[0].reads_events());
+    assert_eq!((c.pools[0].affinity_ttl_secs, c.pools[0].affinity_blocks), (120, 1 << 18));
+}
+
+#[test]
+fn event_endpoints_can_be_relative_to_the_http_port() {
+    let d = DiscoveryConfig {
+        kv_events: "tcp://{ip}:{port+1}".into(),
+        kv_replay: Some("tcp://{ip}:{port-2443}".into()),
+        ..DiscoveryConfig::default()
+    };
+    let r = d.replica("10.1.2.3:8000".parse().unwrap());
+    assert_eq!((r.kv_events.as_str(), r.kv_replay.as_deref()), ("tcp://10.1.2.3:8001", Some("tcp://10.1.2.3:5557")));
+    assert_eq!(fill_ports("{port}/{port+x}/{port-9000}/{port", 8000), "8000/{port+x}/{port-9000}/{port");
+}
+
+#[test]
+fn discovered_pools_need_a_name_port_and_templates() {
+    let c = load(DNS, &[]).unwrap();
+    let d = &c.pools[0].discovery;
+    assert_eq!((d.kind, d.interval_secs, d.admin.as_str()), (DiscoveryKind::Dns, 5, "http://127.0.0.1:15000"));
+    let envoy = DNS.replace("\"dns\"", "\"envoy\"").replace("port = 8000", "admin = \"http://127.0.0.1:9901\"");
+    assert_eq!(load(&envoy, &[]).unwrap().pools[0].discovery.kind, DiscoveryKind::Envoy);
+    for (broken, why) in [
+        (DNS.replace("name = \"vllm.llm.svc.cluster.local\"", ""), "no name"),
+        (DNS.replace("port = 8000", ""), "no port"),
+        (DNS.replace("tcp://{ip}:5557", "tcp://10.0.0.1:5557"), "events without {ip}"),
+        (DNS.replace("tcp://{ip}:5558", "http://{ip}:5558"), "not a ZMQ endpoint"),
+        (DNS.replace("kind = \"dns\"", "kind = \"dns\"\ninterval_secs = 0"), "zero interval"),
+        (DNS.replace("kind = \"dns\"", "kind = \"consul\""), "unknown kind"),
+        (envoy.replace("http://127.0.0.1:9901", "127.0.0.1:9901"), "admin without http://"),
+        (
+            format!("{DNS}\n[[pools.replicas]]\nid = \"a\"\nendpoint = \"127.0.0.1:1\"\nkv_events = \"tcp://x:1\""),
+            "replicas and dns",
+        ),
+    ] {
+        assert!(load(&broken, &[]).is_err(), "{why} must be rejected");
+    }
+}
