@@ -27,10 +27,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvgate_shared::wire::RouteRequest;
-use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
-use kvgate_sidecar::discovery::Supervisor;
+use kvgate_sidecar::discovery::{DiscoveryConfig, Supervisor};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
 use rmp::encode as mp;
 
@@ -221,7 +221,9 @@ fn main() {
         };
         std::thread::sleep(Duration::from_millis(200));
         let p = pool(prompt_tokens);
-        let supervisor = Supervisor::start(ctx.clone(), p.clone(), Arc::new(Metrics::default())).unwrap();
+        let supervisor =
+            Supervisor::start(ctx.clone(), p.clone(), DiscoveryConfig::default(), Arc::new(Metrics::default()))
+                .unwrap();
         let request = fleet::request(prompt_tokens);
         row("idle", prompt_tokens, &decide_for(&p, &request, secs), None);
         run.store(true, Ordering::Relaxed);

@@ -8,9 +8,9 @@ mod fleet;
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
 
 use fleet::BS;

@@ -8,7 +8,6 @@
 //! | [`accuracy`] | each prediction checked against the engine's `usage`, and the alarm |
 //! | [`msg`] | what the pool and its drivers pass each other (ingest outcomes, sync events, handover) |
 //! | [`load`] | per-replica token load from route decisions, lifecycle reports and engines' own figures |
-//! | [`config`] | the TOML file + `KVGATE_*` environment, validated |
 //! | [`admission`] | whether a replica is saturated, and the queue of requests waiting for capacity |
 //! | [`pool`] | one model's replicas: index + load + the routing decision |
 //! | [`events`] | driver: KV events — decoding, ingestion, the ZMQ transport, the pool's applier |
@@ -19,11 +18,13 @@
 //! | [`poll`] | the background poller the drivers share |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`niceness`] | background threads give way to the API for the CPU |
+//! | [`config`] | the TOML file + `KVGATE_*` environment, validated; each section owned by its module |
 //! | [`tools`] | operator CLI tools (`events decode`, `events tap`) |
 //!
 //! Layers, bottom up: `index`, `metrics`, `niceness`, `poll`; `score`, `accuracy`, `msg`;
-//! `load`, `config`; `admission`; `pool`; the drivers `events`, `sync`, `engine_poller`, `api`;
-//! `discovery`; `tools`. A module imports only from layers below its own
+//! `load`; `admission`; `pool`; the drivers `events`, `sync`, `engine_poller`, `api`;
+//! `discovery`; `config` (the file as a whole, above every module whose section it reads)
+//! and `tools`. Each module owns its config section (`config.rs` says which). A module imports only from layers below its own
 //! (`tests/layers.rs` checks every `crate::` path).
 
 // One call into libc (`niceness`) is the only unsafe code, allowed there alone.

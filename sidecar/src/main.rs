@@ -21,11 +21,12 @@ use kvgate_shared::prompt::content_format::ContentFormat;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::prompt::Renderer;
 
-use kvgate_sidecar::config::{Config, DiscoveryKind, ProcessEnv, SyncConfig};
+use kvgate_sidecar::config::{Config, PoolSection, ProcessEnv};
 use kvgate_sidecar::discovery::dns::SystemResolver;
-use kvgate_sidecar::discovery::Supervisor;
+use kvgate_sidecar::discovery::{DiscoveryKind, Supervisor};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::sync::SyncConfig;
 use kvgate_sidecar::{api, discovery};
 
 /// KV-cache-aware routing sidecar for Envoy.
@@ -132,7 +133,7 @@ fn main() -> anyhow::Result<()> {
             let config = Config::load(&file, &ProcessEnv)?;
             // Load each tokenizer and template as the filter will: a `tokenizer.json` using a
             // component kvgate's tokenizer does not build in is refused here, by name.
-            for pool in &config.pools {
+            for PoolSection { pool, .. } in &config.pools {
                 let bundle = pool.bundle().with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
                 ModelTokenizer::from_bundle(&bundle).with_context(|| format!("pool {:?}: tokenizer", pool.model))?;
                 if bundle.renderer == Renderer::Harmony {
@@ -187,7 +188,8 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::default());
 
     let mut pools = HashMap::new();
-    for pool_config in &config.pools {
+    let mut sources = HashMap::new();
+    for PoolSection { pool: pool_config, discovery: found } in &config.pools {
         let bundle =
             pool_config.bundle().with_context(|| format!("loading the tokenizer of {:?}", pool_config.model))?;
         tracing::info!(model = %pool_config.model, renderer = ?bundle.renderer, "chat renderer");
@@ -202,6 +204,7 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
             }
         });
         pools.insert(pool_config.model.clone(), pool);
+        sources.insert(pool_config.model.clone(), found.clone());
     }
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -218,9 +221,11 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         watchers.extend(kvgate_sidecar::sync::start(sync, &pools, metrics.clone(), &zmq_ctx, stop.clone())?);
         kvgate_sidecar::sync::state::recover(sync, &sync.id(), &pools, &zmq_ctx);
     }
-    for pool in pools.values() {
-        let supervisor = Arc::new(Supervisor::start(zmq_ctx.clone(), pool.clone(), metrics.clone())?);
-        match pool.config().discovery.kind {
+    for (model, pool) in &pools {
+        let found = sources[model].clone();
+        let kind = found.kind;
+        let supervisor = Arc::new(Supervisor::start(zmq_ctx.clone(), pool.clone(), found, metrics.clone())?);
+        match kind {
             DiscoveryKind::Static => {}
             DiscoveryKind::Dns => {
                 watchers.push(discovery::dns::spawn(supervisor.clone(), SystemResolver, stop.clone())?)
@@ -230,17 +235,15 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         supervisors.push(supervisor);
     }
     let static_pools: Vec<Arc<Supervisor>> =
-        supervisors.iter().filter(|s| s.pool().config().discovery.kind == DiscoveryKind::Static).cloned().collect();
+        supervisors.iter().filter(|s| s.discovery().kind == DiscoveryKind::Static).cloned().collect();
     if !static_pools.is_empty() {
-        let interval = Duration::from_secs(static_pools[0].pool().config().discovery.interval_secs);
-        watchers.push(discovery::watch_file(
-            config_path,
-            Box::new(ProcessEnv),
-            interval,
-            static_pools,
-            reload.clone(),
-            stop.clone(),
-        )?);
+        let interval = Duration::from_secs(static_pools[0].discovery().interval_secs);
+        let path = config_path.clone();
+        let load = move || {
+            let config = Config::load(&path, &ProcessEnv)?;
+            Ok(config.pools.into_iter().map(|s| (s.pool, s.discovery)).collect())
+        };
+        watchers.push(discovery::watch_file(config_path, load, interval, static_pools, reload.clone(), stop.clone())?);
     }
     for pool in pools.values().filter(|p| p.config().adapters_poll_secs > 0) {
         let interval = Duration::from_secs(pool.config().adapters_poll_secs);

@@ -12,10 +12,11 @@ use axum::http::{Request, StatusCode};
 use kvgate_shared::codec;
 use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::wire::{LifecycleBatch, LifecycleEvent, LifecycleKind, PromptCount, RouteRequest, RouteResponse};
+use kvgate_sidecar::admission::{AdmissionConfig, ClassConfig};
 use kvgate_sidecar::api::{router, AppState};
-use kvgate_sidecar::config::{AdmissionConfig, ClassConfig, PoolConfig, ReplicaConfig};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
 use tower::ServiceExt;
 

@@ -8,11 +8,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvgate_e2e::process::{free_port, wait_for, Proc};
-use kvgate_sidecar::config::{DiscoveryConfig, DiscoveryKind, PoolConfig};
 use kvgate_sidecar::discovery::dns::{self, Resolver};
 use kvgate_sidecar::discovery::Supervisor;
+use kvgate_sidecar::discovery::{DiscoveryConfig, DiscoveryKind};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::pool::PoolConfig;
 use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -51,10 +52,11 @@ fn dns_answers_become_the_pool() {
         interval_secs: 1,
         ..DiscoveryConfig::default()
     };
-    let config = PoolConfig { discovery, ..PoolConfig::new("m", "unused", 16, Vec::new()) };
+    let config = PoolConfig::new("m", "unused", 16, Vec::new());
     let metrics = Arc::new(Metrics::default());
     let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
-    let supervisor = Arc::new(Supervisor::start(zmq::Context::new(), pool.clone(), metrics.clone()).unwrap());
+    let supervisor =
+        Arc::new(Supervisor::start(zmq::Context::new(), pool.clone(), discovery, metrics.clone()).unwrap());
     let stub = Stub(Arc::new(Mutex::new(Ok(Vec::new()))));
     stub.answer(Ok(vec!["127.0.0.2:8000", "127.0.0.3:8000"]));
     let stop = Arc::new(AtomicBool::new(false));

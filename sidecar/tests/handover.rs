@@ -14,12 +14,13 @@ use std::thread::JoinHandle;
 use common::{block, removed, request, store, wait_for, Engine, BS};
 use kvgate_e2e::process::free_port_run;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
-use kvgate_sidecar::config::{PoolConfig, ReplicaConfig, SyncConfig};
-use kvgate_sidecar::discovery::Supervisor;
+use kvgate_sidecar::discovery::{DiscoveryConfig, Supervisor};
 use kvgate_sidecar::index::Overlap;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::{Pool, TakenOver};
+use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
+use kvgate_sidecar::sync::SyncConfig;
 
 /// Messages each engine keeps for replay: far fewer than it has published.
 const KEPT: usize = 4;
@@ -76,7 +77,8 @@ impl Gateway {
             assert_eq!(from, "a", "the peer that answered");
             taken
         });
-        let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics.clone()).unwrap();
+        let supervisor =
+            Supervisor::start(ctx.clone(), pool.clone(), DiscoveryConfig::default(), metrics.clone()).unwrap();
         let handover =
             kvgate_sidecar::sync::state::serve(&sync, id.into(), pools, metrics.clone(), ctx, stop.clone()).unwrap();
         threads.push(handover);

@@ -9,12 +9,12 @@ use std::path::Path;
 const LAYERS: &[&[&str]] = &[
     &["index", "metrics", "niceness", "poll"],
     &["score", "accuracy", "msg"],
-    &["load", "config"],
+    &["load"],
     &["admission"],
     &["pool"],
     &["events", "sync", "engine_poller", "api"],
     &["discovery"],
-    &["tools"],
+    &["config", "tools"],
 ];
 
 fn layer(module: &str) -> Option<usize> {

@@ -11,9 +11,9 @@ use kvgate_shared::codec;
 use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::wire::{LifecycleBatch, LifecycleEvent, LifecycleKind, RouteRequest, RouteResponse, MAX_BODY_BYTES};
 use kvgate_sidecar::api::{router, AppState};
-use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
 use tower::ServiceExt;
 

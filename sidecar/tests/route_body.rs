@@ -14,10 +14,10 @@ use kvgate_shared::prompt::openai::{parse, Endpoint};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteResponse};
 use kvgate_sidecar::api::{router, AppState};
-use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::index::{ReplicaIdx, Store, Tier};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::{OffloadError, Pool};
+use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
 use tower::ServiceExt;
 

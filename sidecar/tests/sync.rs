@@ -12,10 +12,11 @@ mod common;
 
 use kvgate_e2e::process::{free_port, free_port_run, wait_for};
 use kvgate_shared::wire::RouteRequest;
-use kvgate_sidecar::config::{Policy, PoolConfig, ReplicaConfig, SyncConfig};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::pool::{Policy, PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
+use kvgate_sidecar::sync::SyncConfig;
 
 const WAIT: Duration = Duration::from_secs(10);
 

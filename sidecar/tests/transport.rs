@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
-use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
-use kvgate_sidecar::discovery::Supervisor;
+use kvgate_sidecar::discovery::{DiscoveryConfig, Supervisor};
 use kvgate_sidecar::index::ReplicaIdx;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 
 mod common;
 
@@ -33,7 +33,8 @@ impl Rig {
         let config = PoolConfig::new("m", "unused", BS as u32, vec![replica]);
         let metrics = Arc::new(Metrics::default());
         let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
-        let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics.clone()).unwrap();
+        let supervisor =
+            Supervisor::start(ctx.clone(), pool.clone(), DiscoveryConfig::default(), metrics.clone()).unwrap();
         Rig { pool, metrics, supervisor }
     }
 
@@ -200,7 +201,7 @@ fn many_replicas_share_the_ingest_workers_in_order() {
     let replicas = (0..REPLICAS as usize).map(|r| replica(r, &ports)).collect();
     let metrics = Arc::new(Metrics::default());
     let pool = Arc::new(Pool::new(PoolConfig::new("m", "unused", BS as u32, replicas), Vec::new(), metrics.clone()));
-    let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics).unwrap();
+    let supervisor = Supervisor::start(ctx.clone(), pool.clone(), DiscoveryConfig::default(), metrics).unwrap();
     connect_all(&pool, &engines);
     for b in 1..BLOCKS {
         for (r, engine) in engines.iter().enumerate() {
@@ -234,7 +235,7 @@ fn a_replica_that_leaves_is_unsubscribed_and_the_others_go_on() {
         ..PoolConfig::new("m", "unused", BS as u32, vec![replica(0, &ports), replica(1, &ports)])
     };
     let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
-    let supervisor = Supervisor::start(ctx.clone(), pool.clone(), metrics).unwrap();
+    let supervisor = Supervisor::start(ctx.clone(), pool.clone(), DiscoveryConfig::default(), metrics).unwrap();
     connect_all(&pool, &engines);
 
     supervisor.apply(&[replica(0, &ports)]);

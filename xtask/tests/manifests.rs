@@ -7,7 +7,8 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use kvgate_filter::config::FilterConfig;
-use kvgate_sidecar::config::{Config, DiscoveryKind, ProcessEnv};
+use kvgate_sidecar::config::{Config, ProcessEnv};
+use kvgate_sidecar::discovery::DiscoveryKind;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -150,10 +151,9 @@ fn kvgate_configs_and_filter_configs_validate_and_agree_with_the_engines() {
 
     for c in &configs {
         assert!(c.listen.ip().is_loopback(), "the filter's API stays on loopback");
-        let pool = &c.pools[0];
+        let (pool, d) = (&c.pools[0].pool, &c.pools[0].discovery);
         assert_eq!(pool.model, arg("served-model-name"));
         assert_eq!(pool.block_size.to_string(), arg("block-size"));
-        let d = &pool.discovery;
         assert!(d.kv_events.ends_with(&format!(":{events_port}")), "events port {}", d.kv_events);
         assert!(d.kv_replay.as_deref().unwrap().ends_with(&format!(":{replay_port}")));
         match d.kind {

@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use super::discovery::fill_ports;
 use super::*;
+use crate::discovery::DiscoveryKind;
 
 struct MapEnv(HashMap<&'static str, &'static str>);
 impl Env for MapEnv {
@@ -67,7 +67,7 @@ fn tokenizer_modes_kvgate_cannot_reproduce_are_refused_by_name() {
 #[test]
 fn admission_needs_a_saturation_criterion() {
     let with = |keys: &str| BASE.replace("block_size = 16", &format!("block_size = 16\nadmission = {{ {keys} }}"));
-    assert!(!load(BASE, &[]).unwrap().pools[0].admission.enabled, "off by default");
+    assert!(!load(BASE, &[]).unwrap().pools[0].pool.admission.enabled, "off by default");
     let none = load(&with("enabled = true"), &[]).unwrap_err().to_string();
     assert!(none.contains("kv_blocks or max_prefill_tokens"), "{none}");
     assert!(load(&with("enabled = true, engine_signals = true, kv_blocks = 1"), &[]).is_err(), "signals need polling");
@@ -77,7 +77,7 @@ fn admission_needs_a_saturation_criterion() {
     assert!(load(&with("enabled = true, kv_blocks = 100, kv_fraction = 1.5"), &[]).is_err());
     assert!(load(&with("enabled = true, kv_blocks = 100, fair_headroom = -0.1"), &[]).is_err());
     let ok = load(&with("enabled = true, kv_blocks = 100"), &[]).unwrap();
-    let a = &ok.pools[0].admission;
+    let a = &ok.pools[0].pool.admission;
     assert_eq!((a.kv_fraction, a.max_queue_ms, a.max_queued, a.retry_after_secs), (0.9, 2000, 256, 1));
     assert_eq!(a.fair_headroom, 0.5);
 }
@@ -87,8 +87,8 @@ fn defaults_are_loopback_and_dynamos() {
     let c = load(BASE, &[]).unwrap();
     assert_eq!(c.listen, "127.0.0.1:9911".parse().unwrap());
     assert_eq!(c.scoring, ScoringConfig::default());
-    assert!(c.pools[0].tokenizer.ends_with("tok"));
-    assert_ne!(c.pools[0].tokenizer, PathBuf::from("tok"), "resolved against the config's directory");
+    assert!(c.pools[0].pool.tokenizer.ends_with("tok"));
+    assert_ne!(c.pools[0].pool.tokenizer, PathBuf::from("tok"), "resolved against the config's directory");
 }
 
 #[test]
@@ -107,7 +107,7 @@ fn a_non_loopback_api_needs_the_explicit_flag() {
 fn constructors_match_a_minimal_toml() {
     let c = load(BASE, &[]).unwrap();
     let replica = ReplicaConfig::new("a", "127.0.0.1:8001".parse().unwrap(), "tcp://127.0.0.1:5557");
-    assert_eq!(c.pools[0], PoolConfig::new("m", c.pools[0].tokenizer.clone(), 16, vec![replica]));
+    assert_eq!(c.pools[0].pool, PoolConfig::new("m", c.pools[0].pool.tokenizer.clone(), 16, vec![replica]));
 }
 
 #[test]
@@ -136,8 +136,8 @@ fn env_overrides_with_both_names() {
 fn shipped_example_is_valid() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("kvgate.example.toml");
     let c = Config::load(&path, &MapEnv(HashMap::new())).unwrap();
-    assert_eq!(c.pools[0].replicas.len(), 2);
-    assert!(c.pools[0].tokenizer.join("tokenizer.json").exists(), "the example points at the vendored model");
+    assert_eq!(c.pools[0].pool.replicas.len(), 2);
+    assert!(c.pools[0].pool.tokenizer.join("tokenizer.json").exists(), "the example points at the vendored model");
 }
 
 #[test]
@@ -218,12 +218,12 @@ fn disaggregated_pools_need_both_roles_and_sglang_bootstrap_ports() {
         )
     };
     let c = load(&pd("vllm", "role = \"prefill\""), &[]).unwrap();
-    let d = c.pools[0].disaggregation.as_ref().unwrap();
+    let d = c.pools[0].pool.disaggregation.as_ref().unwrap();
     assert_eq!(
         (d.mode, d.min_remote_prefill_tokens, d.max_prefill_backlog_tokens),
         (TransferProtocol::Vllm, 256, None)
     );
-    assert_eq!(c.pools[0].replicas[0].role, Role::Prefill);
+    assert_eq!(c.pools[0].pool.replicas[0].role, Role::Prefill);
     assert!(load(&pd("sglang", "role = \"prefill\""), &[]).is_err(), "no bootstrap port");
     assert!(load(&pd("sglang", "role = \"prefill\"\nbootstrap_port = 8998"), &[]).is_ok());
     assert!(load(&pd("vllm", "role = \"decode\""), &[]).is_err(), "nothing prefills");
@@ -253,20 +253,8 @@ fn prefix_affinity_pools_need_no_event_endpoints() {
     assert!(load(&no_events, &[]).is_err(), "kv_aware reads events");
     let affinity = no_events.replace("block_size = 16", "block_size = 16\npolicy = \"prefix_affinity\"");
     let c = load(&affinity, &[]).unwrap();
-    assert!(!c.pools[0].reads_events());
-    assert_eq!((c.pools[0].affinity_ttl_secs, c.pools[0].affinity_blocks), (120, 1 << 18));
-}
-
-#[test]
-fn event_endpoints_can_be_relative_to_the_http_port() {
-    let d = DiscoveryConfig {
-        kv_events: "tcp://{ip}:{port+1}".into(),
-        kv_replay: Some("tcp://{ip}:{port-2443}".into()),
-        ..DiscoveryConfig::default()
-    };
-    let r = d.replica("10.1.2.3:8000".parse().unwrap());
-    assert_eq!((r.kv_events.as_str(), r.kv_replay.as_deref()), ("tcp://10.1.2.3:8001", Some("tcp://10.1.2.3:5557")));
-    assert_eq!(fill_ports("{port}/{port+x}/{port-9000}/{port", 8000), "8000/{port+x}/{port-9000}/{port");
+    assert!(!c.pools[0].pool.reads_events());
+    assert_eq!((c.pools[0].pool.affinity_ttl_secs, c.pools[0].pool.affinity_blocks), (120, 1 << 18));
 }
 
 #[test]

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::{poll, Supervisor};
-use crate::config::{DiscoveryConfig, DiscoveryKind, ReplicaConfig};
+use super::{poll, DiscoveryConfig, DiscoveryKind, Supervisor};
+use crate::pool::ReplicaConfig;
 
 /// Resolves a name to addresses (the system resolver in production, a stub in tests).
 pub trait Resolver: Send + 'static {
@@ -44,7 +44,7 @@ pub fn spawn(
     mut resolver: impl Resolver,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<JoinHandle<()>> {
-    let config = supervisor.pool().config().discovery.clone();
+    let config = supervisor.discovery().clone();
     let interval = Duration::from_secs(config.interval_secs);
     poll(&config.name.clone(), interval, stop, move || {
         let found = replicas(&config, &mut resolver).map_err(|e| format!("resolving {}: {e}", config.name));
@@ -93,7 +93,7 @@ mod tests {
 
     #[test]
     fn a_second_name_gives_a_disaggregated_pools_prefill_workers() {
-        use crate::config::Role;
+        use crate::pool::Role;
         let (d, p): (SocketAddr, SocketAddr) = ("10.0.0.7:8000".parse().unwrap(), "10.0.0.9:8000".parse().unwrap());
         let config = DiscoveryConfig { prefill_name: Some("prefill".into()), bootstrap_port: Some(8998), ..config() };
         let found = replicas(&config, &mut Scripted(vec![Ok(vec![d]), Ok(vec![p])])).unwrap();

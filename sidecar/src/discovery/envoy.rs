@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::{poll, Supervisor};
-use crate::config::{DiscoveryConfig, DiscoveryKind, ReplicaConfig};
+use super::{poll, DiscoveryConfig, DiscoveryKind, Supervisor};
+use crate::pool::ReplicaConfig;
 
 /// How long one admin call may take.
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -79,7 +79,7 @@ pub fn replicas(config: &DiscoveryConfig, client: &reqwest::blocking::Client) ->
 
 /// Polls the admin API every `interval_secs` and applies the result until `stop`.
 pub fn spawn(supervisor: Arc<Supervisor>, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
-    let config = supervisor.pool().config().discovery.clone();
+    let config = supervisor.discovery().clone();
     let interval = Duration::from_secs(config.interval_secs);
     // Built on the polling thread: a blocking client must not be created on the runtime.
     let mut client = None;

@@ -1,6 +1,6 @@
 //! Discovery: which replicas each pool has, kept current while the sidecar runs.
 //!
-//! Each pool has one source ([`crate::config::DiscoveryKind`]):
+//! Each pool has one source ([`DiscoveryKind`], its `[pools.discovery]` section: `config.rs`):
 //! - **static** — the config file's `replicas`. The file is re-read when it changes (checked
 //!   every `interval_secs`) or on `SIGHUP`; only replica lists are applied, other changes need
 //!   a restart (and are logged as such). A file that no longer loads changes nothing.
@@ -18,8 +18,11 @@
 //! engine's `/v1/models`.
 
 pub mod adapters;
+mod config;
 pub mod dns;
 pub mod envoy;
+
+pub use config::{DiscoveryConfig, DiscoveryKind};
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,17 +30,18 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::config::{Config, DiscoveryKind, Env, ReplicaConfig};
 use crate::events::apply::Applier;
 use crate::events::transport::{Ingesters, Readers, Source};
 use crate::index::ReplicaIdx;
 use crate::metrics::{DiscoveryLabels, Metrics};
-use crate::pool::Pool;
+use crate::pool::{Pool, PoolConfig, ReplicaConfig};
 
 /// Starts and stops one pool's event ingestion as its membership changes: the pool's applier,
 /// ingest workers and reader, and each replica's subscription.
 pub struct Supervisor {
     pool: Arc<Pool>,
+    /// Where the pool's replicas come from.
+    discovery: DiscoveryConfig,
     metrics: Arc<Metrics>,
     readers: Readers,
     /// Stops the applier, the ingest workers and the reader (shutdown).
@@ -46,9 +50,14 @@ pub struct Supervisor {
 }
 
 impl Supervisor {
-    /// A supervisor for `pool`; starts its event threads (applier, ingest workers, reader)
-    /// and reads its configured replicas.
-    pub fn start(ctx: zmq::Context, pool: Arc<Pool>, metrics: Arc<Metrics>) -> std::io::Result<Supervisor> {
+    /// A supervisor for `pool`, whose replicas come from `discovery`; starts its event
+    /// threads (applier, ingest workers, reader) and reads its configured replicas.
+    pub fn start(
+        ctx: zmq::Context,
+        pool: Arc<Pool>,
+        discovery: DiscoveryConfig,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<Supervisor> {
         let stop_applier = Arc::new(AtomicBool::new(false));
         let (applier, thread) = Applier::spawn(pool.clone(), metrics.clone(), stop_applier.clone())?;
         // One ingest worker per core: more would only take CPU from routing decisions.
@@ -57,7 +66,7 @@ impl Supervisor {
         let (readers, reader) = Readers::spawn(&ctx, pool.clone(), metrics.clone(), &ingesters, &stop_applier)?;
         threads.extend([thread, reader]);
         let threads = Mutex::new(threads);
-        let supervisor = Supervisor { pool, metrics, readers, stop_applier, threads };
+        let supervisor = Supervisor { pool, discovery, metrics, readers, stop_applier, threads };
         supervisor.read(supervisor.pool.active());
         Ok(supervisor)
     }
@@ -65,6 +74,11 @@ impl Supervisor {
     /// The supervised pool.
     pub fn pool(&self) -> &Arc<Pool> {
         &self.pool
+    }
+
+    /// Where its replicas come from.
+    pub fn discovery(&self) -> &DiscoveryConfig {
+        &self.discovery
     }
 
     /// Makes `replicas` the pool's membership, reads the events of newcomers and stops reading
@@ -101,7 +115,7 @@ impl Supervisor {
             self.readers.add(&self.pool, Source { replica, config, stop });
         }
         let active = self.pool.active_targets().len();
-        self.metrics.replicas.get_or_create(&self.labels(self.pool.config().discovery.kind)).set(active as i64);
+        self.metrics.replicas.get_or_create(&self.labels(self.discovery.kind)).set(active as i64);
     }
 
     /// Stops every event thread and waits for them.
@@ -137,11 +151,14 @@ fn sleep_until(deadline: Instant, stop: &AtomicBool, wake: &AtomicBool) {
     }
 }
 
-/// Watches the config file for the static pools: re-reads it when its modification time
-/// changes or `reload` is set (SIGHUP), and applies each static pool's replica list.
+/// The pools as a re-read config file gives them: each one's settings and discovery section.
+pub type Reloaded = Vec<(PoolConfig, DiscoveryConfig)>;
+
+/// Watches the config file for the static pools: re-reads it (`load`) when its modification
+/// time changes or `reload` is set (SIGHUP), and applies each static pool's replica list.
 pub fn watch_file(
     path: PathBuf,
-    env: Box<dyn Env + Send>,
+    mut load: impl FnMut() -> anyhow::Result<Reloaded> + Send + 'static,
     interval: Duration,
     supervisors: Vec<Arc<Supervisor>>,
     reload: Arc<AtomicBool>,
@@ -157,8 +174,8 @@ pub fn watch_file(
                 continue;
             }
             seen = now;
-            match Config::load(&path, env.as_ref()) {
-                Ok(config) => apply_static(&config, &supervisors),
+            match load() {
+                Ok(pools) => apply_static(&pools, &supervisors),
                 Err(e) => {
                     for s in &supervisors {
                         s.failed(DiscoveryKind::Static, &format!("{}: {e:#}", path.display()));
@@ -170,14 +187,14 @@ pub fn watch_file(
 }
 
 /// Applies a re-read config's replica lists to the static pools.
-fn apply_static(config: &Config, supervisors: &[Arc<Supervisor>]) {
+fn apply_static(pools: &Reloaded, supervisors: &[Arc<Supervisor>]) {
     for s in supervisors {
         let current = s.pool().config();
-        let Some(new) = config.pools.iter().find(|p| p.model == current.model) else {
+        let Some((new, discovery)) = pools.iter().find(|(p, _)| p.model == current.model) else {
             tracing::warn!(model = %current.model, "pool removed from the config file; restart the sidecar to drop it");
             continue;
         };
-        if new.discovery.kind != DiscoveryKind::Static {
+        if discovery.kind != DiscoveryKind::Static {
             tracing::warn!(model = %current.model, "discovery kind changed in the config file; restart the sidecar to apply it");
             continue;
         }

@@ -177,8 +177,8 @@ mod tests {
     use kvgate_shared::hash::{EngineHash, Salt};
 
     use super::*;
-    use crate::config::{PoolConfig, ReplicaConfig};
     use crate::index::{StoredBlocks, Tier};
+    use crate::pool::{PoolConfig, ReplicaConfig};
 
     fn pool() -> Pool {
         let replica = ReplicaConfig::new("r0", "127.0.0.1:8000".parse().unwrap(), "tcp://127.0.0.1:1");

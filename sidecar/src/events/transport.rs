@@ -40,11 +40,11 @@ use std::time::Duration;
 
 use super::apply::{Applier, Job};
 use super::ingest::{Ingest, NoReplay, Replay};
-use crate::config::{EventsMode, ReplicaConfig};
 use crate::index::ReplicaIdx;
 use crate::metrics::Metrics;
 use crate::niceness::give_way_to_routing;
 use crate::pool::Pool;
+use crate::pool::{EventsMode, ReplicaConfig};
 
 /// Largest message accepted from a publisher; ZMQ drops larger ones itself.
 const MAX_MESSAGE_BYTES: i64 = 64 << 20;

@@ -1,5 +1,5 @@
 //! Prefill/decode disaggregation: where a request's prompt is computed when its pool splits
-//! the work ([`crate::config::DisaggregationConfig`]).
+//! the work ([`super::DisaggregationConfig`]).
 //!
 //! The decode worker is chosen first, as for any request, among the replicas that decode
 //! ([`by_role`]); then [`split`] decides, from the decode worker's cache and the prefill
@@ -14,7 +14,7 @@ use kvgate_shared::wire::{PrefillLeg, RouteRequest, Transfer};
 
 use super::candidates::{self, Eligible, Scored};
 use super::Member;
-use crate::config::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
+use super::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
 use crate::load::LoadTable;
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 

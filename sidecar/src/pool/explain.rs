@@ -6,9 +6,9 @@ use serde::Serialize;
 use kvgate_shared::wire::RouteRequest;
 
 use super::candidates::Scored;
+use super::Policy;
 use super::Pool;
 use crate::accuracy::{Check, EngineUsage};
-use crate::config::Policy;
 use crate::index::{Overlap, ReplicaIdx};
 use crate::metrics::{DecisionLabels, ModeLabels};
 

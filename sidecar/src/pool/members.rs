@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{read, Pool};
-use crate::config::{PoolConfig, ReplicaConfig};
+use super::{PoolConfig, ReplicaConfig};
 use crate::index::mirror::Batch;
 use crate::index::{Change, KvIndex, ReplicaIdx, Write};
 use crate::metrics::ReplicaLabels;

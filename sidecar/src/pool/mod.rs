@@ -15,6 +15,7 @@
 //! a private field: only this module's files take them.
 
 mod candidates;
+mod config;
 mod disagg;
 mod explain;
 mod handover;
@@ -35,13 +36,15 @@ use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 
 use crate::accuracy::Accuracy;
 use crate::admission::Gate;
-use crate::config::{Policy, PoolConfig};
 use crate::index::approx::ApproxIndex;
 use crate::index::{ApplyError, Change, KvIndex, Mirrored, Overlap, ReplicaIdx, Store, StoredBlocks, Write};
 use crate::load::LoadTable;
 use crate::metrics::{Metrics, ReplicaLabels};
 use crate::msg::sync::Outbox;
 
+pub use config::{
+    DisaggregationConfig, EventsMode, Policy, PoolConfig, PrefillPolicy, ReplicaConfig, Role, TransferProtocol,
+};
 pub use explain::{CandidateTerms, Checked, Explanation};
 pub use handover::TakenOver;
 pub use members::{targets, Member, ReplicaHealth, Target};

@@ -18,7 +18,7 @@ pub struct ReplicaState {
     /// `ip:port`.
     pub endpoint: String,
     /// What it does in a disaggregated pool (`both` elsewhere).
-    pub role: crate::config::Role,
+    pub role: super::Role,
     /// Blocks indexed, all tiers.
     pub blocks_indexed: usize,
     /// Blocks indexed on host memory.

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use kvgate_shared::hash::{prompt_block_hashes, EngineHash, Salt};
 use kvgate_shared::wire::{RouteRequest, RouteResponse};
 
+use super::ReplicaConfig;
 use super::*;
-use crate::config::ReplicaConfig;
 use crate::index::{Store, Tier};
 use crate::load::EngineReport;
 use crate::load::NewBooking;
@@ -516,18 +516,18 @@ fn decisions_do_not_wait_for_a_batch_of_events_being_applied() {
 
 /// A disaggregated pool: `r0`, `r1` prefill, `r2`, `r3` decode; block size 4, remote
 /// prefill from 64 uncached tokens.
-fn pd_pool(mode: crate::config::TransferProtocol, backlog: Option<u64>) -> Pool {
-    use crate::config::DisaggregationConfig;
+fn pd_pool(mode: super::TransferProtocol, backlog: Option<u64>) -> Pool {
+    use super::DisaggregationConfig;
     pd_pool_with(DisaggregationConfig {
         mode,
         min_remote_prefill_tokens: 64,
         max_prefill_backlog_tokens: backlog,
-        prefill_policy: crate::config::PrefillPolicy::KvAware,
+        prefill_policy: super::PrefillPolicy::KvAware,
     })
 }
 
-fn pd_pool_with(disaggregation: crate::config::DisaggregationConfig) -> Pool {
-    use crate::config::Role;
+fn pd_pool_with(disaggregation: super::DisaggregationConfig) -> Pool {
+    use super::Role;
     let replicas = (0..4)
         .map(|i| {
             let endpoint = format!("127.0.0.1:{}", 8000 + i).parse().unwrap();
@@ -551,7 +551,7 @@ fn replica_load(p: &Pool, id: &str) -> (u64, u64) {
 
 #[test]
 fn a_long_prompt_is_prefilled_where_it_is_cached_and_decoded_elsewhere() {
-    let p = pd_pool(crate::config::TransferProtocol::Vllm, None);
+    let p = pd_pool(super::TransferProtocol::Vllm, None);
     let prompt: Vec<u32> = (0..200).collect();
     cache_on(&p, 1, &prompt[..160]);
     let r = p.route(&request("long", &prompt), &ScoringConfig::default());
@@ -587,7 +587,7 @@ fn a_long_prompt_is_prefilled_where_it_is_cached_and_decoded_elsewhere() {
 
 #[test]
 fn short_or_cached_prompts_are_served_whole_on_the_decode_worker() {
-    let p = pd_pool(crate::config::TransferProtocol::Vllm, None);
+    let p = pd_pool(super::TransferProtocol::Vllm, None);
     let short: Vec<u32> = (0..40).collect();
     let r = p.route(&request("short", &short), &ScoringConfig::default());
     assert!(r.prefill.is_none(), "40 tokens are prefilled in place");
@@ -604,7 +604,7 @@ fn short_or_cached_prompts_are_served_whole_on_the_decode_worker() {
 
 #[test]
 fn busy_prefill_workers_leave_prompts_to_the_decode_workers() {
-    let p = pd_pool(crate::config::TransferProtocol::Vllm, Some(150));
+    let p = pd_pool(super::TransferProtocol::Vllm, Some(150));
     let cfg = ScoringConfig::default();
     for i in 0..2u32 {
         let prompt: Vec<u32> = (0..200).map(|t| 10_000 * (i + 1) + t).collect();
@@ -622,7 +622,7 @@ fn busy_prefill_workers_leave_prompts_to_the_decode_workers() {
 
 #[test]
 fn sglang_legs_carry_the_prefill_workers_bootstrap_address_and_a_room() {
-    let p = pd_pool(crate::config::TransferProtocol::Sglang, None);
+    let p = pd_pool(super::TransferProtocol::Sglang, None);
     let prompt: Vec<u32> = (0..200).collect();
     cache_on(&p, 0, &prompt[..120]);
     let leg = p.route(&request("sg", &prompt), &ScoringConfig::default()).prefill.expect("a leg");
@@ -636,7 +636,7 @@ fn sglang_legs_carry_the_prefill_workers_bootstrap_address_and_a_room() {
 
 #[test]
 fn round_robin_prefill_takes_turns_blind_to_the_cache() {
-    use crate::config::{DisaggregationConfig, PrefillPolicy, TransferProtocol};
+    use super::{DisaggregationConfig, PrefillPolicy, TransferProtocol};
     let p = pd_pool_with(DisaggregationConfig {
         mode: TransferProtocol::Vllm,
         min_remote_prefill_tokens: 64,
@@ -656,7 +656,7 @@ fn round_robin_prefill_takes_turns_blind_to_the_cache() {
 
 #[test]
 fn requests_no_leg_can_serve_are_served_whole_and_ended_requests_book_no_leg() {
-    let p = pd_pool(crate::config::TransferProtocol::Vllm, None);
+    let p = pd_pool(super::TransferProtocol::Vllm, None);
     let cfg = ScoringConfig::default();
     let prompt: Vec<u32> = (0..200).collect();
     let no_leg = RouteRequest { prefill_legs: false, ..request("no-leg", &prompt) };
@@ -673,7 +673,7 @@ fn requests_no_leg_can_serve_are_served_whole_and_ended_requests_book_no_leg() {
 
 #[test]
 fn a_leg_that_did_not_deliver_moves_the_prefill_to_the_decode_worker() {
-    let p = pd_pool(crate::config::TransferProtocol::Vllm, None);
+    let p = pd_pool(super::TransferProtocol::Vllm, None);
     let prompt: Vec<u32> = (0..200).collect();
     let r = p.route(&request("failed", &prompt), &ScoringConfig::default());
     let decoder = r.replica.unwrap();
@@ -688,7 +688,7 @@ fn a_leg_that_did_not_deliver_moves_the_prefill_to_the_decode_worker() {
 
 #[test]
 fn sglang_decode_servers_always_get_a_leg_and_aggregated_servers_take_none() {
-    use crate::config::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
+    use super::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
     // r0 prefill, r1 both, r2 and r3 decode.
     let replicas = (0..4)
         .map(|i| {

@@ -35,9 +35,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+mod config;
 pub mod state;
 
-use crate::config::SyncConfig;
+pub use config::SyncConfig;
+
 use crate::metrics::Metrics;
 use crate::msg::sync::{Outbox, SyncBatch, SyncEvent};
 use crate::pool::Pool;

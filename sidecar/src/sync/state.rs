@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::config::SyncConfig;
+use super::SyncConfig;
 use crate::metrics::Metrics;
 use crate::msg::handover::{Handover, HandoverError, Part, REQUEST};
 use crate::pool::{Pool, TakenOver};

@@ -22,7 +22,7 @@ use dynamo_kv_router::services::selection::{
 use dynamo_kv_router::KvRouterConfig;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::wire::RouteRequest;
-use kvgate_sidecar::config::{PoolConfig, ReplicaConfig};
+use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::score::ScoringConfig;

@@ -1,4 +1,5 @@
-//! `[[pools]]`: one model's pool, its policy and replicas (`crate::pool`).
+//! `[[pools]]`: one model's pool — its policy, replicas, admission and disaggregation
+//! sections — as the config file gives it.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -9,7 +10,7 @@ use kvgate_shared::prompt::PromptError;
 use kvgate_shared::wire::ModelBundle;
 use serde::Deserialize;
 
-use super::{one, AdmissionConfig, DisaggregationConfig, DiscoveryConfig, DiscoveryKind, Role, TransferProtocol};
+use crate::admission::AdmissionConfig;
 
 /// A model served by a set of interchangeable replicas.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -74,9 +75,6 @@ pub struct PoolConfig {
     /// prefill still to come. 0 (default) turns it off.
     #[serde(default)]
     pub engine_metrics_secs: u64,
-    /// Where the replicas come from (default: the `replicas` below, reloaded with the file).
-    #[serde(default)]
-    pub discovery: DiscoveryConfig,
     /// LoRA adapters every replica serves. A request for an adapter routes in this pool, and
     /// its blocks (salted by the adapter name, as vLLM's `lora_name` salts stored events)
     /// never match the base model's.
@@ -124,7 +122,6 @@ impl PoolConfig {
             max_model_len: None,
             tokenizer_mode: default_tokenizer_mode(),
             engine_metrics_secs: 0,
-            discovery: DiscoveryConfig::default(),
             adapters: Vec::new(),
             adapters_poll_secs: default_adapters_poll(),
             admission: AdmissionConfig::default(),
@@ -168,48 +165,6 @@ impl PoolConfig {
             .iter()
             .find(|(arch, _)| architectures.iter().any(|a| a.as_str() == Some(arch)))
             .map(|(_, mode)| (*mode).to_owned())
-    }
-
-    /// Roles only with disaggregation; with it, workers for both legs (listed, or a discovered
-    /// `prefill_name`) and, in `sglang` mode, prefill servers' bootstrap port.
-    pub(super) fn check_roles(&self) -> anyhow::Result<()> {
-        let Some(d) = &self.disaggregation else {
-            if let Some(r) = self.replicas.iter().find(|r| r.role != Role::Both) {
-                bail!("pool {:?}: replica {:?} has a role but the pool has no disaggregation", self.model, r.id);
-            }
-            if self.discovery.prefill_name.is_some() {
-                bail!("pool {:?}: discovery.prefill_name but the pool has no disaggregation", self.model);
-            }
-            return Ok(());
-        };
-        let discovered = self.discovery.kind != DiscoveryKind::Static;
-        if discovered && self.discovery.prefill_name.is_none() {
-            bail!("pool {:?}: a discovered disaggregated pool needs discovery.prefill_name", self.model);
-        }
-        if discovered && d.mode == TransferProtocol::Sglang && self.discovery.bootstrap_port.is_none() {
-            bail!("pool {:?}: discovery.bootstrap_port is needed in sglang mode", self.model);
-        }
-        if self.policy == Policy::PrefixAffinity {
-            bail!(
-                "pool {:?}: disaggregation chooses prefill workers by their KV events; prefix_affinity reads none",
-                self.model
-            );
-        }
-        let prefills = |r: &&ReplicaConfig| match d.mode {
-            TransferProtocol::Vllm => r.role.prefills(),
-            // An SGLang server in neither disaggregation mode ignores a bootstrap room.
-            TransferProtocol::Sglang => r.role == Role::Prefill,
-        };
-        let both = self.replicas.iter().any(|r| prefills(&r)) && self.replicas.iter().any(|r| r.role.decodes());
-        if !discovered && !both {
-            bail!("pool {:?}: disaggregation needs replicas for prefill and for decode", self.model);
-        }
-        if d.mode == TransferProtocol::Sglang {
-            if let Some(r) = self.replicas.iter().find(|r| r.role == Role::Prefill && r.bootstrap_port.is_none()) {
-                bail!("pool {:?}: prefill replica {:?} has no bootstrap_port (sglang mode)", self.model, r.id);
-            }
-        }
-        Ok(())
     }
 
     /// Whether this pool subscribes to its engines' KV events (all but `prefix_affinity`).
@@ -360,4 +315,84 @@ fn default_adapters_poll() -> u64 {
 
 fn default_affinity_blocks() -> usize {
     1 << 18
+}
+
+/// How a pool's requests are split between prefill and decode workers ([`Role`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DisaggregationConfig {
+    /// The engines' protocol: `vllm` (the prefill leg first, its `kv_transfer_params` then
+    /// go with the request to the decode worker: NixlConnector and the connectors sharing
+    /// its request protocol) or `sglang` (both legs at once, joined by a bootstrap room).
+    pub mode: TransferProtocol,
+    /// Conditional disaggregation: a request whose prompt, less what the chosen decode
+    /// worker has cached, is shorter than this many tokens is served whole on the decode
+    /// worker (default 256): a transfer costs more than so short a prefill.
+    #[serde(default = "default_min_remote_prefill")]
+    pub min_remote_prefill_tokens: u64,
+    /// Serve a request whole on its decode worker when even the best prefill worker has
+    /// more than this many prefill tokens booked (prefill saturated). Unset: never.
+    #[serde(default)]
+    pub max_prefill_backlog_tokens: Option<u64>,
+    /// How prefill workers are chosen: `kv_aware` (default: the cost on prefill terms, cache
+    /// overlap credited) or `round_robin` (in turn, blind to cache and load: what a
+    /// disaggregating router without a KV index does; the benchmark's baseline).
+    #[serde(default)]
+    pub prefill_policy: PrefillPolicy,
+}
+
+/// How a disaggregated pool chooses prefill workers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillPolicy {
+    /// Lowest prefill cost after cache credit.
+    #[default]
+    KvAware,
+    /// In turn.
+    RoundRobin,
+}
+
+/// The KV-transfer protocol of a disaggregated pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferProtocol {
+    /// vLLM: sequential legs, `kv_transfer_params` from the prefill response.
+    Vllm,
+    /// SGLang: parallel legs, `bootstrap_host`/`bootstrap_port`/`bootstrap_room`.
+    Sglang,
+}
+
+/// What a replica does in a disaggregated pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Whole requests, and either leg (the default, and the only role without
+    /// disaggregation).
+    #[default]
+    Both,
+    /// Prefill legs only.
+    Prefill,
+    /// Decode legs and requests served whole.
+    Decode,
+}
+
+impl Role {
+    /// Whether it takes prefill legs.
+    pub fn prefills(self) -> bool {
+        self != Role::Decode
+    }
+
+    /// Whether it takes decode legs (and whole requests).
+    pub fn decodes(self) -> bool {
+        self != Role::Prefill
+    }
+}
+
+fn default_min_remote_prefill() -> u64 {
+    256
+}
+
+/// The serde default of counts that are 1 unless set.
+fn one() -> u32 {
+    1
 }

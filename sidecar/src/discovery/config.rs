@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 
 use serde::Deserialize;
 
-use super::{one, EventsMode, ReplicaConfig, Role};
+use crate::pool::{EventsMode, ReplicaConfig, Role};
 
 /// How a pool finds its replicas.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -134,7 +134,7 @@ impl DiscoveryConfig {
 /// Replaces `{port}`, `{port+N}` and `{port-N}` with `port` (plus or minus N). A placeholder
 /// that does not parse, or a result outside 0..=65535, is left as written (the endpoint is then
 /// invalid and ZMQ says so).
-pub(super) fn fill_ports(template: &str, port: u16) -> String {
+fn fill_ports(template: &str, port: u16) -> String {
     let mut out = String::new();
     let mut rest = template;
     while let Some(at) = rest.find("{port") {
@@ -164,4 +164,29 @@ fn default_discovery_interval() -> u64 {
 
 fn default_admin() -> String {
     "http://127.0.0.1:15000".into()
+}
+
+/// The serde default of counts that are 1 unless set.
+fn one() -> u32 {
+    1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_endpoints_can_be_relative_to_the_http_port() {
+        let d = DiscoveryConfig {
+            kv_events: "tcp://{ip}:{port+1}".into(),
+            kv_replay: Some("tcp://{ip}:{port-2443}".into()),
+            ..DiscoveryConfig::default()
+        };
+        let r = d.replica("10.1.2.3:8000".parse().unwrap());
+        assert_eq!(
+            (r.kv_events.as_str(), r.kv_replay.as_deref()),
+            ("tcp://10.1.2.3:8001", Some("tcp://10.1.2.3:5557"))
+        );
+        assert_eq!(fill_ports("{port}/{port+x}/{port-9000}/{port", 8000), "8000/{port+x}/{port-9000}/{port");
+    }
 }

@@ -25,15 +25,18 @@
 //! kv_events_topic = ""              # topic prefix filter
 //! ```
 //!
-//! | file | section | used by |
+//! Each section is owned by the module it configures, beside its code; this file keeps the
+//! file as a whole — loading, `KVGATE_*` overrides, and the checks that span sections — and
+//! sits above every module whose section it reads.
+//!
+//! | section | type | owner |
 //! |---|---|---|
-//! | `mod.rs` | the file as a whole: loading, `KVGATE_*` overrides, cross-section validation | `main.rs`, `discovery` (file reload) |
-//! | `pool.rs` | `[[pools]]` and `[[pools.replicas]]`: policy, replicas, event endpoints | `pool`, `events`, `discovery` |
-//! | `disagg.rs` | `[pools.disaggregation]`: roles, transfer protocol, prefill policy | `pool` (`disagg.rs`) |
-//! | `admission.rs` | `[pools.admission]`: limits, classes, the queue | `admission` |
-//! | `discovery.rs` | `[pools.discovery]`: static, DNS or the local Envoy | `discovery` |
-//! | `sync.rs` | `[sync]`: peers, the sync and handover ports | `sync` |
-//! | `tests.rs` | parsing, defaults, overrides and validation | — |
+//! | top level | [`Config`] | here |
+//! | `[scoring]` | `ScoringConfig` | `crate::score` |
+//! | `[[pools]]`, `[[pools.replicas]]`, `[pools.disaggregation]` | `PoolConfig`, `ReplicaConfig`, `DisaggregationConfig` | `crate::pool` (`config.rs`) |
+//! | `[pools.admission]` | `AdmissionConfig` | `crate::admission` (`config.rs`) |
+//! | `[pools.discovery]` | `DiscoveryConfig` | `crate::discovery` (`config.rs`) |
+//! | `[sync]` | `SyncConfig` | `crate::sync` (`config.rs`) |
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -42,21 +45,16 @@ use std::path::Path;
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
-use crate::score::ScoringConfig;
+use serde::de::Error as _;
+use serde::Deserializer;
 
-mod admission;
-mod disagg;
-mod discovery;
-mod pool;
-mod sync;
+use crate::discovery::{DiscoveryConfig, DiscoveryKind};
+use crate::pool::{Policy, PoolConfig, ReplicaConfig, Role, TransferProtocol};
+use crate::score::ScoringConfig;
+use crate::sync::SyncConfig;
+
 #[cfg(test)]
 mod tests;
-
-pub use admission::{AdmissionConfig, ClassConfig};
-pub use disagg::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
-pub use discovery::{DiscoveryConfig, DiscoveryKind};
-pub use pool::{EventsMode, Policy, PoolConfig, ReplicaConfig};
-pub use sync::SyncConfig;
 
 /// The whole sidecar configuration.
 #[derive(Debug, Clone, Deserialize)]
@@ -93,10 +91,35 @@ pub struct Config {
     #[serde(default)]
     pub allow_request_overrides: bool,
     /// One pool per model.
-    pub pools: Vec<PoolConfig>,
+    pub pools: Vec<PoolSection>,
     /// Share bookings with the sidecars of the other gateway pods (off when absent).
     #[serde(default)]
     pub sync: Option<SyncConfig>,
+}
+
+/// One `[[pools]]` table: the pool's own settings and, from its `[pools.discovery]`
+/// sub-table, where its replicas come from — two sections owned by two modules (the pool, and
+/// the discovery that feeds it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolSection {
+    /// The pool's settings.
+    pub pool: PoolConfig,
+    /// Where its replicas come from (default: the listed `replicas`, reloaded with the file).
+    pub discovery: DiscoveryConfig,
+}
+
+impl<'de> Deserialize<'de> for PoolSection {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let mut table = toml::Table::deserialize(deserializer)?;
+        let discovery = match table.remove("discovery") {
+            Some(value) => {
+                DiscoveryConfig::deserialize(value).map_err(|e| D::Error::custom(format!("discovery: {e}")))?
+            }
+            None => DiscoveryConfig::default(),
+        };
+        let pool = PoolConfig::deserialize(toml::Value::Table(table)).map_err(D::Error::custom)?;
+        Ok(PoolSection { pool, discovery })
+    }
 }
 
 fn default_listen() -> SocketAddr {
@@ -133,7 +156,7 @@ impl Config {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let mut config: Config = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         let base = path.parent().unwrap_or(Path::new("."));
-        for pool in &mut config.pools {
+        for PoolSection { pool, .. } in &mut config.pools {
             if pool.tokenizer.is_relative() {
                 pool.tokenizer = base.join(&pool.tokenizer);
             }
@@ -194,7 +217,7 @@ impl Config {
                 self.listen
             );
         }
-        for pool in &self.pools {
+        for PoolSection { pool, .. } in &self.pools {
             pool.check_tokenizer_mode()?;
             pool.admission.validate(&pool.model, pool.engine_metrics_secs)?;
         }
@@ -233,7 +256,7 @@ impl Config {
             }
         }
         let mut models = HashSet::new();
-        for pool in &self.pools {
+        for PoolSection { pool, discovery: d } in &self.pools {
             for name in std::iter::once(&pool.model).chain(&pool.adapters) {
                 if name.is_empty() || !models.insert(name.as_str()) {
                     bail!("model or adapter name {name:?} is empty or configured twice");
@@ -245,7 +268,6 @@ impl Config {
             if !(pool.prefill_tokens_per_sec.is_finite() && pool.prefill_tokens_per_sec >= 1.0) {
                 bail!("pool {:?}: prefill_tokens_per_sec must be at least 1", pool.model);
             }
-            let d = &pool.discovery;
             match d.kind {
                 DiscoveryKind::Static if pool.replicas.is_empty() => bail!("pool {:?}: no replicas", pool.model),
                 DiscoveryKind::Static => {}
@@ -278,7 +300,7 @@ impl Config {
             if d.interval_secs == 0 {
                 bail!("pool {:?}: discovery.interval_secs must be positive", pool.model);
             }
-            pool.check_roles()?;
+            check_roles(pool, d)?;
             let mut ids = HashSet::new();
             let mut endpoints = HashSet::new();
             for r in &pool.replicas {
@@ -295,6 +317,48 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Roles only with disaggregation; with it, workers for both legs (listed, or a discovered
+/// `prefill_name`) and, in `sglang` mode, prefill servers' bootstrap port.
+fn check_roles(pool: &PoolConfig, discovery: &DiscoveryConfig) -> anyhow::Result<()> {
+    let Some(d) = &pool.disaggregation else {
+        if let Some(r) = pool.replicas.iter().find(|r| r.role != Role::Both) {
+            bail!("pool {:?}: replica {:?} has a role but the pool has no disaggregation", pool.model, r.id);
+        }
+        if discovery.prefill_name.is_some() {
+            bail!("pool {:?}: discovery.prefill_name but the pool has no disaggregation", pool.model);
+        }
+        return Ok(());
+    };
+    let discovered = discovery.kind != DiscoveryKind::Static;
+    if discovered && discovery.prefill_name.is_none() {
+        bail!("pool {:?}: a discovered disaggregated pool needs discovery.prefill_name", pool.model);
+    }
+    if discovered && d.mode == TransferProtocol::Sglang && discovery.bootstrap_port.is_none() {
+        bail!("pool {:?}: discovery.bootstrap_port is needed in sglang mode", pool.model);
+    }
+    if pool.policy == Policy::PrefixAffinity {
+        bail!(
+            "pool {:?}: disaggregation chooses prefill workers by their KV events; prefix_affinity reads none",
+            pool.model
+        );
+    }
+    let prefills = |r: &&ReplicaConfig| match d.mode {
+        TransferProtocol::Vllm => r.role.prefills(),
+        // An SGLang server in neither disaggregation mode ignores a bootstrap room.
+        TransferProtocol::Sglang => r.role == Role::Prefill,
+    };
+    let both = pool.replicas.iter().any(|r| prefills(&r)) && pool.replicas.iter().any(|r| r.role.decodes());
+    if !discovered && !both {
+        bail!("pool {:?}: disaggregation needs replicas for prefill and for decode", pool.model);
+    }
+    if d.mode == TransferProtocol::Sglang {
+        if let Some(r) = pool.replicas.iter().find(|r| r.role == Role::Prefill && r.bootstrap_port.is_none()) {
+            bail!("pool {:?}: prefill replica {:?} has no bootstrap_port (sglang mode)", pool.model, r.id);
+        }
+    }
+    Ok(())
 }
 
 /// Event endpoints must be ZMQ tcp:// or ipc:// addresses, and offsettable per rank for
@@ -316,9 +380,4 @@ fn check_endpoints(r: &ReplicaConfig) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-/// The serde default of counts that are 1 unless set.
-fn one() -> u32 {
-    1
 }

@@ -42,9 +42,12 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use crate::config::{AdmissionConfig, ClassConfig};
 use crate::load::flows::Flow;
 use crate::load::ReplicaLoad;
+
+mod config;
+
+pub use config::{AdmissionConfig, ClassConfig};
 
 /// The most tenants whose turn is remembered per pool.
 pub const MAX_TENANTS: usize = 4096;

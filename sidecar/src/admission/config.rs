@@ -107,7 +107,7 @@ impl Default for AdmissionConfig {
 }
 
 impl AdmissionConfig {
-    pub(super) fn validate(&self, model: &str, engine_metrics_secs: u64) -> anyhow::Result<()> {
+    pub(crate) fn validate(&self, model: &str, engine_metrics_secs: u64) -> anyhow::Result<()> {
         if !self.enabled {
             return Ok(());
         }
