@@ -22,9 +22,8 @@ use dynamo_kv_router::services::selection::{
 use dynamo_kv_router::KvRouterConfig;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::wire::RouteRequest;
-use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::metrics::Metrics;
-use kvgate_sidecar::pool::Pool;
+use kvgate_sidecar::pool::{Pool, PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
 use tokio_util::sync::CancellationToken;
 
