@@ -1,5 +1,5 @@
 //! Prefill/decode disaggregation: the bodies of a disaggregated request's two legs (pure,
-//! natively testable). [`crate::http`] sends them.
+//! natively testable). [`crate::request`] sends them.
 //!
 //! - **vLLM** (NixlConnector's request protocol; vLLM's reference is its
 //!   `toy_proxy_server.py`): the prefill leg is the request with one output token, not

@@ -106,7 +106,7 @@ pub trait SidecarCalls: MetricSink {
     fn call_body(&self, size: usize) -> Option<Vec<u8>>;
 }
 
-/// What the per-request state machine ([`crate::http::RequestContext`]) needs from its host:
+/// What the per-request state machine ([`crate::request::Request`]) needs from its host:
 /// Envoy, through proxy-wasm, in production ([`Envoy`]); a fake in native unit tests. Every
 /// call returns what the host said instead of panicking.
 pub trait Host: SidecarCalls {

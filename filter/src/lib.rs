@@ -15,7 +15,8 @@
 //! | [`redelivery`] | lifecycle batches to send again, with backoff (pure) |
 //! | [`root`] | tokenizer loading, lifecycle batching (one per VM) |
 //! | [`shared`] | what the root and the HTTP contexts of one VM share |
-//! | [`http`] | the per-request state machine |
+//! | [`request`] | the per-request state machine, a phase enum run natively against a [`host::Host`] |
+//! | [`http`] | the proxy-wasm adapter: Envoy's HTTP context callbacks passed on to [`request::Request`] |
 //! | [`host`] | the host behind traits (`Host` per request, `RootHost` per VM); hostcalls that return errors instead of panicking |
 //! | [`metrics`] | the filter's counters and histograms in Envoy's stats |
 //! | [`usage`] | asking the engine for `usage` on a streaming client's behalf, and taking it back out (pure) |
@@ -29,6 +30,7 @@ pub mod logger;
 pub mod metrics;
 pub mod plan;
 pub mod redelivery;
+pub mod request;
 pub mod root;
 pub mod shared;
 pub mod usage;

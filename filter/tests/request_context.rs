@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use kvgate_filter::config::FilterConfig;
 use kvgate_filter::host::{Host, HostStatus, MetricSink, SidecarCalls};
-use kvgate_filter::http::RequestContext;
 use kvgate_filter::plan::LoadedModel;
+use kvgate_filter::request::{Action, Request};
 use kvgate_filter::shared::Shared;
 use kvgate_shared::codec;
 use kvgate_shared::hash::Salt;
@@ -20,8 +20,6 @@ use kvgate_shared::wire::{
     LifecycleEvent, LifecycleKind, ModelBundle, PrefillLeg, PromptCount, RouteBodyRequest, RouteRequest, RouteResponse,
     Transfer, DESTINATION_HEADER,
 };
-use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::Action;
 
 const BLOCK: u32 = 16;
 const QUEUE: u32 = 7;
@@ -154,7 +152,7 @@ fn shared(config: FilterConfig) -> Rc<RefCell<Shared>> {
 }
 
 /// A context on a fake host with a POST of `body` and the client's headers.
-fn request(body: &str, headers: &[(&str, &str)], config: FilterConfig) -> (RequestContext<Fake>, Fake) {
+fn request(body: &str, headers: &[(&str, &str)], config: FilterConfig) -> (Request<Fake>, Fake) {
     let fake = Fake::default();
     {
         let mut s = fake.0.borrow_mut();
@@ -166,7 +164,7 @@ fn request(body: &str, headers: &[(&str, &str)], config: FilterConfig) -> (Reque
         );
         s.request_body = body.as_bytes().to_vec();
     }
-    (RequestContext::with_host(fake.clone(), shared(config), 42), fake)
+    (Request::new(fake.clone(), shared(config), 42), fake)
 }
 
 fn chat(content: &str) -> String {
@@ -174,10 +172,10 @@ fn chat(content: &str) -> String {
 }
 
 /// Runs the request path up to the sidecar's answer (if any is set).
-fn send(ctx: &mut RequestContext<Fake>, fake: &Fake) -> Action {
-    assert_eq!(ctx.on_http_request_headers(4, false), Action::Pause, "a routable request is paused for its body");
+fn send(ctx: &mut Request<Fake>, fake: &Fake) -> Action {
+    assert_eq!(ctx.on_request_headers(false), Action::Pause, "a routable request is paused for its body");
     let size = fake.0.borrow().request_body.len();
-    ctx.on_http_request_body(size, true)
+    ctx.on_request_body(size, true)
 }
 
 fn answer(fake: &Fake, status: &str, response: &RouteResponse) -> usize {
@@ -198,11 +196,11 @@ fn routed_to(endpoint: &str) -> RouteResponse {
 }
 
 /// Runs the response: headers, one body chunk, the end.
-fn respond(ctx: &mut RequestContext<Fake>, fake: &Fake, upstream: &str, chunk: &str) {
+fn respond(ctx: &mut Request<Fake>, fake: &Fake, upstream: &str, chunk: &str) {
     fake.0.borrow_mut().upstream = Some(upstream.into());
     fake.0.borrow_mut().response_chunk = chunk.as_bytes().to_vec();
-    ctx.on_http_response_headers(3, false);
-    ctx.on_http_response_body(chunk.len(), true);
+    ctx.on_response_headers();
+    ctx.on_response_body(chunk.len(), true);
     ctx.on_log();
 }
 
@@ -226,7 +224,7 @@ fn a_routed_request_is_booked_under_its_own_key_and_reports_its_life() {
     assert_eq!(sent.client_request_id.as_deref(), Some("client-id"));
     assert_eq!((sent.model.as_str(), sent.prompt_count), ("Qwen/Qwen3-0.6B", PromptCount::Exact));
     let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
-    ctx.on_http_call_response(1, 2, size, 0);
+    ctx.on_call_response(1, 2, size);
     let s = fake.0.borrow();
     assert_eq!(s.request_headers.get(DESTINATION_HEADER).map(String::as_str), Some("127.0.0.1:8001"));
     assert_eq!(s.resumed, 1);
@@ -248,15 +246,15 @@ fn a_routed_request_is_booked_under_its_own_key_and_reports_its_life() {
 #[test]
 fn a_body_ended_by_trailers_is_routed() {
     let (mut ctx, fake) = request(&chat("hello there, routed after its trailers"), &[], FilterConfig::default());
-    assert_eq!(ctx.on_http_request_headers(4, false), Action::Pause);
+    assert_eq!(ctx.on_request_headers(false), Action::Pause);
     let size = fake.0.borrow().request_body.len();
-    assert_eq!(ctx.on_http_request_body(size, false), Action::Pause, "no end of stream: trailers follow");
+    assert_eq!(ctx.on_request_body(size, false), Action::Pause, "no end of stream: trailers follow");
     assert!(fake.0.borrow().calls.is_empty());
-    assert_eq!(ctx.on_http_request_trailers(1), Action::Pause, "the trailers end the body: ask the sidecar");
+    assert_eq!(ctx.on_request_trailers(), Action::Pause, "the trailers end the body: ask the sidecar");
     let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
     assert_eq!(sent.model, "Qwen/Qwen3-0.6B", "the whole buffered body was read");
     let answer_size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
-    ctx.on_http_call_response(1, 2, answer_size, 0);
+    ctx.on_call_response(1, 2, answer_size);
     let s = fake.0.borrow();
     assert_eq!(s.request_headers.get(DESTINATION_HEADER).map(String::as_str), Some("127.0.0.1:8001"));
     assert_eq!((s.resumed, s.calls.len()), (1, 1));
@@ -291,7 +289,7 @@ fn a_shed_request_is_answered_429_and_goes_no_further() {
     assert_eq!(sent.wait_ms, 500, "the sidecar is told how long the filter waits");
     fake.0.borrow_mut().answer = Some(("429".into(), b"saturated".to_vec()));
     fake.0.borrow_mut().answer_headers.insert("retry-after".into(), "3".into());
-    ctx.on_http_call_response(1, 2, 9, 0);
+    ctx.on_call_response(1, 2, 9);
     let s = fake.0.borrow();
     let (code, headers, body) = s.local_reply.clone().expect("answered here");
     assert_eq!((code, headers.get("retry-after").map(String::as_str)), (429, Some("3")));
@@ -309,7 +307,7 @@ fn a_request_that_ran_elsewhere_is_reported_where_it_ran() {
     let (mut ctx, fake) = request(&chat("hi"), &[], FilterConfig::default());
     send(&mut ctx, &fake);
     let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
-    ctx.on_http_call_response(1, 2, size, 0);
+    ctx.on_call_response(1, 2, size);
     respond(&mut ctx, &fake, "127.0.0.1:8002", "data: [DONE]\n\n");
     assert_eq!(kinds(&fake)[0], LifecycleKind::RanOn("127.0.0.1:8002".into()));
     assert_eq!(kinds(&fake).last(), Some(&LifecycleKind::Done));
@@ -325,7 +323,7 @@ fn every_sidecar_failure_fails_open_and_still_releases() {
         let size = body.as_ref().map_or(0, Vec::len);
         fake.0.borrow_mut().answer = body.map(|b| (status.to_owned(), b));
         // No headers at all: the call timed out.
-        ctx.on_http_call_response(1, headers, size, 0);
+        ctx.on_call_response(1, headers, size);
         let s = fake.0.borrow();
         assert!(!s.request_headers.contains_key(DESTINATION_HEADER), "{status}: Envoy's balancer routes");
         assert_eq!(s.resumed, 1, "{status}: the request goes on");
@@ -342,7 +340,7 @@ fn every_sidecar_failure_fails_open_and_still_releases() {
     send(&mut ctx, &fake);
     let nowhere = RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None, prefill: None };
     let size = answer(&fake, "200", &nowhere);
-    ctx.on_http_call_response(1, 2, size, 0);
+    ctx.on_call_response(1, 2, size);
     assert!(!fake.0.borrow().request_headers.contains_key(DESTINATION_HEADER));
 }
 
@@ -366,7 +364,7 @@ fn unroutable_requests_pass_through_untouched() {
     }
     // Other methods and paths are not even buffered.
     let (mut ctx, fake) = request(&chat("hi"), &[(":method", "GET")], FilterConfig::default());
-    assert_eq!(ctx.on_http_request_headers(3, false), Action::Continue);
+    assert_eq!(ctx.on_request_headers(false), Action::Continue);
     assert!(fake.0.borrow().calls.is_empty());
 }
 
@@ -383,7 +381,7 @@ fn a_big_body_is_offloaded_with_the_filters_deadline() {
         (750, Endpoint::ChatCompletions, fake.0.borrow().request_body.len())
     );
     let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
-    ctx.on_http_call_response(1, 2, size, 0);
+    ctx.on_call_response(1, 2, size);
     assert!(fake.0.borrow().request_headers.contains_key(DESTINATION_HEADER));
 }
 
@@ -404,14 +402,14 @@ fn usage_is_asked_for_on_a_streaming_clients_behalf_and_taken_back_out() {
     let length = fake.0.borrow().request_headers["content-length"].clone();
     assert_eq!(length, upstream.len().to_string());
     let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
-    ctx.on_http_call_response(1, 2, size, 0);
+    ctx.on_call_response(1, 2, size);
 
     fake.0.borrow_mut().upstream = Some("127.0.0.1:8001".into());
     fake.0.borrow_mut().response_headers.extend(
         [(":status", "200"), ("content-type", "text/event-stream; charset=utf-8"), ("content-length", "999")]
             .map(|(k, v)| (k.to_owned(), v.to_owned())),
     );
-    ctx.on_http_response_headers(3, false);
+    ctx.on_response_headers();
     assert!(!fake.0.borrow().response_headers.contains_key("content-length"), "the stream it shortens");
     let token = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
     let usage =
@@ -419,7 +417,7 @@ fn usage_is_asked_for_on_a_streaming_clients_behalf_and_taken_back_out() {
     let mut received = Vec::new();
     for (chunk, end) in [(token, false), (&usage[..30], false), (&usage[30..], false), ("data: [DONE]\n\n", true)] {
         fake.0.borrow_mut().response_chunk = chunk.as_bytes().to_vec();
-        ctx.on_http_response_body(chunk.len(), end);
+        ctx.on_response_body(chunk.len(), end);
         received.extend(fake.0.borrow().response_chunk.clone());
     }
     ctx.on_log();
@@ -455,8 +453,8 @@ fn a_client_that_asked_for_usage_or_did_not_stream_is_left_as_it_is() {
         .response_headers
         .extend([(":status", "400"), ("content-type", "application/json")].map(|(k, v)| (k.to_owned(), v.to_owned())));
     fake.0.borrow_mut().response_chunk = error.as_bytes()[..20].to_vec();
-    ctx.on_http_response_headers(3, false);
-    ctx.on_http_response_body(20, false);
+    ctx.on_response_headers();
+    ctx.on_response_body(20, false);
     assert_eq!(fake.0.borrow().response_chunk, error.as_bytes()[..20], "not held: not a stream");
     let off = FilterConfig { request_usage: false, ..FilterConfig::default() };
     let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
@@ -507,7 +505,7 @@ fn a_responses_request_is_routed_and_its_usage_read() {
     );
     assert_eq!(fake.0.borrow().request_body, body.clone().into_bytes(), "nothing asked for");
     let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
-    ctx.on_http_call_response(1, 2, size, 0);
+    ctx.on_call_response(1, 2, size);
     let completed = "event: response.completed\ndata: {\"response\":{\"usage\":{\"input_tokens\":21,\"input_tokens_details\":{\"cached_tokens\":16}}},\"type\":\"response.completed\"}\n\n";
     respond(&mut ctx, &fake, "127.0.0.1:8001", completed);
     assert!(kinds(&fake).contains(&LifecycleKind::Usage { prompt_tokens: 21, cached_tokens: Some(16) }));
@@ -547,7 +545,7 @@ fn a_vllm_prefill_leg_runs_first_and_its_transfer_parameters_go_to_the_decode_wo
     let (mut ctx, fake) = request(&body.to_string(), &headers, pd_config());
     send(&mut ctx, &fake);
     let size = answer(&fake, "200", &disaggregated(Transfer::Vllm));
-    ctx.on_http_call_response(1, 2, size, 0);
+    ctx.on_call_response(1, 2, size);
     let (cluster, leg_headers, leg_body) = fake.0.borrow().legs[0].clone();
     assert_eq!(fake.0.borrow().resumed, 0, "the request waits for its prefill leg");
     assert_eq!(cluster, "engines");
@@ -568,7 +566,7 @@ fn a_vllm_prefill_leg_runs_first_and_its_transfer_parameters_go_to_the_decode_wo
     let reply = r#"{"choices":[{"text":"x"}],"usage":{"prompt_tokens":20,"prompt_tokens_details":{"cached_tokens":16}},
         "kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e1","remote_block_ids":[1,2],"remote_host":"127.0.0.1","remote_port":8001}}"#;
     fake.0.borrow_mut().answer = Some(("200".into(), reply.as_bytes().to_vec()));
-    ctx.on_http_call_response(101, 3, reply.len(), 0);
+    ctx.on_call_response(101, 3, reply.len());
     let s = fake.0.borrow();
     assert_eq!(s.resumed, 1, "then it goes on");
     assert_eq!(s.request_headers[DESTINATION_HEADER], "127.0.0.1:8003", "to the decode worker");
@@ -594,10 +592,10 @@ fn a_failed_or_late_prefill_leg_leaves_the_request_whole_on_its_decode_worker() 
         let (mut ctx, fake) = request(&chat("a long question"), &[], pd_config());
         send(&mut ctx, &fake);
         let size = answer(&fake, "200", &disaggregated(Transfer::Vllm));
-        ctx.on_http_call_response(1, 2, size, 0);
+        ctx.on_call_response(1, 2, size);
         let reply = br#"{"choices":[]}"#;
         fake.0.borrow_mut().answer = Some((status.into(), reply.to_vec()));
-        ctx.on_http_call_response(101, headers, reply.len(), 0);
+        ctx.on_call_response(101, headers, reply.len());
         assert_eq!(fake.0.borrow().resumed, 1, "{outcome}: the request goes on");
         assert_eq!(fake.0.borrow().request_headers[DESTINATION_HEADER], "127.0.0.1:8003");
         assert!(body_json(&fake).get("kv_transfer_params").is_none(), "{outcome}: served whole");
@@ -617,7 +615,7 @@ fn without_a_prefill_cluster_the_request_is_served_whole_at_once() {
     let (mut ctx, fake) = request(&chat("a long question"), &[], FilterConfig::default());
     send(&mut ctx, &fake);
     let size = answer(&fake, "200", &disaggregated(Transfer::Vllm));
-    ctx.on_http_call_response(1, 2, size, 0);
+    ctx.on_call_response(1, 2, size);
     assert_eq!((fake.0.borrow().resumed, fake.0.borrow().legs.len()), (1, 0));
     assert_eq!(events_of(&fake, "000000000000feed-42/prefill"), [LifecycleKind::Done], "the leg's booking is released");
 }
@@ -630,7 +628,7 @@ fn sglang_legs_run_beside_the_request_with_one_bootstrap_room() {
     send(&mut ctx, &fake);
     let transfer = Transfer::Sglang { host: "127.0.0.1".into(), port: 8998, room: 77 };
     let size = answer(&fake, "200", &disaggregated(transfer));
-    ctx.on_http_call_response(1, 2, size, 0);
+    ctx.on_call_response(1, 2, size);
     assert_eq!(fake.0.borrow().resumed, 1, "the decode request goes at once");
     let sent = body_json(&fake);
     assert_eq!(
@@ -643,7 +641,7 @@ fn sglang_legs_run_beside_the_request_with_one_bootstrap_room() {
     assert_eq!((&leg["bootstrap_room"], &leg["stream"]), (&serde_json::json!(77), &serde_json::json!(false)));
     assert!(events_of(&fake, "000000000000feed-42/prefill").is_empty(), "the leg is still running");
     fake.0.borrow_mut().answer = Some(("200".into(), b"{}".to_vec()));
-    ctx.on_http_call_response(101, 2, 2, 0);
+    ctx.on_call_response(101, 2, 2);
     assert_eq!(fake.0.borrow().resumed, 1, "nothing more to resume");
     assert_eq!(events_of(&fake, "000000000000feed-42/prefill"), [LifecycleKind::Done]);
 }
@@ -658,7 +656,7 @@ fn in_a_disaggregated_deployment_a_clients_transfer_fields_never_reach_an_engine
     let sent = body_json(&fake);
     assert!(sent.get("kv_transfer_params").is_none() && sent.get("bootstrap_host").is_none(), "{sent}");
     // Whatever happens next: here the sidecar is down and Envoy balances the request.
-    ctx.on_http_call_response(1, 0, 0, 0);
+    ctx.on_call_response(1, 0, 0);
     assert_eq!(fake.0.borrow().resumed, 1);
     assert!(body_json(&fake).get("kv_transfer_params").is_none());
     // Without a prefill cluster (an aggregated deployment) the body is the client's.

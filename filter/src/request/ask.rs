@@ -1,0 +1,182 @@
+//! Buffering → Asking: the whole body is buffered; plan the route ([`crate::plan`]) and ask
+//! the sidecar. A body above `offload_bytes` is not tokenized here: it goes whole to the
+//! sidecar's `/v1/route_body`, so a big prompt never stalls the worker thread. With
+//! `forward_tokens`, a completions string prompt is replaced by its token ids; with
+//! `forward_chat_tokens`, a chat carries them in `kv_transfer_params.prompt_token_ids`.
+
+use std::time::{Duration, Instant};
+
+use kvgate_shared::codec;
+use kvgate_shared::prompt::openai::{envelope, Endpoint, Envelope};
+
+use crate::disagg;
+use crate::host::Host;
+use crate::metrics::Outcome;
+use crate::plan::{offload, plan, with_token_prompt, Skip};
+use crate::shared::Shared;
+use crate::usage::{with_usage_requested, UsageStripper};
+
+use super::phase::Exchange;
+
+impl Exchange {
+    /// Asks the sidecar about `body` (the whole body, as the client sent it), with the
+    /// models and model list in `shared`. Sets [`Exchange::booked`] if a call is in flight.
+    pub(super) fn ask(&mut self, host: &impl Host, shared: &Shared, mut body: Vec<u8>) {
+        // In a disaggregated deployment only kvgate says where an engine pulls KV from.
+        if self.config().prefill_cluster.is_some() {
+            if let Some(clean) = disagg::without_transfer_fields(&body) {
+                if self.body.replace(host, &clean) {
+                    body = clean;
+                }
+            }
+        }
+        // One pass over the body, whatever its size: its model (all an offload reads) and
+        // how it streams.
+        let envelope = envelope(&body);
+        self.booked = self.ask_sidecar(host, shared, &body, envelope.as_ref());
+        let ask_usage = self.route.endpoint != Endpoint::Responses && self.config().request_usage;
+        if let (Some(envelope), Some(_), true) = (&envelope, &self.booked, ask_usage) {
+            self.request_usage(host, &body, envelope);
+        }
+    }
+
+    /// Asks the sidecar; returns the model asked about if a call is in flight.
+    fn ask_sidecar(
+        &mut self,
+        host: &impl Host,
+        shared: &Shared,
+        body: &[u8],
+        envelope: Option<&Envelope<'_>>,
+    ) -> Option<String> {
+        if body.len() > self.config().offload_bytes {
+            return self.offload_to_sidecar(host, shared, body, envelope);
+        }
+        let endpoint = self.route.endpoint;
+        let stats = || {
+            shared
+                .models
+                .values()
+                .filter_map(|m| m.tokenizer.segment_stats())
+                .fold((0, 0), |(h, m), s| (h + s.hits, m + s.misses))
+        };
+        let (started, before) = (Instant::now(), stats());
+        let planned = plan(
+            endpoint,
+            body,
+            &self.route.keys,
+            &shared.models,
+            shared.listed.as_ref(),
+            self.config().max_tokenize_bytes,
+        );
+        self.decision.plan_micros = started.elapsed().as_micros();
+        let after = stats();
+        self.decision.segment_hits = after.0 - before.0;
+        if let (Ok(p), Some(m)) = (&planned, self.metrics()) {
+            m.planned(host, self.decision.plan_micros as u64, p.truncated, after.0 - before.0, after.1 - before.1);
+        }
+        let planned = match planned {
+            Ok(p) => p,
+            Err(Skip::Unroutable(why)) => return self.pass_through(host, &why),
+        };
+        if planned.tokenized {
+            self.decision.prompt_tokens = Some(planned.request.prompt_tokens);
+        }
+        if let Some(why) = &planned.untokenizable {
+            let client_id = self.route.keys.client_request_id.as_deref().unwrap_or("-");
+            log::debug!("kvgate: routing request {client_id} on an estimate: {why}");
+            if let Some(m) = self.metrics() {
+                m.untokenizable(host);
+            }
+        }
+        self.decision.truncated = planned.truncated;
+        self.decision.prompt_digest = planned.digest;
+        self.progress.block_size = planned.request.block_size;
+        let forwarding = match endpoint {
+            Endpoint::Completions => self.config().forward_tokens,
+            Endpoint::ChatCompletions => self.config().forward_chat_tokens,
+            Endpoint::Responses => false,
+        };
+        if let Some(ids) = planned.forwardable.as_deref().filter(|_| forwarding) {
+            self.forward_tokens(host, body, ids);
+        }
+        let timeout = self.config().route_timeout_ms + self.config().admission_wait_ms;
+        self.dispatch(host, "/v1/route", &planned.request, timeout).then_some(planned.request.model)
+    }
+
+    /// Asks the engine for usage on a streamed request whose client did not, so its
+    /// prediction can be checked: the body's opening brace gets `stream_options` in front of
+    /// the other members, and the response's usage event will be taken out again.
+    fn request_usage(&mut self, host: &impl Host, body: &[u8], envelope: &Envelope<'_>) {
+        let Some((mut replaced, start)) = with_usage_requested(body, envelope) else { return };
+        if self.decision.forwarded {
+            // serde_json wrote the forwarded body: its `{` is its first byte.
+            replaced = 1;
+        }
+        if let Err(status) = self.body.splice(host, replaced, &start) {
+            log::warn!("kvgate: cannot ask for usage: {status:?}");
+            return;
+        }
+        self.stripper = Some(UsageStripper::default());
+    }
+
+    /// Token forwarding: the body carries its prompt as token ids ([`with_token_prompt`]). The
+    /// body stays valid whatever the sidecar answers, so a failure here just leaves the text.
+    fn forward_tokens(&mut self, host: &impl Host, body: &[u8], ids: &[u32]) {
+        let Some(forwarded) = with_token_prompt(self.route.endpoint, body, ids) else { return };
+        if !self.body.replace(host, &forwarded) {
+            return;
+        }
+        self.decision.forwarded = true;
+        if let Some(m) = self.metrics() {
+            m.forwarded(host);
+        }
+    }
+
+    /// Hands a big body to the sidecar (`/v1/route_body`) instead of tokenizing it here.
+    fn offload_to_sidecar(
+        &mut self,
+        host: &impl Host,
+        shared: &Shared,
+        body: &[u8],
+        envelope: Option<&Envelope<'_>>,
+    ) -> Option<String> {
+        let timeout = self.config().offload_timeout_ms;
+        let request = offload(self.route.endpoint, body, envelope, &self.route.keys, shared.listed.as_ref(), timeout);
+        let (model, request) = match request {
+            Ok(r) => r,
+            Err(Skip::Unroutable(why)) => return self.pass_through(host, &why),
+        };
+        if let Some(m) = self.metrics() {
+            m.offloaded(host);
+        }
+        self.decision.offloaded = true;
+        let timeout = timeout + self.config().admission_wait_ms;
+        self.dispatch(host, "/v1/route_body", &request, timeout).then_some(model)
+    }
+
+    /// Leaves a request kvgate does not route to Envoy's own load balancer.
+    fn pass_through(&self, host: &impl Host, why: &str) -> Option<String> {
+        let client_id = self.route.keys.client_request_id.as_deref().unwrap_or("-");
+        log::debug!("kvgate: not routing request {client_id}: {why}");
+        self.count(host, Outcome::Passthrough);
+        None
+    }
+
+    /// Calls the sidecar with an encoded `message`; true if the call is in flight.
+    fn dispatch<T: serde::Serialize>(&self, host: &impl Host, path: &str, message: &T, timeout_ms: u64) -> bool {
+        let Ok(encoded) = codec::encode(message) else {
+            self.count(host, Outcome::FallbackError);
+            return false;
+        };
+        let config = self.config();
+        let (cluster, authority) = (&config.sidecar_cluster, &config.sidecar_authority);
+        match host.dispatch(cluster, path, authority, &encoded, Duration::from_millis(timeout_ms)) {
+            Ok(_) => true,
+            Err(status) => {
+                log::warn!("kvgate: sidecar call failed to dispatch: {status:?}");
+                self.count(host, Outcome::FallbackError);
+                false
+            }
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! The response, whatever phase the request is in when it comes: where the request really
+//! ran, the debug headers, the first body byte (prefill done), decode progress, the engine's
+//! `usage` (kept from the response's end; taken out of a stream whose client did not ask for
+//! it, [`crate::usage`]), and the end of the exchange. Reports go to the root context's
+//! lifecycle queue.
+
+use kvgate_shared::wire::LifecycleKind;
+
+use crate::host::Host;
+use crate::metrics::LegOutcome;
+use crate::plan::{engine_usage, streamed_tokens, USAGE_TAIL_BYTES};
+
+use super::leg::Leg;
+use super::phase::{Decision, Exchange, Route};
+
+/// What the response has shown so far.
+#[derive(Debug, Default)]
+pub(super) struct Progress {
+    /// The pool's block size (0: unknown, no decode progress).
+    pub(super) block_size: u32,
+    first_byte_reported: bool,
+    /// Output tokens streamed so far.
+    output_tokens: u32,
+    /// The response's last bytes, where the engine's `usage` is.
+    tail: Vec<u8>,
+}
+
+impl Progress {
+    /// Keeps the last [`USAGE_TAIL_BYTES`] of the response: from `chunk` when it was read
+    /// whole already, else reading only that much of it.
+    fn keep_tail(&mut self, host: &impl Host, chunk_size: usize, chunk: Option<&[u8]>) {
+        let take = chunk_size.min(USAGE_TAIL_BYTES);
+        let read;
+        let end = match chunk {
+            Some(chunk) => &chunk[chunk.len().saturating_sub(take)..],
+            None => {
+                let Some(end) = host.response_body(chunk_size - take, take) else { return };
+                read = end;
+                &read
+            }
+        };
+        self.tail.extend_from_slice(end);
+        let excess = self.tail.len().saturating_sub(USAGE_TAIL_BYTES);
+        self.tail.drain(..excess);
+    }
+
+    /// Counts a chunk's streamed tokens; the new total when it crosses a KV block boundary
+    /// (reported once per block of output).
+    fn count(&mut self, chunk: Option<&[u8]>) -> Option<u32> {
+        let before = self.output_tokens;
+        self.output_tokens += chunk.map_or(0, streamed_tokens);
+        (self.output_tokens / self.block_size > before / self.block_size).then_some(self.output_tokens)
+    }
+}
+
+impl Exchange {
+    /// The response headers came.
+    pub(super) fn on_response_headers(&mut self, host: &impl Host) {
+        self.check_upstream(host);
+        if let (Some(m), Some(_)) = (self.metrics(), &self.booked) {
+            // The request's own work (its body, its plan) is done: what it needed is in there.
+            m.vm_memory(host);
+        }
+        if self.stripper.is_some() {
+            self.keep_stripping_if_streamed(host);
+        }
+        debug_headers(host, &self.route, &self.decision, self.leg.as_ref());
+    }
+
+    /// A response body chunk of `body_size` bytes came.
+    pub(super) fn on_response_body(&mut self, host: &impl Host, body_size: usize, end_of_stream: bool) {
+        if self.booked.is_none() && self.stripper.is_none() {
+            return;
+        }
+        // Decode progress and usage stripping read the whole chunk; the usage tail then comes
+        // from it.
+        let progress = self.progress.block_size > 0 && self.config().decode_progress;
+        let whole = progress || self.stripper.is_some();
+        let chunk = if whole && body_size > 0 { host.response_body(0, body_size) } else { None };
+        if self.stripper.is_some() {
+            self.strip_usage(host, body_size, chunk.as_deref(), end_of_stream);
+        }
+        if self.booked.is_none() || body_size == 0 {
+            return;
+        }
+        if !self.progress.first_byte_reported {
+            self.progress.first_byte_reported = true;
+            self.report(host, LifecycleKind::FirstToken);
+        }
+        self.progress.keep_tail(host, body_size, chunk.as_deref());
+        if progress {
+            if let Some(tokens) = self.progress.count(chunk.as_deref()) {
+                self.report(host, LifecycleKind::Progress(tokens));
+            }
+        }
+    }
+
+    /// The exchange is over: the engine's usage and the end are reported, and a leg still
+    /// running (its call is cancelled with the exchange) is released.
+    pub(super) fn on_log(&self, host: &impl Host) {
+        if let Some(leg) = self.leg.as_ref().filter(|l| l.running()) {
+            self.report_for(host, &leg.booking_id, LifecycleKind::Done);
+        }
+        if let Some((prompt_tokens, cached_tokens)) = engine_usage(&self.progress.tail) {
+            self.report(host, LifecycleKind::Usage { prompt_tokens, cached_tokens });
+        }
+        self.report(host, LifecycleKind::Done);
+    }
+
+    /// Reports where a booked request really ran when that is not where the sidecar sent it
+    /// (or the sidecar's answer did not arrive, and Envoy's balancer chose): the sidecar moves
+    /// its booking there.
+    fn check_upstream(&mut self, host: &impl Host) {
+        if self.booked.is_none() {
+            return;
+        }
+        let Some(upstream) = host.upstream_address() else { return };
+        if self.decision.endpoint.as_deref() != Some(upstream.as_str()) {
+            self.report(host, LifecycleKind::RanOn(upstream.clone()));
+            self.decision.ran_on = Some(upstream);
+        }
+    }
+
+    /// The usage event is taken out of a successful event stream only: an error body is
+    /// passed on untouched. A stream that is stripped loses its `content-length`, if it had
+    /// one, since what the client receives is shorter.
+    fn keep_stripping_if_streamed(&mut self, host: &impl Host) {
+        let ok = host.response_header(":status").is_some_and(|s| s.starts_with('2'));
+        let sse = host
+            .response_header("content-type")
+            .is_some_and(|ct| ct.trim_start().to_ascii_lowercase().starts_with("text/event-stream"));
+        if !(ok && sse) {
+            self.stripper = None;
+            return;
+        }
+        if let Err(status) = host.remove_response_header("content-length") {
+            log::warn!("kvgate: cannot drop content-length from a stream it shortens: {status:?}");
+            self.stripper = None;
+        }
+    }
+
+    /// Takes the usage event out of this response chunk ([`crate::usage::UsageStripper`]).
+    /// If the host cannot read or write the chunk, stripping stops and what was held back is
+    /// sent on.
+    fn strip_usage(&mut self, host: &impl Host, body_size: usize, chunk: Option<&[u8]>, end_of_stream: bool) {
+        let Some(stripper) = &mut self.stripper else { return };
+        let sent = match (chunk, body_size) {
+            (Some(chunk), _) => stripper.filter(chunk, end_of_stream),
+            (None, 0) => stripper.filter(&[], end_of_stream),
+            (None, _) => {
+                log::warn!("kvgate: cannot read a response chunk; the stream is passed on as it is");
+                let held = stripper.filter(&[], true).unwrap_or_default();
+                self.stripper = None;
+                if let Err(status) = host.replace_response_body(0, &held) {
+                    log::warn!("kvgate: {} bytes of a stream lost: {status:?}", held.len());
+                }
+                return;
+            }
+        };
+        if let Some(sent) = sent {
+            if let Err(status) = host.replace_response_body(body_size, &sent) {
+                log::warn!("kvgate: cannot take the usage event out of a stream; left as it is: {status:?}");
+                self.stripper = None;
+            }
+        }
+    }
+}
+
+/// Describes the decision in `x-kvgate-*` response headers, when `debug_headers` is on.
+pub(super) fn debug_headers(host: &impl Host, route: &Route, d: &Decision, leg: Option<&Leg>) {
+    if !route.settings.config.debug_headers {
+        return;
+    }
+    let headers = [
+        ("x-kvgate-routed-to", d.replica.clone().unwrap_or_else(|| "fallback".into())),
+        ("x-kvgate-booking-id", route.keys.request_id.clone()),
+        ("x-kvgate-ran-on", d.ran_on.clone().unwrap_or_default()),
+        ("x-kvgate-prompt-tokens", d.prompt_tokens.map(|n| n.to_string()).unwrap_or_default()),
+        ("x-kvgate-prompt-digest", d.prompt_digest.map(|n| format!("{n:016x}")).unwrap_or_default()),
+        ("x-kvgate-overlap-blocks", d.overlap_blocks.to_string()),
+        ("x-kvgate-decision-us", d.micros.to_string()),
+        ("x-kvgate-tokenize-us", d.plan_micros.to_string()),
+        ("x-kvgate-segment-hits", d.segment_hits.to_string()),
+        ("x-kvgate-truncated", d.truncated.to_string()),
+        ("x-kvgate-offloaded", d.offloaded.to_string()),
+        ("x-kvgate-forwarded-tokens", d.forwarded.to_string()),
+        ("x-kvgate-prefill-on", leg.map(|l| l.replica.clone()).unwrap_or_default()),
+        ("x-kvgate-prefill-leg", leg.and_then(Leg::outcome).map(LegOutcome::label).unwrap_or_default().into()),
+    ];
+    for (name, value) in headers {
+        if let Err(status) = host.set_response_header(name, &value) {
+            log::debug!("kvgate: cannot set {name}: {status:?}");
+        }
+    }
+}
