@@ -664,3 +664,30 @@ fn in_a_disaggregated_deployment_a_clients_transfer_fields_never_reach_an_engine
     send(&mut ctx, &fake);
     assert!(body_json(&fake).get("kv_transfer_params").is_some());
 }
+
+/// Envoy may answer a paused request itself (a body over its buffer limit, a stream
+/// timeout): the response passes, the debug headers say no route was applied, and whatever
+/// the sidecar may have booked is released.
+#[test]
+fn a_request_envoy_answers_while_it_is_paused_still_releases_its_booking() {
+    let debug = || FilterConfig { debug_headers: true, ..FilterConfig::default() };
+    // While its body is buffering: nothing was asked, nothing is reported.
+    let (mut ctx, fake) = request(&chat("hi"), &[], debug());
+    assert_eq!(ctx.on_request_headers(false), Action::Pause);
+    fake.0.borrow_mut().response_chunk = b"payload too large".to_vec();
+    assert_eq!(ctx.on_response_headers(), Action::Continue);
+    assert_eq!(ctx.on_response_body(17, true), Action::Continue);
+    ctx.on_log();
+    assert_eq!(fake.0.borrow().response_headers["x-kvgate-routed-to"], "fallback");
+    assert!(fake.0.borrow().calls.is_empty() && kinds(&fake).is_empty());
+    // While the sidecar is asked: its booking is released.
+    let (mut ctx, fake) = request(&chat("hi"), &[], debug());
+    assert_eq!(send(&mut ctx, &fake), Action::Pause);
+    fake.0.borrow_mut().response_chunk = b"upstream request timeout".to_vec();
+    ctx.on_response_headers();
+    ctx.on_response_body(24, true);
+    ctx.on_log();
+    assert_eq!(fake.0.borrow().response_headers["x-kvgate-routed-to"], "fallback");
+    assert_eq!(kinds(&fake).last(), Some(&LifecycleKind::Done));
+    assert_eq!(fake.0.borrow().resumed, 0, "Envoy answered it: nothing to resume");
+}
