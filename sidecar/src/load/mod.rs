@@ -149,7 +149,7 @@ const RATE_MIN_TOKENS: u64 = 64;
 #[derive(Debug)]
 pub struct LoadTable {
     replicas: Vec<Replica>,
-    bookings: HashMap<String, Booking>,
+    bookings: HashMap<BookingId, Booking>,
     /// Prompt blocks of all bookings (for the mean an external request is charged).
     blocks_booked: u64,
     /// Prefill tokens all bookings were booked with (for the mean a waiting external
@@ -159,11 +159,44 @@ pub struct LoadTable {
     /// overtake a slow decision): booking them later must not leak load.
     ended_early: EndedEarly,
     /// Estimated prefill ends of non-streamed bookings, soonest first.
-    prefill_ends: BinaryHeap<Reverse<(Instant, String)>>,
+    prefill_ends: BinaryHeap<Reverse<(Instant, BookingId)>>,
     /// The prefill rate assumed for a replica that has not served a streamed request yet.
     default_prefill_rate: f64,
     /// Bookings in flight per tenant and class.
     flows: Flows,
+}
+
+/// The key of a booking: a request's id as the filter reports it (Envoy's `x-request-id`, or
+/// its prefill leg's, [`BookingId::leg`]), or a peer gateway's booking ([`BookingId::peer`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BookingId(String);
+
+impl BookingId {
+    /// A request's booking, under the id the filter reports its lifecycle with.
+    pub fn new(id: impl Into<String>) -> BookingId {
+        BookingId(id.into())
+    }
+
+    /// The booking of a request's prefill leg on its prefill worker: `<id>/prefill`.
+    pub fn leg(id: &str) -> BookingId {
+        BookingId(format!("{id}/prefill"))
+    }
+
+    /// A peer gateway's booking, as the sync mesh names it here: `<origin>/<id>`.
+    pub fn peer(origin: &str, id: &str) -> BookingId {
+        BookingId(format!("{origin}/{id}"))
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for BookingId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 /// How many early ends are remembered.
@@ -174,14 +207,14 @@ const ENDED_EARLY: usize = 4096;
 #[derive(Debug, Default)]
 struct EndedEarly {
     /// Id → when it was remembered (a running count).
-    ids: HashMap<String, u64>,
+    ids: HashMap<BookingId, u64>,
     /// (when, id), oldest first; entries of ids taken since are skipped when they age out.
-    order: VecDeque<(u64, String)>,
+    order: VecDeque<(u64, BookingId)>,
     next: u64,
 }
 
 impl EndedEarly {
-    fn insert(&mut self, id: &str) {
+    fn insert(&mut self, id: &BookingId) {
         if self.ids.contains_key(id) {
             return;
         }
@@ -192,13 +225,13 @@ impl EndedEarly {
             }
         }
         self.next += 1;
-        self.ids.insert(id.to_owned(), self.next);
-        self.order.push_back((self.next, id.to_owned()));
+        self.ids.insert(id.clone(), self.next);
+        self.order.push_back((self.next, id.clone()));
     }
 
     /// Whether `id` ended early; forgets it (its late booking is the one it was waiting for).
     /// Its place in `order` ages out later: removing it now would be O(n).
-    fn take(&mut self, id: &str) -> bool {
+    fn take(&mut self, id: &BookingId) -> bool {
         self.ids.remove(id).is_some()
     }
 
@@ -210,8 +243,8 @@ impl EndedEarly {
 /// A request to book on a replica.
 #[derive(Debug, Clone)]
 pub struct NewBooking<'a> {
-    /// The request id (Envoy's `x-request-id`).
-    pub request_id: &'a str,
+    /// Its key.
+    pub id: &'a BookingId,
     /// Prefill tokens left after the replica's cache overlap.
     pub prefill_tokens: u64,
     /// The prompt's sequence hashes.
@@ -236,7 +269,7 @@ pub struct NewBooking<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BookingExport {
     /// Its id in this table.
-    pub id: String,
+    pub id: BookingId,
     /// Its replica.
     pub replica: ReplicaIdx,
     /// Prefill tokens still to compute (0 once its prefill is over).
@@ -275,7 +308,7 @@ impl LoadTable {
     }
 
     /// Ends the estimated prefills due by `now`. Returns the ids ended (for the sync mesh).
-    pub fn end_prefills(&mut self, now: Instant) -> Vec<String> {
+    pub fn end_prefills(&mut self, now: Instant) -> Vec<BookingId> {
         let mut ended = Vec::new();
         while let Some(Reverse((at, _))) = self.prefill_ends.peek() {
             if *at > now {
@@ -303,7 +336,7 @@ impl LoadTable {
     pub fn clear_replica(&mut self, replica: ReplicaIdx) -> usize {
         let r = &mut self.replicas[replica.get()];
         (r.external, r.external_waiting) = (0, 0);
-        let gone: Vec<String> =
+        let gone: Vec<BookingId> =
             self.bookings.iter().filter(|(_, b)| b.replica == replica).map(|(id, _)| id.clone()).collect();
         for id in &gone {
             self.release(id);
@@ -316,8 +349,8 @@ impl LoadTable {
     /// its unique footprint — prompt blocks no other active request shares, its partial tail
     /// and its output blocks — counts with weight `max(0, 1 − output_tokens / max_tokens)`
     /// (1 without `max_tokens`), rounded as Dynamo rounds. Returns false for an unknown id.
-    pub fn progress(&mut self, request_id: &str, output_tokens: u64, block_size: u64) -> bool {
-        let Some(b) = self.bookings.get_mut(request_id) else { return false };
+    pub fn progress(&mut self, id: &BookingId, output_tokens: u64, block_size: u64) -> bool {
+        let Some(b) = self.bookings.get_mut(id) else { return false };
         let r = &mut self.replicas[b.replica.get()];
         let output_blocks = output_tokens.div_ceil(block_size.max(1));
         r.output_blocks += output_blocks.saturating_sub(b.output_blocks);
@@ -381,10 +414,10 @@ impl LoadTable {
     /// Books a request on a replica. Booking an id again first releases the old booking.
     /// Returns false (and books nothing) if the request already ended.
     pub fn book(&mut self, replica: ReplicaIdx, booking: NewBooking<'_>, now: Instant) -> bool {
-        if self.ended_early.take(booking.request_id) {
+        if self.ended_early.take(booking.id) {
             return false;
         }
-        self.release(booking.request_id);
+        self.release(booking.id);
         let r = &mut self.replicas[replica.get()];
         r.prefill_tokens += booking.prefill_tokens;
         r.prefilling += booking.sequences.max(1);
@@ -401,10 +434,10 @@ impl LoadTable {
             now + Duration::from_secs_f64(secs.min(3_600.0))
         });
         if let Some(at) = prefill_ends_at {
-            self.prefill_ends.push(Reverse((at, booking.request_id.to_owned())));
+            self.prefill_ends.push(Reverse((at, booking.id.to_owned())));
         }
         self.bookings.insert(
-            booking.request_id.to_owned(),
+            booking.id.to_owned(),
             Booking {
                 replica,
                 prefill_tokens: booking.prefill_tokens,
@@ -441,8 +474,8 @@ impl LoadTable {
 
     /// The replica a request is booked on and what was predicted for it there, taken: a
     /// prediction is checked once.
-    pub fn take_prediction(&mut self, request_id: &str) -> Option<(ReplicaIdx, Prediction)> {
-        self.bookings.get_mut(request_id).and_then(|b| Some((b.replica, b.prediction.take()?)))
+    pub fn take_prediction(&mut self, id: &BookingId) -> Option<(ReplicaIdx, Prediction)> {
+        self.bookings.get_mut(id).and_then(|b| Some((b.replica, b.prediction.take()?)))
     }
 
     /// Its bookkeeping: bookings held, and ends remembered that came before their booking.
@@ -451,14 +484,14 @@ impl LoadTable {
     }
 
     /// The replica a request is booked on, if it is.
-    pub fn replica_of(&self, request_id: &str) -> Option<ReplicaIdx> {
-        self.bookings.get(request_id).map(|b| b.replica)
+    pub fn replica_of(&self, id: &BookingId) -> Option<ReplicaIdx> {
+        self.bookings.get(id).map(|b| b.replica)
     }
 
     /// The request produced its first token, at `now`. A streamed request's time from booking
     /// to first token teaches its replica's prefill rate. Returns false if the id is unknown.
-    pub fn prefill_done(&mut self, request_id: &str, now: Instant) -> bool {
-        let Some(b) = self.bookings.get_mut(request_id) else { return false };
+    pub fn prefill_done(&mut self, id: &BookingId, now: Instant) -> bool {
+        let Some(b) = self.bookings.get_mut(id) else { return false };
         if !b.prefill_done {
             b.prefill_done = true;
             let r = &mut self.replicas[b.replica.get()];
@@ -475,11 +508,11 @@ impl LoadTable {
 
     /// The request ended: release everything it holds. Returns false if the id is unknown
     /// (it is then remembered, in case its booking is still on its way).
-    pub fn finish(&mut self, request_id: &str) -> bool {
-        if self.release(request_id) {
+    pub fn finish(&mut self, id: &BookingId) -> bool {
+        if self.release(id) {
             return true;
         }
-        self.ended_early.insert(request_id);
+        self.ended_early.insert(id);
         false
     }
 
@@ -489,11 +522,11 @@ impl LoadTable {
     /// the first replica and is dropped. Returns the replica it left, the prompt's hashes and
     /// whether an unchecked prediction was dropped, or `None` if it is not booked or already
     /// there.
-    pub fn move_booking(&mut self, request_id: &str, to: ReplicaIdx) -> Option<(ReplicaIdx, Vec<SequenceHash>, bool)> {
-        let mut b = self.bookings.remove(request_id)?;
+    pub fn move_booking(&mut self, id: &BookingId, to: ReplicaIdx) -> Option<(ReplicaIdx, Vec<SequenceHash>, bool)> {
+        let mut b = self.bookings.remove(id)?;
         let from = b.replica;
         if from == to {
-            self.bookings.insert(request_id.to_owned(), b);
+            self.bookings.insert(id.clone(), b);
             return None;
         }
         self.detach(&b);
@@ -512,13 +545,13 @@ impl LoadTable {
             *r.shared_blocks.entry(*h).or_default() += 1;
         }
         let hashes = b.hashes.clone();
-        self.bookings.insert(request_id.to_owned(), b);
+        self.bookings.insert(id.clone(), b);
         Some((from, hashes, dropped))
     }
 
     /// A booking's replica, its prompt's hashes and all its prompt blocks.
-    pub fn booked_prompt(&self, request_id: &str) -> Option<(ReplicaIdx, Vec<SequenceHash>, u64)> {
-        let b = self.bookings.get(request_id)?;
+    pub fn booked_prompt(&self, id: &BookingId) -> Option<(ReplicaIdx, Vec<SequenceHash>, u64)> {
+        let b = self.bookings.get(id)?;
         Some((b.replica, b.hashes.clone(), b.hashes.len() as u64 + b.private_blocks))
     }
 
@@ -526,8 +559,8 @@ impl LoadTable {
     /// computing it where it is booked after all: `prefill_tokens` are added, unless its
     /// prefill is already over, and its prediction, made for a transfer, is dropped. Returns
     /// whether an unchecked prediction was dropped, or `None` if it is not booked.
-    pub fn served_whole(&mut self, request_id: &str, prefill_tokens: u64) -> Option<bool> {
-        let b = self.bookings.get_mut(request_id)?;
+    pub fn served_whole(&mut self, id: &BookingId, prefill_tokens: u64) -> Option<bool> {
+        let b = self.bookings.get_mut(id)?;
         let dropped = b.prediction.take().is_some();
         if !b.prefill_done {
             b.prefill_tokens += prefill_tokens;
@@ -537,8 +570,8 @@ impl LoadTable {
         Some(dropped)
     }
 
-    fn release(&mut self, request_id: &str) -> bool {
-        let Some(b) = self.bookings.remove(request_id) else { return false };
+    fn release(&mut self, id: &BookingId) -> bool {
+        let Some(b) = self.bookings.remove(id) else { return false };
         self.blocks_booked -= b.hashes.len() as u64 + b.private_blocks;
         self.prefill_booked -= b.prefill_tokens;
         self.detach(&b);
@@ -589,7 +622,7 @@ impl LoadTable {
     /// Releases bookings older than `max_age` (their end was never reported). Returns how
     /// many, and the replicas of those whose prediction was never checked.
     pub fn expire(&mut self, now: Instant, max_age: Duration) -> (usize, Vec<ReplicaIdx>) {
-        let stale: Vec<String> = self
+        let stale: Vec<BookingId> = self
             .bookings
             .iter()
             .filter(|(_, b)| now.saturating_duration_since(b.booked_at) > max_age)

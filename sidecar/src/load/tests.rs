@@ -2,14 +2,18 @@
 
 use super::*;
 
+fn id(key: &str) -> BookingId {
+    BookingId::new(key)
+}
+
 fn h(hashes: impl IntoIterator<Item = u64>) -> Vec<SequenceHash> {
     hashes.into_iter().map(SequenceHash).collect()
 }
 
 /// A booking of `hashes` (they live as long as the test).
-fn booking<'a>(id: &'a str, prefill: u64, hashes: &[u64], total: u64) -> NewBooking<'a> {
+fn booking(key: &str, prefill: u64, hashes: &[u64], total: u64) -> NewBooking<'static> {
     NewBooking {
-        request_id: id,
+        id: Box::leak(Box::new(id(key))),
         prefill_tokens: prefill,
         hashes: h(hashes.iter().copied()).leak(),
         total_blocks: total,
@@ -32,22 +36,22 @@ fn a_non_streamed_prefill_ends_at_its_estimate_learned_from_streamed_ones() {
     assert!(t.book(ReplicaIdx::new(0), quiet("q1", 500), t0));
     assert_eq!(t.load(ReplicaIdx::new(0)).prefill_tokens, 500);
     assert!(t.end_prefills(t0 + Duration::from_millis(499)).is_empty());
-    assert_eq!(t.end_prefills(t0 + Duration::from_millis(500)), ["q1"]);
+    assert_eq!(t.end_prefills(t0 + Duration::from_millis(500)), [id("q1")]);
     assert_eq!(t.load(ReplicaIdx::new(0)).prefill_tokens, 0, "prefill over, the request still decodes");
     assert_eq!(t.load(ReplicaIdx::new(0)).requests, 1);
-    assert!(t.prefill_done("q1", t0 + Duration::from_secs(9)), "its first byte, at the end: no double release");
+    assert!(t.prefill_done(&id("q1"), t0 + Duration::from_secs(9)), "its first byte, at the end: no double release");
     assert_eq!(t.prefill_rate(ReplicaIdx::new(0)), 1_000.0, "a non-streamed first byte teaches nothing");
     // A streamed request: 2 000 prefill tokens, first token 100 ms later → 20 000 tokens/s.
     assert!(t.book(ReplicaIdx::new(0), booking("s", 2_000, &prompt, 4), t0));
-    assert!(t.prefill_done("s", t0 + Duration::from_millis(100)));
+    assert!(t.prefill_done(&id("s"), t0 + Duration::from_millis(100)));
     assert!((t.prefill_rate(ReplicaIdx::new(0)) - 20_000.0).abs() < 1.0);
     assert_eq!(t.prefill_rate(ReplicaIdx::new(1)), 1_000.0, "per replica");
     assert!(t.book(ReplicaIdx::new(0), quiet("q2", 4_000), t0));
     assert!(t.end_prefills(t0 + Duration::from_millis(199)).is_empty());
-    assert_eq!(t.end_prefills(t0 + Duration::from_millis(200)), ["q2"]);
+    assert_eq!(t.end_prefills(t0 + Duration::from_millis(200)), [id("q2")]);
     // Released or re-booked before its estimate: nothing is ended twice.
     assert!(t.book(ReplicaIdx::new(1), quiet("q3", 100), t0));
-    assert!(t.finish("q3"));
+    assert!(t.finish(&id("q3")));
     assert!(t.end_prefills(t0 + Duration::from_secs(60)).is_empty());
     assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
 }
@@ -59,14 +63,14 @@ fn a_booking_moves_with_its_request() {
     let prompt: Vec<u64> = (0..8).collect();
     let hashes = h(prompt.iter().copied());
     assert!(t.book(ReplicaIdx::new(0), booking("r", 100, &prompt, 10), now));
-    assert!(t.prefill_done("r", Instant::now()));
+    assert!(t.prefill_done(&id("r"), Instant::now()));
     let before = t.load(ReplicaIdx::new(0));
-    assert_eq!(t.move_booking("r", ReplicaIdx::new(1)), Some((ReplicaIdx::new(0), hashes.clone(), false)));
+    assert_eq!(t.move_booking(&id("r"), ReplicaIdx::new(1)), Some((ReplicaIdx::new(0), hashes.clone(), false)));
     assert_eq!(t.load(ReplicaIdx::new(0)), ReplicaLoad::default(), "nothing stays on the replica it left");
     assert_eq!(t.load(ReplicaIdx::new(1)), before, "it carries its load as it stands (prefill done)");
-    assert_eq!(t.move_booking("r", ReplicaIdx::new(1)), None, "already there");
-    assert_eq!(t.move_booking("unknown", ReplicaIdx::new(0)), None);
-    assert!(t.finish("r"));
+    assert_eq!(t.move_booking(&id("r"), ReplicaIdx::new(1)), None, "already there");
+    assert_eq!(t.move_booking(&id("unknown"), ReplicaIdx::new(0)), None);
+    assert!(t.finish(&id("r")));
     assert_eq!(
         (t.load(ReplicaIdx::new(0)), t.load(ReplicaIdx::new(1))),
         (ReplicaLoad::default(), ReplicaLoad::default())
@@ -84,18 +88,18 @@ fn decode_progress_grows_output_and_decays_the_unique_footprint() {
     // Another request shares the first 28 blocks: those are never discounted.
     assert!(t.book(ReplicaIdx::new(0), booking("other", 0, &prompt[..28], 28), now));
     assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 128);
-    assert!(t.progress("long", 16, 16));
+    assert!(t.progress(&id("long"), 16, 16));
     // 1 output block; unique = 100 prompt + 1 output; weight 0.75: round(75.75) = 76 kept.
     assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 28 + 76);
-    assert!(t.progress("long", 32, 16));
+    assert!(t.progress(&id("long"), 32, 16));
     assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 28 + 51, "weight 0.5 of 102: round(51) kept");
-    assert!(t.progress("long", 64, 16));
+    assert!(t.progress(&id("long"), 64, 16));
     assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 28, "at max_tokens its own footprint weighs nothing");
-    assert!(t.finish("long"));
+    assert!(t.finish(&id("long")));
     assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 28, "finishing releases exactly what was counted");
-    assert!(!t.progress("long", 80, 16), "unknown once finished");
+    assert!(!t.progress(&id("long"), 80, 16), "unknown once finished");
     // Without max_tokens the footprint only grows.
-    assert!(t.progress("other", 40, 16));
+    assert!(t.progress(&id("other"), 40, 16));
     assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 28 + 3);
 }
 
@@ -115,14 +119,14 @@ fn every_way_a_booking_ends_ends_its_flow() {
     book(&mut t, "old", 0, 5);
     assert_eq!(t.flows_in_flight(), 5, "booking an id again counts it once");
     assert!(!t.under_share(Flow { class: 0, tenant: 1 }), "one each of five: at its share");
-    t.finish("done");
-    t.move_booking("moved", ReplicaIdx::new(1));
+    t.finish(&id("done"));
+    t.move_booking(&id("moved"), ReplicaIdx::new(1));
     assert_eq!(t.flows_in_flight(), 4, "a moved booking keeps its flow");
     t.clear_replica(ReplicaIdx::new(1));
     assert_eq!(t.flows_in_flight(), 1, "gone with their replica: moved, rebooked, cleared");
     assert_eq!(t.expire(now + Duration::from_secs(10), Duration::from_secs(1)).0, 1);
     assert_eq!(t.flows_in_flight(), 0);
-    assert!(!t.finish("late") && !book(&mut t, "late", 0, 6), "an early end books nothing");
+    assert!(!t.finish(&id("late")) && !book(&mut t, "late", 0, 6), "an early end books nothing");
     assert_eq!(t.flows_in_flight(), 0);
 }
 
@@ -141,7 +145,7 @@ fn engine_reported_requests_beyond_bookings_are_external_load() {
     t.observe(ReplicaIdx::new(1), EngineReport { requests: 0, ..Default::default() });
     let idle = ReplicaLoad { engine: Some(EngineReport::default()), ..ReplicaLoad::default() };
     assert_eq!(t.load(ReplicaIdx::new(1)), idle, "what the engine said is kept beside the load");
-    assert!(t.finish("a") && t.finish("b"));
+    assert!(t.finish(&id("a")) && t.finish(&id("b")));
     t.observe(ReplicaIdx::new(1), EngineReport { requests: 2, ..Default::default() });
     assert_eq!(t.load(ReplicaIdx::new(1)).active_blocks, 2, "1 block each when nothing is booked");
 }
@@ -161,10 +165,10 @@ fn external_requests_the_engine_reports_waiting_are_charged_a_prefill() {
     t.observe(ReplicaIdx::new(0), EngineReport { requests: 3, waiting: 2, ..Default::default() });
     assert_eq!((t.load(ReplicaIdx::new(0)).prefill_tokens, t.load(ReplicaIdx::new(0)).external), (400, 1));
     // Once their prefill is over, a request waiting there is an outsider's.
-    assert!(t.prefill_done("a", now) && t.prefill_done("b", now));
+    assert!(t.prefill_done(&id("a"), now) && t.prefill_done(&id("b"), now));
     t.observe(ReplicaIdx::new(0), EngineReport { requests: 3, waiting: 1, ..Default::default() });
     assert_eq!(t.load(ReplicaIdx::new(0)).prefill_tokens, 200);
-    assert!(t.finish("a") && t.finish("b"));
+    assert!(t.finish(&id("a")) && t.finish(&id("b")));
     t.observe(ReplicaIdx::new(1), EngineReport { requests: 4, waiting: 3, ..Default::default() });
     assert_eq!(t.load(ReplicaIdx::new(1)).prefill_tokens, 0, "nothing booked: no mean to charge");
     // A booking of three sequences is three requests waiting at the engine, all kvgate's.
@@ -185,7 +189,7 @@ fn a_replica_that_leaves_takes_its_bookings_with_it() {
     assert_eq!(t.clear_replica(ReplicaIdx::new(1)), 2);
     assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
     assert_eq!(t.load(ReplicaIdx::new(0)).requests, 1, "other replicas keep theirs");
-    assert!(!t.prefill_done("b", Instant::now()), "a late report for a dropped booking is unknown");
+    assert!(!t.prefill_done(&id("b"), Instant::now()), "a late report for a dropped booking is unknown");
 }
 
 #[test]
@@ -197,12 +201,12 @@ fn lifecycle_releases_load() {
         t.load(ReplicaIdx::new(1)),
         ReplicaLoad { prefill_tokens: 100, active_blocks: 3, requests: 1, external: 0, engine: None }
     );
-    assert!(t.prefill_done("a", Instant::now()));
+    assert!(t.prefill_done(&id("a"), Instant::now()));
     assert_eq!(t.load(ReplicaIdx::new(1)).prefill_tokens, 0);
-    assert!(t.finish("a"));
+    assert!(t.finish(&id("a")));
     assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
-    assert!(!t.finish("a"), "a second end is ignored");
-    assert!(!t.prefill_done("unknown", Instant::now()));
+    assert!(!t.finish(&id("a")), "a second end is ignored");
+    assert!(!t.prefill_done(&id("unknown"), Instant::now()));
 }
 
 #[test]
@@ -213,14 +217,14 @@ fn shared_prefixes_count_once() {
     assert_eq!(t.additional_blocks(ReplicaIdx::new(0), &h([1, 2, 3]), 4), 2);
     t.book(ReplicaIdx::new(0), booking("b", 10, &[1, 2, 3], 4), now);
     assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 4, "blocks 1,2 shared, 3 and b's tail new");
-    t.finish("a");
+    t.finish(&id("a"));
     assert_eq!(t.load(ReplicaIdx::new(0)).active_blocks, 4);
 }
 
 #[test]
 fn an_end_that_overtakes_its_booking_leaks_nothing() {
     let mut t = LoadTable::new(1, 8_000.0);
-    assert!(!t.finish("late"));
+    assert!(!t.finish(&id("late")));
     assert!(!t.book(ReplicaIdx::new(0), booking("late", 100, &[1], 1), Instant::now()));
     assert_eq!(t.load(ReplicaIdx::new(0)), ReplicaLoad::default());
     assert!(t.book(ReplicaIdx::new(0), booking("late", 100, &[1], 1), Instant::now()), "only once");

@@ -5,7 +5,7 @@
 //! ([`by_role`]); then [`split`] decides, from the decode worker's cache and the prefill
 //! workers' books, whether the prompt is computed there (served whole) or on a prefill
 //! worker, which one, and why. The prefill leg is booked as a request of its own
-//! ([`leg_booking_id`]): its prefill on the prefill worker, released when the filter reports
+//! ([`BookingId::leg`]): its prefill on the prefill worker, released when the filter reports
 //! the leg's end; the decode worker is booked with the decode only.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,7 +15,7 @@ use kvgate_shared::wire::{PrefillLeg, RouteRequest, Transfer};
 use super::candidates::{self, Eligible, Scored};
 use super::Member;
 use super::{DisaggregationConfig, PrefillPolicy, Role, TransferProtocol};
-use crate::load::LoadTable;
+use crate::load::{BookingId, LoadTable};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 
 /// Where a request's prompt is computed.
@@ -165,11 +165,6 @@ fn score_prefill(load: &LoadTable, eligible: &[Eligible], prompt: Prompt, scorin
     candidates::scored(eligible, inputs, request, scoring)
 }
 
-/// The id a request's prefill leg is booked under.
-pub fn leg_booking_id(request_id: &str) -> String {
-    format!("{request_id}/prefill")
-}
-
 /// The leg the filter runs: where, and with what the engines' protocol needs.
 pub(super) fn leg(
     req: &RouteRequest,
@@ -191,7 +186,7 @@ pub(super) fn leg(
         replica: member.replica.id.clone(),
         dp_rank: member.rank,
         overlap_blocks,
-        booking_id: leg_booking_id(&req.request_id),
+        booking_id: BookingId::leg(&req.request_id).to_string(),
         transfer,
     }
 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::Pool;
 use crate::index::{Change, ReplicaIdx, ReplicaSnapshot, Write};
-use crate::load::NewBooking;
+use crate::load::{BookingId, NewBooking};
 use crate::msg::handover::{BookingHandover, PoolHandover, ReplicaHandover};
 use crate::msg::ingest::{Outcome, Progress};
 
@@ -91,9 +91,9 @@ impl Pool {
             .export(Instant::now())
             .into_iter()
             .map(|b| {
-                let (origin, request_id) = match b.id.split_once('/').filter(|_| b.from_peer) {
+                let (origin, request_id) = match b.id.as_str().split_once('/').filter(|_| b.from_peer) {
                     Some((origin, id)) => (origin.to_owned(), id.to_owned()),
-                    None => (own_id.to_owned(), b.id),
+                    None => (own_id.to_owned(), b.id.to_string()),
                 };
                 BookingHandover {
                     origin,
@@ -177,9 +177,13 @@ impl Pool {
                 continue;
             };
             let from_peer = b.origin != own_id;
-            let id = if from_peer { format!("{}/{}", b.origin, b.request_id) } else { b.request_id.clone() };
+            let id = if from_peer {
+                BookingId::peer(&b.origin, &b.request_id)
+            } else {
+                BookingId::new(b.request_id.as_str())
+            };
             let booking = NewBooking {
-                request_id: &id,
+                id: &id,
                 prefill_tokens: b.prefill_tokens,
                 hashes: &b.hashes,
                 total_blocks: b.total_blocks,

@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 use super::Pool;
 use crate::accuracy::{AlarmChange, Check, EngineUsage, Unchecked};
 use crate::index::ReplicaIdx;
-use crate::load::EngineReport;
-use crate::load::{NewBooking, ReplicaLoad};
+use crate::load::{BookingId, EngineReport, NewBooking, ReplicaLoad};
 use crate::metrics::{PoolLabels, ReasonLabels};
 use crate::msg::sync::{Outbox, SyncEvent};
 
@@ -20,7 +19,8 @@ impl Pool {
     /// tokens has its prompt count checked, is shown as such, and raises no alarm. Returns
     /// false if the request is not booked here (or nothing was predicted for it).
     pub fn engine_usage(&self, request_id: &str, prompt_tokens: u64, cached_tokens: Option<u64>) -> bool {
-        let Some((slot, predicted)) = self.load_table().take_prediction(request_id) else { return false };
+        let id = BookingId::new(request_id);
+        let Some((slot, predicted)) = self.load_table().take_prediction(&id) else { return false };
         let labels = self.labels(slot);
         if predicted.prompt_tokens.is_some_and(|p| p != prompt_tokens) {
             self.metrics.prompt_token_mismatches.get_or_create(&labels).inc();
@@ -80,7 +80,7 @@ impl Pool {
         let Some(to) = to.map(ReplicaIdx::new) else { return false };
         let moved = {
             let mut load = self.load_table();
-            let moved = load.move_booking(request_id, to);
+            let moved = load.move_booking(&BookingId::new(request_id), to);
             moved.map(|(from, hashes, predicted)| (from, hashes, load.load(from), load.load(to), predicted))
         };
         let Some((from, hashes, left, arrived, predicted)) = moved else { return false };
@@ -102,13 +102,14 @@ impl Pool {
     /// cached. Returns false if it is not booked here.
     pub fn served_whole(&self, request_id: &str) -> bool {
         // Lock order: index, then load; the booking is read first without holding either.
-        let Some((slot, hashes, blocks)) = self.load_table().booked_prompt(request_id) else { return false };
+        let id = BookingId::new(request_id);
+        let Some((slot, hashes, blocks)) = self.load_table().booked_prompt(&id) else { return false };
         let cached = self.index.read().find_matches(&hashes).get(slot.get()).map_or(0, |o| u64::from(o.device));
         let block_size = u64::from(self.config.block_size);
         let prefill = blocks.saturating_sub(cached) * block_size;
         let figures = {
             let mut load = self.load_table();
-            load.served_whole(request_id, prefill).map(|predicted| (load.load(slot), predicted))
+            load.served_whole(&id, prefill).map(|predicted| (load.load(slot), predicted))
         };
         let Some((figures, predicted)) = figures else { return false };
         if predicted {
@@ -156,10 +157,10 @@ impl Pool {
         let touched = match event {
             SyncEvent::Booked { request_id, prefill_tokens, hashes, total_blocks, sequences, .. } => {
                 let Some(slot) = target_slot else { return };
-                let id = format!("{origin}/{request_id}");
+                let id = BookingId::peer(origin, request_id);
                 // Decode progress is not shared between gateways (as in Dynamo's replica sync).
                 let booking = NewBooking {
-                    request_id: &id,
+                    id: &id,
                     prefill_tokens: *prefill_tokens,
                     hashes,
                     total_blocks: *total_blocks,
@@ -176,13 +177,13 @@ impl Pool {
                 Some(slot)
             }
             SyncEvent::FirstToken { request_id, .. } => {
-                let id = format!("{origin}/{request_id}");
+                let id = BookingId::peer(origin, request_id);
                 let slot = load.replica_of(&id);
                 load.prefill_done(&id, Instant::now());
                 slot
             }
             SyncEvent::Done { request_id, .. } => {
-                let id = format!("{origin}/{request_id}");
+                let id = BookingId::peer(origin, request_id);
                 let slot = load.replica_of(&id);
                 load.finish(&id);
                 slot
@@ -203,9 +204,9 @@ impl Pool {
     /// request is not booked in this pool.
     pub fn progress(&self, request_id: &str, output_tokens: u32) -> bool {
         let (known, figures) = {
-            let mut load = self.load_table();
-            let known = load.progress(request_id, u64::from(output_tokens), u64::from(self.config.block_size));
-            (known, load.replica_of(request_id).map(|r| (r, load.load(r))))
+            let (id, mut load) = (BookingId::new(request_id), self.load_table());
+            let known = load.progress(&id, u64::from(output_tokens), u64::from(self.config.block_size));
+            (known, load.replica_of(&id).map(|r| (r, load.load(r))))
         };
         if let Some((r, figures)) = figures {
             self.publish_load(r, figures);
@@ -219,11 +220,11 @@ impl Pool {
 
     /// Applies a lifecycle report. Returns false if the request is not booked in this pool.
     pub fn lifecycle(&self, request_id: &str, first_token: bool) -> bool {
-        let mut load = self.load_table();
-        let replica = load.replica_of(request_id);
+        let (id, mut load) = (BookingId::new(request_id), self.load_table());
+        let replica = load.replica_of(&id);
         // An end with its prediction still there came without a usage report.
-        let unchecked = if first_token { None } else { load.take_prediction(request_id).map(|(slot, _)| slot) };
-        let known = if first_token { load.prefill_done(request_id, Instant::now()) } else { load.finish(request_id) };
+        let unchecked = if first_token { None } else { load.take_prediction(&id).map(|(slot, _)| slot) };
+        let known = if first_token { load.prefill_done(&id, Instant::now()) } else { load.finish(&id) };
         let figures = replica.map(|r| (r, load.load(r)));
         drop(load);
         if let Some(slot) = unchecked {
@@ -265,8 +266,8 @@ impl Pool {
             self.capacity_freed();
         }
         if let Some(outbox) = self.outbox.get() {
-            for request_id in ended {
-                outbox.send(SyncEvent::FirstToken { model: self.config.model.clone(), request_id });
+            for id in ended {
+                outbox.send(SyncEvent::FirstToken { model: self.config.model.clone(), request_id: id.to_string() });
             }
         }
     }

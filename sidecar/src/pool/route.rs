@@ -17,7 +17,7 @@ use crate::accuracy::{Prediction, Unchecked};
 use crate::index::approx::ApproxIndex;
 use crate::index::{Overlap, ReplicaIdx};
 use crate::load::flows::Flow;
-use crate::load::{LoadTable, NewBooking};
+use crate::load::{BookingId, LoadTable, NewBooking};
 use crate::msg::sync::SyncEvent;
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 
@@ -59,7 +59,7 @@ impl Shape<'_> {
 /// Under which id, for which flow, and whether the prompt is computed elsewhere (and its KV
 /// sent over with which protocol).
 struct BookAs<'a> {
-    id: &'a str,
+    id: &'a BookingId,
     flow: Option<Flow>,
     /// The prompt's KV comes over this protocol from this prefill worker.
     remote: Option<(TransferProtocol, Eligible)>,
@@ -157,11 +157,12 @@ impl Pool {
             (Split::Remote { at, .. }, Some(d)) => Some((d.mode, *at)),
             _ => None,
         };
-        let decode = BookAs { id: &req.request_id, flow, remote };
+        let id = BookingId::new(req.request_id.as_str());
+        let decode = BookAs { id: &id, flow, remote };
         let booked = book(&mut load, &shape, &scoring, eligible[choice], decode);
         // And the leg's prefill on its worker, under the leg's own id — unless the request
         // has ended already (its filter stopped waiting): nobody would end the leg.
-        let leg_id = disagg::leg_booking_id(&req.request_id);
+        let leg_id = BookingId::leg(&req.request_id);
         let leg = match &split {
             Split::Remote { at, .. } if booked.booked => {
                 let prefill = BookAs { id: &leg_id, flow: None, remote: None };
@@ -192,12 +193,12 @@ impl Pool {
         }
         self.share_booking(&req.request_id, &replica.id, &shape, &booked);
         if let (Some(leg), Some(p)) = (&leg, &prefill) {
-            self.share_booking(&leg_id, &p.replica, &shape.leg(), leg);
+            self.share_booking(leg_id.as_str(), &p.replica, &shape.leg(), leg);
         }
         let mode = split.mode();
         self.record(req, policy, scored, booked.slot, booked.overlap, mode);
         if let (Split::Remote { scored, .. }, Some(leg)) = (split, &leg) {
-            self.record_leg(req, leg_id, policy, scored, leg.slot);
+            self.record_leg(req, leg_id.to_string(), policy, scored, leg.slot);
         }
         Ok(RouteResponse {
             endpoint: Some(replica.endpoint.to_string()),
@@ -417,7 +418,7 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         None => Some(Unchecked::Estimated),
     };
     let booking = NewBooking {
-        request_id: to.id,
+        id: to.id,
         prefill_tokens,
         hashes: shape.hashes,
         total_blocks: shape.total_blocks,

@@ -107,7 +107,7 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
         p.load_table().book(
             ReplicaIdx::new(0),
             NewBooking {
-                request_id: "busy",
+                id: &crate::load::BookingId::new("busy"),
                 prefill_tokens: 40,
                 hashes: &[],
                 total_blocks: 10,
