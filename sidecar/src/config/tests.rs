@@ -280,3 +280,46 @@ fn discovered_pools_need_a_name_port_and_templates() {
         assert!(load(&broken, &[]).is_err(), "{why} must be rejected");
     }
 }
+
+/// The keys a section's type accepts, as serde lists them when it refuses an unknown one.
+fn keys<T: serde::de::DeserializeOwned>() -> Vec<String> {
+    let refused = toml::from_str::<T>("kvgate_unknown_key = 0").err().map(|e| e.to_string()).unwrap_or_default();
+    let listed = refused.split_once("expected").map_or("", |(_, listed)| listed);
+    listed.split('`').skip(1).step_by(2).map(str::to_owned).collect()
+}
+
+/// Whether `text` names `key` as code: `` `key` ``, `` `key = …` `` or a table `[….key]`.
+fn names(text: &str, key: &str) -> bool {
+    text.match_indices(key).any(|(at, _)| {
+        let before = text[..at].chars().next_back();
+        let after = text[at + key.len()..].chars().next();
+        matches!(before, Some('`' | '[' | '.')) && matches!(after, Some('`' | ' ' | ']'))
+    })
+}
+
+/// The README's configuration reference names every key each section of the file accepts.
+#[test]
+fn the_readme_names_every_configuration_key() {
+    use crate::admission::{AdmissionConfig, ClassConfig};
+    use crate::discovery::DiscoveryConfig;
+    use crate::pool::{DisaggregationConfig, ReplicaConfig};
+    use crate::sync::SyncConfig;
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md")).unwrap();
+    let sections = [
+        ("the top level", keys::<Config>()),
+        ("[scoring]", keys::<ScoringConfig>()),
+        ("[[pools]]", keys::<PoolConfig>()),
+        ("[[pools.replicas]]", keys::<ReplicaConfig>()),
+        ("[pools.discovery]", keys::<DiscoveryConfig>()),
+        ("[pools.disaggregation]", keys::<DisaggregationConfig>()),
+        ("[pools.admission]", keys::<AdmissionConfig>()),
+        ("[pools.admission.classes]", keys::<ClassConfig>()),
+        ("[sync]", keys::<SyncConfig>()),
+    ];
+    let mut missing = Vec::new();
+    for (section, keys) in &sections {
+        assert!(keys.len() > 1, "{section}: its keys could not be listed ({keys:?})");
+        missing.extend(keys.iter().filter(|k| !names(&readme, k)).map(|k| format!("{section} {k}")));
+    }
+    assert!(missing.is_empty(), "README.md's configuration reference does not name: {missing:?}");
+}
