@@ -3,7 +3,7 @@
 //! the leg's `kv_transfer_params`; SGLang's is sent beside the request. A leg that cannot be
 //! sent, fails or times out leaves the request whole on its decode worker.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::wire::{LifecycleKind, PrefillLeg, Transfer, DESTINATION_HEADER, DP_RANK_HEADER};
@@ -13,46 +13,7 @@ use crate::host::{Host, HostStatus};
 use crate::metrics::LegOutcome;
 use crate::plan::engine_usage;
 
-use super::phase::Exchange;
-
-/// A disaggregated request's prefill leg.
-#[derive(Debug)]
-pub(super) struct Leg {
-    /// The id its load is booked under.
-    pub(super) booking_id: String,
-    /// Its prefill worker.
-    pub(super) replica: String,
-    sent_at: Instant,
-    state: LegState,
-}
-
-#[derive(Debug, Clone, Copy)]
-enum LegState {
-    /// Sent as call `token`. vLLM's is `awaited`: the request waits for its answer.
-    Running { token: u32, awaited: bool },
-    /// Over, this way.
-    Over(LegOutcome),
-}
-
-impl Leg {
-    /// The sidecar's leg, from now in `state`.
-    fn new(leg: PrefillLeg, state: LegState) -> Leg {
-        Leg { booking_id: leg.booking_id, replica: leg.replica, sent_at: Instant::now(), state }
-    }
-
-    /// Whether it is still running.
-    pub(super) fn running(&self) -> bool {
-        matches!(self.state, LegState::Running { .. })
-    }
-
-    /// How it went, once over.
-    pub(super) fn outcome(&self) -> Option<LegOutcome> {
-        match self.state {
-            LegState::Running { .. } => None,
-            LegState::Over(outcome) => Some(outcome),
-        }
-    }
-}
+use super::phase::{Exchange, Leg, LegState};
 
 /// Why a leg was not sent.
 #[derive(Debug, thiserror::Error)]

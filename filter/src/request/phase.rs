@@ -7,17 +7,16 @@ use std::time::Instant;
 use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::route::RequestKeys;
-use kvgate_shared::wire::{LifecycleEvent, LifecycleKind};
+use kvgate_shared::wire::{LifecycleEvent, LifecycleKind, PrefillLeg};
 
 use crate::config::FilterConfig;
 use crate::host::Host;
-use crate::metrics::{FilterMetrics, Outcome};
+use crate::metrics::{FilterMetrics, LegOutcome, Outcome};
+use crate::plan::{streamed_tokens, USAGE_TAIL_BYTES};
 use crate::shared::Shared;
 use crate::usage::UsageStripper;
 
 use super::body::UpstreamBody;
-use super::leg::Leg;
-use super::response::Progress;
 
 /// Where a request is in its life (the transition table is in the module's README).
 pub(super) enum Phase {
@@ -186,5 +185,84 @@ impl Exchange {
                 log::warn!("kvgate: lifecycle report lost: {status:?}");
             }
         }
+    }
+}
+
+/// A disaggregated request's prefill leg.
+#[derive(Debug)]
+pub(super) struct Leg {
+    /// The id its load is booked under.
+    pub(super) booking_id: String,
+    /// Its prefill worker.
+    pub(super) replica: String,
+    pub(super) sent_at: Instant,
+    pub(super) state: LegState,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) enum LegState {
+    /// Sent as call `token`. vLLM's is `awaited`: the request waits for its answer.
+    Running { token: u32, awaited: bool },
+    /// Over, this way.
+    Over(LegOutcome),
+}
+
+impl Leg {
+    /// The sidecar's leg, from now in `state`.
+    pub(super) fn new(leg: PrefillLeg, state: LegState) -> Leg {
+        Leg { booking_id: leg.booking_id, replica: leg.replica, sent_at: Instant::now(), state }
+    }
+
+    /// Whether it is still running.
+    pub(super) fn running(&self) -> bool {
+        matches!(self.state, LegState::Running { .. })
+    }
+
+    /// How it went, once over.
+    pub(super) fn outcome(&self) -> Option<LegOutcome> {
+        match self.state {
+            LegState::Running { .. } => None,
+            LegState::Over(outcome) => Some(outcome),
+        }
+    }
+}
+
+/// What the response has shown so far.
+#[derive(Debug, Default)]
+pub(super) struct Progress {
+    /// The pool's block size (0: unknown, no decode progress).
+    pub(super) block_size: u32,
+    pub(super) first_byte_reported: bool,
+    /// Output tokens streamed so far.
+    pub(super) output_tokens: u32,
+    /// The response's last bytes, where the engine's `usage` is.
+    pub(super) tail: Vec<u8>,
+}
+
+impl Progress {
+    /// Keeps the last [`USAGE_TAIL_BYTES`] of the response: from `chunk` when it was read
+    /// whole already, else reading only that much of it.
+    pub(super) fn keep_tail(&mut self, host: &impl Host, chunk_size: usize, chunk: Option<&[u8]>) {
+        let take = chunk_size.min(USAGE_TAIL_BYTES);
+        let read;
+        let end = match chunk {
+            Some(chunk) => &chunk[chunk.len().saturating_sub(take)..],
+            None => {
+                let Some(end) = host.response_body(chunk_size - take, take) else { return };
+                read = end;
+                &read
+            }
+        };
+        self.tail.extend_from_slice(end);
+        let excess = self.tail.len().saturating_sub(USAGE_TAIL_BYTES);
+        self.tail.drain(..excess);
+    }
+
+    /// Counts a chunk's streamed tokens; the new total when it crosses a KV block boundary
+    /// (reported once per block of output).
+    pub(super) fn count(&mut self, chunk: Option<&[u8]>) -> Option<u32> {
+        let before = self.output_tokens;
+        self.output_tokens += chunk.map_or(0, streamed_tokens);
+        (self.output_tokens / self.block_size > before / self.block_size).then_some(self.output_tokens)
     }
 }

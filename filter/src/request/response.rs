@@ -8,50 +8,9 @@ use kvgate_shared::wire::LifecycleKind;
 
 use crate::host::Host;
 use crate::metrics::LegOutcome;
-use crate::plan::{engine_usage, streamed_tokens, USAGE_TAIL_BYTES};
+use crate::plan::engine_usage;
 
-use super::leg::Leg;
-use super::phase::{Decision, Exchange, Route};
-
-/// What the response has shown so far.
-#[derive(Debug, Default)]
-pub(super) struct Progress {
-    /// The pool's block size (0: unknown, no decode progress).
-    pub(super) block_size: u32,
-    first_byte_reported: bool,
-    /// Output tokens streamed so far.
-    output_tokens: u32,
-    /// The response's last bytes, where the engine's `usage` is.
-    tail: Vec<u8>,
-}
-
-impl Progress {
-    /// Keeps the last [`USAGE_TAIL_BYTES`] of the response: from `chunk` when it was read
-    /// whole already, else reading only that much of it.
-    fn keep_tail(&mut self, host: &impl Host, chunk_size: usize, chunk: Option<&[u8]>) {
-        let take = chunk_size.min(USAGE_TAIL_BYTES);
-        let read;
-        let end = match chunk {
-            Some(chunk) => &chunk[chunk.len().saturating_sub(take)..],
-            None => {
-                let Some(end) = host.response_body(chunk_size - take, take) else { return };
-                read = end;
-                &read
-            }
-        };
-        self.tail.extend_from_slice(end);
-        let excess = self.tail.len().saturating_sub(USAGE_TAIL_BYTES);
-        self.tail.drain(..excess);
-    }
-
-    /// Counts a chunk's streamed tokens; the new total when it crosses a KV block boundary
-    /// (reported once per block of output).
-    fn count(&mut self, chunk: Option<&[u8]>) -> Option<u32> {
-        let before = self.output_tokens;
-        self.output_tokens += chunk.map_or(0, streamed_tokens);
-        (self.output_tokens / self.block_size > before / self.block_size).then_some(self.output_tokens)
-    }
-}
+use super::phase::{Decision, Exchange, Leg, Route};
 
 impl Exchange {
     /// The response headers came.
