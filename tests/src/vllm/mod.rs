@@ -63,21 +63,38 @@ pub struct Setup {
 /// Starts one vLLM engine on `core`, serving the tiny Qwen3 as `qwen3` with prefix caching,
 /// prompt-token details and KV events with replay, loopback only.
 pub fn start_engine(setup: &Setup, id: &str, core: usize) -> anyhow::Result<SimHandle> {
-    start_vllm(setup, &setup.model_dir, "qwen3", "hermes", id, core, &[], &[])
+    start_vllm(setup, Served::qwen3(setup), id, core, &[], &[])
 }
 
-/// Starts one vLLM engine on `core` serving `model_dir` as `served`, with the tool-call parser
-/// of its family, `extra` arguments and `env` variables.
+/// A model as an engine serves it.
+#[derive(Debug, Clone, Copy)]
+struct Served<'a> {
+    /// Its directory.
+    dir: &'a Path,
+    /// The name it is served as.
+    name: &'a str,
+    /// Its family's tool-call parser.
+    tool_parser: &'a str,
+}
+
+impl Served<'_> {
+    /// The tiny Qwen3, as `qwen3`.
+    fn qwen3(setup: &Setup) -> Served<'_> {
+        Served { dir: &setup.model_dir, name: "qwen3", tool_parser: "hermes" }
+    }
+}
+
+/// Starts one vLLM engine on `core` serving `model`, with `extra` arguments and `env`
+/// variables.
 fn start_vllm(
     setup: &Setup,
-    model_dir: &std::path::Path,
-    served: &str,
-    tool_parser: &str,
+    model: Served<'_>,
     id: &str,
     core: usize,
     extra: &[&str],
     env: &[(&str, String)],
 ) -> anyhow::Result<SimHandle> {
+    let Served { dir: model_dir, name: served, tool_parser } = model;
     let (port, events, replay) = (free_port()?, free_port()?, free_port()?);
     let kv_events = json!({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": format!("tcp://*:{events}"),
         "replay_endpoint": format!("tcp://*:{replay}"), "topic": "kv-events"});
@@ -744,7 +761,7 @@ fn prefill_decode(setup: &Setup, artifacts: &Artifacts, connector: Connector) ->
     for (id, core, role) in [("p", 0, "prefill"), ("d", 1, "decode")] {
         // NIXL's side channel: one port per engine.
         let env = [("VLLM_NIXL_SIDE_CHANNEL_PORT", free_port()?.to_string())];
-        let mut engine = start_vllm(setup, &setup.model_dir, "qwen3", "hermes", id, core, &transfer, &env)?;
+        let mut engine = start_vllm(setup, Served::qwen3(setup), id, core, &transfer, &env)?;
         engine.role = Some(role.into());
         engines.push(engine);
     }
@@ -942,7 +959,8 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
     let llama = Artifacts { model_dir: setup.second_model_dir.clone(), ..artifacts.clone() };
     // A small KV cache (96 blocks, 3 072 tokens), so that load evicts.
     let small = ["--num-gpu-blocks-override", "96"];
-    let engine = start_vllm(setup, &setup.second_model_dir, "llama", "llama3_json", "l", 0, &small, &[])?;
+    let tiny_llama = Served { dir: &setup.second_model_dir, name: "llama", tool_parser: "llama3_json" };
+    let engine = start_vllm(setup, tiny_llama, "l", 0, &small, &[])?;
     let opts = StackOptions {
         name: "vllm-llama".into(),
         model: "llama".into(),
