@@ -187,6 +187,13 @@ impl BookingId {
         BookingId(format!("{origin}/{id}"))
     }
 
+    /// A peer's booking as the origin and its id there: the inverse of [`BookingId::peer`]
+    /// (`None` without a `/`). A request's own id may hold a `/` too: callers check that it was
+    /// booked as a peer's.
+    pub fn peer_parts(&self) -> Option<(&str, &str)> {
+        self.0.split_once('/')
+    }
+
     /// The id as text.
     pub fn as_str(&self) -> &str {
         &self.0

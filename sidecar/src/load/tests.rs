@@ -241,3 +241,10 @@ fn rebooking_and_expiry() {
     assert_eq!(t.expire(now + Duration::from_secs(61), Duration::from_secs(60)).0, 1);
     assert_eq!(t.load(ReplicaIdx::new(1)), ReplicaLoad::default());
 }
+
+#[test]
+fn a_peers_booking_id_gives_back_its_origin_and_id() {
+    assert_eq!(BookingId::peer("gw-1", "req/with/slashes").peer_parts(), Some(("gw-1", "req/with/slashes")));
+    assert_eq!(BookingId::leg("r").as_str(), "r/prefill");
+    assert_eq!(id("plain").peer_parts(), None);
+}

@@ -10,7 +10,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use kvgate_shared::wire::{PrefillLeg, RouteRequest, Transfer};
+use kvgate_shared::wire::{PrefillLeg, Transfer};
 
 use super::candidates::{self, Eligible, Scored};
 use super::Member;
@@ -165,9 +165,10 @@ fn score_prefill(load: &LoadTable, eligible: &[Eligible], prompt: Prompt, scorin
     candidates::scored(eligible, inputs, request, scoring)
 }
 
-/// The leg the filter runs: where, and with what the engines' protocol needs.
+/// The leg the filter runs, booked as `booking`: where, and with what the engines' protocol
+/// needs.
 pub(super) fn leg(
-    req: &RouteRequest,
+    booking: &BookingId,
     member: &Member,
     overlap_blocks: u32,
     protocol: TransferProtocol,
@@ -186,7 +187,7 @@ pub(super) fn leg(
         replica: member.replica.id.clone(),
         dp_rank: member.rank,
         overlap_blocks,
-        booking_id: BookingId::leg(&req.request_id).to_string(),
+        booking_id: booking.to_string(),
         transfer,
     }
 }

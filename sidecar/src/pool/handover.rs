@@ -91,7 +91,7 @@ impl Pool {
             .export(Instant::now())
             .into_iter()
             .map(|b| {
-                let (origin, request_id) = match b.id.as_str().split_once('/').filter(|_| b.from_peer) {
+                let (origin, request_id) = match b.id.peer_parts().filter(|_| b.from_peer) {
                     Some((origin, id)) => (origin.to_owned(), id.to_owned()),
                     None => (own_id.to_owned(), b.id.to_string()),
                 };

@@ -179,7 +179,7 @@ impl Pool {
         drop(routes);
         let (replica, dp_rank) = (members[booked.slot.get()].replica.clone(), members[booked.slot.get()].rank);
         let prefill = leg.as_ref().zip(pd).map(|(leg, pd)| {
-            disagg::leg(req, &members[leg.slot.get()], leg.overlap.device, pd.mode, rand::random::<u64>() >> 1)
+            disagg::leg(&leg_id, &members[leg.slot.get()], leg.overlap.device, pd.mode, rand::random::<u64>() >> 1)
         });
         drop(members);
         // Gauges, the other gateways, `/debug/explain`, what will not be checked.
