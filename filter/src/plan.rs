@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 use kvgate_shared::hash::{prompt_digest, Salt};
+use kvgate_shared::ids::{ModelName, RequestId};
 use kvgate_shared::prompt::openai::{model_of, parse, Endpoint, Envelope, Prompt, FORWARDED_IDS};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::route::{estimated_request, route_request, PromptTokens, RequestKeys};
@@ -83,8 +84,8 @@ fn estimate_tokens(body_len: usize) -> u32 {
 /// ```
 /// assert_eq!(kvgate_filter::plan::booking_id(0xabc, 7), "0000000000000abc-7");
 /// ```
-pub fn booking_id(vm_tag: u64, context_id: u32) -> String {
-    format!("{vm_tag:016x}-{context_id}")
+pub fn booking_id(vm_tag: u64, context_id: u32) -> RequestId {
+    RequestId::new(format!("{vm_tag:016x}-{context_id}"))
 }
 
 /// Parses the `x-kvgate-scoring` header value; anything invalid is dropped.
@@ -111,7 +112,7 @@ pub fn plan(
         Ok(parsed) => parsed,
         Err(e) => return estimated(body, hints, models, listed, e.to_string()),
     };
-    if listed.is_some_and(|names| !names.contains(&parsed.model)) {
+    if listed.is_some_and(|names| !names.contains(parsed.model.as_str())) {
         return Err(Skip::Unroutable(format!("model {:?} is not routed by kvgate", parsed.model)));
     }
     let load_only = |block_size: u32| Plan {
@@ -126,7 +127,7 @@ pub fn plan(
         digest: None,
         untokenizable: None,
     };
-    let Some(model) = models.get(&parsed.model) else { return Ok(load_only(0)) };
+    let Some(model) = models.get(parsed.model.as_str()) else { return Ok(load_only(0)) };
     let head = match model.tokenizer.prompt_head(&parsed, max_tokenize_bytes) {
         Ok(head) => head,
         Err(e) => return estimated(body, hints, models, listed, e.to_string()),
@@ -302,7 +303,7 @@ pub fn offload<'a>(
     hints: &RequestKeys,
     listed: Option<&HashSet<String>>,
     budget_ms: u64,
-) -> Result<(String, RouteBodyRequest<'a>), Skip> {
+) -> Result<(ModelName, RouteBodyRequest<'a>), Skip> {
     let model = &envelope.ok_or_else(|| Skip::Unroutable("not a JSON object with a string `model`".into()))?.model;
     if listed.is_some_and(|names| !names.contains(model.as_ref())) {
         return Err(Skip::Unroutable(format!("model {model:?} is not routed by kvgate")));
@@ -320,7 +321,7 @@ pub fn offload<'a>(
         tenant: hints.tenant.clone(),
         prefill_legs: hints.prefill_legs,
     };
-    Ok((model.to_string(), request))
+    Ok((ModelName::from(model.as_ref()), request))
 }
 
 #[cfg(test)]
@@ -513,7 +514,7 @@ mod tests {
             body: &'a [u8],
             hints: &RequestKeys,
             listed: Option<&HashSet<String>>,
-        ) -> Result<(String, RouteBodyRequest<'a>), Skip> {
+        ) -> Result<(ModelName, RouteBodyRequest<'a>), Skip> {
             offload(endpoint, body, envelope(body).as_ref(), hints, listed, 1000)
         }
         let (model, req) = off(Endpoint::ChatCompletions, body, &hints, None).unwrap();

@@ -4,6 +4,7 @@
 //! booked, salted or keyed.
 
 use crate::hash::{cache_salt, prompt_block_hashes_first_salted, Salt};
+use crate::ids::{ModelName, RequestId};
 use crate::prompt::openai::ParsedRequest;
 use crate::wire::{PromptCount, RouteRequest, ScoringOverrides};
 
@@ -11,7 +12,7 @@ use crate::wire::{PromptCount, RouteRequest, ScoringOverrides};
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestKeys {
     /// The booking key the filter generated for the stream.
-    pub request_id: String,
+    pub request_id: RequestId,
     /// The client's `x-request-id`, for logs.
     pub client_request_id: Option<String>,
     /// The `x-session-id` header: it takes precedence over the body's `session_id`/`user`.
@@ -93,7 +94,7 @@ pub fn estimated_request(model: &str, keys: &RequestKeys, tokens: u32, block_siz
     RouteRequest {
         request_id: keys.request_id.clone(),
         client_request_id: keys.client_request_id.clone(),
-        model: model.to_owned(),
+        model: ModelName::from(model),
         prompt_tokens: tokens,
         prompt_count: PromptCount::Estimated,
         block_hashes: Vec::new(),

@@ -13,6 +13,7 @@
 //! A model name goes into the tokenizer path percent-encoded ([`tokenizer_path`]): vLLM serves
 //! Hugging Face names such as `Qwen/Qwen3-8B` as they are, slashes included.
 
+use crate::ids::{ModelName, RequestId};
 use serde::{Deserialize, Serialize};
 
 /// Content type of every codec-encoded body.
@@ -58,11 +59,11 @@ pub struct RouteRequest {
     /// The booking key: an id the filter generates, unique per stream, and the key of later
     /// [`LifecycleEvent`]s. Never the client's `x-request-id`, which a client may reuse (two
     /// requests would then release each other's load) or omit.
-    pub request_id: String,
+    pub request_id: RequestId,
     /// The request's `x-request-id`, for logs and `/debug/explain`: it keys nothing.
     pub client_request_id: Option<String>,
     /// The `model` field of the OpenAI body.
-    pub model: String,
+    pub model: ModelName,
     /// Number of prompt tokens (ISL). When the prompt could not be tokenized this is an
     /// estimate and `block_hashes` is empty: the sidecar then routes on load alone.
     pub prompt_tokens: u32,
@@ -118,9 +119,9 @@ impl RouteRequest {
         block_hashes: Vec<crate::hash::SequenceHash>,
     ) -> RouteRequest {
         RouteRequest {
-            request_id: request_id.to_owned(),
+            request_id: RequestId::from(request_id),
             client_request_id: None,
-            model: model.to_owned(),
+            model: ModelName::from(model),
             prompt_tokens,
             prompt_count: PromptCount::Exact,
             block_hashes,
@@ -162,7 +163,7 @@ pub enum PromptCount {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouteBodyRequest<'a> {
     /// The booking key, as in [`RouteRequest`].
-    pub request_id: String,
+    pub request_id: RequestId,
     /// The request's `x-request-id`, as in [`RouteRequest`].
     pub client_request_id: Option<String>,
     /// The endpoint the body was sent to.
@@ -237,7 +238,7 @@ pub struct PrefillLeg {
     pub overlap_blocks: u32,
     /// The id the leg's load is booked under: lifecycle reports about the leg (its usage,
     /// its end) name it.
-    pub booking_id: String,
+    pub booking_id: RequestId,
     /// The engines' KV-transfer protocol.
     pub transfer: Transfer,
 }
@@ -292,9 +293,9 @@ pub enum LifecycleKind {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LifecycleEvent {
     /// The `model` of the matching [`RouteRequest`]: only that model's pool applies it.
-    pub model: String,
+    pub model: ModelName,
     /// The `request_id` of the matching [`RouteRequest`].
-    pub request_id: String,
+    pub request_id: RequestId,
     /// What happened.
     pub kind: LifecycleKind,
 }

@@ -37,11 +37,11 @@ fn bench(c: &mut Criterion) {
             let p = pool(replicas, prompt_tokens);
             let request = fleet::request(prompt_tokens);
             assert_eq!(p.route(&request, &scoring).overlap_blocks, 16, "the group prefix is found");
-            p.lifecycle("bench", false);
+            p.lifecycle(&"bench".into(), false);
             group.bench_function(BenchmarkId::new(format!("{prompt_tokens}_tokens"), replicas), |b| {
                 b.iter(|| {
                     let decision = p.route(&request, &scoring);
-                    p.lifecycle("bench", false);
+                    p.lifecycle(&"bench".into(), false);
                     decision
                 })
             });

@@ -9,6 +9,7 @@ use axum::body::{to_bytes, Body};
 use axum::http::{Request, StatusCode};
 use kvgate_shared::codec;
 use kvgate_shared::hash::SequenceHash;
+use kvgate_shared::ids::ModelName;
 use kvgate_shared::wire::{LifecycleBatch, LifecycleEvent, LifecycleKind, RouteRequest, RouteResponse, MAX_BODY_BYTES};
 use kvgate_sidecar::api::{router, AppState};
 use kvgate_sidecar::metrics::Metrics;
@@ -78,7 +79,7 @@ async fn reports_reach_only_their_pool_and_nothing_grows() {
             assert_eq!(status, StatusCode::OK);
             assert!(codec::decode::<RouteResponse>(&answer).unwrap().endpoint.is_some());
             for kind in [LifecycleKind::FirstToken, LifecycleKind::Done] {
-                batch.events.push(LifecycleEvent { model: model.into(), request_id: id.clone(), kind });
+                batch.events.push(LifecycleEvent { model: model.into(), request_id: id.as_str().into(), kind });
             }
         }
         let booked = bookkeeping(&state);
@@ -106,10 +107,11 @@ async fn reports_reach_only_their_pool_and_nothing_grows() {
 async fn a_lifecycle_batch_as_large_as_envoy_buffers_is_accepted() {
     let state = state();
     let mut batch = LifecycleBatch::default();
-    let model = "m".repeat(200);
+    let model = ModelName::new("m".repeat(200));
     while codec::encode(&batch).unwrap().len() < 4 << 20 {
         for _ in 0..1000 {
-            let event = LifecycleEvent { model: model.clone(), request_id: "x".repeat(64), kind: LifecycleKind::Done };
+            let event =
+                LifecycleEvent { model: model.clone(), request_id: "x".repeat(64).into(), kind: LifecycleKind::Done };
             batch.events.push(event);
         }
     }

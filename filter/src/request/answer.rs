@@ -5,6 +5,7 @@
 //! names a prefill leg too, which is sent now ([`super::leg`]).
 
 use kvgate_shared::codec;
+use kvgate_shared::ids::ModelName;
 use kvgate_shared::wire::{RouteResponse, DESTINATION_HEADER, DP_RANK_HEADER};
 
 use crate::host::Host;
@@ -81,7 +82,7 @@ impl Exchange {
     fn shed(&mut self, host: &impl Host) -> Outcome {
         let retry_after = host.call_header("retry-after").filter(|v| v.parse::<u32>().is_ok());
         let retry_after = retry_after.unwrap_or_else(|| "1".into());
-        let model = self.booked.as_deref().unwrap_or_default();
+        let model = self.booked.as_ref().map_or("", ModelName::as_str);
         let error = serde_json::json!({"error": {
             "message": format!("every replica of model {model:?} is saturated; retry after {retry_after} s"),
             "type": "rate_limit_error",

@@ -132,7 +132,7 @@ pub(super) fn debug_headers(host: &impl Host, route: &Route, d: &Decision, leg: 
     }
     let headers = [
         ("x-kvgate-routed-to", d.replica.clone().unwrap_or_else(|| "fallback".into())),
-        ("x-kvgate-booking-id", route.keys.request_id.clone()),
+        ("x-kvgate-booking-id", route.keys.request_id.to_string()),
         ("x-kvgate-ran-on", d.ran_on.clone().unwrap_or_default()),
         ("x-kvgate-prompt-tokens", d.prompt_tokens.map(|n| n.to_string()).unwrap_or_default()),
         ("x-kvgate-prompt-digest", d.prompt_digest.map(|n| format!("{n:016x}")).unwrap_or_default()),

@@ -60,7 +60,7 @@ pub enum Prompt {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParsedRequest {
     /// The `model` field.
-    pub model: String,
+    pub model: crate::ids::ModelName,
     /// The prompt to tokenize. For a list of prompts, the first one (see `prompt_count`).
     pub prompt: Prompt,
     /// How many prompts the request carries (a completions list gives one engine request each).
@@ -127,7 +127,17 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
         Endpoint::Responses => 1,
         _ => obj.get("n").and_then(Value::as_u64).map_or(1, |n| n.clamp(1, MAX_N) as u32),
     };
-    Ok(ParsedRequest { model, prompt, prompt_count, max_tokens, stream, include_usage, session, cache_salt, samples })
+    Ok(ParsedRequest {
+        model: model.into(),
+        prompt,
+        prompt_count,
+        max_tokens,
+        stream,
+        include_usage,
+        session,
+        cache_salt,
+        samples,
+    })
 }
 
 /// What [`envelope`] reads of a body: its model and how it streams; every other field is

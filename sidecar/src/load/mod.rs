@@ -31,6 +31,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvgate_shared::hash::SequenceHash;
+use kvgate_shared::ids::RequestId;
 
 use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
@@ -173,17 +174,17 @@ pub struct BookingId(String);
 
 impl BookingId {
     /// A request's booking, under the id the filter reports its lifecycle with.
-    pub fn new(id: impl Into<String>) -> BookingId {
-        BookingId(id.into())
+    pub fn new(id: &RequestId) -> BookingId {
+        BookingId(id.as_str().to_owned())
     }
 
     /// The booking of a request's prefill leg on its prefill worker: `<id>/prefill`.
-    pub fn leg(id: &str) -> BookingId {
+    pub fn leg(id: &RequestId) -> BookingId {
         BookingId(format!("{id}/prefill"))
     }
 
     /// A peer gateway's booking, as the sync mesh names it here: `<origin>/<id>`.
-    pub fn peer(origin: &str, id: &str) -> BookingId {
+    pub fn peer(origin: &str, id: &RequestId) -> BookingId {
         BookingId(format!("{origin}/{id}"))
     }
 
@@ -197,6 +198,11 @@ impl BookingId {
     /// The id as text.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// The id the booking's lifecycle is reported under: a request's own id, or its leg's.
+    pub fn request_id(&self) -> RequestId {
+        RequestId::new(self.0.as_str())
     }
 }
 

@@ -3,7 +3,7 @@
 use super::*;
 
 fn id(key: &str) -> BookingId {
-    BookingId::new(key)
+    BookingId::new(&key.into())
 }
 
 fn h(hashes: impl IntoIterator<Item = u64>) -> Vec<SequenceHash> {
@@ -244,7 +244,7 @@ fn rebooking_and_expiry() {
 
 #[test]
 fn a_peers_booking_id_gives_back_its_origin_and_id() {
-    assert_eq!(BookingId::peer("gw-1", "req/with/slashes").peer_parts(), Some(("gw-1", "req/with/slashes")));
-    assert_eq!(BookingId::leg("r").as_str(), "r/prefill");
+    assert_eq!(BookingId::peer("gw-1", &"req/with/slashes".into()).peer_parts(), Some(("gw-1", "req/with/slashes")));
+    assert_eq!(BookingId::leg(&"r".into()).as_str(), "r/prefill");
     assert_eq!(id("plain").peer_parts(), None);
 }

@@ -4,6 +4,7 @@
 //! over in `crate::pool::handover`.
 
 use kvgate_shared::hash::SequenceHash;
+use kvgate_shared::ids::RequestId;
 use serde::{Deserialize, Serialize};
 
 use crate::index::ReplicaSnapshot;
@@ -167,7 +168,7 @@ pub struct BookingHandover {
     /// The sidecar that booked it.
     pub origin: String,
     /// Its request id there.
-    pub request_id: String,
+    pub request_id: RequestId,
     /// The target it is booked on.
     pub target: String,
     /// Prefill tokens still to compute (0 once its prefill is over).

@@ -4,6 +4,7 @@
 use std::sync::mpsc::{SyncSender, TrySendError};
 
 use kvgate_shared::hash::SequenceHash;
+use kvgate_shared::ids::RequestId;
 use serde::{Deserialize, Serialize};
 
 /// What one sidecar tells the others.
@@ -16,7 +17,7 @@ pub enum SyncEvent {
         /// The target's id (`replica` or `replica#rank`).
         target: String,
         /// The origin's request id.
-        request_id: String,
+        request_id: RequestId,
         /// Prefill tokens booked (after the target's cache overlap).
         prefill_tokens: u64,
         /// The prompt's block hashes.
@@ -31,14 +32,14 @@ pub enum SyncEvent {
         /// The pool's model.
         model: String,
         /// The origin's request id.
-        request_id: String,
+        request_id: RequestId,
     },
     /// The request ended.
     Done {
         /// The pool's model.
         model: String,
         /// The origin's request id.
-        request_id: String,
+        request_id: RequestId,
     },
 }
 

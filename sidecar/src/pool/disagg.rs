@@ -187,7 +187,7 @@ pub(super) fn leg(
         replica: member.replica.id.clone(),
         dp_rank: member.rank,
         overlap_blocks,
-        booking_id: booking.to_string(),
+        booking_id: booking.request_id(),
         transfer,
     }
 }

@@ -3,6 +3,8 @@
 
 use serde::Serialize;
 
+use crate::load::BookingId;
+use kvgate_shared::ids::RequestId;
 use kvgate_shared::wire::RouteRequest;
 
 use super::candidates::Scored;
@@ -18,7 +20,7 @@ pub(super) const EXPLANATIONS: usize = 256;
 /// A kept decision, before names are attached.
 #[derive(Debug)]
 pub(super) struct Kept {
-    request_id: String,
+    request_id: RequestId,
     client_request_id: Option<String>,
     policy: Policy,
     prompt_tokens: u64,
@@ -65,7 +67,7 @@ pub struct CandidateTerms {
 #[derive(Debug, Clone, Serialize)]
 pub struct Explanation {
     /// The booking key the filter generated (`x-kvgate-booking-id` among its debug headers).
-    pub request_id: String,
+    pub request_id: RequestId,
     /// The request's `x-request-id`, if it had one.
     pub client_request_id: Option<String>,
     /// The policy that decided.
@@ -160,13 +162,13 @@ impl Pool {
     pub(super) fn record_leg(
         &self,
         req: &RouteRequest,
-        leg_id: String,
+        leg_id: &BookingId,
         policy: Policy,
         candidates: Vec<Scored>,
         chosen: ReplicaIdx,
     ) {
         self.keep(Kept {
-            request_id: leg_id,
+            request_id: leg_id.request_id(),
             client_request_id: req.client_request_id.clone(),
             policy,
             prompt_tokens: u64::from(req.prompt_tokens),
@@ -192,9 +194,15 @@ impl Pool {
     }
 
     /// Attaches a check to the kept decision of `request_id`, if it is still kept.
-    pub(super) fn checked(&self, request_id: &str, predicted_cached_tokens: u64, engine: EngineUsage, check: Check) {
+    pub(super) fn checked(
+        &self,
+        request_id: &RequestId,
+        predicted_cached_tokens: u64,
+        engine: EngineUsage,
+        check: Check,
+    ) {
         let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(k) = kept.iter_mut().rev().find(|k| k.request_id == request_id) {
+        if let Some(k) = kept.iter_mut().rev().find(|k| k.request_id == *request_id) {
             k.checked = Some(Checked { predicted_cached_tokens, engine, check });
         }
     }

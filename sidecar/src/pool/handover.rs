@@ -21,6 +21,7 @@ use crate::index::{Change, ReplicaIdx, ReplicaSnapshot, Write};
 use crate::load::{BookingId, NewBooking};
 use crate::msg::handover::{BookingHandover, PoolHandover, ReplicaHandover};
 use crate::msg::ingest::{Outcome, Progress};
+use kvgate_shared::ids::RequestId;
 
 /// How long after a handover a target that joins still restores its snapshot.
 const RESTORE_WITHIN: Duration = Duration::from_secs(30);
@@ -92,8 +93,8 @@ impl Pool {
             .into_iter()
             .map(|b| {
                 let (origin, request_id) = match b.id.peer_parts().filter(|_| b.from_peer) {
-                    Some((origin, id)) => (origin.to_owned(), id.to_owned()),
-                    None => (own_id.to_owned(), b.id.to_string()),
+                    Some((origin, id)) => (origin.to_owned(), RequestId::from(id)),
+                    None => (own_id.to_owned(), b.id.request_id()),
                 };
                 BookingHandover {
                     origin,
@@ -177,11 +178,7 @@ impl Pool {
                 continue;
             };
             let from_peer = b.origin != own_id;
-            let id = if from_peer {
-                BookingId::peer(&b.origin, &b.request_id)
-            } else {
-                BookingId::new(b.request_id.as_str())
-            };
+            let id = if from_peer { BookingId::peer(&b.origin, &b.request_id) } else { BookingId::new(&b.request_id) };
             let booking = NewBooking {
                 id: &id,
                 prefill_tokens: b.prefill_tokens,

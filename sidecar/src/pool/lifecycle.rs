@@ -11,6 +11,7 @@ use crate::index::ReplicaIdx;
 use crate::load::{BookingId, EngineReport, NewBooking, ReplicaLoad};
 use crate::metrics::{PoolLabels, ReasonLabels};
 use crate::msg::sync::{Outbox, SyncEvent};
+use kvgate_shared::ids::RequestId;
 
 impl Pool {
     /// Checks what the engine reported for a request (its response's `usage`: prompt tokens,
@@ -18,7 +19,7 @@ impl Pool {
     /// booked: metrics, `/debug/explain`, the pool's alarm. An engine that reports no cached
     /// tokens has its prompt count checked, is shown as such, and raises no alarm. Returns
     /// false if the request is not booked here (or nothing was predicted for it).
-    pub fn engine_usage(&self, request_id: &str, prompt_tokens: u64, cached_tokens: Option<u64>) -> bool {
+    pub fn engine_usage(&self, request_id: &RequestId, prompt_tokens: u64, cached_tokens: Option<u64>) -> bool {
         let id = BookingId::new(request_id);
         let Some((slot, predicted)) = self.load_table().take_prediction(&id) else { return false };
         let labels = self.labels(slot);
@@ -75,7 +76,7 @@ impl Pool {
     /// The request ran on the replica at `endpoint` (`ip:port`), not where it was booked: its
     /// booking moves there, and so does the credit for its prefix. Returns false if it is not
     /// booked here, or was already there, or `endpoint` is no active replica of this pool.
-    pub fn ran_on(&self, request_id: &str, endpoint: &str) -> bool {
+    pub fn ran_on(&self, request_id: &RequestId, endpoint: &str) -> bool {
         let to = self.members().iter().position(|m| m.active && m.replica.endpoint.to_string() == endpoint);
         let Some(to) = to.map(ReplicaIdx::new) else { return false };
         let moved = {
@@ -100,7 +101,7 @@ impl Pool {
     /// A disaggregated request's prefill leg did not deliver and its decode worker computes
     /// the prompt itself: its booking there gets the prefill of what that worker has not
     /// cached. Returns false if it is not booked here.
-    pub fn served_whole(&self, request_id: &str) -> bool {
+    pub fn served_whole(&self, request_id: &RequestId) -> bool {
         // Lock order: index, then load; the booking is read first without holding either.
         let id = BookingId::new(request_id);
         let Some((slot, hashes, blocks)) = self.load_table().booked_prompt(&id) else { return false };
@@ -202,7 +203,7 @@ impl Pool {
 
     /// Applies a decode-progress report (see [`LoadTable::progress`]). Returns false if the
     /// request is not booked in this pool.
-    pub fn progress(&self, request_id: &str, output_tokens: u32) -> bool {
+    pub fn progress(&self, request_id: &RequestId, output_tokens: u32) -> bool {
         let (known, figures) = {
             let (id, mut load) = (BookingId::new(request_id), self.load_table());
             let known = load.progress(&id, u64::from(output_tokens), u64::from(self.config.block_size));
@@ -219,7 +220,7 @@ impl Pool {
     }
 
     /// Applies a lifecycle report. Returns false if the request is not booked in this pool.
-    pub fn lifecycle(&self, request_id: &str, first_token: bool) -> bool {
+    pub fn lifecycle(&self, request_id: &RequestId, first_token: bool) -> bool {
         let (id, mut load) = (BookingId::new(request_id), self.load_table());
         let replica = load.replica_of(&id);
         // An end with its prediction still there came without a usage report.
@@ -267,7 +268,7 @@ impl Pool {
         }
         if let Some(outbox) = self.outbox.get() {
             for id in ended {
-                outbox.send(SyncEvent::FirstToken { model: self.config.model.clone(), request_id: id.to_string() });
+                outbox.send(SyncEvent::FirstToken { model: self.config.model.clone(), request_id: id.request_id() });
             }
         }
     }

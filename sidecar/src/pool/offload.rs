@@ -70,13 +70,14 @@ impl Pool {
         let tokens = match tokenizer.prompt_tokens(parsed) {
             Ok(tokens) => tokens,
             // Content parts it does not render, a template that fails: still real load.
-            Err(_) => return Ok(self.estimated(&parsed.model, req, "untokenizable")),
+            Err(_) => return Ok(self.estimated(parsed.model.as_str(), req, "untokenizable")),
         };
         if Instant::now() >= deadline {
             return Err(OffloadError::Late);
         }
         // A LoRA adapter's blocks are salted with its name, as its engine salts them.
-        let salt = if parsed.model == self.config.model { Salt::NONE } else { Salt::for_lora(Some(&parsed.model)) };
+        let salt =
+            if parsed.model == self.config.model { Salt::NONE } else { Salt::for_lora(Some(parsed.model.as_str())) };
         let prompt =
             PromptTokens::Tokenized { tokens: &tokens, total: tokens.len(), block_size: self.config.block_size, salt };
         Ok(route_request(parsed, &keys(req), prompt))

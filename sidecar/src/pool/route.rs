@@ -20,6 +20,7 @@ use crate::load::flows::Flow;
 use crate::load::{BookingId, LoadTable, NewBooking};
 use crate::msg::sync::SyncEvent;
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
+use kvgate_shared::ids::RequestId;
 
 /// Blocks of one peer's booking counted as in-flight credit, at most (256k tokens in blocks of
 /// 16): a quarter of the smallest sensible `affinity_blocks`, so no one message flushes it.
@@ -157,7 +158,7 @@ impl Pool {
             (Split::Remote { at, .. }, Some(d)) => Some((d.mode, *at)),
             _ => None,
         };
-        let id = BookingId::new(req.request_id.as_str());
+        let id = BookingId::new(&req.request_id);
         let decode = BookAs { id: &id, flow, remote };
         let booked = book(&mut load, &shape, &scoring, eligible[choice], decode);
         // And the leg's prefill on its worker, under the leg's own id — unless the request
@@ -193,12 +194,12 @@ impl Pool {
         }
         self.share_booking(&req.request_id, &replica.id, &shape, &booked);
         if let (Some(leg), Some(p)) = (&leg, &prefill) {
-            self.share_booking(leg_id.as_str(), &p.replica, &shape.leg(), leg);
+            self.share_booking(&leg_id.request_id(), &p.replica, &shape.leg(), leg);
         }
         let mode = split.mode();
         self.record(req, policy, scored, booked.slot, booked.overlap, mode);
         if let (Split::Remote { scored, .. }, Some(leg)) = (split, &leg) {
-            self.record_leg(req, leg_id.to_string(), policy, scored, leg.slot);
+            self.record_leg(req, &leg_id, policy, scored, leg.slot);
         }
         Ok(RouteResponse {
             endpoint: Some(replica.endpoint.to_string()),
@@ -266,7 +267,7 @@ impl Pool {
         let mut eligible: Vec<Eligible> = members
             .iter()
             .enumerate()
-            .filter(|(_, m)| m.active && m.serves(&req.model, &self.config))
+            .filter(|(_, m)| m.active && m.serves(req.model.as_str(), &self.config))
             .map(|(i, m)| {
                 // The affinity index does not depend on events, so a silent publisher is moot.
                 let trusted = affinity || m.health.trusted();
@@ -354,12 +355,12 @@ impl Pool {
     }
 
     /// Tells the other gateways (when sync is on).
-    fn share_booking(&self, request_id: &str, target: &str, shape: &Shape<'_>, booked: &Booked) {
+    fn share_booking(&self, request_id: &RequestId, target: &str, shape: &Shape<'_>, booked: &Booked) {
         let (true, Some(outbox)) = (booked.booked, self.outbox.get()) else { return };
         outbox.send(SyncEvent::Booked {
             model: self.config.model.clone(),
             target: target.to_owned(),
-            request_id: request_id.to_owned(),
+            request_id: request_id.clone(),
             prefill_tokens: booked.prefill_tokens,
             hashes: shape.hashes.to_vec(),
             total_blocks: shape.total_blocks,

@@ -107,7 +107,7 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
         p.load_table().book(
             ReplicaIdx::new(0),
             NewBooking {
-                id: &crate::load::BookingId::new("busy"),
+                id: &crate::load::BookingId::new(&"busy".into()),
                 prefill_tokens: 40,
                 hashes: &[],
                 total_blocks: 10,
@@ -218,7 +218,7 @@ fn membership_changes_keep_what_is_unchanged_and_empty_what_left() {
     assert_eq!(device, [0, 0, 16], "r2 keeps its blocks; r0 (new engine) and r3 (in r1's emptied slot) hold none");
     let state: Vec<String> = p.state().replicas.into_iter().map(|r| r.id).collect();
     assert_eq!(state, ["r0", "r3", "r2"]);
-    assert!(!p.lifecycle("held", false), "r1's booking left with it");
+    assert!(!p.lifecycle(&"held".into(), false), "r1's booking left with it");
     for i in 0..30 {
         let r = p.route(&request(&format!("q{i}"), &[i; 8]), &cfg);
         assert_ne!(r.replica.as_deref(), Some("r1"), "a replica that left is never chosen");
@@ -307,7 +307,7 @@ fn prefix_affinity_follows_its_own_routing_not_events() {
     let prompt: Vec<u32> = (0..64).collect();
     let first = p.route(&request("first", &prompt), &cfg);
     let home = chosen(&first);
-    assert!(p.lifecycle("first", false));
+    assert!(p.lifecycle(&"first".into(), false));
     // Events say another replica holds the prompt: this policy does not read them.
     cache_on(&p, (home + 1) % 3, &prompt);
     let mut longer = prompt.clone();
@@ -361,14 +361,14 @@ fn kv_aware_credits_prefixes_routed_moments_ago() {
     // have not arrived yet.
     let p = pool(3);
     let home = chosen(&p.route(&request("first", &prompt), &cfg));
-    assert!(p.lifecycle("first", true));
+    assert!(p.lifecycle(&"first".into(), true));
     let second = p.route(&request("second", &longer), &cfg);
     assert_eq!((chosen(&second), second.overlap_blocks), (home, 64), "follows the first before any event");
     let mut config = pool(3).config;
     config.inflight_credit_secs = 0;
     let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
     p.route(&request("first", &prompt), &cfg);
-    assert!(p.lifecycle("first", true));
+    assert!(p.lifecycle(&"first".into(), true));
     assert_eq!(p.route(&request("second", &longer), &cfg).overlap_blocks, 0, "no credit without events");
 }
 
@@ -425,12 +425,13 @@ fn membership_changes_under_traffic_do_not_deadlock() {
             for i in 0..1500u32 {
                 let id = format!("w{w}-{i}");
                 p.route(&request(&id, &[i % 50; 8]), &ScoringConfig::default());
-                p.lifecycle(&id, true);
-                p.engine_usage(&id, 8, Some(0));
-                p.lifecycle(&id, false);
+                let booked = id.as_str().into();
+                p.lifecycle(&booked, true);
+                p.engine_usage(&booked, 8, Some(0));
+                p.lifecycle(&booked, false);
                 let peer_id = format!("p{w}-{i}");
                 p.apply_remote("peer", &peer_booking(&format!("r{}", i % 4), &peer_id, &[i % 50; 8]));
-                p.apply_remote("peer", &SyncEvent::Done { model: "m".into(), request_id: peer_id });
+                p.apply_remote("peer", &SyncEvent::Done { model: "m".into(), request_id: peer_id.into() });
                 if i % 100 == 0 {
                     p.expire(Duration::from_secs(300));
                     p.state();
@@ -461,7 +462,7 @@ fn every_prompt_and_every_sample_is_booked() {
     p.route(&req, &ScoringConfig::default());
     let booked = &p.state().replicas[0];
     assert_eq!((booked.active_requests, booked.prefill_tokens), (6, 3 * 64), "six sequences, three prefills");
-    assert!(p.lifecycle("multi", false));
+    assert!(p.lifecycle(&"multi".into(), false));
     let released = &p.state().replicas[0];
     assert_eq!((released.active_requests, released.prefill_tokens, released.active_blocks), (0, 0, 0));
 }
@@ -476,7 +477,7 @@ fn a_request_without_max_tokens_gets_the_engines_default_limit() {
         let config = PoolConfig { max_model_len, ..base.config().clone() };
         let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
         p.route(&request("r", &tokens), &ScoringConfig::default());
-        assert!(p.progress("r", 64));
+        assert!(p.progress(&"r".into(), 64));
         p.state().replicas[0].active_blocks
     };
     assert_eq!(footprint_after(None), 32, "no limit known: prompt and output blocks count");
@@ -572,16 +573,16 @@ fn a_long_prompt_is_prefilled_where_it_is_cached_and_decoded_elsewhere() {
     // Both predictions are checked against what the engines report: the leg's cache on r1,
     // and the same on the decode worker, which reports the prefill worker's cache hits (vLLM
     // 0.32 passes them on as `remote_prefill_cached_tokens`), not what it loaded.
-    assert!(p.engine_usage("long/prefill", 200, Some(160)));
-    assert!(p.engine_usage("long", 200, Some(160)));
+    assert!(p.engine_usage(&"long/prefill".into(), 200, Some(160)));
+    assert!(p.engine_usage(&"long".into(), 200, Some(160)));
     for id in ["long/prefill", "long"] {
         let checked = p.explain(Some(id), 1)[0].checked.expect("checked");
         assert_eq!((checked.check.cached_error, checked.check.prompt_mismatch), (0, false), "{id}");
     }
     // The leg's end frees the prefill worker; the request's end the decode worker.
-    assert!(p.lifecycle("long/prefill", false));
+    assert!(p.lifecycle(&"long/prefill".into(), false));
     assert_eq!(replica_load(&p, "r1"), (0, 0));
-    assert!(p.lifecycle("long", false));
+    assert!(p.lifecycle(&"long".into(), false));
     assert_eq!(replica_load(&p, &decoder), (0, 0));
 }
 
@@ -665,7 +666,7 @@ fn requests_no_leg_can_serve_are_served_whole_and_ended_requests_book_no_leg() {
     let sampled = RouteRequest { samples: 2, ..request("n2", &(300..500).collect::<Vec<u32>>()) };
     assert!(p.route(&sampled, &cfg).prefill.is_none(), "two sequences would pull one leg's KV");
     // A request whose end was reported before its decision (its filter gave up waiting).
-    assert!(!p.lifecycle("gone", false));
+    assert!(!p.lifecycle(&"gone".into(), false));
     let gone = p.route(&request("gone", &(600..800).collect::<Vec<u32>>()), &cfg);
     assert!(gone.prefill.is_none(), "no leg nobody would end");
     assert_eq!((replica_load(&p, "r0"), replica_load(&p, "r1")), ((0, 0), (0, 0)));
@@ -678,10 +679,10 @@ fn a_leg_that_did_not_deliver_moves_the_prefill_to_the_decode_worker() {
     let r = p.route(&request("failed", &prompt), &ScoringConfig::default());
     let decoder = r.replica.unwrap();
     assert_eq!(replica_load(&p, &decoder).0, 0);
-    assert!(p.lifecycle("failed/prefill", false));
-    assert!(p.served_whole("failed"));
+    assert!(p.lifecycle(&"failed/prefill".into(), false));
+    assert!(p.served_whole(&"failed".into()));
     assert_eq!(replica_load(&p, &decoder).0, 200, "the whole prompt, none of it cached there");
-    p.engine_usage("failed", 200, Some(0));
+    p.engine_usage(&"failed".into(), 200, Some(0));
     assert!(p.explain(Some("failed"), 1)[0].checked.is_none(), "the transfer's prediction no longer holds");
     assert_eq!(p.state().prediction.unchecked.moved, 1, "and is counted unchecked");
 }
@@ -734,11 +735,11 @@ fn a_same_prefix_burst_is_checked_against_what_was_cached_then() {
     assert_eq!(second.replica, first.replica, "the in-flight credit draws it there");
     assert_eq!(second.overlap_blocks, 16);
     // The engine scheduled both in one step: neither found anything cached.
-    assert!(p.engine_usage("first", 64, Some(0)));
-    assert!(p.engine_usage("second", 64, Some(0)));
+    assert!(p.engine_usage(&"first".into(), 64, Some(0)));
+    assert!(p.engine_usage(&"second".into(), 64, Some(0)));
     let t = p.state().prediction;
     assert_eq!((t.checked, t.exact, t.in_flight, t.over), (2, 1, 1, 0), "{t:?}");
-    assert!(!p.engine_usage("second", 64, Some(0)), "a prediction is checked once");
+    assert!(!p.engine_usage(&"second".into(), 64, Some(0)), "a prediction is checked once");
 }
 
 /// Concurrent decisions for one new prefix see each other's routes: at most one per replica
@@ -774,7 +775,7 @@ fn evictions_between_decision_and_report_explain_a_shortfall() {
     let hashes: Vec<EngineHash> = (0..16).map(|i| EngineHash(i + 1000)).collect();
     let removal = Change::Remove { tier: Tier::Device, engine_hashes: hashes };
     p.index_mut().apply(Write::Change(ReplicaIdx::new(1), removal)).unwrap();
-    assert!(p.engine_usage("r", 64, Some(0)));
+    assert!(p.engine_usage(&"r".into(), 64, Some(0)));
     let t = p.state().prediction;
     assert_eq!((t.evicted, t.over, t.alarm), (1, 0, false), "{t:?}");
 }
@@ -784,15 +785,15 @@ fn requests_that_cannot_be_checked_are_counted_with_their_reason() {
     let p = pool(1);
     let cfg = ScoringConfig::default();
     p.route(&request("silent", &(0..64).collect::<Vec<u32>>()), &cfg);
-    assert!(p.lifecycle("silent", false), "it ends without a usage report");
+    assert!(p.lifecycle(&"silent".into(), false), "it ends without a usage report");
     p.route(&request("no-details", &(100..164).collect::<Vec<u32>>()), &cfg);
-    assert!(p.engine_usage("no-details", 65, None), "an engine without cached-token details");
+    assert!(p.engine_usage(&"no-details".into(), 65, None), "an engine without cached-token details");
     let mut estimated = request("estimated", &[]);
     (estimated.prompt_tokens, estimated.prompt_count) = (500, kvgate_shared::wire::PromptCount::Estimated);
     p.route(&estimated, &cfg);
     let several = RouteRequest { samples: 3, ..request("several", &(300..364).collect::<Vec<u32>>()) };
     p.route(&several, &cfg);
-    assert!(!p.engine_usage("several", 64, Some(60)), "one sequence's report names no prediction");
+    assert!(!p.engine_usage(&"several".into(), 64, Some(60)), "one sequence's report names no prediction");
     let state = p.state();
     let u = state.prediction.unchecked;
     let counts = (u.no_usage, u.no_cached_tokens, u.estimated, u.several_sequences, state.prediction.checked);
@@ -800,6 +801,6 @@ fn requests_that_cannot_be_checked_are_counted_with_their_reason() {
     assert_eq!(state.prediction.prompt_mismatches, 1, "the prompt count is still compared");
     assert_eq!(state.replicas[0].reports_cached_tokens, Some(false));
     p.route(&request("detailed", &(200..264).collect::<Vec<u32>>()), &cfg);
-    assert!(p.engine_usage("detailed", 64, Some(0)));
+    assert!(p.engine_usage(&"detailed".into(), 64, Some(0)));
     assert_eq!(p.state().replicas[0].reports_cached_tokens, Some(true));
 }

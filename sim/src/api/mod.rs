@@ -198,7 +198,7 @@ fn admit(state: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Admitted, 
     let lora = if request.model == state.model {
         None
     } else {
-        match state.adapters.get(&request.model) {
+        match state.adapters.get(request.model.as_str()) {
             Some(lora) => Some(lora),
             None => {
                 let message = format!("The model `{}` does not exist.", request.model);
@@ -364,7 +364,7 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
     usage.cached = origin.reported_cached(usage.cached);
     let text = |seq: usize| state.tokenizer.decode(gathered.tokens(seq)).unwrap_or_default();
     if endpoint == Endpoint::Responses {
-        let body = response_object(&id, &request.model, max_tokens, Some(&text(0)), Some(&usage));
+        let body = response_object(&id, request.model.as_str(), max_tokens, Some(&text(0)), Some(&usage));
         return disaggregation_headers(&state, tagged(&state, Json(body).into_response()), origin, computed);
     }
     let choices: Vec<Value> = (0..gathered.fanout().sequences())

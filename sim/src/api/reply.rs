@@ -64,7 +64,7 @@ pub(super) fn stream_response(
             sequence += 1;
             Bytes::from(format!("event: {kind}\ndata: {data}\n\n"))
         };
-        let in_progress = response_object(&id, &request.model, max_tokens, None, None);
+        let in_progress = response_object(&id, request.model.as_str(), max_tokens, None, None);
         let message =
             json!({"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []});
         let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
@@ -115,7 +115,7 @@ pub(super) fn stream_response(
             ),
             event(
                 "response.completed",
-                json!({"response": response_object(&id, &request.model, max_tokens, Some(&text), Some(&usage))}),
+                json!({"response": response_object(&id, request.model.as_str(), max_tokens, Some(&text), Some(&usage))}),
             ),
         ];
         for bytes in closing {
