@@ -90,6 +90,12 @@ pub struct Config {
     /// Off by default: clients should not tune the fleet's routing.
     #[serde(default)]
     pub allow_request_overrides: bool,
+    /// Bytes of offloaded bodies (prompts too big to tokenize in Envoy) held at once, read,
+    /// waiting for a tokenizer or tokenizing (default 64 MiB, four of the largest): one that
+    /// would pass it is answered at once, unread, and Envoy routes it
+    /// (`kvgate_route_fallbacks_total{reason="offload_full"}`).
+    #[serde(default = "default_offload_queue_bytes")]
+    pub offload_queue_bytes: usize,
     /// One pool per model.
     pub pools: Vec<PoolSection>,
     /// Share bookings with the sidecars of the other gateway pods (off when absent).
@@ -120,6 +126,10 @@ impl<'de> Deserialize<'de> for PoolSection {
         let pool = PoolConfig::deserialize(toml::Value::Table(table)).map_err(D::Error::custom)?;
         Ok(PoolSection { pool, discovery })
     }
+}
+
+fn default_offload_queue_bytes() -> usize {
+    crate::api::DEFAULT_OFFLOAD_QUEUE_BYTES
 }
 
 fn default_listen() -> SocketAddr {
@@ -166,13 +176,21 @@ impl Config {
         Ok(config)
     }
 
-    /// `KVGATE_LISTEN` and the scoring knobs, under kvgate's names or Dynamo's.
+    /// The API's address unless configured: loopback.
+    pub fn default_listen() -> SocketAddr {
+        default_listen()
+    }
+
+    /// `KVGATE_LISTEN`, `KVGATE_METRICS_LISTEN`, `KVGATE_SYNC_LISTEN` and the scoring knobs, under kvgate's names or Dynamo's.
     fn apply_env(&mut self, env: &dyn Env) -> anyhow::Result<()> {
         if let Some(v) = env.var("KVGATE_LISTEN") {
             self.listen = v.parse().with_context(|| format!("KVGATE_LISTEN={v}"))?;
         }
         if let Some(v) = env.var("KVGATE_METRICS_LISTEN") {
             self.metrics_listen = Some(v.parse().with_context(|| format!("KVGATE_METRICS_LISTEN={v}"))?);
+        }
+        if let (Some(v), Some(sync)) = (env.var("KVGATE_SYNC_LISTEN"), self.sync.as_mut()) {
+            sync.listen = v;
         }
         let s = &mut self.scoring;
         // kvgate's name, then Dynamo's for the knobs that are Dynamo's.
@@ -222,14 +240,7 @@ impl Config {
             pool.admission.validate(&pool.model, pool.engine_metrics_secs)?;
         }
         if let Some(sync) = &self.sync {
-            for e in std::iter::once(&sync.listen).chain(&sync.peers) {
-                if !e.starts_with("tcp://") {
-                    bail!("sync endpoints must be tcp://, got {e:?}");
-                }
-            }
-            if sync.peers.is_empty() && sync.peers_dns.is_none() {
-                bail!("sync needs peers or peers_dns");
-            }
+            sync.validate()?;
             // The handover to starting peers listens on the sync port + 1.
             let port = sync.listen.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok());
             let Some(handover) = port.and_then(|p| p.checked_add(1)) else {

@@ -3,11 +3,11 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::health::Health;
 use crate::load::engine_metrics::reports_by_engine;
 use crate::load::EngineReport;
 use crate::pool::{Pool, Target};
@@ -15,14 +15,14 @@ use crate::pool::{Pool, Target};
 /// How long one scrape may take.
 const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Scrapes every active engine of `pool` every `interval` until `stop`, and books what they
-/// report beyond kvgate's own bookings as external load.
-pub fn spawn(pool: Arc<Pool>, interval: Duration, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
+/// Scrapes every active engine of `pool` every `interval` until the sidecar stops, and books
+/// what they report beyond kvgate's own bookings as external load.
+pub fn spawn(pool: Arc<Pool>, interval: Duration, health: &Arc<Health>) -> std::io::Result<JoinHandle<()>> {
     crate::poll::every(
         format!("engine-metrics-{}", pool.config().model),
         interval,
         SCRAPE_TIMEOUT,
-        stop,
+        health,
         move |client| {
             // Data-parallel ranks share an endpoint: one page per engine.
             let mut pages: HashMap<SocketAddr, Option<HashMap<String, EngineReport>>> = HashMap::new();

@@ -16,12 +16,13 @@
 //! | [`discovery`] | driver: each pool's replicas at run time — file reload, DNS, the local Envoy |
 //! | [`api`] | driver: the HTTP API for the filter and operators |
 //! | [`poll`] | the background poller the drivers share |
+//! | [`health`] | the background threads' heartbeats and the stop flag; what `/healthz` says |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`niceness`] | background threads give way to the API for the CPU |
 //! | [`config`] | the TOML file + `KVGATE_*` environment, validated; each section owned by its module |
 //! | [`tools`] | operator CLI tools (`events decode`, `events tap`) |
 //!
-//! Layers, bottom up: `index`, `metrics`, `niceness`, `poll`; `score`, `accuracy`, `msg`;
+//! Layers, bottom up: `health`; `index`, `metrics`, `niceness`, `poll`; `score`, `accuracy`, `msg`;
 //! `load`; `admission`; `pool`; the drivers `events`, `sync`, `engine_poller`, `api`;
 //! `discovery`; `config` (the file as a whole, above every module whose section it reads)
 //! and `tools`. Each module owns its config section (`config.rs` says which). A module imports only from layers below its own
@@ -37,6 +38,7 @@ pub mod config;
 pub mod discovery;
 pub mod engine_poller;
 pub mod events;
+pub mod health;
 pub mod index;
 pub mod load;
 pub mod metrics;

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -23,7 +24,8 @@ use kvgate_shared::prompt::Renderer;
 
 use kvgate_sidecar::config::{Config, PoolSection, ProcessEnv};
 use kvgate_sidecar::discovery::dns::SystemResolver;
-use kvgate_sidecar::discovery::{DiscoveryKind, Supervisor};
+use kvgate_sidecar::discovery::{DiscoveryConfig, DiscoveryKind, Supervisor};
+use kvgate_sidecar::health::Health;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::sync::SyncConfig;
@@ -52,6 +54,25 @@ enum Command {
     /// Inspect KV events with the sidecar's own decoder.
     #[command(subcommand)]
     Events(EventsCommand),
+    /// Fetch a model's tokenizer files from the Hugging Face Hub into a directory (an init
+    /// step's job), and check that they load.
+    FetchTokenizer {
+        /// The repository, e.g. `Qwen/Qwen3-8B`.
+        #[arg(long)]
+        repo: String,
+        /// A commit to pin (a branch or tag works, and moves).
+        #[arg(long)]
+        revision: String,
+        /// The directory to fill: the pool's `tokenizer`.
+        #[arg(long)]
+        dest: PathBuf,
+        /// The Hub, or a mirror with its layout.
+        #[arg(long, env = "HF_ENDPOINT", default_value = kvgate_sidecar::tools::hub::HUB)]
+        endpoint: String,
+        /// A token for gated or private repositories.
+        #[arg(long, env = "HF_TOKEN", hide_env_values = true)]
+        token: Option<String>,
+    },
     /// Print the token ids and block hashes the filter computes for a request body (stdin).
     Tokenize {
         /// Directory with tokenizer.json and tokenizer_config.json.
@@ -126,9 +147,11 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let stdout = &mut std::io::stdout();
     match cli.command.unwrap_or(Command::Serve) {
-        Command::Serve => {
-            tokio::runtime::Runtime::new()?.block_on(serve(Config::load(&cli.config, &ProcessEnv)?, cli.config))
-        }
+        Command::Serve => match tokio::runtime::Runtime::new()?.block_on(run(cli.config)) {
+            Ended::Shutdown => Ok(()),
+            // The container restarts; Envoy, in its own, keeps serving and fails open.
+            Ended::Unhealthy => std::process::exit(EXIT_UNHEALTHY),
+        },
         Command::CheckConfig { file } => {
             let config = Config::load(&file, &ProcessEnv)?;
             // Load each tokenizer and template as the filter will: a `tokenizer.json` using a
@@ -152,6 +175,18 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Events(EventsCommand::Tap { endpoint, replay, topic, count }) => {
             kvgate_sidecar::tools::tap(&endpoint, replay.as_deref(), &topic, count, stdout)
+        }
+        Command::FetchTokenizer { repo, revision, dest, endpoint, token } => {
+            let fetch = kvgate_sidecar::tools::hub::Fetch { endpoint, repo, revision, token, dest };
+            let written = kvgate_sidecar::tools::hub::fetch(&fetch)?;
+            println!(
+                "{}: {} from {} at {}, loads",
+                fetch.dest.display(),
+                written.join(", "),
+                fetch.repo,
+                fetch.revision
+            );
+            Ok(())
         }
         Command::Tokenize { model_dir, block_size, endpoint, chat_template_content_format } => {
             let mut body = Vec::new();
@@ -184,8 +219,100 @@ fn every(pools: &HashMap<String, Arc<Pool>>, period: Duration, work: impl Fn(&Po
     });
 }
 
-async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
+/// The exit status of a sidecar that ended because a background thread died or stalled.
+const EXIT_UNHEALTHY: i32 = 70;
+/// The first wait before a failed start-up is tried again; it doubles up to [`RETRY_MAX`].
+const RETRY_FIRST: Duration = Duration::from_secs(5);
+const RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// How serving ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    /// A shutdown signal.
+    Shutdown,
+    /// A background thread ended or stalled: the process ends, and its container restarts.
+    Unhealthy,
+}
+
+/// Serves until a shutdown signal or a dead thread. A start-up that fails (a config that does
+/// not load, a tokenizer that cannot, a port in use) does not end the process — a container
+/// that crash-loops takes the whole gateway pod out of its Service: the sidecar serves
+/// degraded ([`api::degraded_router`]: route calls answered 503 at once, so the filter fails
+/// open; `/livez` up, `/healthz` saying why) and tries again, waiting 5 s, then twice as long
+/// each time up to a minute.
+async fn run(config_path: PathBuf) -> Ended {
+    let mut wait = RETRY_FIRST;
+    loop {
+        let health = Health::new();
+        let loaded = Config::load(&config_path, &ProcessEnv);
+        let listeners = loaded.as_ref().map_or_else(|_| fallback_listeners(), |c| (c.listen, c.metrics_listen));
+        let error = match loaded {
+            Ok(config) => match serve(config, config_path.clone(), health.clone()).await {
+                Ok(ended) => return ended,
+                Err(e) => e,
+            },
+            Err(e) => e,
+        };
+        // Whatever started is told to stop before the next try binds its ports again.
+        health.stop();
+        tracing::error!(error = %format!("{error:#}"), retry_in_secs = wait.as_secs(), "start-up failed; serving degraded until the next try");
+        health.startup_failed(format!("{error:#}"));
+        if degraded(listeners, health, wait).await {
+            return Ended::Shutdown;
+        }
+        wait = (wait * 2).min(RETRY_MAX);
+    }
+}
+
+/// Where a sidecar whose config cannot be read listens while degraded: the API's default
+/// address, and `KVGATE_METRICS_LISTEN` if set (the liveness probe's port).
+fn fallback_listeners() -> (SocketAddr, Option<SocketAddr>) {
+    let metrics = std::env::var("KVGATE_METRICS_LISTEN").ok().and_then(|v| v.parse().ok());
+    (Config::default_listen(), metrics)
+}
+
+/// Serves [`api::degraded_router`] on `listeners` for `wait`, or until a shutdown signal
+/// (then true).
+async fn degraded(listeners: (SocketAddr, Option<SocketAddr>), health: Arc<Health>, wait: Duration) -> bool {
+    let (tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let mut servers = Vec::new();
+    for addr in std::iter::once(listeners.0).chain(listeners.1) {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(listener) => {
+                let mut done = tx.subscribe();
+                let app = api::degraded_router(health.clone());
+                servers.push(tokio::spawn(async move {
+                    let shutdown = async move {
+                        let _ = done.recv().await;
+                    };
+                    let _ = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
+                }));
+            }
+            Err(e) => tracing::warn!(%addr, error = %e, "cannot listen while degraded"),
+        }
+    }
+    let shutdown = tokio::select! {
+        _ = tokio::time::sleep(wait) => false,
+        _ = shutdown_signal() => true,
+    };
+    let _ = tx.send(());
+    for s in servers {
+        let _ = s.await;
+    }
+    shutdown
+}
+
+/// Starts everything and serves; `Err` when start-up fails (nothing left running but what
+/// `health`'s stop flag stops).
+async fn serve(config: Config, config_path: PathBuf, health: Arc<Health>) -> anyhow::Result<Ended> {
     let metrics = Arc::new(Metrics::default());
+    // The ports first: a port in use fails start-up before any thread starts.
+    let listener =
+        tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
+    let metrics_listener = match config.metrics_listen {
+        Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?),
+        None => None,
+    };
 
     let mut pools = HashMap::new();
     let mut sources = HashMap::new();
@@ -207,57 +334,17 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
         sources.insert(pool_config.model.clone(), found.clone());
     }
 
-    let stop = Arc::new(AtomicBool::new(false));
     let reload = Arc::new(AtomicBool::new(false));
     let zmq_ctx = zmq::Context::new();
-    let mut supervisors = Vec::new();
-    let mut watchers = Vec::new();
-    // The mesh id is settled once (it may be random): the handover and sync use the same.
-    let sync = config.sync.clone().map(|s| SyncConfig { id: Some(s.id()), ..s });
-    if let Some(sync) = &sync {
-        // The mesh first, so that peers' request ends are heard while their view is taken
-        // over (an end that comes before its booking is remembered, and the booking skipped);
-        // then, before any event stream starts, a peer's view, if a peer runs.
-        watchers.extend(kvgate_sidecar::sync::start(sync, &pools, metrics.clone(), &zmq_ctx, stop.clone())?);
-        kvgate_sidecar::sync::state::recover(sync, &sync.id(), &pools, &zmq_ctx);
-    }
-    for (model, pool) in &pools {
-        let found = sources[model].clone();
-        let kind = found.kind;
-        let supervisor = Arc::new(Supervisor::start(zmq_ctx.clone(), pool.clone(), found, metrics.clone())?);
-        match kind {
-            DiscoveryKind::Static => {}
-            DiscoveryKind::Dns => {
-                watchers.push(discovery::dns::spawn(supervisor.clone(), SystemResolver, stop.clone())?)
-            }
-            DiscoveryKind::Envoy => watchers.push(discovery::envoy::spawn(supervisor.clone(), stop.clone())?),
+    let (mut supervisors, mut watchers) = (Vec::new(), Vec::new());
+    let drivers = Drivers { supervisors: &mut supervisors, watchers: &mut watchers };
+    if let Err(e) =
+        start_drivers(&config, &config_path, &pools, &sources, &metrics, &health, &zmq_ctx, &reload, drivers)
+    {
+        for s in &supervisors {
+            s.shutdown();
         }
-        supervisors.push(supervisor);
-    }
-    let static_pools: Vec<Arc<Supervisor>> =
-        supervisors.iter().filter(|s| s.discovery().kind == DiscoveryKind::Static).cloned().collect();
-    if !static_pools.is_empty() {
-        let interval = Duration::from_secs(static_pools[0].discovery().interval_secs);
-        let path = config_path.clone();
-        let load = move || {
-            let config = Config::load(&path, &ProcessEnv)?;
-            Ok(config.pools.into_iter().map(|s| (s.pool, s.discovery)).collect())
-        };
-        watchers.push(discovery::watch_file(config_path, load, interval, static_pools, reload.clone(), stop.clone())?);
-    }
-    for pool in pools.values().filter(|p| p.config().adapters_poll_secs > 0) {
-        let interval = Duration::from_secs(pool.config().adapters_poll_secs);
-        watchers.push(discovery::adapters::spawn(pool.clone(), interval, stop.clone())?);
-    }
-    for pool in pools.values().filter(|p| p.config().engine_metrics_secs > 0) {
-        let interval = Duration::from_secs(pool.config().engine_metrics_secs);
-        watchers.push(kvgate_sidecar::engine_poller::spawn(pool.clone(), interval, stop.clone())?);
-    }
-    if let Some(sync) = &sync {
-        // Our own view is handed to starting peers once our streams run.
-        let handover =
-            kvgate_sidecar::sync::state::serve(sync, sync.id(), pools.clone(), metrics.clone(), &zmq_ctx, stop.clone());
-        watchers.push(handover?);
+        return Err(e);
     }
     tokio::spawn(async move {
         let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
@@ -280,28 +367,136 @@ async fn serve(config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     // Non-streamed requests' prefills end on estimates: checked ten times a second.
     every(&pools, Duration::from_millis(100), Pool::end_estimated_prefills);
 
-    let state = Arc::new(api::AppState::new(pools, config.scoring.clone(), config.allow_request_overrides, metrics));
-    if let Some(addr) = config.metrics_listen {
-        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+    let state = Arc::new(
+        api::AppState::new(pools, config.scoring.clone(), config.allow_request_overrides, metrics)
+            .with_offload_queue_bytes(config.offload_queue_bytes)
+            .with_health(health.clone()),
+    );
+    if let Some(listener) = metrics_listener {
         let app = api::metrics_router(state.clone());
         tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "the metrics listener failed");
             }
         });
-        tracing::info!(%addr, "metrics and health on");
+        tracing::info!(addr = ?config.metrics_listen, "metrics and health on");
     }
-    let listener =
-        tokio::net::TcpListener::bind(config.listen).await.with_context(|| format!("binding {}", config.listen))?;
     tracing::info!(listen = %config.listen, "kvgate-sidecar ready");
-    axum::serve(listener.tap_io(no_delay), api::router(state)).with_graceful_shutdown(shutdown_signal()).await?;
+    let ended = Arc::new(std::sync::Mutex::new(Ended::Shutdown));
+    let stopped = {
+        let (health, ended) = (health.clone(), ended.clone());
+        async move {
+            let why = tokio::select! {
+                _ = shutdown_signal() => Ended::Shutdown,
+                _ = unhealthy(&health) => Ended::Unhealthy,
+            };
+            *ended.lock().unwrap_or_else(|e| e.into_inner()) = why;
+        }
+    };
+    axum::serve(listener.tap_io(no_delay), api::router(state)).with_graceful_shutdown(stopped).await?;
 
-    stop.store(true, Ordering::Relaxed);
+    health.stop();
     for w in watchers {
         let _ = w.join();
     }
     for s in &supervisors {
         s.shutdown();
+    }
+    let ended = *ended.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(ended)
+}
+
+/// Resolves once a background thread has ended or stalled (checked every second), logging it.
+async fn unhealthy(health: &Health) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let problems = health.report(std::time::Instant::now());
+        if !problems.is_empty() {
+            tracing::error!(
+                ?problems,
+                "a background thread died or stalled; ending the sidecar (its container restarts)"
+            );
+            return;
+        }
+    }
+}
+
+/// What [`start_drivers`] has started so far: the caller's, so that a start-up failing half
+/// way can shut the supervisors down (the threads stop with `health`'s flag).
+struct Drivers<'a> {
+    supervisors: &'a mut Vec<Arc<Supervisor>>,
+    watchers: &'a mut Vec<std::thread::JoinHandle<()>>,
+}
+
+/// The sidecars' mesh, event streams, discovery and pollers, started in order for `serve`.
+#[allow(clippy::too_many_arguments)]
+fn start_drivers(
+    config: &Config,
+    config_path: &std::path::Path,
+    pools: &HashMap<String, Arc<Pool>>,
+    sources: &HashMap<String, DiscoveryConfig>,
+    metrics: &Arc<Metrics>,
+    health: &Arc<Health>,
+    zmq_ctx: &zmq::Context,
+    reload: &Arc<AtomicBool>,
+    started: Drivers<'_>,
+) -> anyhow::Result<()> {
+    let Drivers { supervisors, watchers } = started;
+    // The mesh id is settled once (it may be random): the handover and sync use the same.
+    let sync = config.sync.clone().map(|s| SyncConfig { id: Some(s.id()), ..s });
+    // The key read once: every socket of the mesh seals with the same.
+    let sealer = sync.as_ref().map(SyncConfig::sealer).transpose()?;
+    if let (Some(sync), Some(sealer)) = (&sync, &sealer) {
+        // The mesh first, so that peers' request ends are heard while their view is taken
+        // over (an end that comes before its booking is remembered, and the booking skipped);
+        // then, before any event stream starts, a peer's view, if a peer runs.
+        watchers.extend(kvgate_sidecar::sync::start(sync, pools, metrics.clone(), zmq_ctx, health, sealer)?);
+        kvgate_sidecar::sync::state::recover(sync, &sync.id(), pools, zmq_ctx, sealer);
+    }
+    for (model, pool) in pools {
+        let found = sources[model].clone();
+        let kind = found.kind;
+        let supervisor = Arc::new(Supervisor::start(zmq_ctx.clone(), pool.clone(), found, metrics.clone())?);
+        match kind {
+            DiscoveryKind::Static => {}
+            DiscoveryKind::Dns => watchers.push(discovery::dns::spawn(supervisor.clone(), SystemResolver, health)?),
+            DiscoveryKind::Envoy => watchers.push(discovery::envoy::spawn(supervisor.clone(), health)?),
+        }
+        supervisors.push(supervisor);
+    }
+    let static_pools: Vec<Arc<Supervisor>> =
+        supervisors.iter().filter(|s| s.discovery().kind == DiscoveryKind::Static).cloned().collect();
+    if !static_pools.is_empty() {
+        let interval = Duration::from_secs(static_pools[0].discovery().interval_secs);
+        let path = config_path.to_path_buf();
+        let load = move || {
+            let config = Config::load(&path, &ProcessEnv)?;
+            Ok(config.pools.into_iter().map(|s| (s.pool, s.discovery)).collect())
+        };
+        let file = config_path.to_path_buf();
+        watchers.push(discovery::watch_file(file, load, interval, static_pools, reload.clone(), health)?);
+    }
+    for pool in pools.values().filter(|p| p.config().adapters_poll_secs > 0) {
+        let interval = Duration::from_secs(pool.config().adapters_poll_secs);
+        watchers.push(discovery::adapters::spawn(pool.clone(), interval, health)?);
+    }
+    for pool in pools.values().filter(|p| p.config().engine_metrics_secs > 0) {
+        let interval = Duration::from_secs(pool.config().engine_metrics_secs);
+        watchers.push(kvgate_sidecar::engine_poller::spawn(pool.clone(), interval, health)?);
+    }
+    if let (Some(sync), Some(sealer)) = (&sync, &sealer) {
+        // Our own view is handed to starting peers once our streams run.
+        let handover = kvgate_sidecar::sync::state::serve(
+            sync,
+            sync.id(),
+            pools.clone(),
+            metrics.clone(),
+            zmq_ctx,
+            health,
+            sealer,
+        );
+        watchers.push(handover?);
     }
     Ok(())
 }

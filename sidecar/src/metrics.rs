@@ -45,6 +45,13 @@ pub struct FallbackLabels {
     pub reason: String,
 }
 
+/// Labels of something refused.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    /// Why it was refused.
+    pub reason: String,
+}
+
 /// Labels of a pool's discovery source.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DiscoveryLabels {
@@ -69,8 +76,16 @@ pub struct Metrics {
     pub wire_mismatches: Counter,
     /// Sync messages dropped because the peer sidecar speaks another sync version.
     pub sync_mismatches: Counter,
+    /// Sync messages refused: not sealed with the mesh's key, or too old.
+    pub sync_rejected: Family<RefusalLabels, Counter>,
     /// Views handed over to starting peers.
     pub handovers_served: Counter,
+    /// Bytes of offloaded bodies held now (read, waiting for a tokenizer, or tokenizing).
+    pub offload_bytes_held: Gauge,
+    /// Handover requests not answered: unauthenticated, too old, or over the rate limit.
+    pub handovers_refused: Family<RefusalLabels, Counter>,
+    /// Bytes of the handover answers sent.
+    pub handover_bytes: Counter,
     /// Blocks restored from a peer's view at start, per replica.
     pub handover_restored_blocks: Family<ReplicaLabels, Counter>,
     /// Time to score and book one request.
@@ -175,6 +190,10 @@ impl Default for Metrics {
         let wire_mismatches = Counter::default();
         let sync_mismatches = Counter::default();
         let handovers_served = Counter::default();
+        let offload_bytes_held = Gauge::default();
+        let sync_rejected = Family::default();
+        let handovers_refused = Family::default();
+        let handover_bytes = Counter::default();
         let handover_restored_blocks = Family::default();
         let decisions = Family::default();
         let chosen_overlap_blocks = Histogram::new([0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0]);
@@ -278,6 +297,22 @@ impl Default for Metrics {
             sync_mismatches.clone(),
         );
         registry.register(
+            "sync_rejected",
+            "Sync messages refused, by reason: unauthenticated (not sealed with this mesh's key) or stale (older than 60 s)",
+            sync_rejected.clone(),
+        );
+        registry.register(
+            "handovers_refused",
+            "Handover requests not answered, by reason: unauthenticated, stale or rate_limited",
+            handovers_refused.clone(),
+        );
+        registry.register("handover_bytes", "Bytes of the views handed over to starting peers", handover_bytes.clone());
+        registry.register(
+            "offload_bytes_held",
+            "Bytes of offloaded bodies held now (read, waiting for a tokenizer, or tokenizing), at most offload_queue_bytes",
+            offload_bytes_held.clone(),
+        );
+        registry.register(
             "handovers_served",
             "Views (index and bookings) handed over to sidecars that started while this one ran",
             handovers_served.clone(),
@@ -336,6 +371,10 @@ impl Default for Metrics {
             wire_mismatches,
             sync_mismatches,
             handovers_served,
+            offload_bytes_held,
+            sync_rejected,
+            handovers_refused,
+            handover_bytes,
             handover_restored_blocks,
             decisions,
             chosen_overlap_blocks,

@@ -5,6 +5,8 @@
 //!   `events[].type`, `block_hashes`, `parent_block_hash`, `token_ids`, `block_size`,
 //!   `medium`, `lora_name`, `group_idx`, …).
 //! - `kvgate-sidecar tokenize`: the filter's request → tokens → block hashes pipeline.
+//! - `kvgate-sidecar fetch-tokenizer`: a model's tokenizer files from the Hugging Face Hub
+//!   ([`hub`]).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -18,6 +20,8 @@ use kvgate_shared::prompt::content_format::ContentFormat;
 use kvgate_shared::prompt::openai::{parse, Endpoint};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::ModelBundle;
+
+pub mod hub;
 
 use crate::events::decode::decode_batch;
 use crate::events::transport::replay;

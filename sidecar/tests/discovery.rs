@@ -3,7 +3,6 @@
 
 use std::net::SocketAddr;
 use std::process::Command;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -11,6 +10,7 @@ use kvgate_e2e::process::{free_port, wait_for, Proc};
 use kvgate_sidecar::discovery::dns::{self, Resolver};
 use kvgate_sidecar::discovery::Supervisor;
 use kvgate_sidecar::discovery::{DiscoveryConfig, DiscoveryKind};
+use kvgate_sidecar::health::Health;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::pool::PoolConfig;
@@ -59,8 +59,8 @@ fn dns_answers_become_the_pool() {
         Arc::new(Supervisor::start(zmq::Context::new(), pool.clone(), discovery, metrics.clone()).unwrap());
     let stub = Stub(Arc::new(Mutex::new(Ok(Vec::new()))));
     stub.answer(Ok(vec!["127.0.0.2:8000", "127.0.0.3:8000"]));
-    let stop = Arc::new(AtomicBool::new(false));
-    let poller = dns::spawn(supervisor.clone(), stub.clone(), stop.clone()).unwrap();
+    let stop = Health::new();
+    let poller = dns::spawn(supervisor.clone(), stub.clone(), &stop).unwrap();
 
     wait_for("two replicas", WAIT, || (ids(&pool) == ["127.0.0.2:8000", "127.0.0.3:8000"]).then_some(())).unwrap();
     let errors = || metrics.render().lines().filter(|l| l.starts_with("kvgate_discovery_errors_total{")).count();
@@ -73,7 +73,7 @@ fn dns_answers_become_the_pool() {
     stub.answer(Ok(Vec::new()));
     wait_for("an empty answer empties the pool", WAIT, || ids(&pool).is_empty().then_some(())).unwrap();
 
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    stop.stop();
     poller.join().unwrap();
     supervisor.shutdown();
 }

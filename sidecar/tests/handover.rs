@@ -7,7 +7,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -15,6 +15,7 @@ use common::{block, removed, request, store, wait_for, Engine, BS};
 use kvgate_e2e::process::free_port_run;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_sidecar::discovery::{DiscoveryConfig, Supervisor};
+use kvgate_sidecar::health::Health;
 use kvgate_sidecar::index::Overlap;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::{Pool, TakenOver};
@@ -33,7 +34,7 @@ struct Gateway {
     metrics: Arc<Metrics>,
     supervisor: Supervisor,
     threads: Vec<JoinHandle<()>>,
-    stop: Arc<AtomicBool>,
+    stop: Arc<Health>,
 }
 
 impl Gateway {
@@ -68,19 +69,19 @@ impl Gateway {
             id: Some(id.into()),
             listen: format!("tcp://127.0.0.1:{sync_port}"),
             peers: peers.iter().map(|p| format!("tcp://127.0.0.1:{p}")).collect(),
-            peers_dns: None,
-            handover_timeout_ms: 5_000,
+            ..SyncConfig::new("", Vec::new())
         };
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut threads = kvgate_sidecar::sync::start(&sync, &pools, metrics.clone(), ctx, stop.clone()).unwrap();
-        let taken = kvgate_sidecar::sync::state::recover(&sync, id, &pools, ctx).map(|(from, taken)| {
+        let stop = Health::new();
+        let sealer = sync.sealer().unwrap();
+        let mut threads = kvgate_sidecar::sync::start(&sync, &pools, metrics.clone(), ctx, &stop, &sealer).unwrap();
+        let taken = kvgate_sidecar::sync::state::recover(&sync, id, &pools, ctx, &sealer).map(|(from, taken)| {
             assert_eq!(from, "a", "the peer that answered");
             taken
         });
         let supervisor =
             Supervisor::start(ctx.clone(), pool.clone(), DiscoveryConfig::default(), metrics.clone()).unwrap();
         let handover =
-            kvgate_sidecar::sync::state::serve(&sync, id.into(), pools, metrics.clone(), ctx, stop.clone()).unwrap();
+            kvgate_sidecar::sync::state::serve(&sync, id.into(), pools, metrics.clone(), ctx, &stop, &sealer).unwrap();
         threads.push(handover);
         (Gateway { pool, metrics, supervisor, threads, stop }, taken)
     }
@@ -100,7 +101,7 @@ impl Gateway {
 
 impl Drop for Gateway {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.stop();
         self.supervisor.shutdown();
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -184,7 +185,7 @@ fn a_starting_sidecar_takes_its_peers_view_over_and_resumes_the_streams() {
         (Some("e0"), 20),
         "B's first decision follows conversation 1's cache up to its evicted block"
     );
-    b.pool.lifecycle("b0", false);
+    b.pool.lifecycle(&"b0".into(), false);
 
     // Gateway C starts with no peer: it rebuilds from the engines' replay, which holds only
     // their last messages, whose blocks' parents it never saw.
@@ -224,7 +225,7 @@ fn a_starting_sidecar_takes_its_peers_view_over_and_resumes_the_streams() {
 
     // A's requests end through A: B, which took them over, releases them too.
     for i in 0..3 {
-        assert!(a.pool.lifecycle(&format!("a{i}"), false));
+        assert!(a.pool.lifecycle(&format!("a{i}").into(), false));
     }
     wait_for("B released A's requests", || b.active().iter().sum::<u64>() == 0);
 }

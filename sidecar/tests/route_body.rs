@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use axum::body::{to_bytes, Body};
+use std::time::Duration;
+
+use axum::body::{to_bytes, Body, Bytes};
 use axum::http::{Request, StatusCode};
 use kvgate_shared::codec;
 use kvgate_shared::hash::{EngineHash, Salt};
@@ -15,7 +17,7 @@ use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteResponse};
 use kvgate_sidecar::api::{router, AppState};
 use kvgate_sidecar::index::{ReplicaIdx, Store, Tier};
-use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::metrics::{FallbackLabels, Metrics};
 use kvgate_sidecar::pool::{OffloadError, Pool};
 use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
@@ -28,6 +30,11 @@ fn model_dir() -> std::path::PathBuf {
 }
 
 fn state() -> (Arc<AppState>, Arc<Pool>) {
+    state_holding(kvgate_sidecar::api::DEFAULT_OFFLOAD_QUEUE_BYTES)
+}
+
+/// A sidecar holding at most `queue_bytes` of offloaded bodies at once.
+fn state_holding(queue_bytes: usize) -> (Arc<AppState>, Arc<Pool>) {
     let replicas = (0..3)
         .map(|i| {
             let endpoint = format!("127.0.0.1:{}", 9000 + i).parse().unwrap();
@@ -39,7 +46,7 @@ fn state() -> (Arc<AppState>, Arc<Pool>) {
     let metrics = Arc::new(Metrics::default());
     let pool = Arc::new(Pool::new(config, bundle, metrics.clone()));
     let pools = HashMap::from([("qwen3".to_owned(), pool.clone())]);
-    let state = AppState::new(pools, ScoringConfig::default(), false, metrics);
+    let state = AppState::new(pools, ScoringConfig::default(), false, metrics).with_offload_queue_bytes(queue_bytes);
     (Arc::new(state), pool)
 }
 
@@ -161,4 +168,51 @@ async fn a_filter_of_another_wire_version_is_refused_by_name() {
     for version in [Some(WIRE_VERSION), None] {
         assert_eq!(call(version).await.unwrap().status(), StatusCode::OK, "{version:?}");
     }
+}
+
+/// The call the filter makes: its length declared.
+fn call(body: Body, len: usize) -> Request<Body> {
+    Request::post("/v1/route_body").header("content-length", len).body(body).unwrap()
+}
+
+#[tokio::test]
+async fn offloaded_bodies_held_at_once_are_bounded_in_bytes() {
+    let chat = format!(r#"{{"model":"qwen3","messages":[{{"role":"user","content":"{}"}}]}}"#, "word ".repeat(12_000));
+    let body = offload(&chat);
+    let len = body.len();
+    // Room for one such body, not two.
+    let (state, _) = state_holding(len + len / 2);
+    let held = || state.metrics.offload_bytes_held.get();
+
+    // A first call whose headers came and whose body has not: its room is held meanwhile.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+    let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    let first = tokio::spawn(router(state.clone()).oneshot(call(Body::from_stream(stream), len)));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while held() != len as i64 {
+        assert!(tokio::time::Instant::now() < deadline, "the first body's room is never held: {}", held());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    // A second would pass the bound: answered at once, unread, and counted.
+    let second = router(state.clone()).oneshot(call(Body::from(body.clone()), len)).await.unwrap();
+    assert_eq!(second.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let message = String::from_utf8(to_bytes(second.into_body(), 1 << 20).await.unwrap().to_vec()).unwrap();
+    assert!(message.contains("offload_queue_bytes"), "{message}");
+    let full = FallbackLabels { reason: "offload_full".into() };
+    assert_eq!(state.metrics.route_fallbacks.get_or_create(&full).get(), 1);
+
+    // The first body arrives: it is routed, and its room given back.
+    tx.send(Ok(Bytes::from(body.clone()))).await.unwrap();
+    drop(tx);
+    let answered = first.await.unwrap().unwrap();
+    assert_eq!(answered.status(), StatusCode::OK);
+    let route: RouteResponse = codec::decode(&to_bytes(answered.into_body(), 1 << 20).await.unwrap()).unwrap();
+    assert!(route.endpoint.is_some(), "routed: {route:?}");
+    assert_eq!(held(), 0);
+
+    // With room again, the same body is routed.
+    let again = router(state.clone()).oneshot(call(Body::from(body), len)).await.unwrap();
+    assert_eq!(again.status(), StatusCode::OK);
+    assert_eq!(held(), 0);
 }

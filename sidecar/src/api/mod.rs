@@ -1,16 +1,20 @@
 //! The HTTP API the filter (and operators) call. Bodies of the `/v1` endpoints are
 //! [`kvgate_shared::codec`]-encoded; see [`kvgate_shared::wire`] for the table of endpoints.
 //!
-//! Operator endpoints: `GET /metrics` (Prometheus), `GET /healthz`, `GET /debug/state` (JSON),
+//! Operator endpoints: `GET /metrics` (Prometheus), `GET /healthz` (200 `ok`, or 503 with what
+//! is wrong: a failed start-up, a background thread ended or stalled — `crate::health`),
+//! `GET /livez` (200 while the process answers: the liveness probe, which must not restart a
+//! sidecar that is degraded but serving), `GET /debug/state` (JSON),
 //! `GET /debug/explain[?request=ID][&last=N]` (every candidate's cost terms per decision).
+//! A sidecar whose start-up failed serves [`degraded_router`] meanwhile.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -22,6 +26,7 @@ use kvgate_shared::wire::{
 };
 
 use crate::admission::Place;
+use crate::health::Health;
 use crate::metrics::{AdmissionLabels, FallbackLabels, Metrics, PoolLabels, ReasonLabels};
 use crate::pool::{Admit, OffloadError, Pool};
 use crate::score::ScoringConfig;
@@ -38,7 +43,14 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Offloaded prompts tokenized at once: one per core. Others wait, up to their deadline.
     offload_slots: Arc<tokio::sync::Semaphore>,
+    /// Bytes of offloaded bodies held at once (read, waiting or tokenizing), one permit a byte.
+    offload_bytes: Arc<tokio::sync::Semaphore>,
+    /// The background threads' heartbeats, for `/healthz`.
+    health: Arc<Health>,
 }
+
+/// Offloaded bodies held at once unless configured otherwise: four of the largest.
+pub const DEFAULT_OFFLOAD_QUEUE_BYTES: usize = 4 * MAX_BODY_BYTES;
 
 impl AppState {
     /// The state of a sidecar routing `pools`.
@@ -50,13 +62,54 @@ impl AppState {
     ) -> AppState {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let offload_slots = Arc::new(tokio::sync::Semaphore::new(cores));
-        AppState { pools, scoring, allow_request_overrides, metrics, offload_slots }
+        let offload_bytes = Arc::new(tokio::sync::Semaphore::new(DEFAULT_OFFLOAD_QUEUE_BYTES));
+        AppState {
+            pools,
+            scoring,
+            allow_request_overrides,
+            metrics,
+            offload_slots,
+            offload_bytes,
+            health: Health::new(),
+        }
+    }
+
+    /// Reports the health of `health`'s threads on `/healthz`.
+    pub fn with_health(self, health: Arc<Health>) -> AppState {
+        AppState { health, ..self }
+    }
+
+    /// Holds at most `bytes` of offloaded bodies at once (the config's `offload_queue_bytes`).
+    pub fn with_offload_queue_bytes(self, bytes: usize) -> AppState {
+        AppState { offload_bytes: Arc::new(tokio::sync::Semaphore::new(bytes)), ..self }
+    }
+
+    /// Reserves room for an offloaded body of `bytes`, if there is room now; released (and
+    /// the gauge lowered) when the reservation is dropped.
+    fn reserve_offload(&self, bytes: usize) -> Option<OffloadRoom> {
+        let permits = u32::try_from(bytes).ok()?;
+        let permit = self.offload_bytes.clone().try_acquire_many_owned(permits).ok()?;
+        self.metrics.offload_bytes_held.inc_by(i64::from(permits));
+        Some(OffloadRoom { _permit: permit, bytes: i64::from(permits), metrics: self.metrics.clone() })
     }
 
     /// The pool a request's `model` routes in: the pool of that base model, else the pool
     /// that serves an adapter of that name (configured or learned from its engines).
     pub fn pool_for(&self, model: &str) -> Option<&Arc<Pool>> {
         self.pools.get(model).or_else(|| self.pools.values().find(|p| p.serves_adapter(model)))
+    }
+}
+
+/// Room held for one offloaded body.
+struct OffloadRoom {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    bytes: i64,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for OffloadRoom {
+    fn drop(&mut self) {
+        self.metrics.offload_bytes_held.dec_by(self.bytes);
     }
 }
 
@@ -71,12 +124,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         // slashes may also arrive as they are, from other clients: both name the model.
         .route("/v1/models/{*model_path}", get(tokenizer))
         .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(healthz))
+        .route("/livez", get(|| async { "ok" }))
         .route("/debug/state", get(debug_state))
         .route("/debug/explain", get(debug_explain))
         // Offloaded bodies and lifecycle batches are as large as Envoy buffers, plus the
         // envelope (axum's own default is 2 MiB).
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES + ENVELOPE_BYTES))
+        .layer(DefaultBodyLimit::max(OFFLOAD_LIMIT))
         // A filter of another release: refused by name before its body is misread.
         .layer(axum::middleware::from_fn_with_state(state.clone(), same_wire))
         .with_state(state)
@@ -102,10 +156,46 @@ async fn same_wire(
 
 /// Room for a [`RouteBodyRequest`]'s fields around the body it carries.
 const ENVELOPE_BYTES: usize = 64 << 10;
+/// The largest offload call read.
+const OFFLOAD_LIMIT: usize = MAX_BODY_BYTES + ENVELOPE_BYTES;
 
-/// The read-only routes of the optional `metrics_listen` listener: `/metrics` and `/healthz`.
+/// The read-only routes of the optional `metrics_listen` listener: `/metrics`, `/healthz` and
+/// `/livez`.
 pub fn metrics_router(state: Arc<AppState>) -> Router {
-    Router::new().route("/metrics", get(metrics)).route("/healthz", get(|| async { "ok" })).with_state(state)
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/livez", get(|| async { "ok" }))
+        .with_state(state)
+}
+
+/// What a sidecar whose start-up failed serves while it retries: `/livez` answers, `/healthz`
+/// says why it is not running (503), and every other call is answered 503 at once, so the
+/// filter fails open without waiting out its timeout.
+pub fn degraded_router(health: Arc<Health>) -> Router {
+    let why = health.clone();
+    let not_running = move || {
+        let why: Vec<String> = why.report(Instant::now()).iter().map(|p| format!("{p:?}")).collect();
+        let message = format!("kvgate-sidecar is not running: {}", why.join("; "));
+        async move { (StatusCode::SERVICE_UNAVAILABLE, message) }
+    };
+    Router::new()
+        .route("/livez", get(|| async { "ok" }))
+        .route("/healthz", get(move || report(health.clone())))
+        .fallback(not_running)
+}
+
+async fn healthz(State(state): State<Arc<AppState>>) -> Response {
+    report(state.health.clone()).await
+}
+
+/// `ok`, or 503 and the problems as JSON.
+async fn report(health: Arc<Health>) -> Response {
+    let problems = health.report(Instant::now());
+    if problems.is_empty() {
+        return "ok".into_response();
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({ "problems": problems }))).into_response()
 }
 
 fn encoded<T: serde::Serialize>(value: &T) -> Response {
@@ -126,7 +216,7 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
-    let Some(pool) = state.pool_for(&req.model) else {
+    let Some(pool) = state.pool_for(req.model.as_str()) else {
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, format!("no pool for model {:?}", req.model));
     };
     let scoring = match (&req.overrides, state.allow_request_overrides) {
@@ -174,7 +264,7 @@ async fn admitted(
         let first = woken
             || match &place {
                 None if gate.is_empty() => true,
-                None => place.insert(gate.place(class, &req.model, req.tenant.as_deref())).is_first(),
+                None => place.insert(gate.place(class, req.model.as_str(), req.tenant.as_deref())).is_first(),
                 Some(p) => p.is_first(),
             };
         if first || (gate.has_fair_headroom() && req.tenant.is_some() && !gate.higher_waiting(class)) {
@@ -186,7 +276,7 @@ async fn admitted(
                 return (encoded(&decision), waited);
             }
         }
-        let p = place.get_or_insert_with(|| gate.place(class, &req.model, req.tenant.as_deref()));
+        let p = place.get_or_insert_with(|| gate.place(class, req.model.as_str(), req.tenant.as_deref()));
         waiting.set(gate.waiting() as i64 + 1);
         let wait_started = Instant::now();
         let result = p.wait(seen, until).await;
@@ -211,9 +301,24 @@ const DEFAULT_OFFLOAD_BUDGET: Duration = Duration::from_secs(1);
 /// A prompt the filter offloaded: parsed and tokenized here, on a blocking thread, so that
 /// neither an Envoy worker nor this runtime's threads stall on it. At most one prompt per
 /// core is tokenized at once; a prompt that cannot be routed within the filter's budget is
-/// skipped (`late`, 503) and not booked: the filter has given up on it.
-async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+/// skipped (`late`, 503) and not booked: the filter has given up on it. Bodies held at once
+/// (read, waiting, tokenizing) are bounded in bytes: one past the bound is answered at once
+/// (`offload_full`, 503) before it is read, and Envoy routes it.
+async fn route_body(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
+    // Room for the body as it says it is (at most what the route accepts) before reading it.
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+        .map_or(OFFLOAD_LIMIT, |n| n.min(OFFLOAD_LIMIT));
+    let Some(_room) = state.reserve_offload(declared) else {
+        let message = format!("{declared} bytes would pass the sidecar's offload_queue_bytes; routed by Envoy");
+        return fallback(&state, "offload_full", StatusCode::SERVICE_UNAVAILABLE, message);
+    };
+    let body = match axum::body::to_bytes(body, declared).await {
+        Ok(b) => b,
+        Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
+    };
     let req: RouteBodyRequest<'static> = match codec::decode(&body) {
         Ok(r) => r,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
@@ -239,7 +344,7 @@ async fn route_body(State(state): State<Arc<AppState>>, body: Bytes) -> Response
             return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
         }
     };
-    let Some(pool) = state.pool_for(&parsed.model).cloned() else {
+    let Some(pool) = state.pool_for(parsed.model.as_str()).cloned() else {
         let message = format!("no pool for model {:?}", parsed.model);
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, message);
     };
@@ -275,7 +380,7 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
     for event in &batch.events {
         let id = &event.request_id;
         // Only the pool of the request's model applies its report.
-        let pool = state.pool_for(&event.model);
+        let pool = state.pool_for(event.model.as_str());
         let (kind, known) = match &event.kind {
             LifecycleKind::FirstToken => ("first_token", pool.is_some_and(|p| p.lifecycle(id, true))),
             LifecycleKind::Done => ("done", pool.is_some_and(|p| p.lifecycle(id, false))),

@@ -185,13 +185,46 @@ const DNS: &str = r#"
 #[test]
 fn sync_needs_tcp_endpoints_and_peers() {
     let with = |sync: &str| load(&format!("{sync}\n{BASE}"), &[]);
-    let ok = with("[sync]\nlisten = \"tcp://0.0.0.0:9913\"\npeers_dns = \"gw.ns.svc.cluster.local\"").unwrap();
+    let ok = with("[sync]\nlisten = \"tcp://127.0.0.1:9913\"\npeers_dns = \"gw.ns.svc.cluster.local\"").unwrap();
     assert_eq!(ok.sync.unwrap().peers_dns.as_deref(), Some("gw.ns.svc.cluster.local"));
     assert!(with("[sync]\nlisten = \"tcp://0.0.0.0:9913\"").is_err(), "no peers");
     assert!(with("[sync]\nlisten = \"ipc:///x\"\npeers = [\"tcp://a:1\"]").is_err());
     assert!(load(BASE, &[]).unwrap().sync.is_none(), "off by default");
-    let clash = load(&format!("metrics_listen = \"0.0.0.0:9914\"\n[sync]\nlisten = \"tcp://0.0.0.0:9913\"\npeers = [\"tcp://a:1\"]\n{BASE}"), &[]);
+    let clash = load(&format!("metrics_listen = \"0.0.0.0:9914\"\n[sync]\nlisten = \"tcp://127.0.0.1:9913\"\npeers = [\"tcp://a:1\"]\n{BASE}"), &[]);
     assert!(clash.unwrap_err().to_string().contains("port + 1"), "the handover's port is taken");
+}
+
+#[test]
+fn sync_beyond_loopback_needs_a_key_or_the_operators_word() {
+    let with = |sync: &str, env: &[(&'static str, &'static str)]| {
+        load(&format!("[sync]\n{sync}\npeers = [\"tcp://a:1\"]\n{BASE}"), env)
+    };
+    for listen in ["tcp://0.0.0.0:9913", "tcp://10.0.0.7:9913", "tcp://gw-0:9913"] {
+        let e = with(&format!("listen = \"{listen}\""), &[]).unwrap_err().to_string();
+        assert!(e.contains("sync.key_file"), "{listen}: {e}");
+    }
+    for listen in ["tcp://127.0.0.1:9913", "tcp://[::1]:9913", "tcp://localhost:9913"] {
+        assert!(with(&format!("listen = \"{listen}\""), &[]).is_ok(), "{listen} is loopback");
+    }
+    assert!(with("listen = \"tcp://0.0.0.0:9913\"\nallow_unauthenticated = true", &[]).is_ok());
+    // In Kubernetes the pod's IP comes through the environment: it is checked the same way.
+    let e = with("listen = \"tcp://127.0.0.1:9913\"", &[("KVGATE_SYNC_LISTEN", "tcp://10.0.0.7:9913")]);
+    assert!(e.unwrap_err().to_string().contains("sync.key_file"));
+
+    let dir = std::env::temp_dir().join(format!("kvgate-config-key-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("good");
+    std::fs::write(&good, "6b76676174652d746573742d6b65792d6f6e6c792d6e65766572207573652121\n").unwrap();
+    let bad = dir.join("bad");
+    std::fs::write(&bad, "hunter2").unwrap();
+    let keyed = |path: &std::path::Path| {
+        with(&format!("listen = \"tcp://10.0.0.7:9913\"\nkey_file = {:?}", path.display().to_string()), &[])
+    };
+    assert!(keyed(&good).is_ok());
+    assert!(keyed(&bad).unwrap_err().to_string().contains("64 hex digits"));
+    assert!(keyed(&dir.join("missing")).unwrap_err().to_string().contains("reading the sync key"));
+    let zero = with("listen = \"tcp://127.0.0.1:9913\"\nhandover_burst = 0", &[]);
+    assert!(zero.is_err(), "a zero burst would never hand over");
 }
 
 #[test]

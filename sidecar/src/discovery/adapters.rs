@@ -8,11 +8,12 @@
 //! list (it may be restarting; discovery and health checks decide whether it is gone).
 
 use std::collections::{BTreeSet, HashSet};
-use std::sync::atomic::AtomicBool;
+
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use crate::health::Health;
 use crate::pool::Pool;
 
 /// How long one `/v1/models` call may take.
@@ -44,9 +45,9 @@ pub fn listed_adapters(body: &[u8], base: &str) -> Result<BTreeSet<String>, serd
     Ok(list.data.into_iter().filter(|e| e.parent.as_deref() == Some(base) && e.id != base).map(|e| e.id).collect())
 }
 
-/// Polls every active engine of `pool` every `interval` until `stop`.
-pub fn spawn(pool: Arc<Pool>, interval: Duration, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
-    crate::poll::every(format!("adapters-{}", pool.config().model), interval, FETCH_TIMEOUT, stop, move |client| {
+/// Polls every active engine of `pool` every `interval` until the sidecar stops.
+pub fn spawn(pool: Arc<Pool>, interval: Duration, health: &Arc<Health>) -> std::io::Result<JoinHandle<()>> {
+    crate::poll::every(format!("adapters-{}", pool.config().model), interval, FETCH_TIMEOUT, health, move |client| {
         // Data-parallel ranks share an endpoint: one call per engine.
         let endpoints: HashSet<String> = pool.active_targets().iter().map(|t| t.endpoint.to_string()).collect();
         for endpoint in endpoints {

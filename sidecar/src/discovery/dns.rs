@@ -3,12 +3,13 @@
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::AtomicBool;
+
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::{poll, DiscoveryConfig, DiscoveryKind, Supervisor};
+use crate::health::Health;
 use crate::pool::ReplicaConfig;
 
 /// Resolves a name to addresses (the system resolver in production, a stub in tests).
@@ -38,15 +39,16 @@ pub fn replicas(config: &DiscoveryConfig, resolver: &mut dyn Resolver) -> std::i
     Ok(config.replicas(addrs.into_iter().collect(), prefill))
 }
 
-/// Resolves the pool's name every `interval_secs` and applies the result until `stop`.
+/// Resolves the pool's name every `interval_secs` and applies the result until the sidecar
+/// stops.
 pub fn spawn(
     supervisor: Arc<Supervisor>,
     mut resolver: impl Resolver,
-    stop: Arc<AtomicBool>,
+    health: &Arc<Health>,
 ) -> std::io::Result<JoinHandle<()>> {
     let config = supervisor.discovery().clone();
     let interval = Duration::from_secs(config.interval_secs);
-    poll(&config.name.clone(), interval, stop, move || {
+    poll(&config.name.clone(), interval, health, move || {
         let found = replicas(&config, &mut resolver).map_err(|e| format!("resolving {}: {e}", config.name));
         supervisor.refresh(DiscoveryKind::Dns, found);
     })

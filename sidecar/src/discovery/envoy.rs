@@ -3,7 +3,7 @@
 //! kvgate never picks a host that Envoy's health checks or outlier detection took out.
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
+
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -11,6 +11,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::{poll, DiscoveryConfig, DiscoveryKind, Supervisor};
+use crate::health::Health;
 use crate::pool::ReplicaConfig;
 
 /// How long one admin call may take.
@@ -77,13 +78,13 @@ pub fn replicas(config: &DiscoveryConfig, client: &reqwest::blocking::Client) ->
     Ok(config.replicas(healthy_hosts(&doc, &config.name)?, prefill))
 }
 
-/// Polls the admin API every `interval_secs` and applies the result until `stop`.
-pub fn spawn(supervisor: Arc<Supervisor>, stop: Arc<AtomicBool>) -> std::io::Result<JoinHandle<()>> {
+/// Polls the admin API every `interval_secs` and applies the result until the sidecar stops.
+pub fn spawn(supervisor: Arc<Supervisor>, health: &Arc<Health>) -> std::io::Result<JoinHandle<()>> {
     let config = supervisor.discovery().clone();
     let interval = Duration::from_secs(config.interval_secs);
     // Built on the polling thread: a blocking client must not be created on the runtime.
     let mut client = None;
-    poll(&config.name.clone(), interval, stop, move || {
+    poll(&config.name.clone(), interval, health, move || {
         let client = match &client {
             Some(c) => c,
             None => match reqwest::blocking::Client::builder().timeout(ADMIN_TIMEOUT).build() {

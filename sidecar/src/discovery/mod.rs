@@ -32,6 +32,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::events::apply::Applier;
 use crate::events::transport::{Ingesters, Readers, Source};
+use crate::health::{Health, Worker};
 use crate::index::ReplicaIdx;
 use crate::metrics::{DiscoveryLabels, Metrics};
 use crate::pool::{Pool, PoolConfig, ReplicaConfig};
@@ -129,24 +130,31 @@ impl Supervisor {
     }
 }
 
-/// Runs `refresh` every `interval` until `stop`: the loop of the `dns` and `envoy` sources.
+/// How long a discovery thread may go without a heartbeat beyond its interval: one refresh
+/// (a DNS lookup, an admin API call) may block that long.
+const REFRESH_MAY_TAKE: Duration = Duration::from_secs(60);
+
+/// Runs `refresh` every `interval` until the sidecar stops: the loop of the `dns` and `envoy`
+/// sources.
 pub fn poll(
     name: &str,
     interval: Duration,
-    stop: Arc<AtomicBool>,
+    health: &Arc<Health>,
     mut refresh: impl FnMut() + Send + 'static,
 ) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new().name(format!("discover-{name}")).spawn(move || {
-        while !stop.load(Ordering::Relaxed) {
+    let name = format!("discover-{name}");
+    let worker = health.worker(&name, interval + REFRESH_MAY_TAKE);
+    std::thread::Builder::new().name(name).spawn(move || {
+        while !worker.stopping() {
             refresh();
-            sleep_until(Instant::now() + interval, &stop, &AtomicBool::new(false));
+            sleep_until(Instant::now() + interval, &worker, &AtomicBool::new(false));
         }
     })
 }
 
-/// Sleeps until `deadline`, waking early when `stop` or `wake` is set.
-fn sleep_until(deadline: Instant, stop: &AtomicBool, wake: &AtomicBool) {
-    while Instant::now() < deadline && !stop.load(Ordering::Relaxed) && !wake.load(Ordering::Relaxed) {
+/// Sleeps until `deadline`, waking early when the sidecar stops or `wake` is set.
+fn sleep_until(deadline: Instant, worker: &Worker, wake: &AtomicBool) {
+    while Instant::now() < deadline && !worker.stopping() && !wake.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(50).min(deadline.saturating_duration_since(Instant::now())));
     }
 }
@@ -162,13 +170,14 @@ pub fn watch_file(
     interval: Duration,
     supervisors: Vec<Arc<Supervisor>>,
     reload: Arc<AtomicBool>,
-    stop: Arc<AtomicBool>,
+    health: &Arc<Health>,
 ) -> std::io::Result<JoinHandle<()>> {
     let modified = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let worker = health.worker("discover-file", interval + REFRESH_MAY_TAKE);
     std::thread::Builder::new().name("discover-file".into()).spawn(move || {
         let mut seen: Option<SystemTime> = modified(&path);
-        while !stop.load(Ordering::Relaxed) {
-            sleep_until(Instant::now() + interval, &stop, &reload);
+        while !worker.stopping() {
+            sleep_until(Instant::now() + interval, &worker, &reload);
             let now = modified(&path);
             if !reload.swap(false, Ordering::Relaxed) && now == seen {
                 continue;

@@ -23,24 +23,30 @@
 //!   also counts as cached where it went, for `inflight_credit_secs`, until the engine's
 //!   events say so (a `ran_on` correction of our own is not sent: a peer's credit stays on
 //!   the replica first named until it expires). A peer can only book work and give credit on
-//!   replicas this sidecar already knows — through a booking, or a handover — so a peer (or
-//!   an impostor on the sync ports: restrict both with a NetworkPolicy) can skew load and
-//!   credit, never steer a request to a host outside the pool.
+//!   replicas this sidecar already knows — through a booking, or a handover — so a peer can
+//!   skew load and credit, never steer a request to a host outside the pool.
+//! - Beyond one host the mesh is sealed ([`seal`]): with `key_file`, every message and every
+//!   handover frame is encrypted and authenticated with the key the gateways share, and
+//!   anything else is refused and counted (`kvgate_sync_rejected_total`). Without a key the
+//!   sidecar refuses to listen beyond loopback unless told `allow_unauthenticated`.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::ToSocketAddrs;
-use std::sync::atomic::{AtomicBool, Ordering};
+
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 mod config;
+pub mod seal;
 pub mod state;
 
 pub use config::SyncConfig;
+use seal::{Purpose, Sealer};
 
-use crate::metrics::Metrics;
+use crate::health::{Health, Worker};
+use crate::metrics::{Metrics, RefusalLabels};
 use crate::msg::sync::{Outbox, SyncBatch, SyncEvent};
 use crate::pool::Pool;
 
@@ -62,6 +68,9 @@ const OUTBOX: usize = 65_536;
 /// How often blocked calls wake up to check for shutdown, and `peers_dns` is re-resolved.
 const POLL: Duration = Duration::from_millis(100);
 const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+/// A sync thread silent this long is stalled: each wakes every [`POLL`], and a DNS lookup of
+/// the peers may block a while.
+const STALLED_AFTER: Duration = Duration::from_secs(60);
 
 /// Starts the publisher and the subscriber, and hands every pool its outbox. (The handover
 /// to starting peers is [`state::serve`], started once this sidecar's own streams run.)
@@ -70,7 +79,8 @@ pub fn start(
     pools: &HashMap<String, Arc<Pool>>,
     metrics: Arc<Metrics>,
     ctx: &zmq::Context,
-    stop: Arc<AtomicBool>,
+    health: &Arc<Health>,
+    sealer: &Sealer,
 ) -> anyhow::Result<Vec<JoinHandle<()>>> {
     let (tx, rx) = sync_channel(OUTBOX);
     for pool in pools.values() {
@@ -84,22 +94,26 @@ pub fn start(
     subscriber.set_rcvtimeo(POLL.as_millis() as i32)?;
     subscriber.set_linger(0)?;
     let id = config.id();
-    tracing::info!(id = %id, listen = %config.listen, "gateway sync on");
+    let sealer = sealer.clone();
+    tracing::info!(id = %id, listen = %config.listen, sealed = sealer.keyed(), "gateway sync on");
     let publish = {
-        let (id, stop) = (id.clone(), stop.clone());
-        std::thread::Builder::new().name("sync-pub".into()).spawn(move || publish_loop(&publisher, &id, &rx, &stop))?
+        let (id, sealer, worker) = (id.clone(), sealer.clone(), health.worker("sync-pub", STALLED_AFTER));
+        std::thread::Builder::new()
+            .name("sync-pub".into())
+            .spawn(move || publish_loop(&publisher, &id, &sealer, &rx, &worker))?
     };
-    let (config, pools) = (config.clone(), pools.clone());
-    let receive = std::thread::Builder::new()
-        .name("sync-sub".into())
-        .spawn(move || receive_loop(&subscriber, &config, &id, &pools, &metrics, &stop))?;
+    let (config, pools, worker) = (config.clone(), pools.clone(), health.worker("sync-sub", STALLED_AFTER));
+    let receive = std::thread::Builder::new().name("sync-sub".into()).spawn(move || {
+        let mesh = Mesh { own_id: &id, sealer: &sealer, pools: &pools, metrics: &metrics };
+        receive_loop(&subscriber, &config, &mesh, &worker)
+    })?;
     Ok(vec![publish, receive])
 }
 
-fn publish_loop(socket: &zmq::Socket, origin: &str, rx: &Receiver<SyncEvent>, stop: &AtomicBool) {
+fn publish_loop(socket: &zmq::Socket, origin: &str, sealer: &Sealer, rx: &Receiver<SyncEvent>, worker: &Worker) {
     let mut batch = Vec::new();
     let mut first_at = Instant::now();
-    while !stop.load(Ordering::Relaxed) {
+    while !worker.stopping() {
         let wait = if batch.is_empty() { POLL } else { FLUSH_AFTER.saturating_sub(first_at.elapsed()) };
         match rx.recv_timeout(wait) {
             Ok(event) => {
@@ -118,6 +132,7 @@ fn publish_loop(socket: &zmq::Socket, origin: &str, rx: &Receiver<SyncEvent>, st
         let message = SyncBatch { origin: origin.to_owned(), events: std::mem::take(&mut batch) };
         match kvgate_shared::codec::encode(&message) {
             Ok(bytes) => {
+                let bytes = sealer.seal(Purpose::Sync, bytes, SystemTime::now());
                 if let Err(e) = socket.send_multipart([TOPIC, bytes.as_slice()], 0) {
                     tracing::warn!(error = %e, "sync publish failed");
                 }
@@ -127,18 +142,21 @@ fn publish_loop(socket: &zmq::Socket, origin: &str, rx: &Receiver<SyncEvent>, st
     }
 }
 
-fn receive_loop(
-    socket: &zmq::Socket,
-    config: &SyncConfig,
-    own_id: &str,
-    pools: &HashMap<String, Arc<Pool>>,
-    metrics: &Metrics,
-    stop: &AtomicBool,
-) {
+/// What the subscriber applies peers' messages with.
+struct Mesh<'a> {
+    own_id: &'a str,
+    sealer: &'a Sealer,
+    pools: &'a HashMap<String, Arc<Pool>>,
+    metrics: &'a Metrics,
+}
+
+fn receive_loop(socket: &zmq::Socket, config: &SyncConfig, mesh: &Mesh<'_>, worker: &Worker) {
+    let Mesh { own_id, sealer, pools, metrics } = *mesh;
+    let mut refused: BTreeSet<&'static str> = BTreeSet::new();
     let mut dialled: BTreeSet<String> = BTreeSet::new();
     let mut foreign: BTreeSet<Vec<u8>> = BTreeSet::new();
     let mut resolved_at: Option<Instant> = None;
-    while !stop.load(Ordering::Relaxed) {
+    while !worker.stopping() {
         if resolved_at.is_none_or(|t| t.elapsed() >= RESOLVE_EVERY) {
             resolved_at = Some(Instant::now());
             for peer in config.peer_endpoints() {
@@ -175,6 +193,17 @@ fn receive_loop(
             }
             continue;
         }
+        let payload = match sealer.open(Purpose::Sync, payload, SystemTime::now()) {
+            Ok(payload) => payload,
+            Err(e) => {
+                metrics.sync_rejected.get_or_create(&RefusalLabels { reason: e.reason().into() }).inc();
+                // Logged once per reason: whoever sends them decides how many there are.
+                if refused.insert(e.reason()) {
+                    tracing::warn!(error = %e, "a sync message refused (not from this mesh); further ones are only counted");
+                }
+                continue;
+            }
+        };
         let Ok(batch) = kvgate_shared::codec::decode::<SyncBatch>(&payload) else {
             tracing::debug!("undecodable sync message dropped");
             continue;

@@ -12,24 +12,34 @@
 //!   bookings in bounded frames), every frame at most [`MAX_FRAME_BYTES`] (a bigger one is
 //!   left out, its replica rebuilt from replay). Frames are read one by one: one that cannot
 //!   be read loses only itself.
-//! - What a peer hands over is trusted as its sync messages are (a NetworkPolicy should fence
-//!   both ports): it can skew cache credit and load, never add a target to a pool.
+//! - What a peer hands over is trusted as its sync messages are: it can skew cache credit and
+//!   load, never add a target to a pool. With a key, the request and every frame of the
+//!   answer are sealed ([`super::seal`]); a request not sealed with the key is not answered.
+//! - Answering is bounded: at most `handover_burst` answers at once, then one per
+//!   `handover_refill_ms` ([`Bucket`]); an answer holds at most [`MAX_ANSWER_BYTES`]; and
+//!   at most one answer waits to be sent to any asker (ZMQ's send high-water mark), so a
+//!   flood of requests cannot turn into a pile of exports in memory.
 
 use std::collections::HashMap;
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
+use super::seal::{Purpose, Sealer};
 use super::SyncConfig;
-use crate::metrics::Metrics;
+use crate::health::Health;
+use crate::metrics::{Metrics, RefusalLabels};
 use crate::msg::handover::{Handover, HandoverError, Part, REQUEST};
 use crate::pool::{Pool, TakenOver};
 
 /// The largest frame of an answer the server sends and the asker reads (a replica of a
 /// million blocks is ~20 MB; bookings come in frames of a bounded number of hashes).
 pub const MAX_FRAME_BYTES: i64 = 48 << 20;
+/// The most bytes one answer holds; frames past it are left out (their replicas are rebuilt
+/// from the engines' replay by the asker).
+pub const MAX_ANSWER_BYTES: usize = 256 << 20;
 /// How long a TCP probe of a peer's handover port may take.
 const PROBE: Duration = Duration::from_millis(300);
 /// How often the server wakes up to check for shutdown.
@@ -49,18 +59,26 @@ pub fn serve(
     pools: HashMap<String, Arc<Pool>>,
     metrics: Arc<Metrics>,
     ctx: &zmq::Context,
-    stop: Arc<AtomicBool>,
+    health: &Arc<Health>,
+    sealer: &Sealer,
 ) -> anyhow::Result<JoinHandle<()>> {
     let endpoint = handover_endpoint(&config.listen)
         .ok_or_else(|| anyhow::anyhow!("sync.listen {:?} has no port to put the handover next to", config.listen))?;
+    let sealer = sealer.clone();
+    let mut bucket =
+        Bucket::new(config.handover_burst, Duration::from_millis(config.handover_refill_ms), Instant::now());
     let socket = ctx.socket(zmq::ROUTER)?;
     socket.set_linger(0)?;
     socket.set_rcvtimeo(POLL.as_millis() as i32)?;
     socket.set_maxmsgsize(1024)?;
+    // One answer at most waits for any asker; past it ROUTER drops the next.
+    socket.set_sndhwm(1)?;
     socket.bind(&endpoint).map_err(|e| anyhow::anyhow!("binding the handover port {endpoint}: {e}"))?;
     tracing::info!(%endpoint, "handover to starting peers on");
+    // Building and sending a whole view may take a while.
+    let worker = health.worker("sync-handover", Duration::from_secs(120));
     Ok(std::thread::Builder::new().name("sync-handover".into()).spawn(move || {
-        while !stop.load(Ordering::Relaxed) {
+        while !worker.stopping() {
             let frames = match socket.recv_multipart(0) {
                 Ok(f) => f,
                 Err(zmq::Error::EAGAIN) => continue,
@@ -70,8 +88,24 @@ pub fn serve(
                 }
             };
             let [peer, empty, request] = <[Vec<u8>; 3]>::try_from(frames).unwrap_or_default();
+            let refuse = |reason: &str| {
+                metrics.handovers_refused.get_or_create(&RefusalLabels { reason: reason.into() }).inc();
+            };
+            let request = match sealer.open(Purpose::HandoverRequest, request, SystemTime::now()) {
+                Ok(request) => request,
+                Err(e) => {
+                    refuse(e.reason());
+                    tracing::debug!(error = %e, "a handover request refused");
+                    continue;
+                }
+            };
             if !empty.is_empty() || request != REQUEST {
                 tracing::debug!("a handover request of another release, or garbage; not answered");
+                continue;
+            }
+            if !bucket.take(Instant::now()) {
+                refuse("rate_limited");
+                tracing::debug!("a handover request over the rate limit; not answered");
                 continue;
             }
             let started = Instant::now();
@@ -82,23 +116,30 @@ pub fn serve(
                 pools: models.into_iter().map(|m| pools[m].export_handover(&own_id)).collect(),
             };
             let mut reply = vec![peer, Vec::new()];
+            let mut bytes = 0;
             for part in view.into_parts() {
                 match kvgate_shared::codec::encode(&part) {
                     // Past the bound the asker would drop the connection: the frame is left
                     // out, and its replica rebuilt from the engine's replay there.
-                    Ok(bytes) if bytes.len() as i64 > MAX_FRAME_BYTES => {
-                        tracing::warn!(bytes = bytes.len(), "a handover frame is too big; left out")
+                    Ok(frame) if frame.len() as i64 > MAX_FRAME_BYTES => {
+                        tracing::warn!(bytes = frame.len(), "a handover frame is too big; left out")
                     }
-                    Ok(bytes) => reply.push(bytes),
+                    Ok(frame) if bytes + frame.len() > MAX_ANSWER_BYTES => {
+                        tracing::warn!(bytes = frame.len(), "the handover answer is full; a frame left out")
+                    }
+                    Ok(frame) => {
+                        bytes += frame.len();
+                        reply.push(sealer.seal(Purpose::HandoverAnswer, frame, SystemTime::now()));
+                    }
                     Err(e) => tracing::warn!(error = %e, "a handover frame is not encodable; left out"),
                 }
             }
-            let bytes: usize = reply.iter().map(Vec::len).sum();
             if let Err(e) = socket.send_multipart(reply, 0) {
                 tracing::warn!(error = %e, "handover answer not sent");
                 continue;
             }
             metrics.handovers_served.inc();
+            metrics.handover_bytes.inc_by(bytes as u64);
             tracing::info!(bytes, ms = started.elapsed().as_millis() as u64, "handed our view over to a starting peer");
         }
     })?)
@@ -111,6 +152,7 @@ pub fn recover(
     own_id: &str,
     pools: &HashMap<String, Arc<Pool>>,
     ctx: &zmq::Context,
+    sealer: &Sealer,
 ) -> Option<(String, Vec<(String, TakenOver)>)> {
     let deadline = Instant::now() + Duration::from_millis(config.handover_timeout_ms);
     let own = handover_endpoint(&config.listen);
@@ -129,7 +171,7 @@ pub fn recover(
     for (i, peer) in peers.iter().enumerate() {
         let left = deadline.saturating_duration_since(Instant::now());
         let share = left / (peers.len() - i) as u32;
-        match ask(ctx, peer, own_id, Instant::now() + share) {
+        match ask(ctx, sealer, peer, own_id, Instant::now() + share) {
             Ok(answer) => {
                 view = Some(answer);
                 break;
@@ -177,17 +219,19 @@ enum AskError {
 }
 
 /// Asks `peer` and returns its answer, unless it is our own.
-fn ask(ctx: &zmq::Context, peer: &str, own_id: &str, deadline: Instant) -> Result<Handover, AskError> {
+fn ask(ctx: &zmq::Context, sealer: &Sealer, peer: &str, own_id: &str, deadline: Instant) -> Result<Handover, AskError> {
     let socket = ctx.socket(zmq::DEALER)?;
     socket.set_linger(0)?;
-    socket.set_maxmsgsize(MAX_FRAME_BYTES)?;
+    // A sealed frame is its plaintext and 51 bytes more.
+    socket.set_maxmsgsize(MAX_FRAME_BYTES + 64)?;
     socket.connect(peer)?;
-    socket.send_multipart([&b""[..], REQUEST], 0)?;
+    let request = sealer.seal(Purpose::HandoverRequest, REQUEST.to_vec(), SystemTime::now());
+    socket.send_multipart([&b""[..], &request[..]], 0)?;
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() || socket.poll(zmq::POLLIN, left.as_millis().max(1) as i64)? == 0 {
         return Err(AskError::Timeout);
     }
-    let view = decode(socket.recv_multipart(0)?)?;
+    let view = decode(sealer, socket.recv_multipart(0)?)?;
     if view.origin == own_id {
         return Err(AskError::Ourselves);
     }
@@ -195,19 +239,59 @@ fn ask(ctx: &zmq::Context, peer: &str, own_id: &str, deadline: Instant) -> Resul
 }
 
 /// The answer's frames, each decoded on its own: one that cannot be read loses only itself.
-fn decode(frames: Vec<Vec<u8>>) -> Result<Handover, HandoverError> {
+fn decode(sealer: &Sealer, frames: Vec<Vec<u8>>) -> Result<Handover, HandoverError> {
     let mut frames = frames.into_iter();
     if frames.next().is_none_or(|empty| !empty.is_empty()) {
         return Err(HandoverError::NoSender);
     }
-    let parts = frames.enumerate().filter_map(|(i, f)| match kvgate_shared::codec::decode::<Part>(&f) {
+    let now = SystemTime::now();
+    let opened = frames.map(|f| sealer.open(Purpose::HandoverAnswer, f, now).map_err(|e| e.to_string()));
+    let decoded = |f: Result<Vec<u8>, String>| {
+        f.and_then(|f| kvgate_shared::codec::decode::<Part>(&f).map_err(|e| e.to_string()))
+    };
+    let parts = opened.enumerate().filter_map(|(i, f)| match decoded(f) {
         Ok(part) => Some(part),
         Err(e) => {
-            tracing::warn!(error = %HandoverError::Frame(i, e.to_string()), "a handover frame left out");
+            tracing::warn!(error = %HandoverError::Frame(i, e), "a handover frame left out");
             None
         }
     });
     Handover::from_parts(parts)
+}
+
+/// A token bucket: `burst` at once, then one per `every`.
+#[derive(Debug)]
+pub struct Bucket {
+    tokens: u32,
+    burst: u32,
+    every: Duration,
+    since: Instant,
+}
+
+impl Bucket {
+    /// A full bucket at `now`.
+    pub fn new(burst: u32, every: Duration, now: Instant) -> Bucket {
+        Bucket { tokens: burst, burst, every, since: now }
+    }
+
+    /// Takes a token at `now`, if there is one.
+    pub fn take(&mut self, now: Instant) -> bool {
+        let intervals = now.saturating_duration_since(self.since).as_nanos() / self.every.as_nanos().max(1);
+        let refilled = u32::try_from(intervals).unwrap_or(u32::MAX);
+        if refilled > 0 {
+            self.tokens = self.tokens.saturating_add(refilled).min(self.burst);
+            self.since += self.every * refilled;
+        }
+        if self.tokens == 0 {
+            return false;
+        }
+        if self.tokens == self.burst {
+            // A full bucket refills from now on, not from when it filled.
+            self.since = now;
+        }
+        self.tokens -= 1;
+        true
+    }
 }
 
 #[cfg(test)]
@@ -220,5 +304,19 @@ mod tests {
         assert_eq!(handover_endpoint("tcp://[::1]:7000").as_deref(), Some("tcp://[::1]:7001"));
         assert_eq!(handover_endpoint("tcp://host:65535"), None);
         assert_eq!(handover_endpoint("ipc:///tmp/sock"), None);
+    }
+
+    #[test]
+    fn the_bucket_gives_a_burst_then_one_per_interval() {
+        let t0 = Instant::now();
+        let every = Duration::from_secs(5);
+        let mut b = Bucket::new(3, every, t0);
+        assert_eq!((0..10).filter(|_| b.take(t0)).count(), 3, "the burst");
+        assert!(!b.take(t0 + Duration::from_secs(4)));
+        assert!(b.take(t0 + Duration::from_secs(5)), "one more after an interval");
+        assert!(!b.take(t0 + Duration::from_secs(6)));
+        let idle = t0 + Duration::from_secs(3600);
+        assert_eq!((0..10).filter(|_| b.take(idle)).count(), 3, "an idle hour refills the burst, no more");
+        assert!(!b.take(idle + Duration::from_secs(4)), "and the refill starts from when it was taken");
     }
 }

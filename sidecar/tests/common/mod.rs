@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_shared::wire::RouteRequest;
+use kvgate_sidecar::health::Health;
+use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::pool::{Policy, Pool, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::sync::SyncConfig;
 use rmp::encode as mp;
 
 /// The block size the tests' pools and engines use.
@@ -158,4 +162,34 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
     }
+}
+
+/// A pool `m` of three replicas `r0`–`r2` (block size [`BS`]) that routes by session
+/// (`consistent_hash`): what the sync tests book on.
+pub fn session_pool() -> Arc<Pool> {
+    let replicas = (0..3)
+        .map(|i| {
+            let endpoint = format!("127.0.0.1:{}", 8000 + i).parse().unwrap();
+            ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
+        })
+        .collect();
+    let config = PoolConfig { policy: Policy::ConsistentHash, ..PoolConfig::new("m", "unused", BS as u32, replicas) };
+    Arc::new(Pool::new(config, Vec::new(), Arc::new(Metrics::default())))
+}
+
+/// Requests in flight on each replica of `pool`.
+pub fn active(pool: &Pool) -> Vec<u64> {
+    pool.state().replicas.iter().map(|r| r.active_requests).collect()
+}
+
+/// Starts `config`'s side of the sync mesh for `pool` (as pool `m`), sealed as `config` says.
+pub fn start_mesh(
+    config: &SyncConfig,
+    pool: &Arc<Pool>,
+    metrics: Arc<Metrics>,
+    ctx: &zmq::Context,
+    health: &Arc<Health>,
+) -> Vec<std::thread::JoinHandle<()>> {
+    let pools = std::collections::HashMap::from([("m".to_owned(), pool.clone())]);
+    kvgate_sidecar::sync::start(config, &pools, metrics, ctx, health, &config.sealer().unwrap()).unwrap()
 }
