@@ -21,11 +21,19 @@
 //!   "priority_header": null,
 //!   "tenant_header": null,
 //!   "prefill_cluster": null,
-//!   "prefill_timeout_ms": 60000
+//!   "prefill_timeout_ms": 60000,
+//!   "client_transfer_fields": false,
+//!   "breaker_failures": 5,
+//!   "breaker_open_ms": 1000,
+//!   "breaker_max_open_ms": 30000
 //! }
 //! ```
 
+use std::time::Duration;
+
 use serde::Deserialize;
+
+use crate::breaker::Limits;
 
 /// Validated filter settings.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -107,9 +115,26 @@ pub struct FilterConfig {
     /// How long a prefill leg may take. A vLLM request waits for its leg (paused) and past
     /// this is served whole on its decode worker; an SGLang leg runs beside its request and
     /// is cancelled past this (its decode worker then fails the request, as SGLang does).
-    /// With `prefill_cluster` set, a client's own `kv_transfer_params` (but forwarded prompt
-    /// token ids) and `bootstrap_*` fields are taken out of every request.
     pub prefill_timeout_ms: u64,
+    /// Whether clients may set `kv_transfer_params` (its `prompt_token_ids` included) and the
+    /// `bootstrap_*` fields. Off (default): they are taken out of every request before it is
+    /// routed, so the engine runs the prompt kvgate routed on — the `messages` any content
+    /// filter inspected, not token ids a client chose — and pulls KV from nowhere a client
+    /// names. On, for trusted clients only (a router in front that sends its own transfer
+    /// parameters): they pass, except that with `prefill_cluster` set everything but the
+    /// prompt's token ids is still replaced, since only kvgate says where KV comes from.
+    pub client_transfer_fields: bool,
+    /// Route and offload calls to the sidecar that fail in a row (time out, cannot be
+    /// dispatched, or are answered 5xx or 409) before the circuit breaker opens
+    /// ([`crate::breaker`]): while it is open no request asks the sidecar, each goes straight
+    /// to Envoy's balancer, so a hung sidecar stops adding `route_timeout_ms` to every
+    /// request. A 429 (shed) is the sidecar working and never counts. 0 turns the breaker off.
+    pub breaker_failures: u32,
+    /// How long the breaker stays open the first time; then one request probes the sidecar
+    /// (half-open): answered, the breaker closes; failed, it opens again for twice as long.
+    pub breaker_open_ms: u64,
+    /// The longest the breaker stays open, however many probes fail.
+    pub breaker_max_open_ms: u64,
 }
 
 impl Default for FilterConfig {
@@ -135,6 +160,10 @@ impl Default for FilterConfig {
             tenant_header: None,
             prefill_cluster: None,
             prefill_timeout_ms: 60_000,
+            client_transfer_fields: false,
+            breaker_failures: 5,
+            breaker_open_ms: 1000,
+            breaker_max_open_ms: 30_000,
         }
     }
 }
@@ -157,14 +186,30 @@ impl FilterConfig {
             config.retry_ms,
             config.models_refresh_ms,
             config.prefill_timeout_ms,
+            config.breaker_open_ms,
         ];
         if config.prefill_cluster.as_deref() == Some("") {
             return Err("kvgate filter configuration: prefill_cluster must not be empty".into());
         }
         if periods.contains(&0) {
-            return Err("kvgate filter configuration: timeouts, retry_ms and models_refresh_ms must be positive".into());
+            return Err(
+                "kvgate filter configuration: timeouts, retry_ms, models_refresh_ms and breaker_open_ms must be positive"
+                    .into(),
+            );
+        }
+        if config.breaker_max_open_ms < config.breaker_open_ms {
+            return Err("kvgate filter configuration: breaker_max_open_ms must be at least breaker_open_ms".into());
         }
         Ok(config)
+    }
+
+    /// The circuit breaker's settings.
+    pub fn breaker_limits(&self) -> Limits {
+        Limits {
+            failures: self.breaker_failures,
+            open: Duration::from_millis(self.breaker_open_ms),
+            max_open: Duration::from_millis(self.breaker_max_open_ms),
+        }
     }
 }
 
@@ -177,6 +222,13 @@ mod tests {
         assert_eq!(FilterConfig::parse(b"").unwrap(), FilterConfig::default());
         let c = FilterConfig::parse(br#"{"route_timeout_ms": 50, "debug_headers": true}"#).unwrap();
         assert_eq!((c.route_timeout_ms, c.debug_headers, c.retry_ms), (50, true, 1000));
+        let c = FilterConfig::parse(br#"{"breaker_failures": 0, "breaker_open_ms": 200}"#).unwrap();
+        let limits = c.breaker_limits();
+        assert_eq!(
+            (limits.failures, limits.open, limits.max_open),
+            (0, Duration::from_millis(200), Duration::from_secs(30)),
+            "0 failures: the breaker is off"
+        );
     }
 
     #[test]
@@ -187,6 +239,9 @@ mod tests {
             br#"{"route_timeout_ms": 0}"#,
             br#"{"prefill_cluster": ""}"#,
             br#"{"sidecar_cluster": ""}"#,
+            br#"{"breaker_open_ms": 0}"#,
+            br#"{"breaker_open_ms": 5000, "breaker_max_open_ms": 4000}"#,
+            br#"{"breaker_failures": -1}"#,
         ] {
             assert!(FilterConfig::parse(bad).is_err());
         }

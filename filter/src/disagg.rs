@@ -9,9 +9,10 @@
 //! - **SGLang**: both legs carry the prefill worker's bootstrap address and a room
 //!   ([`sglang`]) and are sent at once; the prefill leg is not streamed.
 //!
-//! Whatever a client put in `kv_transfer_params` or the `bootstrap_*` fields is replaced:
-//! only kvgate says where an engine pulls KV from. The one key kept is the forwarded prompt's
-//! token ids ([`FORWARDED_IDS`]), which the filter itself may have written.
+//! Whatever a client put in `kv_transfer_params` or the `bootstrap_*` fields is taken out
+//! before the request is routed ([`without_transfer_fields`]; an operator may let trusted
+//! clients keep the forwarded prompt's token ids, [`FORWARDED_IDS`]): only kvgate says where
+//! an engine pulls KV from. The legs keep the forwarded ids the filter itself wrote.
 
 use std::sync::OnceLock;
 
@@ -52,11 +53,13 @@ fn own_params(o: &Map<String, Value>) -> Map<String, Value> {
     params
 }
 
-/// The request without what a client may not set in a disaggregated deployment: its
-/// `kv_transfer_params` (but the forwarded prompt) and the `bootstrap_*` fields, which would
-/// make an engine pull KV from a host of the client's choosing or hold blocks for nobody.
-/// `None` if it has none of them (or is not a JSON object: the engine refuses it anyway).
-pub fn without_transfer_fields(body: &[u8]) -> Option<Vec<u8>> {
+/// The request without what a client may not set: its `kv_transfer_params` and the
+/// `bootstrap_*` fields, which would make an engine pull KV from a host of the client's
+/// choosing, hold blocks for nobody, or run token ids in place of the `messages` — all of
+/// them, or (`keep_ids`, for trusted clients in a disaggregated deployment) all but the
+/// forwarded prompt's token ids. `None` if it has none of them (or is not a JSON object: the
+/// engine refuses it anyway).
+pub fn without_transfer_fields(body: &[u8], keep_ids: bool) -> Option<Vec<u8>> {
     // One pass over the body for both names: it may be 16 MiB, on an Envoy worker. (Building
     // the searcher cannot fail for two short names; if it did, every body would be parsed.)
     static NAMES: OnceLock<Option<AhoCorasick>> = OnceLock::new();
@@ -69,15 +72,19 @@ pub fn without_transfer_fields(body: &[u8]) -> Option<Vec<u8>> {
     for key in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
         changed |= o.remove(key).is_some();
     }
-    if let Some(Value::Object(params)) = o.get("kv_transfer_params") {
-        let own = own_params(&o);
-        if params.len() != own.len() {
-            changed = true;
-            match own.is_empty() {
-                true => o.remove("kv_transfer_params"),
-                false => o.insert("kv_transfer_params".into(), Value::Object(own)),
-            };
+    match o.get("kv_transfer_params") {
+        None => {}
+        Some(Value::Object(params)) if keep_ids => {
+            let own = own_params(&o);
+            if params.len() != own.len() {
+                changed = true;
+                match own.is_empty() {
+                    true => o.remove("kv_transfer_params"),
+                    false => o.insert("kv_transfer_params".into(), Value::Object(own)),
+                };
+            }
         }
+        Some(_) => changed |= o.remove("kv_transfer_params").is_some(),
     }
     changed.then(|| encoded(o))
 }
@@ -198,12 +205,19 @@ mod tests {
     fn a_clients_transfer_fields_are_taken_out() {
         let body = br#"{"model":"m","prompt":"x","bootstrap_host":"evil.example","bootstrap_room":3,
             "kv_transfer_params":{"do_remote_prefill":true,"remote_host":"evil.example","prompt_token_ids":[1]}}"#;
-        let clean = parsed(&without_transfer_fields(body).unwrap());
+        // By default all of them, the prompt's token ids too: the engine runs the `prompt`.
+        assert_eq!(parsed(&without_transfer_fields(body, false).unwrap()), json!({"model": "m", "prompt": "x"}));
+        // Trusted clients in a disaggregated deployment keep their token ids, nothing else.
+        let clean = parsed(&without_transfer_fields(body, true).unwrap());
         assert_eq!(clean, json!({"model": "m", "prompt": "x", "kv_transfer_params": {"prompt_token_ids": [1]}}));
         let only_params = br#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true}}"#;
-        assert_eq!(parsed(&without_transfer_fields(only_params).unwrap()), json!({"prompt": "x"}));
+        for keep_ids in [false, true] {
+            assert_eq!(parsed(&without_transfer_fields(only_params, keep_ids).unwrap()), json!({"prompt": "x"}));
+        }
+        let not_an_object = br#"{"prompt":"x","kv_transfer_params":"anything"}"#;
+        assert_eq!(parsed(&without_transfer_fields(not_an_object, false).unwrap()), json!({"prompt": "x"}));
         for untouched in [&br#"{"prompt":"x"}"#[..], br#"{"prompt":"bootstrap_ is only text"}"#, b"not json"] {
-            assert_eq!(without_transfer_fields(untouched), None, "{}", String::from_utf8_lossy(untouched));
+            assert_eq!(without_transfer_fields(untouched, false), None, "{}", String::from_utf8_lossy(untouched));
         }
     }
 

@@ -9,6 +9,7 @@
 //! | module | responsibility |
 //! |---|---|
 //! | [`config`] | the plugin configuration |
+//! | [`breaker`] | the circuit breaker: whether requests ask the sidecar, after how many failures they stop, when one probes (pure) |
 //! | [`plan`] | body → route request (pure, natively testable) |
 //! | [`disagg`] | the bodies of a disaggregated request's prefill and decode legs (pure) |
 //! | [`fetches`] | when to (re)fetch each model's tokenizer (pure) |
@@ -21,6 +22,7 @@
 //! | [`metrics`] | the filter's counters and histograms in Envoy's stats |
 //! | [`usage`] | asking the engine for `usage` on a streaming client's behalf, and taking it back out (pure) |
 
+pub mod breaker;
 pub mod config;
 pub mod disagg;
 pub mod fetches;

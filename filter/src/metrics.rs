@@ -7,6 +7,7 @@
 //! | `kvgate.requests.passthrough` | counter | not routable (bad body…): the engine answers |
 //! | `kvgate.requests.fallback_timeout` | counter | the sidecar did not answer in time |
 //! | `kvgate.requests.fallback_error` | counter | the sidecar failed or answered nonsense |
+//! | `kvgate.requests.breaker_open` | counter | not asked about: the circuit breaker was open (or half-open, its probe out), so Envoy's balancer picked |
 //! | `kvgate.requests.truncated` | counter | routed on the prompt's head (`max_tokenize_bytes`) |
 //! | `kvgate.requests.offloaded` | counter | the body was tokenized by the sidecar (`offload_bytes`) |
 //! | `kvgate.requests.tokens_forwarded` | counter | the prompt went upstream as token ids (`forward_tokens`) |
@@ -17,11 +18,13 @@
 //! | `kvgate.sidecar_us` | histogram | the sidecar round trip, µs |
 //! | `kvgate.segment_cache.hits` / `.misses` | counter | prompt pieces served / tokenized |
 //! | `kvgate.lifecycle.retried` / `.dropped` | counter | lifecycle batches that did not reach the sidecar: kept to send again / given up on |
+//! | `kvgate.breaker_state` | gauge | the circuit breaker of the VM that last changed it: 0 closed, 1 open, 2 half-open ([`crate::breaker`]) |
 //! | `kvgate.vm_memory_bytes` | gauge | the linear memory of the wasm VM that last answered a routed request (set at its response headers); it never shrinks (every worker's VM runs the same code, so they are alike) |
 //! | `kvgate.tokenizer_missing.<model>` | gauge | 1 while the model's tokenizer cannot be loaded (its requests are routed on load alone); defined on the first failure. `<model>` is the name with every character but `[A-Za-z0-9_-]` replaced by `_` |
 
 use proxy_wasm::hostcalls;
 
+use crate::breaker::State;
 use crate::host::{MetricSink, RootHost};
 use proxy_wasm::types::MetricType;
 
@@ -32,6 +35,8 @@ pub struct FilterMetrics {
     passthrough: u32,
     fallback_timeout: u32,
     fallback_error: u32,
+    breaker_open: u32,
+    breaker_state: u32,
     shed: u32,
     truncated: u32,
     offloaded: u32,
@@ -89,6 +94,8 @@ pub enum Outcome {
     FallbackError,
     /// Every replica was saturated and the wait ran out: answered 429 here.
     Shed,
+    /// The circuit breaker was open: the sidecar was not asked, fallback LB.
+    BreakerOpen,
 }
 
 impl FilterMetrics {
@@ -101,6 +108,8 @@ impl FilterMetrics {
             passthrough: counter("kvgate.requests.passthrough")?,
             fallback_timeout: counter("kvgate.requests.fallback_timeout")?,
             fallback_error: counter("kvgate.requests.fallback_error")?,
+            breaker_open: counter("kvgate.requests.breaker_open")?,
+            breaker_state: hostcalls::define_metric(MetricType::Gauge, "kvgate.breaker_state").ok()?,
             shed: counter("kvgate.requests.shed")?,
             truncated: counter("kvgate.requests.truncated")?,
             offloaded: counter("kvgate.requests.offloaded")?,
@@ -129,8 +138,14 @@ impl FilterMetrics {
             Outcome::FallbackTimeout => self.fallback_timeout,
             Outcome::FallbackError => self.fallback_error,
             Outcome::Shed => self.shed,
+            Outcome::BreakerOpen => self.breaker_open,
         };
         sink.increment(id, 1);
+    }
+
+    /// Sets the circuit breaker's gauge.
+    pub fn breaker(&self, sink: &impl MetricSink, state: State) {
+        sink.record(self.breaker_state, state.gauge());
     }
 
     /// Records the planning step.

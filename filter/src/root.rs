@@ -14,6 +14,11 @@
 //!   Envoy signals the queue and on every tick, and POSTs one batch. (Calls made from a dying
 //!   HTTP context are cancelled by Envoy, so they must not send them themselves.) A batch
 //!   that does not arrive is sent again with backoff ([`crate::redelivery`]).
+//! - **The circuit breaker** ([`crate::breaker`]) is the request path's: while it is open,
+//!   the model list, tokenizer fetches and lifecycle batches go on with their own backoff
+//!   (they hold no request, and bookings made before it opened are still released), and they
+//!   do not count toward it; but a model list answered while it is open ends its window, so
+//!   the next request probes a sidecar that is back within one refresh.
 //!
 //! The logic runs against a [`RootHost`] (Envoy in production), so it is tested natively
 //! (`filter/tests/root_context.rs`); only the proxy-wasm entry points at the bottom are
@@ -32,6 +37,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType};
 
+use crate::breaker::Breaker;
 use crate::config::FilterConfig;
 use crate::fetches::Fetches;
 use crate::host::{Envoy, RootHost};
@@ -87,6 +93,7 @@ impl<H: RootHost> Root<H> {
                 queue: None,
                 metrics: None,
                 vm_tag: random_tag(),
+                breaker: Breaker::new(FilterConfig::default().breaker_limits()),
             })),
             calls: HashMap::new(),
             fetches: Fetches::default(),
@@ -108,6 +115,7 @@ impl<H: RootHost> Root<H> {
     pub fn configure(&mut self, config: FilterConfig, queue: Option<u32>, metrics: Option<FilterMetrics>) {
         {
             let mut s = self.shared.borrow_mut();
+            s.breaker = Breaker::new(config.breaker_limits());
             s.config = config;
             s.queue = queue;
             s.metrics = metrics;
@@ -244,6 +252,19 @@ impl<H: RootHost> Root<H> {
             return;
         };
         self.listed_at = Some(self.host.now());
+        // The sidecar is answering: an open breaker lets the next request probe it now.
+        {
+            let mut shared = self.shared.borrow_mut();
+            let before = shared.breaker.state();
+            shared.breaker.sidecar_answered();
+            let after = shared.breaker.state();
+            if after != before {
+                log::info!("kvgate: the sidecar answers the model list; the next request probes it");
+                if let Some(m) = &shared.metrics {
+                    m.breaker(&self.host, after);
+                }
+            }
+        }
         let names: HashSet<String> =
             list.models.iter().cloned().chain(list.adapters.iter().map(|a| a.name.clone())).collect();
         self.fetches.retain(|m| names.contains(m));

@@ -1,9 +1,11 @@
 //! The state one VM's root context and its HTTP contexts share (one thread, behind an
-//! `Rc<RefCell<…>>`): the settings, the loaded models, the lifecycle queue, the metric ids.
-//! The root context writes it; the HTTP contexts read it.
+//! `Rc<RefCell<…>>`): the settings, the loaded models, the lifecycle queue, the metric ids,
+//! the circuit breaker. The root context writes it; the HTTP contexts read it, but for the
+//! breaker, which their calls to the sidecar feed.
 
 use std::collections::{HashMap, HashSet};
 
+use crate::breaker::Breaker;
 use crate::config::FilterConfig;
 use crate::metrics::FilterMetrics;
 use crate::plan::LoadedModel;
@@ -23,6 +25,9 @@ pub struct Shared {
     /// This VM's random tag, the first half of every booking key it generates
     /// ([`crate::plan::booking_id`]).
     pub vm_tag: u64,
+    /// Whether requests ask the sidecar (set up from `config` by the root, fed by the
+    /// requests' calls).
+    pub breaker: Breaker,
 }
 
 /// A random number from the host (WASI `random_get` in Envoy, the OS natively): std's

@@ -5,8 +5,9 @@ use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::rc::Rc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use kvgate_filter::breaker::{self, Breaker, Verdict};
 use kvgate_filter::config::FilterConfig;
 use kvgate_filter::host::{Host, HostStatus, MetricSink, SidecarCalls};
 use kvgate_filter::plan::LoadedModel;
@@ -137,6 +138,7 @@ impl Host for Fake {
 }
 
 fn shared(config: FilterConfig) -> Rc<RefCell<Shared>> {
+    let breaker = Breaker::new(config.breaker_limits());
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3-0.6b");
     let bundle = ModelBundle::from_dir("Qwen/Qwen3-0.6B", &dir, BLOCK).unwrap();
     let tokenizer = Rc::new(ModelTokenizer::from_bundle(&bundle).unwrap());
@@ -148,11 +150,17 @@ fn shared(config: FilterConfig) -> Rc<RefCell<Shared>> {
         queue: Some(QUEUE),
         metrics: None,
         vm_tag: 0xfeed,
+        breaker,
     }))
 }
 
 /// A context on a fake host with a POST of `body` and the client's headers.
 fn request(body: &str, headers: &[(&str, &str)], config: FilterConfig) -> (Request<Fake>, Fake) {
+    request_in(&shared(config), body, headers)
+}
+
+/// A context on a fake host of its own, in the VM whose state is `shared`.
+fn request_in(shared: &Rc<RefCell<Shared>>, body: &str, headers: &[(&str, &str)]) -> (Request<Fake>, Fake) {
     let fake = Fake::default();
     {
         let mut s = fake.0.borrow_mut();
@@ -164,7 +172,7 @@ fn request(body: &str, headers: &[(&str, &str)], config: FilterConfig) -> (Reque
         );
         s.request_body = body.as_bytes().to_vec();
     }
-    (Request::new(fake.clone(), shared(config), 42), fake)
+    (Request::new(fake.clone(), shared.clone(), 42), fake)
 }
 
 fn chat(content: &str) -> String {
@@ -659,10 +667,38 @@ fn in_a_disaggregated_deployment_a_clients_transfer_fields_never_reach_an_engine
     ctx.on_call_response(1, 0, 0);
     assert_eq!(fake.0.borrow().resumed, 1);
     assert!(body_json(&fake).get("kv_transfer_params").is_none());
-    // Without a prefill cluster (an aggregated deployment) the body is the client's.
+    // Trusted clients of a disaggregated deployment keep nothing but the prompt's token ids.
+    let trusted = FilterConfig { client_transfer_fields: true, ..pd_config() };
+    let (mut ctx, fake) = request(&body.to_string(), &[], trusted);
+    send(&mut ctx, &fake);
+    assert!(body_json(&fake).get("kv_transfer_params").is_none(), "no ids were sent, nothing is kept");
+}
+
+/// A client's `kv_transfer_params.prompt_token_ids` would make vLLM run those ids instead of
+/// the `messages` (which a content filter inspected): by default they are taken out before
+/// routing, so the request is routed, and run, on its messages.
+#[test]
+fn a_clients_token_ids_neither_steer_the_route_nor_reach_the_engine() {
+    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B",
+        "messages": [{"role": "user", "content": "a question a content filter read and allowed"}],
+        "kv_transfer_params": {"prompt_token_ids": [1, 2, 3]}, "bootstrap_host": "6.6.6.6"});
+    let prompt_tokens = |fake: &Fake| {
+        let s = fake.0.borrow();
+        let (_, call) = s.calls.iter().find(|(path, _)| path == "/v1/route").expect("a route call");
+        codec::decode::<kvgate_shared::wire::RouteRequest>(call).unwrap().prompt_tokens
+    };
     let (mut ctx, fake) = request(&body.to_string(), &[], FilterConfig::default());
     send(&mut ctx, &fake);
-    assert!(body_json(&fake).get("kv_transfer_params").is_some());
+    let sent = body_json(&fake);
+    assert!(sent.get("kv_transfer_params").is_none() && sent.get("bootstrap_host").is_none(), "{sent}");
+    assert!(prompt_tokens(&fake) > 3, "routed on the messages, not the client's ids");
+    // An operator who trusts its clients lets them through, and kvgate routes on the ids as
+    // the engine will run them.
+    let trusted = FilterConfig { client_transfer_fields: true, ..FilterConfig::default() };
+    let (mut ctx, fake) = request(&body.to_string(), &[], trusted);
+    send(&mut ctx, &fake);
+    assert_eq!(body_json(&fake)["kv_transfer_params"]["prompt_token_ids"], serde_json::json!([1, 2, 3]));
+    assert_eq!(prompt_tokens(&fake), 3);
 }
 
 /// Envoy may answer a paused request itself (a body over its buffer limit, a stream
@@ -690,4 +726,123 @@ fn a_request_envoy_answers_while_it_is_paused_still_releases_its_booking() {
     assert_eq!(fake.0.borrow().response_headers["x-kvgate-routed-to"], "fallback");
     assert_eq!(kinds(&fake).last(), Some(&LifecycleKind::Done));
     assert_eq!(fake.0.borrow().resumed, 0, "Envoy answered it: nothing to resume");
+}
+
+fn breaker_config() -> FilterConfig {
+    FilterConfig { breaker_failures: 2, breaker_open_ms: 60_000, offload_bytes: 256, ..FilterConfig::default() }
+}
+
+fn breaker_state(shared: &Rc<RefCell<Shared>>) -> breaker::State {
+    shared.borrow().breaker.state()
+}
+
+/// Sends a request in `shared`'s VM up to its call to the sidecar and answers it with
+/// `status` (`None`: the call times out); checks that it went on to Envoy (or, shed, was
+/// answered 429).
+fn fail_or_answer(shared: &Rc<RefCell<Shared>>, body: &str, status: Option<&str>) -> Fake {
+    let (mut ctx, fake) = request_in(shared, body, &[]);
+    assert_eq!(send(&mut ctx, &fake), Action::Pause, "the sidecar is asked");
+    assert_eq!(fake.0.borrow().calls.len(), 1);
+    let headers = match status {
+        Some(status) => {
+            fake.0.borrow_mut().answer = Some((status.into(), b"no".to_vec()));
+            2
+        }
+        None => 0,
+    };
+    ctx.on_call_response(1, headers, 2);
+    let s = fake.0.borrow();
+    match status {
+        Some("429") => assert_eq!(s.local_reply.as_ref().map(|r| r.0), Some(429), "shed"),
+        _ => assert_eq!(s.resumed, 1, "{status:?}: the request goes on"),
+    }
+    drop(s);
+    fake
+}
+
+/// Sends a request that the breaker keeps from the sidecar: it goes on at once, unplanned,
+/// with no destination header and nothing booked.
+fn passed_by_the_breaker(shared: &Rc<RefCell<Shared>>) {
+    let (mut ctx, fake) = request_in(shared, &chat("hello while the sidecar hangs"), &[]);
+    assert_eq!(send(&mut ctx, &fake), Action::Continue, "not paused for the sidecar");
+    assert!(fake.0.borrow().calls.is_empty(), "the sidecar is not asked");
+    respond(&mut ctx, &fake, "127.0.0.1:8001", "{}");
+    let s = fake.0.borrow();
+    assert!(!s.request_headers.contains_key(DESTINATION_HEADER), "Envoy's balancer picks");
+    assert!(s.queued.is_empty(), "nothing booked, nothing reported");
+}
+
+#[test]
+fn once_the_sidecar_keeps_failing_requests_stop_asking_it() {
+    // A timed-out route call, then an offloaded body answered 409 (another wire version).
+    let shared = shared(breaker_config());
+    fail_or_answer(&shared, &chat("hi"), None);
+    assert_eq!(breaker_state(&shared), breaker::State::Closed, "one failure");
+    let offloaded = fail_or_answer(&shared, &chat(&"many words ".repeat(40)), Some("409"));
+    assert_eq!(offloaded.0.borrow().calls[0].0, "/v1/route_body");
+    assert_eq!(breaker_state(&shared), breaker::State::Open, "two in a row");
+    for _ in 0..3 {
+        passed_by_the_breaker(&shared);
+    }
+    // A call that cannot even be dispatched counts too, and 5xx answers do.
+    let shared = crate::shared(breaker_config());
+    let (mut ctx, fake) = request_in(&shared, &chat("hi"), &[]);
+    fake.0.borrow_mut().dispatch_fails = true;
+    assert_eq!(send(&mut ctx, &fake), Action::Continue);
+    fail_or_answer(&shared, &chat("hi"), Some("503"));
+    assert_eq!(breaker_state(&shared), breaker::State::Open);
+    passed_by_the_breaker(&shared);
+}
+
+#[test]
+fn sheds_and_other_answers_never_open_the_breaker() {
+    let shared = shared(breaker_config());
+    for status in ["429", "429", "404", "429", "200"] {
+        fail_or_answer(&shared, &chat("hi"), Some(status));
+        fail_or_answer(&shared, &chat("hi"), None);
+        assert_eq!(breaker_state(&shared), breaker::State::Closed, "{status} came between two failures");
+    }
+    // Unroutable requests are not the sidecar's: they never count, whatever the breaker does.
+    for _ in 0..3 {
+        let (mut ctx, fake) = request_in(&shared, "{not json", &[]);
+        assert_eq!(send(&mut ctx, &fake), Action::Continue);
+    }
+    assert_eq!(breaker_state(&shared), breaker::State::Closed);
+}
+
+/// Opens `shared`'s breaker as if two calls had failed `ago`.
+fn opened(shared: &Rc<RefCell<Shared>>, ago: Duration) {
+    let then = Instant::now().checked_sub(ago).expect("the clock has run that long");
+    let breaker = &mut shared.borrow_mut().breaker;
+    for _ in 0..2 {
+        let ticket = breaker.admit(then, Duration::from_millis(25)).unwrap();
+        breaker.record(ticket, Verdict::Failed, then);
+    }
+    assert_eq!(breaker.state(), breaker::State::Open);
+}
+
+#[test]
+fn after_the_window_one_request_probes_and_its_answer_decides() {
+    let config = FilterConfig { breaker_open_ms: 1000, ..breaker_config() };
+    // The probe is answered: routed, and the breaker closes.
+    let shared = shared(config.clone());
+    opened(&shared, Duration::from_secs(5));
+    let (mut probe, probe_host) = request_in(&shared, &chat("are you back?"), &[]);
+    assert_eq!(send(&mut probe, &probe_host), Action::Pause, "the first request after the window probes");
+    assert_eq!(probe_host.0.borrow().calls.len(), 1);
+    assert_eq!(breaker_state(&shared), breaker::State::HalfOpen);
+    passed_by_the_breaker(&shared);
+    let size = answer(&probe_host, "200", &routed_to("127.0.0.1:8002"));
+    probe.on_call_response(1, 2, size);
+    assert_eq!(probe_host.0.borrow().request_headers[DESTINATION_HEADER], "127.0.0.1:8002", "the probe is routed");
+    assert_eq!(breaker_state(&shared), breaker::State::Closed);
+    let after = fail_or_answer(&shared, &chat("hi"), Some("200"));
+    assert_eq!(after.0.borrow().calls.len(), 1, "every request asks again");
+
+    // The probe times out: open again, for twice as long — 1 s after the window it still is.
+    let shared = crate::shared(config);
+    opened(&shared, Duration::from_secs(2));
+    fail_or_answer(&shared, &chat("are you back?"), None);
+    assert_eq!(breaker_state(&shared), breaker::State::Open);
+    passed_by_the_breaker(&shared);
 }

@@ -13,6 +13,7 @@ pub mod client;
 pub mod delay_proxy;
 pub mod envoy;
 pub mod faults;
+pub mod hung;
 pub mod process;
 pub mod soak;
 pub mod stack;

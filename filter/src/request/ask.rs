@@ -1,12 +1,15 @@
 //! Buffering → Asking: the whole body is buffered; plan the route ([`crate::plan`]) and ask
-//! the sidecar. A body above `offload_bytes` is not tokenized here: it goes whole to the
-//! sidecar's `/v1/route_body`, so a big prompt never stalls the worker thread. With
-//! `forward_tokens`, a completions string prompt is replaced by its token ids; with
-//! `forward_chat_tokens`, a chat carries them in `kv_transfer_params.prompt_token_ids`.
+//! the sidecar — unless the circuit breaker is open ([`super::breaker`]): then nothing is
+//! planned and the request goes to Envoy's balancer as it is, like an unroutable one. A body
+//! above `offload_bytes` is not tokenized here: it goes whole to the sidecar's
+//! `/v1/route_body`, so a big prompt never stalls the worker thread. With `forward_tokens`, a
+//! completions string prompt is replaced by its token ids; with `forward_chat_tokens`, a chat
+//! carries them in `kv_transfer_params.prompt_token_ids`.
 
 use std::time::{Duration, Instant};
 
 use kvgate_shared::codec;
+use kvgate_shared::ids::ModelName;
 use kvgate_shared::prompt::openai::{envelope, Endpoint, Envelope};
 
 use crate::disagg;
@@ -18,36 +21,60 @@ use crate::usage::{with_usage_requested, UsageStripper};
 
 use super::phase::Exchange;
 
+/// What became of the call to the sidecar.
+pub(super) enum Asked {
+    /// In flight, about this model.
+    InFlight(ModelName),
+    /// Not made: kvgate does not route this request.
+    Unroutable,
+    /// Not made: the call could not be encoded or dispatched.
+    NotSent,
+}
+
 impl Exchange {
     /// Asks the sidecar about `body` (the whole body, as the client sent it), with the
-    /// models and model list in `shared`. Sets [`Exchange::booked`] if a call is in flight.
-    pub(super) fn ask(&mut self, host: &impl Host, shared: &Shared, mut body: Vec<u8>) {
-        // In a disaggregated deployment only kvgate says where an engine pulls KV from.
-        if self.config().prefill_cluster.is_some() {
-            if let Some(clean) = disagg::without_transfer_fields(&body) {
+    /// models and model list in `shared`, if its circuit breaker lets the request. Sets
+    /// [`Exchange::booked`] if a call is in flight.
+    pub(super) fn ask(&mut self, host: &impl Host, shared: &mut Shared, mut body: Vec<u8>) {
+        // The engine runs the prompt routed on, and pulls KV only from where kvgate says: a
+        // client's transfer fields go, unless the operator trusts its clients (and even then,
+        // in a disaggregated deployment, all but the prompt's token ids).
+        let (trusted, disaggregated) = (self.config().client_transfer_fields, self.config().prefill_cluster.is_some());
+        if !trusted || disaggregated {
+            if let Some(clean) = disagg::without_transfer_fields(&body, trusted) {
                 if self.body.replace(host, &clean) {
                     body = clean;
                 }
             }
         }
+        let Some(ticket) = self.admit(host, &mut shared.breaker, body.len()) else { return };
         // One pass over the body, whatever its size: its model (all an offload reads) and
         // how it streams.
         let envelope = envelope(&body);
-        self.booked = self.ask_sidecar(host, shared, &body, envelope.as_ref());
+        let asked = self.ask_sidecar(host, shared, &body, envelope.as_ref());
+        self.booked = self.asked(host, &mut shared.breaker, ticket, asked);
         let ask_usage = self.route.endpoint != Endpoint::Responses && self.config().request_usage;
         if let (Some(envelope), Some(_), true) = (&envelope, &self.booked, ask_usage) {
             self.request_usage(host, &body, envelope);
         }
     }
 
-    /// Asks the sidecar; returns the model asked about if a call is in flight.
+    /// How long the call about a `body_len`-byte body may take: the sidecar's time to decide
+    /// (to tokenize too, for an offloaded body) and the admission wait.
+    pub(super) fn call_timeout_ms(&self, body_len: usize) -> u64 {
+        let config = self.config();
+        let decide = if body_len > config.offload_bytes { config.offload_timeout_ms } else { config.route_timeout_ms };
+        decide + config.admission_wait_ms
+    }
+
+    /// Asks the sidecar.
     fn ask_sidecar(
         &mut self,
         host: &impl Host,
         shared: &Shared,
         body: &[u8],
         envelope: Option<&Envelope<'_>>,
-    ) -> Option<String> {
+    ) -> Asked {
         if body.len() > self.config().offload_bytes {
             return self.offload_to_sidecar(host, shared, body, envelope);
         }
@@ -99,8 +126,11 @@ impl Exchange {
         if let Some(ids) = planned.forwardable.as_deref().filter(|_| forwarding) {
             self.forward_tokens(host, body, ids);
         }
-        let timeout = self.config().route_timeout_ms + self.config().admission_wait_ms;
-        self.dispatch(host, "/v1/route", &planned.request, timeout).then_some(planned.request.model)
+        let timeout = self.call_timeout_ms(body.len());
+        match self.dispatch(host, "/v1/route", &planned.request, timeout) {
+            true => Asked::InFlight(planned.request.model),
+            false => Asked::NotSent,
+        }
     }
 
     /// Asks the engine for usage on a streamed request whose client did not, so its
@@ -139,7 +169,7 @@ impl Exchange {
         shared: &Shared,
         body: &[u8],
         envelope: Option<&Envelope<'_>>,
-    ) -> Option<String> {
+    ) -> Asked {
         let timeout = self.config().offload_timeout_ms;
         let request = offload(self.route.endpoint, body, envelope, &self.route.keys, shared.listed.as_ref(), timeout);
         let (model, request) = match request {
@@ -150,16 +180,19 @@ impl Exchange {
             m.offloaded(host);
         }
         self.decision.offloaded = true;
-        let timeout = timeout + self.config().admission_wait_ms;
-        self.dispatch(host, "/v1/route_body", &request, timeout).then_some(model)
+        let timeout = self.call_timeout_ms(body.len());
+        match self.dispatch(host, "/v1/route_body", &request, timeout) {
+            true => Asked::InFlight(model),
+            false => Asked::NotSent,
+        }
     }
 
     /// Leaves a request kvgate does not route to Envoy's own load balancer.
-    fn pass_through(&self, host: &impl Host, why: &str) -> Option<String> {
+    fn pass_through(&self, host: &impl Host, why: &str) -> Asked {
         let client_id = self.route.keys.client_request_id.as_deref().unwrap_or("-");
         log::debug!("kvgate: not routing request {client_id}: {why}");
         self.count(host, Outcome::Passthrough);
-        None
+        Asked::Unroutable
     }
 
     /// Calls the sidecar with an encoded `message`; true if the call is in flight.

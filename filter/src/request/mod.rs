@@ -3,6 +3,7 @@
 mod answer;
 mod ask;
 mod body;
+mod breaker;
 mod leg;
 mod phase;
 mod response;
@@ -108,6 +109,8 @@ impl<H: Host> Request<H> {
         match &mut self.phase {
             Phase::Asking(x) => {
                 let outcome = x.sidecar_answered(&self.host, num_headers, body_size);
+                let status = if num_headers == 0 { None } else { self.host.call_status() };
+                x.sidecar_verdict(&self.host, &mut self.shared.borrow_mut().breaker, status.as_deref());
                 if x.awaits_leg() {
                     self.enter(Phase::Prefilling);
                 } else {
@@ -162,7 +165,7 @@ impl<H: Host> Request<H> {
         let asked_at = Instant::now();
         let body = self.host.request_body(buffered);
         let mut x = Box::new(Exchange::new(route, asked_at, body.len()));
-        x.ask(&self.host, &self.shared.borrow(), body);
+        x.ask(&self.host, &mut self.shared.borrow_mut(), body);
         if x.booked.is_some() {
             self.phase = Phase::Asking(x);
             Action::Pause

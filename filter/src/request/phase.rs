@@ -5,10 +5,12 @@
 use std::time::Instant;
 
 use kvgate_shared::codec;
+use kvgate_shared::ids::{ModelName, RequestId};
 use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::route::RequestKeys;
 use kvgate_shared::wire::{LifecycleEvent, LifecycleKind, PrefillLeg};
 
+use crate::breaker::Ticket;
 use crate::config::FilterConfig;
 use crate::host::Host;
 use crate::metrics::{FilterMetrics, LegOutcome, Outcome};
@@ -126,7 +128,9 @@ pub(super) struct Exchange {
     /// The model the sidecar was asked about (so it may have booked load in that model's
     /// pool): its end is reported either way. `None`: nothing booked (passed through, not
     /// dispatched, or shed).
-    pub(super) booked: Option<String>,
+    pub(super) booked: Option<ModelName>,
+    /// The circuit breaker's leave for the call in flight, handed back with its answer.
+    pub(super) ticket: Option<Ticket>,
     /// What was decided.
     pub(super) decision: Decision,
     /// In a disaggregated pool, the request's prefill leg.
@@ -146,6 +150,7 @@ impl Exchange {
             asked_at,
             body: UpstreamBody::new(body_len),
             booked: None,
+            ticket: None,
             decision: Decision::default(),
             leg: None,
             stripper: None,
@@ -176,10 +181,10 @@ impl Exchange {
     }
 
     /// Reports about one booking of the request: its own, or its prefill leg's.
-    pub(super) fn report_for(&self, host: &impl Host, booking_id: &str, kind: LifecycleKind) {
+    pub(super) fn report_for(&self, host: &impl Host, booking_id: &RequestId, kind: LifecycleKind) {
         let Some(model) = self.booked.clone() else { return };
         let Some(queue) = self.route.settings.queue else { return };
-        let event = LifecycleEvent { model, request_id: booking_id.to_owned(), kind };
+        let event = LifecycleEvent { model, request_id: booking_id.clone(), kind };
         if let Ok(bytes) = codec::encode(&event) {
             if let Err(status) = host.enqueue(queue, &bytes) {
                 log::warn!("kvgate: lifecycle report lost: {status:?}");
@@ -192,7 +197,7 @@ impl Exchange {
 #[derive(Debug)]
 pub(super) struct Leg {
     /// The id its load is booked under.
-    pub(super) booking_id: String,
+    pub(super) booking_id: RequestId,
     /// Its prefill worker.
     pub(super) replica: String,
     pub(super) sent_at: Instant,

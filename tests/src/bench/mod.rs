@@ -541,14 +541,14 @@ fn cpu_used(before: &[Option<f64>], after: &[Option<f64>]) -> f64 {
 }
 
 /// What kvgate's filters have counted so far, summed over the gateways: requests the sidecar
-/// routed, and requests left to Envoy (passed through or fallen back). `None` when kvgate is
-/// not routing.
+/// routed, and requests left to Envoy (passed through, fallen back, or not asked about while
+/// the circuit breaker was open). `None` when kvgate is not routing.
 fn kvgate_routed(stack: &Stack, policy: Policy) -> anyhow::Result<Option<(u64, u64)>> {
     if policy.routing().0 != Routing::Kvgate {
         return Ok(None);
     }
     let stat = |n: &str| stack.envoy_stat_total(&format!("wasmcustom.kvgate.requests.{n}"));
-    let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")?;
+    let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")? + stat("breaker_open")?;
     Ok(Some((stat("routed")?, other)))
 }
 

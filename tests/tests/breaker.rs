@@ -1,0 +1,146 @@
+//! End-to-end: the filter's circuit breaker in a real Envoy, in front of a sidecar that hangs.
+//!
+//! This needs the built wasm, binaries and Envoy, so it is `#[ignore]`d in a plain
+//! `cargo test`; `cargo xtask test` builds and installs everything and runs it.
+
+use std::time::{Duration, Instant};
+
+use kvgate_e2e::client::client;
+use kvgate_e2e::process::wait_for;
+use kvgate_e2e::{Artifacts, Stack, StackOptions};
+use reqwest::blocking::Client;
+use serde_json::json;
+
+/// The filter's `breaker_failures` default: failed calls in a row that open the breaker.
+const FAILURES: usize = 5;
+/// The filter's `route_timeout_ms` default.
+const ROUTE_TIMEOUT: Duration = Duration::from_millis(25);
+/// Requests timed through each gateway once the breaker is open.
+const MEASURED: usize = 300;
+
+/// POSTs a small chat to `url` on the kept-alive `client`: its status, its
+/// `x-kvgate-routed-to` header and how long it took to the end of its body.
+fn timed(client: &Client, url: &str, i: usize) -> (u16, String, Duration) {
+    let body = json!({"model": "qwen3", "max_tokens": 1,
+        "messages": [{"role": "user", "content": format!("question {i} while the sidecar hangs")}]});
+    let started = Instant::now();
+    let reply = client.post(url).header("content-type", "application/json").body(body.to_string()).send().unwrap();
+    let status = reply.status().as_u16();
+    let routed_to = reply.headers().get("x-kvgate-routed-to").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+    reply.bytes().unwrap();
+    (status, routed_to, started.elapsed())
+}
+
+/// The 99th percentile (nearest rank).
+fn p99(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[(samples.len() * 99).div_ceil(100) - 1]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// Until the breaker opens, each request waits out `route_timeout_ms` for the hung sidecar;
+/// after `breaker_failures` of them the sidecar is not asked any more, and the latency the
+/// filter adds is back under a millisecond at p99, against Envoy alone in front of the same
+/// engines, measured in the same run, request for request.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn a_hung_sidecar_costs_nothing_once_the_breaker_opens() {
+    let opts = StackOptions {
+        name: "breaker".into(),
+        replicas: 2,
+        route_timeout_ms: ROUTE_TIMEOUT.as_millis() as u64,
+        baseline_gateway: true,
+        // Engines that answer in well under a millisecond, so the gateways' own time shows.
+        sim_args: ["--preset", "test", "--prefill-us-per-token", "1", "--step-base-us", "100"]
+            .map(String::from)
+            .to_vec(),
+        // The window outlasts the test (no probe among the timed requests); the model list is
+        // not fetched again meanwhile.
+        filter_config:
+            json!({"breaker_open_ms": 600_000, "breaker_max_open_ms": 600_000, "models_refresh_ms": 600_000})
+                .as_object()
+                .cloned()
+                .unwrap(),
+        ..Default::default()
+    };
+    let mut stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let (kvgate, alone) = (stack.gateway("/v1/chat/completions"), stack.baseline("/v1/chat/completions").unwrap());
+    let hung = stack.hang_sidecar().unwrap();
+    let client = client();
+    let breaker = |name: &str| stack.envoy_stat(&format!("wasmcustom.kvgate.{name}")).unwrap();
+    // Envoy answers a call past its timeout with its own 504: either way it fell back.
+    let fell_back = || breaker("requests.fallback_timeout") + breaker("requests.fallback_error");
+
+    let mut waited = Vec::new();
+    for i in 0..FAILURES {
+        let (status, routed_to, took) = timed(&client, &kvgate, i);
+        waited.push(format!("{:.1}", ms(took)));
+        assert_eq!((status, routed_to.as_str()), (200, "fallback"), "request {i}: Envoy's balancer routes it");
+        // Envoy's timers tick in milliseconds: allow one or two early.
+        assert!(took >= ROUTE_TIMEOUT * 9 / 10, "request {i} waited for the hung sidecar: {took:?}");
+    }
+    let route_calls = || hung.paths().iter().filter(|p| p.starts_with("/v1/route")).count();
+    wait_for("the hung sidecar to take every call", Duration::from_secs(5), || {
+        (route_calls() == FAILURES).then_some(())
+    })
+    .unwrap();
+    assert_eq!(breaker("breaker_state"), 1, "open after {FAILURES} timeouts in a row");
+    assert_eq!(fell_back(), FAILURES as u64);
+
+    // Warm both gateways' upstream connections, then time the same requests through each, in
+    // turns (which goes first alternates), so both see the machine alike.
+    for i in 0..10 {
+        timed(&client, &alone, i);
+        timed(&client, &kvgate, i);
+    }
+    let (mut through_kvgate, mut through_alone) = (Vec::new(), Vec::new());
+    for i in 0..MEASURED {
+        let order = if i % 2 == 0 { [&kvgate, &alone] } else { [&alone, &kvgate] };
+        for url in order {
+            let (status, routed_to, took) = timed(&client, url, 100 + i);
+            assert_eq!(status, 200, "request {i} to {url}");
+            if url == &kvgate {
+                assert_eq!(routed_to, "fallback", "request {i}: Envoy's balancer routes it");
+                through_kvgate.push(took);
+            } else {
+                through_alone.push(took);
+            }
+        }
+    }
+    assert_eq!(route_calls(), FAILURES, "no request asked the sidecar while the breaker was open");
+    assert_eq!(breaker("requests.breaker_open"), (10 + MEASURED) as u64, "each counted");
+    assert_eq!(breaker("breaker_state"), 1);
+    assert_eq!(fell_back(), FAILURES as u64, "none waited for the sidecar");
+
+    let csv: String = through_kvgate
+        .iter()
+        .zip(&through_alone)
+        .enumerate()
+        .map(|(i, (k, a))| format!("{i},{},{}\n", k.as_micros(), a.as_micros()))
+        .collect();
+    let samples = stack.dir.join("latency.csv");
+    std::fs::write(&samples, format!("request,kvgate_us,envoy_alone_us\n{csv}")).unwrap();
+    let (with_filter, baseline) = (p99(through_kvgate.clone()), p99(through_alone.clone()));
+    let median = |mut v: Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    eprintln!("breaker closed, the sidecar hung: {FAILURES} requests took {} ms", waited.join(", "));
+    eprintln!(
+        "breaker open: p99 {:.3} ms through Envoy + kvgate, {:.3} ms through Envoy alone (added {:.3} ms); \
+         medians {:.3} ms and {:.3} ms; {MEASURED} requests each (every one in {})",
+        ms(with_filter),
+        ms(baseline),
+        ms(with_filter) - ms(baseline),
+        ms(median(through_kvgate)),
+        ms(median(through_alone)),
+        samples.display(),
+    );
+    assert!(
+        with_filter < baseline + Duration::from_millis(1),
+        "kvgate adds under 1 ms at p99 once its breaker is open: {with_filter:?} against {baseline:?}"
+    );
+}
