@@ -30,7 +30,14 @@ pub fn spawn(pool: Arc<Pool>, interval: Duration, health: &Arc<Health>) -> std::
                 let counts = pages.entry(endpoint).or_insert_with(|| {
                     let url = format!("http://{endpoint}/metrics");
                     match client.get(&url).send().and_then(|r| r.error_for_status()).and_then(|r| r.text()) {
-                        Ok(page) => Some(reports_by_engine(&page)),
+                        // A page with no engine figures (unreadable, or not an engine's) says nothing.
+                        Ok(page) => {
+                            let reports = reports_by_engine(&page);
+                            if reports.is_empty() {
+                                tracing::debug!(%url, "engine metrics page holds no engine figures");
+                            }
+                            Some(reports).filter(|reports| !reports.is_empty())
+                        }
                         Err(e) => {
                             tracing::debug!(%url, error = %e, "engine metrics unavailable");
                             None

@@ -15,7 +15,7 @@
 //! pool's `prefill_tokens_per_sec` until one is learned ([`LoadTable::end_prefills`]).
 //!
 //! Traffic that does not come through kvgate is invisible to bookings. With
-//! `engine_metrics_secs`, [`engine_metrics`] polls each engine's own request count and
+//! `engine_metrics_secs`, [`engine_metrics`] reads each engine's own request count and
 //! [`LoadTable::observe`] books the difference as *external* requests, each charged the
 //! pool's mean blocks per booked request (their sizes are unknown); those of them the engine
 //! reports still waiting — its waiting requests beyond kvgate's own bookings in prefill —
@@ -37,14 +37,15 @@ use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
 use flows::{Flow, Flows};
 
-/// What one engine (one vLLM `engine` label: a data-parallel rank) reports of itself.
+/// What one engine (a data-parallel rank: vLLM's `engine` label, SGLang's `dp_rank`) reports
+/// of itself ([`engine_metrics`] says which metric each figure is read from).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct EngineReport {
-    /// `vllm:num_requests_running` + `vllm:num_requests_waiting`.
+    /// Requests running + waiting.
     pub requests: u64,
-    /// `vllm:num_requests_waiting`: requests the engine has not scheduled yet.
+    /// Requests the engine has not scheduled yet.
     pub waiting: u64,
-    /// `vllm:kv_cache_usage_perc` (0–1).
+    /// How full its KV cache is (0–1).
     pub kv_usage: Option<f64>,
     /// Its KV cache in blocks: the `num_gpu_blocks` label of `vllm:cache_config_info`.
     pub kv_blocks: Option<u64>,
