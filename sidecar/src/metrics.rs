@@ -38,6 +38,15 @@ pub struct DecisionLabels {
     pub outcome: String,
 }
 
+/// Labels of a lifecycle report.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LifecycleLabels {
+    /// `first_token`, `progress`, `done`, `ran_on`, `served_whole` or `usage`.
+    pub kind: &'static str,
+    /// Whether the report found its request's booking in its model's pool.
+    pub known: bool,
+}
+
 /// Labels for requests that could not be scored.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FallbackLabels {
@@ -111,7 +120,7 @@ pub struct Metrics {
     /// Requests an engine reports beyond kvgate's bookings (`engine_metrics_secs`).
     pub external_requests: Family<ReplicaLabels, Gauge>,
     /// Lifecycle reports received, by kind and whether the request was known.
-    pub lifecycle_events: Family<ReasonLabels, Counter>,
+    pub lifecycle_events: Family<LifecycleLabels, Counter>,
     /// Active replicas per pool, as discovery last saw them.
     pub replicas: Family<DiscoveryLabels, Gauge>,
     /// Discovery refreshes that failed (the last membership was kept).
@@ -361,7 +370,7 @@ impl Default for Metrics {
         );
         registry.register(
             "lifecycle_events",
-            "Lifecycle reports (reason = kind/known|unknown)",
+            "Lifecycle reports, by kind and whether they found their request's booking (known)",
             lifecycle_events.clone(),
         );
         Metrics {

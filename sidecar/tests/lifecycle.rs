@@ -104,6 +104,31 @@ async fn reports_reach_only_their_pool_and_nothing_grows() {
 }
 
 #[tokio::test]
+async fn reports_are_counted_by_kind_and_whether_they_found_their_booking() {
+    let state = state();
+    let model = MODELS[0];
+    let (status, _) = post(&state, "/v1/route", codec::encode(&route_request(model, "booked", "c")).unwrap()).await;
+    assert_eq!(status, StatusCode::OK);
+    let event = |id: &str, kind| LifecycleEvent { model: model.into(), request_id: id.into(), kind };
+    let events = vec![
+        event("booked", LifecycleKind::FirstToken),
+        event("booked", LifecycleKind::Done),
+        event("never-booked", LifecycleKind::Done),
+    ];
+    let (status, _) = post(&state, "/v1/lifecycle", codec::encode(&LifecycleBatch { events }).unwrap()).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let text = state.metrics.render();
+    for line in [
+        r#"kvgate_lifecycle_events_total{kind="first_token",known="true"} 1"#,
+        r#"kvgate_lifecycle_events_total{kind="done",known="true"} 1"#,
+        r#"kvgate_lifecycle_events_total{kind="done",known="false"} 1"#,
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+    }
+    assert!(!text.contains(r#"="""#), "no family has an empty label:\n{text}");
+}
+
+#[tokio::test]
 async fn a_lifecycle_batch_as_large_as_envoy_buffers_is_accepted() {
     let state = state();
     let mut batch = LifecycleBatch::default();

@@ -130,6 +130,9 @@ impl AdmissionConfig {
         if let Some(c) = self.classes.iter().find(|c| c.kv_fraction.is_some_and(|f| !(f > 0.0 && f <= 1.0))) {
             bail!("pool {model:?}: admission class {:?}: kv_fraction must be in (0, 1]", c.name);
         }
+        if self.classes.iter().any(|c| c.name.is_empty()) {
+            bail!("pool {model:?}: an admission class needs a name (requests name it; kvgate_admission is labelled by it)");
+        }
         let mut names: Vec<&str> = self.classes.iter().map(|c| c.name.as_str()).collect();
         names.sort_unstable();
         if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {

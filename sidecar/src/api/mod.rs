@@ -27,7 +27,7 @@ use kvgate_shared::wire::{
 
 use crate::admission::Place;
 use crate::health::Health;
-use crate::metrics::{AdmissionLabels, FallbackLabels, Metrics, PoolLabels, ReasonLabels};
+use crate::metrics::{AdmissionLabels, FallbackLabels, LifecycleLabels, Metrics, PoolLabels};
 use crate::pool::{Admit, OffloadError, Pool};
 use crate::score::ScoringConfig;
 
@@ -392,9 +392,7 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
                 ("usage", pool.is_some_and(|p| p.engine_usage(id, prompt, cached)))
             }
         };
-        let reason = format!("{kind}/{}", if known { "known" } else { "unknown" });
-        let labels = ReasonLabels { model: String::new(), replica: String::new(), reason };
-        state.metrics.lifecycle_events.get_or_create(&labels).inc();
+        state.metrics.lifecycle_events.get_or_create(&LifecycleLabels { kind, known }).inc();
     }
     StatusCode::NO_CONTENT.into_response()
 }

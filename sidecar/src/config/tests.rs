@@ -76,6 +76,8 @@ fn admission_needs_a_saturation_criterion() {
     assert!(load(&learned, &[]).is_ok(), "capacity learned from the engines");
     assert!(load(&with("enabled = true, kv_blocks = 100, kv_fraction = 1.5"), &[]).is_err());
     assert!(load(&with("enabled = true, kv_blocks = 100, fair_headroom = -0.1"), &[]).is_err());
+    let nameless = load(&with("enabled = true, kv_blocks = 100, classes = [{ name = \"\" }]"), &[]).unwrap_err();
+    assert!(nameless.to_string().contains("needs a name"), "{nameless}");
     let ok = load(&with("enabled = true, kv_blocks = 100"), &[]).unwrap();
     let a = &ok.pools[0].pool.admission;
     assert_eq!((a.kv_fraction, a.max_queue_ms, a.max_queued, a.retry_after_secs), (0.9, 2000, 256, 1));
