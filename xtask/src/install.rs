@@ -82,6 +82,20 @@ pub fn chart_tools() -> anyhow::Result<()> {
     run("bash", &["tools/helm/install.sh", &venv.display().to_string()]).context("installing the chart's checkers")
 }
 
+/// Prometheus 2.42's `promtool` and server (Debian's `prometheus` package, unpacked) in
+/// `target/prometheus`, by `tools/prometheus/install.sh`: skipped when it holds exactly the
+/// version `tools/prometheus/version` pins, made again when that changed. Returns the
+/// directory of the binaries.
+pub fn prometheus() -> anyhow::Result<PathBuf> {
+    let root = kvgate_e2e::repo_root();
+    let dir = target_dir().join("prometheus");
+    let pin = std::fs::read_to_string(root.join("tools/prometheus/version")).context("reading Prometheus' pin")?;
+    if !std::fs::read_to_string(dir.join(".kvgate-installed")).is_ok_and(|m| m == pin) {
+        run("bash", &["tools/prometheus/install.sh", &dir.display().to_string()]).context("installing Prometheus")?;
+    }
+    Ok(dir.join("usr/bin"))
+}
+
 /// The peer routers the benchmark compares against, from PyPI, in `target/peers-venv` (and
 /// the venvs under it that [`kvgate_e2e::bench::peers::VENVS`] names).
 pub fn peers() -> anyhow::Result<()> {

@@ -128,6 +128,8 @@ fn test() -> anyhow::Result<()> {
     let oldest_envoy = install::envoy_oldest()?;
     // `cargo test` below checks the Helm chart with them (xtask/tests/chart.rs).
     install::chart_tools()?;
+    // And the alert rules and the dashboard's queries with promtool (xtask/tests/alerts.rs).
+    install::prometheus()?;
     // First, so that an install that cannot be had fails the command at once.
     let vllm = e2e_vllm::prepare(&kvgate_e2e::repo_root().join("target/e2e-vllm/ci"))?;
     cargo(&["fmt", "--all", "--check"])?;

@@ -36,9 +36,10 @@ const DIGEST: &str = "sha256:8d2f4b0c6a1e9f7d3b5a2c4e6f8091a3b5c7d9e1f2a4b6c8d0e
 /// What a pod's IP is taken to be.
 const POD_IP: &str = "10.0.0.7";
 /// Kinds defined by CRDs, which Kubernetes' own schemas do not cover.
-const CRD_KINDS: [&str; 8] = [
+const CRD_KINDS: [&str; 9] = [
     "EnvoyFilter.networking.istio.io",
     "PodMonitor.monitoring.coreos.com",
+    "PrometheusRule.monitoring.coreos.com",
     "EnvoyProxy.gateway.envoyproxy.io",
     "ClientTrafficPolicy.gateway.envoyproxy.io",
     "EnvoyExtensionPolicy.gateway.envoyproxy.io",
@@ -383,6 +384,7 @@ fn maximal() -> Value {
             "pools": [pool],
             "filter": {"config": filter},
             "istio": {"engineServices": [{"host": "sglang.llm.svc.cluster.local", "port": 30000}]},
+            "monitoring": {"enabled": true, "interval": "30s", "labels": {"release": "prometheus"}, "prometheusRule": {"enabled": true}},
         }),
     )
 }
@@ -873,7 +875,8 @@ fn every_value_set_passes_helm_and_kubernetes_and_loads_in_kvgate() {
 #[test]
 fn the_istio_gateway_does_what_the_kustomize_manifests_do() {
     let Some(python) = python() else { return };
-    let r = render(&python, &values("istio", json!({"monitoring": {"enabled": true}})), "istio-system");
+    let monitoring = json!({"monitoring": {"enabled": true, "prometheusRule": {"enabled": true}}});
+    let r = render(&python, &values("istio", monitoring), "istio-system");
     let g = check(&r);
     let docs = manifests();
     let k8s = common::repo().join("envoy/k8s");
@@ -949,9 +952,10 @@ fn the_istio_gateway_does_what_the_kustomize_manifests_do() {
     let chart = std::fs::read_to_string(repo().join("charts/kvgate/Chart.yaml")).unwrap();
     assert!(chart.contains(&format!("appVersion: \"{}\"", env!("CARGO_PKG_VERSION"))), "{chart}");
 
-    // The PodMonitor of envoy/k8s/monitoring.
+    // The PodMonitor and the alerts of envoy/k8s/monitoring.
     let monitor = find(&docs, "PodMonitor", "kvgate");
     assert_eq!(r.one("PodMonitor")["spec"]["podMetricsEndpoints"], monitor["spec"]["podMetricsEndpoints"]);
+    assert_eq!(r.one("PrometheusRule")["spec"], find(&docs, "PrometheusRule", "kvgate")["spec"]);
 }
 
 #[test]
