@@ -217,6 +217,7 @@ async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
     let Some(pool) = state.pool_for(req.model.as_str()) else {
+        tracing::debug!(request_id = %req.request_id, model = %req.model, "no pool for the request's model");
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, format!("no pool for model {:?}", req.model));
     };
     let scoring = match (&req.overrides, state.allow_request_overrides) {
@@ -286,6 +287,13 @@ async fn admitted(
             Ok(signalled) => woken = signalled,
             Err(reason) => {
                 outcome(reason.label());
+                tracing::debug!(
+                    request_id = %req.request_id,
+                    %model,
+                    reason = reason.label(),
+                    waited_ms = waited.as_millis() as u64,
+                    "shed: every replica saturated"
+                );
                 let retry_after = gate.retry_after_secs().to_string();
                 let message = format!("every replica of {model:?} is saturated ({})", reason.label());
                 let shed = (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, retry_after)], message);
@@ -339,19 +347,24 @@ async fn route_body(State(state): State<Arc<AppState>>, headers: HeaderMap, body
             // its load is real, so it is booked on an estimate.
             let model = std::str::from_utf8(&req.body).ok().and(model_of(&req.body));
             if let Some((model, pool)) = model.as_deref().and_then(|m| Some((m, state.pool_for(m)?))) {
+                tracing::debug!(request_id = %req.request_id, %model, error = %e, "prompt unreadable; booked on an estimate");
                 return admitted(&state, pool, &pool.estimated(model, &req, "unparsable"), &scoring, started).await.0;
             }
+            tracing::debug!(request_id = %req.request_id, error = %e, "offloaded body unreadable");
             return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
         }
     };
     let Some(pool) = state.pool_for(parsed.model.as_str()).cloned() else {
+        tracing::debug!(request_id = %req.request_id, model = %parsed.model, "no pool for the request's model");
         let message = format!("no pool for model {:?}", parsed.model);
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, message);
     };
     let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
     let Ok(Ok(slot)) = slot else {
+        tracing::debug!(request_id = %req.request_id, "no tokenizer free within the filter's budget");
         return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
     };
+    let request_id = req.request_id.clone();
     let tokenizing = pool.clone();
     let prepared = tokio::task::spawn_blocking(move || {
         let _slot = slot;
@@ -361,12 +374,17 @@ async fn route_body(State(state): State<Arc<AppState>>, headers: HeaderMap, body
     let (answer, waited) = match prepared {
         Ok(Ok(route)) => admitted(&state, &pool, &route, &scoring, started).await,
         Ok(Err(e @ OffloadError::Late)) => {
+            tracing::debug!(%request_id, error = %e, "offloaded prompt not routed in time");
             (fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, e.to_string()), Duration::ZERO)
         }
         Ok(Err(e)) => {
+            tracing::debug!(%request_id, error = %e, "offloaded prompt not tokenized");
             (fallback(&state, "tokenize_failed", StatusCode::UNPROCESSABLE_ENTITY, e.to_string()), Duration::ZERO)
         }
-        Err(e) => (fallback(&state, "internal", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()), Duration::ZERO),
+        Err(e) => {
+            tracing::warn!(%request_id, error = %e, "tokenizing an offloaded prompt failed");
+            (fallback(&state, "internal", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()), Duration::ZERO)
+        }
     };
     state.metrics.route_seconds.observe(started.elapsed().saturating_sub(waited).as_secs_f64());
     answer
@@ -392,6 +410,9 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
                 ("usage", pool.is_some_and(|p| p.engine_usage(id, prompt, cached)))
             }
         };
+        if !known {
+            tracing::debug!(request_id = %id, model = %event.model, kind, "lifecycle report names no booking of its pool");
+        }
         state.metrics.lifecycle_events.get_or_create(&LifecycleLabels { kind, known }).inc();
     }
     StatusCode::NO_CONTENT.into_response()

@@ -134,6 +134,15 @@ impl Pool {
         mode: Option<&'static str>,
     ) {
         let labels = self.labels(best);
+        tracing::debug!(
+            request_id = %req.request_id,
+            client_request_id = req.client_request_id.as_deref(),
+            model = %labels.model,
+            replica = %labels.replica,
+            policy = policy.name(),
+            cached_blocks = overlap.device,
+            "routed"
+        );
         self.metrics.route_decisions.get_or_create(&labels).inc();
         let outcome = if overlap.device > 0 { "hit" } else { "miss" };
         let decision = DecisionLabels {
@@ -167,6 +176,12 @@ impl Pool {
         candidates: Vec<Scored>,
         chosen: ReplicaIdx,
     ) {
+        tracing::debug!(
+            request_id = %leg_id,
+            model = %self.config.model,
+            replica = %self.labels(chosen).replica,
+            "prefill leg routed"
+        );
         self.keep(Kept {
             request_id: leg_id.request_id(),
             client_request_id: req.client_request_id.clone(),
