@@ -49,7 +49,7 @@ use serde::de::Error as _;
 use serde::Deserializer;
 
 use crate::discovery::{DiscoveryConfig, DiscoveryKind};
-use crate::pool::{Policy, PoolConfig, ReplicaConfig, Role, TransferProtocol};
+use crate::pool::{Policy, PoolConfig, ReplicaConfig, Role, TransferProtocol, MAX_EXPLAIN_KEEP};
 use crate::score::ScoringConfig;
 use crate::sync::SyncConfig;
 
@@ -278,6 +278,12 @@ impl Config {
             }
             if !(pool.prefill_tokens_per_sec.is_finite() && pool.prefill_tokens_per_sec >= 1.0) {
                 bail!("pool {:?}: prefill_tokens_per_sec must be at least 1", pool.model);
+            }
+            if !(1..=MAX_EXPLAIN_KEEP).contains(&pool.explain_keep) {
+                bail!("pool {:?}: explain_keep must be 1..={MAX_EXPLAIN_KEEP}, got {}", pool.model, pool.explain_keep);
+            }
+            if pool.explain_max_age_secs == 0 {
+                bail!("pool {:?}: explain_max_age_secs must be at least 1", pool.model);
             }
             match d.kind {
                 DiscoveryKind::Static if pool.replicas.is_empty() => bail!("pool {:?}: no replicas", pool.model),

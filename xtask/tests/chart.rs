@@ -335,6 +335,8 @@ fn maximal() -> Value {
         "engine_metrics_secs": 5,
         "adapters": ["sql-lora"],
         "adapters_poll_secs": 10,
+        "explain_keep": 4096,
+        "explain_max_age_secs": 300,
         "extraToml": "",
         "discovery": discovery,
         "admission": admission,

@@ -5,7 +5,8 @@
 //! is wrong: a failed start-up, a background thread ended or stalled — `crate::health`),
 //! `GET /livez` (200 while the process answers: the liveness probe, which must not restart a
 //! sidecar that is degraded but serving), `GET /debug/state` (JSON),
-//! `GET /debug/explain[?request=ID][&last=N]` (every candidate's cost terms per decision).
+//! `GET /debug/explain[?request=ID][&last=N]` (every candidate's cost terms per decision; `ID`
+//! a booking key or a client's `x-request-id`, also as `request_id=ID`).
 //! A sidecar whose start-up failed serves [`degraded_router`] meanwhile.
 
 use std::collections::HashMap;
@@ -458,17 +459,24 @@ async fn debug_state(State(state): State<Arc<AppState>>) -> Response {
 #[derive(Debug, serde::Deserialize)]
 struct ExplainQuery {
     /// One request's decision.
+    #[serde(alias = "request_id")]
     request: Option<String>,
     /// How many recent decisions (default 20).
     last: Option<usize>,
 }
 
-/// Every candidate's cost terms for recent decisions (kept per pool, the last 256).
+/// Every candidate's cost terms for recent decisions (each pool keeps its last
+/// `explain_keep`, for `explain_max_age_secs`), or for one request's; 404 with a JSON `error`
+/// if none of that request is kept.
 async fn debug_explain(State(state): State<Arc<AppState>>, Query(q): Query<ExplainQuery>) -> Response {
     let last = q.last.unwrap_or(20);
     let decisions: Vec<_> = state.pools.values().flat_map(|p| p.explain(q.request.as_deref(), last)).collect();
-    if q.request.is_some() && decisions.is_empty() {
-        return (StatusCode::NOT_FOUND, "no such decision kept").into_response();
+    if let (Some(id), true) = (&q.request, decisions.is_empty()) {
+        let error = format!(
+            "no decision for request {id:?} is kept: it was never routed here, or is older than its pool's \
+             explain_keep decisions or explain_max_age_secs"
+        );
+        return (StatusCode::NOT_FOUND, Json(serde_json::json!({ "error": error }))).into_response();
     }
     Json(serde_json::json!({ "decisions": decisions })).into_response()
 }

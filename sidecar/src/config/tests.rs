@@ -85,6 +85,19 @@ fn admission_needs_a_saturation_criterion() {
 }
 
 #[test]
+fn explanations_are_kept_by_count_and_age() {
+    let with = |keys: &str| BASE.replace("block_size = 16", &format!("block_size = 16\n{keys}"));
+    let pool = &load(BASE, &[]).unwrap().pools[0].pool;
+    assert_eq!((pool.explain_keep, pool.explain_max_age_secs), (4096, 300));
+    let set = load(&with("explain_keep = 100000\nexplain_max_age_secs = 3600"), &[]).unwrap();
+    assert_eq!((set.pools[0].pool.explain_keep, set.pools[0].pool.explain_max_age_secs), (100_000, 3600));
+    for bad in ["explain_keep = 0", "explain_keep = 1048577", "explain_max_age_secs = 0"] {
+        let error = load(&with(bad), &[]).unwrap_err().to_string();
+        assert!(error.contains(bad.split(' ').next().unwrap()), "{bad}: {error}");
+    }
+}
+
+#[test]
 fn defaults_are_loopback_and_dynamos() {
     let c = load(BASE, &[]).unwrap();
     assert_eq!(c.listen, "127.0.0.1:9911".parse().unwrap());

@@ -94,10 +94,21 @@ pub struct PoolConfig {
     /// and prefill load) and a decode worker (by load). Off (unset) by default.
     #[serde(default)]
     pub disaggregation: Option<DisaggregationConfig>,
+    /// `/debug/explain`: how many of the last decisions are kept, each with every candidate's
+    /// cost terms (default 4096, at most 1 048 576 — [`MAX_EXPLAIN_KEEP`]). Memory is bounded
+    /// by this count: about 250 bytes a decision plus 80 per candidate replica.
+    #[serde(default = "default_explain_keep")]
+    pub explain_keep: usize,
+    /// `/debug/explain`: how long a decision is kept, in seconds (default 300, at least 1).
+    #[serde(default = "default_explain_max_age")]
+    pub explain_max_age_secs: u64,
     /// The replicas (static discovery).
     #[serde(default)]
     pub replicas: Vec<ReplicaConfig>,
 }
+
+/// The most decisions a pool may keep for `/debug/explain` (`explain_keep`).
+pub const MAX_EXPLAIN_KEEP: usize = 1 << 20;
 
 impl PoolConfig {
     /// A pool of `replicas` with every optional setting at its default — what a TOML table
@@ -126,6 +137,8 @@ impl PoolConfig {
             adapters_poll_secs: default_adapters_poll(),
             admission: AdmissionConfig::default(),
             disaggregation: None,
+            explain_keep: default_explain_keep(),
+            explain_max_age_secs: default_explain_max_age(),
             replicas,
         }
     }
@@ -289,6 +302,14 @@ fn default_inflight_credit() -> u64 {
 
 fn default_leave_grace() -> u64 {
     30
+}
+
+fn default_explain_keep() -> usize {
+    4096
+}
+
+fn default_explain_max_age() -> u64 {
+    300
 }
 
 fn default_prefill_rate() -> f64 {

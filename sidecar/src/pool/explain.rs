@@ -1,5 +1,11 @@
 //! `/debug/explain`: the last decisions with every candidate's cost terms. Owns the
-//! `explanations` ring; the decision writes it ([`Pool::record`]), operators read it.
+//! `explanations` ring ([`Explanations`]); the decision writes it ([`Pool::record`]),
+//! operators read it, by request id or the most recent. A pool keeps its last
+//! `explain_keep` decisions, each for at most `explain_max_age_secs`: memory is bounded by
+//! the count, whatever the request rate.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -13,9 +19,6 @@ use super::Pool;
 use crate::accuracy::{Check, EngineUsage};
 use crate::index::{Overlap, ReplicaIdx};
 use crate::metrics::{DecisionLabels, ModeLabels};
-
-/// Decisions kept for `/debug/explain`.
-pub(super) const EXPLANATIONS: usize = 256;
 
 /// A kept decision, before names are attached.
 #[derive(Debug)]
@@ -86,17 +89,109 @@ pub struct Explanation {
     pub disaggregation: Option<&'static str>,
 }
 
+/// A pool's kept decisions: the last `keep`, none older than `max_age`, findable by booking
+/// id without a scan (a usage report attaches its check to its decision this way).
+#[derive(Debug)]
+pub(super) struct Explanations {
+    keep: usize,
+    max_age: Duration,
+    /// Oldest first; `seq` rises by one per decision kept.
+    kept: VecDeque<Entry>,
+    /// The `seq` of the latest decision kept under each booking id.
+    by_id: HashMap<RequestId, u64>,
+    next_seq: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    seq: u64,
+    at: Instant,
+    kept: Kept,
+}
+
+impl Explanations {
+    /// Keeps the last `keep` decisions (at least one), each for at most `max_age`.
+    pub(super) fn new(keep: usize, max_age: Duration) -> Explanations {
+        let keep = keep.max(1);
+        // Grown as decisions come: a large `keep` costs nothing until it is used.
+        let kept = VecDeque::with_capacity(keep.min(1024));
+        Explanations { keep, max_age, kept, by_id: HashMap::with_capacity(keep.min(1024)), next_seq: 0 }
+    }
+
+    /// Keeps a decision made at `now`, dropping the oldest beyond the count and the age.
+    fn push(&mut self, kept: Kept, now: Instant) {
+        self.expire(now);
+        while self.kept.len() >= self.keep {
+            self.pop_oldest();
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.by_id.insert(kept.request_id.clone(), seq);
+        self.kept.push_back(Entry { seq, at: now, kept });
+    }
+
+    /// Drops the decisions older than the age limit at `now`.
+    fn expire(&mut self, now: Instant) {
+        while self.kept.front().is_some_and(|e| now.saturating_duration_since(e.at) > self.max_age) {
+            self.pop_oldest();
+        }
+    }
+
+    fn pop_oldest(&mut self) {
+        if let Some(oldest) = self.kept.pop_front() {
+            if self.by_id.get(&oldest.kept.request_id) == Some(&oldest.seq) {
+                self.by_id.remove(&oldest.kept.request_id);
+            }
+        }
+    }
+
+    /// Where the latest decision kept under booking id `id` is.
+    fn position(&self, id: &str) -> Option<usize> {
+        let seq = self.by_id.get(id)?;
+        self.kept.binary_search_by_key(seq, |e| e.seq).ok()
+    }
+
+    /// The latest decision kept under booking id `id`.
+    fn by_booking(&mut self, id: &str) -> Option<&mut Kept> {
+        let at = self.position(id)?;
+        Some(&mut self.kept[at].kept)
+    }
+
+    /// The decisions kept, newest first.
+    fn newest_first(&self) -> impl Iterator<Item = &Kept> {
+        self.kept.iter().rev().map(|e| &e.kept)
+    }
+
+    /// Drops the decisions that name `slot`.
+    fn forget_slot(&mut self, slot: ReplicaIdx) {
+        self.kept.retain(|e| e.kept.chosen != slot && e.kept.candidates.iter().all(|c| c.slot != slot));
+        let kept = &self.kept;
+        self.by_id.retain(|_, seq| kept.binary_search_by_key(seq, |e| e.seq).is_ok());
+    }
+}
+
 impl Pool {
-    /// The kept decisions for `request_id` (a booking key or a client's `x-request-id`), or the
-    /// most recent `last` decisions (newest first).
+    /// The kept decisions for `request_id` — its booking key's, or else every one whose client
+    /// sent that `x-request-id` — or the most recent `last` decisions (newest first).
     pub fn explain(&self, request_id: Option<&str>, last: usize) -> Vec<Explanation> {
-        let kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
+        let mut explanations = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
+        explanations.expire(Instant::now());
+        let explanations = &*explanations;
+        let found: Vec<&Kept> = match request_id {
+            Some(id) => match explanations.position(id) {
+                Some(at) => vec![&explanations.kept[at].kept],
+                None => explanations
+                    .newest_first()
+                    .filter(|k| k.client_request_id.as_deref() == Some(id))
+                    .take(last)
+                    .collect(),
+            },
+            None => explanations.newest_first().take(last).collect(),
+        };
         let members = self.members();
         let name = |i: ReplicaIdx| members[i.get()].replica.id.clone();
-        kept.iter()
-            .rev()
-            .filter(|e| request_id.is_none_or(|id| e.request_id == id || e.client_request_id.as_deref() == Some(id)))
-            .take(last)
+        found
+            .into_iter()
             .map(|k| Explanation {
                 request_id: k.request_id.clone(),
                 client_request_id: k.client_request_id.clone(),
@@ -195,17 +290,12 @@ impl Pool {
     }
 
     fn keep(&self, explanation: Kept) {
-        let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
-        if kept.len() == EXPLANATIONS {
-            kept.pop_front();
-        }
-        kept.push_back(explanation);
+        self.explanations.lock().unwrap_or_else(|e| e.into_inner()).push(explanation, Instant::now());
     }
 
     /// Drops the kept decisions that name slot `slot` (it is being given to another replica).
     pub(super) fn forget_slot(&self, slot: ReplicaIdx) {
-        let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
-        kept.retain(|k| k.chosen != slot && k.candidates.iter().all(|c| c.slot != slot));
+        self.explanations.lock().unwrap_or_else(|e| e.into_inner()).forget_slot(slot);
     }
 
     /// Attaches a check to the kept decision of `request_id`, if it is still kept.
@@ -217,8 +307,98 @@ impl Pool {
         check: Check,
     ) {
         let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(k) = kept.iter_mut().rev().find(|k| k.request_id == *request_id) {
+        if let Some(k) = kept.by_booking(request_id.as_str()) {
             k.checked = Some(Checked { predicted_cached_tokens, engine, check });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decision(id: &str) -> Kept {
+        Kept {
+            request_id: id.into(),
+            client_request_id: Some(format!("client-{id}")),
+            policy: Policy::KvAware,
+            prompt_tokens: 64,
+            chosen: ReplicaIdx::new(0),
+            candidates: Vec::new(),
+            checked: None,
+            disaggregation: None,
+        }
+    }
+
+    fn found(e: &Explanations, id: &str) -> bool {
+        e.position(id).is_some_and(|at| e.kept[at].kept.request_id == id)
+    }
+
+    #[test]
+    fn a_decision_is_found_by_id_after_as_many_later_ones_as_are_kept() {
+        let t0 = Instant::now();
+        let mut e = Explanations::new(1000, Duration::from_secs(300));
+        e.push(decision("target"), t0);
+        for i in 1..1000 {
+            e.push(decision(&format!("later-{i}")), t0);
+        }
+        assert!(found(&e, "target"), "999 later decisions: still kept");
+        assert!(e.by_booking("target").is_some());
+        e.push(decision("one-more"), t0);
+        assert!(!found(&e, "target") && e.by_booking("target").is_none(), "the 1001st pushes it out");
+        assert!(found(&e, "later-1") && found(&e, "one-more"));
+    }
+
+    #[test]
+    fn a_decision_is_gone_after_the_age_limit() {
+        let t0 = Instant::now();
+        let mut e = Explanations::new(1000, Duration::from_secs(300));
+        e.push(decision("old"), t0);
+        e.push(decision("newer"), t0 + Duration::from_secs(200));
+        e.expire(t0 + Duration::from_secs(300));
+        assert!(found(&e, "old"), "kept for exactly its age limit");
+        e.expire(t0 + Duration::from_secs(301));
+        assert!(!found(&e, "old") && found(&e, "newer"));
+        assert!(!e.by_id.contains_key("old"), "its index entry went with it");
+        // A new decision also drops what has aged out.
+        e.push(decision("newest"), t0 + Duration::from_secs(501));
+        assert_eq!(e.newest_first().map(|k| k.request_id.as_str()).collect::<Vec<_>>(), ["newest"]);
+    }
+
+    #[test]
+    fn the_count_bound_holds_and_so_does_the_index() {
+        let t0 = Instant::now();
+        let mut e = Explanations::new(64, Duration::from_secs(300));
+        for i in 0..10_000 {
+            // Some ids repeat (a decision made again under the same booking id).
+            e.push(decision(&format!("r{}", i % 5000)), t0);
+            assert!(e.kept.len() <= 64 && e.by_id.len() <= 64);
+        }
+        assert_eq!((e.kept.len(), e.by_id.len()), (64, 64));
+        assert!(found(&e, "r4999") && !found(&e, "r4935"));
+    }
+
+    #[test]
+    fn forgetting_a_slot_keeps_the_others_findable() {
+        let t0 = Instant::now();
+        let mut e = Explanations::new(16, Duration::from_secs(300));
+        for i in 0..8 {
+            let mut d = decision(&format!("r{i}"));
+            d.chosen = ReplicaIdx::new(i % 2);
+            e.push(d, t0);
+        }
+        e.forget_slot(ReplicaIdx::new(1));
+        for i in 0..8 {
+            assert_eq!(found(&e, &format!("r{i}")), i % 2 == 0, "r{i}");
+        }
+        assert_eq!(e.by_id.len(), 4);
+    }
+
+    /// The memory the `explain_keep` documentation states: a kept decision in about 250 bytes
+    /// (its ids on the heap included) plus 80 per candidate.
+    #[test]
+    fn a_kept_decision_is_as_small_as_documented() {
+        assert!(std::mem::size_of::<Entry>() + 2 * 24 <= 250, "{}", std::mem::size_of::<Entry>());
+        assert!(std::mem::size_of::<Scored>() <= 80, "{}", std::mem::size_of::<Scored>());
     }
 }

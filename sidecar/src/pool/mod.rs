@@ -26,7 +26,6 @@ mod offload;
 mod route;
 mod state;
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -44,6 +43,7 @@ use crate::msg::sync::Outbox;
 
 pub use config::{
     DisaggregationConfig, EventsMode, Policy, PoolConfig, PrefillPolicy, ReplicaConfig, Role, TransferProtocol,
+    MAX_EXPLAIN_KEEP,
 };
 pub use explain::{CandidateTerms, Checked, Explanation};
 pub use handover::TakenOver;
@@ -52,7 +52,7 @@ pub use offload::OffloadError;
 pub use route::Admit;
 pub use state::{PoolState, ReplicaState};
 
-use explain::{Kept, EXPLANATIONS};
+use explain::Explanations;
 use members::member;
 
 /// Segment-cache budget of the tokenizer used for offloaded prompts.
@@ -78,7 +78,7 @@ pub struct Pool {
     started: Instant,
     /// The last decisions with every candidate's cost terms (`/debug/explain`), kept compact
     /// (indices, not names) so that recording costs no allocation per candidate.
-    explanations: Mutex<VecDeque<Kept>>,
+    explanations: Mutex<Explanations>,
     /// The `round_robin` cursor.
     next: AtomicUsize,
     /// Round-robin turns among prefill workers (`prefill_policy = "round_robin"`).
@@ -112,6 +112,7 @@ impl Pool {
         };
         let affinity = ApproxIndex::new(config.affinity_blocks, Duration::from_secs(ttl));
         let admission = config.admission.enabled.then(|| Gate::new(&config.admission));
+        let explanations = Explanations::new(config.explain_keep, Duration::from_secs(config.explain_max_age_secs));
         Pool {
             admission,
             index: Mirrored::new(KvIndex::new(config.block_size as usize, n)),
@@ -123,7 +124,7 @@ impl Pool {
             tokenizer: std::sync::OnceLock::new(),
             metrics,
             started: Instant::now(),
-            explanations: Mutex::new(VecDeque::with_capacity(EXPLANATIONS)),
+            explanations: Mutex::new(explanations),
             next: AtomicUsize::new(0),
             next_prefill: AtomicUsize::new(0),
             affinity: Mutex::new(affinity),
