@@ -15,7 +15,7 @@ use kvgate_shared::wire::{CONTENT_TYPE, WIRE_VERSION, WIRE_VERSION_HEADER};
 /// The header every call to the sidecar carries: the wire version this filter encodes.
 pub const WIRE: (&str, &str) = (WIRE_VERSION_HEADER, WIRE_VERSION);
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, MapType};
+use proxy_wasm::types::{BufferType, MapType, MetricType};
 
 // The same imports proxy-wasm declares, with the status as a plain u32 so that an unexpected
 // value from the host is data, not undefined behaviour.
@@ -80,6 +80,8 @@ pub fn set_response_header(name: &str, value: &str) -> Result<(), HostStatus> {
 
 /// Where the filter's counters and histograms go.
 pub trait MetricSink {
+    /// Defines a metric named `name`; `None` if the host refuses.
+    fn define(&self, kind: MetricType, name: &str) -> Option<u32>;
     /// Adds `by` to a counter.
     fn increment(&self, id: u32, by: i64);
     /// Records a histogram value, or sets a gauge.
@@ -153,8 +155,6 @@ pub trait RootHost: SidecarCalls {
     fn dequeue(&self, queue: u32) -> Option<Vec<u8>>;
     /// The host's clock.
     fn now(&self) -> SystemTime;
-    /// Defines a gauge named `name`; `None` if the host refuses.
-    fn define_gauge(&self, name: &str) -> Option<u32>;
 }
 
 /// Envoy, through proxy-wasm's host calls.
@@ -174,10 +174,6 @@ impl RootHost for Envoy {
     fn now(&self) -> SystemTime {
         hostcalls::get_current_time().unwrap_or(SystemTime::UNIX_EPOCH)
     }
-
-    fn define_gauge(&self, name: &str) -> Option<u32> {
-        hostcalls::define_metric(proxy_wasm::types::MetricType::Gauge, name).ok()
-    }
 }
 
 fn status(s: proxy_wasm::types::Status) -> HostStatus {
@@ -185,6 +181,10 @@ fn status(s: proxy_wasm::types::Status) -> HostStatus {
 }
 
 impl MetricSink for Envoy {
+    fn define(&self, kind: MetricType, name: &str) -> Option<u32> {
+        hostcalls::define_metric(kind, name).ok()
+    }
+
     fn increment(&self, id: u32, by: i64) {
         let _ = hostcalls::increment_metric(id, by);
     }

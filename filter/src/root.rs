@@ -6,7 +6,7 @@
 //!   (`GET /v1/models`) and fetches each missing bundle (`GET /v1/models/{model}/tokenizer`,
 //!   the name percent-encoded). Until a model is loaded its requests are routed on load alone;
 //!   they are never held back. A fetch that fails is logged with the model and the cause,
-//!   shows in the gauge `kvgate.tokenizer_missing.<model>` (1 while missing) and is retried
+//!   shows in the gauge `kvgate.tokenizer_missing` tagged with the model (1 while missing) and is retried
 //!   with exponential backoff ([`crate::fetches`]).
 //!   An adapter shares its base model's tokenizer; adapters (and models) the sidecar no longer
 //!   lists are dropped, so their requests pass through again.
@@ -70,7 +70,7 @@ pub struct Root<H: RootHost = Envoy> {
     /// The base models of the last list, whose tokenizers the filter loads.
     base_models: Vec<String>,
     adapters: Vec<Adapter>,
-    /// `kvgate.tokenizer_missing.<model>` gauge ids, defined on a model's first failure.
+    /// Each model's `kvgate.tokenizer_missing` gauge id, defined on its first failure.
     missing_gauges: HashMap<String, u32>,
 }
 
@@ -377,6 +377,14 @@ impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         self.answered(token, body_size);
     }
+
+    /// The VM is shutting down (a reload): its gauges go to 0.
+    fn on_done(&mut self) -> bool {
+        if let Some(m) = &self.shared.borrow().metrics {
+            m.shut_down(&self.host);
+        }
+        true
+    }
 }
 
 impl RootContext for Root {
@@ -397,7 +405,12 @@ impl RootContext for Root {
             log::warn!("kvgate: cannot set the tick period; tokenizers load on first configure only");
         }
         let queue = hostcalls::register_shared_queue(LIFECYCLE_QUEUE).ok();
-        self.configure(config, queue, FilterMetrics::define());
+        let (defined, vm_tag) = {
+            let shared = self.shared.borrow();
+            (shared.metrics.clone(), shared.vm_tag)
+        };
+        let metrics = defined.or_else(|| FilterMetrics::define(&self.host, &format!("{:08x}", vm_tag as u32)));
+        self.configure(config, queue, metrics);
         true
     }
 

@@ -21,6 +21,7 @@ use kvgate_shared::wire::{
     LifecycleEvent, LifecycleKind, ModelBundle, PrefillLeg, PromptCount, RouteBodyRequest, RouteRequest, RouteResponse,
     Transfer, DESTINATION_HEADER,
 };
+use proxy_wasm::types::MetricType;
 
 const BLOCK: u32 = 16;
 const QUEUE: u32 = 7;
@@ -51,6 +52,9 @@ struct State {
 struct Fake(Rc<RefCell<State>>);
 
 impl MetricSink for Fake {
+    fn define(&self, _: MetricType, _: &str) -> Option<u32> {
+        None
+    }
     fn increment(&self, _: u32, _: i64) {}
     fn record(&self, _: u32, _: u64) {}
 }

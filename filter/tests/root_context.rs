@@ -16,6 +16,7 @@ use kvgate_shared::hash::Salt;
 use kvgate_shared::wire::{
     tokenizer_path, Adapter, LifecycleBatch, LifecycleEvent, LifecycleKind, ModelBundle, ModelList,
 };
+use proxy_wasm::types::MetricType;
 
 const QUEUE: u32 = 3;
 const MODEL: &str = "Qwen/Qwen3-0.6B";
@@ -58,12 +59,17 @@ impl Fake {
     /// The missing-tokenizer gauge of `MODEL`, if ever defined.
     fn missing_gauge(&self) -> Option<u64> {
         let s = self.0.borrow();
-        let id = s.gauges.get("kvgate.tokenizer_missing.Qwen_Qwen3-0_6B")?;
+        let id = s.gauges.get("model=.=Qwen/Qwen3-0.6B;.;kvgate.tokenizer_missing")?;
         s.recorded.get(id).copied()
     }
 }
 
 impl MetricSink for Fake {
+    fn define(&self, _: MetricType, name: &str) -> Option<u32> {
+        let mut s = self.0.borrow_mut();
+        let id = 100 + s.gauges.len() as u32;
+        Some(*s.gauges.entry(name.to_owned()).or_insert(id))
+    }
     fn increment(&self, _: u32, _: i64) {}
     fn record(&self, id: u32, value: u64) {
         self.0.borrow_mut().recorded.insert(id, value);
@@ -99,11 +105,6 @@ impl RootHost for Fake {
     }
     fn now(&self) -> SystemTime {
         self.0.borrow().now
-    }
-    fn define_gauge(&self, name: &str) -> Option<u32> {
-        let mut s = self.0.borrow_mut();
-        let id = 100 + s.gauges.len() as u32;
-        Some(*s.gauges.entry(name.to_owned()).or_insert(id))
     }
 }
 

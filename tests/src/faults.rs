@@ -197,7 +197,7 @@ pub fn sidecar_killed(artifacts: &Artifacts) -> anyhow::Result<Row> {
     let outcomes = load.finish();
     let failures = failed(&outcomes).len();
     let indexed: u64 = replicas(&stack).iter().filter_map(|r| r["blocks_indexed"].as_u64()).sum();
-    let not_asked = stack.envoy_stat("wasmcustom.kvgate.requests.breaker_open")?;
+    let not_asked = stack.filter_stat("kvgate.requests_total", &[("outcome", "breaker_open")])?;
     // The dead sidecar's calls fail at once, so the filter's circuit breaker opens; each
     // failed probe doubles its window (1 s, 2 s, 4 s: in a 3 s outage it reaches 4 s), and
     // routing comes back at the first probe after the restart.
@@ -358,7 +358,7 @@ pub fn sidecar_slow(artifacts: &Artifacts) -> anyhow::Result<Row> {
     let decided: Vec<u64> = outcomes.iter().filter_map(|o| o.decision_us).collect();
     let slowest = decided.iter().copied().max().unwrap_or(u64::MAX);
     let fell_back = outcomes.iter().filter(|o| o.routed_to == "fallback").count();
-    let not_asked = stack.envoy_stat("wasmcustom.kvgate.requests.breaker_open")?;
+    let not_asked = stack.filter_stat("kvgate.requests_total", &[("outcome", "breaker_open")])?;
     // The filter's timer fires on Envoy's clock: allow a few ms of dispatch slack.
     let bound_us = 25_000 + 15_000;
     Ok(Row {

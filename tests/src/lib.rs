@@ -15,6 +15,7 @@ pub mod envoy;
 pub mod faults;
 pub mod hung;
 pub mod process;
+pub mod prometheus;
 pub mod soak;
 pub mod stack;
 pub mod vllm;

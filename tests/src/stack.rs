@@ -656,6 +656,23 @@ impl Stack {
         envoy_stat(self.first().admin_port, name)
     }
 
+    /// The first gateway's Envoy admin and sidecar addresses (`host:port`), for scrapers.
+    pub fn scrape_targets(&self) -> (String, String) {
+        let g = self.first();
+        (format!("127.0.0.1:{}", g.admin_port), format!("127.0.0.1:{}", g.sidecar_port))
+    }
+
+    /// The filter's metric `name` (`kvgate.requests_total`…) in the first Envoy, summed over
+    /// the series whose tags include `tags` (`[("outcome", "routed")]`).
+    pub fn filter_stat(&self, name: &str, tags: &[(&str, &str)]) -> anyhow::Result<u64> {
+        filter_stat(self.first().admin_port, name, tags)
+    }
+
+    /// [`Stack::filter_stat`] summed over every gateway's Envoy.
+    pub fn filter_stat_total(&self, name: &str, tags: &[(&str, &str)]) -> anyhow::Result<u64> {
+        self.gateways.iter().map(|g| filter_stat(g.admin_port, name, tags)).sum()
+    }
+
     /// [`Stack::envoy_stat`] summed over every gateway's Envoy.
     pub fn envoy_stat_total(&self, name: &str) -> anyhow::Result<u64> {
         self.gateways.iter().map(|g| envoy_stat(g.admin_port, name)).sum()
@@ -737,6 +754,33 @@ fn envoy_stat(admin_port: u16, name: &str) -> anyhow::Result<u64> {
         .find(|(k, _)| *k == name)
         .and_then(|(_, v)| v.trim().parse().ok())
         .unwrap_or(0))
+}
+
+fn filter_stat(admin_port: u16, name: &str, tags: &[(&str, &str)]) -> anyhow::Result<u64> {
+    let url = format!("http://127.0.0.1:{admin_port}/stats?filter=^wasmcustom\\.");
+    let text = client::client().get(url).send()?.error_for_status()?.text()?;
+    Ok(sum_filter_stat(&text, name, tags))
+}
+
+/// The sum of the values of `name` in Envoy's `/stats` text whose tags (Istio's form,
+/// `tag=.=value;.;`, as the filter names its metrics) include `tags`.
+fn sum_filter_stat(text: &str, name: &str, tags: &[(&str, &str)]) -> u64 {
+    fn parse(full: &str) -> Option<(&str, Vec<(&str, &str)>)> {
+        let mut rest = full.strip_prefix("wasmcustom.")?;
+        let mut found = Vec::new();
+        while let Some((tag, after)) = rest.split_once("=.=") {
+            let (value, after) = after.split_once(";.;")?;
+            found.push((tag, value));
+            rest = after;
+        }
+        Some((rest, found))
+    }
+    text.lines()
+        .filter_map(|l| l.split_once(": "))
+        .filter_map(|(k, v)| Some((parse(k)?, v.trim().parse::<u64>().ok()?)))
+        .filter(|((base, found), _)| *base == name && tags.iter().all(|t| found.contains(t)))
+        .map(|(_, v)| v)
+        .sum()
 }
 
 /// Starts a sidecar on `port` with `config` (written as `kvgate{suffix}.toml`) and waits
@@ -846,4 +890,22 @@ fn envoy_command(envoy: &std::path::Path, config: &std::path::Path, hot_restart:
         ]),
     };
     cmd
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sum_filter_stat;
+
+    #[test]
+    fn filter_stats_are_summed_over_the_tags_not_asked_for() {
+        let text = "wasmcustom.model=.=a;.;outcome=.=routed;.;kvgate.requests_total: 3\n\
+                    wasmcustom.model=.=b;.;outcome=.=routed;.;kvgate.requests_total: 4\n\
+                    wasmcustom.model=.=b;.;outcome=.=shed;.;kvgate.requests_total: 5\n\
+                    wasmcustom.kvgate.tokenize_us: P0(nan,1) P25(nan,2)\n\
+                    wasmcustom.kvgate.segment_cache_hits_total: 7\n";
+        assert_eq!(sum_filter_stat(text, "kvgate.requests_total", &[("outcome", "routed")]), 7);
+        assert_eq!(sum_filter_stat(text, "kvgate.requests_total", &[("model", "b")]), 9);
+        assert_eq!(sum_filter_stat(text, "kvgate.segment_cache_hits_total", &[]), 7);
+        assert_eq!(sum_filter_stat(text, "kvgate.requests_total", &[("outcome", "passthrough")]), 0);
+    }
 }

@@ -147,7 +147,7 @@ fn a_dead_prefill_worker_costs_no_request() {
     // Until Envoy's health checks take them out, legs to the dead workers fail and their
     // requests are served whole; afterwards the fallback balancer sends legs to live hosts.
     assert!(whole >= 1, "the dead workers' legs failed and were served whole");
-    assert!(stack.envoy_stat("wasmcustom.kvgate.prefill_legs.failed").unwrap() >= 1);
+    assert!(stack.filter_stat("kvgate.prefill_legs_total", &[("outcome", "failed")]).unwrap() >= 1);
 }
 
 #[test]

@@ -45,7 +45,10 @@ fn warmed_prefix_attracts_requests() {
             assert!(reply.cached_tokens() >= 16 * 30, "served from cache: {:?}", reply.usage);
         }
     }
-    assert!(stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap() >= 6, "the filter counts its decisions");
+    assert!(
+        stack.filter_stat("kvgate.requests_total", &[("outcome", "routed")]).unwrap() >= 6,
+        "the filter counts its decisions"
+    );
 }
 
 /// 2. A client-sent destination header never decides the route: not for a member of the pool,
@@ -107,7 +110,7 @@ fn client_destination_header_is_ignored() {
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn sidecar_down_fails_open() {
     let mut stack = start("failopen");
-    let routed_before = stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap();
+    let routed_before = stack.filter_stat("kvgate.requests_total", &[("outcome", "routed")]).unwrap();
     stack.kill_sidecar();
     for i in 0..10 {
         let body = chat(&document(4, 100), &format!("question {i}"));
@@ -124,13 +127,13 @@ fn sidecar_down_fails_open() {
     .unwrap();
     assert_eq!(completion.status, 200);
     stack.check_envoy().unwrap();
-    let fallbacks = stack.envoy_stat("wasmcustom.kvgate.requests.fallback_error").unwrap()
-        + stack.envoy_stat("wasmcustom.kvgate.requests.fallback_timeout").unwrap();
-    let not_asked = stack.envoy_stat("wasmcustom.kvgate.requests.breaker_open").unwrap();
+    let fallbacks = stack.filter_stat("kvgate.requests_total", &[("outcome", "fallback_error")]).unwrap()
+        + stack.filter_stat("kvgate.requests_total", &[("outcome", "fallback_timeout")]).unwrap();
+    let not_asked = stack.filter_stat("kvgate.requests_total", &[("outcome", "breaker_open")]).unwrap();
     assert!(fallbacks + not_asked >= 11, "every request fell back, and was counted: {fallbacks} + {not_asked}");
     assert!(fallbacks >= 5 && not_asked > 0, "after breaker_failures (5) failed calls the sidecar is not asked");
-    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.breaker_state").unwrap(), 1, "the circuit breaker is open");
-    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap(), routed_before);
+    assert_eq!(stack.filter_stat("kvgate.breaker_state", &[]).unwrap(), 1, "the circuit breaker is open");
+    assert_eq!(stack.filter_stat("kvgate.requests_total", &[("outcome", "routed")]).unwrap(), routed_before);
 }
 
 /// 4. The filter's token count in Envoy equals the simulator's `usage.prompt_tokens`. The
@@ -469,7 +472,7 @@ fn lifecycle_reports_are_delivered_after_a_sidecar_outage() {
     let delivered = || -> Option<u64> {
         let metrics = client().get(stack.sidecar_url("/metrics")).send().ok()?.text().ok()?;
         let line =
-            metrics.lines().find(|l| l.starts_with("kvgate_lifecycle_events_total{") && l.contains("done/unknown"))?;
+            metrics.lines().find(|l| l.starts_with(r#"kvgate_lifecycle_events_total{kind="done",known="false"}"#))?;
         line.rsplit(' ').next()?.parse().ok()
     };
     wait_for("the reports sent during the outage", Duration::from_secs(20), || delivered().filter(|n| *n >= 2))
@@ -755,24 +758,27 @@ fn malformed_json_reaches_the_engine() {
         assert!(!reply.header("x-kvgate-replica").is_empty(), "answered by an engine, not by kvgate");
         assert_eq!(reply.json()["object"], "error");
     }
-    assert!(stack.envoy_stat("wasmcustom.kvgate.requests.passthrough").unwrap() >= 2, "unroutable bodies are counted");
+    assert!(
+        stack.filter_stat("kvgate.requests_total", &[("outcome", "passthrough")]).unwrap() >= 2,
+        "unroutable bodies are counted"
+    );
     // A request for a routed model whose prompt kvgate cannot read is routed and booked on an
     // estimate of its size: here the engine refuses it, elsewhere (image parts) it serves it.
-    assert!(stack.envoy_stat("wasmcustom.kvgate.requests.untokenizable").unwrap() >= 1);
+    assert!(stack.filter_stat("kvgate.requests_untokenizable_total", &[]).unwrap() >= 1);
     let image = json!({"model": "qwen3", "max_tokens": 1, "messages": [{"role": "user",
         "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]});
     let reply = post(&stack.gateway("/v1/chat/completions"), image.to_string(), &[]).unwrap();
     assert!(!matches!(reply.header("x-kvgate-routed-to"), "" | "fallback"), "routed by kvgate on load");
     // A model kvgate does not route passes through untouched: the engine answers for it.
-    let before = stack.envoy_stat("wasmcustom.kvgate.requests.passthrough").unwrap();
+    let before = stack.filter_stat("kvgate.requests_total", &[("outcome", "passthrough")]).unwrap();
     let other = json!({"model": "someone-elses-model", "prompt": "hello", "max_tokens": 1}).to_string();
     let reply = post(&stack.gateway("/v1/completions"), other, &[]).unwrap();
     assert_eq!(reply.status, 404, "{}", reply.body);
     assert_eq!(reply.header("x-kvgate-routed-to"), "fallback");
-    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.passthrough").unwrap(), before + 1);
+    assert_eq!(stack.filter_stat("kvgate.requests_total", &[("outcome", "passthrough")]).unwrap(), before + 1);
     // Other methods, paths and content types are not even buffered: no decision, no debug
     // headers, the engine answers as it would without kvgate.
-    let routed = stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap();
+    let routed = stack.filter_stat("kvgate.requests_total", &[("outcome", "routed")]).unwrap();
     let chat = chat("sys", "q").to_string();
     let replies = [
         client().get(stack.gateway("/v1/models")).send().unwrap(),
@@ -795,7 +801,11 @@ fn malformed_json_reaches_the_engine() {
     for r in &replies {
         assert!(r.headers().get("x-kvgate-routed-to").is_none(), "the filter stayed out of {}", r.url());
     }
-    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.routed").unwrap(), routed, "no routing decision");
+    assert_eq!(
+        stack.filter_stat("kvgate.requests_total", &[("outcome", "routed")]).unwrap(),
+        routed,
+        "no routing decision"
+    );
 }
 
 fn replica_state(stack: &Stack, id: &str) -> Value {
@@ -1000,13 +1010,13 @@ fn big_prompts_are_tokenized_by_the_sidecar() {
             "request {i} follows the prefix cached on c (routed to {:?}, overlap {:?}, fallbacks {:?} {:?}, decision {:?} µs)",
             reply.header("x-kvgate-routed-to"),
             reply.header("x-kvgate-overlap-blocks"),
-            stack.envoy_stat("wasmcustom.kvgate.requests.fallback_timeout"),
-            stack.envoy_stat("wasmcustom.kvgate.requests.fallback_error"),
+            stack.filter_stat("kvgate.requests_total", &[("outcome", "fallback_timeout")]),
+            stack.filter_stat("kvgate.requests_total", &[("outcome", "fallback_error")]),
             reply.header("x-kvgate-decision-us"),
         );
         assert!(reply.cached_tokens() >= prompt_tokens / 2, "served from cache: {:?}", reply.usage);
     }
-    assert!(stack.envoy_stat("wasmcustom.kvgate.requests.offloaded").unwrap() >= 3);
+    assert!(stack.filter_stat("kvgate.requests_offloaded_total", &[]).unwrap() >= 3);
     let small = stream(&stack.gateway("/v1/chat/completions"), chat("short", "question")).unwrap();
     assert_eq!(small.header("x-kvgate-offloaded"), "false", "small prompts are tokenized in Envoy");
 }
@@ -1048,7 +1058,7 @@ fn completions_prompts_are_forwarded_as_token_ids() {
         }
     }
     assert_eq!(prompts_tokenized(&stack) - before, 1.0, "forwarded prompts were not tokenized again");
-    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.tokens_forwarded").unwrap(), 3);
+    assert_eq!(stack.filter_stat("kvgate.requests_tokens_forwarded_total", &[]).unwrap(), 3);
     let chat = post(&stack.gateway("/v1/chat/completions"), chat("sys", "q").to_string(), &[]).unwrap();
     assert_eq!((chat.status, chat.header("x-kvgate-forwarded-tokens")), (200, "false"), "chats are never rewritten");
     assert_eq!(prompts_tokenized(&stack) - before, 2.0);
@@ -1075,7 +1085,7 @@ fn chats_are_forwarded_as_token_ids() {
         b
     };
     let (before, forwarded) =
-        (prompts_tokenized(&stack), stack.envoy_stat("wasmcustom.kvgate.requests.tokens_forwarded").unwrap());
+        (prompts_tokenized(&stack), stack.filter_stat("kvgate.requests_tokens_forwarded_total", &[]).unwrap());
     let direct = post(&stack.sim("a").url("/v1/chat/completions"), body(json!({})).to_string(), &[]).unwrap();
     let engine_tokens = direct.json()["usage"]["prompt_tokens"].as_u64().unwrap();
     assert_eq!(prompts_tokenized(&stack) - before, 1.0, "the direct chat was rendered and tokenized by the engine");
@@ -1088,7 +1098,7 @@ fn chats_are_forwarded_as_token_ids() {
         assert_eq!(prompt_tokens, Some(engine_tokens), "the same prompt, as ids");
     }
     assert_eq!(prompts_tokenized(&stack) - before, 1.0, "forwarded chats were not tokenized again");
-    assert_eq!(stack.envoy_stat("wasmcustom.kvgate.requests.tokens_forwarded").unwrap() - forwarded, 3);
+    assert_eq!(stack.filter_stat("kvgate.requests_tokens_forwarded_total", &[]).unwrap() - forwarded, 3);
     let echoed = stream(&stack.gateway("/v1/chat/completions"), body(json!({"echo": true}))).unwrap();
     assert_eq!((echoed.status, echoed.header("x-kvgate-forwarded-tokens")), (200, "false"), "echo: left as text");
     assert_eq!(prompts_tokenized(&stack) - before, 2.0);
@@ -1360,15 +1370,15 @@ fn decode_progress_is_reported_per_block_of_output() {
     body["max_tokens"] = 64.into();
     let reply = stream(&stack.gateway("/v1/chat/completions"), body).unwrap();
     assert_eq!(reply.status, 200);
-    let reports = |reason: &str| -> u64 {
+    let reports = |known: bool| -> u64 {
         let text = kvgate_e2e::client::client().get(stack.sidecar_url("/metrics")).send().unwrap().text().unwrap();
-        let prefix = format!("kvgate_lifecycle_events_total{{model=\"\",replica=\"\",reason=\"{reason}\"}} ");
+        let prefix = format!("kvgate_lifecycle_events_total{{kind=\"progress\",known=\"{known}\"}} ");
         text.lines().find_map(|l| l.strip_prefix(&prefix)).map_or(0, |v| v.parse().unwrap())
     };
     // 64 output tokens in blocks of 16: four boundaries; the last may race the end report.
-    wait_for("progress reports", Duration::from_secs(10), || (reports("progress/known") >= 3).then_some(())).unwrap();
-    assert!(reports("progress/known") <= 4);
-    assert_eq!(reports("progress/unknown"), 0);
+    wait_for("progress reports", Duration::from_secs(10), || (reports(true) >= 3).then_some(())).unwrap();
+    assert!(reports(true) <= 4);
+    assert_eq!(reports(false), 0);
 }
 
 /// 18. LoRA adapters learned from the engines' `/v1/models`: an adapter loaded at run time on

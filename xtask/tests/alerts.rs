@@ -157,10 +157,10 @@ fn exported_metrics() -> BTreeSet<String> {
             known.insert(format!("kvgate_{name}{suffix}"));
         }
     }
-    for row in filter.lines().filter_map(|l| l.strip_prefix("//! | `envoy_wasmcustom_")) {
+    for row in filter.lines().filter_map(|l| l.strip_prefix("//! | `kvgate_")) {
         let name = row.split('`').next().unwrap();
         for suffix in ["", "_bucket", "_sum", "_count"] {
-            known.insert(format!("envoy_wasmcustom_{name}{suffix}"));
+            known.insert(format!("kvgate_{name}{suffix}"));
         }
     }
     known
@@ -169,12 +169,12 @@ fn exported_metrics() -> BTreeSet<String> {
 #[test]
 fn the_alerts_query_only_metrics_kvgate_exports() {
     let known = exported_metrics();
-    assert!(known.contains("kvgate_route_fallbacks_total") && known.contains("envoy_wasmcustom_kvgate_requests_total"));
+    assert!(known.contains("kvgate_route_fallbacks_total") && known.contains("kvgate_requests_total"));
     let rules = yaml(RULES);
     for (name, rule) in alerts(&rules) {
         let expr = rule["expr"].as_str().unwrap();
         let words = expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'));
-        for metric in words.filter(|w| w.starts_with("kvgate_") || w.starts_with("envoy_wasmcustom_")) {
+        for metric in words.filter(|w| w.starts_with("kvgate_")) {
             assert!(known.contains(metric), "{name} queries {metric}, which kvgate does not export");
         }
     }

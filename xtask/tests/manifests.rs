@@ -224,8 +224,8 @@ fn the_dashboard_queries_only_exported_metrics() {
     let sidecar_src = std::fs::read_to_string(repo().join("sidecar/src/metrics.rs")).unwrap();
     let filter_src = std::fs::read_to_string(repo().join("filter/src/metrics.rs")).unwrap();
     // Sidecar: registry.register("name", …) under the `kvgate` prefix; counters gain _total,
-    // histograms _bucket/_sum/_count. Filter: proxy-wasm metric "kvgate.x.y" → Envoy's
-    // Prometheus name envoy_wasmcustom_kvgate_x_y (histograms gain _bucket).
+    // histograms _bucket/_sum/_count. Filter: the Prometheus names its module's table lists
+    // (a unit test there checks the table against what it defines).
     let quoted = |src: &str, after: &str| -> Vec<String> {
         src.split(after).skip(1).filter_map(|rest| rest.split('"').nth(1).map(str::to_owned)).collect()
     };
@@ -235,12 +235,13 @@ fn the_dashboard_queries_only_exported_metrics() {
             known.insert(format!("kvgate_{name}{suffix}"));
         }
     }
-    for name in quoted(&filter_src, "counter(").into_iter().chain(quoted(&filter_src, "histogram(")) {
-        for suffix in ["", "_bucket"] {
-            known.insert(format!("envoy_wasmcustom_{}{suffix}", name.replace('.', "_")));
+    for row in filter_src.lines().filter_map(|l| l.strip_prefix("//! | `kvgate_")) {
+        let name = row.split('`').next().unwrap();
+        for suffix in ["", "_bucket", "_sum", "_count"] {
+            known.insert(format!("kvgate_{name}{suffix}"));
         }
     }
-    assert!(known.contains("kvgate_decisions_total") && known.contains("envoy_wasmcustom_kvgate_requests_routed"));
+    assert!(known.contains("kvgate_decisions_total") && known.contains("kvgate_requests_total"));
     let dash: Value = serde_json::from_str(
         &std::fs::read_to_string(repo().join("envoy/k8s/monitoring/grafana-dashboard.json")).unwrap(),
     )
@@ -250,9 +251,8 @@ fn the_dashboard_queries_only_exported_metrics() {
     for p in panels {
         for t in p["targets"].as_array().unwrap() {
             let expr = t["expr"].as_str().unwrap();
-            let names = expr
-                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-                .filter(|w| w.starts_with("kvgate_") || w.starts_with("envoy_wasmcustom_"));
+            let names =
+                expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).filter(|w| w.starts_with("kvgate_"));
             for name in names {
                 assert!(known.contains(name), "panel {:?} queries {name}, which kvgate does not export", p["title"]);
             }
@@ -288,4 +288,44 @@ fn every_deploy_path_removes_routing_headers_on_arrival_and_buffers_bodies_as_th
     let mib: u64 = quantity.strip_suffix("Mi").unwrap().parse().unwrap();
     assert_eq!(mib << 20, limit, "{quantity}");
     assert_eq!(ctp["targetRefs"][0]["name"], find(&docs, "Gateway", "eg")["metadata"]["name"]);
+}
+
+#[test]
+fn every_deploy_path_turns_the_filters_tags_into_labels_as_the_template_does() {
+    // The template: one Istio-form regex per tag the filter's metrics carry.
+    let stats = common::template()["stats_config"].clone();
+    let tags: Vec<(String, String)> = stats["stats_tags"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["tag_name"].as_str().unwrap().to_owned(), t["regex"].as_str().unwrap().to_owned()))
+        .collect();
+    let names: Vec<&str> = tags.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["model", "outcome", "vm"]);
+    for (name, regex) in &tags {
+        assert_eq!(regex, &format!("({name}=\\.=(.*?);\\.;)"), "Istio's form, which its extraStatTags generate");
+    }
+    let filter_src = std::fs::read_to_string(repo().join("filter/src/metrics.rs")).unwrap();
+    for name in &names {
+        assert!(filter_src.contains(&format!("(\"{name}\", ")), "the filter tags a metric with {name}");
+    }
+
+    // Envoy Gateway: the EnvoyProxy's bootstrap merges the same stats_config, in both paths.
+    let chart = std::fs::read_to_string(repo().join("charts/kvgate/templates/envoy-gateway/envoyproxy.yaml")).unwrap();
+    let docs = all();
+    let eg = find(&docs, "EnvoyProxy", "kvgate")["spec"]["bootstrap"].clone();
+    assert_eq!(eg["type"], "Merge");
+    let merged: Value = serde_norway::from_str(eg["value"].as_str().unwrap()).unwrap();
+    assert_eq!(merged["stats_config"], stats, "the Envoy Gateway bootstrap's stats_config is the template's");
+    let value = eg["value"].as_str().unwrap();
+    let indented: String = value.lines().map(|l| format!("      {l}\n")).collect();
+    assert!(chart.contains(&indented), "the chart's EnvoyProxy carries the same bootstrap");
+
+    // Istio: the gateway pod's proxy config asks for the same tags.
+    for path in
+        ["envoy/k8s/components/gateway-sidecar/gateway-sidecar.yaml", "charts/kvgate/templates/istio/deployment.yaml"]
+    {
+        let text = std::fs::read_to_string(repo().join(path)).unwrap();
+        assert!(text.contains(r#"extraStatTags: ["model", "outcome", "vm"]"#), "{path} asks Istio for the tags");
+    }
 }

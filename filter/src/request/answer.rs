@@ -20,7 +20,7 @@ impl Exchange {
         let outcome = self.apply_decision(host, num_headers, body_size);
         self.decision.micros = self.asked_at.elapsed().as_micros();
         if let Some(m) = self.metrics() {
-            m.outcome(host, outcome);
+            m.outcome(host, self.metric_model(), outcome);
             m.sidecar(host, self.decision.micros.saturating_sub(self.decision.plan_micros) as u64);
         }
         outcome

@@ -14,7 +14,7 @@ use kvgate_shared::prompt::openai::{envelope, Endpoint, Envelope};
 
 use crate::disagg;
 use crate::host::Host;
-use crate::metrics::Outcome;
+use crate::metrics::{Flag, Outcome};
 use crate::plan::{offload, plan, with_token_prompt, Skip};
 use crate::shared::Shared;
 use crate::usage::{with_usage_requested, UsageStripper};
@@ -47,10 +47,12 @@ impl Exchange {
                 }
             }
         }
-        let Some(ticket) = self.admit(host, &mut shared.breaker, body.len()) else { return };
-        // One pass over the body, whatever its size: its model (all an offload reads) and
-        // how it streams.
+        // One pass over the body, whatever its size: its model (all an offload reads and
+        // what its metrics are tagged with) and how it streams.
         let envelope = envelope(&body);
+        let listed = |m: &&str| shared.listed.as_ref().is_some_and(|l| l.contains(*m));
+        self.metric_model = envelope.as_ref().map(|e| e.model.as_ref()).filter(listed).map(ModelName::from);
+        let Some(ticket) = self.admit(host, &mut shared.breaker, body.len()) else { return };
         let asked = self.ask_sidecar(host, shared, &body, envelope.as_ref());
         self.booked = self.asked(host, &mut shared.breaker, ticket, asked);
         let ask_usage = self.route.endpoint != Endpoint::Responses && self.config().request_usage;
@@ -99,7 +101,10 @@ impl Exchange {
         let after = stats();
         self.decision.segment_hits = after.0 - before.0;
         if let (Ok(p), Some(m)) = (&planned, self.metrics()) {
-            m.planned(host, self.decision.plan_micros as u64, p.truncated, after.0 - before.0, after.1 - before.1);
+            m.planned(host, self.decision.plan_micros as u64, after.0 - before.0, after.1 - before.1);
+            if p.truncated {
+                self.flag(host, Flag::Truncated);
+            }
         }
         let planned = match planned {
             Ok(p) => p,
@@ -111,9 +116,7 @@ impl Exchange {
         if let Some(why) = &planned.untokenizable {
             let client_id = self.route.keys.client_request_id.as_deref().unwrap_or("-");
             log::debug!("kvgate: routing request {client_id} on an estimate: {why}");
-            if let Some(m) = self.metrics() {
-                m.untokenizable(host);
-            }
+            self.flag(host, Flag::Untokenizable);
         }
         self.decision.truncated = planned.truncated;
         self.decision.prompt_digest = planned.digest;
@@ -157,9 +160,7 @@ impl Exchange {
             return;
         }
         self.decision.forwarded = true;
-        if let Some(m) = self.metrics() {
-            m.forwarded(host);
-        }
+        self.flag(host, Flag::TokensForwarded);
     }
 
     /// Hands a big body to the sidecar (`/v1/route_body`) instead of tokenizing it here.
@@ -176,9 +177,7 @@ impl Exchange {
             Ok(r) => r,
             Err(Skip::Unroutable(why)) => return self.pass_through(host, &why),
         };
-        if let Some(m) = self.metrics() {
-            m.offloaded(host);
-        }
+        self.flag(host, Flag::Offloaded);
         self.decision.offloaded = true;
         let timeout = self.call_timeout_ms(body.len());
         match self.dispatch(host, "/v1/route_body", &request, timeout) {

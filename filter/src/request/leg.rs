@@ -144,7 +144,7 @@ impl Exchange {
             self.report(host, LifecycleKind::ServedWhole);
         }
         if let Some(m) = self.metrics() {
-            m.leg(host, outcome, sent);
+            m.leg(host, self.metric_model(), outcome, sent);
         }
     }
 

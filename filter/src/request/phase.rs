@@ -13,7 +13,7 @@ use kvgate_shared::wire::{LifecycleEvent, LifecycleKind, PrefillLeg};
 use crate::breaker::Ticket;
 use crate::config::FilterConfig;
 use crate::host::Host;
-use crate::metrics::{FilterMetrics, LegOutcome, Outcome};
+use crate::metrics::{FilterMetrics, Flag, LegOutcome, Outcome};
 use crate::plan::{streamed_tokens, USAGE_TAIL_BYTES};
 use crate::shared::Shared;
 use crate::usage::UsageStripper;
@@ -70,7 +70,7 @@ pub(super) struct Settings {
 impl Settings {
     /// The settings in `shared` now.
     pub(super) fn of(shared: &Shared) -> Settings {
-        Settings { config: shared.config.clone(), metrics: shared.metrics, queue: shared.queue }
+        Settings { config: shared.config.clone(), metrics: shared.metrics.clone(), queue: shared.queue }
     }
 }
 
@@ -129,6 +129,9 @@ pub(super) struct Exchange {
     /// pool): its end is reported either way. `None`: nothing booked (passed through, not
     /// dispatched, or shed).
     pub(super) booked: Option<ModelName>,
+    /// The model its metrics are tagged with: the body's, if the sidecar lists it (`None`:
+    /// `other`).
+    pub(super) metric_model: Option<ModelName>,
     /// The circuit breaker's leave for the call in flight, handed back with its answer.
     pub(super) ticket: Option<Ticket>,
     /// What was decided.
@@ -150,6 +153,7 @@ impl Exchange {
             asked_at,
             body: UpstreamBody::new(body_len),
             booked: None,
+            metric_model: None,
             ticket: None,
             decision: Decision::default(),
             leg: None,
@@ -168,10 +172,22 @@ impl Exchange {
         self.route.settings.metrics.as_ref()
     }
 
+    /// The `model` tag of its metrics.
+    pub(super) fn metric_model(&self) -> Option<&str> {
+        self.metric_model.as_ref().map(ModelName::as_str)
+    }
+
+    /// Counts one of the request's flags (when metrics are on).
+    pub(super) fn flag(&self, host: &impl Host, flag: Flag) {
+        if let Some(m) = self.metrics() {
+            m.flag(host, self.metric_model(), flag);
+        }
+    }
+
     /// Counts the request's outcome (when metrics are on).
     pub(super) fn count(&self, host: &impl Host, outcome: Outcome) {
         if let Some(m) = self.metrics() {
-            m.outcome(host, outcome);
+            m.outcome(host, self.metric_model(), outcome);
         }
     }
 

@@ -66,7 +66,7 @@ pub fn run(artifacts: &Artifacts) -> anyhow::Result<Vec<Memory>> {
         let pid = stack.envoy_pid().ok_or_else(|| anyhow::anyhow!("Envoy is not running"))?;
         let url = stack.gateway("/v1/chat/completions");
         let vm = || -> anyhow::Result<f64> {
-            Ok(stack.envoy_stat("wasmcustom.kvgate.vm_memory_bytes")? as f64 / f64::from(1 << 20))
+            Ok(stack.filter_stat("kvgate.vm_memory_bytes", &[])? as f64 / f64::from(1 << 20))
         };
         post(&url, small.to_string(), &[])?;
         let vm_before = if routing == Routing::Kvgate { Some(vm()?) } else { None };
@@ -79,7 +79,7 @@ pub fn run(artifacts: &Artifacts) -> anyhow::Result<Vec<Memory>> {
             None => None,
         };
         let after_mib = rss_mib(pid)?;
-        let offloaded = stack.envoy_stat("wasmcustom.kvgate.requests.offloaded")?;
+        let offloaded = stack.filter_stat("kvgate.requests_offloaded_total", &[])?;
         eprintln!(
             "bench memory: {setup}: Envoy {before_mib:.0} MiB before, {after_mib:.0} MiB after; VM {vm_mib:?}; {offloaded} offloaded"
         );

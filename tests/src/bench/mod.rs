@@ -547,7 +547,7 @@ fn kvgate_routed(stack: &Stack, policy: Policy) -> anyhow::Result<Option<(u64, u
     if policy.routing().0 != Routing::Kvgate {
         return Ok(None);
     }
-    let stat = |n: &str| stack.envoy_stat_total(&format!("wasmcustom.kvgate.requests.{n}"));
+    let stat = |n: &str| stack.filter_stat_total("kvgate.requests_total", &[("outcome", n)]);
     let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")? + stat("breaker_open")?;
     Ok(Some((stat("routed")?, other)))
 }
