@@ -5,7 +5,7 @@
 //!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
 //!                       [--speedup 10] [--mix none|priorities|tenants|outside] [--gateways 1,2,4]
 //!                       [--users 48] [--user-spacing 0.25] [--pin] [--nice-engines 10]
-//!                       [--out DIR]
+//!                       [--out DIR [--resume]]
 //! ```
 //!
 //! `--users` and `--user-spacing` set multi-turn's load (it is a closed loop, so `--qps` does
@@ -15,11 +15,20 @@
 //! holds and the engines still get every cycle the routers leave.
 //!
 //! Writes `target/bench/<UTC timestamp>/{report.md,results.json,*.svg}` (or `--out`).
+//!
+//! Before each cell it prints `cell i of N: <cell>`, after it the cell's time and an estimate
+//! of the time left. Each finished cell is written at once to `<out>/cells.jsonl`, beside the
+//! run's configuration (`<out>/config.json`), and the report is built from that file. A cell
+//! that fails is reported and the run goes on; the command then fails, naming the failed
+//! cells. `--resume --out DIR` runs only the cells DIR does not hold yet (those that failed or
+//! were never reached) and reports on all of them; it refuses a DIR of another configuration
+//! (other flags), and without `--resume` a DIR that holds finished cells is refused.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context};
+use kvgate_e2e::bench::cells::{self, CellStore};
 use kvgate_e2e::bench::report::{self, Facts};
 use kvgate_e2e::bench::workloads::{CachePressure, Mix, Mooncake, MultiTurn, SharedPrefix, Workload};
 use kvgate_e2e::bench::{self, BenchConfig, Fleet, Policy};
@@ -42,6 +51,7 @@ struct Args {
     pin: bool,
     nice_engines: Option<i32>,
     out: Option<PathBuf>,
+    resume: bool,
 }
 
 fn parse(args: &[String]) -> anyhow::Result<Args> {
@@ -59,6 +69,7 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
         pin: false,
         nice_engines: None,
         out: None,
+        resume: false,
     };
     let mut it = args.iter();
     let list = |v: Option<&String>| -> anyhow::Result<Vec<String>> {
@@ -102,8 +113,12 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
                 a.nice_engines = Some(nice);
             }
             "--out" => a.out = Some(PathBuf::from(it.next().context("--out needs a value")?)),
+            "--resume" => a.resume = true,
             other => bail!("unknown flag {other}"),
         }
+    }
+    if a.resume && a.out.is_none() {
+        bail!("--resume needs --out DIR: the directory of the run to resume");
     }
     Ok(a)
 }
@@ -268,6 +283,9 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
         pin: args.pin,
         engines_nice: args.nice_engines,
     };
+    let dir = args.out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));
+    // Before building anything: a directory of another configuration is refused at once.
+    let mut store = CellStore::open(&dir, &config, args.resume)?;
     install::all()?;
     if config.policies.iter().any(|p| matches!(p, Policy::Peer(_))) {
         install::peers()?;
@@ -276,10 +294,18 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
     cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
     let artifacts = Artifacts::locate("release");
     let facts = facts(format!("cargo xtask bench e2e {}", raw.join(" ")).trim().to_owned());
-    let results = bench::run(&config, &artifacts)?;
-    let dir = args.out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));
+    let failed = bench::run_into(&config, &artifacts, &mut store)?;
+    let results = store.into_results(&cells::plan(&config));
     let md = report::write(&dir, &config, &facts, &results)?;
     println!("{md}\nwritten to {}", dir.display());
+    if !failed.is_empty() {
+        bail!(
+            "{} cell(s) failed, the report has the rest:\n  {}\nrun them again with: cargo xtask bench e2e <the same flags> --out {} --resume",
+            failed.len(),
+            failed.join("\n  "),
+            dir.display()
+        );
+    }
     Ok(())
 }
 
@@ -349,6 +375,15 @@ mod tests {
         for bad in [&["--users", "0"][..], &["--users"], &["--user-spacing", "-1"], &["--user-spacing", "inf"]] {
             assert!(args(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn resume_is_read_and_needs_an_out_dir() {
+        let a = args(&["--out", "d", "--resume"]).unwrap();
+        assert_eq!((a.out, a.resume), (Some(PathBuf::from("d")), true));
+        assert!(!args(&["--out", "d"]).unwrap().resume);
+        let err = args(&["--resume"]).err().expect("--resume alone is refused");
+        assert!(err.to_string().contains("--resume needs --out"), "{err}");
     }
 
     #[test]

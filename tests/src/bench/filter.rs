@@ -22,6 +22,7 @@ use kvgate_shared::wire::ModelBundle;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::progress::Progress;
 use super::stats::{median, percentile};
 use crate::client::client;
 use crate::workload::document;
@@ -180,12 +181,16 @@ pub fn run(artifacts: &Artifacts) -> anyhow::Result<Report> {
     let native = ModelTokenizer::from_bundle(&bundle)?.with_segment_cache(16 << 20);
     let mut rows: Vec<Row> = Vec::new();
     let mut stalls = Vec::new();
+    // Every setup: each size cold and warm, then the head-of-line stall.
+    let mut progress = Progress::new(Setup::ALL.len() * (SIZES.len() * 2 + 1));
     for (salt, setup) in (0u32..).zip(Setup::ALL) {
         let stack = Stack::start(&setup.options(&sim_args), artifacts)?;
         let url = stack.gateway("/v1/chat/completions");
         for size in SIZES {
             for warm in [false, true] {
                 let cache = if warm { "warm" } else { "cold" };
+                eprintln!("bench filter: {}", progress.start(&format!("{size} tokens {cache} {}", setup.label())));
+                let started = Instant::now();
                 let (prime, bodies) = requests(size, warm, salt);
                 if let Some(p) = &prime {
                     time_to_headers(&url, p)?;
@@ -201,6 +206,7 @@ pub fn run(artifacts: &Artifacts) -> anyhow::Result<Report> {
                 }
                 let ms = median(&times).unwrap_or(0.0);
                 eprintln!("bench filter: {size} tokens {cache} {}: {ms:.2} ms to headers", setup.label());
+                eprintln!("bench filter: {}", progress.finish(started.elapsed()));
                 if setup == Setup::EnvoyAlone {
                     let native_us = native_tokenize(&native, prime.as_ref(), &bodies)?;
                     rows.push(Row {
@@ -226,7 +232,10 @@ pub fn run(artifacts: &Artifacts) -> anyhow::Result<Report> {
                 }
             }
         }
+        eprintln!("bench filter: {}", progress.start(&format!("head-of-line stall {}", setup.label())));
+        let started = Instant::now();
         stalls.push(stall(&url, setup, salt)?);
+        eprintln!("bench filter: {}", progress.finish(started.elapsed()));
     }
     let big_prompt_bytes = chat(&document(0, BIG_PROMPT_WORDS), "summarise").to_string().len();
     Ok(Report { rows, stalls, big_prompt_bytes })

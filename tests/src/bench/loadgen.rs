@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
@@ -30,6 +30,33 @@ pub struct Tags {
     pub priority: Option<&'static str>,
     /// Tenant.
     pub tenant: Option<&'static str>,
+}
+
+/// [`Tags`] as read back from a finished cell ([`super::cells`]).
+#[derive(Deserialize)]
+struct TagNames {
+    priority: Option<String>,
+    tenant: Option<String>,
+}
+
+impl<'de> Deserialize<'de> for Tags {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Tags, D::Error> {
+        let names = TagNames::deserialize(d)?;
+        Ok(Tags { priority: names.priority.map(interned), tenant: names.tenant.map(interned) })
+    }
+}
+
+/// `name`, kept once for the life of the process whatever the times it is read, as the
+/// names a [`super::workloads::Mix`] tags with are.
+fn interned(name: String) -> &'static str {
+    static NAMES: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let mut names = NAMES.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(&known) = names.iter().find(|n| **n == name) {
+        return known;
+    }
+    let name: &'static str = Box::leak(name.into_boxed_str());
+    names.push(name);
+    name
 }
 
 /// One request to send at a planned time.
@@ -61,7 +88,7 @@ pub struct Conversation {
 }
 
 /// What happened to one request. Latencies are in simulated seconds.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Outcome {
     /// Which request of the workload it was, the same under every policy: its position in an
     /// open-loop plan (`"17"`), or a conversation's user and turn (`"u3.t2"`).

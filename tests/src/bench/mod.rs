@@ -4,6 +4,8 @@
 //! | module | what it does |
 //! |---|---|
 //! | `workloads` | shared-prefix, mooncake-conversation, multi-turn → a plan of requests |
+//! | `cells` | which cells a run has left, each finished one kept in `cells.jsonl` at once |
+//! | `progress` | "cell i of N", each cell's time and an estimate of the time left |
 //! | `loadgen` | sends the plan through the gateway (open or closed loop), streaming SSE |
 //! | `stats` | percentiles, goodput, hit ratio, load balance |
 //! | `peers` | SGLang's and vLLM's routers, installed from PyPI, on the same fleet |
@@ -15,23 +17,27 @@
 //! Each (workload, QPS, repeat) starts a fresh fleet per policy, so no policy inherits
 //! another's warm caches; ratios against round robin are taken within the same repeat.
 
+pub mod cells;
 pub mod filter;
 pub mod loadgen;
 pub mod memory;
 pub mod peers;
+pub mod progress;
 pub mod report;
 pub mod stats;
 pub mod throughput;
 pub mod workloads;
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{Artifacts, Routing, Stack, StackOptions};
+use cells::{Cell, CellStore};
 use loadgen::{Outcome, Target};
 use peers::Peer;
+use progress::Progress;
 use stats::{EngineWork, Summary};
 use workloads::{Plan, Workload};
 
@@ -358,7 +364,7 @@ pub struct BenchConfig {
 }
 
 /// One run's result.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunResult {
     /// Workload name.
     pub workload: String,
@@ -397,137 +403,165 @@ impl RunResult {
     }
 }
 
-/// Runs every (workload, QPS, repeat, policy) combination, reporting progress on stderr.
+/// Runs every (workload, QPS, repeat, policy) combination, reporting progress on stderr;
+/// fails if any cell did.
 pub fn run(config: &BenchConfig, artifacts: &Artifacts) -> anyhow::Result<Vec<RunResult>> {
+    let mut results = Vec::new();
+    let failed = run_cells(config, artifacts, &cells::plan(config), |r| {
+        results.push(r);
+        Ok(())
+    })?;
+    if !failed.is_empty() {
+        anyhow::bail!("{} cell(s) failed: {}", failed.len(), failed.join("; "));
+    }
+    Ok(results)
+}
+
+/// Runs the cells of `config` that `store` does not hold yet, writing each into it as it
+/// finishes; returns the cells that failed (each with its error), after running the rest.
+pub fn run_into(config: &BenchConfig, artifacts: &Artifacts, store: &mut CellStore) -> anyhow::Result<Vec<String>> {
+    let plan = cells::plan(config);
+    let todo = cells::pending(&plan, store.finished());
+    eprintln!("bench: {} cells, {} finished before, {} to run", plan.len(), plan.len() - todo.len(), todo.len());
+    run_cells(config, artifacts, &todo, |r| store.append(r))
+}
+
+/// Runs `cells` in order, handing each result to `done` (whose error stops the run); a cell
+/// that fails is reported and skipped. Returns the failed cells' labels and errors.
+fn run_cells(
+    config: &BenchConfig,
+    artifacts: &Artifacts,
+    cells: &[Cell<'_>],
+    mut done: impl FnMut(RunResult) -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<String>> {
     if config.pin {
         // Before the runtime and every stack start, so their threads inherit core 1.
         crate::process::pin(std::process::id(), 1)?;
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let mut results = Vec::new();
-    for workload in &config.workloads {
-        let ladder: Vec<Option<f64>> =
-            if workload.uses_qps() { config.qps.iter().copied().map(Some).collect() } else { vec![None] };
-        for (&gateways, qps) in config.gateways.iter().flat_map(|g| ladder.iter().map(move |q| (g, *q))) {
-            for repeat in 0..config.repeats {
-                let plan_seed = config.seed + repeat as u64;
-                for policy in &config.policies {
-                    let label = format!(
-                        "{} gateways={gateways} qps={} repeat={} {}",
-                        workload.name(),
-                        qps.map_or("trace".into(), |q| q.to_string()),
-                        repeat,
-                        policy.name()
-                    );
-                    eprintln!("bench: {label}");
-                    let mut plan = workload.plan(qps.unwrap_or(1.0), plan_seed, &config.trace)?;
-                    config.mix.tag(&mut plan, plan_seed);
-                    let gpu_blocks = config.fleet.gpu_blocks_for(workload);
-                    let options = policy.stack_options(&policy.name(), &config.fleet, gpu_blocks, gateways);
-                    let stack = Stack::start(&options, artifacts)?;
-                    if let Some(nice) = config.engines_nice {
-                        for pid in stack.engine_pids() {
-                            crate::process::renice(pid, nice)?;
-                        }
-                    }
-                    let peers = match policy {
-                        Policy::Peer(p) => {
-                            let ports =
-                                (0..gateways).map(|_| crate::process::free_port()).collect::<Result<Vec<_>, _>>()?;
-                            (0..gateways)
-                                .map(|index| {
-                                    let metrics_port = crate::process::free_port()?;
-                                    let instance = peers::Instance { index, mesh_ports: &ports, metrics_port };
-                                    p.start(
-                                        &config.peers_venv,
-                                        &stack.sims,
-                                        config.fleet.block_size,
-                                        &stack.dir,
-                                        instance,
-                                    )
-                                })
-                                .collect::<anyhow::Result<Vec<_>>>()?
-                        }
-                        _ => Vec::new(),
-                    };
-                    let bases = match peers.is_empty() {
-                        true => stack.gateways(""),
-                        false => peers.iter().map(|p| p.base.clone()).collect(),
-                    };
-                    // The routers' processes, whose CPU time is the routing's cost.
-                    let router_pids: Vec<u32> = match peers.is_empty() {
-                        true => stack.gateway_pids(),
-                        false => peers.iter().filter_map(|p| p.pid()).collect(),
-                    };
-                    if config.pin {
-                        for &pid in &router_pids {
-                            crate::process::pin(pid, 0)?;
-                        }
-                    }
-                    let cpu_before = cpu_of(&router_pids);
-                    let before = engine_counters(&stack)?;
-                    let routed_before = kvgate_routed(&stack, *policy)?;
-                    let engines: Vec<String> = stack.sims.iter().map(|s| s.url("")).collect();
-                    let target = Target::spread(&bases, config.fleet.speedup, Duration::from_secs(600))?
-                        .with_engines(&engines)?;
-                    let duration = Duration::from_secs_f64(config.max_duration_s);
-                    let outcomes: Vec<Outcome> = runtime.block_on(async {
-                        match plan {
-                            Plan::OpenLoop(plan) => target.open_loop(plan, duration).await,
-                            Plan::Conversations(c) => target.conversations(c, workloads::MODEL, duration).await,
-                        }
-                    });
-                    let cpu = cpu_used(&cpu_before, &cpu_of(&router_pids));
-                    let after = engine_counters(&stack)?;
-                    // The run's own requests, not the stack's start-up probes.
-                    let kvgate_routed = kvgate_routed(&stack, *policy)?
-                        .zip(routed_before)
-                        .map(|((routed, other), (r0, o0))| (routed - r0, other - o0));
-                    let work: Vec<EngineWork> = after
-                        .iter()
-                        .zip(&before)
-                        .map(|(a, b)| EngineWork {
-                            queried: a.queried - b.queried,
-                            hits: a.hits - b.hits,
-                            generated: a.generated - b.generated,
-                            stepped_s: a.stepped_s - b.stepped_s,
-                            lost_s: a.lost_s - b.lost_s,
-                        })
-                        .collect();
-                    let mut summary = stats::summarize(&outcomes, config.slo_ttft_s, &work);
-                    summary.router_cpu_ms = (!outcomes.is_empty()).then(|| cpu * 1000.0 / outcomes.len() as f64);
-                    eprintln!(
-                        "bench:   {} ok, {} errors ({} shed), TTFT p50 {:?} p90 {:?} (served), hit ratio {:?}, load max/mean {:?}, sim clock lag {:?}, kvgate routed/other {:?}",
-                        summary.ok,
-                        summary.errors,
-                        summary.status_429,
-                        summary.ttft_p50,
-                        summary.ttft_p90,
-                        summary.hit_ratio,
-                        summary.load_max_over_mean,
-                        summary.sim_clock_lag,
-                        kvgate_routed
-                    );
-                    if let Some(failed) = outcomes.iter().find(|o| !o.ok()) {
-                        eprintln!("bench:   first failure: status {} {:?}", failed.status, failed.error);
-                    }
-                    results.push(RunResult {
-                        workload: workload.name().into(),
-                        policy: policy.name(),
-                        gateways,
-                        qps,
-                        repeat,
-                        router_command: peers.first().map(|p| p.command.clone()),
-                        kvgate_routed,
-                        by_tag: stats::by_tag(&outcomes, config.slo_ttft_s),
-                        summary,
-                        outcomes,
-                    });
-                }
+    let mut progress = Progress::new(cells.len());
+    let mut failed = Vec::new();
+    for cell in cells {
+        eprintln!("bench: {}", progress.start(&cell.label()));
+        let started = Instant::now();
+        let result = run_cell(config, artifacts, &runtime, cell);
+        let took = progress.finish(started.elapsed());
+        match result {
+            Ok(r) => done(r)?,
+            Err(e) => {
+                eprintln!("bench:   FAILED: {e:#}");
+                failed.push(format!("{}: {e:#}", cell.label()));
             }
         }
+        eprintln!("bench: {took}");
     }
-    Ok(results)
+    Ok(failed)
+}
+
+/// Runs one cell on a fresh stack.
+fn run_cell(
+    config: &BenchConfig,
+    artifacts: &Artifacts,
+    runtime: &tokio::runtime::Runtime,
+    cell: &Cell<'_>,
+) -> anyhow::Result<RunResult> {
+    let Cell { workload, gateways, qps, repeat, policy } = cell;
+    let (gateways, qps, repeat) = (*gateways, *qps, *repeat);
+    let plan_seed = config.seed + repeat as u64;
+    let mut plan = workload.plan(qps.unwrap_or(1.0), plan_seed, &config.trace)?;
+    config.mix.tag(&mut plan, plan_seed);
+    let gpu_blocks = config.fleet.gpu_blocks_for(workload);
+    let options = policy.stack_options(&policy.name(), &config.fleet, gpu_blocks, gateways);
+    let stack = Stack::start(&options, artifacts)?;
+    if let Some(nice) = config.engines_nice {
+        for pid in stack.engine_pids() {
+            crate::process::renice(pid, nice)?;
+        }
+    }
+    let peers = match policy {
+        Policy::Peer(p) => {
+            let ports = (0..gateways).map(|_| crate::process::free_port()).collect::<Result<Vec<_>, _>>()?;
+            (0..gateways)
+                .map(|index| {
+                    let metrics_port = crate::process::free_port()?;
+                    let instance = peers::Instance { index, mesh_ports: &ports, metrics_port };
+                    p.start(&config.peers_venv, &stack.sims, config.fleet.block_size, &stack.dir, instance)
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?
+        }
+        _ => Vec::new(),
+    };
+    let bases = match peers.is_empty() {
+        true => stack.gateways(""),
+        false => peers.iter().map(|p| p.base.clone()).collect(),
+    };
+    // The routers' processes, whose CPU time is the routing's cost.
+    let router_pids: Vec<u32> = match peers.is_empty() {
+        true => stack.gateway_pids(),
+        false => peers.iter().filter_map(|p| p.pid()).collect(),
+    };
+    if config.pin {
+        for &pid in &router_pids {
+            crate::process::pin(pid, 0)?;
+        }
+    }
+    let cpu_before = cpu_of(&router_pids);
+    let before = engine_counters(&stack)?;
+    let routed_before = kvgate_routed(&stack, *policy)?;
+    let engines: Vec<String> = stack.sims.iter().map(|s| s.url("")).collect();
+    let target = Target::spread(&bases, config.fleet.speedup, Duration::from_secs(600))?.with_engines(&engines)?;
+    let duration = Duration::from_secs_f64(config.max_duration_s);
+    let outcomes: Vec<Outcome> = runtime.block_on(async {
+        match plan {
+            Plan::OpenLoop(plan) => target.open_loop(plan, duration).await,
+            Plan::Conversations(c) => target.conversations(c, workloads::MODEL, duration).await,
+        }
+    });
+    let cpu = cpu_used(&cpu_before, &cpu_of(&router_pids));
+    let after = engine_counters(&stack)?;
+    // The run's own requests, not the stack's start-up probes.
+    let kvgate_routed =
+        kvgate_routed(&stack, *policy)?.zip(routed_before).map(|((routed, other), (r0, o0))| (routed - r0, other - o0));
+    let work: Vec<EngineWork> = after
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| EngineWork {
+            queried: a.queried - b.queried,
+            hits: a.hits - b.hits,
+            generated: a.generated - b.generated,
+            stepped_s: a.stepped_s - b.stepped_s,
+            lost_s: a.lost_s - b.lost_s,
+        })
+        .collect();
+    let mut summary = stats::summarize(&outcomes, config.slo_ttft_s, &work);
+    summary.router_cpu_ms = (!outcomes.is_empty()).then(|| cpu * 1000.0 / outcomes.len() as f64);
+    eprintln!(
+        "bench:   {} ok, {} errors ({} shed), TTFT p50 {:?} p90 {:?} (served), hit ratio {:?}, load max/mean {:?}, sim clock lag {:?}, kvgate routed/other {:?}",
+        summary.ok,
+        summary.errors,
+        summary.status_429,
+        summary.ttft_p50,
+        summary.ttft_p90,
+        summary.hit_ratio,
+        summary.load_max_over_mean,
+        summary.sim_clock_lag,
+        kvgate_routed
+    );
+    if let Some(failed) = outcomes.iter().find(|o| !o.ok()) {
+        eprintln!("bench:   first failure: status {} {:?}", failed.status, failed.error);
+    }
+    Ok(RunResult {
+        workload: workload.name().into(),
+        policy: policy.name(),
+        gateways,
+        qps,
+        repeat,
+        router_command: peers.first().map(|p| p.command.clone()),
+        kvgate_routed,
+        by_tag: stats::by_tag(&outcomes, config.slo_ttft_s),
+        summary,
+        outcomes,
+    })
 }
 
 /// CPU seconds each process has used so far (`None`: not running).

@@ -1,6 +1,6 @@
 //! From a run's outcomes to the numbers in the report.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::loadgen::{Outcome, OUTSIDE};
 
@@ -21,7 +21,7 @@ pub fn median(values: &[f64]) -> Option<f64> {
 }
 
 /// One (workload, policy, QPS, repeat) run, summarised. Latencies in simulated seconds.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Summary {
     /// Requests sent.
     pub requests: usize,
@@ -168,7 +168,7 @@ fn unseen_load(ok: &[&Outcome]) -> Option<f64> {
 
 /// One priority class's or tenant's requests in a run, summarised as a run is (without the
 /// engines' counters, which are not per request).
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct TagSummary {
     /// `priority=interactive`, `tenant=steady`, …
     pub tag: String,
