@@ -27,6 +27,10 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
+/// The reasons [`Metrics::degraded`] is labelled with, each a series per replica, in the order
+/// of the replica's health flags: degraded, stalled, disconnected.
+pub const DEGRADED_REASONS: [&str; 3] = ["lost_events", "stalled", "disconnected"];
+
 /// Labels of a decision.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
@@ -422,6 +426,31 @@ impl Metrics {
         let labels =
             ReasonLabels { model: replica.model.clone(), replica: replica.replica.clone(), reason: reason.to_owned() };
         self.events_dropped.get_or_create(&labels).inc();
+    }
+
+    /// Removes a replica's gauge series once it has left its pool: their last values would
+    /// read as live (a degraded replica, events gone stale) and keep alerts firing. Its
+    /// counters and histograms stay, being cumulative.
+    pub fn forget_replica(&self, replica: &ReplicaLabels) {
+        let gauges = [
+            &self.index_blocks,
+            &self.last_event,
+            &self.active_requests,
+            &self.prefill_tokens,
+            &self.external_requests,
+            &self.engine_reports_cached_tokens,
+        ];
+        for gauge in gauges {
+            gauge.remove(replica);
+        }
+        for reason in DEGRADED_REASONS {
+            let labels = ReasonLabels {
+                model: replica.model.clone(),
+                replica: replica.replica.clone(),
+                reason: reason.to_owned(),
+            };
+            self.degraded.remove(&labels);
+        }
     }
 
     /// The OpenMetrics text exposition.

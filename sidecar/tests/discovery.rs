@@ -1,5 +1,6 @@
 //! Discovery end to end: DNS answers (from a stub resolver) and config-file edits (in the
-//! real binary) change a pool's replicas while it runs; failures keep the last membership.
+//! real binary) change a pool's replicas while it runs; failures keep the last membership; a
+//! replica that leaves takes its gauge series along.
 
 use std::net::SocketAddr;
 use std::process::Command;
@@ -11,7 +12,9 @@ use kvgate_sidecar::discovery::dns::{self, Resolver};
 use kvgate_sidecar::discovery::Supervisor;
 use kvgate_sidecar::discovery::{DiscoveryConfig, DiscoveryKind};
 use kvgate_sidecar::health::Health;
+use kvgate_sidecar::load::EngineReport;
 use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::msg::ingest::{Outcome, Progress};
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::pool::PoolConfig;
 use serde_json::Value;
@@ -72,6 +75,74 @@ fn dns_answers_become_the_pool() {
     assert!(metrics.render().contains("kvgate_replicas{model=\"m\",kind=\"dns\"} 2"));
     stub.answer(Ok(Vec::new()));
     wait_for("an empty answer empties the pool", WAIT, || ids(&pool).is_empty().then_some(())).unwrap();
+
+    stop.stop();
+    poller.join().unwrap();
+    supervisor.shutdown();
+}
+
+/// The per-replica gauges, as `/metrics` names them.
+const REPLICA_GAUGES: [&str; 6] = [
+    "kvgate_replica_degraded",
+    "kvgate_kv_last_event_timestamp_seconds",
+    "kvgate_index_blocks",
+    "kvgate_active_requests",
+    "kvgate_prefill_tokens",
+    "kvgate_external_requests",
+];
+
+/// The per-replica gauges `/metrics` has a series of for `replica`, in `REPLICA_GAUGES` order.
+fn gauges_of(metrics: &Metrics, replica: &str) -> Vec<&'static str> {
+    let text = metrics.render();
+    let label = format!("replica=\"{replica}\"");
+    let has = |name: &str| text.lines().any(|l| l.starts_with(&format!("{name}{{")) && l.contains(&label));
+    REPLICA_GAUGES.into_iter().filter(|name| has(name)).collect()
+}
+
+#[test]
+fn a_replica_dropped_by_discovery_takes_its_gauges_along() {
+    let discovery = DiscoveryConfig {
+        kind: DiscoveryKind::Dns,
+        name: "vllm.test".into(),
+        port: 8000,
+        kv_events: "tcp://{ip}:1".into(),
+        interval_secs: 1,
+        ..DiscoveryConfig::default()
+    };
+    // Emptied at once: no grace period to wait out.
+    let config = PoolConfig { leave_grace_secs: 0, ..PoolConfig::new("m", "unused", 16, Vec::new()) };
+    let metrics = Arc::new(Metrics::default());
+    let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
+    let supervisor =
+        Arc::new(Supervisor::start(zmq::Context::new(), pool.clone(), discovery, metrics.clone()).unwrap());
+    let (gone, kept) = ("127.0.0.2:8000", "127.0.0.3:8000");
+    let stub = Stub(Arc::new(Mutex::new(Ok(Vec::new()))));
+    stub.answer(Ok(vec![gone, kept]));
+    let stop = Health::new();
+    let poller = dns::spawn(supervisor.clone(), stub.clone(), &stop).unwrap();
+    wait_for("two replicas", WAIT, || (ids(&pool) == [gone, kept]).then_some(())).unwrap();
+
+    // Every gauge of both: events applied, a dropped publisher, an engine's report.
+    for target in pool.active_targets() {
+        pool.after_ingest(target.slot, Progress { last_seq: Some(1), degraded: false }, &Outcome::default());
+        pool.publisher_disconnected(target.slot);
+        pool.observe_engine(target.slot, EngineReport { requests: 2, waiting: 1, kv_usage: None, kv_blocks: None });
+    }
+    assert_eq!(gauges_of(&metrics, gone), REPLICA_GAUGES);
+    assert_eq!(gauges_of(&metrics, kept), REPLICA_GAUGES);
+
+    stub.answer(Ok(vec![kept]));
+    wait_for("the replica's gauges go", WAIT, || gauges_of(&metrics, gone).is_empty().then_some(())).unwrap();
+    assert_eq!(ids(&pool), [kept]);
+    assert_eq!(gauges_of(&metrics, kept), REPLICA_GAUGES, "the remaining replica keeps its gauges");
+    let text = metrics.render();
+    assert!(
+        text.contains(&format!("kvgate_replica_degraded{{model=\"m\",replica=\"{kept}\",reason=\"disconnected\"}} 1")),
+        "{text}"
+    );
+    // The load timer visits every slot, the emptied one too: it brings no series back.
+    pool.expire(Duration::from_secs(3600));
+    assert!(gauges_of(&metrics, gone).is_empty(), "{}", metrics.render());
 
     stop.stop();
     poller.join().unwrap();

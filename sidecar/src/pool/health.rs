@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::members::{CACHE_REPORT_NO, CACHE_REPORT_YES, NONE};
 use super::{Member, Pool};
 use crate::index::ReplicaIdx;
-use crate::metrics::ReasonLabels;
+use crate::metrics::{ReasonLabels, DEGRADED_REASONS};
 use crate::msg::ingest::{Outcome, Progress};
 
 impl Pool {
@@ -23,10 +23,11 @@ impl Pool {
         h.stalled.store(false, Ordering::Relaxed);
         h.disconnected.store(false, Ordering::Relaxed);
         let blocks = self.index.read().replica_blocks(replica);
-        let labels = self.labels(replica);
-        self.metrics.index_blocks.get_or_create(&labels).set(blocks as i64);
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        self.metrics.last_event.get_or_create(&labels).set(now as i64);
+        self.set_gauges(replica, |labels| {
+            self.metrics.index_blocks.get_or_create(labels).set(blocks as i64);
+            self.metrics.last_event.get_or_create(labels).set(now as i64);
+        });
         self.publish_health(replica);
     }
 
@@ -79,16 +80,18 @@ impl Pool {
                  --enable-prompt-tokens-details (SGLang: --enable-cache-report)"
             );
         }
-        self.metrics.engine_reports_cached_tokens.get_or_create(&labels).set(i64::from(reported));
+        self.set_gauges(replica, |labels| {
+            self.metrics.engine_reports_cached_tokens.get_or_create(labels).set(i64::from(reported));
+        });
     }
 
     fn publish_health(&self, replica: ReplicaIdx) {
         let h = self.members()[replica.get()].health.clone();
-        let l = self.labels(replica);
-        for (reason, flag) in [("lost_events", &h.degraded), ("stalled", &h.stalled), ("disconnected", &h.disconnected)]
-        {
-            let labels = ReasonLabels { model: l.model.clone(), replica: l.replica.clone(), reason: reason.into() };
-            self.metrics.degraded.get_or_create(&labels).set(i64::from(flag.load(Ordering::Relaxed)));
-        }
+        self.set_gauges(replica, |l| {
+            for (reason, flag) in DEGRADED_REASONS.into_iter().zip([&h.degraded, &h.stalled, &h.disconnected]) {
+                let labels = ReasonLabels { model: l.model.clone(), replica: l.replica.clone(), reason: reason.into() };
+                self.metrics.degraded.get_or_create(&labels).set(i64::from(flag.load(Ordering::Relaxed)));
+            }
+        });
     }
 }

@@ -130,7 +130,9 @@ impl Pool {
         // The engine may say it has room again.
         self.capacity_freed();
         self.publish_load(slot, figures);
-        self.metrics.external_requests.get_or_create(&self.labels(slot)).set(figures.external as i64);
+        self.set_gauges(slot, |labels| {
+            self.metrics.external_requests.get_or_create(labels).set(figures.external as i64);
+        });
     }
 
     /// Publishes this pool's bookings and their lifecycle to the other gateways from now on.
@@ -296,8 +298,9 @@ impl Pool {
     /// Sets a replica's load gauges. Takes the members lock: never call it holding the load
     /// table (the lock order is members, index, affinity, load).
     pub(super) fn publish_load(&self, replica: ReplicaIdx, l: ReplicaLoad) {
-        let labels = self.labels(replica);
-        self.metrics.active_requests.get_or_create(&labels).set((l.requests - l.external) as i64);
-        self.metrics.prefill_tokens.get_or_create(&labels).set(l.prefill_tokens as i64);
+        self.set_gauges(replica, |labels| {
+            self.metrics.active_requests.get_or_create(labels).set((l.requests - l.external) as i64);
+            self.metrics.prefill_tokens.get_or_create(labels).set(l.prefill_tokens as i64);
+        });
     }
 }

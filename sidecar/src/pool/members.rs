@@ -305,10 +305,18 @@ impl Pool {
         self.affinity_index().clear_replica(i);
         let mut load = self.load_table();
         load.clear_replica(i);
-        let labels = ReplicaLabels { model: self.config.model.clone(), replica: m.replica.id.clone() };
-        self.metrics.index_blocks.get_or_create(&labels).set(0);
-        self.metrics.active_requests.get_or_create(&labels).set(0);
-        self.metrics.prefill_tokens.get_or_create(&labels).set(0);
+        self.metrics.forget_replica(&ReplicaLabels { model: self.config.model.clone(), replica: m.replica.id.clone() });
+    }
+
+    /// Sets slot `slot`'s gauges with `set`, given its replica's labels, if a replica is in the
+    /// slot (active, or in its grace period). `members` is held meanwhile, so no gauge is set
+    /// after [`Pool::retire`] removed the replica's series: an applier, poller or timer that
+    /// has not seen it leave would bring them back.
+    pub(super) fn set_gauges(&self, slot: ReplicaIdx, set: impl FnOnce(&ReplicaLabels)) {
+        let members = self.members();
+        if let Some(m) = members.get(slot.get()).filter(|m| m.active || m.leaving_since.is_some()) {
+            set(&ReplicaLabels { model: self.config.model.clone(), replica: m.replica.id.clone() });
+        }
     }
 
     /// Records the LoRA adapters the engine at `endpoint` lists (every DP rank of it). Returns
