@@ -140,6 +140,9 @@ pub trait Host: SidecarCalls {
     fn enqueue(&self, queue: u32, item: &[u8]) -> Result<(), HostStatus>;
     /// Answers the client itself (the request goes no further).
     fn send_local_reply(&self, code: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), HostStatus>;
+    /// Sets a property of the request (Envoy: the filter state `wasm.<name>`, which access
+    /// logs read as `%FILTER_STATE(wasm.<name>:PLAIN)%`).
+    fn set_property(&self, name: &str, value: &str) -> Result<(), HostStatus>;
     /// Sends a request of the filter's own (a prefill leg) to `cluster` with these headers
     /// (pseudo-headers included); the answer comes to `on_http_call_response`.
     fn call(&self, cluster: &str, headers: &[(&str, &str)], body: &[u8], timeout: Duration) -> Result<u32, HostStatus>;
@@ -222,6 +225,10 @@ impl SidecarCalls for Envoy {
 }
 
 impl Host for Envoy {
+    fn set_property(&self, name: &str, value: &str) -> Result<(), HostStatus> {
+        hostcalls::set_property(vec![name], Some(value.as_bytes())).map_err(status)
+    }
+
     fn request_header(&self, name: &str) -> Option<String> {
         hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
     }

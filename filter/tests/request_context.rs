@@ -46,6 +46,8 @@ struct State {
     queued: Vec<LifecycleEvent>,
     /// (cluster, headers, body) of each request the filter sent upstream itself.
     legs: Vec<(String, HashMap<String, String>, Vec<u8>)>,
+    /// The request's properties (Envoy's filter state, for the access log).
+    properties: HashMap<String, String>,
 }
 
 #[derive(Clone, Default)]
@@ -80,6 +82,10 @@ impl SidecarCalls for Fake {
 }
 
 impl Host for Fake {
+    fn set_property(&self, name: &str, value: &str) -> Result<(), HostStatus> {
+        self.0.borrow_mut().properties.insert(name.to_owned(), value.to_owned());
+        Ok(())
+    }
     fn request_header(&self, name: &str) -> Option<String> {
         self.0.borrow().request_headers.get(name).cloned()
     }
@@ -253,6 +259,10 @@ fn a_routed_request_is_booked_under_its_own_key_and_reports_its_life() {
         "ran where it was sent: no move"
     );
     assert!(fake.0.borrow().queued.iter().all(|e| e.model == "Qwen/Qwen3-0.6B" && e.request_id == sent.request_id));
+    let property = |name: &str| fake.0.borrow().properties.get(name).cloned().unwrap_or_default();
+    assert_eq!(property("kvgate_outcome"), "routed", "the access log reads the decision");
+    assert_eq!((property("kvgate_replica").as_str(), property("kvgate_overlap_blocks").as_str()), ("b", "3"));
+    assert_eq!(property("kvgate_booking_id"), sent.request_id.as_str());
 }
 
 #[test]
@@ -338,6 +348,8 @@ fn every_sidecar_failure_fails_open_and_still_releases() {
         ctx.on_call_response(1, headers, size);
         let s = fake.0.borrow();
         assert!(!s.request_headers.contains_key(DESTINATION_HEADER), "{status}: Envoy's balancer routes");
+        let outcome = s.properties.get("kvgate_outcome").map(String::as_str);
+        assert!(matches!(outcome, Some("fallback_error" | "fallback_timeout")), "{status}: {outcome:?}");
         assert_eq!(s.resumed, 1, "{status}: the request goes on");
         drop(s);
         respond(&mut ctx, &fake, "127.0.0.1:8003", "{}");

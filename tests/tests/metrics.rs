@@ -1,6 +1,7 @@
 //! The metrics as an operator queries them: a real Prometheus scrapes the gateway's Envoy
 //! (the filter's series, whose dimensions Envoy's `stats_tags` turn into labels) and the
-//! sidecar, and its queries aggregate them by model and outcome.
+//! sidecar, and its queries aggregate them by model and outcome; Envoy's access log shows each
+//! decision.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -25,7 +26,7 @@ fn by(prom: &Prometheus, promql: &str) -> BTreeMap<String, f64> {
 
 #[test]
 #[ignore = "needs Envoy, the built filter and Prometheus: run `cargo xtask test`"]
-fn prometheus_sums_the_filters_requests_by_model_and_outcome() {
+fn prometheus_sums_the_filters_requests_by_model_and_outcome_and_the_access_log_shows_decisions() {
     let opts = StackOptions { name: "prometheus".into(), model: MODEL.into(), ..Default::default() };
     let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
     let chat = |model: &str, seed: u32| {
@@ -36,10 +37,11 @@ fn prometheus_sums_the_filters_requests_by_model_and_outcome() {
     let routed_before = stack.filter_stat("kvgate.requests_total", &[("model", MODEL), ("outcome", "routed")]).unwrap();
     let passed_before =
         stack.filter_stat("kvgate.requests_total", &[("model", "other"), ("outcome", "passthrough")]).unwrap();
+    let mut served = Vec::new();
     for seed in 0..5 {
         let reply = post(&stack.gateway("/v1/chat/completions"), chat(MODEL, seed), &[]).unwrap();
         assert_eq!(reply.status, 200);
-        assert!(!reply.header("x-kvgate-replica").is_empty(), "routed by kvgate");
+        served.push((reply.header("x-kvgate-booking-id").to_owned(), reply.header("x-kvgate-replica").to_owned()));
     }
     // A model no pool serves: not routed, and counted under `other`, not a series of its own.
     for seed in 0..2 {
@@ -65,20 +67,34 @@ fn prometheus_sums_the_filters_requests_by_model_and_outcome() {
 
     let models: Vec<String> = by(&prom, "sum by (model) (kvgate_requests_total)").into_keys().collect();
     assert_eq!(models, ["Qwen/Qwen3-0.6B", "other"], "no series for a model nobody serves");
-    // The filter's count of routed requests agrees with the sidecar's decisions, per model.
-    let routed = by(&prom, "sum by (model) (kvgate_requests_total{outcome=\"routed\"})");
-    let decisions = by(&prom, "sum by (model) (kvgate_decisions_total)");
-    assert_eq!(
-        decisions.get(MODEL),
-        routed.get(MODEL),
-        "the sidecar's decisions {decisions:?}, the filter's {routed:?}"
-    );
+    // The filter's count of routed requests agrees with the sidecar's decisions (requests
+    // before the filter's first model list count as `other`).
+    let routed = by(&prom, "sum(kvgate_requests_total{outcome=\"routed\"})");
+    let decisions = by(&prom, "sum(kvgate_decisions_total)");
+    assert_eq!(decisions, routed, "the sidecar's decisions against the filter's routed requests");
     // Each VM's gauges are a series of their own, labelled `vm` (Envoy runs a VM on its main
     // thread too): the one worker's VM, which served the requests, reports its memory.
     let memory = prom.query("kvgate_vm_memory_bytes").unwrap();
     let vms: std::collections::HashSet<&str> = memory.iter().map(|s| s.label("vm")).collect();
     assert_eq!(vms.len(), memory.len(), "a series per VM: {memory:?}");
     assert_eq!(memory.iter().filter(|s| s.value > 0.0).count(), 1, "one worker: {memory:?}");
+    // The access log shows each decision: the replica the engine says served the request.
+    // Envoy flushes its access log every few seconds.
+    let logged = || {
+        let log = std::fs::read_to_string(stack.dir.join("envoy.log")).ok()?;
+        let lines: Vec<serde_json::Value> = log.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+        served.iter().all(|(b, _)| lines.iter().any(|l| l["kvgate_booking_id"] == b.as_str())).then_some(lines)
+    };
+    let lines = wait_for("the access log lines", Duration::from_secs(30), logged).unwrap_or_default();
+    for (booking, replica) in &served {
+        let line = lines.iter().find(|l| l["kvgate_booking_id"] == booking.as_str());
+        let line = line.unwrap_or_else(|| panic!("no access log line for {booking} in {}", stack.dir.display()));
+        assert_eq!(
+            (line["kvgate_outcome"].as_str(), line["kvgate_replica"].as_str()),
+            (Some("routed"), Some(replica.as_str()))
+        );
+        assert!(line["kvgate_prompt_tokens"].as_str().and_then(|n| n.parse::<u32>().ok()).is_some_and(|n| n > 100));
+    }
     // Histograms are in microseconds, with buckets to match.
     let tokenize = by(&prom, "sum by (le) (kvgate_tokenize_us_bucket)");
     assert!(tokenize.contains_key("50") && tokenize.contains_key("10000000"), "buckets: {:?}", tokenize.keys());

@@ -19,8 +19,8 @@ impl Exchange {
     pub(super) fn sidecar_answered(&mut self, host: &impl Host, num_headers: usize, body_size: usize) -> Outcome {
         let outcome = self.apply_decision(host, num_headers, body_size);
         self.decision.micros = self.asked_at.elapsed().as_micros();
+        self.count(host, outcome);
         if let Some(m) = self.metrics() {
-            m.outcome(host, self.metric_model(), outcome);
             m.sidecar(host, self.decision.micros.saturating_sub(self.decision.plan_micros) as u64);
         }
         outcome

@@ -184,8 +184,11 @@ impl Exchange {
         }
     }
 
-    /// Counts the request's outcome (when metrics are on).
+    /// Counts the request's outcome (when metrics are on), and leaves it for the access log.
     pub(super) fn count(&self, host: &impl Host, outcome: Outcome) {
+        if let Err(status) = host.set_property("kvgate_outcome", outcome.label()) {
+            log::debug!("kvgate: cannot set the property kvgate_outcome: {status:?}");
+        }
         if let Some(m) = self.metrics() {
             m.outcome(host, self.metric_model(), outcome);
         }

@@ -24,6 +24,7 @@ impl Exchange {
             self.keep_stripping_if_streamed(host);
         }
         debug_headers(host, &self.route, &self.decision, self.leg.as_ref());
+        access_log_fields(host, &self.route, &self.decision, self.leg.as_ref());
     }
 
     /// A response body chunk of `body_size` bytes came.
@@ -126,6 +127,24 @@ impl Exchange {
 }
 
 /// Describes the decision in `x-kvgate-*` response headers, when `debug_headers` is on.
+/// The decision, for the access log: request properties (Envoy filter state `wasm.kvgate_*`)
+/// whatever `debug_headers` says; `kvgate_outcome` is set where the outcome is counted.
+pub(super) fn access_log_fields(host: &impl Host, route: &Route, d: &Decision, leg: Option<&Leg>) {
+    let fields = [
+        ("kvgate_booking_id", route.keys.request_id.to_string()),
+        ("kvgate_replica", d.replica.clone().unwrap_or_default()),
+        ("kvgate_overlap_blocks", d.overlap_blocks.to_string()),
+        ("kvgate_prompt_tokens", d.prompt_tokens.map(|n| n.to_string()).unwrap_or_default()),
+        ("kvgate_decision_us", d.micros.to_string()),
+        ("kvgate_prefill_on", leg.map(|l| l.replica.clone()).unwrap_or_default()),
+    ];
+    for (name, value) in fields {
+        if let Err(status) = host.set_property(name, &value) {
+            log::debug!("kvgate: cannot set the property {name}: {status:?}");
+        }
+    }
+}
+
 pub(super) fn debug_headers(host: &impl Host, route: &Route, d: &Decision, leg: Option<&Leg>) {
     if !route.settings.config.debug_headers {
         return;
