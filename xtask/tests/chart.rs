@@ -10,7 +10,8 @@
 //! have no schema offline: their structure is checked here, against the hand-written
 //! manifests of `envoy/k8s` and `envoy/gateway-api` they replace, and for agreement with the
 //! rest. Every rendered kvgate.toml is loaded with the sidecar's own loader and every filter
-//! configuration parsed with the filter's own parser.
+//! configuration parsed with the filter's own parser. The chart is also packaged, as `helm
+//! package` does it, for what its `.helmignore` leaves out.
 //!
 //! Without the venv these tests are skipped, with a message, unless `CI` is set.
 
@@ -274,6 +275,7 @@ fn cases() -> Vec<(&'static str, &'static str, Value)> {
                     "envoyGateway": {"gateway": {"name": "inference", "create": false}, "listener": "https", "wasmFilterIndex": 2},
                     "pools": [volume_pool()],
                     "sync": {"enabled": false},
+                    "sidecar": {"logFormat": "json"},
                 }),
             ),
         ),
@@ -375,7 +377,7 @@ fn maximal() -> Value {
     values(
         "istio",
         json!({
-            "sidecar": {"config": {
+            "sidecar": {"logFormat": "json", "config": {
                 "request_expiry_secs": 300,
                 "stall_timeout_secs": 30,
                 "allow_request_overrides": false,
@@ -558,7 +560,12 @@ fn check(r: &Rendered) -> Gateway<'_> {
         assert!(r.all("Secret").is_empty() && r.all("NetworkPolicy").is_empty());
         common::TEST_KEY.to_owned()
     };
-    let config = load_config_with(toml, &key, &ContainerEnv::of(sidecar));
+    let env = ContainerEnv::of(sidecar);
+    let config = load_config_with(toml, &key, &env);
+
+    // Its log format: KVGATE_LOG_FORMAT, left out for the sidecar's default, text.
+    let log_format = r.values["sidecar"]["logFormat"].as_str().unwrap_or("text");
+    assert_eq!(env.var("KVGATE_LOG_FORMAT").as_deref(), (log_format != "text").then_some(log_format));
 
     // The API on loopback, reached through the sidecar cluster; metrics and the probe on
     // metrics_listen; no readiness probe (the gateway pod stays Ready whatever the sidecar's
@@ -1174,6 +1181,44 @@ fn rendering_twice_differs_only_in_the_generated_key() {
 }
 
 #[test]
+fn the_packaged_chart_ships_its_templates_and_alerts_but_not_their_tests() {
+    let Some(python) = python() else { return };
+    // `helm package` (Helm v4 as a library), which applies the chart's .helmignore.
+    let dest = std::env::temp_dir().join(format!("kvgate-chart-package-{}", std::process::id()));
+    std::fs::create_dir_all(&dest).unwrap();
+    let script = "import helm_python as helm, json, sys, tarfile\n\
+                  archive = helm.package(sys.argv[1], destination=sys.argv[2])\n\
+                  print(json.dumps(tarfile.open(archive).getnames()))";
+    let chart = repo().join("charts/kvgate");
+    let out = Command::new(python).args(["-c", script]).arg(&chart).arg(&dest).output().expect("running helm package");
+    std::fs::remove_dir_all(&dest).unwrap();
+    assert!(out.status.success(), "helm package: {}", String::from_utf8_lossy(&out.stderr));
+    let packaged: BTreeSet<String> = serde_json::from_slice(&out.stdout).expect("the archive's names");
+
+    // promtool's unit tests of the alerts (xtask/tests/alerts.rs) stay in the repository.
+    let tests = "files/alerts_test.yaml";
+    assert!(chart.join(tests).is_file(), "{tests} moved: update .helmignore and this test");
+    assert!(!packaged.contains(&format!("kvgate/{tests}")), "{tests} is packaged: {packaged:?}");
+    // Every other file of templates/ and files/ ships: files/alerts.yaml is the PrometheusRule's.
+    let mut want = BTreeSet::new();
+    let mut dirs = vec![chart.join("templates"), chart.join("files")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                want.insert(format!("kvgate/{}", path.strip_prefix(&chart).unwrap().display()));
+            }
+        }
+    }
+    want.remove(&format!("kvgate/{tests}"));
+    assert!(want.contains("kvgate/files/alerts.yaml"));
+    let missing: Vec<_> = want.difference(&packaged).collect();
+    assert!(missing.is_empty(), "left out of the package: {missing:?}");
+}
+
+#[test]
 fn the_schema_refuses_bad_values() {
     let Some(python) = python() else { return };
     let with_pool = |f: &dyn Fn(&mut Value)| {
@@ -1242,6 +1287,7 @@ fn the_schema_refuses_bad_values() {
             values("istio", json!({"sidecar": {"config": {"scoring": {"temperature": -1}}}})),
             "temperature",
         ),
+        ("an unknown log format", values("istio", json!({"sidecar": {"logFormat": "xml"}})), "logFormat"),
         (
             "a patch the chart writes",
             values("envoy-gateway", json!({"envoyGateway": {"envoyDeployment": {"patch": {}}}})),

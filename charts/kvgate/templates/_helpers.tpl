@@ -218,13 +218,18 @@ pool disaggregates and none is named, the first engine cluster as prefill_cluste
   imagePullPolicy: {{ . }}
   {{- end }}
   args: ["--config", "/etc/kvgate/kvgate.toml"]
-  {{- if or .Values.sync.enabled .Values.sidecar.env }}
+  {{- /* text, the sidecar's default, is left out: the container stays the component's. */}}
+  {{- $logFormat := .Values.sidecar.logFormat | default "text" }}
+  {{- if or .Values.sync.enabled .Values.sidecar.env (ne $logFormat "text") }}
   env:
   {{- if .Values.sync.enabled }}
   # The gateway mesh binds the pod's own IP, never 0.0.0.0.
   - name: POD_IP
     valueFrom: {fieldRef: {fieldPath: status.podIP}}
   - {name: KVGATE_SYNC_LISTEN, value: "tcp://$(POD_IP):{{ $sync }}"}
+  {{- end }}
+  {{- if ne $logFormat "text" }}
+  - {name: KVGATE_LOG_FORMAT, value: {{ $logFormat | quote }}}
   {{- end }}
   {{- with .Values.sidecar.env }}
   {{- toYaml . | nindent 2 }}
