@@ -153,6 +153,13 @@ pub struct Metrics {
     pub admission_wait_seconds: Histogram,
     /// Requests waiting for capacity now, per pool.
     pub admission_waiting: Family<PoolLabels, Gauge>,
+    /// For an autoscaler: booked prefill tokens not yet computed, over the pool's replicas.
+    pub pool_prefill_backlog: Family<PoolLabels, Gauge>,
+    /// For an autoscaler: requests in flight on the pool's replicas (external ones included).
+    pub pool_active_requests: Family<PoolLabels, Gauge>,
+    /// For an autoscaler: the share of the pool's replicas admission control counts saturated
+    /// (set only with admission control).
+    pub pool_saturation: Family<PoolLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     /// Decisions in disaggregated pools, by mode: `disaggregated`, or served whole for
     /// `short_prompt`, `prefill_busy`, `no_prefill_worker` or `several_prompts`.
     pub disaggregation: Family<ModeLabels, Counter>,
@@ -235,6 +242,24 @@ impl Default for Metrics {
         let admission = Family::default();
         let admission_wait_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 14));
         let admission_waiting = Family::default();
+        let pool_prefill_backlog = Family::default();
+        let pool_active_requests = Family::default();
+        let pool_saturation = Family::default();
+        registry.register(
+            "pool_prefill_backlog_tokens",
+            "Booked prefill tokens not yet computed over the pool's replicas (an autoscaling signal)",
+            pool_prefill_backlog.clone(),
+        );
+        registry.register(
+            "pool_active_requests",
+            "Requests in flight on the pool's replicas, external ones included (an autoscaling signal)",
+            pool_active_requests.clone(),
+        );
+        registry.register(
+            "pool_saturation",
+            "Share of the pool's replicas admission control counts saturated (an autoscaling signal)",
+            pool_saturation.clone(),
+        );
         let disaggregation = Family::default();
         registry.register(
             "disaggregation_decisions",
@@ -415,6 +440,9 @@ impl Default for Metrics {
             admission,
             admission_wait_seconds,
             admission_waiting,
+            pool_prefill_backlog,
+            pool_active_requests,
+            pool_saturation,
             disaggregation,
         }
     }

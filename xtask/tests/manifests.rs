@@ -329,3 +329,29 @@ fn every_deploy_path_turns_the_filters_tags_into_labels_as_the_template_does() {
         assert!(text.contains(r#"extraStatTags: ["model", "outcome", "vm"]"#), "{path} asks Istio for the tags");
     }
 }
+
+#[test]
+fn the_autoscaling_example_scales_the_engines_on_signals_the_sidecar_exports() {
+    let docs = all();
+    let scaled = find(&docs, "ScaledObject", "vllm-engines");
+    let engines = find(&docs, "Deployment", "vllm-engines");
+    assert_eq!(scaled["spec"]["scaleTargetRef"]["name"], engines["metadata"]["name"]);
+    assert_eq!(scaled["metadata"]["namespace"], engines["metadata"]["namespace"]);
+    let sidecar_src = std::fs::read_to_string(repo().join("sidecar/src/metrics.rs")).unwrap();
+    let config = load_config(&std::fs::read_to_string(repo().join("envoy/k8s/base/kvgate.toml")).unwrap());
+    let model = format!("model=\"{}\"", config.pools[0].pool.model);
+    let triggers = scaled["spec"]["triggers"].as_array().unwrap();
+    assert!(triggers.len() >= 2);
+    for t in triggers {
+        assert_eq!(t["type"], "prometheus");
+        let query = t["metadata"]["query"].as_str().unwrap();
+        assert!(query.contains(&model), "{query} asks about the pool's model");
+        let metric = query.split(['(', '{']).nth(1).unwrap();
+        let registered = metric.strip_prefix("kvgate_").is_some_and(|name| {
+            sidecar_src.contains(&format!("register(\n            \"{name}\""))
+                || sidecar_src.contains(&format!("register(\"{name}\""))
+        });
+        assert!(registered, "{query}: the sidecar exports no {metric}");
+        assert!(t["metadata"]["threshold"].as_str().unwrap().parse::<f64>().unwrap() > 0.0);
+    }
+}

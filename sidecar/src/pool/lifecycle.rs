@@ -286,6 +286,7 @@ impl Pool {
         for slot in unchecked {
             self.unchecked(slot, Unchecked::NoUsage);
         }
+        self.publish_pool_load(&figures);
         for (i, f) in figures.into_iter().enumerate() {
             self.publish_load(ReplicaIdx::new(i), f);
         }
@@ -293,6 +294,23 @@ impl Pool {
             self.capacity_freed();
         }
         n
+    }
+
+    /// Sets the pool's autoscaling gauges from each slot's load: the prefill backlog and the
+    /// requests in flight over its routable replicas, and (with admission control) the share
+    /// of them saturated.
+    fn publish_pool_load(&self, figures: &[ReplicaLoad]) {
+        let routable: Vec<&ReplicaLoad> =
+            self.members().iter().zip(figures).filter(|(m, _)| m.active).map(|(_, f)| f).collect();
+        let labels = PoolLabels { model: self.config.model.clone() };
+        let backlog: u64 = routable.iter().map(|l| l.prefill_tokens).sum();
+        let requests: u64 = routable.iter().map(|l| l.requests).sum();
+        self.metrics.pool_prefill_backlog.get_or_create(&labels).set(backlog as i64);
+        self.metrics.pool_active_requests.get_or_create(&labels).set(requests as i64);
+        if let (Some(gate), false) = (&self.admission, routable.is_empty()) {
+            let saturated = routable.iter().filter(|l| gate.saturated(l)).count();
+            self.metrics.pool_saturation.get_or_create(&labels).set(saturated as f64 / routable.len() as f64);
+        }
     }
 
     /// Sets a replica's load gauges. Takes the members lock: never call it holding the load

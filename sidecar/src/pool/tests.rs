@@ -804,3 +804,33 @@ fn requests_that_cannot_be_checked_are_counted_with_their_reason() {
     assert!(p.engine_usage(&"detailed".into(), 64, Some(0)));
     assert_eq!(p.state().replicas[0].reports_cached_tokens, Some(true));
 }
+
+#[test]
+fn the_pools_autoscaling_gauges_sum_its_replicas_load() {
+    let metrics = Arc::new(Metrics::default());
+    let replicas = (0..2)
+        .map(|i| ReplicaConfig::new(&format!("r{i}"), format!("127.0.0.1:{}", 8000 + i).parse().unwrap(), "tcp://x:1"))
+        .collect();
+    let p = Pool::new(PoolConfig::new("m", "unused", 4, replicas), Vec::new(), metrics.clone());
+    let cfg = ScoringConfig::default();
+    for i in 0..3u32 {
+        let tokens: Vec<u32> = (0..40).map(|t| i * 1000 + t).collect();
+        p.route(&request(&format!("q{i}"), &tokens), &cfg);
+    }
+    p.expire(Duration::from_secs(300));
+    let text = metrics.render();
+    let value = |name: &str| {
+        let prefix = format!("{name}{{model=\"m\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(&prefix)).map(|v| v.parse::<f64>().unwrap())
+    };
+    assert_eq!(value("kvgate_pool_prefill_backlog_tokens"), Some(120.0), "three 40-token prompts booked");
+    assert_eq!(value("kvgate_pool_active_requests"), Some(3.0));
+    assert_eq!(value("kvgate_pool_saturation"), None, "set only with admission control");
+    // Ended requests leave the backlog.
+    for i in 0..3 {
+        assert!(p.lifecycle(&format!("q{i}").as_str().into(), false));
+    }
+    p.expire(Duration::from_secs(300));
+    let text = metrics.render();
+    assert!(text.contains("kvgate_pool_prefill_backlog_tokens{model=\"m\"} 0\n"), "{text}");
+}
