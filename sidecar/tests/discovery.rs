@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvgate_e2e::process::{free_port, wait_for, Proc};
+use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_shared::wire::RouteRequest;
 use kvgate_sidecar::discovery::dns::{self, Resolver};
 use kvgate_sidecar::discovery::Supervisor;
 use kvgate_sidecar::discovery::{DiscoveryConfig, DiscoveryKind};
@@ -17,6 +19,7 @@ use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::msg::ingest::{Outcome, Progress};
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::pool::PoolConfig;
+use kvgate_sidecar::score::ScoringConfig;
 use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -82,13 +85,14 @@ fn dns_answers_become_the_pool() {
 }
 
 /// The per-replica gauges, as `/metrics` names them.
-const REPLICA_GAUGES: [&str; 6] = [
+const REPLICA_GAUGES: [&str; 7] = [
     "kvgate_replica_degraded",
     "kvgate_kv_last_event_timestamp_seconds",
     "kvgate_index_blocks",
     "kvgate_active_requests",
     "kvgate_prefill_tokens",
     "kvgate_external_requests",
+    "kvgate_engine_reports_cached_tokens",
 ];
 
 /// The per-replica gauges `/metrics` has a series of for `replica`, in `REPLICA_GAUGES` order.
@@ -122,12 +126,23 @@ fn a_replica_dropped_by_discovery_takes_its_gauges_along() {
     let poller = dns::spawn(supervisor.clone(), stub.clone(), &stop).unwrap();
     wait_for("two replicas", WAIT, || (ids(&pool) == [gone, kept]).then_some(())).unwrap();
 
-    // Every gauge of both: events applied, a dropped publisher, an engine's report.
+    // Every gauge of both: events applied, a dropped publisher, an engine's report, and a
+    // request routed to each whose usage came back.
     for target in pool.active_targets() {
         pool.after_ingest(target.slot, Progress { last_seq: Some(1), degraded: false }, &Outcome::default());
         pool.publisher_disconnected(target.slot);
-        pool.observe_engine(target.slot, EngineReport { requests: 2, waiting: 1, kv_usage: None, kv_blocks: None });
+        pool.observe_engine(target.slot, EngineReport { requests: 2, waiting: 1, ..Default::default() });
     }
+    let mut served = std::collections::BTreeSet::new();
+    for i in 0..16 {
+        let id = format!("req-{i}");
+        let hashes = prompt_block_hashes(&[i; 32], 16, Salt::NONE);
+        let routed = pool.route(&RouteRequest::exact(&id, "m", 32, 16, hashes), &ScoringConfig::default());
+        if served.insert(routed.replica.expect("a replica")) {
+            assert!(pool.engine_usage(&id.as_str().into(), 32, Some(0)));
+        }
+    }
+    assert_eq!(served.len(), 2, "requests spread over both replicas");
     assert_eq!(gauges_of(&metrics, gone), REPLICA_GAUGES);
     assert_eq!(gauges_of(&metrics, kept), REPLICA_GAUGES);
 
