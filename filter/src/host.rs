@@ -91,12 +91,14 @@ pub trait MetricSink {
 /// Calls to the sidecar and their answers: what both the request contexts and the root
 /// context need.
 pub trait SidecarCalls: MetricSink {
-    /// POSTs `body` to `path` on `cluster`; the answer comes to `on_http_call_response`.
+    /// POSTs `body` to `path` on `cluster`, with `headers` beside the call's own (a request's
+    /// trace context); the answer comes to `on_http_call_response`.
     fn dispatch(
         &self,
         cluster: &str,
         path: &str,
         authority: &str,
+        headers: &[(&str, &str)],
         body: &[u8],
         timeout: Duration,
     ) -> Result<u32, HostStatus>;
@@ -203,11 +205,13 @@ impl SidecarCalls for Envoy {
         cluster: &str,
         path: &str,
         authority: &str,
+        extra: &[(&str, &str)],
         body: &[u8],
         timeout: Duration,
     ) -> Result<u32, HostStatus> {
-        let headers =
+        let mut headers =
             vec![(":method", "POST"), (":path", path), (":authority", authority), ("content-type", CONTENT_TYPE), WIRE];
+        headers.extend_from_slice(extra);
         hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout).map_err(status)
     }
 

@@ -222,7 +222,7 @@ impl<H: RootHost> Root<H> {
     /// POSTs one lifecycle batch (its `attempt`-th send); a failure keeps it for later.
     fn post_lifecycle(&mut self, body: Vec<u8>, attempt: u32) {
         let (cluster, authority, timeout) = self.sidecar();
-        match self.host.dispatch(&cluster, "/v1/lifecycle", &authority, &body, timeout) {
+        match self.host.dispatch(&cluster, "/v1/lifecycle", &authority, &[], &body, timeout) {
             Ok(token) => {
                 self.calls.insert(token, Call::Lifecycle(body, attempt));
             }

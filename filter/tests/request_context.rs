@@ -35,6 +35,8 @@ struct State {
     response_chunk: Vec<u8>,
     /// (path, body) of each sidecar call.
     calls: Vec<(String, Vec<u8>)>,
+    /// The headers each sidecar call carried beside its own.
+    call_extra_headers: Vec<HashMap<String, String>>,
     dispatch_fails: bool,
     /// The sidecar's answer: status and body, and its other headers.
     answer: Option<(String, Vec<u8>)>,
@@ -62,11 +64,20 @@ impl MetricSink for Fake {
 }
 
 impl SidecarCalls for Fake {
-    fn dispatch(&self, _: &str, path: &str, _: &str, body: &[u8], _: Duration) -> Result<u32, HostStatus> {
+    fn dispatch(
+        &self,
+        _: &str,
+        path: &str,
+        _: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        _: Duration,
+    ) -> Result<u32, HostStatus> {
         let mut s = self.0.borrow_mut();
         if s.dispatch_fails {
             return Err(HostStatus(2));
         }
+        s.call_extra_headers.push(headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
         s.calls.push((path.into(), body.to_vec()));
         Ok(s.calls.len() as u32)
     }
@@ -263,6 +274,20 @@ fn a_routed_request_is_booked_under_its_own_key_and_reports_its_life() {
     assert_eq!(property("kvgate_outcome"), "routed", "the access log reads the decision");
     assert_eq!((property("kvgate_replica").as_str(), property("kvgate_overlap_blocks").as_str()), ("b", "3"));
     assert_eq!(property("kvgate_booking_id"), sent.request_id.as_str());
+}
+
+#[test]
+fn the_sidecar_call_carries_the_requests_trace_context() {
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let (mut ctx, fake) =
+        request(&chat("hello"), &[("traceparent", traceparent), ("tracestate", "k=v")], FilterConfig::default());
+    send(&mut ctx, &fake);
+    let sent = fake.0.borrow().call_extra_headers[0].clone();
+    assert_eq!(sent.get("traceparent").map(String::as_str), Some(traceparent));
+    assert_eq!(sent.get("tracestate").map(String::as_str), Some("k=v"));
+    let (mut ctx, fake) = request(&chat("hello"), &[], FilterConfig::default());
+    send(&mut ctx, &fake);
+    assert!(fake.0.borrow().call_extra_headers[0].is_empty(), "none invented");
 }
 
 #[test]

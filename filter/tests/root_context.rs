@@ -77,7 +77,15 @@ impl MetricSink for Fake {
 }
 
 impl SidecarCalls for Fake {
-    fn dispatch(&self, _: &str, path: &str, _: &str, body: &[u8], _: Duration) -> Result<u32, HostStatus> {
+    fn dispatch(
+        &self,
+        _: &str,
+        path: &str,
+        _: &str,
+        _: &[(&str, &str)],
+        body: &[u8],
+        _: Duration,
+    ) -> Result<u32, HostStatus> {
         let mut s = self.0.borrow_mut();
         s.calls.push(("POST", path.to_owned(), body.to_vec()));
         Ok(s.calls.len() as u32 - 1)

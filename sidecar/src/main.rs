@@ -156,7 +156,8 @@ fn init_logging(format: LogFormat) {
     let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
     match format {
         LogFormat::Text => logs.init(),
-        LogFormat::Json => logs.json().flatten_event(true).with_current_span(false).with_span_list(false).init(),
+        // A request's span (its trace id) comes along as `span`.
+        LogFormat::Json => logs.json().flatten_event(true).with_current_span(true).with_span_list(false).init(),
     }
 }
 

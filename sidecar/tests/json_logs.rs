@@ -1,5 +1,6 @@
 //! `KVGATE_LOG_FORMAT=json`: the real binary writes one JSON object a line, and what it logs
-//! about a request carries the request's id as a field of its own.
+//! about a request carries the request's id as a field of its own, and its trace id when the
+//! call came with the request's `traceparent`.
 
 use std::process::Command;
 use std::time::Duration;
@@ -13,6 +14,8 @@ use kvgate_shared::wire::{
 use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(20);
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
 fn config(port: u16, metrics_port: u16) -> String {
     let tokenizer = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/qwen3-0.6b");
@@ -46,11 +49,13 @@ fn json_logs_carry_the_request_id_as_a_field() {
         (reply.status() == 200).then_some(())
     };
     wait_for("the sidecar running", WAIT, healthy).unwrap();
+    // As the filter sends its calls: with the request's trace context.
     let post = |path: &str, body: Vec<u8>| {
         client
             .post(format!("http://127.0.0.1:{port}{path}"))
             .header("content-type", CONTENT_TYPE)
             .header(WIRE_VERSION_HEADER, WIRE_VERSION)
+            .header("traceparent", TRACEPARENT)
             .body(body)
             .send()
             .unwrap()
@@ -67,6 +72,7 @@ fn json_logs_carry_the_request_id_as_a_field() {
     let routed = wait_for("the decision's line", WAIT, || lines_about(&read(), "json-routed").pop()).unwrap();
     assert_eq!((routed["level"].as_str(), routed["replica"].as_str()), (Some("DEBUG"), Some("a")), "{routed}");
     assert_eq!(routed["message"], "routed", "{routed}");
+    assert_eq!(routed["span"]["trace_id"], TRACE_ID, "the line names the request's trace: {routed}");
     let stray = wait_for("the stray report's line", WAIT, || lines_about(&read(), "json-stray").pop()).unwrap();
     assert_eq!((stray["kind"].as_str(), stray["model"].as_str()), (Some("done"), Some("qwen3")), "{stray}");
 

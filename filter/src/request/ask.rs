@@ -31,6 +31,9 @@ pub(super) enum Asked {
     NotSent,
 }
 
+/// The W3C trace-context headers a call to the sidecar carries from its request.
+const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
+
 impl Exchange {
     /// Asks the sidecar about `body` (the whole body, as the client sent it), with the
     /// models and model list in `shared`, if its circuit breaker lets the request. Sets
@@ -202,7 +205,12 @@ impl Exchange {
         };
         let config = self.config();
         let (cluster, authority) = (&config.sidecar_cluster, &config.sidecar_authority);
-        match host.dispatch(cluster, path, authority, &encoded, Duration::from_millis(timeout_ms)) {
+        // The request's W3C trace context, so that the sidecar's log lines (and spans) about it
+        // join its trace.
+        let trace: Vec<(&str, String)> =
+            TRACE_HEADERS.iter().filter_map(|h| Some((*h, host.request_header(h)?))).collect();
+        let trace: Vec<(&str, &str)> = trace.iter().map(|(h, v)| (*h, v.as_str())).collect();
+        match host.dispatch(cluster, path, authority, &trace, &encoded, Duration::from_millis(timeout_ms)) {
             Ok(_) => true,
             Err(status) => {
                 log::warn!("kvgate: sidecar call failed to dispatch: {status:?}");

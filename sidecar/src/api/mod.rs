@@ -31,6 +31,9 @@ use crate::health::Health;
 use crate::metrics::{AdmissionLabels, FallbackLabels, LifecycleLabels, Metrics, PoolLabels};
 use crate::pool::{Admit, OffloadError, Pool};
 use crate::score::ScoringConfig;
+use tracing::Instrument;
+
+pub mod trace;
 
 /// What every handler shares.
 pub struct AppState {
@@ -211,7 +214,20 @@ fn fallback(state: &AppState, reason: &str, status: StatusCode, message: String)
     (status, message).into_response()
 }
 
-async fn route(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+/// The span a call about one request runs in: its W3C trace id when the filter passed the
+/// request's `traceparent` on, so that every line logged about the request names its trace.
+fn request_span(headers: &HeaderMap) -> tracing::Span {
+    match headers.get("traceparent").and_then(|v| trace::trace_id(v.to_str().ok()?)) {
+        Some(id) => tracing::info_span!("request", trace_id = %id),
+        None => tracing::Span::none(),
+    }
+}
+
+async fn route(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    route_in(state, body).instrument(request_span(&headers)).await
+}
+
+async fn route_in(state: Arc<AppState>, body: Bytes) -> Response {
     let started = Instant::now();
     let req: RouteRequest = match codec::decode(&body) {
         Ok(r) => r,
@@ -314,6 +330,11 @@ const DEFAULT_OFFLOAD_BUDGET: Duration = Duration::from_secs(1);
 /// (read, waiting, tokenizing) are bounded in bytes: one past the bound is answered at once
 /// (`offload_full`, 503) before it is read, and Envoy routes it.
 async fn route_body(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let span = request_span(&headers);
+    route_body_in(state, headers, body).instrument(span).await
+}
+
+async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> Response {
     let started = Instant::now();
     // Room for the body as it says it is (at most what the route accepts) before reading it.
     let declared = headers
