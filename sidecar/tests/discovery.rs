@@ -48,16 +48,21 @@ fn ids(pool: &Pool) -> Vec<String> {
     pool.state().replicas.into_iter().map(|r| r.id).collect()
 }
 
-#[test]
-fn dns_answers_become_the_pool() {
-    let discovery = DiscoveryConfig {
+/// DNS discovery of `vllm.test`, every second.
+fn dns_discovery() -> DiscoveryConfig {
+    DiscoveryConfig {
         kind: DiscoveryKind::Dns,
         name: "vllm.test".into(),
         port: 8000,
         kv_events: "tcp://{ip}:1".into(),
         interval_secs: 1,
         ..DiscoveryConfig::default()
-    };
+    }
+}
+
+#[test]
+fn dns_answers_become_the_pool() {
+    let discovery = dns_discovery();
     let config = PoolConfig::new("m", "unused", 16, Vec::new());
     let metrics = Arc::new(Metrics::default());
     let pool = Arc::new(Pool::new(config, Vec::new(), metrics.clone()));
@@ -105,14 +110,7 @@ fn gauges_of(metrics: &Metrics, replica: &str) -> Vec<&'static str> {
 
 #[test]
 fn a_replica_dropped_by_discovery_takes_its_gauges_along() {
-    let discovery = DiscoveryConfig {
-        kind: DiscoveryKind::Dns,
-        name: "vllm.test".into(),
-        port: 8000,
-        kv_events: "tcp://{ip}:1".into(),
-        interval_secs: 1,
-        ..DiscoveryConfig::default()
-    };
+    let discovery = dns_discovery();
     // Emptied at once: no grace period to wait out.
     let config = PoolConfig { leave_grace_secs: 0, ..PoolConfig::new("m", "unused", 16, Vec::new()) };
     let metrics = Arc::new(Metrics::default());

@@ -144,31 +144,9 @@ fn the_kustomize_manifest_carries_the_charts_rule_groups() {
     assert_eq!(manifest["spec"], yaml(RULES), "{MANIFEST}'s spec is {RULES}, verbatim");
 }
 
-/// The metric names kvgate exports: the sidecar's `register("name", …)` calls, with the
-/// suffixes Prometheus gives counters and histograms, and the Prometheus names the filter's
-/// metrics module lists in its table (a unit test there checks the table against what it
-/// defines).
-fn exported_metrics() -> BTreeSet<String> {
-    let sidecar = std::fs::read_to_string(repo().join("sidecar/src/metrics.rs")).unwrap();
-    let filter = std::fs::read_to_string(repo().join("filter/src/metrics.rs")).unwrap();
-    let mut known = BTreeSet::new();
-    for name in sidecar.split("register(").skip(1).filter_map(|rest| rest.split('"').nth(1)) {
-        for suffix in ["", "_total", "_bucket", "_sum", "_count"] {
-            known.insert(format!("kvgate_{name}{suffix}"));
-        }
-    }
-    for row in filter.lines().filter_map(|l| l.strip_prefix("//! | `kvgate_")) {
-        let name = row.split('`').next().unwrap();
-        for suffix in ["", "_bucket", "_sum", "_count"] {
-            known.insert(format!("kvgate_{name}{suffix}"));
-        }
-    }
-    known
-}
-
 #[test]
 fn the_alerts_query_only_metrics_kvgate_exports() {
-    let known = exported_metrics();
+    let known = common::exported_metrics();
     assert!(known.contains("kvgate_route_fallbacks_total") && known.contains("kvgate_requests_total"));
     let rules = yaml(RULES);
     for (name, rule) in alerts(&rules) {

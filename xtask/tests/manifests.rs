@@ -221,26 +221,7 @@ fn kvgate_configs_and_filter_configs_validate_and_agree_with_the_engines() {
 
 #[test]
 fn the_dashboard_queries_only_exported_metrics() {
-    let sidecar_src = std::fs::read_to_string(repo().join("sidecar/src/metrics.rs")).unwrap();
-    let filter_src = std::fs::read_to_string(repo().join("filter/src/metrics.rs")).unwrap();
-    // Sidecar: registry.register("name", …) under the `kvgate` prefix; counters gain _total,
-    // histograms _bucket/_sum/_count. Filter: the Prometheus names its module's table lists
-    // (a unit test there checks the table against what it defines).
-    let quoted = |src: &str, after: &str| -> Vec<String> {
-        src.split(after).skip(1).filter_map(|rest| rest.split('"').nth(1).map(str::to_owned)).collect()
-    };
-    let mut known: HashSet<String> = HashSet::new();
-    for name in quoted(&sidecar_src, "register(") {
-        for suffix in ["", "_total", "_bucket", "_sum", "_count"] {
-            known.insert(format!("kvgate_{name}{suffix}"));
-        }
-    }
-    for row in filter_src.lines().filter_map(|l| l.strip_prefix("//! | `kvgate_")) {
-        let name = row.split('`').next().unwrap();
-        for suffix in ["", "_bucket", "_sum", "_count"] {
-            known.insert(format!("kvgate_{name}{suffix}"));
-        }
-    }
+    let known = common::exported_metrics();
     assert!(known.contains("kvgate_decisions_total") && known.contains("kvgate_requests_total"));
     let dash: Value = serde_json::from_str(
         &std::fs::read_to_string(repo().join("envoy/k8s/monitoring/grafana-dashboard.json")).unwrap(),
@@ -337,7 +318,7 @@ fn the_autoscaling_example_scales_the_engines_on_signals_the_sidecar_exports() {
     let engines = find(&docs, "Deployment", "vllm-engines");
     assert_eq!(scaled["spec"]["scaleTargetRef"]["name"], engines["metadata"]["name"]);
     assert_eq!(scaled["metadata"]["namespace"], engines["metadata"]["namespace"]);
-    let sidecar_src = std::fs::read_to_string(repo().join("sidecar/src/metrics.rs")).unwrap();
+    let exported = common::exported_metrics();
     let config = load_config(&std::fs::read_to_string(repo().join("envoy/k8s/base/kvgate.toml")).unwrap());
     let model = format!("model=\"{}\"", config.pools[0].pool.model);
     let triggers = scaled["spec"]["triggers"].as_array().unwrap();
@@ -347,11 +328,7 @@ fn the_autoscaling_example_scales_the_engines_on_signals_the_sidecar_exports() {
         let query = t["metadata"]["query"].as_str().unwrap();
         assert!(query.contains(&model), "{query} asks about the pool's model");
         let metric = query.split(['(', '{']).nth(1).unwrap();
-        let registered = metric.strip_prefix("kvgate_").is_some_and(|name| {
-            sidecar_src.contains(&format!("register(\n            \"{name}\""))
-                || sidecar_src.contains(&format!("register(\"{name}\""))
-        });
-        assert!(registered, "{query}: the sidecar exports no {metric}");
+        assert!(exported.contains(metric), "{query}: kvgate exports no {metric}");
         assert!(t["metadata"]["threshold"].as_str().unwrap().parse::<f64>().unwrap() > 0.0);
     }
 }

@@ -148,3 +148,25 @@ pub fn template_arrival() -> (HashSet<String>, u64) {
     assert_eq!(limit as usize, kvgate_shared::wire::MAX_BODY_BYTES, "the sidecar accepts what Envoy buffers");
     (want, limit)
 }
+
+/// The metric names kvgate exports: the sidecar's `register("name", …)` calls, with the
+/// suffixes Prometheus gives counters and histograms, and the Prometheus names the filter's
+/// metrics module lists in its table (a unit test there checks the table against what it
+/// defines).
+pub fn exported_metrics() -> std::collections::BTreeSet<String> {
+    let sidecar = std::fs::read_to_string(repo().join("sidecar/src/metrics.rs")).unwrap();
+    let filter = std::fs::read_to_string(repo().join("filter/src/metrics.rs")).unwrap();
+    let mut known = std::collections::BTreeSet::new();
+    for name in sidecar.split("register(").skip(1).filter_map(|rest| rest.split('"').nth(1)) {
+        for suffix in ["", "_total", "_bucket", "_sum", "_count"] {
+            known.insert(format!("kvgate_{name}{suffix}"));
+        }
+    }
+    for row in filter.lines().filter_map(|l| l.strip_prefix("//! | `kvgate_")) {
+        let name = row.split('`').next().unwrap();
+        for suffix in ["", "_bucket", "_sum", "_count"] {
+            known.insert(format!("kvgate_{name}{suffix}"));
+        }
+    }
+    known
+}
