@@ -19,7 +19,8 @@
 //!   (vLLM's CPU build, installed once into a venv outside the clone; see `e2e_vllm.rs`).
 //! - `cargo xtask package`: the filter as a file and as an OCI image layout (Wasm image
 //!   format, for WasmPlugin `oci://` URLs), with its digests; see `package.rs`.
-//! - `cargo xtask install`: only the installation step.
+//! - `cargo xtask install`: only the installation step (the wasm target, both Envoys, the
+//!   chart checkers and Prometheus).
 //! - `cargo xtask build-wasm`: only the filter build.
 
 #![forbid(unsafe_code)]
@@ -42,7 +43,9 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("test") => test(),
         Some("demo") => demo::run(),
-        Some("install") => install::all().and_then(|()| install::chart_tools()),
+        Some("install") => {
+            install::all().and_then(|()| install::chart_tools()).and_then(|()| install::prometheus().map(drop))
+        }
         Some("build-wasm") => build_wasm(),
         Some("package") => package::run(&args[1..]),
         Some("faults") => faults::run(&args[1..]),
