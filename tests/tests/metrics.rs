@@ -69,9 +69,19 @@ fn prometheus_sums_the_filters_requests_by_model_and_outcome_and_the_access_log_
     assert_eq!(models, ["Qwen/Qwen3-0.6B", "other"], "no series for a model nobody serves");
     // The filter's count of routed requests agrees with the sidecar's decisions (requests
     // before the filter's first model list count as `other`).
-    let routed = by(&prom, "sum(kvgate_requests_total{outcome=\"routed\"})");
-    let decisions = by(&prom, "sum(kvgate_decisions_total)");
-    assert_eq!(decisions, routed, "the sidecar's decisions against the filter's routed requests");
+    // The two come from separate scrapes: wait until Prometheus holds both.
+    let routed = || by(&prom, "sum(kvgate_requests_total{outcome=\"routed\"})");
+    let decisions = || by(&prom, "sum(kvgate_decisions_total)");
+    let agree = wait_for("the sidecar's decisions scraped", Duration::from_secs(30), || {
+        let decided = decisions();
+        (!decided.is_empty() && decided == routed()).then_some(())
+    });
+    assert!(
+        agree.is_ok(),
+        "the sidecar's decisions {:?} against the filter's routed requests {:?}",
+        decisions(),
+        routed()
+    );
     // Each VM's gauges are a series of their own, labelled `vm` (Envoy runs a VM on its main
     // thread too): the one worker's VM, which served the requests, reports its memory.
     let memory = prom.query("kvgate_vm_memory_bytes").unwrap();
