@@ -11,10 +11,8 @@
 //! skipped, with a message, unless `CI` is set.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Once;
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -31,34 +29,11 @@ const RULE_TESTS: &str = "charts/kvgate/files/alerts_test.yaml";
 const MANIFEST: &str = "envoy/k8s/monitoring/alerts.yaml";
 const DASHBOARD: &str = "envoy/k8s/monitoring/grafana-dashboard.json";
 
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo().join("target"))
-}
-
 /// The installed promtool, or `None` (the tests skip) when it is not installed and `CI` is unset.
 fn promtool() -> Option<PathBuf> {
-    let dir = target_dir().join("prometheus");
-    let Ok(installed) = std::fs::read_to_string(dir.join(".kvgate-installed")) else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI is set, and promtool is not installed in {}: `cargo xtask test` installs it",
-            dir.display()
-        );
-        // Past libtest's capture, once: a skip must be seen.
-        static SKIP: Once = Once::new();
-        SKIP.call_once(|| {
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED: the alert rules are not checked: promtool is not installed in {} \
-                 (`bash tools/prometheus/install.sh {0}`; `cargo xtask test` installs it)",
-                dir.display()
-            );
-        });
-        return None;
-    };
-    let pin = std::fs::read_to_string(repo().join("tools/prometheus/version")).unwrap();
-    assert_eq!(installed, pin, "{} holds another version: `cargo xtask test` installs it again", dir.display());
-    Some(dir.join("usr/bin/promtool"))
+    let dir = common::target_dir().join("prometheus");
+    let how = format!("`bash tools/prometheus/install.sh {}`; `cargo xtask test` installs it", dir.display());
+    common::installed(&dir, "promtool", &how, "tools/prometheus/version").then(|| dir.join("usr/bin/promtool"))
 }
 
 /// Runs promtool with `args` in the repository: whether it succeeded, and what it printed.

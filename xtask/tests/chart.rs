@@ -16,11 +16,9 @@
 //! Without the venv these tests are skipped, with a message, unless `CI` is set.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Once;
 
 use kvgate_filter::config::FilterConfig;
 use kvgate_sidecar::config::{Config, Env};
@@ -52,34 +50,15 @@ const CRD_KINDS: [&str; 9] = [
 // ---------------------------------------------------------------------------------------------
 // Rendering
 
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo().join("target"))
-}
-
 /// The venv's python, or `None` (the tests skip) when it is not installed and `CI` is unset.
 fn python() -> Option<PathBuf> {
-    let venv = target_dir().join("helm-venv");
-    let Ok(installed) = std::fs::read_to_string(venv.join(".kvgate-installed")) else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI is set, and the chart's checkers are not installed in {}: `cargo xtask install` installs them",
-            venv.display()
-        );
-        // Past libtest's capture, once: a skip must be seen.
-        static SKIP: Once = Once::new();
-        SKIP.call_once(|| {
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED: the Helm chart is not checked: its checkers are not installed in {} \
-                 (`cargo xtask install` or `bash tools/helm/install.sh {0}`; `cargo xtask test` installs them)",
-                venv.display()
-            );
-        });
-        return None;
-    };
-    let pins = std::fs::read_to_string(repo().join("tools/helm/requirements.txt")).unwrap();
-    assert_eq!(installed, pins, "{} holds other pins: `cargo xtask install` makes it again", venv.display());
-    Some(venv.join("bin/python"))
+    let venv = common::target_dir().join("helm-venv");
+    let how = format!(
+        "`cargo xtask install` or `bash tools/helm/install.sh {}`; `cargo xtask test` installs them",
+        venv.display()
+    );
+    common::installed(&venv, "the chart's checkers", &how, "tools/helm/requirements.txt")
+        .then(|| venv.join("bin/python"))
 }
 
 /// What `render.py` printed for one value set.

@@ -170,3 +170,28 @@ pub fn exported_metrics() -> std::collections::BTreeSet<String> {
     }
     known
 }
+
+/// The build's target directory.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| repo().join("target"))
+}
+
+/// Whether the test command's install of `what` in `dir` is there, holding the pins in the
+/// repository's `pins` file: `false` (the tests skip, and say so once) when it is missing and
+/// `CI` is unset; a panic when `CI` is set, or when it holds other pins. `how` says how to
+/// install it.
+pub fn installed(dir: &Path, what: &str, how: &str, pins: &str) -> bool {
+    let Ok(installed) = std::fs::read_to_string(dir.join(".kvgate-installed")) else {
+        assert!(std::env::var_os("CI").is_none(), "CI is set, and {what} is not installed in {}: {how}", dir.display());
+        // Past libtest's capture, once: a skip must be seen.
+        static SKIP: std::sync::Once = std::sync::Once::new();
+        SKIP.call_once(|| {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED: {what} is not installed in {} ({how})", dir.display());
+        });
+        return false;
+    };
+    let want = std::fs::read_to_string(repo().join(pins)).unwrap();
+    assert_eq!(installed, want, "{} holds other pins than {pins}: {how}", dir.display());
+    true
+}
