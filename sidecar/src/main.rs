@@ -30,6 +30,9 @@ use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::sync::SyncConfig;
 use kvgate_sidecar::{api, discovery};
+use kvgate_telemetry as telemetry;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_subscriber::Layer;
 
 /// KV-cache-aware routing sidecar for Envoy.
 #[derive(Parser, Debug)]
@@ -42,6 +45,10 @@ struct Cli {
     /// event's fields — a request's `request_id` — at its top level).
     #[arg(long, global = true, env = "KVGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Export spans over OTLP/HTTP to this collector (`http://host:4318`; spans are posted to
+    /// `<endpoint>/v1/traces`). Off when unset.
+    #[arg(long, global = true, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -149,21 +156,39 @@ enum LogFormat {
     Json,
 }
 
-/// Logs to stderr in `format`, filtered by `RUST_LOG`.
-fn init_logging(format: LogFormat) {
+/// Logs to stderr in `format`, filtered by `RUST_LOG`; with a tracer provider, spans go to it too.
+fn init_logging(format: LogFormat, traces: Option<&SdkTracerProvider>) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     // The tokenizer describes every table it builds at info: not the operator's business.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,tk_encode=warn".into());
-    let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
-    match format {
-        LogFormat::Text => logs.init(),
+    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let logs = match format {
+        LogFormat::Text => logs.boxed(),
         // A request's span (its trace id) comes along as `span`.
-        LogFormat::Json => logs.json().flatten_event(true).with_current_span(true).with_span_list(false).init(),
-    }
+        LogFormat::Json => logs.json().flatten_event(true).with_current_span(true).with_span_list(false).boxed(),
+    };
+    let spans = traces.map(telemetry::layer);
+    tracing_subscriber::registry().with(filter).with(logs).with(spans).init();
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    // Built before any runtime: the exporter's client blocks, on the batch processor's thread.
+    let traces = match cli.otlp_endpoint.as_deref().filter(|e| !e.is_empty()) {
+        Some(endpoint) => Some(telemetry::otlp_provider(endpoint, "kvgate-sidecar")?),
+        None => None,
+    };
+    init_logging(cli.log_format, traces.as_ref());
+    let result = run_command(cli);
+    // Sends the spans still waiting.
+    if let Some(provider) = traces {
+        let _ = provider.shutdown();
+    }
+    result
+}
+
+fn run_command(cli: Cli) -> anyhow::Result<()> {
     let stdout = &mut std::io::stdout();
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => match tokio::runtime::Runtime::new()?.block_on(run(cli.config)) {

@@ -96,6 +96,10 @@ struct Cli {
     /// `buffer_steps`, `hwm` (other keys are accepted and ignored).
     #[arg(long, default_value = r#"{"endpoint":"tcp://*:5557"}"#)]
     kv_events_config: String,
+    /// Export each request's `llm_request` span over OTLP/HTTP to this collector
+    /// (`http://host:4318`), a child of the request's `traceparent`, as vLLM's flag does.
+    #[arg(long)]
+    otlp_traces_endpoint: Option<String>,
     /// Event layout: `map` (vLLM 0.24+) or `legacy-array` (vLLM 0.22/0.23 positional).
     #[arg(long, value_enum, default_value_t = kv_events::Encoding::Map)]
     kv_events_encoding: kv_events::Encoding,
@@ -286,20 +290,36 @@ impl Cli {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        // The tokenizer describes every table it builds at info: not the operator's business.
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,tk_encode=warn".into()),
-        )
-        .init();
+fn main() -> anyhow::Result<()> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let cli = Cli::parse();
+    // Built before the runtime: the exporter's client blocks, on the batch processor's thread.
+    let traces = match cli.otlp_traces_endpoint.as_deref().filter(|e| !e.is_empty()) {
+        Some(endpoint) => Some(kvgate_telemetry::otlp_provider(endpoint, "vllm")?),
+        None => None,
+    };
+    // The tokenizer describes every table it builds at info: not the operator's business.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,tk_encode=warn".into());
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(tracing_subscriber::fmt::layer())
+        .with(traces.as_ref().map(kvgate_telemetry::layer))
+        .init();
     if cli.list_presets {
         print!("{}", time_model::describe_presets());
         return Ok(());
     }
     cli.validate()?;
+    let served = tokio::runtime::Runtime::new()?.block_on(serve(cli));
+    if let Some(provider) = traces {
+        let _ = provider.shutdown();
+    }
+    served
+}
+
+/// Runs the engine and serves its API until it fails.
+async fn serve(cli: Cli) -> anyhow::Result<()> {
     let (protocol, transfer) = cli.disaggregation()?;
     let model = cli.served_model_name.clone().unwrap_or_else(|| cli.model.clone());
     let bundle = ModelBundle::from_dir(&model, &cli.tokenizer, cli.block_size as u32)

@@ -8,6 +8,12 @@
 //! `GET /debug/explain[?request=ID][&last=N]` (every candidate's cost terms per decision; `ID`
 //! a booking key or a client's `x-request-id`, also as `request_id=ID`).
 //! A sidecar whose start-up failed serves [`degraded_router`] meanwhile.
+//!
+//! Spans (exported with `--otlp-endpoint`, children of the request's `traceparent`):
+//! `kvgate.route`, one per decision, with the chosen `replica`, its `cached_blocks` and every
+//! candidate's cost (`candidates`: `replica=cost/cached_blocks`); inside it
+//! `kvgate.admission_wait`, each wait in the pool's queue, and `kvgate.tokenize`, an offloaded
+//! prompt rendered and tokenized here.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,6 +37,7 @@ use crate::health::Health;
 use crate::metrics::{AdmissionLabels, FallbackLabels, LifecycleLabels, Metrics, PoolLabels};
 use crate::pool::{Admit, OffloadError, Pool};
 use crate::score::ScoringConfig;
+use kvgate_telemetry as telemetry;
 use tracing::Instrument;
 
 pub mod trace;
@@ -214,17 +221,37 @@ fn fallback(state: &AppState, reason: &str, status: StatusCode, message: String)
     (status, message).into_response()
 }
 
-/// The span a call about one request runs in: its W3C trace id when the filter passed the
-/// request's `traceparent` on, so that every line logged about the request names its trace.
+/// The span a call about one request runs in: a child of the request's trace when the filter passed its `traceparent` on, so that the decision is a
+/// span of the request's trace and every line logged about the request names its trace id.
+/// None when the call is neither traced nor exported: the decision then pays for no span.
 fn request_span(headers: &HeaderMap) -> tracing::Span {
-    match headers.get("traceparent").and_then(|v| trace::trace_id(v.to_str().ok()?)) {
-        Some(id) => tracing::info_span!("request", trace_id = %id),
-        None => tracing::Span::none(),
+    use tracing::field::Empty;
+    let trace_id = headers.get("traceparent").and_then(|v| trace::trace_id(v.to_str().ok()?));
+    if trace_id.is_none() && !telemetry::exporting() {
+        return tracing::Span::none();
     }
+    let span = tracing::info_span!(
+        "kvgate.route",
+        trace_id,
+        request_id = Empty,
+        model = Empty,
+        replica = Empty,
+        cached_blocks = Empty,
+        candidates = Empty
+    );
+    telemetry::adopt_parent(&span, headers);
+    span
 }
 
 async fn route(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     route_in(state, body).instrument(request_span(&headers)).await
+}
+
+/// Names the request on its span, once its body is read.
+fn name_request(request_id: &impl std::fmt::Display, model: &impl std::fmt::Display) {
+    let span = tracing::Span::current();
+    span.record("request_id", tracing::field::display(request_id));
+    span.record("model", tracing::field::display(model));
 }
 
 async fn route_in(state: Arc<AppState>, body: Bytes) -> Response {
@@ -233,6 +260,7 @@ async fn route_in(state: Arc<AppState>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
+    name_request(&req.request_id, &req.model);
     let Some(pool) = state.pool_for(req.model.as_str()) else {
         tracing::debug!(request_id = %req.request_id, model = %req.model, "no pool for the request's model");
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, format!("no pool for model {:?}", req.model));
@@ -297,7 +325,8 @@ async fn admitted(
         let p = place.get_or_insert_with(|| gate.place(class, req.model.as_str(), req.tenant.as_deref()));
         waiting.set(gate.waiting() as i64 + 1);
         let wait_started = Instant::now();
-        let result = p.wait(seen, until).await;
+        let span = tracing::info_span!("kvgate.admission_wait", class = gate.class_name(class));
+        let result = p.wait(seen, until).instrument(span).await;
         waited += wait_started.elapsed();
         waiting.set(gate.waiting() as i64);
         match result {
@@ -376,6 +405,7 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
             return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
         }
     };
+    name_request(&req.request_id, &parsed.model);
     let Some(pool) = state.pool_for(parsed.model.as_str()).cloned() else {
         tracing::debug!(request_id = %req.request_id, model = %parsed.model, "no pool for the request's model");
         let message = format!("no pool for model {:?}", parsed.model);
@@ -388,8 +418,10 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
     };
     let request_id = req.request_id.clone();
     let tokenizing = pool.clone();
+    let tokenize = tracing::info_span!("kvgate.tokenize", body_bytes = req.body.len());
     let prepared = tokio::task::spawn_blocking(move || {
         let _slot = slot;
+        let _span = tokenize.enter();
         tokenizing.request_for_body(&parsed, &req, deadline)
     })
     .await;

@@ -238,6 +238,7 @@ impl Pool {
             cached_blocks = overlap.device,
             "routed"
         );
+        self.trace_decision(&labels.replica, overlap.device, &candidates);
         self.metrics.route_decisions.get_or_create(&labels).inc();
         let outcome = if overlap.device > 0 { "hit" } else { "miss" };
         let decision = DecisionLabels {
@@ -260,6 +261,25 @@ impl Pool {
             checked: None,
             disaggregation: mode,
         });
+    }
+
+    /// Writes the decision on the request's span (`kvgate_telemetry`): the replica, its cached
+    /// blocks and, when spans are exported, every candidate as `replica=cost/cached_blocks`.
+    fn trace_decision(&self, replica: &str, cached_blocks: u32, candidates: &[Scored]) {
+        let span = tracing::Span::current();
+        if span.is_disabled() {
+            return;
+        }
+        span.record("replica", replica);
+        span.record("cached_blocks", cached_blocks);
+        if kvgate_telemetry::exporting() {
+            let members = self.members();
+            let costs: Vec<String> = candidates
+                .iter()
+                .map(|c| format!("{}={:.1}/{}", members[c.slot.get()].replica.id, c.logit, c.inputs.overlap.device))
+                .collect();
+            span.record("candidates", costs.join(" "));
+        }
     }
 
     /// Keeps a request's prefill leg for `/debug/explain`, under the leg's booking id.

@@ -40,6 +40,7 @@ use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::prompt::PromptError;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Map, Value};
+use tracing::Instrument;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::engine::{Ending, Engine, Sequence, SubmitError, Submitted, Transfer};
@@ -146,15 +147,33 @@ fn error(state: &AppState, status: StatusCode, kind: &str, message: String) -> R
 }
 
 async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    serve(state, Endpoint::Completions, &headers, body).await
+    serve(state, Endpoint::Completions, &headers, body).instrument(request_span(&headers)).await
 }
 
 async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    serve(state, Endpoint::ChatCompletions, &headers, body).await
+    serve(state, Endpoint::ChatCompletions, &headers, body).instrument(request_span(&headers)).await
 }
 
 async fn responses(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    serve(state, Endpoint::Responses, &headers, body).await
+    serve(state, Endpoint::Responses, &headers, body).instrument(request_span(&headers)).await
+}
+
+/// vLLM's span for a request (`--otlp-traces-endpoint`): `llm_request`, a server span that is a
+/// child of the request's `traceparent`, naming the request and its prompt tokens. None when
+/// spans are not exported.
+fn request_span(headers: &HeaderMap) -> tracing::Span {
+    use tracing::field::Empty;
+    if !kvgate_telemetry::exporting() {
+        return tracing::Span::none();
+    }
+    let span = tracing::info_span!(
+        "llm_request",
+        otel.kind = "server",
+        gen_ai.request.id = Empty,
+        gen_ai.usage.prompt_tokens = Empty
+    );
+    kvgate_telemetry::adopt_parent(&span, headers);
+    span
 }
 
 fn unix_now() -> u64 {
@@ -290,6 +309,9 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
         Endpoint::Responses => "resp_",
     };
     let id = format!("{kind}{:016x}", rng.random::<u64>());
+    let span = tracing::Span::current();
+    span.record("gen_ai.request.id", id.as_str());
+    span.record("gen_ai.usage.prompt_tokens", prompts.iter().map(Vec::len).sum::<usize>());
     // A vLLM 0.32 decoder reports the prefill engine's cache hits, which the prefill passed on.
     let prefill_cached = match &plan {
         Plan::RemotePrefill(Source::Nixl(source)) => source.prefill_cached_tokens,
