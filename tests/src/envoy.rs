@@ -64,6 +64,8 @@ pub struct EnvoyParams<'a> {
     pub with_filter: bool,
     /// Envoy's own load balancer, used when no destination header is set.
     pub fallback: Fallback,
+    /// The port of an OTLP/HTTP collector on loopback Envoy sends its spans to (none: no tracing).
+    pub otlp_port: Option<u16>,
 }
 
 /// Envoy's load balancer for requests kvgate did not route.
@@ -98,14 +100,16 @@ pub fn render(template: &str, p: &EnvoyParams<'_>) -> String {
             format!("{{endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {port}}}}}}}}}")
         })
         .collect();
+    // Sections between `# kvgate-<name>-begin` and `# kvgate-<name>-end` lines, kept or not.
+    let sections = [("filter", p.with_filter), ("tracing", p.otlp_port.is_some())];
     let mut out = String::new();
     let mut skipping = false;
     for line in template.lines() {
-        if line.contains("# kvgate-filter-begin") {
-            skipping = !p.with_filter;
+        if let Some((_, keep)) = sections.iter().find(|(name, _)| line.contains(&format!("# kvgate-{name}-begin"))) {
+            skipping = !keep;
             continue;
         }
-        if line.contains("# kvgate-filter-end") {
+        if sections.iter().any(|(name, _)| line.contains(&format!("# kvgate-{name}-end"))) {
             skipping = false;
             continue;
         }
@@ -121,4 +125,5 @@ pub fn render(template: &str, p: &EnvoyParams<'_>) -> String {
         .replace("{{FILTER_CONFIG}}", &p.filter_config.replace('\'', "''"))
         .replace("{{POOL_ENDPOINTS}}", &format!("[{}]", endpoints.join(", ")))
         .replace("{{FALLBACK_LB}}", p.fallback.typed_extension_config())
+        .replace("{{OTLP_PORT}}", &p.otlp_port.unwrap_or_default().to_string())
 }

@@ -14,6 +14,7 @@ pub mod delay_proxy;
 pub mod envoy;
 pub mod faults;
 pub mod hung;
+pub mod otlp;
 pub mod process;
 pub mod prometheus;
 pub mod soak;

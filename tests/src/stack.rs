@@ -89,6 +89,9 @@ pub struct StackOptions {
     /// Also start Envoy alone (no filter, round robin) in front of the same engines: the
     /// baseline the latency kvgate adds is measured against ([`Stack::baseline`]).
     pub baseline_gateway: bool,
+    /// The port of an OTLP/HTTP collector on loopback ([`crate::otlp::Collector`]): Envoy,
+    /// the sidecars and the engines export their spans to it. None: no tracing.
+    pub otlp_port: Option<u16>,
 }
 
 /// A disaggregated pool: the engines' protocol and what each engine does.
@@ -140,6 +143,7 @@ impl Default for StackOptions {
             prompt_tokens_details: true,
             wasm: None,
             baseline_gateway: false,
+            otlp_port: None,
         }
     }
 }
@@ -291,6 +295,10 @@ impl Stack {
             if opts.prompt_tokens_details {
                 cmd.arg("--enable-prompt-tokens-details");
             }
+            if let Some(port) = opts.otlp_port {
+                cmd.args(["--otlp-traces-endpoint", &format!("http://127.0.0.1:{port}")]);
+                cmd.env("OTEL_BSP_SCHEDULE_DELAY", SPAN_DELAY_MS);
+            }
             // Its part in a disaggregated pool, with the flags the engines take for it.
             let role = opts.disaggregation.as_ref().map(|d| (d.mode.as_str(), d.role(index)));
             let bootstrap_port = match role {
@@ -420,7 +428,7 @@ impl Stack {
         };
         let with_sidecar = opts.routing == Routing::Kvgate;
         let sidecar = if with_sidecar {
-            Some(spawn_sidecar(artifacts, &dir, "", sidecar_port, &sidecar_config(sidecar_port, 0))?)
+            Some(spawn_sidecar(artifacts, &dir, "", sidecar_port, &sidecar_config(sidecar_port, 0), opts.otlp_port)?)
         } else {
             None
         };
@@ -457,6 +465,7 @@ impl Stack {
                     &format!("-gw{i}"),
                     sidecar_port,
                     &sidecar_config(sidecar_port, i),
+                    opts.otlp_port,
                 )?)
             } else {
                 None
@@ -783,19 +792,27 @@ fn sum_filter_stat(text: &str, name: &str, tags: &[(&str, &str)]) -> u64 {
         .sum()
 }
 
-/// Starts a sidecar on `port` with `config` (written as `kvgate{suffix}.toml`) and waits
-/// until it answers.
+/// How long a traced process holds a span before exporting it (the OTLP default is 5 s).
+const SPAN_DELAY_MS: &str = "100";
+
+/// Starts a sidecar on `port` with `config` (written as `kvgate{suffix}.toml`), exporting spans
+/// to the collector on `otlp_port` if any, and waits until it answers.
 fn spawn_sidecar(
     artifacts: &Artifacts,
     dir: &std::path::Path,
     suffix: &str,
     port: u16,
     config: &str,
+    otlp_port: Option<u16>,
 ) -> anyhow::Result<Proc> {
     let config_path = dir.join(format!("kvgate{suffix}.toml"));
     std::fs::write(&config_path, config)?;
     let mut cmd = Command::new(&artifacts.sidecar);
     cmd.arg("--config").arg(&config_path);
+    if let Some(port) = otlp_port {
+        cmd.args(["--otlp-endpoint", &format!("http://127.0.0.1:{port}")])
+            .env("OTEL_BSP_SCHEDULE_DELAY", SPAN_DELAY_MS);
+    }
     let proc = Proc::spawn("sidecar", cmd, &dir.join(format!("sidecar{suffix}.log")))?;
     let url = format!("http://127.0.0.1:{port}/healthz");
     wait_for("sidecar health", START_TIMEOUT, || http_ok(&url).then_some(()))?;
@@ -835,6 +852,7 @@ fn spawn_envoy(
                 } else {
                     Fallback::RoundRobin
                 },
+                otlp_port: opts.otlp_port,
             },
         );
         std::fs::write(&envoy_config, yaml)?;

@@ -149,7 +149,7 @@ fn test() -> anyhow::Result<()> {
     anyhow::ensure!(unprovided.is_empty(), "the filter imports WASI calls older Envoys lack: {unprovided:?}");
     // `--workspace` keeps feature unification identical to the step above: no rebuilds.
     cargo(&["build", "--workspace", "--bins"])?;
-    for suite in ["gateway", "breaker", "disaggregation", "faults", "metrics"] {
+    for suite in ["gateway", "breaker", "disaggregation", "faults", "metrics", "tracing"] {
         cargo(&["test", "--workspace", "--test", suite, "--", "--ignored", "--test-threads", "1"])?;
     }
     gateway_tests_on(&oldest_envoy)?;

@@ -75,7 +75,8 @@ impl Exchange {
         };
         let authority = host.request_header(":authority").unwrap_or_else(|| "kvgate".into());
         let rank = leg.dp_rank.map(|r| r.to_string());
-        let passed: Vec<(&str, String)> = ["x-request-id", "authorization"]
+        // The request's trace context too: the prefill worker's span joins the request's trace.
+        let passed: Vec<(&str, String)> = ["x-request-id", "authorization", "traceparent", "tracestate"]
             .into_iter()
             .filter_map(|name| Some((name, host.request_header(name)?)))
             .collect();

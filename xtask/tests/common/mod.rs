@@ -123,6 +123,7 @@ pub fn template() -> Value {
         pool_endpoints: &[],
         with_filter: true,
         fallback: kvgate_e2e::envoy::Fallback::RoundRobin,
+        otlp_port: Some(4318),
     };
     let rendered = kvgate_e2e::envoy::render(&text, &params);
     Value::deserialize(serde_norway::Deserializer::from_str(&rendered)).unwrap()
