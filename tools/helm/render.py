@@ -32,6 +32,7 @@ CRD_GROUPS = {
     "networking.istio.io",
     "extensions.istio.io",
     "security.istio.io",
+    "telemetry.istio.io",
     "gateway.envoyproxy.io",
     "gateway.networking.k8s.io",
     "monitoring.coreos.com",

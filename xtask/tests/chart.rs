@@ -35,8 +35,9 @@ const DIGEST: &str = "sha256:8d2f4b0c6a1e9f7d3b5a2c4e6f8091a3b5c7d9e1f2a4b6c8d0e
 /// What a pod's IP is taken to be.
 const POD_IP: &str = "10.0.0.7";
 /// Kinds defined by CRDs, which Kubernetes' own schemas do not cover.
-const CRD_KINDS: [&str; 9] = [
+const CRD_KINDS: [&str; 10] = [
     "EnvoyFilter.networking.istio.io",
+    "Telemetry.telemetry.istio.io",
     "PodMonitor.monitoring.coreos.com",
     "PrometheusRule.monitoring.coreos.com",
     "EnvoyProxy.gateway.envoyproxy.io",
@@ -242,6 +243,7 @@ fn cases() -> Vec<(&'static str, &'static str, Value)> {
                     "envoyGateway": {"gateway": {"className": "eg"}},
                     "pools": [hub_pool()],
                     "monitoring": {"enabled": true},
+                    "tracing": {"collector": {"name": "otel-collector", "namespace": "observability"}, "samplingPercent": 5},
                 }),
             ),
         ),
@@ -368,6 +370,11 @@ fn maximal() -> Value {
             "filter": {"config": filter},
             "istio": {"engineServices": [{"host": "sglang.llm.svc.cluster.local", "port": 30000}]},
             "monitoring": {"enabled": true, "interval": "30s", "labels": {"release": "prometheus"}, "prometheusRule": {"enabled": true}},
+            "tracing": {
+                "collector": {"name": "otel-collector", "namespace": "monitoring", "grpcPort": 14317, "httpPort": 14318},
+                "samplingPercent": 10,
+                "istioProvider": "otel-tracing",
+            },
         }),
     )
 }
@@ -451,8 +458,13 @@ fn check(r: &Rendered) -> Gateway<'_> {
     for m in r.out["lint"].as_array().unwrap() {
         assert!(m["severity"].as_u64().unwrap() < 2, "helm lint: {m}");
     }
-    let crd_groups =
-        ["networking.istio.io", "monitoring.coreos.com", "gateway.envoyproxy.io", "gateway.networking.k8s.io"];
+    let crd_groups = [
+        "networking.istio.io",
+        "telemetry.istio.io",
+        "monitoring.coreos.com",
+        "gateway.envoyproxy.io",
+        "gateway.networking.k8s.io",
+    ];
     let builtin = r
         .objects()
         .filter(|o| !crd_groups.contains(&o["apiVersion"].as_str().unwrap().split('/').next().unwrap()))
@@ -545,6 +557,8 @@ fn check(r: &Rendered) -> Gateway<'_> {
     // Its log format: KVGATE_LOG_FORMAT, left out for the sidecar's default, text.
     let log_format = r.values["sidecar"]["logFormat"].as_str().unwrap_or("text");
     assert_eq!(env.var("KVGATE_LOG_FORMAT").as_deref(), (log_format != "text").then_some(log_format));
+
+    check_tracing(r, &env, &selector);
 
     // The API on loopback, reached through the sidecar cluster; metrics and the probe on
     // metrics_listen; no readiness probe (the gateway pod stays Ready whatever the sidecar's
@@ -673,6 +687,53 @@ fn check(r: &Rendered) -> Gateway<'_> {
 }
 
 /// The sync and handover ports only from the gateway pods, every other port from anyone.
+/// With a collector, the sidecar exports its spans to it over OTLP/HTTP, sampled as the gateway
+/// samples, and the gateway's Envoy traces to it (Envoy Gateway: the EnvoyProxy's tracer;
+/// Istio: a Telemetry resource on the gateway pods); without one, nothing is traced.
+fn check_tracing(r: &Rendered, env: &ContainerEnv, selector: &Value) {
+    let tracing = &r.values["tracing"];
+    let collector = &tracing["collector"];
+    let percent = tracing["samplingPercent"].as_u64().unwrap_or(1);
+    let envoy_proxy = (!r.istio()).then(|| &r.one("EnvoyProxy")["spec"]["telemetry"]);
+    let Some(name) = collector["name"].as_str().filter(|n| !n.is_empty()) else {
+        assert_eq!(env.var("OTEL_EXPORTER_OTLP_ENDPOINT"), None);
+        assert!(r.all("Telemetry").is_empty());
+        assert!(envoy_proxy.is_none_or(Value::is_null), "{envoy_proxy:?}");
+        return;
+    };
+    let namespace = collector["namespace"].as_str().unwrap_or("monitoring");
+    let http_port = collector["httpPort"].as_u64().unwrap_or(4318);
+    assert_eq!(
+        env.var("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        Some(format!("http://{name}.{namespace}.svc:{http_port}")),
+        "the sidecar's collector"
+    );
+    assert_eq!(env.var("OTEL_TRACES_SAMPLER").as_deref(), Some("parentbased_traceidratio"));
+    let ratio: f64 = env.var("OTEL_TRACES_SAMPLER_ARG").unwrap().parse().unwrap();
+    assert!((ratio - percent as f64 / 100.0).abs() < 1e-9, "sampler ratio {ratio} for {percent}%");
+    match envoy_proxy {
+        None => {
+            let telemetry = r.one("Telemetry");
+            assert_eq!(telemetry["metadata"]["namespace"], r.namespace.as_str());
+            assert_eq!(
+                telemetry["spec"]["selector"]["matchLabels"], *selector,
+                "the Telemetry selects the gateway pods"
+            );
+            let provider = tracing["istioProvider"].as_str().unwrap_or("otel");
+            let want = json!([{"providers": [{"name": provider}], "randomSamplingPercentage": percent}]);
+            assert_eq!(telemetry["spec"]["tracing"], want);
+        }
+        Some(telemetry) => {
+            let grpc_port = collector["grpcPort"].as_u64().unwrap_or(4317);
+            let want = json!({
+                "samplingRate": percent,
+                "provider": {"type": "OpenTelemetry", "backendRefs": [{"name": name, "namespace": namespace, "port": grpc_port}]},
+            });
+            assert_eq!(telemetry["tracing"], want);
+        }
+    }
+}
+
 fn check_network_policy(policy: &Value, selector: &Value, sync_port: u64) {
     assert_eq!(policy["podSelector"]["matchLabels"], *selector);
     assert_eq!(policy["policyTypes"], json!(["Ingress"]));
@@ -1267,6 +1328,11 @@ fn the_schema_refuses_bad_values() {
             "temperature",
         ),
         ("an unknown log format", values("istio", json!({"sidecar": {"logFormat": "xml"}})), "logFormat"),
+        (
+            "a sampling share over 100 %",
+            values("istio", json!({"tracing": {"samplingPercent": 101}})),
+            "samplingPercent",
+        ),
         (
             "a patch the chart writes",
             values("envoy-gateway", json!({"envoyGateway": {"envoyDeployment": {"patch": {}}}})),

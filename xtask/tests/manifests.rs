@@ -217,6 +217,10 @@ fn kvgate_configs_and_filter_configs_validate_and_agree_with_the_engines() {
     let ports: HashSet<&str> =
         monitor["spec"]["podMetricsEndpoints"].as_array().unwrap().iter().filter_map(|e| e["port"].as_str()).collect();
     assert!(ports.contains(container["ports"][0]["name"].as_str().unwrap()));
+    // Tracing selects the same pods.
+    let telemetry = find(&docs, "Telemetry", "kvgate");
+    assert_eq!(telemetry["spec"]["selector"], monitor["spec"]["selector"]);
+    assert_eq!(telemetry["spec"]["tracing"][0]["providers"][0]["name"], "otel");
 }
 
 #[test]

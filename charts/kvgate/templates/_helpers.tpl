@@ -220,7 +220,8 @@ pool disaggregates and none is named, the first engine cluster as prefill_cluste
   args: ["--config", "/etc/kvgate/kvgate.toml"]
   {{- /* text, the sidecar's default, is left out: the container stays the component's. */}}
   {{- $logFormat := .Values.sidecar.logFormat | default "text" }}
-  {{- if or .Values.sync.enabled .Values.sidecar.env (ne $logFormat "text") }}
+  {{- $collector := .Values.tracing.collector }}
+  {{- if or .Values.sync.enabled .Values.sidecar.env (ne $logFormat "text") $collector.name }}
   env:
   {{- if .Values.sync.enabled }}
   # The gateway mesh binds the pod's own IP, never 0.0.0.0.
@@ -230,6 +231,12 @@ pool disaggregates and none is named, the first engine cluster as prefill_cluste
   {{- end }}
   {{- if ne $logFormat "text" }}
   - {name: KVGATE_LOG_FORMAT, value: {{ $logFormat | quote }}}
+  {{- end }}
+  {{- if $collector.name }}
+  # Decision spans over OTLP/HTTP, sampled as the gateway samples (values: tracing).
+  - {name: OTEL_EXPORTER_OTLP_ENDPOINT, value: "http://{{ $collector.name }}.{{ $collector.namespace }}.svc:{{ $collector.httpPort }}"}
+  - {name: OTEL_TRACES_SAMPLER, value: parentbased_traceidratio}
+  - {name: OTEL_TRACES_SAMPLER_ARG, value: {{ divf .Values.tracing.samplingPercent 100 | quote }}}
   {{- end }}
   {{- with .Values.sidecar.env }}
   {{- toYaml . | nindent 2 }}
