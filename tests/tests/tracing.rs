@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use kvgate_e2e::client::post;
+use kvgate_e2e::client::{post, Reply};
 use kvgate_e2e::otlp::{render_tree, Collector, ReceivedSpan};
 use kvgate_e2e::stack::Disaggregation;
 use kvgate_e2e::workload::document;
@@ -20,6 +20,18 @@ fn of<'a>(spans: &'a [ReceivedSpan], service: &str, name: Option<&str>) -> Optio
     spans.iter().find(|s| s.service == service && name.is_none_or(|n| s.name == n))
 }
 
+/// Starts a stack traced to its collector and sends one chat in the client's trace: its
+/// answer must be 200.
+fn traced_chat(opts: &StackOptions, seed: u32) -> (Stack, Reply) {
+    let stack = Stack::start(opts, &Artifacts::locate("debug")).expect("stack starts");
+    let body = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": document(seed, 300)}]});
+    let traceparent = format!("00-{TRACE}-{CLIENT_SPAN}-01");
+    let reply =
+        post(&stack.gateway("/v1/chat/completions"), body.to_string(), &[("traceparent", &traceparent)]).unwrap();
+    assert_eq!(reply.status, 200);
+    (stack, reply)
+}
+
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn a_routed_requests_trace_holds_envoy_the_sidecars_decision_and_the_engine() {
@@ -30,12 +42,7 @@ fn a_routed_requests_trace_holds_envoy_the_sidecars_decision_and_the_engine() {
         otlp_port: Some(collector.addr.port()),
         ..Default::default()
     };
-    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
-    let body = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": document(7, 300)}]});
-    let traceparent = format!("00-{TRACE}-{CLIENT_SPAN}-01");
-    let reply =
-        post(&stack.gateway("/v1/chat/completions"), body.to_string(), &[("traceparent", &traceparent)]).unwrap();
-    assert_eq!(reply.status, 200);
+    let (stack, reply) = traced_chat(&opts, 7);
     let served_by = reply.header("x-kvgate-replica").to_owned();
 
     let spans = collector
@@ -85,12 +92,8 @@ fn a_disaggregated_requests_prefill_leg_is_in_its_trace() {
         otlp_port: Some(collector.addr.port()),
         ..Default::default()
     };
-    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
-    let body = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": document(8, 300)}]});
-    let traceparent = format!("00-{TRACE}-{CLIENT_SPAN}-01");
-    let reply =
-        post(&stack.gateway("/v1/chat/completions"), body.to_string(), &[("traceparent", &traceparent)]).unwrap();
-    assert_eq!(reply.status, 200);
+    // The stack lives until its spans have arrived.
+    let (_stack, _reply) = traced_chat(&opts, 8);
 
     // Two engine spans: the leg on the prefill worker (the filter's own call, under the
     // client's span) and the request on the decode worker (under Envoy's).
