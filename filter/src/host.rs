@@ -160,6 +160,8 @@ pub trait RootHost: SidecarCalls {
     fn dequeue(&self, queue: u32) -> Option<Vec<u8>>;
     /// The host's clock.
     fn now(&self) -> SystemTime;
+    /// Calls the root's `on_tick` every `period` from now on.
+    fn set_tick_period(&self, period: Duration);
 }
 
 /// Envoy, through proxy-wasm's host calls.
@@ -178,6 +180,12 @@ impl RootHost for Envoy {
 
     fn now(&self) -> SystemTime {
         hostcalls::get_current_time().unwrap_or(SystemTime::UNIX_EPOCH)
+    }
+
+    fn set_tick_period(&self, period: Duration) {
+        if hostcalls::set_tick_period(period).is_err() {
+            log::warn!("kvgate: cannot set the tick period to {period:?}");
+        }
     }
 }
 

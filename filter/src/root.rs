@@ -3,8 +3,9 @@
 //!
 //! - **Tokenizers.** On configure, and every `models_refresh_ms` after that (every tick until
 //!   the first list arrives), it asks the sidecar for its models and LoRA adapters
-//!   (`GET /v1/models`) and fetches each missing bundle (`GET /v1/models/{model}/tokenizer`,
-//!   the name percent-encoded). Until a model is loaded its requests are routed on load alone;
+//!   (`GET /v1/models`) and, once the VM has had its first request (Envoy's main-thread VM,
+//!   which never does, loads none: loading one peaks at several times what it keeps), fetches
+//!   each missing bundle (`GET /v1/models/{model}/tokenizer`, the name percent-encoded). Until a model is loaded its requests are routed on load alone;
 //!   they are never held back. A fetch that fails is logged with the model and the cause,
 //!   shows in the gauge `kvgate.tokenizer_missing` tagged with the model (1 while missing) and is retried
 //!   with exponential backoff ([`crate::fetches`]).
@@ -72,6 +73,8 @@ pub struct Root<H: RootHost = Envoy> {
     adapters: Vec<Adapter>,
     /// Each model's `kvgate.tokenizer_missing` gauge id, defined on its first failure.
     missing_gauges: HashMap<String, u32>,
+    /// Whether tokenizers are fetched: from the first tick after this VM's first request.
+    fetching: bool,
 }
 
 impl Root<Envoy> {
@@ -94,6 +97,7 @@ impl<H: RootHost> Root<H> {
                 metrics: None,
                 vm_tag: random_tag(),
                 breaker: Breaker::new(FilterConfig::default().breaker_limits()),
+                serving: false,
             })),
             calls: HashMap::new(),
             fetches: Fetches::default(),
@@ -102,6 +106,7 @@ impl<H: RootHost> Root<H> {
             base_models: Vec::new(),
             adapters: Vec::new(),
             missing_gauges: HashMap::new(),
+            fetching: false,
         }
     }
 
@@ -123,8 +128,23 @@ impl<H: RootHost> Root<H> {
         self.refresh_models();
     }
 
+    /// A request reached this VM (an HTTP context is being made): on the first, the next tick
+    /// comes at once and fetches the tokenizers. Returns whether it was the first.
+    pub fn request_arrived(&self) -> bool {
+        let first = !std::mem::replace(&mut self.shared.borrow_mut().serving, true);
+        if first {
+            self.host.set_tick_period(Duration::from_millis(1));
+        }
+        first
+    }
+
     /// The periodic tick: the model list when due, tokenizers due a retry, lifecycle reports.
     pub fn tick(&mut self) {
+        if !self.fetching && self.shared.borrow().serving {
+            // The tick hurried by the first request: back to the configured period.
+            self.fetching = true;
+            self.host.set_tick_period(Duration::from_millis(self.shared.borrow().config.retry_ms));
+        }
         self.refresh_models();
         self.fetch_tokenizers();
         self.flush_lifecycle();
@@ -151,8 +171,13 @@ impl<H: RootHost> Root<H> {
         }
     }
 
-    /// Fetches the tokenizers of listed models that are not loaded and not backing off.
+    /// Fetches the tokenizers of listed models that are not loaded and not backing off, once
+    /// this VM serves requests: a tokenizer's load peaks at several times what it keeps, and
+    /// a VM's memory never shrinks, so a VM that never routes (Envoy's main thread's) loads none.
     fn fetch_tokenizers(&mut self) {
+        if !self.fetching {
+            return;
+        }
         let due = {
             let shared = self.shared.borrow();
             let wanted = self.base_models.iter().map(String::as_str).filter(|m| !shared.models.contains_key(*m));
@@ -423,6 +448,7 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        self.request_arrived();
         Some(Box::new(RequestContext::new(self.shared.clone(), context_id)))
     }
 

@@ -28,6 +28,9 @@ pub struct Shared {
     /// Whether requests ask the sidecar (set up from `config` by the root, fed by the
     /// requests' calls).
     pub breaker: Breaker,
+    /// Whether this VM has had a request. Envoy runs one VM more than it has workers, on its
+    /// main thread, which never gets one: it loads no tokenizer.
+    pub serving: bool,
 }
 
 /// A random number from the host (WASI `random_get` in Envoy, the OS natively): std's

@@ -172,6 +172,7 @@ fn shared(config: FilterConfig) -> Rc<RefCell<Shared>> {
         metrics: None,
         vm_tag: 0xfeed,
         breaker,
+        serving: true,
     }))
 }
 

@@ -31,6 +31,8 @@ struct State {
     now: SystemTime,
     gauges: HashMap<String, u32>,
     recorded: HashMap<u32, u64>,
+    /// The tick period last set.
+    tick: Option<Duration>,
 }
 
 #[derive(Clone)]
@@ -45,6 +47,7 @@ impl Fake {
             now: SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000),
             gauges: HashMap::new(),
             recorded: HashMap::new(),
+            tick: None,
         })))
     }
 
@@ -114,6 +117,9 @@ impl RootHost for Fake {
     fn now(&self) -> SystemTime {
         self.0.borrow().now
     }
+    fn set_tick_period(&self, period: Duration) {
+        self.0.borrow_mut().tick = Some(period);
+    }
 }
 
 /// Answers call `token` with `status` and `body`.
@@ -133,11 +139,35 @@ fn models(names: &[&str], adapters: &[(&str, &str)]) -> Vec<u8> {
     codec::encode(&ModelList { models: names.iter().map(|n| (*n).to_owned()).collect(), adapters }).unwrap()
 }
 
+/// A root configured in a VM that serves requests (a worker's).
 fn configured() -> (Root<Fake>, Fake) {
     let fake = Fake::new();
     let mut root = Root::with_host(fake.clone());
     root.configure(FilterConfig::default(), Some(QUEUE), None);
+    root.request_arrived();
+    root.tick();
     (root, fake)
+}
+
+#[test]
+fn a_vm_without_requests_loads_no_tokenizer_until_its_first() {
+    let fake = Fake::new();
+    let mut root = Root::with_host(fake.clone());
+    root.configure(FilterConfig::default(), Some(QUEUE), None);
+    answer(&mut root, &fake, 0, "200", models(&[MODEL], &[]));
+    root.tick();
+    assert_eq!(fake.paths(), ["GET /v1/models"], "Envoy's main-thread VM never routes: no tokenizer");
+    assert!(root.shared().borrow().models.is_empty());
+    // The first request hurries the next tick, which fetches it and restores the period.
+    assert!(root.request_arrived());
+    assert_eq!(fake.0.borrow().tick, Some(Duration::from_millis(1)));
+    assert!(!root.request_arrived(), "only the first");
+    root.tick();
+    assert_eq!(fake.paths()[1], format!("GET {}", tokenizer_path(MODEL)));
+    let retry = Duration::from_millis(FilterConfig::default().retry_ms);
+    assert_eq!(fake.0.borrow().tick, Some(retry));
+    answer(&mut root, &fake, 1, "200", bundle());
+    assert!(root.shared().borrow().models.contains_key(MODEL), "routable once it loads");
 }
 
 #[test]
