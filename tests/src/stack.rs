@@ -89,6 +89,8 @@ pub struct StackOptions {
     /// Also start Envoy alone (no filter, round robin) in front of the same engines: the
     /// baseline the latency kvgate adds is measured against ([`Stack::baseline`]).
     pub baseline_gateway: bool,
+    /// Envoy's worker threads (`--concurrency`), each with its own wasm VM.
+    pub envoy_concurrency: u32,
     /// The port of an OTLP/HTTP collector on loopback ([`crate::otlp::Collector`]): Envoy,
     /// the sidecars and the engines export their spans to it. None: no tracing.
     pub otlp_port: Option<u16>,
@@ -144,6 +146,7 @@ impl Default for StackOptions {
             wasm: None,
             baseline_gateway: false,
             otlp_port: None,
+            envoy_concurrency: 1,
         }
     }
 }
@@ -227,6 +230,7 @@ pub struct Stack {
     envoy_config: PathBuf,
     envoy_bin: PathBuf,
     envoy_epoch: u32,
+    envoy_concurrency: u32,
     hot_restart: bool,
     /// Where logs and generated configs are.
     pub dir: PathBuf,
@@ -500,6 +504,7 @@ impl Stack {
             envoy_config,
             envoy_bin: artifacts.envoy.clone(),
             envoy_epoch: 0,
+            envoy_concurrency: opts.envoy_concurrency,
             hot_restart: opts.hot_restart,
             dir,
         };
@@ -677,6 +682,22 @@ impl Stack {
         filter_stat(self.first().admin_port, name, tags)
     }
 
+    /// The value of each series of the filter's metric `name` in the first Envoy (one per tag
+    /// combination: per VM for `kvgate.vm_memory_bytes`).
+    pub fn filter_stat_series(&self, name: &str) -> anyhow::Result<Vec<u64>> {
+        let url = format!("http://127.0.0.1:{}/stats?filter={name}", self.first().admin_port);
+        let text = client::client().get(url).send()?.error_for_status()?.text()?;
+        let suffix = format!(";.;{name}");
+        Ok(text
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .filter(|(k, _)| {
+                k.starts_with("wasmcustom.") && (k.ends_with(&suffix) || *k == format!("wasmcustom.{name}"))
+            })
+            .filter_map(|(_, v)| v.trim().parse().ok())
+            .collect())
+    }
+
     /// [`Stack::filter_stat`] summed over every gateway's Envoy.
     pub fn filter_stat_total(&self, name: &str, tags: &[(&str, &str)]) -> anyhow::Result<u64> {
         self.gateways.iter().map(|g| filter_stat(g.admin_port, name, tags)).sum()
@@ -695,7 +716,7 @@ impl Stack {
         self.envoy_epoch += 1;
         let epoch = self.envoy_epoch;
         let admin_port = self.first().admin_port;
-        let cmd = envoy_command(&self.envoy_bin, &self.envoy_config, Some((admin_port, epoch)));
+        let cmd = envoy_command(&self.envoy_bin, &self.envoy_config, self.envoy_concurrency, Some((admin_port, epoch)));
         let mut next = Proc::spawn("envoy", cmd, &self.dir.join(format!("envoy-epoch{epoch}.log")))?;
         let ready = format!("http://127.0.0.1:{admin_port}/ready");
         let server_info = format!("http://127.0.0.1:{admin_port}/server_info");
@@ -856,7 +877,8 @@ fn spawn_envoy(
             },
         );
         std::fs::write(&envoy_config, yaml)?;
-        let cmd = envoy_command(&artifacts.envoy, &envoy_config, opts.hot_restart.then_some((ports.admin, 0)));
+        let restart = opts.hot_restart.then_some((ports.admin, 0));
+        let cmd = envoy_command(&artifacts.envoy, &envoy_config, opts.envoy_concurrency, restart);
         let mut envoy_proc = Proc::spawn(name, cmd, &envoy_log)?;
         let ready = format!("http://127.0.0.1:{}/ready", ports.admin);
         let alive = wait_for(&format!("{name} ready"), START_TIMEOUT, || {
@@ -889,11 +911,16 @@ fn log_dir(name: &str) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
-/// Envoy's command line: one worker; hot restart off, or on with `(base id, restart epoch)`
-/// (a short drain so a replaced process exits within seconds).
-fn envoy_command(envoy: &std::path::Path, config: &std::path::Path, hot_restart: Option<(u16, u32)>) -> Command {
+/// Envoy's command line: `workers` worker threads; hot restart off, or on with `(base id,
+/// restart epoch)` (a short drain so a replaced process exits within seconds).
+fn envoy_command(
+    envoy: &std::path::Path,
+    config: &std::path::Path,
+    workers: u32,
+    hot_restart: Option<(u16, u32)>,
+) -> Command {
     let mut cmd = Command::new(envoy);
-    cmd.arg("-c").arg(config).args(["--concurrency", "1", "--log-level", "warn"]);
+    cmd.arg("-c").arg(config).args(["--concurrency", &workers.to_string(), "--log-level", "warn"]);
     match hot_restart {
         None => cmd.arg("--disable-hot-restart"),
         Some((base_id, epoch)) => cmd.args([

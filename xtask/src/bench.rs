@@ -309,16 +309,19 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `cargo xtask bench memory`: only the memory part of `bench filter` (what big bodies leave
-/// in Envoy's memory); `KVGATE_WASM` measures another build of the filter.
+/// `cargo xtask bench memory`: only the memory parts of `bench filter` (what big bodies leave
+/// in Envoy's memory, Envoy's memory by worker count); `KVGATE_WASM` measures another build
+/// of the filter.
 pub fn memory() -> anyhow::Result<()> {
     install::all()?;
     if std::env::var_os("KVGATE_WASM").is_none() {
         build_wasm()?;
     }
     cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
-    let rows = kvgate_e2e::bench::memory::run(&Artifacts::locate("release"))?;
-    println!("{}", kvgate_e2e::bench::memory::table(&rows));
+    let artifacts = Artifacts::locate("release");
+    let rows = kvgate_e2e::bench::memory::run(&artifacts)?;
+    let workers = kvgate_e2e::bench::workers::run(&artifacts)?;
+    println!("{}\n{}", kvgate_e2e::bench::memory::table(&rows), kvgate_e2e::bench::workers::table(&workers));
     Ok(())
 }
 
@@ -337,11 +340,13 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     let report = kvgate_e2e::bench::filter::run(&artifacts)?;
     let throughput = kvgate_e2e::bench::throughput::run(&artifacts)?;
     let memory = kvgate_e2e::bench::memory::run(&artifacts)?;
+    let workers = kvgate_e2e::bench::workers::run(&artifacts)?;
     let tables = format!(
-        "{}\n{}\n{}",
+        "{}\n{}\n{}\n{}",
         kvgate_e2e::bench::filter::tables(&report),
         kvgate_e2e::bench::throughput::table(&throughput),
-        kvgate_e2e::bench::memory::table(&memory)
+        kvgate_e2e::bench::memory::table(&memory),
+        kvgate_e2e::bench::workers::table(&workers)
     );
     let md = format!(
         "# kvgate filter overhead\n\n- command: `{}`\n- commit: `{}`\n- machine: {}\n- started: {}\n\n{tables}",
@@ -353,7 +358,7 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     std::fs::write(
         dir.join("filter.json"),
         serde_json::to_string_pretty(
-            &serde_json::json!({"facts": facts, "report": report, "throughput": throughput, "memory": memory}),
+            &serde_json::json!({"facts": facts, "report": report, "throughput": throughput, "memory": memory, "workers": workers}),
         )?,
     )?;
     println!("{md}\nwritten to {}", dir.display());

@@ -12,7 +12,8 @@
 //! | `report` | `report.md`, `results.json`, `requests/*.jsonl`, SVG charts |
 //! | `filter` | `cargo xtask bench filter`: latency kvgate adds, tokenization in Envoy vs native |
 //! | `throughput` | `cargo xtask bench filter`, then: routed requests/s one Envoy worker sustains |
-//! | `memory` | `cargo xtask bench filter`, last: what 15 MiB bodies leave in Envoy's memory |
+//! | `memory` | `cargo xtask bench filter`, then: what 15 MiB bodies leave in Envoy's memory |
+//! | `workers` | `cargo xtask bench filter`, last: Envoy's memory by worker count |
 //!
 //! Each (workload, QPS, repeat) starts a fresh fleet per policy, so no policy inherits
 //! another's warm caches; ratios against round robin are taken within the same repeat.
@@ -26,6 +27,7 @@ pub mod progress;
 pub mod report;
 pub mod stats;
 pub mod throughput;
+pub mod workers;
 pub mod workloads;
 
 use std::path::PathBuf;
