@@ -685,17 +685,7 @@ impl Stack {
     /// The value of each series of the filter's metric `name` in the first Envoy (one per tag
     /// combination: per VM for `kvgate.vm_memory_bytes`).
     pub fn filter_stat_series(&self, name: &str) -> anyhow::Result<Vec<u64>> {
-        let url = format!("http://127.0.0.1:{}/stats?filter={name}", self.first().admin_port);
-        let text = client::client().get(url).send()?.error_for_status()?.text()?;
-        let suffix = format!(";.;{name}");
-        Ok(text
-            .lines()
-            .filter_map(|l| l.split_once(": "))
-            .filter(|(k, _)| {
-                k.starts_with("wasmcustom.") && (k.ends_with(&suffix) || *k == format!("wasmcustom.{name}"))
-            })
-            .filter_map(|(_, v)| v.trim().parse().ok())
-            .collect())
+        Ok(filter_stat_values(&filter_stats(self.first().admin_port)?, name, &[]))
     }
 
     /// [`Stack::filter_stat`] summed over every gateway's Envoy.
@@ -787,14 +777,23 @@ fn envoy_stat(admin_port: u16, name: &str) -> anyhow::Result<u64> {
 }
 
 fn filter_stat(admin_port: u16, name: &str, tags: &[(&str, &str)]) -> anyhow::Result<u64> {
-    let url = format!("http://127.0.0.1:{admin_port}/stats?filter=^wasmcustom\\.");
-    let text = client::client().get(url).send()?.error_for_status()?.text()?;
-    Ok(sum_filter_stat(&text, name, tags))
+    Ok(sum_filter_stat(&filter_stats(admin_port)?, name, tags))
 }
 
-/// The sum of the values of `name` in Envoy's `/stats` text whose tags (Istio's form,
-/// `tag=.=value;.;`, as the filter names its metrics) include `tags`.
+/// The filter's lines of Envoy's admin `/stats`.
+fn filter_stats(admin_port: u16) -> anyhow::Result<String> {
+    let url = format!("http://127.0.0.1:{admin_port}/stats?filter=^wasmcustom\\.");
+    Ok(client::client().get(url).send()?.error_for_status()?.text()?)
+}
+
+/// The sum of [`filter_stat_values`].
 fn sum_filter_stat(text: &str, name: &str, tags: &[(&str, &str)]) -> u64 {
+    filter_stat_values(text, name, tags).into_iter().sum()
+}
+
+/// The values of `name` in Envoy's `/stats` text whose tags (Istio's form, `tag=.=value;.;`,
+/// as the filter names its metrics) include `tags`, one per series.
+fn filter_stat_values(text: &str, name: &str, tags: &[(&str, &str)]) -> Vec<u64> {
     fn parse(full: &str) -> Option<(&str, Vec<(&str, &str)>)> {
         let mut rest = full.strip_prefix("wasmcustom.")?;
         let mut found = Vec::new();
@@ -810,7 +809,7 @@ fn sum_filter_stat(text: &str, name: &str, tags: &[(&str, &str)]) -> u64 {
         .filter_map(|(k, v)| Some((parse(k)?, v.trim().parse::<u64>().ok()?)))
         .filter(|((base, found), _)| *base == name && tags.iter().all(|t| found.contains(t)))
         .map(|(_, v)| v)
-        .sum()
+        .collect()
 }
 
 /// How long a traced process holds a span before exporting it (the OTLP default is 5 s).
@@ -939,7 +938,7 @@ fn envoy_command(
 
 #[cfg(test)]
 mod tests {
-    use super::sum_filter_stat;
+    use super::{filter_stat_values, sum_filter_stat};
 
     #[test]
     fn filter_stats_are_summed_over_the_tags_not_asked_for() {
@@ -952,5 +951,6 @@ mod tests {
         assert_eq!(sum_filter_stat(text, "kvgate.requests_total", &[("model", "b")]), 9);
         assert_eq!(sum_filter_stat(text, "kvgate.segment_cache_hits_total", &[]), 7);
         assert_eq!(sum_filter_stat(text, "kvgate.requests_total", &[("outcome", "passthrough")]), 0);
+        assert_eq!(filter_stat_values(text, "kvgate.requests_total", &[]), [3, 4, 5], "one value a series");
     }
 }

@@ -35,14 +35,9 @@ pub struct Memory {
 }
 
 /// Envoy's resident memory, MiB.
-fn rss_mib(pid: u32) -> anyhow::Result<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .ok_or_else(|| anyhow::anyhow!("no VmRSS for {pid}"))?;
-    Ok(kib / 1024.0)
+pub(crate) fn rss_mib(pid: u32) -> anyhow::Result<f64> {
+    let bytes = crate::process::rss_bytes(pid).ok_or_else(|| anyhow::anyhow!("no VmRSS for {pid}"))?;
+    Ok(bytes as f64 / f64::from(1 << 20))
 }
 
 /// Runs the measurement on Envoy alone, then on Envoy + kvgate.

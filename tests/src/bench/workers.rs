@@ -88,8 +88,7 @@ fn measure(artifacts: &Artifacts, setup: &'static str, routing: Routing, workers
         Vec::new()
     };
     let pid = stack.envoy_pid().ok_or_else(|| anyhow::anyhow!("Envoy is not running"))?;
-    let rss_mib =
-        crate::process::rss_bytes(pid).ok_or_else(|| anyhow::anyhow!("no RSS for Envoy"))? as f64 / f64::from(1 << 20);
+    let rss_mib = super::memory::rss_mib(pid)?;
     Ok(WorkerMemory { setup, workers, requests, rss_mib, vm_mib })
 }
 
