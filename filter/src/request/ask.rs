@@ -31,8 +31,9 @@ pub(super) enum Asked {
     NotSent,
 }
 
-/// The W3C trace-context headers a call to the sidecar carries from its request.
-const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
+/// The W3C trace-context headers a call to the sidecar (or a prefill leg) carries from its
+/// request.
+pub(super) const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 
 impl Exchange {
     /// Asks the sidecar about `body` (the whole body, as the client sent it), with the

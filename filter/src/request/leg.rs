@@ -13,6 +13,7 @@ use crate::host::{Host, HostStatus};
 use crate::metrics::LegOutcome;
 use crate::plan::engine_usage;
 
+use super::ask::TRACE_HEADERS;
 use super::phase::{Exchange, Leg, LegState};
 
 /// Why a leg was not sent.
@@ -76,8 +77,9 @@ impl Exchange {
         let authority = host.request_header(":authority").unwrap_or_else(|| "kvgate".into());
         let rank = leg.dp_rank.map(|r| r.to_string());
         // The request's trace context too: the prefill worker's span joins the request's trace.
-        let passed: Vec<(&str, String)> = ["x-request-id", "authorization", "traceparent", "tracestate"]
+        let passed: Vec<(&str, String)> = ["x-request-id", "authorization"]
             .into_iter()
+            .chain(TRACE_HEADERS)
             .filter_map(|name| Some((name, host.request_header(name)?)))
             .collect();
         let mut headers = vec![
