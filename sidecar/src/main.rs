@@ -175,10 +175,7 @@ fn init_logging(format: LogFormat, traces: Option<&SdkTracerProvider>) {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // Built before any runtime: the exporter's client blocks, on the batch processor's thread.
-    let traces = match cli.otlp_endpoint.as_deref().filter(|e| !e.is_empty()) {
-        Some(endpoint) => Some(telemetry::otlp_provider(endpoint, "kvgate-sidecar")?),
-        None => None,
-    };
+    let traces = telemetry::configured(cli.otlp_endpoint.as_deref(), "kvgate-sidecar")?;
     init_logging(cli.log_format, traces.as_ref());
     let result = run_command(cli);
     // Sends the spans still waiting.

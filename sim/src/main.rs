@@ -295,10 +295,7 @@ fn main() -> anyhow::Result<()> {
     use tracing_subscriber::util::SubscriberInitExt;
     let cli = Cli::parse();
     // Built before the runtime: the exporter's client blocks, on the batch processor's thread.
-    let traces = match cli.otlp_traces_endpoint.as_deref().filter(|e| !e.is_empty()) {
-        Some(endpoint) => Some(kvgate_telemetry::otlp_provider(endpoint, "vllm")?),
-        None => None,
-    };
+    let traces = kvgate_telemetry::configured(cli.otlp_traces_endpoint.as_deref(), "vllm")?;
     // The tokenizer describes every table it builds at info: not the operator's business.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,tk_encode=warn".into());
     tracing_subscriber::registry()

@@ -80,6 +80,12 @@ pub fn otlp_provider(endpoint: &str, service: &str) -> Result<SdkTracerProvider,
     Ok(provider)
 }
 
+/// [`otlp_provider`] when an endpoint is given; none (spans are not exported) when it is
+/// absent or empty, as an unset `OTEL_EXPORTER_OTLP_ENDPOINT` in a manifest is.
+pub fn configured(endpoint: Option<&str>, service: &str) -> Result<Option<SdkTracerProvider>, TelemetryError> {
+    endpoint.filter(|e| !e.is_empty()).map(|e| otlp_provider(e, service)).transpose()
+}
+
 /// The `tracing` layer that turns a process's spans into `provider`'s.
 pub fn layer<S>(provider: &SdkTracerProvider) -> impl tracing_subscriber::Layer<S>
 where
@@ -140,6 +146,13 @@ impl HttpClient for BlockingClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_endpoint_or_an_empty_one_exports_nothing() {
+        assert!(configured(None, "test").unwrap().is_none());
+        assert!(configured(Some(""), "test").unwrap().is_none());
+        assert!(!exporting());
+    }
 
     #[test]
     fn an_endpoint_without_a_scheme_is_refused_by_name() {
