@@ -98,17 +98,27 @@ def normalize_tool(t):
     return {"type": "function", "function": fn}
 
 
-def consolidate(requested, messages, template, fmt):
+def consolidate(messages, template):
+    """vLLM's `_convert_developer_to_system` then `_consolidate_system_messages`, which it runs
+    only when a developer message meets a template that does not know the role."""
     knows_developer = '"developer"' in template or "'developer'" in template
-    system, rest = [], []
-    for raw, m in zip(requested, messages):
-        if m["role"] == "system" or (m["role"] == "developer" and not knows_developer):
-            system.append(content_text(raw.get("content")))
+    if knows_developer or not any(m["role"] == "developer" for m in messages):
+        return messages
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    system, rest, needs = [], [], False
+    for i, m in enumerate(messages):
+        if m["role"] == "system":
+            needs = needs or i > 0 or bool(system)
+            content = m.get("content", "")
+            if isinstance(content, list):
+                content = "\n".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
+            if content:
+                system.append(content)
         else:
             rest.append(m)
-    if not system:
-        return rest
-    return [{"role": "system", "content": shaped_content("system", "\n\n".join(system), fmt)}] + rest
+    if not needs:
+        return messages
+    return [{"role": "system", "content": "\n\n".join(system)}] + rest
 
 
 def render(tok, req, fmt="string", template=None):
@@ -122,7 +132,7 @@ def render(tok, req, fmt="string", template=None):
     kwargs["continue_final_message"] = req.get("continue_final_message", False)
     template = template or tok.chat_template
     messages = [normalize_message(m, fmt) for m in req["messages"]]
-    messages = consolidate(req["messages"], messages, template, fmt)
+    messages = consolidate(messages, template)
     tools = [normalize_tool(t) for t in req["tools"]] if req.get("tools") else None
     return tok.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=template, **kwargs)
 

@@ -113,25 +113,33 @@ impl ChatInput {
 
 impl ChatInput {
     /// The messages as a template of `format` sees them (tool-call arguments parsed), after
-    /// vLLM's last step: `developer`
-    /// messages become `system` unless the template knows the role (`knows_developer`), then
-    /// all system messages merge into one at position 0, their texts joined with `"\n\n"`.
+    /// vLLM's last step (`renderers/hf.py`): if there is a `developer` message and the template
+    /// does not know the role (`knows_developer`), developer messages become `system`, and then,
+    /// if a system message is not first or there are several, all of them merge into one at
+    /// position 0, their non-empty texts joined with `"\n\n"` (a plain string in either format).
+    /// Without a developer message to convert, system messages stay where they are.
     /// `format` must be resolved ([`ContentFormat::String`] or [`ContentFormat::Openai`]).
     pub fn messages_for(&self, format: ContentFormat, knows_developer: bool) -> Vec<Value> {
-        let is_system = |m: &Value| match m.get("role").and_then(Value::as_str) {
-            Some("system") => true,
-            Some("developer") => !knows_developer,
-            _ => false,
-        };
-        let system: Vec<String> =
-            self.messages.iter().filter(|m| is_system(m)).map(|m| joined_text(m.get("content"))).collect();
-        let mut out = Vec::with_capacity(self.messages.len());
-        if !system.is_empty() {
-            let merged = json!({"role": "system", "content": system.join("\n\n")});
-            out.push(shape_content(merged, format));
+        let role = |m: &Value| m.get("role").and_then(Value::as_str).map(str::to_owned);
+        let mut out: Vec<Value> = self.messages.iter().map(|m| shape_content(m.clone(), format)).collect();
+        if knows_developer || !out.iter().any(|m| role(m).as_deref() == Some("developer")) {
+            return out;
         }
-        out.extend(self.messages.iter().filter(|m| !is_system(m)).map(|m| shape_content(m.clone(), format)));
-        out
+        for message in &mut out {
+            if role(message).as_deref() == Some("developer") {
+                message["role"] = Value::String("system".into());
+            }
+        }
+        let is_system = |m: &Value| role(m).as_deref() == Some("system");
+        let consolidate = out.iter().enumerate().filter(|(_, m)| is_system(m)).any(|(i, _)| i > 0)
+            || out.iter().filter(|m| is_system(m)).count() > 1;
+        if !consolidate {
+            return out;
+        }
+        let texts: Vec<String> =
+            out.iter().filter(|m| is_system(m)).map(shaped_text).filter(|t| !t.is_empty()).collect();
+        let merged = json!({"role": "system", "content": texts.join("\n\n")});
+        std::iter::once(merged).chain(out.into_iter().filter(|m| !is_system(m))).collect()
     }
 }
 
@@ -157,6 +165,18 @@ fn shape_content(mut message: Value, format: ContentFormat) -> Value {
         (_, _, neutral) => Value::String(joined_text(Some(&neutral))),
     };
     message
+}
+
+/// A shaped message's content as vLLM's consolidation reads it: the string, or every text
+/// part's text (empty ones too) joined with `"\n"`.
+fn shaped_text(message: &Value) -> String {
+    match message.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("\n")
+        }
+        _ => String::new(),
+    }
 }
 
 /// Neutral content as one string: the string itself, `""` for `null`, the non-empty part
@@ -369,7 +389,8 @@ mod tests {
         let c = chat(json!({"messages": [
             {"role": "user", "content": "u"},
             {"role": "system", "content": "s1"},
-            {"role": "developer", "content": [{"type": "text", "text": "d1"}, {"type": "text", "text": "d2"}]}]}))
+            {"role": "developer", "content": [{"type": "text", "text": "d1"}, {"type": "text", "text": ""},
+                {"type": "text", "text": "d2"}]}]}))
         .unwrap();
         let out = c.messages_for(ContentFormat::String, false);
         assert_eq!(
@@ -378,6 +399,22 @@ mod tests {
         );
         assert_eq!(c.messages_for(ContentFormat::String, true).len(), 3);
         let out = c.messages_for(ContentFormat::Openai, false);
-        assert_eq!(out[0]["content"], json!([{"type": "text", "text": "s1\n\nd1\nd2"}]));
+        assert_eq!(out[0]["content"], "s1\n\nd1\n\nd2", "a plain string, empty parts joined too");
+    }
+
+    /// vLLM merges system messages only after turning developer messages into system ones.
+    #[test]
+    fn system_messages_stay_in_place_without_a_developer_message() {
+        let c = chat(json!({"messages": [
+            {"role": "system", "content": "s1"},
+            {"role": "user", "content": "u"},
+            {"role": "system", "content": "s2"}]}))
+        .unwrap();
+        let roles: Vec<_> = c
+            .messages_for(ContentFormat::String, false)
+            .iter()
+            .map(|m| m["role"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(roles, ["system", "user", "system"]);
     }
 }
