@@ -6,7 +6,9 @@
 //! three always agree.
 //!
 //! 1. [`openai::parse`] reads the OpenAI body into a [`openai::ParsedRequest`]; a
-//!    `/v1/responses` body is first turned into the chat vLLM renders for it ([`responses`]).
+//!    `/v1/responses` body is first turned into the chat vLLM renders for it ([`responses`]),
+//!    a `/v1/messages` body into one that waits on two answers of the model's template
+//!    ([`messages`]).
 //! 2. [`chat`] normalises chat messages and tools as vLLM's renderer does.
 //! 3. [`template::ChatTemplate`] renders them with the model's Jinja template, with message
 //!    content shaped as the template expects ([`content_format`]) — or, for gpt-oss,
@@ -17,6 +19,7 @@
 pub mod chat;
 pub mod content_format;
 pub mod harmony;
+pub mod messages;
 pub mod openai;
 pub mod responses;
 pub mod segments;

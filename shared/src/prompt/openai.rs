@@ -1,10 +1,11 @@
-//! Reading an OpenAI `/v1/completions`, `/v1/chat/completions` or `/v1/responses` body.
+//! Reading an OpenAI `/v1/completions`, `/v1/chat/completions` or `/v1/responses` body, or an
+//! Anthropic `/v1/messages` one.
 //!
 //! Unknown fields are ignored, as vLLM does; only what decides the prompt tokens is read.
 
 use serde_json::{Map, Value};
 
-use super::{chat, responses, PromptError};
+use super::{chat, messages, responses, PromptError};
 
 /// Which OpenAI endpoint a body was sent to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -15,6 +16,8 @@ pub enum Endpoint {
     ChatCompletions,
     /// `POST /v1/responses`: rendered as the chat vLLM builds from it.
     Responses,
+    /// `POST /v1/messages` (Anthropic's Messages API): rendered as the chat vLLM builds from it.
+    Messages,
 }
 
 impl Endpoint {
@@ -24,6 +27,7 @@ impl Endpoint {
     /// use kvgate_shared::prompt::openai::Endpoint;
     /// assert_eq!(Endpoint::from_path("/v1/chat/completions?x=1"), Some(Endpoint::ChatCompletions));
     /// assert_eq!(Endpoint::from_path("/v1/responses"), Some(Endpoint::Responses));
+    /// assert_eq!(Endpoint::from_path("/v1/messages"), Some(Endpoint::Messages));
     /// assert_eq!(Endpoint::from_path("/v1/models"), None);
     /// ```
     pub fn from_path(path: &str) -> Option<Endpoint> {
@@ -31,8 +35,16 @@ impl Endpoint {
             "/v1/completions" => Some(Endpoint::Completions),
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
             "/v1/responses" => Some(Endpoint::Responses),
+            "/v1/messages" => Some(Endpoint::Messages),
             _ => None,
         }
+    }
+
+    /// Whether the engine builds the chat from the body itself (Responses, Messages): such a
+    /// body cannot carry token ids or be split into a prefill leg, and its response always
+    /// reports usage.
+    pub fn is_converted(self) -> bool {
+        matches!(self, Endpoint::Responses | Endpoint::Messages)
     }
 }
 
@@ -54,6 +66,8 @@ pub enum Prompt {
     /// The chat vLLM builds from a `/v1/responses` request: a template renders it as a chat;
     /// vLLM renders harmony models' Responses differently, which kvgate does not.
     Responses(chat::ChatInput),
+    /// A `/v1/messages` request: a chat once the model's template is known.
+    Messages(messages::MessagesChat),
 }
 
 /// The parts of an OpenAI request that routing needs.
@@ -70,9 +84,10 @@ pub struct ParsedRequest {
     /// Whether the response streams (SSE).
     pub stream: bool,
     /// Whether the stream's end carries `usage`: `stream_options.include_usage`, or always
-    /// for Responses (`response.completed`).
+    /// for Responses (`response.completed`) and Messages (`message_delta`).
     pub include_usage: bool,
-    /// The body's `session_id`, else `user`: a session key for sticky policies.
+    /// The body's `session_id`, else `user` (`metadata.user_id` for Messages): a session key
+    /// for sticky policies.
     pub session: Option<String>,
     /// vLLM's `cache_salt`: the prompt's first block is hashed with it, so only requests
     /// with the same salt share cached prefixes.
@@ -109,22 +124,29 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
     let max_tokens =
         limits.iter().find_map(|k| obj.get(*k).and_then(Value::as_u64)).map(|n| n.min(u32::MAX as u64) as u32);
     let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let include_usage = endpoint == Endpoint::Responses
+    let include_usage = matches!(endpoint, Endpoint::Responses | Endpoint::Messages)
         || obj.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
-    let session = ["session_id", "user"].iter().find_map(|k| obj.get(*k).and_then(Value::as_str)).map(str::to_owned);
+    let session = match endpoint {
+        Endpoint::Messages => obj.get("metadata").and_then(|m| m.get("user_id")).and_then(Value::as_str),
+        _ => ["session_id", "user"].iter().find_map(|k| obj.get(*k).and_then(Value::as_str)),
+    }
+    .map(str::to_owned);
     let (prompt, prompt_count) = match endpoint {
         Endpoint::Completions => completion_prompt(&obj)?,
         Endpoint::ChatCompletions => (chat_prompt(&obj)?, 1),
         Endpoint::Responses => (Prompt::Responses(responses::chat_input(&obj)?), 1),
+        Endpoint::Messages => {
+            (Prompt::Messages(messages::MessagesChat::from_request(&obj, super::tokenizer::now_unix_secs())?), 1)
+        }
     };
     let cache_salt = match obj.get("cache_salt") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
         Some(_) => return Err(PromptError::Invalid("`cache_salt` must be a non-empty string".into())),
     };
-    // Responses have no `n`: one sequence.
+    // Responses and Messages have no `n`: one sequence.
     let samples = match endpoint {
-        Endpoint::Responses => 1,
+        Endpoint::Responses | Endpoint::Messages => 1,
         _ => obj.get("n").and_then(Value::as_u64).map_or(1, |n| n.clamp(1, MAX_N) as u32),
     };
     Ok(ParsedRequest {

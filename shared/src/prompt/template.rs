@@ -11,8 +11,11 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Serialize;
 use serde_json::{Map, Value as Json};
 
+use std::sync::OnceLock;
+
 use super::chat::ChatInput;
 use super::content_format::ContentFormat;
+use super::messages::EFFORTS;
 use super::PromptError;
 
 const TEMPLATE_NAME: &str = "chat";
@@ -24,6 +27,10 @@ pub struct ChatTemplate {
     content_format: ContentFormat,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// [`ChatTemplate::requires_system_first`], found at first use.
+    system_first: OnceLock<bool>,
+    /// [`ChatTemplate::disabled_thinking_effort`], found at first use.
+    disabled_effort: OnceLock<&'static str>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -55,12 +62,55 @@ impl ChatTemplate {
         env.add_template_owned(TEMPLATE_NAME, source.to_owned()).map_err(|e| PromptError::Template(e.to_string()))?;
         let knows_developer_role = source.contains("\"developer\"") || source.contains("'developer'");
         let content_format = content_format.resolve(source);
-        Ok(ChatTemplate { env, knows_developer_role, content_format, bos_token, eos_token })
+        Ok(ChatTemplate {
+            env,
+            knows_developer_role,
+            content_format,
+            bos_token,
+            eos_token,
+            system_first: OnceLock::new(),
+            disabled_effort: OnceLock::new(),
+        })
     }
 
     /// The content shape this template gets (never [`ContentFormat::Auto`]).
     pub fn content_format(&self) -> ContentFormat {
         self.content_format
+    }
+
+    /// Whether the template refuses a system message after the first turn. vLLM then merges a
+    /// `/v1/messages` request's inline system messages into the leading one: it renders the
+    /// bare template on system, user, system, user, and merges if that fails
+    /// (`AnthropicServingMessages._detect_merge_inline_system`).
+    pub fn requires_system_first(&self) -> bool {
+        *self.system_first.get_or_init(|| {
+            let turn = |role: &str| serde_json::json!({"role": role, "content": "t"});
+            let ctx = serde_json::json!({
+                "messages": [turn("system"), turn("user"), turn("system"), turn("user")],
+                "add_generation_prompt": false,
+            });
+            let template = self.env.get_template(TEMPLATE_NAME);
+            template.and_then(|t| t.render(Value::from(minijinja::value::Serde(&ctx)))).is_err()
+        })
+    }
+
+    /// The `reasoning_effort` vLLM sends for a `/v1/messages` request with thinking disabled:
+    /// `"none"`, unless the template renders effort `"none"` as it renders a real effort (it
+    /// ignores it) or fails on it; then `"low"` (`_probe_disabled_thinking_effort`, on a
+    /// one-message chat, rendered at `unix_secs`).
+    pub fn disabled_thinking_effort(&self, unix_secs: i64) -> &'static str {
+        self.disabled_effort.get_or_init(|| {
+            let probe = |effort: &str| {
+                let body =
+                    serde_json::json!({"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": effort});
+                let chat = ChatInput::from_request(body.as_object()?).ok()?;
+                self.render_at(&chat, unix_secs).ok()
+            };
+            match probe("none") {
+                Some(none) if EFFORTS.iter().all(|e| probe(e).as_ref() != Some(&none)) => "none",
+                _ => "low",
+            }
+        })
     }
 
     /// Renders a normalised chat into the prompt text, now.

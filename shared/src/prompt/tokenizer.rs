@@ -115,8 +115,17 @@ impl ModelTokenizer {
                 let template = template.as_ref().ok_or(PromptError::NoTemplate)?;
                 (Cow::Owned(template.render_at(chat, unix_secs)?), chat.add_special_tokens)
             }
+            (Prompt::Messages(messages), ChatRenderer::Template(template)) => {
+                let template = template.as_ref().ok_or(PromptError::NoTemplate)?;
+                let chat = messages
+                    .chat_input(template.requires_system_first(), || template.disabled_thinking_effort(unix_secs))?;
+                (Cow::Owned(template.render_at(&chat, unix_secs)?), chat.add_special_tokens)
+            }
             (Prompt::Responses(_), ChatRenderer::Harmony(_)) => {
                 return Err(PromptError::Unsupported("Responses requests to a harmony model".into()))
+            }
+            (Prompt::Messages(_), ChatRenderer::Harmony(_)) => {
+                return Err(PromptError::Unsupported("Messages requests to a harmony model".into()))
             }
             (Prompt::Chat(chat), ChatRenderer::Harmony(ids)) => {
                 let date = super::strftime::strftime("%Y-%m-%d", unix_secs).map_err(PromptError::Template)?;
@@ -294,7 +303,7 @@ impl PromptHead {
 }
 
 /// Now, in seconds since the Unix epoch.
-fn now_unix_secs() -> i64 {
+pub(crate) fn now_unix_secs() -> i64 {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     i64::try_from(now).unwrap_or(i64::MAX)
 }
