@@ -139,7 +139,7 @@ pub fn plan(
     let forwardable = match parsed.prompt {
         Prompt::Text { .. } => parsed.prompt_count == 1,
         Prompt::Chat(_) => true,
-        Prompt::Tokens(_) | Prompt::Responses(_) => false,
+        Prompt::Tokens(_) | Prompt::Responses(_) | Prompt::Messages(_) => false,
     };
     Ok(Plan {
         truncated: head.truncated,
@@ -188,14 +188,16 @@ fn estimated(
 
 /// Output tokens in a chunk of a streamed (SSE) completion: vLLM sends one `data:` event per
 /// generated token (or a few, for speculative decoding: this then counts low); `[DONE]` and
-/// the usage event (no `choices`) are not tokens. A named event (the Responses API's) is a
-/// token only if it is a `….delta`.
+/// the usage event (no `choices`) are not tokens. A named event is a token only if it is a
+/// delta of the output: the Responses API's `….delta`, the Messages API's `content_block_delta`.
 ///
 /// ```
 /// let chunk = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: {\"choices\":[],\"usage\":{}}\n\ndata: [DONE]\n\n";
 /// assert_eq!(kvgate_filter::plan::streamed_tokens(chunk), 1);
 /// let events = b"event: response.created\ndata: {}\n\nevent: response.output_text.delta\ndata: {}\n\n";
 /// assert_eq!(kvgate_filter::plan::streamed_tokens(events), 1);
+/// let anthropic = b"event: content_block_delta\ndata: {}\n\nevent: message_delta\ndata: {}\n\n";
+/// assert_eq!(kvgate_filter::plan::streamed_tokens(anthropic), 1);
 /// ```
 pub fn streamed_tokens(chunk: &[u8]) -> u32 {
     let mut n = 0;
@@ -205,7 +207,7 @@ pub fn streamed_tokens(chunk: &[u8]) -> u32 {
             event = Some(name.trim_ascii());
         } else if let Some(data) = line.strip_prefix(b"data:") {
             let token = match event.take() {
-                Some(name) => name.ends_with(b".delta"),
+                Some(name) => name.ends_with(b".delta") || name == b"content_block_delta",
                 None => data.trim_ascii() != b"[DONE]" && find(data, b"\"choices\":[]").is_none(),
             };
             n += u32::from(token);
@@ -218,10 +220,12 @@ pub fn streamed_tokens(chunk: &[u8]) -> u32 {
 pub const USAGE_TAIL_BYTES: usize = 4096;
 
 /// The engine's `usage` (`prompt_tokens`, and `prompt_tokens_details.cached_tokens` if
-/// reported; `input_tokens` and `input_tokens_details.cached_tokens` for Responses) from the
-/// end of a response: the JSON body, or a stream's last events (a stream carries usage when
-/// `stream_options.include_usage` asks for it, a Responses stream in `response.completed`).
-/// `None` if the tail holds no usage.
+/// reported; `input_tokens` and `input_tokens_details.cached_tokens` for Responses; for
+/// Messages, whose `input_tokens` leave out what the cache read and wrote, their sum with
+/// `cache_read_input_tokens` and `cache_creation_input_tokens`) from the end of a response:
+/// the JSON body, or a stream's last events (a stream carries usage when
+/// `stream_options.include_usage` asks for it, a Responses stream in `response.completed`, a
+/// Messages stream in `message_delta`). `None` if the tail holds no usage.
 ///
 /// ```
 /// let tail = br#"data: {"choices":[],"usage":{"prompt_tokens":1215,"total_tokens":1217,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":1200}}}
@@ -233,6 +237,10 @@ pub const USAGE_TAIL_BYTES: usize = 4096;
 /// let completed = br#"event: response.completed
 /// data: {"response":{"usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":32,"cached_tokens_per_turn":[]},"output_tokens":4}},"type":"response.completed"}"#;
 /// assert_eq!(kvgate_filter::plan::engine_usage(completed), Some((40, Some(32))));
+/// let delta = br#"event: message_delta
+/// data: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},"usage":{"input_tokens":8,"output_tokens":4,"cache_read_input_tokens":32}}"#;
+/// assert_eq!(kvgate_filter::plan::engine_usage(delta), Some((40, Some(32))));
+/// assert_eq!(kvgate_filter::plan::engine_usage(br#"{"usage":{"input_tokens":40,"output_tokens":4}}"#), Some((40, None)));
 /// ```
 pub fn engine_usage(tail: &[u8]) -> Option<(u32, Option<u32>)> {
     let at = find_last(tail, b"\"usage\"")?;
@@ -244,6 +252,10 @@ pub fn engine_usage(tail: &[u8]) -> Option<(u32, Option<u32>)> {
         std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
     };
     let prompt = number_after(b"\"prompt_tokens\"").or_else(|| number_after(b"\"input_tokens\""))?;
+    if let Some(read) = number_after(b"\"cache_read_input_tokens\"") {
+        let written = number_after(b"\"cache_creation_input_tokens\"").unwrap_or(0);
+        return Some((prompt.saturating_add(read).saturating_add(written), Some(read)));
+    }
     Some((prompt, number_after(b"\"cached_tokens\"")))
 }
 
@@ -276,7 +288,7 @@ pub fn with_token_prompt(endpoint: Endpoint, body: &[u8], ids: &[u32]) -> Option
         Endpoint::Completions => {
             request.insert("prompt".into(), ids.into());
         }
-        Endpoint::Responses => return None,
+        Endpoint::Responses | Endpoint::Messages => return None,
         Endpoint::ChatCompletions => {
             if request.get("echo").and_then(Value::as_bool) == Some(true) {
                 return None;

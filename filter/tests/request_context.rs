@@ -561,6 +561,38 @@ fn a_responses_request_is_routed_and_its_usage_read() {
     assert!(kinds(&fake).contains(&LifecycleKind::Usage { prompt_tokens: 21, cached_tokens: Some(16) }));
 }
 
+/// An Anthropic Messages request is routed on its rendered prompt (billing header dropped, as
+/// vLLM drops it); its usage comes from `message_delta`, where `input_tokens` leave out the
+/// cache's tokens, so nothing is asked for and the prompt is their sum.
+#[test]
+fn a_messages_request_is_routed_and_its_usage_read() {
+    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "max_tokens": 4, "stream": true,
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=9"}, {"type": "text", "text": "Be brief."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]})
+    .to_string();
+    let (mut ctx, fake) = request(&body, &[], FilterConfig::default());
+    fake.0.borrow_mut().request_headers.insert(":path".into(), "/v1/messages".into());
+    assert_eq!(send(&mut ctx, &fake), Action::Pause);
+    let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
+    assert_eq!(sent.prompt_count, PromptCount::Exact, "rendered and tokenized in the filter");
+    let same_chat = serde_json::json!({"model": "Qwen/Qwen3-0.6B",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]});
+    let (mut chat_ctx, chat_fake) = request(&same_chat.to_string(), &[], FilterConfig::default());
+    send(&mut chat_ctx, &chat_fake);
+    let as_chat: RouteRequest = codec::decode(&chat_fake.0.borrow().calls[0].1).unwrap();
+    assert_eq!(
+        (sent.prompt_tokens, &sent.block_hashes),
+        (as_chat.prompt_tokens, &as_chat.block_hashes),
+        "as vLLM renders it"
+    );
+    assert_eq!(fake.0.borrow().request_body, body.clone().into_bytes(), "nothing asked for");
+    let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
+    ctx.on_call_response(1, 2, size);
+    let delta = "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"},\"usage\":{\"input_tokens\":5,\"output_tokens\":4,\"cache_read_input_tokens\":16}}\n\n";
+    respond(&mut ctx, &fake, "127.0.0.1:8001", delta);
+    assert!(kinds(&fake).contains(&LifecycleKind::Usage { prompt_tokens: 21, cached_tokens: Some(16) }));
+}
+
 /// The sidecar's answer for a disaggregated request: decode on `127.0.0.1:8003`, prefill on
 /// `127.0.0.1:8001`.
 fn disaggregated(transfer: Transfer) -> RouteResponse {

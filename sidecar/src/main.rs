@@ -121,6 +121,8 @@ enum Api {
     Completions,
     /// `/v1/responses`
     Responses,
+    /// `/v1/messages`
+    Messages,
 }
 
 #[derive(Subcommand, Debug)]
@@ -236,6 +238,7 @@ fn run_command(cli: Cli) -> anyhow::Result<()> {
                 Api::Chat => kvgate_shared::prompt::openai::Endpoint::ChatCompletions,
                 Api::Completions => kvgate_shared::prompt::openai::Endpoint::Completions,
                 Api::Responses => kvgate_shared::prompt::openai::Endpoint::Responses,
+                Api::Messages => kvgate_shared::prompt::openai::Endpoint::Messages,
             };
             let format = match chat_template_content_format {
                 Format::Auto => ContentFormat::Auto,

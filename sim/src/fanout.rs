@@ -45,10 +45,10 @@ const SAMPLING_EPS: f64 = 1e-5;
 /// `n`, the sequences decoded per prompt, checked as vLLM checks it: an integer (a chat's may
 /// be `null`, read as 1), at least 1 and at most `VLLM_MAX_N_SEQUENCES`
 /// (`_verify_num_sequences`), and 1 under greedy sampling, `temperature` 0
-/// (`_verify_greedy_sampling`). Responses have no `n`: one sequence. The error is vLLM's
-/// message.
+/// (`_verify_greedy_sampling`). Responses and Messages have no `n`: one sequence. The error is
+/// vLLM's message.
 pub fn samples(endpoint: Endpoint, body: &Map<String, Value>) -> Result<usize, String> {
-    if endpoint == Endpoint::Responses {
+    if endpoint.is_converted() {
         return Ok(1);
     }
     let n = match body.get("n") {
@@ -162,6 +162,17 @@ impl Usage {
             u["prompt_tokens_details"] = json!({"cached_tokens": self.cached});
         }
         u
+    }
+
+    /// The Messages API's `usage` (vLLM's `_build_anthropic_usage`): `input_tokens` leave out
+    /// what the cache read, which is reported beside them when `prompt_tokens_details` is.
+    pub fn anthropic_json(&self) -> Value {
+        if self.details {
+            json!({"input_tokens": self.prompt - self.cached, "output_tokens": self.completion,
+                "cache_read_input_tokens": self.cached})
+        } else {
+            json!({"input_tokens": self.prompt, "output_tokens": self.completion})
+        }
     }
 
     /// The Responses API's `usage`: cached tokens are always reported there.

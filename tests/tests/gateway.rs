@@ -406,6 +406,52 @@ fn responses_requests_are_routed_on_their_cache() {
     assert_eq!(prediction["prompt_mismatches"], 0, "{prediction}");
 }
 
+/// Anthropic's `/v1/messages` is routed on its cache and its prediction checked against the
+/// engine's `usage` (`input_tokens` plus `cache_read_input_tokens`), streamed or not. As for
+/// Responses, the simulator renders with kvgate's code; vLLM's own conversion is checked by the
+/// vectors of `shared/tests/messages.rs` and by the real-vLLM suite (check 1c).
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn messages_requests_are_routed_on_their_cache() {
+    let stack = start("messages");
+    let doc = document(29, 600);
+    let body = |question: &str| {
+        json!({"model": "qwen3", "max_tokens": 2,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=a1"}, {"type": "text", "text": doc}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}]})
+    };
+    let prompt = |usage: &Value| {
+        usage["input_tokens"].as_u64().unwrap() + usage["cache_read_input_tokens"].as_u64().unwrap_or(0)
+    };
+    let warm = post(&stack.sim("b").url("/v1/messages"), body("first").to_string(), &[]).unwrap();
+    assert_eq!(warm.status, 200, "{}", warm.body);
+    let prompt_tokens = prompt(&warm.json()["usage"]);
+    stack.wait_indexed("b", prompt_tokens / 16).unwrap();
+    for i in 0..4 {
+        let mut request = body(&format!("follow-up {i}"));
+        request["stream"] = json!(i % 2 == 1);
+        // Claude Code's billing header changes every request; vLLM drops it, and so does kvgate.
+        request["system"][0]["text"] = json!(format!("x-anthropic-billing-header: cch={i}"));
+        let reply = post(&stack.gateway("/v1/messages"), request.to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-kvgate-routed-to"), "b", "routed by kvgate to the replica holding the prefix");
+        let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap();
+        assert!(overlap >= prompt_tokens / 16 - 1, "the sidecar saw the cached prefix: {overlap} blocks");
+        let engine_count = if i % 2 == 1 {
+            let delta = reply.body.split("\n\n").find(|e| e.starts_with("event: message_delta")).unwrap();
+            let data: Value = serde_json::from_str(delta.split_once("data: ").unwrap().1).unwrap();
+            prompt(&data["usage"])
+        } else {
+            prompt(&reply.json()["usage"])
+        };
+        let filter_count: u64 = reply.header("x-kvgate-prompt-tokens").parse().unwrap();
+        assert_eq!(filter_count, engine_count, "the filter renders the request as the simulator (kvgate's code) does");
+    }
+    let prediction = predictions_after(&stack, 4);
+    assert_eq!(prediction["exact"], prediction["checked"], "{prediction}");
+    assert_eq!(prediction["prompt_mismatches"], 0, "{prediction}");
+}
+
 /// A streamed chat of `max_tokens` about document `seed`, its headers read and its body left
 /// to read: a request that stays in flight while the test looks at the sidecar.
 fn open_stream(url: &str, seed: u32, max_tokens: u32) -> reqwest::blocking::Response {

@@ -59,7 +59,7 @@ impl Exchange {
         let Some(ticket) = self.admit(host, &mut shared.breaker, body.len()) else { return };
         let asked = self.ask_sidecar(host, shared, &body, envelope.as_ref());
         self.booked = self.asked(host, &mut shared.breaker, ticket, asked);
-        let ask_usage = self.route.endpoint != Endpoint::Responses && self.config().request_usage;
+        let ask_usage = !self.route.endpoint.is_converted() && self.config().request_usage;
         if let (Some(envelope), Some(_), true) = (&envelope, &self.booked, ask_usage) {
             self.request_usage(host, &body, envelope);
         }
@@ -128,7 +128,7 @@ impl Exchange {
         let forwarding = match endpoint {
             Endpoint::Completions => self.config().forward_tokens,
             Endpoint::ChatCompletions => self.config().forward_chat_tokens,
-            Endpoint::Responses => false,
+            Endpoint::Responses | Endpoint::Messages => false,
         };
         if let Some(ids) = planned.forwardable.as_deref().filter(|_| forwarding) {
             self.forward_tokens(host, body, ids);

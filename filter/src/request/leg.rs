@@ -5,7 +5,6 @@
 
 use std::time::Duration;
 
-use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::wire::{LifecycleKind, PrefillLeg, Transfer, DESTINATION_HEADER, DP_RANK_HEADER};
 
 use crate::disagg::{self, LegError};
@@ -21,8 +20,8 @@ use super::phase::{Exchange, Leg, LegState};
 enum NotSent {
     #[error("no prefill_cluster is configured")]
     NoCluster,
-    #[error("a Responses request has no prefill leg")]
-    Responses,
+    #[error("a Responses or Messages request has no prefill leg")]
+    Converted,
     #[error(transparent)]
     Body(#[from] LegError),
     #[error("{0:?}")]
@@ -63,8 +62,8 @@ impl Exchange {
         let config = self.config();
         let cluster = config.prefill_cluster.clone().ok_or(NotSent::NoCluster)?;
         let timeout = Duration::from_millis(config.prefill_timeout_ms);
-        if self.route.endpoint == Endpoint::Responses {
-            return Err(NotSent::Responses);
+        if self.route.endpoint.is_converted() {
+            return Err(NotSent::Converted);
         }
         let body = self.body.read(host);
         let (leg_body, decode_body) = match &leg.transfer {

@@ -12,7 +12,6 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Instant;
 
-use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::route::RequestKeys;
 use kvgate_shared::wire::{DESTINATION_HEADER, DP_RANK_HEADER, OVERRIDES_HEADER, SESSION_HEADER};
 
@@ -79,7 +78,7 @@ impl<H: Host> Request<H> {
             wait_ms: u32::try_from(config.admission_wait_ms).unwrap_or(u32::MAX),
             priority: self.configured_header(config.priority_header.as_deref()),
             tenant: self.configured_header(config.tenant_header.as_deref()),
-            prefill_legs: config.prefill_cluster.is_some() && endpoint != Endpoint::Responses,
+            prefill_legs: config.prefill_cluster.is_some() && !endpoint.is_converted(),
         };
         self.phase = Phase::Buffering { route: Box::new(Route { endpoint, keys, path, settings }), buffered: 0 };
         Action::Pause

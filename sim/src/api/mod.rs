@@ -58,7 +58,7 @@ use admin::{
     chaos_events, load_lora_adapter, metrics, models, reset_prefix_cache, restart_publisher, tokenize,
     unload_lora_adapter,
 };
-use reply::{response_object, stream, stream_response};
+use reply::{message_object, response_object, stream, stream_message, stream_response};
 use transfer::{disaggregation_headers, join_room, kv_pull, transfer_failure, wait_for_decoder, Origin};
 
 /// The header naming the replica that served a response.
@@ -110,6 +110,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/tokenize", post(tokenize))
@@ -156,6 +157,10 @@ async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap
 
 async fn responses(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     serve(state, Endpoint::Responses, &headers, body).instrument(request_span(&headers)).await
+}
+
+async fn messages(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(state, Endpoint::Messages, &headers, body).instrument(request_span(&headers)).await
 }
 
 /// vLLM's span for a request (`--otlp-traces-endpoint`): `llm_request`, a server span that is a
@@ -263,8 +268,9 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
         Ok(r) => r,
         Err(refusal) => return refusal.into_response(&state),
     };
-    // Disaggregation covers completions and chat; a Responses request is always served here.
-    let plan = if endpoint == Endpoint::Responses { Ok(Plan::Local) } else { state.protocol.plan(&body) };
+    // Disaggregation covers completions and chat; a Responses or Messages request is always
+    // served here.
+    let plan = if endpoint.is_converted() { Ok(Plan::Local) } else { state.protocol.plan(&body) };
     let plan = match plan {
         Ok(plan) => plan,
         Err(message) => return error(&state, StatusCode::BAD_REQUEST, "BadRequestError", message),
@@ -305,7 +311,8 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
         (0..fanout.sequences()).map(|_| (0..max_tokens).map(|_| rng.random_range(1000..9000)).collect()).collect();
     let kind = match endpoint {
         Endpoint::Completions => "cmpl-",
-        Endpoint::ChatCompletions => "chatcmpl-",
+        // vLLM's Messages API answers with its chat completion's id.
+        Endpoint::ChatCompletions | Endpoint::Messages => "chatcmpl-",
         Endpoint::Responses => "resp_",
     };
     let id = format!("{kind}{:016x}", rng.random::<u64>());
@@ -355,6 +362,10 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
             let response = stream_response(state.clone(), request, id, prompt_len, max_tokens, submitted.tokens);
             return disaggregation_headers(&state, response, origin, None);
         }
+        (Endpoint::Messages, true) => {
+            let response = stream_message(state.clone(), request, id, fanout.prompt_tokens(), submitted.tokens);
+            return disaggregation_headers(&state, response, origin, None);
+        }
         (_, true) => {
             let response = stream(state.clone(), endpoint, request, id, fanout, submitted, origin);
             return disaggregation_headers(&state, response, origin, None);
@@ -387,6 +398,10 @@ async fn serve(state: Arc<AppState>, endpoint: Endpoint, headers: &HeaderMap, bo
     let text = |seq: usize| state.tokenizer.decode(gathered.tokens(seq)).unwrap_or_default();
     if endpoint == Endpoint::Responses {
         let body = response_object(&id, request.model.as_str(), max_tokens, Some(&text(0)), Some(&usage));
+        return disaggregation_headers(&state, tagged(&state, Json(body).into_response()), origin, computed);
+    }
+    if endpoint == Endpoint::Messages {
+        let body = message_object(&id, request.model.as_str(), &text(0), &usage);
         return disaggregation_headers(&state, tagged(&state, Json(body).into_response()), origin, computed);
     }
     let choices: Vec<Value> = (0..gathered.fanout().sequences())

@@ -1,5 +1,5 @@
 //! The answers: a whole response object, or a stream of server-sent events, in the shape of
-//! each endpoint (completions, chat, Responses), with `usage` as vLLM reports it.
+//! each endpoint (completions, chat, Responses, Messages), with `usage` as vLLM reports it.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -117,6 +117,73 @@ pub(super) fn stream_response(
                 "response.completed",
                 json!({"response": response_object(&id, request.model.as_str(), max_tokens, Some(&text), Some(&usage))}),
             ),
+        ];
+        for bytes in closing {
+            if tx.send(bytes).await.is_err() {
+                return;
+            }
+        }
+    });
+    sse(&state, rx)
+}
+
+/// An Anthropic `message` object as vLLM writes it (`messages_full_converter`): output always
+/// stops at the limit, so `stop_reason` is `max_tokens`.
+pub(super) fn message_object(id: &str, model: &str, text: &str, usage: &Usage) -> Value {
+    json!({"id": id, "type": "message", "role": "assistant", "content": [{"type": "text", "text": text}],
+        "model": model, "stop_reason": "max_tokens", "stop_sequence": null, "usage": usage.anthropic_json()})
+}
+
+/// A streamed Messages request, with the events vLLM sends for a text answer
+/// (`message_stream_converter`): `message_start`, a text block opened, one
+/// `content_block_delta` per token, the block closed, `message_delta` carrying the stop reason
+/// and `usage`, then `message_stop`.
+pub(super) fn stream_message(
+    state: Arc<AppState>,
+    request: ParsedRequest,
+    id: String,
+    prompt_len: usize,
+    mut tokens_rx: tokio::sync::mpsc::UnboundedReceiver<Produced>,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(16);
+    let worker = state.clone();
+    tokio::spawn(async move {
+        let event = |kind: &str, mut data: Value| -> Bytes {
+            data["type"] = json!(kind);
+            Bytes::from(format!("event: {kind}\ndata: {data}\n\n"))
+        };
+        let mut usage = Usage { prompt: prompt_len, completion: 0, cached: 0, details: worker.prompt_tokens_details };
+        let message = json!({"id": id, "type": "message", "role": "assistant", "content": [],
+            "model": request.model.as_str(), "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": prompt_len, "output_tokens": 0}});
+        let opening = [
+            event("message_start", json!({"message": message})),
+            event("content_block_start", json!({"index": 0, "content_block": {"type": "text", "text": ""}})),
+        ];
+        for bytes in opening {
+            if tx.send(bytes).await.is_err() {
+                return;
+            }
+        }
+        while let Some(Produced { emitted: e, .. }) = tokens_rx.recv().await {
+            usage.completion = e.index;
+            usage.cached = e.cached_tokens;
+            let delta = worker.tokenizer.decode(&[e.token]).unwrap_or_default();
+            let data = json!({"index": 0, "delta": {"type": "text_delta", "text": delta}});
+            if tx.send(event("content_block_delta", data)).await.is_err() {
+                return;
+            }
+            if e.finished {
+                break;
+            }
+        }
+        let closing = [
+            event("content_block_stop", json!({"index": 0})),
+            event(
+                "message_delta",
+                json!({"delta": {"stop_reason": "max_tokens", "stop_sequence": null}, "usage": usage.anthropic_json()}),
+            ),
+            event("message_stop", json!({})),
         ];
         for bytes in closing {
             if tx.send(bytes).await.is_err() {
