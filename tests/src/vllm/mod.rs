@@ -12,7 +12,11 @@
 //!    (1c) `/v1/responses` requests (instructions, input items, tool calls and outputs,
 //!    reasoning effort, a continued answer) count as many prompt tokens in kvgate as in vLLM's
 //!    `usage.input_tokens`, in Envoy too, and a streamed chat whose client asked for no usage
-//!    reaches it without a usage event while kvgate still reads vLLM's;
+//!    reaches it without a usage event while kvgate still reads vLLM's; Anthropic
+//!    `/v1/messages` requests (system blocks with Claude Code's billing header, an inline
+//!    system reminder, tool use and results, thinking history, thinking disabled), streamed and
+//!    not, count as many prompt tokens in kvgate as vLLM's `usage` (its `input_tokens` plus
+//!    `cache_read_input_tokens`), in Envoy too;
 //! 2. routing follows the real cache — a prefix warmed directly on one engine draws the same
 //!    prefix through Envoy there, and vLLM serves it from cache (for each engine); (2a) a
 //!    prefix warmed under a `cache_salt` is credited to that salt only, as vLLM caches it;
@@ -21,8 +25,9 @@
 //! 5. sidecar restart — the index is rebuilt (replay or live events) and routing follows again;
 //! 6. engine restart — the restarted engine's seq starts over, it is cleared, and the prefix it
 //!    lost is credited nowhere;
-//! 7. a second family (Llama 3.2) — parity as in 1, then, on its engine's small KV cache,
-//!    predictions under load with evictions;
+//! 7. a second family (Llama 3.2) — parity as in 1, `/v1/messages` as in 1c (its template
+//!    ignores `reasoning_effort`, so vLLM turns thinking off with effort "low"), then, on its
+//!    engine's small KV cache, predictions under load with evictions;
 //! 8. prefill/decode — kvgate's vLLM disaggregation in front of two engines sharing KV through
 //!    vLLM's `ExampleConnector`, which runs without a GPU.
 //!
@@ -168,6 +173,15 @@ fn parity_cases() -> Vec<(&'static str, &'static str, Value)> {
         ),
         ("chat, enable_thinking false", "/v1/chat/completions", no_thinking),
         (
+            "chat, a system message after the first turn",
+            "/v1/chat/completions",
+            chat(json!([
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "first"},
+                {"role": "system", "content": "A reminder."},
+                {"role": "user", "content": "second"}])),
+        ),
+        (
             "chat, unicode",
             "/v1/chat/completions",
             chat(json!([{"role": "user", "content": "Grüße aus Zürich — 你好，世界 🌍🚀 naïve café"}])),
@@ -184,7 +198,7 @@ fn parity_cases() -> Vec<(&'static str, &'static str, Value)> {
 /// kvgate's token ids for a body (`kvgate-sidecar tokenize`, the filter's own code).
 fn kvgate_ids(artifacts: &Artifacts, path: &str, body: &Value) -> anyhow::Result<Vec<u64>> {
     use std::io::Write as _;
-    let endpoint = ["chat", "responses"].into_iter().find(|e| path.contains(e)).unwrap_or("completions");
+    let endpoint = ["chat", "responses", "messages"].into_iter().find(|e| path.contains(e)).unwrap_or("completions");
     let mut child = Command::new(&artifacts.sidecar)
         .args(["tokenize", "--block-size", &BLOCK.to_string(), "--endpoint", endpoint, "--model-dir"])
         .arg(&artifacts.model_dir)
@@ -406,11 +420,95 @@ fn responses_cases() -> Vec<(&'static str, Value)> {
     ]
 }
 
-/// Check 1c: `/v1/responses` counted as vLLM counts it, directly and through Envoy, and a
-/// stream whose client asked for no usage still checked. Returns the row and how many
+/// The Anthropic Messages requests of checks 1c and 7, for `model`.
+fn messages_cases(model: &str) -> Vec<(&'static str, Value)> {
+    let body = |system: Value, messages: Value| json!({"model": model, "max_tokens": 1, "system": system, "messages": messages});
+    let system = json!([{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=7f3a"},
+        {"type": "text", "text": "You are a coding agent."}, {"type": "text", "text": " Use the tools."}]);
+    let reminder = body(
+        json!("Top."),
+        json!([{"role": "user", "content": "first"},
+        {"role": "assistant", "content": [{"type": "text", "text": "one"}]},
+        {"role": "system", "content": "<system-reminder>todo list</system-reminder>"},
+        {"role": "user", "content": "second"}]),
+    );
+    let mut tools = body(
+        system.clone(),
+        json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Call it.", "signature": "s"},
+            {"type": "text", "text": "Checking."},
+            {"type": "tool_use", "id": "toolu_01", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01", "content": "21C"},
+            {"type": "text", "text": "And Tokyo?"}]}]),
+    );
+    tools["tools"] = json!([{"name": "get_weather", "description": "Weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]);
+    let mut off = body(system.clone(), json!([{"role": "user", "content": "2+2?"}]));
+    off["thinking"] = json!({"type": "disabled"});
+    let mut streamed = tools.clone();
+    streamed["stream"] = json!(true);
+    vec![
+        ("system blocks and the billing header", body(system, json!([{"role": "user", "content": "hi"}]))),
+        ("an inline system reminder", reminder),
+        ("thinking, tool use and results", tools),
+        ("thinking disabled", off),
+        ("streamed", streamed),
+    ]
+}
+
+/// The prompt tokens in a Messages `usage`: vLLM's `input_tokens` leave out the cache's.
+fn messages_prompt(usage: &Value) -> u64 {
+    ["input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"]
+        .iter()
+        .filter_map(|k| usage[*k].as_u64())
+        .sum()
+}
+
+/// `/v1/messages` counted by kvgate, vLLM and the filter in Envoy: what differs, and how many
 /// requests went through the gateway.
-fn responses_and_usage(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<(Row, u64)> {
+fn messages_counted(stack: &Stack, artifacts: &Artifacts, model: &str) -> anyhow::Result<(Vec<String>, u64)> {
     let mut problems = Vec::new();
+    let cases = messages_cases(model);
+    for (name, body) in &cases {
+        let ours = kvgate_ids(artifacts, "/v1/messages", body)?.len() as u64;
+        let reply = post(&stack.gateway("/v1/messages"), body.to_string(), &[])?;
+        anyhow::ensure!(reply.status == 200, "{name}: vLLM answered {}: {}", reply.status, reply.body);
+        let theirs = if body["stream"] == json!(true) {
+            let delta = reply.body.split("\n\n").find(|e| e.starts_with("event: message_delta"));
+            let data = delta.and_then(|d| d.split_once("data: ")).map(|(_, data)| data).unwrap_or("{}");
+            messages_prompt(&serde_json::from_str::<Value>(data)?["usage"])
+        } else {
+            messages_prompt(&reply.json()["usage"])
+        };
+        let in_envoy: u64 = reply.header("x-kvgate-prompt-tokens").parse().unwrap_or(0);
+        if ours != theirs || in_envoy != theirs {
+            problems.push(format!("{name}: vLLM {theirs} prompt tokens, kvgate {ours}, filter in Envoy {in_envoy}"));
+        }
+    }
+    Ok((problems, cases.len() as u64))
+}
+
+/// Check 7's Messages row, on the second family.
+fn messages_row(stack: &Stack, artifacts: &Artifacts, model: &str) -> anyhow::Result<Row> {
+    let (problems, n) = messages_counted(stack, artifacts, model)?;
+    Ok(Row {
+        scenario: "7a. Anthropic Messages on Llama 3.2",
+        expected: "kvgate counts each /v1/messages prompt as vLLM's usage (input_tokens + cache_read_input_tokens), in Envoy too, with thinking disabled as effort \"low\"",
+        measured: if problems.is_empty() {
+            format!("{n} of {n} Messages requests counted alike")
+        } else {
+            problems.join("; ")
+        },
+        pass: problems.is_empty(),
+    })
+}
+
+/// Check 1c: `/v1/responses` and `/v1/messages` counted as vLLM counts them, directly and
+/// through Envoy, and a stream whose client asked for no usage still checked. Returns the row
+/// and how many requests went through the gateway.
+fn responses_and_usage(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<(Row, u64)> {
+    let (mut problems, messages) = messages_counted(stack, artifacts, "qwen3")?;
     let cases = responses_cases();
     for (name, body) in &cases {
         let ours = kvgate_ids(artifacts, "/v1/responses", body)?.len() as u64;
@@ -436,16 +534,19 @@ fn responses_and_usage(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<(
         problems.push("a client that asked for usage did not get it".into());
     }
     let row = Row {
-        scenario: "1c. Responses and usage on the client's behalf",
-        expected: "kvgate counts each /v1/responses prompt as vLLM's usage.input_tokens, in Envoy too; a stream whose client asked for no usage gets none (and is still checked in 2b), one that asked gets it",
+        scenario: "1c. Responses, Messages and usage on the client's behalf",
+        expected: "kvgate counts each /v1/responses prompt as vLLM's usage.input_tokens and each /v1/messages prompt as its input_tokens + cache_read_input_tokens, in Envoy too; a stream whose client asked for no usage gets none (and is still checked in 2b), one that asked gets it",
         measured: if problems.is_empty() {
-            format!("{} of {} Responses requests counted alike; the streams as their clients asked", cases.len(), cases.len())
+            format!(
+                "{n} of {n} Responses and {messages} of {messages} Messages requests counted alike; the streams as their clients asked",
+                n = cases.len()
+            )
         } else {
             problems.join("; ")
         },
         pass: problems.is_empty(),
     };
-    Ok((row, cases.len() as u64 + 2))
+    Ok((row, cases.len() as u64 + messages + 2))
 }
 
 /// Waits until the sidecar's index for `id` satisfies `ok`; returns the last count.
@@ -970,6 +1071,7 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
     };
     let stack = Stack::start_with_engines(&opts, &llama, vec![engine])?;
     done(parity(&stack, &llama, "llama", "7. a second family: Llama 3.2 (its template prints today's date)")?);
+    done(messages_row(&stack, &llama, "llama")?);
     done(load::check(&stack, &EVICTION_CASE)?.0);
     drop(stack);
     done(prefill_decode(setup, artifacts, Connector::Example)?);
