@@ -223,6 +223,34 @@ fn kvgate_configs_and_filter_configs_validate_and_agree_with_the_engines() {
     assert_eq!(telemetry["spec"]["tracing"][0]["providers"][0]["name"], "otel");
 }
 
+/// The Envoy Gateway manifest traces as the chart does: Envoy's spans and the sidecar's go to
+/// the same collector (OTLP/gRPC for Envoy, OTLP/HTTP for the sidecar), sampled alike, and the
+/// sidecar follows the parent's sampling so that a trace is whole or absent.
+#[test]
+fn envoy_gateway_traces_envoy_and_the_sidecar_to_one_collector() {
+    let docs = documents(&repo().join("envoy/gateway-api"));
+    let proxy = &find(&docs, "EnvoyProxy", "kvgate")["spec"];
+    let tracing = &proxy["telemetry"]["tracing"];
+    assert_eq!(tracing["provider"]["type"], "OpenTelemetry");
+    let backend = &tracing["provider"]["backendRefs"][0];
+    let containers = proxy["provider"]["kubernetes"]["envoyDeployment"]["patch"]["value"]["spec"]["template"]["spec"]
+        ["containers"]
+        .as_array()
+        .unwrap();
+    let sidecar = containers.iter().find(|c| c["name"] == "kvgate-sidecar").unwrap();
+    let env = |name: &str| {
+        sidecar["env"].as_array().unwrap().iter().find(|e| e["name"] == name).map(|e| e["value"].as_str().unwrap())
+    };
+    let endpoint = env("OTEL_EXPORTER_OTLP_ENDPOINT").unwrap();
+    let collector =
+        format!("http://{}.{}.svc:", backend["name"].as_str().unwrap(), backend["namespace"].as_str().unwrap());
+    assert!(endpoint.starts_with(&collector), "{endpoint} is not the collector Envoy sends to ({collector}…)");
+    assert_ne!(endpoint.rsplit(':').next().unwrap(), backend["port"].to_string(), "the sidecar speaks OTLP/HTTP");
+    assert_eq!(env("OTEL_TRACES_SAMPLER"), Some("parentbased_traceidratio"));
+    let ratio: f64 = env("OTEL_TRACES_SAMPLER_ARG").unwrap().parse().unwrap();
+    assert!((ratio * 100.0 - tracing["samplingRate"].as_f64().unwrap()).abs() < 1e-9, "sampled alike");
+}
+
 #[test]
 fn the_dashboard_queries_only_exported_metrics() {
     let known = common::exported_metrics();
