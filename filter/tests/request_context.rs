@@ -531,21 +531,16 @@ fn an_offloaded_stream_asks_for_usage_too() {
     assert_eq!(upstream["stream_options"]["include_usage"], true);
 }
 
-/// A Responses request is routed on its rendered prompt; its usage comes from
-/// `response.completed`, so nothing is asked for.
-#[test]
-fn a_responses_request_is_routed_and_its_usage_read() {
-    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "input": "hello there", "stream": true,
-        "instructions": "Be brief."})
-    .to_string();
-    let (mut ctx, fake) = request(&body, &[], FilterConfig::default());
-    fake.0.borrow_mut().request_headers.insert(":path".into(), "/v1/responses".into());
+/// A request to `path` (an endpoint the engine builds a chat from) is routed on its rendered
+/// prompt, which is `chat`'s, and its body goes upstream as sent: nothing is asked for. Returns
+/// the request, answered by the sidecar and routed to `127.0.0.1:8001`.
+fn routed_as_its_chat(body: &str, path: &str, chat: serde_json::Value) -> (Request<Fake>, Fake) {
+    let (mut ctx, fake) = request(body, &[], FilterConfig::default());
+    fake.0.borrow_mut().request_headers.insert(":path".into(), path.into());
     assert_eq!(send(&mut ctx, &fake), Action::Pause);
     let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
     assert_eq!(sent.prompt_count, PromptCount::Exact, "rendered and tokenized in the filter");
-    let same_chat = serde_json::json!({"model": "Qwen/Qwen3-0.6B",
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]});
-    let (mut chat_ctx, chat_fake) = request(&same_chat.to_string(), &[], FilterConfig::default());
+    let (mut chat_ctx, chat_fake) = request(&chat.to_string(), &[], FilterConfig::default());
     send(&mut chat_ctx, &chat_fake);
     let as_chat: RouteRequest = codec::decode(&chat_fake.0.borrow().calls[0].1).unwrap();
     assert_eq!(
@@ -553,9 +548,26 @@ fn a_responses_request_is_routed_and_its_usage_read() {
         (as_chat.prompt_tokens, &as_chat.block_hashes),
         "as vLLM renders it"
     );
-    assert_eq!(fake.0.borrow().request_body, body.clone().into_bytes(), "nothing asked for");
+    assert_eq!(fake.0.borrow().request_body, body.as_bytes(), "nothing asked for");
     let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
     ctx.on_call_response(1, 2, size);
+    (ctx, fake)
+}
+
+/// The chat vLLM renders for the requests below.
+fn brief_chat() -> serde_json::Value {
+    serde_json::json!({"model": "Qwen/Qwen3-0.6B",
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]})
+}
+
+/// A Responses request is routed on its rendered prompt; its usage comes from
+/// `response.completed`, so nothing is asked for.
+#[test]
+fn a_responses_request_is_routed_and_its_usage_read() {
+    let body = serde_json::json!({"model": "Qwen/Qwen3-0.6B", "input": "hello there", "stream": true,
+        "instructions": "Be brief."})
+    .to_string();
+    let (mut ctx, fake) = routed_as_its_chat(&body, "/v1/responses", brief_chat());
     let completed = "event: response.completed\ndata: {\"response\":{\"usage\":{\"input_tokens\":21,\"input_tokens_details\":{\"cached_tokens\":16}}},\"type\":\"response.completed\"}\n\n";
     respond(&mut ctx, &fake, "127.0.0.1:8001", completed);
     assert!(kinds(&fake).contains(&LifecycleKind::Usage { prompt_tokens: 21, cached_tokens: Some(16) }));
@@ -570,24 +582,7 @@ fn a_messages_request_is_routed_and_its_usage_read() {
         "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=9"}, {"type": "text", "text": "Be brief."}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]})
     .to_string();
-    let (mut ctx, fake) = request(&body, &[], FilterConfig::default());
-    fake.0.borrow_mut().request_headers.insert(":path".into(), "/v1/messages".into());
-    assert_eq!(send(&mut ctx, &fake), Action::Pause);
-    let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
-    assert_eq!(sent.prompt_count, PromptCount::Exact, "rendered and tokenized in the filter");
-    let same_chat = serde_json::json!({"model": "Qwen/Qwen3-0.6B",
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]});
-    let (mut chat_ctx, chat_fake) = request(&same_chat.to_string(), &[], FilterConfig::default());
-    send(&mut chat_ctx, &chat_fake);
-    let as_chat: RouteRequest = codec::decode(&chat_fake.0.borrow().calls[0].1).unwrap();
-    assert_eq!(
-        (sent.prompt_tokens, &sent.block_hashes),
-        (as_chat.prompt_tokens, &as_chat.block_hashes),
-        "as vLLM renders it"
-    );
-    assert_eq!(fake.0.borrow().request_body, body.clone().into_bytes(), "nothing asked for");
-    let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
-    ctx.on_call_response(1, 2, size);
+    let (mut ctx, fake) = routed_as_its_chat(&body, "/v1/messages", brief_chat());
     let delta = "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"},\"usage\":{\"input_tokens\":5,\"output_tokens\":4,\"cache_read_input_tokens\":16}}\n\n";
     respond(&mut ctx, &fake, "127.0.0.1:8001", delta);
     assert!(kinds(&fake).contains(&LifecycleKind::Usage { prompt_tokens: 21, cached_tokens: Some(16) }));

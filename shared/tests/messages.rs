@@ -7,69 +7,27 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use kvgate_shared::prompt::openai::{parse, Endpoint, Prompt};
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::prompt::PromptError;
 use kvgate_shared::wire::ModelBundle;
-use serde_json::Value;
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-/// Checks one model's reference file; returns how many cases it holds.
+/// Checks one model's reference file: vLLM's two per-model decisions, then every case;
+/// returns how many cases it holds.
 fn check(model: &str) -> usize {
-    let file = repo().join("testdata/parity/messages").join(format!("{model}-messages.json"));
-    let reference: Value = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
-    let dir = match model {
-        "qwen3" => repo().join("models/qwen3-0.6b"),
-        family => repo().join("../shared/testdata/tokenizers").join(family),
-    };
-    let bundle = ModelBundle::from_dir(model, &dir, 16).unwrap();
-    let now = reference["now_unix"].as_i64().unwrap();
-    let template = bundle.template().unwrap().unwrap();
+    let cases = common::EndpointCases::load("messages", model);
+    let template = cases.bundle.template().unwrap().unwrap();
     assert_eq!(
         template.requires_system_first(),
-        reference["merge_inline_system"].as_bool().unwrap(),
+        cases.reference["merge_inline_system"].as_bool().unwrap(),
         "{model}: where inline system messages go"
     );
     assert_eq!(
-        template.disabled_thinking_effort(now),
-        reference["disabled_thinking_effort"].as_str().unwrap(),
+        template.disabled_thinking_effort(cases.now()),
+        cases.reference["disabled_thinking_effort"].as_str().unwrap(),
         "{model}: the effort that turns thinking off"
     );
-    let tokenizer = ModelTokenizer::from_bundle(&bundle).unwrap();
-    let cases = reference["cases"].as_array().unwrap();
-    let mut failures = Vec::new();
-    for case in cases {
-        let name = case["name"].as_str().unwrap();
-        let mut body = case["request"].clone();
-        body["model"] = model.into();
-        let ids = parse(Endpoint::Messages, body.to_string().as_bytes()).and_then(|request| {
-            assert!(matches!(request.prompt, Prompt::Messages(_)), "{model} {name}");
-            tokenizer.prompt_head_at(&request, usize::MAX, now).map(|head| head.tokens)
-        });
-        match (ids, case.get("error")) {
-            (Err(_), Some(_)) => {}
-            (Ok(_), Some(e)) => failures.push(format!("{name}: rendered, but vLLM refuses it ({e})")),
-            (Err(e), None) => failures.push(format!("{name}: {e}")),
-            (Ok(ids), None) => {
-                if let Some(d) = common::divergence(&ids, &common::reference_ids(case)) {
-                    failures.push(format!("{name}: {d}"));
-                }
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{model}: {} of {} cases differ:\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n")
-    );
-    cases.len()
+    cases.check(Endpoint::Messages, |r| matches!(r.prompt, Prompt::Messages(_)))
 }
 
 #[test]
@@ -79,16 +37,14 @@ fn qwen3_messages_match_vllm() {
 
 #[test]
 fn every_template_family_renders_messages_as_vllm() {
-    for family in
-        ["llama-3.2-1b-instruct", "deepseek-v3", "gemma-3-1b-it", "mistral-nemo-instruct-2407", "phi-3.5-mini-instruct"]
-    {
+    for family in common::TEMPLATE_FAMILIES {
         assert!(check(family) >= 28, "{family}");
     }
 }
 
 #[test]
 fn messages_to_a_harmony_model_are_left_to_the_engine() {
-    let dir = repo().join("../shared/testdata/tokenizers/gpt-oss-20b");
+    let dir = common::repo().join("../shared/testdata/tokenizers/gpt-oss-20b");
     let mut bundle = ModelBundle::from_dir("gpt-oss", &dir, 16).unwrap();
     bundle.renderer = kvgate_shared::prompt::Renderer::Harmony;
     let tokenizer = ModelTokenizer::from_bundle(&bundle).unwrap();

@@ -61,33 +61,72 @@ class FrozenDatetime(datetime.datetime):
         return cls.frozen if tz is None else cls.frozen.astimezone(tz)
 
 
-def main():
-    src, out = sys.argv[1], sys.argv[2]
+def freeze_now():
+    """Pins the date templates print to now (UTC); returns it in seconds since the epoch."""
     now_unix = int(time.time())
     FrozenDatetime.frozen = FrozenDatetime.fromtimestamp(now_unix, datetime.timezone.utc).replace(tzinfo=None)
+    return now_unix
+
+
+def template_models(qwen3, families):
+    """(tokenizer, name) for Qwen3 and every family vLLM renders with its template (all but
+    gpt-oss, which it renders with harmony)."""
+    yield AutoTokenizer.from_pretrained(qwen3), "qwen3"
+    tmp = tempfile.mkdtemp()
+    for family, model_type in FAMILIES.items():
+        if model_type != "gpt_oss":
+            yield AutoTokenizer.from_pretrained(model_dir(os.path.abspath(families), family, model_type, tmp)), family
+
+
+def case_rows(tok, cases, render_case):
+    """Each case's request with the text `render_case(request)` gives and its ids, or the error
+    it raised (vLLM answers 400 then), at the frozen date."""
+    rows = []
+    with mock.patch("datetime.datetime", FrozenDatetime):
+        for name, request in cases.items():
+            row = {"name": name, "request": request}
+            try:
+                text = render_case(request)
+                row["rendered"] = text
+                row["ids"] = tok.encode(text, add_special_tokens=False)
+            except Exception as e:  # vLLM answers 400
+                row["error"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+    return rows
+
+
+def write_vectors(out, name, kind, doc):
+    """Writes OUT/<name>-<kind>.json; returns its path and how many of its cases raise."""
+    path = os.path.join(out, f"{name}-{kind}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, ensure_ascii=False, indent=1)
+    return path, sum("error" in r for r in doc["cases"])
+
+
+def for_template_models(write):
+    """`write(tok, name, out, now_unix)` for Qwen3 and every template family, from the command
+    line's MODELS_QWEN3_DIR TESTDATA_TOKENIZERS_DIR OUT_DIR, at one frozen instant."""
+    qwen3, families, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    os.makedirs(out, exist_ok=True)
+    now_unix = freeze_now()
+    for tok, name in template_models(qwen3, families):
+        write(tok, name, out, now_unix)
+
+
+def main():
+    src, out = os.path.abspath(sys.argv[1]), sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    now_unix = freeze_now()
     tmp = tempfile.mkdtemp()
     for family, model_type in FAMILIES.items():
         tok = AutoTokenizer.from_pretrained(model_dir(src, family, model_type, tmp))
         template = tok.chat_template
         fmt = _detect_content_format(template, default="string")
-        rows = []
-        with mock.patch("datetime.datetime", FrozenDatetime):
-            for name, req in CASES.items():
-                row = {"name": name, "request": req}
-                try:
-                    text = render(tok, req, fmt, template)
-                    row["rendered"] = text
-                    row["ids"] = tok.encode(text, add_special_tokens=False)
-                except Exception as e:  # the template raised: vLLM answers 400
-                    row["error"] = f"{type(e).__name__}: {e}"
-                rows.append(row)
+        rows = case_rows(tok, CASES, lambda req: render(tok, req, fmt, template))
         doc = {"generated_by": "tools/parity/gen_families.py", "family": family, "content_format": fmt,
                "tokenizer_class": type(tok).__name__, "transformers": transformers.__version__,
                "now_unix": now_unix, "cases": rows}
-        path = os.path.join(out, f"{family}-chat.json")
-        with open(path, "w") as f:
-            json.dump(doc, f, ensure_ascii=False, indent=1)
-        errors = sum("error" in r for r in rows)
+        path, errors = write_vectors(out, family, "chat", doc)
         print(f"{family}: {type(tok).__name__}, {fmt} content, {len(rows)} cases ({errors} raise) -> {path}")
 
 

@@ -14,25 +14,21 @@ recorded with the error. Templates that print the date are rendered at `now_unix
 
 Usage: TZ=UTC VENV/bin/python tools/parity/gen_messages.py MODELS_QWEN3_DIR TESTDATA_TOKENIZERS_DIR OUT_DIR
 """
-import datetime
 import json
 import os
 import sys
-import tempfile
-import time
+from typing import get_args
 from unittest import mock
 
 import transformers
-from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gen_families import FAMILIES, FrozenDatetime, model_dir  # noqa: E402
+from gen_families import FrozenDatetime, case_rows, for_template_models, write_vectors  # noqa: E402
 from gen_reference import LONG, render  # noqa: E402
 
 from vllm.entrypoints.anthropic.protocol import AnthropicEffort, AnthropicMessagesRequest  # noqa: E402
 from vllm.entrypoints.anthropic.serving import AnthropicServingMessages  # noqa: E402
 from vllm.renderers.hf import _detect_content_format  # noqa: E402
-from typing import get_args  # noqa: E402
 
 WEATHER = {"name": "get_weather", "description": "Current weather ünïcode",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -169,43 +165,17 @@ def write(tok, name, out, now_unix):
     template = tok.chat_template
     fmt = _detect_content_format(template, default="string")
     merge = AnthropicServingMessages._detect_merge_inline_system(template)
-    rows = []
     with mock.patch("datetime.datetime", FrozenDatetime):
         effort = disabled_thinking_effort(tok, fmt, template)
-        for case, body in CASES.items():
-            body = body_of(body)
-            row = {"name": case, "request": body}
-            try:
-                chat = chat_request(body, template, fmt, merge, effort)
-                text = render(tok, chat, fmt, template)
-                row["rendered"] = text
-                row["ids"] = tok.encode(text, add_special_tokens=False)
-            except Exception as e:  # vLLM answers 400
-                row["error"] = f"{type(e).__name__}: {e}"
-            rows.append(row)
+    cases = {case: body_of(body) for case, body in CASES.items()}
+    rows = case_rows(tok, cases, lambda body: render(tok, chat_request(body, template, fmt, merge, effort), fmt, template))
     doc = {"generated_by": "tools/parity/gen_messages.py", "model": name, "content_format": fmt,
            "merge_inline_system": merge, "disabled_thinking_effort": effort,
            "transformers": transformers.__version__, "now_unix": now_unix, "cases": rows}
-    path = os.path.join(out, f"{name}-messages.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, ensure_ascii=False, indent=1)
-    errors = sum("error" in r for r in rows)
+    path, errors = write_vectors(out, name, "messages", doc)
     print(f"{name}: {fmt} content, merge {merge}, disabled thinking -> {effort!r}, "
           f"{len(rows)} cases ({errors} raise) -> {path}")
 
 
-def main():
-    qwen3, families, out = sys.argv[1], os.path.abspath(sys.argv[2]), sys.argv[3]
-    os.makedirs(out, exist_ok=True)
-    now_unix = int(time.time())
-    FrozenDatetime.frozen = FrozenDatetime.fromtimestamp(now_unix, datetime.timezone.utc).replace(tzinfo=None)
-    write(AutoTokenizer.from_pretrained(qwen3), "qwen3", out, now_unix)
-    tmp = tempfile.mkdtemp()
-    for family, model_type in FAMILIES.items():
-        if model_type == "gpt_oss":
-            continue
-        write(AutoTokenizer.from_pretrained(model_dir(families, family, model_type, tmp)), family, out, now_unix)
-
-
 if __name__ == "__main__":
-    main()
+    for_template_models(write)

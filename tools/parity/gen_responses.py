@@ -13,19 +13,14 @@ date are rendered at `now_unix`.
 
 Usage: TZ=UTC target/vllm-venv/bin/python tools/parity/gen_responses.py MODELS_QWEN3_DIR TESTDATA_TOKENIZERS_DIR OUT_DIR
 """
-import datetime
 import json
 import os
 import sys
-import tempfile
-import time
-from unittest import mock
 
 import transformers
-from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gen_families import FAMILIES, FrozenDatetime, model_dir  # noqa: E402
+from gen_families import case_rows, for_template_models, write_vectors  # noqa: E402
 from gen_reference import LONG, render  # noqa: E402
 
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest  # noqa: E402
@@ -131,38 +126,12 @@ def render_chat(tok, chat, fmt, template):
 def write(tok, name, out, now_unix):
     template = tok.chat_template
     fmt = _detect_content_format(template, default="string")
-    rows = []
-    with mock.patch("datetime.datetime", FrozenDatetime):
-        for case, body in CASES.items():
-            row = {"name": case, "request": body}
-            try:
-                text = render_chat(tok, chat_request(body, template, fmt), fmt, template)
-                row["rendered"] = text
-                row["ids"] = tok.encode(text, add_special_tokens=False)
-            except Exception as e:  # vLLM answers 400
-                row["error"] = f"{type(e).__name__}: {e}"
-            rows.append(row)
+    rows = case_rows(tok, CASES, lambda body: render_chat(tok, chat_request(body, template, fmt), fmt, template))
     doc = {"generated_by": "tools/parity/gen_responses.py", "model": name, "content_format": fmt,
            "transformers": transformers.__version__, "now_unix": now_unix, "cases": rows}
-    path = os.path.join(out, f"{name}-responses.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, ensure_ascii=False, indent=1)
-    errors = sum("error" in r for r in rows)
+    path, errors = write_vectors(out, name, "responses", doc)
     print(f"{name}: {fmt} content, {len(rows)} cases ({errors} raise) -> {path}")
 
 
-def main():
-    qwen3, families, out = sys.argv[1], os.path.abspath(sys.argv[2]), sys.argv[3]
-    os.makedirs(out, exist_ok=True)
-    now_unix = int(time.time())
-    FrozenDatetime.frozen = FrozenDatetime.fromtimestamp(now_unix, datetime.timezone.utc).replace(tzinfo=None)
-    write(AutoTokenizer.from_pretrained(qwen3), "qwen3", out, now_unix)
-    tmp = tempfile.mkdtemp()
-    for family, model_type in FAMILIES.items():
-        if model_type == "gpt_oss":
-            continue
-        write(AutoTokenizer.from_pretrained(model_dir(families, family, model_type, tmp)), family, out, now_unix)
-
-
 if __name__ == "__main__":
-    main()
+    for_template_models(write)
