@@ -58,10 +58,14 @@ async fn post(state: Arc<AppState>, body: Vec<u8>) -> (StatusCode, Vec<u8>) {
 }
 
 fn offload(body: &str) -> Vec<u8> {
+    offload_to(Endpoint::ChatCompletions, body)
+}
+
+fn offload_to(endpoint: Endpoint, body: &str) -> Vec<u8> {
     let request = RouteBodyRequest {
         request_id: "r1".into(),
         client_request_id: None,
-        endpoint: Endpoint::ChatCompletions,
+        endpoint,
         body: body.as_bytes().into(),
         session: None,
         overrides: None,
@@ -103,6 +107,41 @@ async fn an_offloaded_prompt_follows_its_cached_prefix() {
     assert_eq!(answer.replica.as_deref(), Some("r2"));
     assert_eq!(answer.endpoint.as_deref(), Some("127.0.0.1:9002"));
     assert_eq!(answer.overlap_blocks as usize, full, "every full block of the same tokens matched");
+}
+
+/// An Anthropic Messages body is rendered as the filter renders it: Claude Code's billing
+/// header, different on every request, is dropped, so the request finds the prefix an earlier
+/// one left.
+#[tokio::test]
+async fn an_offloaded_messages_body_follows_its_cached_prefix() {
+    let (state, pool) = state();
+    let body = |billing: &str| {
+        serde_json::json!({"model": "qwen3", "max_tokens": 8,
+            "system": [{"type": "text", "text": format!("x-anthropic-billing-header: cch={billing}")},
+                {"type": "text", "text": "a long shared system prompt ".repeat(40)}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "and?"}]}]})
+        .to_string()
+    };
+    let tokenizer = ModelTokenizer::from_bundle(&ModelBundle::from_dir("qwen3", &model_dir(), BLOCK).unwrap()).unwrap();
+    let earlier = tokenizer.prompt_tokens(&parse(Endpoint::Messages, body("a1").as_bytes()).unwrap()).unwrap();
+    let full = earlier.len() / BLOCK as usize;
+    let engine_hashes: Vec<EngineHash> = (1..=full as u64).map(EngineHash).collect();
+    let store = Store {
+        parent: None,
+        engine_hashes: &engine_hashes,
+        token_ids: &earlier[..full * BLOCK as usize],
+        block_size: BLOCK as usize,
+        salt: Salt::NONE,
+        extra: &[],
+        tier: Tier::Device,
+    };
+    pool.store_blocks(ReplicaIdx::new(1), store).unwrap();
+
+    let (status, answer) = post(state, offload_to(Endpoint::Messages, &body("b2"))).await;
+    assert_eq!(status, StatusCode::OK);
+    let answer: RouteResponse = codec::decode(&answer).unwrap();
+    assert_eq!(answer.replica.as_deref(), Some("r1"));
+    assert_eq!(answer.overlap_blocks as usize, full, "the billing header is not part of the prompt");
 }
 
 #[tokio::test]
