@@ -61,4 +61,12 @@ fn a_messages_body_reads_its_limits_and_keys() {
     assert_eq!(r.max_tokens, Some(64));
     assert!(r.stream && r.include_usage, "message_delta always carries usage");
     assert_eq!((r.session.as_deref(), r.cache_salt.as_deref(), r.samples), (Some("u1"), Some("tenant-a"), 1));
+    // vLLM passes kv_transfer_params on to the chat request, which takes forwarded ids as the
+    // prompt; the messages are still checked.
+    let forwarded = br#"{"model":"m","max_tokens":8,"kv_transfer_params":{"prompt_token_ids":[5,6,7]},
+        "messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(parse(Endpoint::Messages, forwarded).unwrap().prompt, Prompt::Tokens(vec![5, 6, 7]));
+    let invalid = br#"{"model":"m","max_tokens":8,"kv_transfer_params":{"prompt_token_ids":[5]},
+        "messages":[{"role":"tool","content":"hi"}]}"#;
+    assert!(parse(Endpoint::Messages, invalid).is_err());
 }

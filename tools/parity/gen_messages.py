@@ -24,7 +24,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gen_families import FrozenDatetime, case_rows, for_template_models, write_vectors  # noqa: E402
-from gen_reference import LONG, render  # noqa: E402
+from gen_reference import LONG, render, render_chat  # noqa: E402
 
 from vllm.entrypoints.anthropic.protocol import AnthropicEffort, AnthropicMessagesRequest  # noqa: E402
 from vllm.entrypoints.anthropic.serving import AnthropicServingMessages  # noqa: E402
@@ -110,6 +110,10 @@ CASES = {
                              "messages": [{"role": "user", "content": "2+2?"}]},
     "kwargs_thinking_off": {"chat_template_kwargs": {"enable_thinking": False},
                             "messages": [{"role": "user", "content": "2+2?"}]},
+    "kwargs_thinking_null_and_disabled": {"chat_template_kwargs": {"enable_thinking": None},
+                                          "thinking": {"type": "disabled"},
+                                          "messages": [{"role": "user", "content": "2+2?"}]},
+    "empty_tools": {"tools": [], "messages": [{"role": "user", "content": "Weather?"}]},
     "assistant_last": {"messages": [{"role": "user", "content": "Write a haiku"},
                                     {"role": "assistant", "content": "Autumn moon"}]},
     "long_document": {"system": LONG, "messages": [{"role": "user", "content": "Summarise."}]},
@@ -156,7 +160,7 @@ def chat_request(body, template, fmt, merge, effort):
     kwargs = dict(req.build_chat_params(template, fmt).chat_template_kwargs)
     chat = {"messages": req.messages, "add_generation_prompt": kwargs.pop("add_generation_prompt"),
             "continue_final_message": kwargs.pop("continue_final_message"), "chat_template_kwargs": kwargs}
-    if req.tools:
+    if req.tools is not None:
         chat["tools"] = req.tools
     return json.loads(json.dumps(chat, default=lambda o: o.model_dump()))
 
@@ -168,7 +172,7 @@ def write(tok, name, out, now_unix):
     with mock.patch("datetime.datetime", FrozenDatetime):
         effort = disabled_thinking_effort(tok, fmt, template)
     cases = {case: body_of(body) for case, body in CASES.items()}
-    rows = case_rows(tok, cases, lambda body: render(tok, chat_request(body, template, fmt, merge, effort), fmt, template))
+    rows = case_rows(tok, cases, lambda body: render_chat(tok, chat_request(body, template, fmt, merge, effort), fmt, template))
     doc = {"generated_by": "tools/parity/gen_messages.py", "model": name, "content_format": fmt,
            "merge_inline_system": merge, "disabled_thinking_effort": effort,
            "transformers": transformers.__version__, "now_unix": now_unix, "cases": rows}

@@ -126,7 +126,7 @@ def render(tok, req, fmt="string", template=None):
     for k in ("documents", "reasoning_effort"):
         if req.get(k) not in (None, "auto"):
             kwargs[k] = req[k]
-    if isinstance(req.get("reasoning_effort"), str) and "enable_thinking" not in kwargs:
+    if isinstance(req.get("reasoning_effort"), str) and "enable_thinking" not in (req.get("chat_template_kwargs") or {}):
         kwargs["enable_thinking"] = req["reasoning_effort"] != "none"
     kwargs["add_generation_prompt"] = req.get("add_generation_prompt", True)
     kwargs["continue_final_message"] = req.get("continue_final_message", False)
@@ -135,6 +135,19 @@ def render(tok, req, fmt="string", template=None):
     messages = consolidate(messages, template)
     tools = [normalize_tool(t) for t in req["tools"]] if req.get("tools") else None
     return tok.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=template, **kwargs)
+
+
+def render_chat(tok, chat, fmt, template):
+    """render(), except that an empty tool list reaches the template as one, as vLLM hands it
+    over (render() reads an empty list as no tools)."""
+    if chat.get("tools") != []:
+        return render(tok, chat, fmt, template)
+    apply = tok.apply_chat_template
+    tok.apply_chat_template = lambda *args, **kwargs: apply(*args, **{**kwargs, "tools": kwargs.get("tools") or []})
+    try:
+        return render(tok, chat, fmt, template)
+    finally:
+        del tok.apply_chat_template
 
 
 LONG = " ".join(f"paragraph {i}: the router keeps prefix blocks warm across replicas." for i in range(300))

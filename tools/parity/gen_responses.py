@@ -21,7 +21,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gen_families import case_rows, for_template_models, write_vectors  # noqa: E402
-from gen_reference import LONG, render  # noqa: E402
+from gen_reference import LONG, render_chat  # noqa: E402
 
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest  # noqa: E402
 from vllm.entrypoints.openai.responses.utils import construct_input_messages, construct_tool_dicts  # noqa: E402
@@ -108,19 +108,6 @@ def chat_request(body, template, fmt):
     if tools is not None:
         chat["tools"] = tools
     return json.loads(json.dumps(chat, default=lambda o: o.model_dump()))
-
-
-def render_chat(tok, chat, fmt, template):
-    """gen_reference.render, except that an empty tool list reaches the template as one, as
-    vLLM hands it over (render() reads an empty list as no tools)."""
-    if chat.get("tools") != []:
-        return render(tok, chat, fmt, template)
-    apply = tok.apply_chat_template
-    tok.apply_chat_template = lambda *args, **kwargs: apply(*args, **{**kwargs, "tools": kwargs.get("tools") or []})
-    try:
-        return render(tok, chat, fmt, template)
-    finally:
-        del tok.apply_chat_template
 
 
 def write(tok, name, out, now_unix):

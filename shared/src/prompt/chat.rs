@@ -93,8 +93,11 @@ impl ChatInput {
                 kwargs.insert(key.to_owned(), v.clone());
             }
         }
+        // vLLM looks for the key in the kwargs as sent: one sent as `null` is dropped later,
+        // but still keeps `enable_thinking` from being implied.
+        let sent = obj.get("chat_template_kwargs").and_then(Value::as_object);
         if let Some(effort) = obj.get("reasoning_effort").and_then(Value::as_str) {
-            if !kwargs.contains_key("enable_thinking") {
+            if !sent.is_some_and(|kw| kw.contains_key("enable_thinking")) {
                 kwargs.insert("enable_thinking".into(), Value::Bool(effort != "none"));
             }
         }
@@ -359,6 +362,10 @@ mod tests {
         assert!(!c.kwargs.contains_key("x"));
         let c = chat(json!({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"})).unwrap();
         assert_eq!(c.kwargs.get("enable_thinking"), Some(&Value::Bool(true)));
+        let c = chat(json!({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none",
+            "chat_template_kwargs": {"enable_thinking": null}}))
+        .unwrap();
+        assert!(!c.kwargs.contains_key("enable_thinking"), "sent as null: dropped, and not implied");
     }
 
     #[test]

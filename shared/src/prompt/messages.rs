@@ -18,7 +18,8 @@
 //!   assistant's into a `Tool result: …` text part; `redacted_thinking` and `tool_reference`
 //!   blocks are dropped; a user message left with no content is dropped;
 //! - tools are function tools (`input_schema` is the parameters, `"type": "object"` added when
-//!   missing);
+//!   missing); an empty `tools` list reaches the template as an empty list (vLLM sets it after
+//!   validating the chat request; with the tool parser agents need, the template gets `[]`);
 //! - `output_config.effort` is the template's `reasoning_effort`; `thinking: disabled` replaces
 //!   it with the effort vLLM found to turn thinking off for the model
 //!   ([`super::template::ChatTemplate::disabled_thinking_effort`]).
@@ -51,6 +52,8 @@ pub struct MessagesChat {
     fields: Map<String, Value>,
     /// `thinking: {"type": "disabled"}`.
     thinking_disabled: bool,
+    /// `tools: []`: the template gets an empty list.
+    empty_tools: bool,
 }
 
 /// One entry of the converted conversation.
@@ -91,7 +94,9 @@ impl MessagesChat {
             convert_message(message, now, &mut turns)?;
         }
         let mut fields = Map::new();
-        if let Some(tools) = tools(obj.get("tools"))? {
+        let tools = tools(obj.get("tools"))?;
+        let empty_tools = tools.as_ref().is_some_and(Vec::is_empty);
+        if let Some(tools) = tools.filter(|t| !t.is_empty()) {
             fields.insert("tools".into(), Value::Array(tools));
         }
         check_tool_choice(obj.get("tool_choice"))?;
@@ -108,7 +113,7 @@ impl MessagesChat {
         // A prefill leg (`do_remote_decode`) is sent with `max_tokens: 1`: vLLM skips the check.
         let prefill_leg = obj.get("kv_transfer_params").and_then(|p| p.get("do_remote_decode")).is_some_and(truthy);
         let thinking_disabled = thinking_disabled(obj.get("thinking"), (!prefill_leg).then_some(max_tokens))?;
-        Ok(MessagesChat { system, turns, fields, thinking_disabled })
+        Ok(MessagesChat { system, turns, fields, thinking_disabled, empty_tools })
     }
 
     /// The chat vLLM renders: inline system messages merged into the leading one when
@@ -141,7 +146,11 @@ impl MessagesChat {
         if self.thinking_disabled {
             body.insert("reasoning_effort".into(), Value::String(disabled_effort().to_owned()));
         }
-        ChatInput::from_request(&body)
+        let mut input = ChatInput::from_request(&body)?;
+        if self.empty_tools {
+            input.tools = Some(Vec::new());
+        }
+        Ok(input)
     }
 }
 
@@ -332,7 +341,7 @@ fn tool_result_repr(block: &Block<'_>) -> Result<String, PromptError> {
     }
 }
 
-/// The function tools for the chat body; `None` when there are none to show.
+/// The function tools for the chat body; `None` without a `tools` list.
 fn tools(tools: Option<&Value>) -> Result<Option<Vec<Value>>, PromptError> {
     let invalid = |why: &str| PromptError::Invalid(format!("tool: {why}"));
     let tools = match tools {
@@ -368,7 +377,7 @@ fn tools(tools: Option<&Value>) -> Result<Option<Vec<Value>>, PromptError> {
         }
         out.push(json!({"type": "function", "function": Value::Object(function)}));
     }
-    Ok((!out.is_empty()).then_some(out))
+    Ok(Some(out))
 }
 
 /// `tool_choice` changes nothing in the prompt, but vLLM refuses a malformed one.
@@ -517,6 +526,18 @@ mod tests {
             tool,
             r#"{"type":"function","function":{"name":"f","description":null,"parameters":{"properties":{},"type":"object"},"strict":true}}"#
         );
+    }
+
+    #[test]
+    fn an_empty_tool_list_reaches_the_template_as_one() {
+        let chat = |tools: Value| {
+            read(json!({"tools": tools, "messages": [{"role": "user", "content": "q"}]}))
+                .unwrap()
+                .chat_input(false, || "none")
+                .unwrap()
+        };
+        assert_eq!(chat(json!([])).tools, Some(Vec::new()));
+        assert_eq!(chat(Value::Null).tools, None);
     }
 
     #[test]

@@ -136,7 +136,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, PromptErr
         Endpoint::ChatCompletions => (chat_prompt(&obj)?, 1),
         Endpoint::Responses => (Prompt::Responses(responses::chat_input(&obj)?), 1),
         Endpoint::Messages => {
-            (Prompt::Messages(messages::MessagesChat::from_request(&obj, super::tokenizer::now_unix_secs())?), 1)
+            let chat = messages::MessagesChat::from_request(&obj, super::tokenizer::now_unix_secs())?;
+            // vLLM passes `kv_transfer_params` on to the chat request, which then uses the ids.
+            match forwarded_ids(&obj)? {
+                Some(ids) => (Prompt::Tokens(ids), 1),
+                None => (Prompt::Messages(chat), 1),
+            }
         }
     };
     let cache_salt = match obj.get("cache_salt") {
@@ -313,10 +318,18 @@ fn completion_prompt(obj: &Map<String, Value>) -> Result<(Prompt, usize), Prompt
 fn chat_prompt(obj: &Map<String, Value>) -> Result<Prompt, PromptError> {
     let chat = chat::ChatInput::from_request(obj)?;
     let echo = obj.get("echo").and_then(Value::as_bool).unwrap_or(false);
+    match forwarded_ids(obj)? {
+        Some(ids) if !echo => Ok(Prompt::Tokens(ids)),
+        _ => Ok(Prompt::Chat(chat)),
+    }
+}
+
+/// A chat body's forwarded prompt: `kv_transfer_params.prompt_token_ids`, which vLLM 0.32
+/// takes as the prompt instead of rendering the messages.
+fn forwarded_ids(obj: &Map<String, Value>) -> Result<Option<Vec<u32>>, PromptError> {
     match obj.get("kv_transfer_params").and_then(|kv| kv.get(FORWARDED_IDS)) {
-        None | Some(Value::Null) => Ok(Prompt::Chat(chat)),
-        Some(_) if echo => Ok(Prompt::Chat(chat)),
-        Some(Value::Array(items)) => Ok(Prompt::Tokens(token_ids(items)?)),
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(items)) => token_ids(items).map(Some),
         Some(_) => {
             Err(PromptError::Invalid(format!("`kv_transfer_params.{FORWARDED_IDS}` must be a list of token ids")))
         }

@@ -48,15 +48,7 @@ impl ChatTemplate {
         eos_token: Option<String>,
         content_format: ContentFormat,
     ) -> Result<Self, PromptError> {
-        let mut env = Environment::new();
-        let syntax = minijinja::syntax::SyntaxConfig::builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build()
-            .map_err(|e| PromptError::Template(e.to_string()))?;
-        env.set_syntax(syntax);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_filter("tojson", tojson);
+        let mut env = bare_environment()?;
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.to_owned()).map_err(|e| PromptError::Template(e.to_string()))?;
@@ -80,8 +72,9 @@ impl ChatTemplate {
 
     /// Whether the template refuses a system message after the first turn. vLLM then merges a
     /// `/v1/messages` request's inline system messages into the leading one: it renders the
-    /// bare template on system, user, system, user, and merges if that fails
-    /// (`AnthropicServingMessages._detect_merge_inline_system`).
+    /// template on system, user, system, user in a bare Jinja environment — no
+    /// `raise_exception`, no `strftime_now`, so a template that calls either fails — and merges
+    /// if that fails (`AnthropicServingMessages._detect_merge_inline_system`).
     pub fn requires_system_first(&self) -> bool {
         *self.system_first.get_or_init(|| {
             let turn = |role: &str| serde_json::json!({"role": role, "content": "t"});
@@ -89,8 +82,14 @@ impl ChatTemplate {
                 "messages": [turn("system"), turn("user"), turn("system"), turn("user")],
                 "add_generation_prompt": false,
             });
-            let template = self.env.get_template(TEMPLATE_NAME);
-            template.and_then(|t| t.render(Value::from(minijinja::value::Serde(&ctx)))).is_err()
+            let rendered = || -> Result<String, Error> {
+                let source = self.env.get_template(TEMPLATE_NAME)?.source().to_owned();
+                let mut bare =
+                    bare_environment().map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+                bare.add_template_owned(TEMPLATE_NAME, source)?;
+                bare.get_template(TEMPLATE_NAME)?.render(Value::from(minijinja::value::Serde(&ctx)))
+            };
+            rendered().is_err()
         })
     }
 
@@ -160,6 +159,21 @@ impl ChatTemplate {
             Ok(rendered)
         }
     }
+}
+
+/// Jinja2's environment as transformers and vLLM configure it (`trim_blocks`, `lstrip_blocks`,
+/// Python's string and dict methods, `tojson`), before transformers adds its functions.
+fn bare_environment() -> Result<Environment<'static>, PromptError> {
+    let mut env = Environment::new();
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+        .map_err(|e| PromptError::Template(e.to_string()))?;
+    env.set_syntax(syntax);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_filter("tojson", tojson);
+    Ok(env)
 }
 
 /// The marker transformers appends to the final message for `continue_final_message`.
@@ -261,6 +275,23 @@ mod tests {
         let src = "{{ bos_token }}{% for m in messages %}\n  {% if true %}{{ m.role }}:{{ m.content.strip() }}{% endif %}\n{% endfor %}{{ eos_token }}";
         let out = render(src, json!({"messages": [{"role": "user", "content": "  hi  "}]})).unwrap();
         assert_eq!(out, "<s>user:hi</s>"); // what Jinja2 gives
+    }
+
+    /// vLLM's probe renders in a bare environment: a template that calls `raise_exception` or
+    /// `strftime_now` on system, user, system, user needs system messages first.
+    #[test]
+    fn system_first_is_probed_as_vllm_probes_it() {
+        let probe =
+            |source: &str| ChatTemplate::new(source, None, None, ContentFormat::Auto).unwrap().requires_system_first();
+        let each = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
+        assert!(!probe(each));
+        let guarded = "{% for m in messages %}{% if m.role == 'system' and not loop.first %}\
+            {{ raise_exception('System message must be at the beginning.') }}{% endif %}{{ m.content }}{% endfor %}";
+        assert!(probe(guarded));
+        let dated = format!("{{% set today = strftime_now('%Y-%m-%d') %}}{each}");
+        assert!(probe(&dated), "no strftime_now in vLLM's probe");
+        let checked = format!("{{% if strftime_now is defined %}}{{{{ strftime_now('%Y') }}}}{{% endif %}}{each}");
+        assert!(!probe(&checked));
     }
 
     #[test]
