@@ -1010,7 +1010,13 @@ fn the_istio_gateway_does_what_the_kustomize_manifests_do() {
 #[test]
 fn the_envoy_gateway_variant_does_what_its_manifest_does() {
     let Some(python) = python() else { return };
-    let r = render(&python, &values("envoy-gateway", json!({"envoyGateway": {"gateway": {"className": "eg"}}})), "llm");
+    // The manifest traces to `otel-collector` in `monitoring`, at 1 %.
+    let tracing = json!({"collector": {"name": "otel-collector"}});
+    let r = render(
+        &python,
+        &values("envoy-gateway", json!({"envoyGateway": {"gateway": {"className": "eg"}}, "tracing": tracing})),
+        "llm",
+    );
     let g = check(&r);
     let docs = manifests();
     let policies = ["ClientTrafficPolicy", "EnvoyPatchPolicy", "EnvoyExtensionPolicy"];
@@ -1031,6 +1037,11 @@ fn the_envoy_gateway_variant_does_what_its_manifest_does() {
     assert_eq!(class["spec"], find(&docs, "GatewayClass", "eg")["spec"]);
     assert_eq!(r.one("Gateway")["spec"], find(&docs, "Gateway", "eg")["spec"]);
     assert_eq!(r.one("EnvoyProxy")["metadata"]["name"], class["spec"]["parametersRef"]["name"]);
+    assert_eq!(
+        r.one("EnvoyProxy")["spec"]["telemetry"],
+        find(&docs, "EnvoyProxy", "kvgate")["spec"]["telemetry"],
+        "Envoy's tracer"
+    );
 
     // The same sidecar as in the Istio gateway, with the sync mesh the manifest lacks: all the
     // manifest's container has, it has.
@@ -1039,7 +1050,7 @@ fn the_envoy_gateway_variant_does_what_its_manifest_does() {
     for (k, v) in want.as_object().unwrap() {
         match k.as_str() {
             "image" => {}
-            "ports" | "volumeMounts" => {
+            "ports" | "volumeMounts" | "env" => {
                 for item in v.as_array().unwrap() {
                     assert!(g.sidecar[k].as_array().unwrap().contains(item), "{k}: {item}");
                 }
@@ -1048,7 +1059,7 @@ fn the_envoy_gateway_variant_does_what_its_manifest_does() {
             _ => assert_eq!(&g.sidecar[k], v, "{k}"),
         }
     }
-    let istio = render(&python, &values("istio", json!({})), "llm");
+    let istio = render(&python, &values("istio", json!({"tracing": tracing})), "llm");
     let mut istio_sidecar =
         by_name(&istio.one("Deployment")["spec"]["template"]["spec"]["containers"], "kvgate-sidecar").clone();
     istio_sidecar["image"] = g.sidecar["image"].clone();
