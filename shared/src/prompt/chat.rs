@@ -123,20 +123,19 @@ impl ChatInput {
     /// Without a developer message to convert, system messages stay where they are.
     /// `format` must be resolved ([`ContentFormat::String`] or [`ContentFormat::Openai`]).
     pub fn messages_for(&self, format: ContentFormat, knows_developer: bool) -> Vec<Value> {
-        let role = |m: &Value| m.get("role").and_then(Value::as_str).map(str::to_owned);
+        fn has_role(m: &Value, role: &str) -> bool {
+            m.get("role").and_then(Value::as_str) == Some(role)
+        }
         let mut out: Vec<Value> = self.messages.iter().map(|m| shape_content(m.clone(), format)).collect();
-        if knows_developer || !out.iter().any(|m| role(m).as_deref() == Some("developer")) {
+        if knows_developer || !out.iter().any(|m| has_role(m, "developer")) {
             return out;
         }
-        for message in &mut out {
-            if role(message).as_deref() == Some("developer") {
-                message["role"] = Value::String("system".into());
-            }
+        for message in out.iter_mut().filter(|m| has_role(m, "developer")) {
+            message["role"] = Value::String("system".into());
         }
-        let is_system = |m: &Value| role(m).as_deref() == Some("system");
-        let consolidate = out.iter().enumerate().filter(|(_, m)| is_system(m)).any(|(i, _)| i > 0)
-            || out.iter().filter(|m| is_system(m)).count() > 1;
-        if !consolidate {
+        let is_system = |m: &Value| has_role(m, "system");
+        // A system message after the first (a second one is always after it).
+        if !out.iter().skip(1).any(is_system) {
             return out;
         }
         let texts: Vec<String> =
