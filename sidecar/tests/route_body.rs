@@ -78,16 +78,11 @@ fn offload_to(endpoint: Endpoint, body: &str) -> Vec<u8> {
     codec::encode(&request).unwrap()
 }
 
-#[tokio::test]
-async fn an_offloaded_prompt_follows_its_cached_prefix() {
-    let (state, pool) = state();
-    let body = format!(
-        r#"{{"model":"qwen3","messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"and?"}}]}}"#,
-        "a long shared system prompt ".repeat(40)
-    );
-    // Replica r2 holds the prompt's blocks, stored as vLLM would report them.
+/// Stores on `replica` the full blocks of `body`'s prompt, tokenized as kvgate tokenizes it
+/// and named as an engine would report them; returns how many.
+fn cache_prompt(pool: &Pool, replica: usize, endpoint: Endpoint, body: &str) -> usize {
     let tokenizer = ModelTokenizer::from_bundle(&ModelBundle::from_dir("qwen3", &model_dir(), BLOCK).unwrap()).unwrap();
-    let tokens = tokenizer.prompt_tokens(&parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap()).unwrap();
+    let tokens = tokenizer.prompt_tokens(&parse(endpoint, body.as_bytes()).unwrap()).unwrap();
     let full = tokens.len() / BLOCK as usize;
     let engine_hashes: Vec<EngineHash> = (1..=full as u64).map(EngineHash).collect();
     let store = Store {
@@ -99,7 +94,19 @@ async fn an_offloaded_prompt_follows_its_cached_prefix() {
         extra: &[],
         tier: Tier::Device,
     };
-    pool.store_blocks(ReplicaIdx::new(2), store).unwrap();
+    pool.store_blocks(ReplicaIdx::new(replica), store).unwrap();
+    full
+}
+
+#[tokio::test]
+async fn an_offloaded_prompt_follows_its_cached_prefix() {
+    let (state, pool) = state();
+    let body = format!(
+        r#"{{"model":"qwen3","messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"and?"}}]}}"#,
+        "a long shared system prompt ".repeat(40)
+    );
+    // Replica r2 holds the prompt's blocks, stored as vLLM would report them.
+    let full = cache_prompt(&pool, 2, Endpoint::ChatCompletions, &body);
 
     let (status, answer) = post(state, offload(&body)).await;
     assert_eq!(status, StatusCode::OK);
@@ -122,20 +129,7 @@ async fn an_offloaded_messages_body_follows_its_cached_prefix() {
             "messages": [{"role": "user", "content": [{"type": "text", "text": "and?"}]}]})
         .to_string()
     };
-    let tokenizer = ModelTokenizer::from_bundle(&ModelBundle::from_dir("qwen3", &model_dir(), BLOCK).unwrap()).unwrap();
-    let earlier = tokenizer.prompt_tokens(&parse(Endpoint::Messages, body("a1").as_bytes()).unwrap()).unwrap();
-    let full = earlier.len() / BLOCK as usize;
-    let engine_hashes: Vec<EngineHash> = (1..=full as u64).map(EngineHash).collect();
-    let store = Store {
-        parent: None,
-        engine_hashes: &engine_hashes,
-        token_ids: &earlier[..full * BLOCK as usize],
-        block_size: BLOCK as usize,
-        salt: Salt::NONE,
-        extra: &[],
-        tier: Tier::Device,
-    };
-    pool.store_blocks(ReplicaIdx::new(1), store).unwrap();
+    let full = cache_prompt(&pool, 1, Endpoint::Messages, &body("a1"));
 
     let (status, answer) = post(state, offload_to(Endpoint::Messages, &body("b2"))).await;
     assert_eq!(status, StatusCode::OK);
