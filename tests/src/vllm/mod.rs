@@ -645,35 +645,20 @@ fn cache_salt(stack: &Stack, artifacts: &Artifacts) -> anyhow::Result<(Row, u64)
 
 /// Check 2b: every prediction the sidecar made so far, checked against what vLLM reported
 /// (`usage.prompt_tokens_details.cached_tokens` and `prompt_tokens`, read by the filter from
-/// each response): the cached tokens predicted for the chosen engine equal the engine's, and
-/// no prompt was counted differently.
-fn predictions(stack: &Stack, at_least: u64) -> anyhow::Result<Row> {
-    let counters = || -> Option<(BTreeMap<&'static str, u64>, u64)> {
-        let text = stack.sidecar_metrics().ok()?;
-        let by = |class: &str| metric_sum(&text, "kvgate_predictions_total", &format!("reason=\"{class}\"")) as u64;
-        let classes = load::CLASSES.iter().map(|c| (*c, by(c))).collect();
-        Some((classes, metric_sum(&text, "kvgate_prompt_token_mismatches_total", "") as u64))
-    };
-    let seen = wait_for("the predictions checked", Duration::from_secs(20), || {
-        counters().filter(|(classes, _)| classes.values().sum::<u64>() >= at_least)
-    });
-    let (classes, mismatches) = seen.unwrap_or_else(|_| counters().unwrap_or_default());
-    let of = |class: &str| classes.get(class).copied().unwrap_or(0);
-    let (exact, unexplained) = (of("exact"), of("over") + of("under"));
-    let others: Vec<String> =
-        classes.iter().filter(|(c, n)| **c != "exact" && **n > 0).map(|(c, n)| format!("{c} {n}")).collect();
+/// each response): the `sent` requests through the gateway were each checked, the cached
+/// tokens predicted for the chosen engine equal the engine's, and no prompt was counted
+/// differently. Whatever was not checked is named with its reason. `before`: the counters
+/// once the stack's start-up probes were counted (how many it took depends on the host).
+fn predictions(stack: &Stack, before: &load::Counters, sent: u64) -> anyhow::Result<Row> {
+    let tally = load::tally_since(stack, before, sent, 0, Duration::from_secs(20))?;
     Ok(Row {
         scenario: "2b. predictions",
         expected:
-            "every cache prediction for the chosen engine equals vLLM's reported cached_tokens, or misses it for a \
-                   reason the engine's events show (a request decided before the events of the previous one's blocks \
-                   arrived); no prompt-token mismatch",
-        measured: format!(
-            "{exact} exact, {} not{}; {mismatches} prompt-token mismatches",
-            classes.values().sum::<u64>() - exact,
-            if others.is_empty() { String::new() } else { format!(" ({})", others.join(", ")) }
-        ),
-        pass: classes.values().sum::<u64>() >= at_least && unexplained + mismatches == 0,
+            "every request through the gateway checked: its cache prediction for the chosen engine equals vLLM's \
+             reported cached_tokens, or misses it for a reason the engine's events show (a request decided before \
+             the events of the previous one's blocks arrived); no prompt-token mismatch",
+        measured: tally.summary(),
+        pass: tally.checked() == sent && tally.accounted(),
     })
 }
 
@@ -1024,6 +1009,7 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
     let engines = vec![start_engine(setup, "a", 0)?, start_engine(setup, "b", 1)?];
     let opts = StackOptions { name: "vllm".into(), block_size: BLOCK, route_timeout_ms: 500, ..Default::default() };
     let mut stack = Stack::start_with_engines(&opts, artifacts, engines)?;
+    let before = load::settled(&stack)?;
     let mut rows = Vec::new();
     let mut done = |row: Row| {
         eprintln!("{}", crate::faults::table(std::slice::from_ref(&row)));
@@ -1036,10 +1022,9 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
     done(routing(&stack, artifacts, 700, "2. routing follows the real cache")?);
     let (row, salted) = cache_salt(&stack, artifacts)?;
     done(row);
-    // The start-up probe, check 1's and 1c's requests, check 2's follow-ups and check 2a's
-    // went through the gateway.
-    let checked = 1 + parity_cases().len() as u64 + through_gateway + stack.sims.len() as u64 + salted;
-    done(predictions(&stack, checked)?);
+    // Check 1's and 1c's requests, check 2's follow-ups and check 2a's went through the gateway.
+    let sent = parity_cases().len() as u64 + through_gateway + stack.sims.len() as u64 + salted;
+    done(predictions(&stack, &before, sent)?);
     done(several_sequences(&stack, artifacts)?);
     let mut tallies = Vec::new();
     for case in LOAD_CASES {
