@@ -234,8 +234,21 @@ fn respond(ctx: &mut Request<Fake>, fake: &Fake, upstream: &str, chunk: &str) {
     ctx.on_log();
 }
 
+/// The kinds of the lifecycle reports queued, with their measured TTFT set to 0.
 fn kinds(fake: &Fake) -> Vec<LifecycleKind> {
-    fake.0.borrow().queued.iter().map(|e| e.kind.clone()).collect()
+    let kind = |k: &LifecycleKind| match k {
+        LifecycleKind::FirstToken { .. } => LifecycleKind::FirstToken { ttft_us: 0 },
+        other => other.clone(),
+    };
+    fake.0.borrow().queued.iter().map(|e| kind(&e.kind)).collect()
+}
+
+/// The TTFT the first-token report measured.
+fn measured_ttft(fake: &Fake) -> Option<Duration> {
+    fake.0.borrow().queued.iter().find_map(|e| match e.kind {
+        LifecycleKind::FirstToken { ttft_us } => Some(Duration::from_micros(ttft_us)),
+        _ => None,
+    })
 }
 
 #[test]
@@ -254,6 +267,7 @@ fn a_routed_request_is_booked_under_its_own_key_and_reports_its_life() {
     assert_eq!(sent.client_request_id.as_deref(), Some("client-id"));
     assert_eq!((sent.model.as_str(), sent.prompt_count), ("Qwen/Qwen3-0.6B", PromptCount::Exact));
     let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
+    let answered = Instant::now();
     ctx.on_call_response(1, 2, size);
     let s = fake.0.borrow();
     assert_eq!(s.request_headers.get(DESTINATION_HEADER).map(String::as_str), Some("127.0.0.1:8001"));
@@ -261,10 +275,12 @@ fn a_routed_request_is_booked_under_its_own_key_and_reports_its_life() {
     drop(s);
     let usage = r#"{"choices":[],"usage":{"prompt_tokens":17,"prompt_tokens_details":{"cached_tokens":16}}}"#;
     respond(&mut ctx, &fake, "127.0.0.1:8001", usage);
+    let ttft = measured_ttft(&fake).expect("a first token reported");
+    assert!(ttft <= answered.elapsed(), "{ttft:?}: measured from the answer to the first byte, not before");
     assert_eq!(
         kinds(&fake),
         [
-            LifecycleKind::FirstToken,
+            LifecycleKind::FirstToken { ttft_us: 0 },
             LifecycleKind::Usage { prompt_tokens: 17, cached_tokens: Some(16) },
             LifecycleKind::Done
         ],

@@ -222,8 +222,11 @@ fn a_model_no_longer_listed_stops_being_routed() {
 fn lifecycle_reports_go_as_one_batch_and_again_until_taken() {
     let (mut root, fake) = configured();
     let event = |id: &str, kind| LifecycleEvent { model: MODEL.into(), request_id: id.into(), kind };
-    let events =
-        [event("a", LifecycleKind::FirstToken), event("a", LifecycleKind::Done), event("b", LifecycleKind::Done)];
+    let events = [
+        event("a", LifecycleKind::FirstToken { ttft_us: 1200 }),
+        event("a", LifecycleKind::Done),
+        event("b", LifecycleKind::Done),
+    ];
     fake.0.borrow_mut().queue.extend(events.iter().map(|e| codec::encode(e).unwrap()));
     root.flush_lifecycle();
     let posts = |fake: &Fake| -> Vec<(usize, Vec<u8>)> {

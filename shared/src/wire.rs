@@ -22,7 +22,7 @@ pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 /// The version of these types as encoded. The filter sends it on every sidecar call
 /// ([`WIRE_VERSION_HEADER`]); a sidecar of another version answers 409 naming both, instead
 /// of misreading the body. Bump it with any change to an encoded type's fields.
-pub const WIRE_VERSION: &str = "7";
+pub const WIRE_VERSION: &str = "8";
 
 /// The header that carries [`WIRE_VERSION`].
 pub const WIRE_VERSION_HEADER: &str = "x-kvgate-wire";
@@ -265,7 +265,12 @@ pub enum Transfer {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LifecycleKind {
     /// The first response body byte arrived: prefill is done.
-    FirstToken,
+    FirstToken {
+        /// Microseconds from the request leaving the filter for the engine (the sidecar's
+        /// answer applied) to that byte: the engine's time to first token as the gateway sees
+        /// it, which the sidecar's TTFT predictions are checked against.
+        ttft_us: u64,
+    },
     /// The response ended (or the request was abandoned): the replica's load is released.
     Done,
     /// The prefill leg did not deliver (it failed or timed out): the request was served whole

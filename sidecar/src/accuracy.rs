@@ -26,6 +26,9 @@
 //! are a block size that differs from the engines' `--block-size`, a salt kvgate does not
 //! apply (LoRA, `cache_salt`), a chat template or tokenizer that differs from the engine's
 //! (then prompt token counts differ too), or engines without prefix caching.
+//!
+//! Time to first token is predicted and checked per replica ([`crate::latency`]); the pool's
+//! totals of those checks are kept here beside the cache's.
 
 use std::collections::VecDeque;
 
@@ -245,6 +248,17 @@ pub struct AccuracyTotals {
     pub recent_exact_ratio: f64,
     /// Whether the alarm is raised.
     pub alarm: bool,
+    /// Time-to-first-token predictions checked against the filter's measurement.
+    pub ttft: TtftTotals,
+}
+
+/// Time-to-first-token predictions checked, since the sidecar started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct TtftTotals {
+    /// Predictions checked.
+    pub checked: u64,
+    /// Of those, close to the measured TTFT ([`crate::latency::TtftCheck::close`]).
+    pub close: u64,
 }
 
 /// Routed requests not checked, by [`Unchecked`] reason.
@@ -302,6 +316,12 @@ impl Accuracy {
             }
             _ => AlarmChange::None,
         }
+    }
+
+    /// Counts a TTFT check (each replica's alarm is its own: [`crate::latency::ReplicaTtft`]).
+    pub fn record_ttft(&mut self, close: bool) {
+        self.totals.ttft.checked += 1;
+        self.totals.ttft.close += u64::from(close);
     }
 
     /// Records a prompt the engine counted differently from kvgate (checked or not: the count

@@ -5,7 +5,8 @@
 //! |---|---|
 //! | [`index`] | which replica holds which prefix blocks |
 //! | [`score`] | Dynamo's cost function and the argmin |
-//! | [`accuracy`] | each prediction checked against the engine's `usage`, and the alarm |
+//! | [`latency`] | each replica's time to first token, predicted from what it faces and learned online |
+//! | [`accuracy`] | each prediction checked against the engine's `usage` (and each TTFT prediction against the gateway's measurement), and the alarms |
 //! | [`msg`] | what the pool and its drivers pass each other (ingest outcomes, sync events, handover) |
 //! | [`load`] | per-replica token load from route decisions, lifecycle reports and engines' own figures |
 //! | [`admission`] | whether a replica is saturated, and the queue of requests waiting for capacity |
@@ -22,7 +23,7 @@
 //! | [`config`] | the TOML file + `KVGATE_*` environment, validated; each section owned by its module |
 //! | [`tools`] | operator CLI tools (`events decode`, `events tap`) |
 //!
-//! Layers, bottom up: `health`; `index`, `metrics`, `niceness`, `poll`; `score`, `accuracy`, `msg`;
+//! Layers, bottom up: `health`; `index`, `latency`, `metrics`, `niceness`, `poll`; `score`, `accuracy`, `msg`;
 //! `load`; `admission`; `pool`; the drivers `events`, `sync`, `engine_poller`, `api`;
 //! `discovery`; `config` (the file as a whole, above every module whose section it reads)
 //! and `tools`. Each module owns its config section (`config.rs` says which). A module imports only from layers below its own
@@ -40,6 +41,7 @@ pub mod engine_poller;
 pub mod events;
 pub mod health;
 pub mod index;
+pub mod latency;
 pub mod load;
 pub mod metrics;
 pub mod msg;

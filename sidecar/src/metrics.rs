@@ -143,6 +143,10 @@ pub struct Metrics {
     pub prompt_token_mismatches: Family<ReplicaLabels, Counter>,
     /// 1 while a pool's predictions keep missing what its engines report.
     pub prediction_alarm: Family<PoolLabels, Gauge>,
+    /// `|predicted − measured| / measured` time to first token, per chosen replica.
+    pub ttft_prediction_error: Family<ReplicaLabels, Histogram, fn() -> Histogram>,
+    /// 1 while a replica's TTFT predictions keep missing what the filter measures.
+    pub ttft_prediction_alarm: Family<ReplicaLabels, Gauge>,
     /// Offloaded requests routed and booked on an estimate of their size: their prompt could
     /// not be read (reason `unparsable` or `untokenizable`).
     pub estimated_requests: Family<FallbackLabels, Counter>,
@@ -202,6 +206,11 @@ fn prediction_error_histogram() -> Histogram {
     Histogram::new(bounds)
 }
 
+/// Buckets of the relative TTFT prediction error.
+fn ttft_error_histogram() -> Histogram {
+    Histogram::new([0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0])
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("kvgate");
@@ -238,6 +247,9 @@ impl Default for Metrics {
         let engine_reports_cached_tokens = Family::default();
         let prompt_token_mismatches = Family::default();
         let prediction_alarm = Family::default();
+        let ttft_prediction_error: Family<ReplicaLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(ttft_error_histogram);
+        let ttft_prediction_alarm = Family::default();
         let estimated_requests = Family::default();
         let admission = Family::default();
         let admission_wait_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 14));
@@ -315,6 +327,19 @@ impl Default for Metrics {
             "prediction_alarm",
             "1 while a pool's cache predictions keep missing what its engines report",
             prediction_alarm.clone(),
+        );
+        registry.register(
+            "ttft_prediction_error_ratio",
+            "|predicted - measured| / measured time to first token of streamed requests, per chosen replica (the \
+             filter measures from the request leaving it to the response's first byte)",
+            ttft_prediction_error.clone(),
+        );
+        registry.register(
+            "ttft_prediction_alarm",
+            "1 while a replica's TTFT predictions keep missing what the filter measures: fewer than half of its \
+             last 16 within 25 % + 5 ms (it slowed down behind kvgate's back, or its TTFT depends on more than the \
+             model's inputs)",
+            ttft_prediction_alarm.clone(),
         );
         registry.register("replicas", "Active replicas per pool", replicas.clone());
         registry.register(
@@ -436,6 +461,8 @@ impl Default for Metrics {
             engine_reports_cached_tokens,
             prompt_token_mismatches,
             prediction_alarm,
+            ttft_prediction_error,
+            ttft_prediction_alarm,
             estimated_requests,
             admission,
             admission_wait_seconds,

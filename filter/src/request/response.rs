@@ -45,7 +45,9 @@ impl Exchange {
         }
         if !self.progress.first_byte_reported {
             self.progress.first_byte_reported = true;
-            self.report(host, LifecycleKind::FirstToken);
+            // From the sidecar's answer (the request left for the engine) to this byte.
+            let ttft = self.asked_at.elapsed().as_micros().saturating_sub(self.decision.micros);
+            self.report(host, LifecycleKind::FirstToken { ttft_us: u64::try_from(ttft).unwrap_or(u64::MAX) });
         }
         self.progress.keep_tail(host, body_size, chunk.as_deref());
         if progress {

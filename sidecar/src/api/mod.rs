@@ -454,7 +454,9 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
         // Only the pool of the request's model applies its report.
         let pool = state.pool_for(event.model.as_str());
         let (kind, known) = match &event.kind {
-            LifecycleKind::FirstToken => ("first_token", pool.is_some_and(|p| p.lifecycle(id, true))),
+            LifecycleKind::FirstToken { ttft_us } => {
+                ("first_token", pool.is_some_and(|p| p.first_token(id, Duration::from_micros(*ttft_us))))
+            }
             LifecycleKind::Done => ("done", pool.is_some_and(|p| p.lifecycle(id, false))),
             LifecycleKind::Progress(n) => ("progress", pool.is_some_and(|p| p.progress(id, *n))),
             LifecycleKind::RanOn(endpoint) => ("ran_on", pool.is_some_and(|p| p.ran_on(id, endpoint))),

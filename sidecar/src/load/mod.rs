@@ -35,6 +35,7 @@ use kvgate_shared::ids::RequestId;
 
 use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
+use crate::latency::{ReplicaTtft, TtftCheck, TtftInputs};
 use flows::{Flow, Flows};
 
 /// What one engine (a data-parallel rank: vLLM's `engine` label, SGLang's `dp_rank`) reports
@@ -115,6 +116,9 @@ struct Booking {
     flow: Option<Flow>,
     /// Booked by a peer gateway (its id is `origin/request_id`).
     from_peer: bool,
+    /// What its replica faced when it was booked, and the TTFT predicted from that, for a
+    /// request whose measured TTFT teaches the replica's model.
+    ttft: Option<(TtftInputs, Option<Duration>)>,
 }
 
 #[derive(Debug, Default)]
@@ -140,6 +144,8 @@ struct Replica {
     shared_blocks: HashMap<SequenceHash, u32, foldhash::fast::RandomState>,
     /// Prefill tokens per second, learned from streamed requests (`None` until one is).
     prefill_rate: Option<f64>,
+    /// Its time to first token, learned from the filter's measurements, and checked.
+    ttft: ReplicaTtft,
 }
 
 /// Weight of the newest sample in a replica's prefill rate.
@@ -277,6 +283,10 @@ pub struct NewBooking<'a> {
     pub flow: Option<Flow>,
     /// Booked by a peer gateway (its id is `origin/request_id`), not by this one.
     pub from_peer: bool,
+    /// Whether its TTFT, as the filter measures it, is the replica's own: a streamed request
+    /// that computes its prompt there (not one whose KV a prefill worker sends). Its TTFT is
+    /// then predicted, checked and learned from.
+    pub times_ttft: bool,
 }
 
 /// A booking as a starting peer takes it over (`crate::pool::handover`).
@@ -346,10 +356,12 @@ impl LoadTable {
     }
 
     /// The replica left the pool: drops every booking on it (their lifecycle reports are
-    /// then ignored as unknown) and its external load. Returns how many.
+    /// then ignored as unknown), its external load and its TTFT model (a replica that takes
+    /// the slot is learned afresh). Returns how many bookings.
     pub fn clear_replica(&mut self, replica: ReplicaIdx) -> usize {
         let r = &mut self.replicas[replica.get()];
         (r.external, r.external_waiting) = (0, 0);
+        r.ttft = ReplicaTtft::default();
         let gone: Vec<BookingId> =
             self.bookings.iter().filter(|(_, b)| b.replica == replica).map(|(id, _)| id.clone()).collect();
         for id in &gone {
@@ -433,6 +445,11 @@ impl LoadTable {
         }
         self.release(booking.id);
         let r = &mut self.replicas[replica.get()];
+        let ttft = booking.times_ttft.then(|| {
+            let decoding = r.requests - r.prefilling;
+            let inputs = TtftInputs { prefill_ahead: r.prefill_tokens + booking.prefill_tokens, decoding };
+            (inputs, r.ttft.predict(inputs))
+        });
         r.prefill_tokens += booking.prefill_tokens;
         r.prefilling += booking.sequences.max(1);
         r.requests += booking.sequences.max(1);
@@ -467,6 +484,7 @@ impl LoadTable {
                 prefill_ends_at,
                 flow: booking.flow,
                 from_peer: booking.from_peer,
+                ttft,
             },
         );
         if let Some(flow) = booking.flow {
@@ -490,6 +508,31 @@ impl LoadTable {
     /// prediction is checked once.
     pub fn take_prediction(&mut self, id: &BookingId) -> Option<(ReplicaIdx, Prediction)> {
         self.bookings.get_mut(id).and_then(|b| Some((b.replica, b.prediction.take()?)))
+    }
+
+    /// The TTFT predicted for a request when it was booked, if its replica's model had
+    /// learned enough.
+    pub fn predicted_ttft(&self, id: &BookingId) -> Option<Duration> {
+        self.bookings.get(id)?.ttft?.1
+    }
+
+    /// The filter measured the request's TTFT: its replica's model learns from it (once).
+    /// Returns its replica, the check of the prediction made for it if there was one, and its
+    /// replica's TTFT alarm's new state if that check changed it.
+    pub fn ttft_measured(
+        &mut self,
+        id: &BookingId,
+        measured: Duration,
+    ) -> Option<(ReplicaIdx, TtftCheck, Option<bool>)> {
+        let b = self.bookings.get_mut(id)?;
+        let (inputs, predicted) = b.ttft.take()?;
+        let (check, alarm) = self.replicas[b.replica.get()].ttft.measured(inputs, predicted, measured)?;
+        Some((b.replica, check, alarm))
+    }
+
+    /// A replica's TTFT model and the watch over its predictions.
+    pub fn ttft(&self, replica: ReplicaIdx) -> &ReplicaTtft {
+        &self.replicas[replica.get()].ttft
     }
 
     /// Its bookkeeping: bookings held, and ends remembered that came before their booking.
@@ -545,6 +588,8 @@ impl LoadTable {
         }
         self.detach(&b);
         b.replica = to;
+        // What was predicted and measured is about the replica it was booked on.
+        b.ttft = None;
         let dropped = b.prediction.take().is_some();
         let r = &mut self.replicas[to.get()];
         if !b.prefill_done {

@@ -23,6 +23,7 @@ fn booking(key: &str, prefill: u64, hashes: &[u64], total: u64) -> NewBooking<'s
         streamed: true,
         flow: None,
         from_peer: false,
+        times_ttft: false,
     }
 }
 
@@ -247,4 +248,60 @@ fn a_peers_booking_id_gives_back_its_origin_and_id() {
     assert_eq!(BookingId::peer("gw-1", &"req/with/slashes".into()).peer_parts(), Some(("gw-1", "req/with/slashes")));
     assert_eq!(BookingId::leg(&"r".into()).as_str(), "r/prefill");
     assert_eq!(id("plain").peer_parts(), None);
+}
+
+/// A replica whose TTFT is 4 ms plus 10 ms per thousand prefill tokens ahead, and 0.5 ms per
+/// decoding sequence.
+fn measured_ttft(prefill_ahead: u64, decoding: u64) -> Duration {
+    Duration::from_micros(4_000 + 10 * prefill_ahead + 500 * decoding)
+}
+
+#[test]
+fn each_streamed_request_teaches_its_replica_the_ttft_it_faced_and_is_checked_against_it() {
+    let mut t = LoadTable::new(2, 1_000.0);
+    let now = Instant::now();
+    let timed = |key: &str, prefill| NewBooking { times_ttft: true, ..booking(key, prefill, &[], 1) };
+    let r0 = ReplicaIdx::new(0);
+    // Two decoding requests hold the replica; each new one has another's prefill ahead of it.
+    for key in ["d1", "d2"] {
+        assert!(t.book(r0, booking(key, 0, &[], 1), now));
+        assert!(t.prefill_done(&id(key), now));
+    }
+    let mut learned = 0;
+    for i in 0..crate::latency::MIN_SAMPLES + 4 {
+        let (ahead, own) = (200 * (i % 5), 300 + 100 * (i % 3));
+        assert!(t.book(r0, NewBooking { times_ttft: false, ..booking("ahead", ahead, &[], 1) }, now));
+        let key = format!("s{i}");
+        assert!(t.book(r0, timed(&key, own), now));
+        let predicted = t.predicted_ttft(&id(&key));
+        assert_eq!(predicted.is_some(), learned >= crate::latency::MIN_SAMPLES, "predicts once it has learned");
+        let measured = measured_ttft(ahead + own, 2);
+        let checked = t.ttft_measured(&id(&key), measured);
+        assert_eq!(checked.map(|(r, c, _)| (r, c.predicted_secs)), predicted.map(|p| (r0, p.as_secs_f64())));
+        assert!(checked.is_none_or(|(_, c, alarm)| c.close() && alarm.is_none()));
+        if let Some(p) = predicted {
+            let error = (p.as_secs_f64() - measured.as_secs_f64()).abs();
+            assert!(error < 1e-4, "{p:?} vs {measured:?}");
+        }
+        assert!(t.ttft_measured(&id(&key), measured).is_none(), "learned from once");
+        learned += 1;
+        assert_eq!(t.ttft(r0).samples(), learned);
+        for key in ["ahead", key.as_str()] {
+            assert!(t.finish(&id(key)));
+        }
+    }
+    assert_eq!(t.ttft(ReplicaIdx::new(1)).samples(), 0, "per replica");
+    // A request that did not time its replica (a peer's, a non-streamed one) teaches nothing,
+    // nor does one that ran elsewhere.
+    assert!(t.book(r0, booking("quiet", 500, &[], 1), now));
+    assert_eq!(t.predicted_ttft(&id("quiet")), None);
+    assert!(t.ttft_measured(&id("quiet"), measured_ttft(500, 2)).is_none());
+    assert!(t.book(r0, timed("moved", 500), now));
+    assert!(t.predicted_ttft(&id("moved")).is_some());
+    assert!(t.move_booking(&id("moved"), ReplicaIdx::new(1)).is_some());
+    assert!(t.ttft_measured(&id("moved"), measured_ttft(500, 2)).is_none());
+    assert_eq!(t.ttft(r0).samples(), learned);
+    // A replica that leaves takes its model along: a newcomer in its slot is learned afresh.
+    t.clear_replica(r0);
+    assert_eq!(t.ttft(r0).samples(), 0);
 }

@@ -18,6 +18,7 @@ use super::Policy;
 use super::Pool;
 use crate::accuracy::{Check, EngineUsage};
 use crate::index::{Overlap, ReplicaIdx};
+use crate::latency::TtftCheck;
 use crate::metrics::{DecisionLabels, ModeLabels};
 
 /// A kept decision, before names are attached.
@@ -32,6 +33,11 @@ pub(super) struct Kept {
     candidates: Vec<Scored>,
     /// The prediction, once the engine's report has been checked against it.
     checked: Option<Checked>,
+    /// The time to first token predicted on the chosen replica, in seconds, if its model
+    /// predicts yet (`f32`s: a kept decision stays small).
+    predicted_ttft: Option<f32>,
+    /// What the filter measured, once the first token came.
+    measured_ttft: Option<f32>,
     /// In a disaggregated pool: the decision's mode, or `prefill_leg` for a leg's.
     disaggregation: Option<&'static str>,
 }
@@ -45,6 +51,14 @@ pub struct Checked {
     pub engine: EngineUsage,
     /// The comparison.
     pub check: Check,
+}
+
+/// The replica a decision chose, what it has cached of the prompt, and the TTFT predicted
+/// there.
+pub(super) struct Chosen {
+    pub(super) slot: ReplicaIdx,
+    pub(super) overlap: Overlap,
+    pub(super) predicted_ttft: Option<Duration>,
 }
 
 /// One candidate's cost terms in a decision.
@@ -83,6 +97,11 @@ pub struct Explanation {
     pub candidates: Vec<CandidateTerms>,
     /// The prediction against the engine's report, once the request has ended.
     pub checked: Option<Checked>,
+    /// The time to first token predicted on the chosen replica, in seconds (a streamed
+    /// request, once the replica's model has learned enough).
+    pub predicted_ttft_secs: Option<f64>,
+    /// That prediction against the TTFT the filter measured, once the first token came.
+    pub ttft_checked: Option<TtftCheck>,
     /// In a disaggregated pool: `disaggregated` (its prefill leg is explained under
     /// `<request_id>/prefill`, marked `prefill_leg`) or why it was served whole
     /// (`short_prompt`, `prefill_busy`, `no_prefill_worker`, `several_prompts`).
@@ -199,6 +218,11 @@ impl Pool {
                 prompt_tokens: k.prompt_tokens,
                 chosen: Some(name(k.chosen)),
                 checked: k.checked,
+                predicted_ttft_secs: k.predicted_ttft.map(f64::from),
+                ttft_checked: k.predicted_ttft.zip(k.measured_ttft).map(|(predicted, measured)| TtftCheck {
+                    predicted_secs: f64::from(predicted),
+                    measured_secs: f64::from(measured),
+                }),
                 disaggregation: k.disaggregation,
                 candidates: k
                     .candidates
@@ -224,10 +248,10 @@ impl Pool {
         req: &RouteRequest,
         policy: Policy,
         candidates: Vec<Scored>,
-        best: ReplicaIdx,
-        overlap: Overlap,
+        chosen: Chosen,
         mode: Option<&'static str>,
     ) {
+        let Chosen { slot: best, overlap, predicted_ttft } = chosen;
         let labels = self.labels(best);
         tracing::debug!(
             request_id = %req.request_id,
@@ -259,6 +283,8 @@ impl Pool {
             chosen: best,
             candidates,
             checked: None,
+            predicted_ttft: predicted_ttft.map(|d| d.as_secs_f32()),
+            measured_ttft: None,
             disaggregation: mode,
         });
     }
@@ -305,6 +331,8 @@ impl Pool {
             chosen,
             candidates,
             checked: None,
+            predicted_ttft: None,
+            measured_ttft: None,
             disaggregation: Some("prefill_leg"),
         });
     }
@@ -331,6 +359,15 @@ impl Pool {
             k.checked = Some(Checked { predicted_cached_tokens, engine, check });
         }
     }
+
+    /// Attaches the TTFT the filter measured to the kept decision of `request_id`, if it is
+    /// still kept.
+    pub(super) fn ttft_explained(&self, request_id: &RequestId, measured_secs: f64) {
+        let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = kept.by_booking(request_id.as_str()) {
+            k.measured_ttft = Some(measured_secs as f32);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -346,6 +383,8 @@ mod tests {
             chosen: ReplicaIdx::new(0),
             candidates: Vec::new(),
             checked: None,
+            predicted_ttft: None,
+            measured_ttft: None,
             disaggregation: None,
         }
     }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use super::Pool;
 use crate::accuracy::{AlarmChange, Check, EngineUsage, Unchecked};
 use crate::index::ReplicaIdx;
+use crate::latency::TtftCheck;
 use crate::load::{BookingId, EngineReport, NewBooking, ReplicaLoad};
 use crate::metrics::{PoolLabels, ReasonLabels};
 use crate::msg::sync::{Outbox, SyncEvent};
@@ -175,6 +176,7 @@ impl Pool {
                     // Fairness between tenants is each gateway's own.
                     flow: None,
                     from_peer: true,
+                    times_ttft: false,
                 };
                 load.book(slot, booking, Instant::now());
                 Some(slot)
@@ -219,6 +221,42 @@ impl Pool {
             self.capacity_freed();
         }
         known
+    }
+
+    /// The request's first token came `ttft` after it left the filter: its replica's TTFT
+    /// model learns from it, the prediction made for it is checked (metrics, `/debug/explain`,
+    /// `/debug/state`, the replica's TTFT alarm), and its prefill is over ([`Pool::lifecycle`]).
+    /// Returns false if the request is not booked in this pool.
+    pub fn first_token(&self, request_id: &RequestId, ttft: Duration) -> bool {
+        let measured = self.load_table().ttft_measured(&BookingId::new(request_id), ttft);
+        if let Some((slot, check, alarm)) = measured {
+            self.ttft_checked(request_id, slot, check, alarm);
+        }
+        self.lifecycle(request_id, true)
+    }
+
+    fn ttft_checked(&self, request_id: &RequestId, slot: ReplicaIdx, check: TtftCheck, alarm: Option<bool>) {
+        let labels = self.labels(slot);
+        self.metrics.ttft_prediction_error.get_or_create(&labels).observe(check.relative_error());
+        self.ttft_explained(request_id, check.measured_secs);
+        self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).record_ttft(check.close());
+        match alarm {
+            Some(true) => tracing::warn!(
+                model = %labels.model,
+                replica = %labels.replica,
+                "kvgate's TTFT predictions for this replica keep missing what the gateway measures (see \
+                 /debug/explain and kvgate_ttft_prediction_error_ratio): it slowed down, or its TTFT depends on \
+                 more than the prefill ahead of a request and the sequences it decodes; its model relearns a \
+                 steady change within a few tens of streamed requests"
+            ),
+            Some(false) => {
+                tracing::info!(model = %labels.model, replica = %labels.replica, "TTFT predictions match again")
+            }
+            None => {}
+        }
+        if let Some(raised) = alarm {
+            self.metrics.ttft_prediction_alarm.get_or_create(&labels).set(i64::from(raised));
+        }
     }
 
     /// Applies a lifecycle report. Returns false if the request is not booked in this pool.

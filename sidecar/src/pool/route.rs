@@ -10,6 +10,7 @@ use kvgate_shared::wire::{PromptCount, RouteRequest, RouteResponse};
 
 use super::candidates::{scored, Eligible, Scored};
 use super::disagg::{self, Prompt, Split};
+use super::explain::Chosen;
 use super::members::NONE;
 use super::{Member, Pool};
 use super::{Policy, TransferProtocol};
@@ -172,6 +173,7 @@ impl Pool {
             _ => None,
         };
         let figures: Vec<_> = std::iter::once(&booked).chain(&leg).map(|b| (b.slot, load.load(b.slot))).collect();
+        let predicted_ttft = load.predicted_ttft(&id);
         drop(load);
         // Remember where the prefix went, and expect the engine's events for it.
         for b in std::iter::once(&booked).chain(&leg) {
@@ -197,7 +199,8 @@ impl Pool {
             self.share_booking(&leg_id.request_id(), &p.replica, &shape.leg(), leg);
         }
         let mode = split.mode();
-        self.record(req, policy, scored, booked.slot, booked.overlap, mode);
+        let chosen = Chosen { slot: booked.slot, overlap: booked.overlap, predicted_ttft };
+        self.record(req, policy, scored, chosen, mode);
         if let (Split::Remote { scored, .. }, Some(leg)) = (split, &leg) {
             self.record_leg(req, &leg_id, policy, scored, leg.slot);
         }
@@ -429,6 +432,7 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         streamed: shape.stream,
         flow: to.flow,
         from_peer: false,
+        times_ttft: shape.stream && to.remote.is_none(),
     };
     let booked = load.book(at.slot, booking, Instant::now());
     Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked, unpredicted }

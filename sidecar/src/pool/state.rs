@@ -55,9 +55,20 @@ pub struct ReplicaState {
     /// Whether its engine reports cached prompt tokens in `usage` (`null` before its first
     /// report): without them kvgate's predictions for it cannot be checked.
     pub reports_cached_tokens: Option<bool>,
+    /// Its time-to-first-token model ([`crate::latency`]).
+    pub ttft: TtftState,
 }
 
-/// One pool in `/debug/state`.
+/// A replica's TTFT model in `/debug/state`.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct TtftState {
+    /// Streamed requests it learned from (it predicts from `latency::MIN_SAMPLES` on).
+    pub samples: u64,
+    /// The share of its last predictions close to what the filter measured.
+    pub recent_close_ratio: f64,
+    /// Whether its TTFT alarm is raised.
+    pub alarm: bool,
+}
 #[derive(Debug, Serialize)]
 pub struct PoolState {
     /// Model name.
@@ -125,6 +136,11 @@ impl Pool {
                         CACHE_REPORT_YES => Some(true),
                         CACHE_REPORT_NO => Some(false),
                         _ => None,
+                    },
+                    ttft: TtftState {
+                        samples: load.ttft(i).samples(),
+                        recent_close_ratio: load.ttft(i).recent_close_ratio(),
+                        alarm: load.ttft(i).alarm(),
                     },
                 }
             })

@@ -117,6 +117,7 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
                 streamed: true,
                 flow: None,
                 from_peer: false,
+                times_ttft: false,
             },
             Instant::now(),
         );
@@ -833,4 +834,53 @@ fn the_pools_autoscaling_gauges_sum_its_replicas_load() {
     p.expire(Duration::from_secs(300));
     let text = metrics.render();
     assert!(text.contains("kvgate_pool_prefill_backlog_tokens{model=\"m\"} 0\n"), "{text}");
+}
+
+#[test]
+fn ttft_is_predicted_for_each_decision_checked_when_the_first_token_comes_and_alarms_when_a_replica_slows() {
+    let p = pool(1);
+    let scoring = ScoringConfig::default();
+    // The replica's TTFT: 3 ms plus 20 ms per thousand prefill tokens (of 4-token blocks, none
+    // cached); `slowdown` times that once it is slowed behind kvgate's back.
+    let send = |i: u32, slowdown: u32| {
+        let tokens: Vec<u32> = (0..4 * (20 + i % 7 * 30)).map(|t| 100_000 * (i + 1) + t).collect();
+        let req = RouteRequest { stream: true, ..request(&format!("t{i}"), &tokens) };
+        assert_eq!(chosen(&p.route(&req, &scoring)), 0);
+        let measured = Duration::from_micros(u64::from(slowdown) * (3_000 + 20 * tokens.len() as u64));
+        assert!(p.first_token(&req.request_id, measured));
+        assert!(p.lifecycle(&req.request_id, false));
+        let explained = p.explain(Some(req.request_id.as_ref()), 1).pop().unwrap();
+        (explained, measured)
+    };
+    let replica = || p.state().replicas[0].ttft;
+    for i in 0..crate::latency::MIN_SAMPLES as u32 {
+        let (explained, _) = send(i, 1);
+        assert_eq!((explained.predicted_ttft_secs, explained.ttft_checked), (None, None), "not learned yet");
+    }
+    let (explained, measured) = send(100, 1);
+    let predicted = explained.predicted_ttft_secs.expect("learned");
+    assert!((predicted - measured.as_secs_f64()).abs() < 1e-4, "{predicted} vs {measured:?}");
+    let checked = explained.ttft_checked.expect("checked against the measurement");
+    assert!(checked.close() && (checked.measured_secs - measured.as_secs_f64()).abs() < 1e-6);
+    for i in 0..40 {
+        assert!(send(101 + i, 1).0.ttft_checked.is_some_and(|c| c.close()));
+    }
+    assert_eq!((replica().samples, replica().alarm), (u64::from(crate::latency::MIN_SAMPLES as u32) + 41, false));
+    assert_eq!(p.state().prediction.ttft, crate::accuracy::TtftTotals { checked: 41, close: 41 });
+    // Slowed 4×: the predictions miss, and the replica's alarm fires, until its model has
+    // relearned it.
+    let raised = (0..32).find(|i| {
+        send(200 + i, 4);
+        replica().alarm
+    });
+    assert!(raised.is_some(), "the alarm fires: {:?}", replica());
+    let text = p.metrics.render();
+    assert!(text.contains("kvgate_ttft_prediction_alarm{model=\"m\",replica=\"r0\"} 1"), "{text}");
+    assert!(text.contains("kvgate_ttft_prediction_error_ratio_count{model=\"m\",replica=\"r0\"}"));
+    let cleared = (0..100).find(|i| {
+        send(400 + i, 4);
+        !replica().alarm
+    });
+    assert!(cleared.is_some(), "relearned: {:?}", replica());
+    assert!(p.metrics.render().contains("kvgate_ttft_prediction_alarm{model=\"m\",replica=\"r0\"} 0"));
 }
