@@ -239,12 +239,29 @@ pub struct Engine {
     ranks: Vec<Rank>,
     next: AtomicUsize,
     holds_changed: Arc<Notify>,
+    slowdown: Arc<Slowdown>,
+}
+
+/// How many times slower than its time model every rank's steps run from now on (1: as
+/// modelled): a replica slowed behind the router's back, for tests of what the router notices.
+#[derive(Debug)]
+pub struct Slowdown(AtomicU64);
+
+impl Slowdown {
+    fn new() -> Slowdown {
+        Slowdown(AtomicU64::new(1f64.to_bits()))
+    }
+
+    fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
 }
 
 impl Engine {
     /// Starts one loop per publisher (one per rank). Must run inside a tokio runtime.
     pub fn start(config: EngineConfig, publishers: Vec<Publisher>) -> Engine {
         let holds_changed = Arc::new(Notify::new());
+        let slowdown = Arc::new(Slowdown::new());
         let ranks = publishers
             .into_iter()
             .map(|publisher| {
@@ -263,6 +280,7 @@ impl Engine {
                     publisher: publisher.clone(),
                     stats: stats.clone(),
                     speedup: config.speedup,
+                    slowdown: slowdown.clone(),
                     transfer: config.transfer.clone(),
                     holds_changed: holds_changed.clone(),
                     clients: HashMap::new(),
@@ -272,7 +290,17 @@ impl Engine {
                 Rank { commands: tx, publisher, stats }
             })
             .collect();
-        Engine { config, ranks, next: AtomicUsize::new(0), holds_changed }
+        Engine { config, ranks, next: AtomicUsize::new(0), holds_changed, slowdown }
+    }
+
+    /// Runs every step `factor` times slower than modelled from now on (1: as modelled).
+    /// Returns false, changing nothing, for a factor that is not finite and positive.
+    pub fn set_slowdown(&self, factor: f64) -> bool {
+        if !(factor.is_finite() && factor > 0.0) {
+            return false;
+        }
+        self.slowdown.0.store(factor.to_bits(), Ordering::Relaxed);
+        true
     }
 
     /// The ranks.
@@ -373,6 +401,7 @@ struct RankLoop {
     publisher: Publisher,
     stats: Arc<RankStats>,
     speedup: f64,
+    slowdown: Arc<Slowdown>,
     transfer: Option<TransferSetup>,
     holds_changed: Arc<Notify>,
     clients: HashMap<SeqId, Client>,
@@ -409,7 +438,7 @@ impl RankLoop {
                 simulated = Duration::ZERO;
                 now
             });
-            let step = Duration::from_secs_f64(out.duration_us / 1e6 / self.speedup);
+            let step = Duration::from_secs_f64(out.duration_us / 1e6 / self.speedup * self.slowdown.get());
             simulated += step;
             let mut deadline = *start + simulated;
             self.stats.step_wall_us.fetch_add(step.as_micros() as u64, Ordering::Relaxed);

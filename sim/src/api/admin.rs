@@ -137,6 +137,22 @@ pub(super) async fn chaos_events(State(state): State<Arc<AppState>>, body: Bytes
     }
 }
 
+/// `{"factor": f}`: every step runs `f` times slower than modelled from now on (1 undoes it),
+/// without a word to the router: its events and metrics say nothing of it.
+pub(super) async fn chaos_slowdown(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    #[derive(serde::Deserialize)]
+    struct Slowdown {
+        factor: f64,
+    }
+    match serde_json::from_slice::<Slowdown>(&body) {
+        Ok(s) if state.engine.set_slowdown(s.factor) => tagged(&state, StatusCode::OK.into_response()),
+        Ok(s) => {
+            error(&state, StatusCode::BAD_REQUEST, "BadRequestError", format!("factor {} is not positive", s.factor))
+        }
+        Err(e) => error(&state, StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()),
+    }
+}
+
 /// Restarts the event publisher: seq back to 0, replay buffer emptied.
 pub(super) async fn restart_publisher(State(state): State<Arc<AppState>>) -> Response {
     for rank in state.engine.ranks() {

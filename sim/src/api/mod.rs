@@ -55,7 +55,7 @@ mod reply;
 mod transfer;
 
 use admin::{
-    chaos_events, load_lora_adapter, metrics, models, reset_prefix_cache, restart_publisher, tokenize,
+    chaos_events, chaos_slowdown, load_lora_adapter, metrics, models, reset_prefix_cache, restart_publisher, tokenize,
     unload_lora_adapter,
 };
 use reply::{message_object, response_object, stream, stream_message, stream_response};
@@ -120,6 +120,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/_chaos/events", post(chaos_events))
         .route("/_chaos/restart_publisher", post(restart_publisher))
+        .route("/_chaos/slowdown", post(chaos_slowdown))
         // vLLM (uvicorn) puts no limit on request bodies; neither does the simulator.
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(state)
