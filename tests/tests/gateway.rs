@@ -340,6 +340,41 @@ fn ttft_predictions_come_close_and_alarm_when_a_replica_is_slowed() {
     assert!(metrics.contains("kvgate_ttft_prediction_alarm{model=\"qwen3\",replica=\"a\"} 1"), "{metrics}");
 }
 
+/// `predicted_latency` routes on the TTFT each replica's model predicts: with one of two
+/// replicas slowed 3× behind kvgate's back, `kv_aware` (which sees idle replicas as equal)
+/// keeps sending it half the requests, while `predicted_latency`, once it has learned both,
+/// sends the fast one every request an idle fleet gets.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn predicted_latency_avoids_a_replica_slowed_behind_kvgates_back() {
+    let mut shares = Vec::new();
+    for policy in ["kv_aware", "predicted_latency"] {
+        let name = format!("slowed-{}", policy.replace('_', "-"));
+        let opts = StackOptions { name, replicas: 2, pool_policy: policy.into(), ..Default::default() };
+        let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+        let slowed = client().post(stack.sim("b").url("/_chaos/slowdown")).body(r#"{"factor": 3}"#).send().unwrap();
+        assert_eq!(slowed.status(), 200);
+        let url = stack.gateway("/v1/chat/completions");
+        let send = |i: u32| {
+            let words = 60 + (i as usize * 37) % 400;
+            let reply = stream(&url, chat(&document(8_000 + i, words), "Summarise.")).unwrap();
+            assert_eq!(reply.status, 200);
+            (reply.header("x-kvgate-routed-to").to_owned(), reply.ttft)
+        };
+        // Enough for both replicas' models to learn, whichever way the first requests go.
+        for i in 0..40 {
+            send(i);
+        }
+        let measured: Vec<(String, Duration)> = (40..80).map(send).collect();
+        let to_slow = measured.iter().filter(|(replica, _)| replica == "b").count();
+        let mean_ttft = measured.iter().map(|(_, t)| t.as_secs_f64()).sum::<f64>() / measured.len() as f64;
+        eprintln!("{policy}: {to_slow} of 40 requests to the slowed replica, mean TTFT {:.1} ms", mean_ttft * 1e3);
+        shares.push(to_slow);
+    }
+    assert!(shares[0] >= 8, "kv_aware sees two idle replicas alike: {shares:?}");
+    assert!(shares[1] <= 2, "predicted_latency avoids the slowed one: {shares:?}");
+}
+
 /// A pool configured with another block size than its engines' never gets the cache right;
 /// kvgate says so: the alarm in `/debug/state` and `kvgate_prediction_alarm`.
 #[test]

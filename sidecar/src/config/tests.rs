@@ -36,7 +36,14 @@ fn load(text: &str, env: &[(&'static str, &'static str)]) -> anyhow::Result<Conf
 
 #[test]
 fn policy_names_are_the_configured_ones() {
-    let all = [Policy::KvAware, Policy::LeastLoad, Policy::RoundRobin, Policy::ConsistentHash, Policy::PrefixAffinity];
+    let all = [
+        Policy::KvAware,
+        Policy::LeastLoad,
+        Policy::RoundRobin,
+        Policy::ConsistentHash,
+        Policy::PrefixAffinity,
+        Policy::PredictedLatency,
+    ];
     for p in all {
         let parsed: Policy = serde_json::from_value(serde_json::Value::from(p.name())).unwrap();
         assert_eq!(parsed, p, "{}", p.name());

@@ -121,6 +121,13 @@ struct Booking {
     ttft: Option<(TtftInputs, Option<Duration>)>,
 }
 
+impl Replica {
+    /// What a request with `prefill_tokens` of its own to compute faces here now.
+    fn ttft_inputs(&self, prefill_tokens: u64) -> TtftInputs {
+        TtftInputs { prefill_ahead: self.prefill_tokens + prefill_tokens, decoding: self.requests - self.prefilling }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Replica {
     prefill_tokens: u64,
@@ -446,8 +453,7 @@ impl LoadTable {
         self.release(booking.id);
         let r = &mut self.replicas[replica.get()];
         let ttft = booking.times_ttft.then(|| {
-            let decoding = r.requests - r.prefilling;
-            let inputs = TtftInputs { prefill_ahead: r.prefill_tokens + booking.prefill_tokens, decoding };
+            let inputs = r.ttft_inputs(booking.prefill_tokens);
             (inputs, r.ttft.predict(inputs))
         });
         r.prefill_tokens += booking.prefill_tokens;
@@ -508,6 +514,13 @@ impl LoadTable {
     /// prediction is checked once.
     pub fn take_prediction(&mut self, id: &BookingId) -> Option<(ReplicaIdx, Prediction)> {
         self.bookings.get_mut(id).and_then(|b| Some((b.replica, b.prediction.take()?)))
+    }
+
+    /// The TTFT a request with `prefill_tokens` to compute (after its cache overlap) would
+    /// have if booked on `replica` now, if the replica's model has learned enough.
+    pub fn predict_ttft(&self, replica: ReplicaIdx, prefill_tokens: u64) -> Option<Duration> {
+        let r = &self.replicas[replica.get()];
+        r.ttft.predict(r.ttft_inputs(prefill_tokens))
     }
 
     /// The TTFT predicted for a request when it was booked, if its replica's model had

@@ -266,6 +266,11 @@ pub enum Policy {
     /// The `kv_aware` cost with overlap from this gateway's own routing history instead of
     /// KV events (for engines that publish none): see [`crate::index::approx`].
     PrefixAffinity,
+    /// The lowest predicted time to first token ([`crate::latency`]): the prefill each
+    /// replica has ahead, this request's own after its cache overlap there, and what it
+    /// decodes, at the speed learned for that replica. `kv_aware` until every candidate's
+    /// model predicts.
+    PredictedLatency,
 }
 
 impl Policy {
@@ -277,6 +282,7 @@ impl Policy {
             Policy::RoundRobin => "round_robin",
             Policy::ConsistentHash => "consistent_hash",
             Policy::PrefixAffinity => "prefix_affinity",
+            Policy::PredictedLatency => "predicted_latency",
         }
     }
 }

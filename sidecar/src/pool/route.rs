@@ -141,8 +141,12 @@ impl Pool {
         }
         // Every eligible replica's cost, from its booked load.
         let scored = score_all(&load, &eligible, &shape, &scoring);
-        // The policy's pick, an index into `eligible`.
-        let Some(choice) = self.choose(policy, req, &members, &eligible, &scored, &scoring) else {
+        // The policy's pick, an index into `eligible`: under `predicted_latency` the lowest
+        // predicted TTFT, once every candidate's model predicts.
+        let fastest = (policy == Policy::PredictedLatency).then(|| fastest(&load, &eligible, &shape, &scoring));
+        let Some(choice) =
+            fastest.flatten().or_else(|| self.choose(policy, req, &members, &eligible, &scored, &scoring))
+        else {
             return Ok(nowhere());
         };
         // Where the prompt is computed: there, or in a prefill worker's leg.
@@ -303,7 +307,7 @@ impl Pool {
 
     /// Whether prefixes routed moments ago count as cached where they went.
     fn inflight_credit(&self) -> bool {
-        self.config.policy == Policy::KvAware && self.config.inflight_credit_secs > 0
+        matches!(self.config.policy, Policy::KvAware | Policy::PredictedLatency) && self.config.inflight_credit_secs > 0
     }
 
     fn policy_for(&self, req: &RouteRequest) -> Policy {
@@ -324,7 +328,7 @@ impl Pool {
         scoring: &ScoringConfig,
     ) -> Option<usize> {
         match policy {
-            Policy::KvAware | Policy::LeastLoad | Policy::PrefixAffinity => {
+            Policy::KvAware | Policy::LeastLoad | Policy::PrefixAffinity | Policy::PredictedLatency => {
                 let logits: Vec<f64> = scored.iter().map(|s| s.logit).collect();
                 score::select(&logits, scoring.temperature, &mut rand::rng())
             }
@@ -403,6 +407,19 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
         .collect();
     let request = RequestShape { prompt_tokens: shape.booked_tokens, block_size: shape.block_size };
     scored(eligible, inputs, request, scoring)
+}
+
+/// The candidate with the lowest predicted time to first token, its own prefill being what it
+/// has not cached there; `None` while any candidate's model does not predict yet.
+fn fastest(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring: &ScoringConfig) -> Option<usize> {
+    let predicted: Option<Vec<f64>> = eligible
+        .iter()
+        .map(|e| {
+            let own = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
+            load.predict_ttft(e.slot, own).map(|d| d.as_secs_f64())
+        })
+        .collect();
+    score::argmin(&predicted?, &mut rand::rng())
 }
 
 /// Books the request (or its prefill leg) on the chosen replica: its prefill left after the

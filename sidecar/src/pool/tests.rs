@@ -884,3 +884,41 @@ fn ttft_is_predicted_for_each_decision_checked_when_the_first_token_comes_and_al
     assert!(cleared.is_some(), "relearned: {:?}", replica());
     assert!(p.metrics.render().contains("kvgate_ttft_prediction_alarm{model=\"m\",replica=\"r0\"} 0"));
 }
+
+#[test]
+fn predicted_latency_sends_requests_where_they_start_soonest() {
+    let p = pool_with(2, Policy::PredictedLatency);
+    let scoring = ScoringConfig::default();
+    // Replica 1 runs 3× slower than replica 0: 3 ms plus 20 ms per thousand prefill tokens.
+    let ttft = |replica: usize, tokens: u64| Duration::from_micros((1 + 2 * replica as u64) * (3_000 + 20 * tokens));
+    let prompt = |i: u32| -> Vec<u32> { (0..4 * (20 + i % 7 * 30)).map(|t| 100_000 * (i + 1) + t).collect() };
+    let send = |i: u32| {
+        let tokens = prompt(i);
+        let req = RouteRequest { stream: true, ..request(&format!("l{i}"), &tokens) };
+        let at = chosen(&p.route(&req, &scoring));
+        assert!(p.first_token(&req.request_id, ttft(at, tokens.len() as u64)));
+        assert!(p.lifecycle(&req.request_id, false));
+        at
+    };
+    // Until both replicas' models predict, it decides as kv_aware: idle replicas, either.
+    let learned = |r: usize| p.state().replicas[r].ttft.samples >= crate::latency::MIN_SAMPLES;
+    let warmed = (0..200).find(|i| {
+        send(*i);
+        learned(0) && learned(1)
+    });
+    assert!(
+        warmed.is_some(),
+        "both replicas learned: {:?}",
+        p.state().replicas.iter().map(|r| r.ttft).collect::<Vec<_>>()
+    );
+    let to_fast = (300..340).filter(|i| send(*i) == 0).count();
+    assert_eq!(to_fast, 40, "an idle fleet: the fast replica starts every request soonest");
+    // A long prompt in prefill on the fast replica: the slow one, idle, now starts sooner.
+    let long: Vec<u32> = (0..4 * 2_000).map(|t| 9_000_000 + t).collect();
+    let backlog = RouteRequest { stream: true, ..request("backlog", &long) };
+    assert_eq!(chosen(&p.route(&backlog, &scoring)), 0);
+    assert_eq!(chosen(&p.route(&RouteRequest { stream: true, ..request("next", &prompt(500)) }, &scoring)), 1);
+    let explained = p.explain(Some("next"), 1).pop().unwrap();
+    assert_eq!(explained.policy, Policy::PredictedLatency);
+    assert!(explained.predicted_ttft_secs.is_some());
+}
