@@ -34,6 +34,7 @@
 //! Checks 2c–2f and 7b run clients concurrently and class every prediction ([`load`]).
 
 pub mod load;
+pub mod ttft;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -1033,6 +1034,7 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
         tallies.push(tally);
     }
     done(load::together("2g. load: 2c–2f together", &tallies));
+    done(ttft::check(&stack, "qwen3")?);
     done(reset(&stack)?);
     let (row, expected) = events(&stack, artifacts)?;
     done(row);

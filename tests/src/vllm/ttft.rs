@@ -1,0 +1,67 @@
+//! Time-to-first-token predictions against real vLLM: streamed chats with system prompts of
+//! 60 to 1 060 words, one after another through Envoy, so each engine's model learns and then predicts;
+//! every prediction the sidecar checked (`/debug/explain`: the TTFT predicted at the decision
+//! against the one the filter measured) is read back, and the error's quantiles reported.
+
+use serde_json::{json, Value};
+
+use crate::client::{self, stream};
+use crate::faults::Row;
+use crate::workload::document;
+use crate::Stack;
+
+/// Requests sent.
+const REQUESTS: u32 = 48;
+/// The target for the p90 error is 25 %; the check fails above this: the predictions do not follow the engines at all.
+const FAIL_P90: f64 = 0.5;
+
+/// The check's row.
+pub fn check(stack: &Stack, model: &str) -> anyhow::Result<Row> {
+    let url = stack.gateway("/v1/chat/completions");
+    let checked_before = checked(stack)?;
+    for i in 0..REQUESTS {
+        let words = 60 + (i as usize * 97) % 1_000;
+        let body = json!({"model": model, "max_tokens": 2, "messages": [
+            {"role": "system", "content": document(7_000 + i, words)},
+            {"role": "user", "content": "Summarise."}]});
+        let reply = stream(&url, body)?;
+        anyhow::ensure!(reply.status == 200, "request {i}: HTTP {}", reply.status);
+    }
+    // First tokens are reported in the filter's batches, with the ends: wait for the last.
+    super::load::settled(stack)?;
+    let checks = checked(stack)? - checked_before;
+    let explained: Value =
+        client::client().get(stack.sidecar_url(&format!("/debug/explain?last={REQUESTS}"))).send()?.json()?;
+    let mut errors: Vec<f64> = explained["decisions"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|d| {
+            let c = &d["ttft_checked"];
+            let (predicted, measured) = (c["predicted_secs"].as_f64()?, c["measured_secs"].as_f64()?);
+            Some((predicted - measured).abs() / measured)
+        })
+        .collect();
+    errors.sort_by(f64::total_cmp);
+    let quantile = |q: f64| errors.get(((errors.len().max(1) - 1) as f64 * q).round() as usize).copied();
+    let (p50, p90) = (quantile(0.5), quantile(0.9));
+    let percent = |v: Option<f64>| v.map_or("-".into(), |v| format!("{:.1} %", 100.0 * v));
+    Ok(Row {
+        scenario: "2h. TTFT predictions",
+        expected: "each engine's TTFT model learns from the gateway's measurements and predicts every streamed \
+                   request's TTFT after 8; target p90 error ≤ 25 % (fails above 50 %)",
+        measured: format!(
+            "{REQUESTS} streamed requests, system prompts of 60–1 060 words: {checks} predictions checked, p50 \
+             error {}, p90 {}",
+            percent(p50),
+            percent(p90)
+        ),
+        pass: errors.len() >= 20 && p90.is_some_and(|p| p <= FAIL_P90),
+    })
+}
+
+/// TTFT predictions the sidecar has checked so far.
+fn checked(stack: &Stack) -> anyhow::Result<u64> {
+    Ok(stack.sidecar_state()?["pools"][0]["prediction"]["ttft"]["checked"].as_u64().unwrap_or(0))
+}
