@@ -8,13 +8,16 @@
 //! the engine reports waiting beyond kvgate's bookings) — and the sequences it is decoding
 //! meanwhile, which share each engine step with the prefill.
 //!
-//! **Model.** `ttft = a + b · prefill_ahead + c · decoding`, learned per replica by recursive
-//! least squares with forgetting ([`FORGET`]: the newest ~20 requests weigh most) from each
-//! streamed request's TTFT as the filter measured it: from the moment the request left the
+//! **Model.** `ttft = a + b · prefill_ahead + c · decoding`, fitted per replica by least
+//! squares (with a slight ridge, so that an input that never varies — a replica that never
+//! decodes while it prefills — gets no weight rather than any) over its last [`WINDOW`]
+//! streamed requests' TTFT as the filter measured it: from the moment the request left the
 //! filter for the engine to the first byte of its response. Nothing is assumed up front, no
 //! constant from any engine or simulator: a replica predicts nothing until it has learned
 //! from [`MIN_SAMPLES`] requests. A replica that slows down (throttled, a noisy neighbour, a
-//! changed engine configuration) is relearned within a few tens of requests.
+//! changed engine configuration) is relearned once the window holds only its new self. (A
+//! recursive least-squares fit with forgetting, tried first, lost its forgetting or its
+//! stability when an input stayed constant.)
 //!
 //! **Check.** Each prediction is compared with the measured TTFT ([`TtftCheck`]): *close* when
 //! within [`TOLERANCE`] of it, plus [`SLACK`]. Each replica watches its last [`WATCH`] checks:
@@ -29,8 +32,11 @@ use serde::Serialize;
 
 /// Requests a replica learns from before it predicts.
 pub const MIN_SAMPLES: u64 = 8;
-/// The weight the model keeps of what it learned before each new request.
-const FORGET: f64 = 0.95;
+/// Requests each replica's model is fitted to: its latest.
+pub const WINDOW: usize = 32;
+/// The ridge added to each coefficient's normal equation, in the scaled units of
+/// [`features`]: far below what any varying input contributes.
+const RIDGE: f64 = 1e-3;
 /// How far a prediction may be from the measured TTFT, as a share of it, and still be close.
 pub const TOLERANCE: f64 = 0.25;
 /// And in absolute terms, on top: a few milliseconds say nothing about the model.
@@ -39,12 +45,6 @@ pub const SLACK: Duration = Duration::from_millis(5);
 pub const WATCH: usize = 16;
 /// Checks needed before the alarm can be raised.
 pub const MIN_WATCHED: usize = 8;
-/// The initial uncertainty of each coefficient (in the scaled units of [`features`]): large,
-/// so the first requests set them.
-const INITIAL_P: f64 = 1.0e6;
-/// The uncertainty past which forgetting stops growing it, so that an input that does not vary
-/// (a replica that never decodes while it prefills) does not wind the model up.
-const MAX_TRACE: f64 = 1.0e7;
 
 /// What the replica faces when a request is booked on it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -56,24 +56,14 @@ pub struct TtftInputs {
     pub decoding: u64,
 }
 
-/// One replica's model: coefficients and their uncertainty (recursive least squares).
-#[derive(Debug, Clone, PartialEq)]
+/// One replica's model: its latest requests and the coefficients fitted to them.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct TtftModel {
+    /// The scaled inputs and the measured TTFT (ms) of the last [`WINDOW`] requests.
+    window: VecDeque<([f64; 3], f64)>,
     /// Milliseconds: at rest, per thousand prefill tokens, per ten decoding sequences.
     coefficients: [f64; 3],
-    /// The inverse of the (forgetting-weighted) information matrix.
-    p: [[f64; 3]; 3],
     samples: u64,
-}
-
-impl Default for TtftModel {
-    fn default() -> Self {
-        let mut p = [[0.0; 3]; 3];
-        for (i, row) in p.iter_mut().enumerate() {
-            row[i] = INITIAL_P;
-        }
-        TtftModel { coefficients: [0.0; 3], p, samples: 0 }
-    }
 }
 
 /// The model's inputs, scaled so their coefficients are of like size.
@@ -108,24 +98,56 @@ impl TtftModel {
 
     /// Learns from one request that met `inputs` and whose first token came after `measured`.
     pub fn learn(&mut self, inputs: TtftInputs, measured: Duration) {
-        let x = features(inputs);
-        let y = measured.as_secs_f64() * 1e3;
-        let px: [f64; 3] = std::array::from_fn(|i| dot(&self.p[i], &x));
-        let gain_denominator = FORGET + dot(&x, &px);
-        let gain = px.map(|v| v / gain_denominator);
-        let error = y - dot(&self.coefficients, &x);
-        for (c, k) in self.coefficients.iter_mut().zip(gain) {
-            *c += k * error;
+        if self.window.len() == WINDOW {
+            self.window.pop_front();
         }
-        let trace: f64 = (0..3).map(|i| self.p[i][i]).sum();
-        let forget = if trace < MAX_TRACE { FORGET } else { 1.0 };
-        for (i, row) in self.p.iter_mut().enumerate() {
-            for (j, v) in row.iter_mut().enumerate() {
-                *v = (*v - gain[i] * px[j]) / forget;
-            }
-        }
+        self.window.push_back((features(inputs), measured.as_secs_f64() * 1e3));
+        self.coefficients = fit(&self.window);
         self.samples += 1;
     }
+
+    /// Requests learned from.
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+}
+
+/// The ridge least-squares coefficients of `samples`: the solution of `(XᵀX + RIDGE·I) c = Xᵀy`.
+fn fit(samples: &VecDeque<([f64; 3], f64)>) -> [f64; 3] {
+    let mut a = [[0.0; 3]; 3];
+    let mut b = [0.0; 3];
+    for (x, y) in samples {
+        for i in 0..3 {
+            for j in 0..3 {
+                a[i][j] += x[i] * x[j];
+            }
+            b[i] += x[i] * y;
+        }
+    }
+    for (i, row) in a.iter_mut().enumerate() {
+        row[i] += RIDGE;
+    }
+    solve(a, b)
+}
+
+/// Solves `a c = b` for a symmetric positive definite `a` (Cholesky).
+fn solve(a: [[f64; 3]; 3], b: [f64; 3]) -> [f64; 3] {
+    let mut l = [[0.0; 3]; 3];
+    for i in 0..3 {
+        for j in 0..=i {
+            let sum: f64 = (0..j).map(|k| l[i][k] * l[j][k]).sum();
+            l[i][j] = if i == j { (a[i][i] - sum).max(f64::MIN_POSITIVE).sqrt() } else { (a[i][j] - sum) / l[j][j] };
+        }
+    }
+    let mut z = [0.0; 3];
+    for i in 0..3 {
+        z[i] = (b[i] - (0..i).map(|k| l[i][k] * z[k]).sum::<f64>()) / l[i][i];
+    }
+    let mut c = [0.0; 3];
+    for i in (0..3).rev() {
+        c[i] = (z[i] - (i + 1..3).map(|k| l[k][i] * c[k]).sum::<f64>()) / l[i][i];
+    }
+    c
 }
 
 /// One TTFT prediction against what the filter measured.
@@ -222,7 +244,7 @@ impl ReplicaTtft {
 
     /// Requests its model learned from.
     pub fn samples(&self) -> u64 {
-        self.model.samples
+        self.model.samples()
     }
 }
 
@@ -280,13 +302,13 @@ mod tests {
     }
 
     #[test]
-    fn an_input_that_never_varies_neither_winds_up_nor_breaks_the_others() {
+    fn an_input_that_never_varies_gets_no_weight_and_breaks_nothing() {
         let truth = replica(8.0, 25.0, 0.0);
         let mut m = TtftModel::default();
         for inputs in traffic(5_000).map(|i| TtftInputs { decoding: 0, ..i }) {
             m.learn(inputs, truth(inputs));
         }
-        assert!(m.p.iter().enumerate().all(|(i, row)| row[i].is_finite() && row[i] <= MAX_TRACE * 1.1));
+        assert!(m.coefficients.iter().all(|c| c.is_finite()) && m.coefficients[2].abs() < 1e-3, "{m:?}");
         let probe = TtftInputs { prefill_ahead: 2_000, decoding: 0 };
         assert!((ms(m.predict(probe).unwrap()) - 58.0).abs() < 0.5);
     }
@@ -333,5 +355,21 @@ mod tests {
         assert_eq!(raised, WATCH / 2, "{changes:?}");
         assert!(cleared < 60, "relearned within tens of requests: {changes:?}");
         assert!(!r.alarm() && r.recent_close_ratio() >= 0.8);
+    }
+
+    #[test]
+    fn an_input_that_never_varies_does_not_stop_the_others_being_relearned() {
+        let still = |n| traffic(n).map(|i| TtftInputs { decoding: 0, ..i });
+        let mut m = TtftModel::default();
+        for inputs in still(1_000) {
+            m.learn(inputs, replica(10.0, 20.0, 0.0)(inputs));
+        }
+        let slow = replica(30.0, 80.0, 0.0);
+        for inputs in still(150) {
+            m.learn(inputs, slow(inputs));
+        }
+        let probe = TtftInputs { prefill_ahead: 3_000, decoding: 0 };
+        let (after, truth) = (ms(m.predict(probe).unwrap()), ms(slow(probe)));
+        assert!((after - truth).abs() < 0.05 * truth, "{after} vs {truth}");
     }
 }
