@@ -593,6 +593,22 @@ impl Stack {
         Ok(client::client().get(self.sidecar_url("/debug/state")).send()?.json()?)
     }
 
+    /// The relative error `|predicted − measured| / measured` of each TTFT prediction the
+    /// first sidecar checked among its last `last` decisions kept (`/debug/explain`).
+    pub fn ttft_errors(&self, last: usize) -> anyhow::Result<Vec<f64>> {
+        let url = self.sidecar_url(&format!("/debug/explain?last={last}"));
+        let explained: Value = client::client().get(url).send()?.json()?;
+        let decisions = explained["decisions"].as_array().map(Vec::as_slice).unwrap_or_default();
+        Ok(decisions
+            .iter()
+            .filter_map(|d| {
+                let checked = &d["ttft_checked"];
+                let (predicted, measured) = (checked["predicted_secs"].as_f64()?, checked["measured_secs"].as_f64()?);
+                Some((predicted - measured).abs() / measured)
+            })
+            .collect())
+    }
+
     /// `http://127.0.0.1:<gateway i's sidecar>{path}` (0: the first's).
     ///
     /// # Panics

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use kvgate_e2e::bench::stats::percentile;
 use kvgate_e2e::client::{client, post, stream};
 use kvgate_e2e::process::wait_for;
 use kvgate_e2e::stack::metric_sum;
@@ -309,14 +310,10 @@ fn ttft_predictions_come_close_and_alarm_when_a_replica_is_slowed() {
     let close = steady["close"].as_u64().unwrap() as f64 / steady["checked"].as_u64().unwrap() as f64;
     assert!(close >= 0.9, "close to the measured TTFT in {:.0} % of the checks: {steady}", close * 100.0);
     assert_eq!(alarm(), Some(false));
-    let errors = ttft_errors(&stack, 60);
-    eprintln!(
-        "TTFT error over {} checks: p50 {:.3}, p90 {:.3}",
-        errors.len(),
-        quantile(&errors, 0.5),
-        quantile(&errors, 0.9)
-    );
-    assert!(errors.len() >= 40 && quantile(&errors, 0.9) <= 0.15, "p90 within 15 %: {errors:?}");
+    let errors = stack.ttft_errors(60).unwrap();
+    let (p50, p90) = (percentile(&errors, 50.0).unwrap(), percentile(&errors, 90.0).unwrap());
+    eprintln!("TTFT error over {} checks: p50 {p50:.3}, p90 {p90:.3}", errors.len());
+    assert!(errors.len() >= 40 && p90 <= 0.15, "p90 within 15 %: {errors:?}");
     let slowed = client().post(stack.sim("a").url("/_chaos/slowdown")).body(r#"{"factor": 4}"#).send().unwrap();
     assert_eq!(slowed.status(), 200);
     let mut sent = 60;
@@ -330,30 +327,6 @@ fn ttft_predictions_come_close_and_alarm_when_a_replica_is_slowed() {
     assert!(raised.is_ok(), "{replica:?}");
     let metrics = client().get(stack.sidecar_url("/metrics")).send().unwrap().text().unwrap();
     assert!(metrics.contains("kvgate_ttft_prediction_alarm{model=\"qwen3\",replica=\"a\"} 1"), "{metrics}");
-}
-
-/// The relative error of each TTFT prediction checked among the last `last` decisions kept,
-/// sorted.
-fn ttft_errors(stack: &Stack, last: usize) -> Vec<f64> {
-    let url = stack.sidecar_url(&format!("/debug/explain?last={last}"));
-    let explained: Value = client().get(url).send().unwrap().json().unwrap();
-    let mut errors: Vec<f64> = explained["decisions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|d| {
-            let checked = &d["ttft_checked"];
-            let (predicted, measured) = (checked["predicted_secs"].as_f64()?, checked["measured_secs"].as_f64()?);
-            Some((predicted - measured).abs() / measured)
-        })
-        .collect();
-    errors.sort_by(f64::total_cmp);
-    errors
-}
-
-/// The `q` quantile of sorted `values`.
-fn quantile(values: &[f64], q: f64) -> f64 {
-    values[((values.len() - 1) as f64 * q).round() as usize]
 }
 
 /// `predicted_latency` routes on the TTFT each replica's model predicts: with one of two

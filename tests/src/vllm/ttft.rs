@@ -3,9 +3,10 @@
 //! every prediction the sidecar checked (`/debug/explain`: the TTFT predicted at the decision
 //! against the one the filter measured) is read back, and the error's quantiles reported.
 
-use serde_json::{json, Value};
+use serde_json::json;
 
-use crate::client::{self, stream};
+use crate::bench::stats::percentile;
+use crate::client::stream;
 use crate::faults::Row;
 use crate::workload::document;
 use crate::Stack;
@@ -30,22 +31,8 @@ pub fn check(stack: &Stack, model: &str) -> anyhow::Result<Row> {
     // First tokens are reported in the filter's batches, with the ends: wait for the last.
     super::load::settled(stack)?;
     let checks = checked(stack)? - checked_before;
-    let explained: Value =
-        client::client().get(stack.sidecar_url(&format!("/debug/explain?last={REQUESTS}"))).send()?.json()?;
-    let mut errors: Vec<f64> = explained["decisions"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|d| {
-            let c = &d["ttft_checked"];
-            let (predicted, measured) = (c["predicted_secs"].as_f64()?, c["measured_secs"].as_f64()?);
-            Some((predicted - measured).abs() / measured)
-        })
-        .collect();
-    errors.sort_by(f64::total_cmp);
-    let quantile = |q: f64| errors.get(((errors.len().max(1) - 1) as f64 * q).round() as usize).copied();
-    let (p50, p90) = (quantile(0.5), quantile(0.9));
+    let errors = stack.ttft_errors(REQUESTS as usize)?;
+    let (p50, p90) = (percentile(&errors, 50.0), percentile(&errors, 90.0));
     let percent = |v: Option<f64>| v.map_or("-".into(), |v| format!("{:.1} %", 100.0 * v));
     Ok(Row {
         scenario: "2h. TTFT predictions",
