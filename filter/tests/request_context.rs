@@ -228,25 +228,35 @@ fn routed_to(endpoint: &str) -> RouteResponse {
 /// Runs the response: headers, one body chunk, the end.
 fn respond(ctx: &mut Request<Fake>, fake: &Fake, upstream: &str, chunk: &str) {
     fake.0.borrow_mut().upstream = Some(upstream.into());
+    fake.0.borrow_mut().response_headers.entry(":status".into()).or_insert_with(|| "200".into());
     fake.0.borrow_mut().response_chunk = chunk.as_bytes().to_vec();
     ctx.on_response_headers();
     ctx.on_response_body(chunk.len(), true);
     ctx.on_log();
 }
 
-/// The kinds of the lifecycle reports queued, with their measured TTFT set to 0.
+/// A chat of `text` sent and routed by the sidecar to 127.0.0.1:8001, its response not yet come.
+fn routed_chat(text: &str) -> (Request<Fake>, Fake) {
+    let (mut ctx, fake) = request(&chat(text), &[], FilterConfig::default());
+    send(&mut ctx, &fake);
+    let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
+    ctx.on_call_response(1, 2, size);
+    (ctx, fake)
+}
+
+/// The kinds of the lifecycle reports queued, with a measured TTFT set to 0.
 fn kinds(fake: &Fake) -> Vec<LifecycleKind> {
     let kind = |k: &LifecycleKind| match k {
-        LifecycleKind::FirstToken { .. } => LifecycleKind::FirstToken { ttft_us: 0 },
+        LifecycleKind::FirstToken { ttft_us } => LifecycleKind::FirstToken { ttft_us: ttft_us.map(|_| 0) },
         other => other.clone(),
     };
     fake.0.borrow().queued.iter().map(|e| kind(&e.kind)).collect()
 }
 
-/// The TTFT the first-token report measured.
+/// The TTFT the first-token report measured, if it measured one.
 fn measured_ttft(fake: &Fake) -> Option<Duration> {
     fake.0.borrow().queued.iter().find_map(|e| match e.kind {
-        LifecycleKind::FirstToken { ttft_us } => Some(Duration::from_micros(ttft_us)),
+        LifecycleKind::FirstToken { ttft_us } => ttft_us.map(Duration::from_micros),
         _ => None,
     })
 }
@@ -274,13 +284,16 @@ fn a_routed_request_is_booked_under_its_own_key_and_reports_its_life() {
     assert_eq!(s.resumed, 1);
     drop(s);
     let usage = r#"{"choices":[],"usage":{"prompt_tokens":17,"prompt_tokens_details":{"cached_tokens":16}}}"#;
+    // The engine takes a while: the measurement covers it, and nothing from before the answer.
+    let engine = Duration::from_millis(5);
+    std::thread::sleep(engine);
     respond(&mut ctx, &fake, "127.0.0.1:8001", usage);
     let ttft = measured_ttft(&fake).expect("a first token reported");
-    assert!(ttft <= answered.elapsed(), "{ttft:?}: measured from the answer to the first byte, not before");
+    assert!(engine <= ttft && ttft <= answered.elapsed(), "{ttft:?}: from the answer to the first byte");
     assert_eq!(
         kinds(&fake),
         [
-            LifecycleKind::FirstToken { ttft_us: 0 },
+            LifecycleKind::FirstToken { ttft_us: Some(0) },
             LifecycleKind::Usage { prompt_tokens: 17, cached_tokens: Some(16) },
             LifecycleKind::Done
         ],
@@ -291,6 +304,16 @@ fn a_routed_request_is_booked_under_its_own_key_and_reports_its_life() {
     assert_eq!(property("kvgate_outcome"), "routed", "the access log reads the decision");
     assert_eq!((property("kvgate_replica").as_str(), property("kvgate_overlap_blocks").as_str()), ("b", "3"));
     assert_eq!(property("kvgate_booking_id"), sent.request_id.as_str());
+}
+
+/// An engine's error answers fast and says nothing of how fast it computes a prompt: its first
+/// byte ends the prefill's booking but carries no TTFT for the replica's model to learn.
+#[test]
+fn an_error_response_reports_its_first_byte_without_a_ttft() {
+    let (mut ctx, fake) = routed_chat("hello there");
+    fake.0.borrow_mut().response_headers.insert(":status".into(), "503".into());
+    respond(&mut ctx, &fake, "127.0.0.1:8001", r#"{"error":"overloaded"}"#);
+    assert_eq!(kinds(&fake), [LifecycleKind::FirstToken { ttft_us: None }, LifecycleKind::Done]);
 }
 
 #[test]
@@ -368,10 +391,7 @@ fn a_shed_request_is_answered_429_and_goes_no_further() {
 
 #[test]
 fn a_request_that_ran_elsewhere_is_reported_where_it_ran() {
-    let (mut ctx, fake) = request(&chat("hi"), &[], FilterConfig::default());
-    send(&mut ctx, &fake);
-    let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
-    ctx.on_call_response(1, 2, size);
+    let (mut ctx, fake) = routed_chat("hi");
     respond(&mut ctx, &fake, "127.0.0.1:8002", "data: [DONE]\n\n");
     assert_eq!(kinds(&fake)[0], LifecycleKind::RanOn("127.0.0.1:8002".into()));
     assert_eq!(kinds(&fake).last(), Some(&LifecycleKind::Done));

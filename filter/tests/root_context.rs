@@ -223,7 +223,7 @@ fn lifecycle_reports_go_as_one_batch_and_again_until_taken() {
     let (mut root, fake) = configured();
     let event = |id: &str, kind| LifecycleEvent { model: MODEL.into(), request_id: id.into(), kind };
     let events = [
-        event("a", LifecycleKind::FirstToken { ttft_us: 1200 }),
+        event("a", LifecycleKind::FirstToken { ttft_us: Some(1200) }),
         event("a", LifecycleKind::Done),
         event("b", LifecycleKind::Done),
     ];

@@ -268,8 +268,9 @@ pub enum LifecycleKind {
     FirstToken {
         /// Microseconds from the request leaving the filter for the engine (the sidecar's
         /// answer applied) to that byte: the engine's time to first token as the gateway sees
-        /// it, which the sidecar's TTFT predictions are checked against.
-        ttft_us: u64,
+        /// it, which the sidecar's TTFT predictions are checked against. `None` for a response
+        /// that is not a success (2xx), whose first byte says nothing of the engine's speed.
+        ttft_us: Option<u64>,
     },
     /// The response ended (or the request was abandoned): the replica's load is released.
     Done,

@@ -361,6 +361,13 @@ fn check_roles(pool: &PoolConfig, discovery: &DiscoveryConfig) -> anyhow::Result
             pool.model
         );
     }
+    if pool.policy == Policy::PredictedLatency {
+        bail!(
+            "pool {:?}: predicted_latency predicts a replica's time to compute a prompt it is sent whole; in a \
+             disaggregated pool a prefill worker computes it",
+            pool.model
+        );
+    }
     let prefills = |r: &&ReplicaConfig| match d.mode {
         TransferProtocol::Vllm => r.role.prefills(),
         // An SGLang server in neither disaggregation mode ignores a bootstrap room.

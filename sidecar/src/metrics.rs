@@ -494,6 +494,7 @@ impl Metrics {
             &self.prefill_tokens,
             &self.external_requests,
             &self.engine_reports_cached_tokens,
+            &self.ttft_prediction_alarm,
         ];
         for gauge in gauges {
             gauge.remove(replica);

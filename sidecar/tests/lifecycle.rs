@@ -78,7 +78,7 @@ async fn reports_reach_only_their_pool_and_nothing_grows() {
             let (status, answer) = post(&state, "/v1/route", body).await;
             assert_eq!(status, StatusCode::OK);
             assert!(codec::decode::<RouteResponse>(&answer).unwrap().endpoint.is_some());
-            for kind in [LifecycleKind::FirstToken { ttft_us: 900 }, LifecycleKind::Done] {
+            for kind in [LifecycleKind::FirstToken { ttft_us: Some(900) }, LifecycleKind::Done] {
                 batch.events.push(LifecycleEvent { model: model.into(), request_id: id.as_str().into(), kind });
             }
         }
@@ -111,7 +111,7 @@ async fn reports_are_counted_by_kind_and_whether_they_found_their_booking() {
     assert_eq!(status, StatusCode::OK);
     let event = |id: &str, kind| LifecycleEvent { model: model.into(), request_id: id.into(), kind };
     let events = vec![
-        event("booked", LifecycleKind::FirstToken { ttft_us: 900 }),
+        event("booked", LifecycleKind::FirstToken { ttft_us: Some(900) }),
         event("booked", LifecycleKind::Done),
         event("never-booked", LifecycleKind::Done),
     ];

@@ -256,6 +256,8 @@ impl Leg {
 pub(super) struct Progress {
     /// The pool's block size (0: unknown, no decode progress).
     pub(super) block_size: u32,
+    /// The response's status is a success (2xx): its first byte times the engine.
+    pub(super) succeeded: bool,
     pub(super) first_byte_reported: bool,
     /// Output tokens streamed so far.
     pub(super) output_tokens: u32,

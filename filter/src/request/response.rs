@@ -16,6 +16,7 @@ impl Exchange {
     /// The response headers came.
     pub(super) fn on_response_headers(&mut self, host: &impl Host) {
         self.check_upstream(host);
+        self.progress.succeeded = host.response_header(":status").is_some_and(|s| s.starts_with('2'));
         if let (Some(m), Some(_)) = (self.metrics(), &self.booked) {
             // The request's own work (its body, its plan) is done: what it needed is in there.
             m.vm_memory(host);
@@ -45,9 +46,11 @@ impl Exchange {
         }
         if !self.progress.first_byte_reported {
             self.progress.first_byte_reported = true;
-            // From the sidecar's answer (the request left for the engine) to this byte.
+            // From the sidecar's answer (the request left for the engine) to this byte; an
+            // error's first byte times nothing.
             let ttft = self.asked_at.elapsed().as_micros().saturating_sub(self.decision.micros);
-            self.report(host, LifecycleKind::FirstToken { ttft_us: u64::try_from(ttft).unwrap_or(u64::MAX) });
+            let ttft_us = self.progress.succeeded.then(|| u64::try_from(ttft).unwrap_or(u64::MAX));
+            self.report(host, LifecycleKind::FirstToken { ttft_us });
         }
         self.progress.keep_tail(host, body_size, chunk.as_deref());
         if progress {

@@ -455,7 +455,7 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
         let pool = state.pool_for(event.model.as_str());
         let (kind, known) = match &event.kind {
             LifecycleKind::FirstToken { ttft_us } => {
-                ("first_token", pool.is_some_and(|p| p.first_token(id, Duration::from_micros(*ttft_us))))
+                ("first_token", pool.is_some_and(|p| p.first_token(id, ttft_us.map(Duration::from_micros))))
             }
             LifecycleKind::Done => ("done", pool.is_some_and(|p| p.lifecycle(id, false))),
             LifecycleKind::Progress(n) => ("progress", pool.is_some_and(|p| p.progress(id, *n))),

@@ -285,6 +285,12 @@ fn disaggregated_pools_need_both_roles_and_sglang_bootstrap_ports() {
     assert!(load(&pd("vllm", ""), &[]).is_ok(), "`both` takes vLLM's prefill legs too");
     assert!(load(&pd("sglang", ""), &[]).is_err(), "an SGLang server in neither mode takes no leg");
     assert!(load(&pd("nixl", "role = \"prefill\""), &[]).is_err());
+    for policy in ["prefix_affinity", "predicted_latency"] {
+        let with = pd("vllm", "role = \"prefill\"")
+            .replace("block_size = 16", &format!("block_size = 16\npolicy = \"{policy}\""));
+        let refused = load(&with, &[]).unwrap_err().to_string();
+        assert!(refused.contains(policy), "{policy}: {refused}");
+    }
     let roles_alone =
         BASE.replace("kv_events = \"tcp://127.0.0.1:5557\"", "kv_events = \"tcp://127.0.0.1:5557\"\nrole = \"decode\"");
     assert!(load(&roles_alone, &[]).is_err(), "a role without disaggregation");

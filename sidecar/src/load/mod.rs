@@ -35,7 +35,7 @@ use kvgate_shared::ids::RequestId;
 
 use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
-use crate::latency::{ReplicaTtft, TtftCheck, TtftInputs};
+use crate::latency::{ReplicaTtft, TtftInputs, Watched};
 use flows::{Flow, Flows};
 
 /// What one engine (a data-parallel rank: vLLM's `engine` label, SGLang's `dp_rank`) reports
@@ -454,7 +454,7 @@ impl LoadTable {
         let r = &mut self.replicas[replica.get()];
         let ttft = booking.times_ttft.then(|| {
             let inputs = r.ttft_inputs(booking.prefill_tokens);
-            (inputs, r.ttft.predict(inputs))
+            (inputs, r.ttft.predict(inputs, now))
         });
         r.prefill_tokens += booking.prefill_tokens;
         r.prefilling += booking.sequences.max(1);
@@ -517,10 +517,10 @@ impl LoadTable {
     }
 
     /// The TTFT a request with `prefill_tokens` to compute (after its cache overlap) would
-    /// have if booked on `replica` now, if the replica's model has learned enough.
-    pub fn predict_ttft(&self, replica: ReplicaIdx, prefill_tokens: u64) -> Option<Duration> {
+    /// have if booked on `replica` at `now`, if the replica's model predicts.
+    pub fn predict_ttft(&self, replica: ReplicaIdx, prefill_tokens: u64, now: Instant) -> Option<Duration> {
         let r = &self.replicas[replica.get()];
-        r.ttft.predict(r.ttft_inputs(prefill_tokens))
+        r.ttft.predict(r.ttft_inputs(prefill_tokens), now)
     }
 
     /// The TTFT predicted for a request when it was booked, if its replica's model had
@@ -529,18 +529,14 @@ impl LoadTable {
         self.bookings.get(id)?.ttft?.1
     }
 
-    /// The filter measured the request's TTFT: its replica's model learns from it (once).
-    /// Returns its replica, the check of the prediction made for it if there was one, and its
-    /// replica's TTFT alarm's new state if that check changed it.
-    pub fn ttft_measured(
-        &mut self,
-        id: &BookingId,
-        measured: Duration,
-    ) -> Option<(ReplicaIdx, TtftCheck, Option<bool>)> {
+    /// The filter measured the request's TTFT, reported at `now`: its replica's model learns
+    /// from it (once). Returns its replica and the check of the prediction made for it, with
+    /// the replica's alarm, if there was one.
+    pub fn ttft_measured(&mut self, id: &BookingId, measured: Duration, now: Instant) -> Option<(ReplicaIdx, Watched)> {
         let b = self.bookings.get_mut(id)?;
         let (inputs, predicted) = b.ttft.take()?;
-        let (check, alarm) = self.replicas[b.replica.get()].ttft.measured(inputs, predicted, measured)?;
-        Some((b.replica, check, alarm))
+        let watched = self.replicas[b.replica.get()].ttft.measured(inputs, predicted, measured, now)?;
+        Some((b.replica, watched))
     }
 
     /// A replica's TTFT model and the watch over its predictions.

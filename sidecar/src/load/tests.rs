@@ -268,22 +268,22 @@ fn each_streamed_request_teaches_its_replica_the_ttft_it_faced_and_is_checked_ag
         assert!(t.prefill_done(&id(key), now));
     }
     let mut learned = 0;
-    for i in 0..crate::latency::MIN_SAMPLES + 4 {
+    for i in 0..crate::latency::MIN_SAMPLES as u64 + 4 {
         let (ahead, own) = (200 * (i % 5), 300 + 100 * (i % 3));
         assert!(t.book(r0, NewBooking { times_ttft: false, ..booking("ahead", ahead, &[], 1) }, now));
         let key = format!("s{i}");
         assert!(t.book(r0, timed(&key, own), now));
         let predicted = t.predicted_ttft(&id(&key));
-        assert_eq!(predicted.is_some(), learned >= crate::latency::MIN_SAMPLES, "predicts once it has learned");
+        assert_eq!(predicted.is_some(), learned >= crate::latency::MIN_SAMPLES as u64, "predicts once it has learned");
         let measured = measured_ttft(ahead + own, 2);
-        let checked = t.ttft_measured(&id(&key), measured);
-        assert_eq!(checked.map(|(r, c, _)| (r, c.predicted_secs)), predicted.map(|p| (r0, p.as_secs_f64())));
-        assert!(checked.is_none_or(|(_, c, alarm)| c.close() && alarm.is_none()));
+        let checked = t.ttft_measured(&id(&key), measured, now);
+        assert_eq!(checked.map(|(r, w)| (r, w.check.predicted_secs)), predicted.map(|p| (r0, p.as_secs_f64())));
+        assert!(checked.is_none_or(|(_, w)| w.check.close() && !w.alarm));
         if let Some(p) = predicted {
             let error = (p.as_secs_f64() - measured.as_secs_f64()).abs();
             assert!(error < 1e-4, "{p:?} vs {measured:?}");
         }
-        assert!(t.ttft_measured(&id(&key), measured).is_none(), "learned from once");
+        assert!(t.ttft_measured(&id(&key), measured, now).is_none(), "learned from once");
         learned += 1;
         assert_eq!(t.ttft(r0).samples(), learned);
         for key in ["ahead", key.as_str()] {
@@ -295,11 +295,11 @@ fn each_streamed_request_teaches_its_replica_the_ttft_it_faced_and_is_checked_ag
     // nor does one that ran elsewhere.
     assert!(t.book(r0, booking("quiet", 500, &[], 1), now));
     assert_eq!(t.predicted_ttft(&id("quiet")), None);
-    assert!(t.ttft_measured(&id("quiet"), measured_ttft(500, 2)).is_none());
+    assert!(t.ttft_measured(&id("quiet"), measured_ttft(500, 2), now).is_none());
     assert!(t.book(r0, timed("moved", 500), now));
     assert!(t.predicted_ttft(&id("moved")).is_some());
     assert!(t.move_booking(&id("moved"), ReplicaIdx::new(1)).is_some());
-    assert!(t.ttft_measured(&id("moved"), measured_ttft(500, 2)).is_none());
+    assert!(t.ttft_measured(&id("moved"), measured_ttft(500, 2), now).is_none());
     assert_eq!(t.ttft(r0).samples(), learned);
     // A replica that leaves takes its model along: a newcomer in its slot is learned afresh.
     t.clear_replica(r0);

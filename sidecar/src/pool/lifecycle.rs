@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::Pool;
 use crate::accuracy::{AlarmChange, Check, EngineUsage, Unchecked};
 use crate::index::ReplicaIdx;
-use crate::latency::TtftCheck;
+use crate::latency::Watched;
 use crate::load::{BookingId, EngineReport, NewBooking, ReplicaLoad};
 use crate::metrics::{PoolLabels, ReasonLabels};
 use crate::msg::sync::{Outbox, SyncEvent};
@@ -223,39 +223,39 @@ impl Pool {
         known
     }
 
-    /// The request's first token came `ttft` after it left the filter: its replica's TTFT
+    /// The request's first token came, `ttft` after it left the filter if its response was a
+    /// success (an error's first byte says nothing of the replica's speed): its replica's TTFT
     /// model learns from it, the prediction made for it is checked (metrics, `/debug/explain`,
-    /// `/debug/state`, the replica's TTFT alarm), and its prefill is over ([`Pool::lifecycle`]).
-    /// Returns false if the request is not booked in this pool.
-    pub fn first_token(&self, request_id: &RequestId, ttft: Duration) -> bool {
-        let measured = self.load_table().ttft_measured(&BookingId::new(request_id), ttft);
-        if let Some((slot, check, alarm)) = measured {
-            self.ttft_checked(request_id, slot, check, alarm);
+    /// `/debug/state`, the replica's TTFT alarm), and its prefill is over
+    /// ([`Pool::lifecycle`]). Returns false if the request is not booked in this pool.
+    pub fn first_token(&self, request_id: &RequestId, ttft: Option<Duration>) -> bool {
+        let id = BookingId::new(request_id);
+        let measured = ttft.and_then(|ttft| self.load_table().ttft_measured(&id, ttft, Instant::now()));
+        if let Some((slot, watched)) = measured {
+            self.ttft_checked(request_id, slot, watched);
         }
         self.lifecycle(request_id, true)
     }
 
-    fn ttft_checked(&self, request_id: &RequestId, slot: ReplicaIdx, check: TtftCheck, alarm: Option<bool>) {
-        let labels = self.labels(slot);
+    fn ttft_checked(&self, request_id: &RequestId, slot: ReplicaIdx, watched: Watched) {
+        let (labels, check) = (self.labels(slot), watched.check);
         self.metrics.ttft_prediction_error.get_or_create(&labels).observe(check.relative_error());
+        self.metrics.ttft_prediction_alarm.get_or_create(&labels).set(i64::from(watched.alarm));
         self.ttft_explained(request_id, check.measured_secs);
         self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).record_ttft(check.close());
-        match alarm {
-            Some(true) => tracing::warn!(
+        match (watched.changed, watched.alarm) {
+            (true, true) => tracing::warn!(
                 model = %labels.model,
                 replica = %labels.replica,
                 "kvgate's TTFT predictions for this replica keep missing what the gateway measures (see \
                  /debug/explain and kvgate_ttft_prediction_error_ratio): it slowed down, or its TTFT depends on \
                  more than the prefill ahead of a request and the sequences it decodes; its model relearns a \
-                 steady change within a few tens of streamed requests"
+                 steady change within 32 timed requests"
             ),
-            Some(false) => {
+            (true, false) => {
                 tracing::info!(model = %labels.model, replica = %labels.replica, "TTFT predictions match again")
             }
-            None => {}
-        }
-        if let Some(raised) = alarm {
-            self.metrics.ttft_prediction_alarm.get_or_create(&labels).set(i64::from(raised));
+            (false, _) => {}
         }
     }
 

@@ -50,7 +50,7 @@ pub use handover::TakenOver;
 pub use members::{targets, Member, ReplicaHealth, Target};
 pub use offload::OffloadError;
 pub use route::Admit;
-pub use state::{PoolState, ReplicaState};
+pub use state::{PoolState, ReplicaState, TtftState};
 
 use explain::Explanations;
 use members::member;

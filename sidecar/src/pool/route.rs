@@ -141,12 +141,13 @@ impl Pool {
         }
         // Every eligible replica's cost, from its booked load.
         let scored = score_all(&load, &eligible, &shape, &scoring);
-        // The policy's pick, an index into `eligible`: under `predicted_latency` the lowest
-        // predicted TTFT, once every candidate's model predicts.
-        let fastest = (policy == Policy::PredictedLatency).then(|| fastest(&load, &eligible, &shape, &scoring));
-        let Some(choice) =
-            fastest.flatten().or_else(|| self.choose(policy, req, &members, &eligible, &scored, &scoring))
-        else {
+        // Under `predicted_latency`, the lowest predicted TTFT; until every candidate's model
+        // predicts, the request is decided (and recorded) as `kv_aware`.
+        let fastest =
+            (policy == Policy::PredictedLatency).then(|| fastest(&load, &eligible, &shape, &scoring)).flatten();
+        let policy = if policy == Policy::PredictedLatency && fastest.is_none() { Policy::KvAware } else { policy };
+        // The policy's pick, an index into `eligible`.
+        let Some(choice) = fastest.or_else(|| self.choose(policy, req, &members, &eligible, &scored, &scoring)) else {
             return Ok(nowhere());
         };
         // Where the prompt is computed: there, or in a prefill worker's leg.
@@ -260,7 +261,8 @@ impl Pool {
 
     /// The candidates: active replicas that serve the model (a learned adapter only where it
     /// is loaded), credited with their overlap — none while their publisher cannot be trusted
-    /// — and, under `kv_aware`, with prefixes routed there moments ago (`inflight_credit_secs`).
+    /// — and, under `kv_aware` and `predicted_latency`, with prefixes routed there moments ago
+    /// (`inflight_credit_secs`).
     /// Returns them with the routes remembered, locked, when the pool remembers routes.
     fn eligible(
         &self,
@@ -300,7 +302,7 @@ impl Pool {
     }
 
     /// Whether the pool remembers where it sent each prefix: the `prefix_affinity` policy's
-    /// overlap, or `kv_aware`'s in-flight credit.
+    /// overlap, or the in-flight credit of `kv_aware` and `predicted_latency`.
     pub(super) fn records_routes(&self) -> bool {
         self.config.policy == Policy::PrefixAffinity || self.inflight_credit()
     }
@@ -349,7 +351,7 @@ impl Pool {
         }
     }
 
-    /// A peer gateway booked `hashes` on `slot`: under `kv_aware`'s in-flight credit it counts
+    /// A peer gateway booked `hashes` on `slot`: under the in-flight credit it counts
     /// as routed from here too, so a request sharing the prefix that reaches this gateway
     /// before the engine's events follows it there instead of prefilling it a second time
     /// elsewhere. At most [`PEER_ROUTE_BLOCKS`] of its blocks, so one peer message cannot
@@ -412,11 +414,12 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
 /// The candidate with the lowest predicted time to first token, its own prefill being what it
 /// has not cached there; `None` while any candidate's model does not predict yet.
 fn fastest(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring: &ScoringConfig) -> Option<usize> {
+    let now = Instant::now();
     let predicted: Option<Vec<f64>> = eligible
         .iter()
         .map(|e| {
             let own = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
-            load.predict_ttft(e.slot, own).map(|d| d.as_secs_f64())
+            load.predict_ttft(e.slot, own, now).map(|d| d.as_secs_f64())
         })
         .collect();
     score::argmin(&predicted?, &mut rand::rng())
@@ -449,7 +452,8 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         streamed: shape.stream,
         flow: to.flow,
         from_peer: false,
-        times_ttft: shape.stream && to.remote.is_none(),
+        // Its TTFT is its replica's own, of a prompt whose size is known.
+        times_ttft: shape.stream && to.remote.is_none() && shape.prompt_count != PromptCount::Estimated,
     };
     let booked = load.book(at.slot, booking, Instant::now());
     Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked, unpredicted }

@@ -62,13 +62,16 @@ pub struct ReplicaState {
 /// A replica's TTFT model in `/debug/state`.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct TtftState {
-    /// Streamed requests it learned from (it predicts from `latency::MIN_SAMPLES` on).
+    /// Timed requests it learned from since it joined (it predicts once its window holds
+    /// `latency::MIN_SAMPLES` recent ones).
     pub samples: u64,
     /// The share of its last predictions close to what the filter measured.
     pub recent_close_ratio: f64,
     /// Whether its TTFT alarm is raised.
     pub alarm: bool,
 }
+
+/// One pool in `/debug/state`.
 #[derive(Debug, Serialize)]
 pub struct PoolState {
     /// Model name.

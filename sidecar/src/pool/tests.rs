@@ -427,7 +427,7 @@ fn membership_changes_under_traffic_do_not_deadlock() {
                 let id = format!("w{w}-{i}");
                 p.route(&request(&id, &[i % 50; 8]), &ScoringConfig::default());
                 let booked = id.as_str().into();
-                p.lifecycle(&booked, true);
+                p.first_token(&booked, Some(Duration::from_millis(5)));
                 p.engine_usage(&booked, 8, Some(0));
                 p.lifecycle(&booked, false);
                 let peer_id = format!("p{w}-{i}");
@@ -847,7 +847,7 @@ fn ttft_is_predicted_for_each_decision_checked_when_the_first_token_comes_and_al
         let req = RouteRequest { stream: true, ..request(&format!("t{i}"), &tokens) };
         assert_eq!(chosen(&p.route(&req, &scoring)), 0);
         let measured = Duration::from_micros(u64::from(slowdown) * (3_000 + 20 * tokens.len() as u64));
-        assert!(p.first_token(&req.request_id, measured));
+        assert!(p.first_token(&req.request_id, Some(measured)));
         assert!(p.lifecycle(&req.request_id, false));
         let explained = p.explain(Some(req.request_id.as_ref()), 1).pop().unwrap();
         (explained, measured)
@@ -865,7 +865,7 @@ fn ttft_is_predicted_for_each_decision_checked_when_the_first_token_comes_and_al
     for i in 0..40 {
         assert!(send(101 + i, 1).0.ttft_checked.is_some_and(|c| c.close()));
     }
-    assert_eq!((replica().samples, replica().alarm), (u64::from(crate::latency::MIN_SAMPLES as u32) + 41, false));
+    assert_eq!((replica().samples, replica().alarm), (crate::latency::MIN_SAMPLES as u64 + 41, false));
     assert_eq!(p.state().prediction.ttft, crate::accuracy::TtftTotals { checked: 41, close: 41 });
     // Slowed 4×: the predictions miss, and the replica's alarm fires, until its model has
     // relearned it.
@@ -896,12 +896,12 @@ fn predicted_latency_sends_requests_where_they_start_soonest() {
         let tokens = prompt(i);
         let req = RouteRequest { stream: true, ..request(&format!("l{i}"), &tokens) };
         let at = chosen(&p.route(&req, &scoring));
-        assert!(p.first_token(&req.request_id, ttft(at, tokens.len() as u64)));
+        assert!(p.first_token(&req.request_id, Some(ttft(at, tokens.len() as u64))));
         assert!(p.lifecycle(&req.request_id, false));
         at
     };
     // Until both replicas' models predict, it decides as kv_aware: idle replicas, either.
-    let learned = |r: usize| p.state().replicas[r].ttft.samples >= crate::latency::MIN_SAMPLES;
+    let learned = |r: usize| p.state().replicas[r].ttft.samples >= crate::latency::MIN_SAMPLES as u64;
     let warmed = (0..200).find(|i| {
         send(*i);
         learned(0) && learned(1)

@@ -13,7 +13,8 @@ use crate::Stack;
 
 /// Requests sent.
 const REQUESTS: u32 = 48;
-/// The target for the p90 error is 25 %; the check fails above this: the predictions do not follow the engines at all.
+/// The check fails above this p90 error (the target is 25 %): the predictions would not
+/// follow the engines at all.
 const FAIL_P90: f64 = 0.5;
 
 /// The check's row.
