@@ -30,6 +30,8 @@ pub(super) struct Scored {
     pub logit: f64,
     /// Whether its cache credit counted.
     pub trusted: bool,
+    /// Under `predicted_latency`, the TTFT predicted there, in seconds, if its model predicts.
+    pub predicted_ttft: Option<f32>,
 }
 
 /// The eligible replicas' costs for these inputs (one per replica, in order).
@@ -44,6 +46,6 @@ pub(super) fn scored(
         .iter()
         .zip(inputs)
         .zip(logits)
-        .map(|((e, inputs), logit)| Scored { slot: e.slot, inputs, logit, trusted: e.trusted })
+        .map(|((e, inputs), logit)| Scored { slot: e.slot, inputs, logit, trusted: e.trusted, predicted_ttft: None })
         .collect()
 }

@@ -78,6 +78,9 @@ pub struct CandidateTerms {
     pub requests: u64,
     /// The cost; lowest wins under `kv_aware` and `least_load`.
     pub logit: f64,
+    /// Under `predicted_latency`, the time to first token predicted there, in seconds (lowest
+    /// wins; absent while its model does not predict, and then the decision is `kv_aware`'s).
+    pub predicted_ttft_secs: Option<f64>,
 }
 
 /// Why a request went where it went.
@@ -235,6 +238,7 @@ impl Pool {
                         decode_blocks: s.inputs.decode_blocks,
                         requests: s.inputs.requests,
                         logit: s.logit,
+                        predicted_ttft_secs: s.predicted_ttft.map(f64::from),
                     })
                     .collect(),
             })

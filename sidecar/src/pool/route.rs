@@ -140,11 +140,12 @@ impl Pool {
             return Err(Saturated);
         }
         // Every eligible replica's cost, from its booked load.
-        let scored = score_all(&load, &eligible, &shape, &scoring);
+        let mut scored = score_all(&load, &eligible, &shape, &scoring);
         // Under `predicted_latency`, the lowest predicted TTFT; until every candidate's model
         // predicts, the request is decided (and recorded) as `kv_aware`.
-        let fastest =
-            (policy == Policy::PredictedLatency).then(|| fastest(&load, &eligible, &shape, &scoring)).flatten();
+        let fastest = (policy == Policy::PredictedLatency)
+            .then(|| fastest(&load, &eligible, &mut scored, &shape, &scoring))
+            .flatten();
         let policy = if policy == Policy::PredictedLatency && fastest.is_none() { Policy::KvAware } else { policy };
         // The policy's pick, an index into `eligible`.
         let Some(choice) = fastest.or_else(|| self.choose(policy, req, &members, &eligible, &scored, &scoring)) else {
@@ -413,15 +414,20 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
 
 /// The candidate with the lowest predicted time to first token, its own prefill being what it
 /// has not cached there; `None` while any candidate's model does not predict yet.
-fn fastest(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring: &ScoringConfig) -> Option<usize> {
+/// Each candidate's prediction is kept in `scored`, for `/debug/explain`.
+fn fastest(
+    load: &LoadTable,
+    eligible: &[Eligible],
+    scored: &mut [Scored],
+    shape: &Shape<'_>,
+    scoring: &ScoringConfig,
+) -> Option<usize> {
     let now = Instant::now();
-    let predicted: Option<Vec<f64>> = eligible
-        .iter()
-        .map(|e| {
-            let own = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
-            load.predict_ttft(e.slot, own, now).map(|d| d.as_secs_f64())
-        })
-        .collect();
+    for (e, s) in eligible.iter().zip(scored.iter_mut()) {
+        let own = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
+        s.predicted_ttft = load.predict_ttft(e.slot, own, now).map(|d| d.as_secs_f32());
+    }
+    let predicted: Option<Vec<f64>> = scored.iter().map(|s| s.predicted_ttft.map(f64::from)).collect();
     score::argmin(&predicted?, &mut rand::rng())
 }
 

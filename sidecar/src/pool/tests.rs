@@ -920,5 +920,8 @@ fn predicted_latency_sends_requests_where_they_start_soonest() {
     assert_eq!(chosen(&p.route(&RouteRequest { stream: true, ..request("next", &prompt(500)) }, &scoring)), 1);
     let explained = p.explain(Some("next"), 1).pop().unwrap();
     assert_eq!(explained.policy, Policy::PredictedLatency);
-    assert!(explained.predicted_ttft_secs.is_some());
+    // Each candidate's prediction is shown; the chosen one's is the lowest.
+    let predicted: Vec<f64> = explained.candidates.iter().map(|c| c.predicted_ttft_secs.unwrap()).collect();
+    assert!(predicted[1] < predicted[0], "{predicted:?}");
+    assert_eq!(explained.predicted_ttft_secs.map(|s| s as f32), Some(predicted[1] as f32));
 }
