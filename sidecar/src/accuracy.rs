@@ -30,11 +30,10 @@
 //! Time to first token is predicted and checked per replica ([`crate::latency`]); the pool's
 //! totals of those checks are kept here beside the cache's.
 
-use std::collections::VecDeque;
-
 use serde::Serialize;
 
 use crate::index::Churn;
+use crate::watch::Watch;
 
 /// Checks the alarm looks at.
 pub const WINDOW: usize = 64;
@@ -216,11 +215,17 @@ impl Unchecked {
 }
 
 /// A pool's running record of its checks.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Accuracy {
-    recent: VecDeque<bool>,
+    /// Whether the index was right, over the last [`WINDOW`] checks.
+    watch: Watch,
     totals: AccuracyTotals,
-    alarm: bool,
+}
+
+impl Default for Accuracy {
+    fn default() -> Self {
+        Accuracy { watch: Watch::new(WINDOW, MIN_CHECKS, 0.9), totals: AccuracyTotals::default() }
+    }
 }
 
 /// Counts since the sidecar started, and the alarm, for `/debug/state`.
@@ -300,21 +305,10 @@ impl Accuracy {
             Class::Over => &mut t.over,
             Class::Under => &mut t.under,
         } += 1;
-        if self.recent.len() == WINDOW {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(check.class.index_was_right());
-        let ratio = self.recent_exact_ratio();
-        match (self.alarm, self.recent.len() >= MIN_CHECKS && ratio < 0.5, ratio >= 0.9) {
-            (false, true, _) => {
-                self.alarm = true;
-                AlarmChange::Raised
-            }
-            (true, _, true) => {
-                self.alarm = false;
-                AlarmChange::Cleared
-            }
-            _ => AlarmChange::None,
+        match (self.watch.record(check.class.index_was_right()), self.watch.alarm()) {
+            (true, true) => AlarmChange::Raised,
+            (true, false) => AlarmChange::Cleared,
+            (false, _) => AlarmChange::None,
         }
     }
 
@@ -342,16 +336,9 @@ impl Accuracy {
         } += 1;
     }
 
-    fn recent_exact_ratio(&self) -> f64 {
-        if self.recent.is_empty() {
-            return 1.0;
-        }
-        self.recent.iter().filter(|e| **e).count() as f64 / self.recent.len() as f64
-    }
-
     /// The counts and the alarm.
     pub fn totals(&self) -> AccuracyTotals {
-        AccuracyTotals { recent_exact_ratio: self.recent_exact_ratio(), alarm: self.alarm, ..self.totals }
+        AccuracyTotals { recent_exact_ratio: self.watch.ratio(), alarm: self.watch.alarm(), ..self.totals }
     }
 }
 

@@ -31,6 +31,8 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::watch::Watch;
+
 /// Requests a replica's window must hold before it predicts.
 pub const MIN_SAMPLES: usize = 8;
 /// Requests each replica's model is fitted to: its latest.
@@ -179,14 +181,14 @@ impl TtftCheck {
         TtftCheck { predicted_secs: predicted.as_secs_f64(), measured_secs: measured.as_secs_f64() }
     }
 
-    /// `|predicted − measured| / measured` (0 when both are 0).
+    /// `|predicted − measured|`, in seconds.
+    fn error(&self) -> f64 {
+        (self.predicted_secs - self.measured_secs).abs()
+    }
+
+    /// `|predicted − measured| / measured` (a measurement under a microsecond counts as one).
     pub fn relative_error(&self) -> f64 {
-        let error = (self.predicted_secs - self.measured_secs).abs();
-        if error == 0.0 {
-            0.0
-        } else {
-            error / self.measured_secs.max(1e-6)
-        }
+        self.error() / self.measured_secs.max(1e-6)
     }
 
     /// Within [`TOLERANCE`] of the measured TTFT, plus [`SLACK`].
@@ -200,8 +202,7 @@ impl TtftCheck {
     /// assert!(TtftCheck::new(ms(6), ms(2)).close(), "a few milliseconds off");
     /// ```
     pub fn close(&self) -> bool {
-        let error = (self.predicted_secs - self.measured_secs).abs();
-        error <= TOLERANCE * self.measured_secs + SLACK.as_secs_f64()
+        self.error() <= TOLERANCE * self.measured_secs + SLACK.as_secs_f64()
     }
 }
 
@@ -217,11 +218,17 @@ pub struct Watched {
 }
 
 /// One replica's TTFT: its model, and the watch over its last predictions.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ReplicaTtft {
     model: TtftModel,
-    recent: VecDeque<bool>,
-    alarm: bool,
+    /// Whether its last [`WATCH`] predictions were close.
+    watch: Watch,
+}
+
+impl Default for ReplicaTtft {
+    fn default() -> Self {
+        ReplicaTtft { model: TtftModel::default(), watch: Watch::new(WATCH, MIN_WATCHED, 0.8) }
+    }
 }
 
 impl ReplicaTtft {
@@ -242,30 +249,18 @@ impl ReplicaTtft {
     ) -> Option<Watched> {
         self.model.learn(inputs, measured, now);
         let check = TtftCheck::new(predicted?, measured);
-        if self.recent.len() == WATCH {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(check.close());
-        let ratio = self.recent_close_ratio();
-        let raise = !self.alarm && self.recent.len() >= MIN_WATCHED && ratio < 0.5;
-        let clear = self.alarm && ratio >= 0.8;
-        if raise || clear {
-            self.alarm = raise;
-        }
-        Some(Watched { check, alarm: self.alarm, changed: raise || clear })
+        let changed = self.watch.record(check.close());
+        Some(Watched { check, alarm: self.watch.alarm(), changed })
     }
 
     /// Whether its alarm is raised.
     pub fn alarm(&self) -> bool {
-        self.alarm
+        self.watch.alarm()
     }
 
     /// The share of its last checks that were close (1 with none).
     pub fn recent_close_ratio(&self) -> f64 {
-        if self.recent.is_empty() {
-            return 1.0;
-        }
-        self.recent.iter().filter(|c| **c).count() as f64 / self.recent.len() as f64
+        self.watch.ratio()
     }
 
     /// Requests its model learned from.

@@ -5,6 +5,7 @@
 //! |---|---|
 //! | [`index`] | which replica holds which prefix blocks |
 //! | [`score`] | Dynamo's cost function and the argmin |
+//! | [`watch`] | a check's last verdicts and the alarm they drive |
 //! | [`latency`] | each replica's time to first token, predicted from what it faces and learned online |
 //! | [`accuracy`] | each prediction checked against the engine's `usage` (and each TTFT prediction against the gateway's measurement), and the alarms |
 //! | [`msg`] | what the pool and its drivers pass each other (ingest outcomes, sync events, handover) |
@@ -23,7 +24,7 @@
 //! | [`config`] | the TOML file + `KVGATE_*` environment, validated; each section owned by its module |
 //! | [`tools`] | operator CLI tools (`events decode`, `events tap`) |
 //!
-//! Layers, bottom up: `health`; `index`, `latency`, `metrics`, `niceness`, `poll`; `score`, `accuracy`, `msg`;
+//! Layers, bottom up: `health`; `watch`; `index`, `latency`, `metrics`, `niceness`, `poll`; `score`, `accuracy`, `msg`;
 //! `load`; `admission`; `pool`; the drivers `events`, `sync`, `engine_poller`, `api`;
 //! `discovery`; `config` (the file as a whole, above every module whose section it reads)
 //! and `tools`. Each module owns its config section (`config.rs` says which). A module imports only from layers below its own
@@ -51,3 +52,4 @@ pub mod pool;
 pub mod score;
 pub mod sync;
 pub mod tools;
+pub mod watch;

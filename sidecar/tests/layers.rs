@@ -8,6 +8,7 @@ use std::path::Path;
 /// Each top-level module's layer, bottom up.
 const LAYERS: &[&[&str]] = &[
     &["health"],
+    &["watch"],
     &["index", "latency", "metrics", "niceness", "poll"],
     &["score", "accuracy", "msg"],
     &["load"],
