@@ -90,11 +90,10 @@ impl Exchange {
     /// passed on untouched. A stream that is stripped loses its `content-length`, if it had
     /// one, since what the client receives is shorter.
     fn keep_stripping_if_streamed(&mut self, host: &impl Host) {
-        let ok = host.response_header(":status").is_some_and(|s| s.starts_with('2'));
         let sse = host
             .response_header("content-type")
             .is_some_and(|ct| ct.trim_start().to_ascii_lowercase().starts_with("text/event-stream"));
-        if !(ok && sse) {
+        if !(self.progress.succeeded && sse) {
             self.stripper = None;
             return;
         }
