@@ -121,13 +121,6 @@ struct Booking {
     ttft: Option<(TtftInputs, Option<Duration>)>,
 }
 
-impl Replica {
-    /// What a request with `prefill_tokens` of its own to compute faces here now.
-    fn ttft_inputs(&self, prefill_tokens: u64) -> TtftInputs {
-        TtftInputs { prefill_ahead: self.prefill_tokens + prefill_tokens, decoding: self.requests - self.prefilling }
-    }
-}
-
 #[derive(Debug, Default)]
 struct Replica {
     prefill_tokens: u64,
@@ -153,6 +146,13 @@ struct Replica {
     prefill_rate: Option<f64>,
     /// Its time to first token, learned from the filter's measurements, and checked.
     ttft: ReplicaTtft,
+}
+
+impl Replica {
+    /// What a request with `prefill_tokens` of its own to compute faces here now.
+    fn ttft_inputs(&self, prefill_tokens: u64) -> TtftInputs {
+        TtftInputs { prefill_ahead: self.prefill_tokens + prefill_tokens, decoding: self.requests - self.prefilling }
+    }
 }
 
 /// Weight of the newest sample in a replica's prefill rate.

@@ -121,15 +121,14 @@ impl Tally {
     pub fn add(&mut self, other: &Tally) {
         self.sent += other.sent;
         self.failed += other.failed;
-        for (k, v) in &other.classes {
-            *self.classes.entry(k).or_default() += v;
-        }
-        for (k, v) in &other.unchecked {
-            *self.unchecked.entry(k).or_default() += v;
-        }
-        for (k, v) in &other.not_routed {
-            *self.not_routed.entry(k).or_default() += v;
-        }
+        let merge = |into: &mut BTreeMap<&'static str, u64>, from: &BTreeMap<&'static str, u64>| {
+            for (k, v) in from {
+                *into.entry(k).or_default() += v;
+            }
+        };
+        merge(&mut self.classes, &other.classes);
+        merge(&mut self.unchecked, &other.unchecked);
+        merge(&mut self.not_routed, &other.not_routed);
         self.prompt_mismatches += other.prompt_mismatches;
         self.preemptions += other.preemptions;
     }
