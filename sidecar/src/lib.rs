@@ -21,16 +21,17 @@
 //! | [`health`] | the background threads' heartbeats and the stop flag; what `/healthz` says |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`niceness`] | background threads give way to the API for the CPU |
+//! | [`heap`] | the heap's free pages given back after the tokenizers load |
 //! | [`config`] | the TOML file + `KVGATE_*` environment, validated; each section owned by its module |
 //! | [`tools`] | operator CLI tools (`events decode`, `events tap`) |
 //!
-//! Layers, bottom up: `health`; `watch`; `index`, `latency`, `metrics`, `niceness`, `poll`; `score`, `accuracy`, `msg`;
+//! Layers, bottom up: `health`, `heap`; `watch`; `index`, `latency`, `metrics`, `niceness`, `poll`; `score`, `accuracy`, `msg`;
 //! `load`; `admission`; `pool`; the drivers `events`, `sync`, `engine_poller`, `api`;
 //! `discovery`; `config` (the file as a whole, above every module whose section it reads)
 //! and `tools`. Each module owns its config section (`config.rs` says which). A module imports only from layers below its own
 //! (`tests/layers.rs` checks every `crate::` path).
 
-// One call into libc (`niceness`) is the only unsafe code, allowed there alone.
+// Two calls into libc (`niceness`, `heap`) are the only unsafe code, allowed there alone.
 #![deny(unsafe_code)]
 
 pub mod accuracy;
@@ -41,6 +42,7 @@ pub mod discovery;
 pub mod engine_poller;
 pub mod events;
 pub mod health;
+pub mod heap;
 pub mod index;
 pub mod latency;
 pub mod load;

@@ -366,17 +366,16 @@ async fn serve(config: Config, config_path: PathBuf, health: Arc<Health>) -> any
         tracing::info!(model = %pool_config.model, renderer = ?bundle.renderer, "chat renderer");
         let bundle = codec::encode(&bundle)?;
         let pool = Arc::new(Pool::new(pool_config.clone(), bundle, metrics.clone()));
-        // Load the tokenizer for offloaded prompts now, off the runtime, so that the first
-        // big prompt does not pay for it (and time out in the filter).
-        let warming = pool.clone();
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = warming.tokenizer() {
-                tracing::error!(model = %warming.config().model, error = %e, "cannot load the tokenizer for offloaded prompts");
-            }
-        });
+        // The tokenizer for offloaded prompts, loaded now so that the first one does not pay
+        // for it (and time out in the filter); here, one model after another on this thread,
+        // so that each load reuses the memory the one before freed (`heap`).
+        if let Err(e) = pool.tokenizer() {
+            tracing::error!(model = %pool.config().model, error = %e, "cannot load the tokenizer for offloaded prompts");
+        }
         pools.insert(pool_config.model.clone(), pool);
         sources.insert(pool_config.model.clone(), found.clone());
     }
+    kvgate_sidecar::heap::release_free_pages();
 
     let reload = Arc::new(AtomicBool::new(false));
     let zmq_ctx = zmq::Context::new();

@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// Each top-level module's layer, bottom up.
 const LAYERS: &[&[&str]] = &[
-    &["health"],
+    &["health", "heap"],
     &["watch"],
     &["index", "latency", "metrics", "niceness", "poll"],
     &["score", "accuracy", "msg"],
