@@ -11,6 +11,7 @@
 //!   "models_refresh_ms": 10000,
 //!   "max_tokenize_bytes": 1048576,
 //!   "offload_bytes": 16384,
+//!   "envoy_tokenizers": "all",
 //!   "debug_headers": false,
 //!   "segment_cache_bytes": 16777216,
 //!   "forward_tokens": false,
@@ -35,6 +36,46 @@ use serde::Deserialize;
 
 use crate::breaker::Limits;
 
+/// Which models' tokenizers an Envoy worker loads (the filter's `envoy_tokenizers`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum EnvoyTokenizers {
+    /// Every model the sidecar routes.
+    #[default]
+    All,
+    /// None: the sidecar tokenizes every request.
+    None,
+    /// These models (base model names); the sidecar tokenizes the others'.
+    Only(Vec<String>),
+}
+
+impl EnvoyTokenizers {
+    /// Whether a worker loads the tokenizer of base model `model`.
+    pub fn wants(&self, model: &str) -> bool {
+        match self {
+            EnvoyTokenizers::All => true,
+            EnvoyTokenizers::None => false,
+            EnvoyTokenizers::Only(models) => models.iter().any(|m| m == model),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for EnvoyTokenizers {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Spelled {
+            Word(String),
+            Models(Vec<String>),
+        }
+        match Spelled::deserialize(deserializer) {
+            Ok(Spelled::Word(w)) if w == "all" => Ok(EnvoyTokenizers::All),
+            Ok(Spelled::Word(w)) if w == "none" => Ok(EnvoyTokenizers::None),
+            Ok(Spelled::Models(models)) => Ok(EnvoyTokenizers::Only(models)),
+            _ => Err(serde::de::Error::custom("envoy_tokenizers must be \"all\", \"none\" or a list of model names")),
+        }
+    }
+}
+
 /// Validated filter settings.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -46,7 +87,7 @@ pub struct FilterConfig {
     /// How long a request waits for a routing decision before failing open (the sidecar
     /// answers in well under a millisecond; this bounds what a sick sidecar can add).
     pub route_timeout_ms: u64,
-    /// The same for an offloaded body, which the sidecar must tokenize first (natively about
+    /// The same for a body above `offload_bytes`, which the sidecar must tokenize first (natively about
     /// 1 ms per 32k-token chat; the biggest body Envoy buffers, 16 MiB, takes well under a
     /// second).
     pub offload_timeout_ms: u64,
@@ -67,6 +108,14 @@ pub struct FilterConfig {
     /// the same either way (~1 ms), so offloading from 16 KiB (about 4k tokens, ~0.25 ms of
     /// tokenizing) keeps the Envoy worker free at no cost.
     pub offload_bytes: usize,
+    /// Which models' tokenizers each Envoy worker loads: `"all"` (default), `"none"`, or a
+    /// list of model names (an adapter follows its base model). A request for a model whose
+    /// tokenizer this worker has not loaded — not wanted here, or not loaded yet — goes whole
+    /// to the sidecar, which tokenizes it, as for a body above `offload_bytes`. Each worker's
+    /// VM keeps what loading a tokenizer peaked at (Qwen3: about 64 MiB per worker), so
+    /// `"none"` trades that memory for the sidecar's CPU. Token forwarding needs the ids
+    /// computed here: only requests tokenized in Envoy are forwarded as ids.
+    pub envoy_tokenizers: EnvoyTokenizers,
     /// Add `x-kvgate-*` response headers describing the decision (for tests and debugging).
     pub debug_headers: bool,
     /// Bytes of tokenized chat segments kept per VM (earlier turns are not re-tokenized);
@@ -149,6 +198,7 @@ impl Default for FilterConfig {
             models_refresh_ms: 10_000,
             max_tokenize_bytes: 1 << 20,
             offload_bytes: 16 << 10,
+            envoy_tokenizers: EnvoyTokenizers::All,
             debug_headers: false,
             segment_cache_bytes: kvgate_shared::prompt::segments::DEFAULT_BUDGET,
             forward_tokens: false,
@@ -197,6 +247,13 @@ impl FilterConfig {
                     .into(),
             );
         }
+        if config.envoy_tokenizers == EnvoyTokenizers::None && (config.forward_tokens || config.forward_chat_tokens) {
+            return Err(
+                "kvgate filter configuration: forward_tokens and forward_chat_tokens send the ids Envoy computed, \
+                        and envoy_tokenizers \"none\" computes none"
+                    .into(),
+            );
+        }
         if config.breaker_max_open_ms < config.breaker_open_ms {
             return Err("kvgate filter configuration: breaker_max_open_ms must be at least breaker_open_ms".into());
         }
@@ -232,6 +289,15 @@ mod tests {
     }
 
     #[test]
+    fn envoy_tokenizers_is_a_word_or_a_list() {
+        let wants = |json: &str, model| FilterConfig::parse(json.as_bytes()).unwrap().envoy_tokenizers.wants(model);
+        assert!(wants("{}", "qwen3"), "all by default");
+        assert!(!wants(r#"{"envoy_tokenizers": "none"}"#, "qwen3"));
+        assert!(wants(r#"{"envoy_tokenizers": ["qwen3"]}"#, "qwen3"));
+        assert!(!wants(r#"{"envoy_tokenizers": ["qwen3"]}"#, "llama"));
+    }
+
+    #[test]
     fn rejects_bad_configs() {
         for bad in [
             &b"{"[..],
@@ -242,6 +308,9 @@ mod tests {
             br#"{"breaker_open_ms": 0}"#,
             br#"{"breaker_open_ms": 5000, "breaker_max_open_ms": 4000}"#,
             br#"{"breaker_failures": -1}"#,
+            br#"{"envoy_tokenizers": "some"}"#,
+            br#"{"envoy_tokenizers": [1]}"#,
+            br#"{"envoy_tokenizers": "none", "forward_chat_tokens": true}"#,
         ] {
             assert!(FilterConfig::parse(bad).is_err());
         }

@@ -6,7 +6,7 @@
 //!   is retried after `retry`, doubling with each further failure up to [`MAX_BACKOFF`]: a
 //!   model that cannot load costs one request to the sidecar every minute, not every tick.
 //! - Each failure is logged by the caller with the model and the cause; [`Fetches::missing`]
-//!   lists the models that are routed on load alone because of it.
+//!   lists the models whose requests the sidecar tokenizes because of it.
 
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime};

@@ -23,7 +23,7 @@
 //! | `kvgate_lifecycle_batches_total` | counter | outcome | lifecycle batches that did not reach the sidecar: `retried` (kept to send again) / `dropped` (given up on) |
 //! | `kvgate_breaker_state` | gauge | vm | each VM's circuit breaker: 0 closed, 1 open, 2 half-open ([`crate::breaker`]) |
 //! | `kvgate_vm_memory_bytes` | gauge | vm | each VM's linear memory, set at its routed responses' headers; it never shrinks |
-//! | `kvgate_tokenizer_missing` | gauge | model | 1 while the model's tokenizer cannot be loaded (its requests are routed on load alone); defined on the first failure |
+//! | `kvgate_tokenizer_missing` | gauge | model | 1 while the model's tokenizer cannot be loaded (the sidecar tokenizes its requests); defined on the first failure |
 //!
 //! `model` is the request's model if the sidecar lists it (so a client cannot mint series),
 //! else `other`; each character but `[A-Za-z0-9_.:/-]` is replaced by `_`. `vm` tells apart the

@@ -5,8 +5,10 @@
 //!   the first list arrives), it asks the sidecar for its models and LoRA adapters
 //!   (`GET /v1/models`) and, once the VM has had its first request (Envoy's main-thread VM,
 //!   which never does, loads none: loading one peaks at several times what it keeps), fetches
-//!   each missing bundle (`GET /v1/models/{model}/tokenizer`, the name percent-encoded). Until a model is loaded its requests are routed on load alone;
-//!   they are never held back. A fetch that fails is logged with the model and the cause,
+//!   each missing bundle (`GET /v1/models/{model}/tokenizer`, the name percent-encoded) of the
+//!   models `envoy_tokenizers` wants here. Until a model is loaded — and always, for a model
+//!   not wanted here — its requests go whole to the sidecar, which tokenizes them; they are
+//!   never held back. A fetch that fails is logged with the model and the cause,
 //!   shows in the gauge `kvgate.tokenizer_missing` tagged with the model (1 while missing) and is retried
 //!   with exponential backoff ([`crate::fetches`]).
 //!   An adapter shares its base model's tokenizer; adapters (and models) the sidecar no longer
@@ -171,7 +173,8 @@ impl<H: RootHost> Root<H> {
         }
     }
 
-    /// Fetches the tokenizers of listed models that are not loaded and not backing off, once
+    /// Fetches the tokenizers of listed models that are wanted in Envoy (`envoy_tokenizers`),
+    /// not loaded and not backing off, once
     /// this VM serves requests: a tokenizer's load peaks at several times what it keeps, and
     /// a VM's memory never shrinks, so a VM that never routes (Envoy's main thread's) loads none.
     fn fetch_tokenizers(&mut self) {
@@ -180,7 +183,12 @@ impl<H: RootHost> Root<H> {
         }
         let due = {
             let shared = self.shared.borrow();
-            let wanted = self.base_models.iter().map(String::as_str).filter(|m| !shared.models.contains_key(*m));
+            let here = &shared.config.envoy_tokenizers;
+            let wanted = self
+                .base_models
+                .iter()
+                .map(String::as_str)
+                .filter(|m| here.wants(m) && !shared.models.contains_key(*m));
             self.fetches.due(wanted, self.host.now())
         };
         for model in due {
@@ -193,7 +201,7 @@ impl<H: RootHost> Root<H> {
         let retry = Duration::from_millis(self.shared.borrow().config.retry_ms);
         let wait = self.fetches.failed(model, cause.clone(), retry, self.host.now());
         log::warn!(
-            "kvgate: no tokenizer for model {model:?} ({cause}); its requests are routed on load alone; retrying in {} ms",
+            "kvgate: no tokenizer for model {model:?} ({cause}); the sidecar tokenizes its requests; retrying in {} ms",
             wait.as_millis()
         );
         self.set_missing_gauge(model, true);

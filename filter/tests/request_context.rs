@@ -471,6 +471,31 @@ fn a_big_body_is_offloaded_with_the_filters_deadline() {
     assert!(fake.0.borrow().request_headers.contains_key(DESTINATION_HEADER));
 }
 
+/// A small request for a model the sidecar routes but this VM holds no tokenizer for (not
+/// loaded yet, or `envoy_tokenizers` leaves it out) is tokenized by the sidecar, not routed on
+/// an estimate; one for a model the sidecar does not route passes through.
+#[test]
+fn a_model_without_a_tokenizer_here_is_tokenized_by_the_sidecar() {
+    let config = FilterConfig { route_timeout_ms: 30, offload_timeout_ms: 750, ..FilterConfig::default() };
+    let vm = shared(config);
+    vm.borrow_mut().models.clear();
+    let (mut ctx, fake) = request_in(&vm, &chat("hi"), &[]);
+    assert_eq!(send(&mut ctx, &fake), Action::Pause);
+    let (path, body) = fake.0.borrow().calls[0].clone();
+    assert_eq!(path, "/v1/route_body");
+    let sent: RouteBodyRequest<'static> = codec::decode(&body).unwrap();
+    assert_eq!(sent.body.as_ref(), chat("hi").as_bytes());
+    assert_eq!(sent.budget_ms, 30, "a small body's deadline: the route's, not a big body's");
+    let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
+    ctx.on_call_response(1, 2, size);
+    assert_eq!(fake.0.borrow().request_headers[DESTINATION_HEADER], "127.0.0.1:8001");
+
+    let other = serde_json::json!({"model": "other", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let (mut ctx, fake) = request_in(&vm, &other, &[]);
+    send(&mut ctx, &fake);
+    assert!(fake.0.borrow().calls.is_empty(), "not a model kvgate routes: no call");
+}
+
 /// A streamed chat whose client asked for no usage: the engine is asked for it, the usage
 /// event is read for the closed loop and taken out of what the client receives.
 #[test]

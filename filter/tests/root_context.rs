@@ -171,6 +171,23 @@ fn a_vm_without_requests_loads_no_tokenizer_until_its_first() {
 }
 
 #[test]
+fn envoy_tokenizers_names_the_models_loaded_here() {
+    for (setting, fetched) in
+        [(r#""none""#, [false, false]), (r#"["other"]"#, [false, true]), ("\"all\"", [true, true])]
+    {
+        let fake = Fake::new();
+        let mut root = Root::with_host(fake.clone());
+        let config = FilterConfig::parse(format!(r#"{{"envoy_tokenizers": {setting}}}"#).as_bytes()).unwrap();
+        root.configure(config, Some(QUEUE), None);
+        root.request_arrived();
+        answer(&mut root, &fake, 0, "200", models(&[MODEL, "other"], &[]));
+        root.tick();
+        let wanted = [MODEL, "other"].map(|m| fake.paths().contains(&format!("GET {}", tokenizer_path(m))));
+        assert_eq!(wanted, fetched, "{setting}: {:?}", fake.paths());
+    }
+}
+
+#[test]
 fn the_model_list_brings_tokenizers_and_adapters_share_them() {
     let (mut root, fake) = configured();
     assert_eq!(fake.paths(), ["GET /v1/models"]);

@@ -54,6 +54,9 @@ pub struct StackOptions {
     /// --help`); the default is fast functional-test timing: 2 ms steps, 100 µs per prompt
     /// token.
     pub sim_args: Vec<String>,
+    /// More pools beside the engines' model, routed to the same engines: each a model name and
+    /// its tokenizer's directory (so that the filter loads several tokenizers).
+    pub extra_models: Vec<(String, PathBuf)>,
     /// Filter configuration keys set over the test defaults (`forward_tokens`,
     /// `offload_bytes`, …).
     pub filter_config: serde_json::Map<String, Value>,
@@ -131,6 +134,7 @@ impl Default for StackOptions {
             sim_args: ["--preset", "test", "--prefill-us-per-token", "100", "--step-base-us", "2000"]
                 .map(String::from)
                 .to_vec(),
+            extra_models: Vec::new(),
             filter_config: serde_json::Map::new(),
             envoy_discovery: false,
             data_parallel_size: 1,
@@ -417,9 +421,20 @@ impl Stack {
             Some(d) => format!("disaggregation = {{ mode = \"{}\", {} }}", d.mode, d.keys),
             None => String::new(),
         };
+        let extra_pools: String = opts
+            .extra_models
+            .iter()
+            .map(|(model, dir)| {
+                format!(
+                    "\n[[pools]]\nmodel = {model:?}\ntokenizer = {:?}\nblock_size = {}\n{replicas_toml}",
+                    dir.display().to_string(),
+                    opts.block_size
+                )
+            })
+            .collect();
         let sidecar_config = |port: u16, i: usize| {
             format!(
-                "listen = \"127.0.0.1:{port}\"\n{}\n{}\n\n[scoring]\n{}\n\n[[pools]]\nmodel = {:?}\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{disaggregation}\n{replicas_toml}",
+                "listen = \"127.0.0.1:{port}\"\n{}\n{}\n\n[scoring]\n{}\n\n[[pools]]\nmodel = {:?}\ntokenizer = \"{}\"\nblock_size = {}\npolicy = \"{}\"\n{}\n{disaggregation}\n{replicas_toml}{extra_pools}",
                 opts.sidecar_toml,
                 sync_toml(i),
                 opts.scoring_toml,
@@ -510,20 +525,28 @@ impl Stack {
         };
         // A module in the filter's place reports no tokenizer: nothing to wait for.
         if opts.routing == Routing::Kvgate && opts.wasm.is_none() {
+            let in_envoy = opts.filter_config.get("envoy_tokenizers") != Some(&json!("none"));
             for url in stack.gateways("/v1/chat/completions") {
-                stack.wait_tokenizer_loaded(&url)?;
+                stack.wait_tokenizer_loaded(&url, in_envoy)?;
             }
         }
         Ok(stack)
     }
 
-    /// Waits until a request through a gateway (its chat `url`) reports a tokenized prompt.
-    fn wait_tokenizer_loaded(&self, url: &str) -> anyhow::Result<()> {
+    /// Waits until a request through a gateway (its chat `url`) reports a tokenized prompt:
+    /// tokenized `in_envoy` (the filter's tokenizer has loaded), or by the sidecar.
+    fn wait_tokenizer_loaded(&self, url: &str, in_envoy: bool) -> anyhow::Result<()> {
         let probe = json!({"model": self.model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
             .to_string();
         wait_for("the filter's tokenizer", START_TIMEOUT, || {
             let reply = client::post(url, probe.clone(), &[]).ok()?;
-            (!reply.header("x-kvgate-prompt-tokens").is_empty()).then_some(())
+            let ready = match in_envoy {
+                true => !reply.header("x-kvgate-prompt-tokens").is_empty(),
+                false => {
+                    reply.header("x-kvgate-offloaded") == "true" && reply.header("x-kvgate-routed-to") != "fallback"
+                }
+            };
+            ready.then_some(())
         })
     }
 
@@ -679,6 +702,11 @@ impl Stack {
     /// Envoy's process id, while it runs.
     pub fn envoy_pid(&self) -> Option<u32> {
         self.first().envoy.pid()
+    }
+
+    /// The first gateway's sidecar's process id, if it runs.
+    pub fn sidecar_pid(&self) -> Option<u32> {
+        self.first().sidecar.as_ref().and_then(Proc::pid)
     }
 
     /// An Envoy counter or gauge by its full name (0 if absent), from the admin `/stats`.

@@ -198,6 +198,32 @@ fn hugging_face_model_names_are_routed_on_their_cache() {
     assert_eq!(client().get(stack.sidecar_url("/v1/models/nope/tokenizer")).send().unwrap().status().as_u16(), 404);
 }
 
+/// With `envoy_tokenizers: "none"` no Envoy worker loads a tokenizer: the sidecar tokenizes
+/// every request, and routes it on its cache as exactly.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn with_no_tokenizer_in_envoy_the_sidecar_tokenizes_and_routes_on_the_cache() {
+    let filter_config = serde_json::Map::from_iter([("envoy_tokenizers".to_owned(), json!("none"))]);
+    let opts = StackOptions { name: "sidecar-tokenizes".into(), filter_config, ..Default::default() };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let doc = document(22, 600);
+    let body = |question: &str| chat(&doc, question);
+    let warm = post(&stack.sim("c").url("/v1/chat/completions"), body("first").to_string(), &[]).unwrap();
+    assert_eq!(warm.status, 200, "{}", warm.body);
+    let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    stack.wait_indexed("c", prompt_tokens / 16).unwrap();
+    for i in 0..3 {
+        let reply = stream(&stack.gateway("/v1/chat/completions"), body(&format!("follow-up {i}"))).unwrap();
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.header("x-kvgate-offloaded"), "true", "tokenized by the sidecar");
+        assert_eq!(reply.header("x-kvgate-routed-to"), "c", "routed to the replica holding the prefix");
+        let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap();
+        assert!(overlap >= prompt_tokens / 16 - 1, "the sidecar saw the cached prefix: {overlap} blocks");
+    }
+    let fetches = stack.sidecar_state().unwrap()["pools"][0]["tokenizer_fetches"].as_u64().unwrap();
+    assert_eq!(fetches, 0, "no worker fetched a tokenizer");
+}
+
 /// Requests that share one client `x-request-id` are booked and released each on its own:
 /// the filter keys bookings by an id of its own, never by a header the client controls.
 #[test]

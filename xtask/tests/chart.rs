@@ -339,6 +339,7 @@ fn maximal() -> Value {
         "models_refresh_ms": 10000,
         "max_tokenize_bytes": 1048576,
         "offload_bytes": 16384,
+        "envoy_tokenizers": ["Qwen/Qwen3-0.6B"],
         "debug_headers": false,
         "segment_cache_bytes": 16777216,
         "forward_tokens": false,
@@ -1326,6 +1327,11 @@ fn the_schema_refuses_bad_values() {
             "a zero route timeout",
             values("istio", json!({"filter": {"config": {"route_timeout_ms": 0}}})),
             "route_timeout_ms",
+        ),
+        (
+            "envoy_tokenizers neither a word nor a list",
+            values("istio", json!({"filter": {"config": {"envoy_tokenizers": "some"}}})),
+            "envoy_tokenizers",
         ),
         (
             "the sync listen address, which the chart owns",

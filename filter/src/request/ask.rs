@@ -1,8 +1,9 @@
 //! Buffering → Asking: the whole body is buffered; plan the route ([`crate::plan`]) and ask
 //! the sidecar — unless the circuit breaker is open ([`super::breaker`]): then nothing is
 //! planned and the request goes to Envoy's balancer as it is, like an unroutable one. A body
-//! above `offload_bytes` is not tokenized here: it goes whole to the sidecar's
-//! `/v1/route_body`, so a big prompt never stalls the worker thread. With `forward_tokens`, a
+//! above `offload_bytes`, or for a model this VM has no tokenizer for (`envoy_tokenizers`, or
+//! not loaded yet), is not tokenized here: it goes whole to the sidecar's `/v1/route_body`,
+//! so a big prompt never stalls the worker thread. With `forward_tokens`, a
 //! completions string prompt is replaced by its token ids; with `forward_chat_tokens`, a chat
 //! carries them in `kv_transfer_params.prompt_token_ids`.
 
@@ -20,6 +21,14 @@ use crate::shared::Shared;
 use crate::usage::{with_usage_requested, UsageStripper};
 
 use super::phase::Exchange;
+
+/// Whether the sidecar tokenizes this request because this VM has no tokenizer for its
+/// model: one the sidecar routes (its list is known) but `envoy_tokenizers` leaves out, or
+/// whose tokenizer has not loaded yet.
+fn tokenized_by_sidecar(shared: &Shared, envelope: Option<&Envelope<'_>>) -> bool {
+    let Some(model) = envelope.map(|e| e.model.as_ref()) else { return false };
+    shared.listed.as_ref().is_some_and(|l| l.contains(model)) && !shared.models.contains_key(model)
+}
 
 /// What became of the call to the sidecar.
 pub(super) enum Asked {
@@ -56,8 +65,12 @@ impl Exchange {
         let envelope = envelope(&body);
         let listed = |m: &&str| shared.listed.as_ref().is_some_and(|l| l.contains(*m));
         self.metric_model = envelope.as_ref().map(|e| e.model.as_ref()).filter(listed).map(ModelName::from);
+        let offload = body.len() > self.config().offload_bytes || tokenized_by_sidecar(shared, envelope.as_ref());
         let Some(ticket) = self.admit(host, &mut shared.breaker, body.len()) else { return };
-        let asked = self.ask_sidecar(host, shared, &body, envelope.as_ref());
+        let asked = match offload {
+            true => self.offload_to_sidecar(host, shared, &body, envelope.as_ref()),
+            false => self.ask_sidecar(host, shared, &body),
+        };
         self.booked = self.asked(host, &mut shared.breaker, ticket, asked);
         let ask_usage = !self.route.endpoint.is_converted() && self.config().request_usage;
         if let (Some(envelope), Some(_), true) = (&envelope, &self.booked, ask_usage) {
@@ -65,25 +78,26 @@ impl Exchange {
         }
     }
 
-    /// How long the call about a `body_len`-byte body may take: the sidecar's time to decide
-    /// (to tokenize too, for an offloaded body) and the admission wait.
-    pub(super) fn call_timeout_ms(&self, body_len: usize) -> u64 {
+    /// How long the sidecar may take to decide about a `body_len`-byte body: a big one it
+    /// must tokenize first; a small one, wherever it is tokenized, takes no longer to tokenize
+    /// than to route, and a sick sidecar must not hold it longer.
+    fn decide_timeout_ms(&self, body_len: usize) -> u64 {
         let config = self.config();
-        let decide = if body_len > config.offload_bytes { config.offload_timeout_ms } else { config.route_timeout_ms };
-        decide + config.admission_wait_ms
+        if body_len > config.offload_bytes {
+            config.offload_timeout_ms
+        } else {
+            config.route_timeout_ms
+        }
     }
 
-    /// Asks the sidecar.
-    fn ask_sidecar(
-        &mut self,
-        host: &impl Host,
-        shared: &Shared,
-        body: &[u8],
-        envelope: Option<&Envelope<'_>>,
-    ) -> Asked {
-        if body.len() > self.config().offload_bytes {
-            return self.offload_to_sidecar(host, shared, body, envelope);
-        }
+    /// How long the call about a `body_len`-byte body may take: the sidecar's time to decide
+    /// and the admission wait.
+    pub(super) fn call_timeout_ms(&self, body_len: usize) -> u64 {
+        self.decide_timeout_ms(body_len) + self.config().admission_wait_ms
+    }
+
+    /// Plans the request here (tokenizing it) and asks the sidecar.
+    fn ask_sidecar(&mut self, host: &impl Host, shared: &Shared, body: &[u8]) -> Asked {
         let endpoint = self.route.endpoint;
         let stats = || {
             shared
@@ -167,7 +181,7 @@ impl Exchange {
         self.flag(host, Flag::TokensForwarded);
     }
 
-    /// Hands a big body to the sidecar (`/v1/route_body`) instead of tokenizing it here.
+    /// Hands a body to the sidecar (`/v1/route_body`) instead of tokenizing it here.
     fn offload_to_sidecar(
         &mut self,
         host: &impl Host,
@@ -175,8 +189,8 @@ impl Exchange {
         body: &[u8],
         envelope: Option<&Envelope<'_>>,
     ) -> Asked {
-        let timeout = self.config().offload_timeout_ms;
-        let request = offload(self.route.endpoint, body, envelope, &self.route.keys, shared.listed.as_ref(), timeout);
+        let budget = self.decide_timeout_ms(body.len());
+        let request = offload(self.route.endpoint, body, envelope, &self.route.keys, shared.listed.as_ref(), budget);
         let (model, request) = match request {
             Ok(r) => r,
             Err(Skip::Unroutable(why)) => return self.pass_through(host, &why),
