@@ -310,8 +310,9 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
 }
 
 /// `cargo xtask bench memory`: only the memory parts of `bench filter` (what big bodies leave
-/// in Envoy's memory, Envoy's memory by worker count); `KVGATE_WASM` measures another build
-/// of the filter.
+/// in Envoy's memory, Envoy's memory by worker count and models), then what keeping the
+/// tokenizers out of Envoy costs per request; `KVGATE_WASM` measures another build of the
+/// filter.
 pub fn memory() -> anyhow::Result<()> {
     install::all()?;
     if std::env::var_os("KVGATE_WASM").is_none() {
@@ -319,9 +320,26 @@ pub fn memory() -> anyhow::Result<()> {
     }
     cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
     let artifacts = Artifacts::locate("release");
+    let placement = kvgate_e2e::bench::placement::run(&artifacts)?;
     let rows = kvgate_e2e::bench::memory::run(&artifacts)?;
     let workers = kvgate_e2e::bench::workers::run(&artifacts)?;
-    println!("{}\n{}", kvgate_e2e::bench::memory::table(&rows), kvgate_e2e::bench::workers::table(&workers));
+    println!(
+        "{}\n{}\n{}",
+        kvgate_e2e::bench::memory::table(&rows),
+        kvgate_e2e::bench::workers::table(&workers),
+        kvgate_e2e::bench::placement::table(&placement)
+    );
+    Ok(())
+}
+
+/// `cargo xtask bench throughput`: only the throughput part of `bench filter` (requests/s and
+/// latency by offered rate, then the closed-loop ceiling).
+pub fn throughput() -> anyhow::Result<()> {
+    install::all()?;
+    build_wasm()?;
+    cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
+    let throughput = kvgate_e2e::bench::throughput::run(&Artifacts::locate("release"))?;
+    println!("{}", kvgate_e2e::bench::throughput::table(&throughput));
     Ok(())
 }
 
@@ -341,12 +359,14 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     let throughput = kvgate_e2e::bench::throughput::run(&artifacts)?;
     let memory = kvgate_e2e::bench::memory::run(&artifacts)?;
     let workers = kvgate_e2e::bench::workers::run(&artifacts)?;
+    let placement = kvgate_e2e::bench::placement::run(&artifacts)?;
     let tables = format!(
-        "{}\n{}\n{}\n{}",
+        "{}\n{}\n{}\n{}\n{}",
         kvgate_e2e::bench::filter::tables(&report),
         kvgate_e2e::bench::throughput::table(&throughput),
         kvgate_e2e::bench::memory::table(&memory),
-        kvgate_e2e::bench::workers::table(&workers)
+        kvgate_e2e::bench::workers::table(&workers),
+        kvgate_e2e::bench::placement::table(&placement)
     );
     let md = format!(
         "# kvgate filter overhead\n\n- command: `{}`\n- commit: `{}`\n- machine: {}\n- started: {}\n\n{tables}",
@@ -358,7 +378,7 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     std::fs::write(
         dir.join("filter.json"),
         serde_json::to_string_pretty(
-            &serde_json::json!({"facts": facts, "report": report, "throughput": throughput, "memory": memory, "workers": workers}),
+            &serde_json::json!({"facts": facts, "report": report, "throughput": throughput, "memory": memory, "workers": workers, "placement": placement}),
         )?,
     )?;
     println!("{md}\nwritten to {}", dir.display());

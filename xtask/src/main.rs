@@ -54,9 +54,10 @@ fn main() -> anyhow::Result<()> {
         Some("bench") if args.get(1).map(String::as_str) == Some("e2e") => bench::e2e(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("filter") => bench::filter(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("memory") => bench::memory(),
+        Some("bench") if args.get(1).map(String::as_str) == Some("throughput") => bench::throughput(),
         _ => {
             eprintln!(
-                "usage: cargo xtask <test|demo|faults|soak|e2e-vllm|bench e2e|bench filter|bench memory|package|install|build-wasm>"
+                "usage: cargo xtask <test|demo|faults|soak|e2e-vllm|bench e2e|bench filter|bench memory|bench throughput|package|install|build-wasm>"
             );
             std::process::exit(2);
         }

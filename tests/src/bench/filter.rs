@@ -5,7 +5,9 @@
 //!    and warm (the same document again with a new question: the segment cache), the time to
 //!    response headers through Envoy alone, through Envoy + kvgate as shipped (bodies over
 //!    `offload_bytes` tokenized by the sidecar), and through Envoy + kvgate tokenizing
-//!    everything in Envoy (offload off). The engines answer headers on admission, so the
+//!    everything in Envoy (offload off), and through Envoy + kvgate with no tokenizer in Envoy
+//!    (`envoy_tokenizers: "none"`: the sidecar tokenizes every request). The engines answer
+//!    headers on admission, so the
 //!    differences are the filter's and sidecar's work. Native tokenization of the same
 //!    prompts runs in this process.
 //! 2. **Head-of-line blocking.** Small chats, one after another, while another client keeps
@@ -52,6 +54,9 @@ pub struct Row {
     pub inline_ms: f64,
     /// Median of the in-Envoy tokenize time (`x-kvgate-tokenize-us`, offload off), µs.
     pub inline_tokenize_us: f64,
+    /// Median time to headers through Envoy + kvgate with every prompt tokenized by the
+    /// sidecar (`envoy_tokenizers: "none"`), ms.
+    pub sidecar_ms: f64,
     /// Median native tokenization of the same prompts (same segment-cache state), µs.
     pub native_tokenize_us: f64,
 }
@@ -59,7 +64,7 @@ pub struct Row {
 /// Small-request latency with big prompts in flight, for one gateway setup.
 #[derive(Debug, Clone, Serialize)]
 pub struct Stall {
-    /// `Envoy alone`, `kvgate (offload on)`, `kvgate (offload off)`.
+    /// The gateway setup's label.
     pub setup: &'static str,
     /// Small requests' time to headers, idle gateway: p50, p99, ms.
     pub idle_p50_ms: f64,
@@ -126,22 +131,25 @@ const BIG_PROMPT_WORDS: usize = 57_000;
 /// Big prompts that must go through while the small requests of the loaded phase run.
 const BIG_PROMPTS: usize = 5;
 
-/// The three gateway setups: Envoy alone, kvgate as shipped, kvgate with offload off.
+/// The gateway setups: Envoy alone, kvgate as shipped, kvgate with offload off, kvgate with
+/// no tokenizer in Envoy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Setup {
     EnvoyAlone,
     Kvgate,
     KvgateInline,
+    KvgateSidecar,
 }
 
 impl Setup {
-    const ALL: [Setup; 3] = [Setup::EnvoyAlone, Setup::Kvgate, Setup::KvgateInline];
+    const ALL: [Setup; 4] = [Setup::EnvoyAlone, Setup::Kvgate, Setup::KvgateInline, Setup::KvgateSidecar];
 
     fn label(self) -> &'static str {
         match self {
             Setup::EnvoyAlone => "Envoy alone",
             Setup::Kvgate => "kvgate (offload on, as shipped)",
             Setup::KvgateInline => "kvgate (offload off: all in Envoy)",
+            Setup::KvgateSidecar => "kvgate (no tokenizer in Envoy: all in the sidecar)",
         }
     }
 
@@ -150,6 +158,9 @@ impl Setup {
         if self == Setup::KvgateInline {
             filter_config.insert("offload_bytes".into(), (64usize << 20).into());
             filter_config.insert("max_tokenize_bytes".into(), (64usize << 20).into());
+        }
+        if self == Setup::KvgateSidecar {
+            filter_config.insert("envoy_tokenizers".into(), "none".into());
         }
         StackOptions {
             name: "bench-filter".into(),
@@ -222,13 +233,19 @@ pub fn run(artifacts: &Artifacts) -> anyhow::Result<Report> {
                     .iter_mut()
                     .find(|r| r.tokens == size && r.cache == cache)
                     .ok_or_else(|| anyhow::anyhow!("no baseline row"))?;
-                if setup == Setup::Kvgate {
-                    row.kvgate_ms = ms;
-                    row.filter_decision_us = median(&decision).unwrap_or(0.0);
-                    row.offloaded = offloaded;
-                } else {
-                    row.inline_ms = ms;
-                    row.inline_tokenize_us = median(&tokenize).unwrap_or(0.0);
+                match setup {
+                    Setup::Kvgate => {
+                        row.kvgate_ms = ms;
+                        row.filter_decision_us = median(&decision).unwrap_or(0.0);
+                        row.offloaded = offloaded;
+                    }
+                    Setup::KvgateInline => {
+                        row.inline_ms = ms;
+                        row.inline_tokenize_us = median(&tokenize).unwrap_or(0.0);
+                    }
+                    Setup::KvgateSidecar => row.sidecar_ms = ms,
+                    // Its row is the baseline, made above.
+                    Setup::EnvoyAlone => {}
                 }
             }
         }
@@ -320,19 +337,20 @@ pub fn tables(report: &Report) -> String {
     let mut md = String::from(
         "### What kvgate adds, and tokenizing in Envoy vs native\n\n\
          Medians of 9 requests per cell; time to response headers (the engines answer on admission).\n\n\
-         | prompt | cache | Envoy alone | + kvgate as shipped | added | + kvgate, all in Envoy | in-Envoy tokenize | native tokenize | in-Envoy ÷ native |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+         | prompt | cache | Envoy alone | + kvgate as shipped | added | + kvgate, all in Envoy | + kvgate, all in the sidecar | in-Envoy tokenize | native tokenize | in-Envoy ÷ native |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in &report.rows {
         let shipped = if r.offloaded { " (offloaded)" } else { "" };
         md += &format!(
-            "| ~{}k tokens | {} | {:.2} ms | {:.2} ms{shipped} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {} |\n",
+            "| ~{}k tokens | {} | {:.2} ms | {:.2} ms{shipped} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {} |\n",
             r.tokens / 1000,
             r.cache,
             r.envoy_ms,
             r.kvgate_ms,
             r.kvgate_ms - r.envoy_ms,
             r.inline_ms,
+            r.sidecar_ms,
             r.inline_tokenize_us / 1000.0,
             r.native_tokenize_us / 1000.0,
             super::report::gain(r.inline_tokenize_us / r.native_tokenize_us.max(1.0)),

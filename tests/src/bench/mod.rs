@@ -13,7 +13,8 @@
 //! | `filter` | `cargo xtask bench filter`: latency kvgate adds, tokenization in Envoy vs native |
 //! | `throughput` | `cargo xtask bench filter`, then: routed requests/s one Envoy worker sustains |
 //! | `memory` | `cargo xtask bench filter`, then: what 15 MiB bodies leave in Envoy's memory |
-//! | `workers` | `cargo xtask bench filter`, last: Envoy's memory by worker count |
+//! | `workers` | `cargo xtask bench filter`, last: Envoy's memory by worker count and models |
+//! | `placement` | `cargo xtask bench memory`, last: tokenizing in Envoy or in the sidecar, per request |
 //!
 //! Each (workload, QPS, repeat) starts a fresh fleet per policy, so no policy inherits
 //! another's warm caches; ratios against round robin are taken within the same repeat.
@@ -23,6 +24,7 @@ pub mod filter;
 pub mod loadgen;
 pub mod memory;
 pub mod peers;
+pub mod placement;
 pub mod progress;
 pub mod report;
 pub mod stats;

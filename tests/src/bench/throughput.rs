@@ -5,8 +5,10 @@
 //! answer at once with one token. Envoy (one worker) and the sidecar are pinned to core 0; the
 //! engines and this load generator to core 1. Requests are sent open loop at a fixed rate
 //! (each timed from when it was due, so a gateway that falls behind shows its queue), for
-//! Envoy alone and for Envoy with kvgate, and the difference at the same rate is what kvgate
-//! adds. A closed loop of [`CLIENTS`] clients then finds each setup's ceiling.
+//! Envoy alone, for Envoy with kvgate, and for Envoy with kvgate and no tokenizer in Envoy
+//! (`envoy_tokenizers: "none"`: the sidecar, on the same core, tokenizes); the difference at
+//! the same rate is what kvgate adds. A closed loop of [`CLIENTS`] clients then finds each
+//! setup's ceiling.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -35,7 +37,7 @@ const WORDS: usize = 1_000;
 /// One (setup, rate) cell.
 #[derive(Debug, Clone, Serialize)]
 pub struct Cell {
-    /// `Envoy alone` or `Envoy + kvgate`.
+    /// One of [`SETUPS`]' labels.
     pub setup: &'static str,
     /// Offered requests/s (`None`: the closed loop).
     pub offered: Option<usize>,
@@ -47,6 +49,9 @@ pub struct Cell {
     pub p99_ms: f64,
     /// Requests that failed or were not answered 200.
     pub errors: usize,
+    /// Requests kvgate did not route (`x-kvgate-routed-to: fallback`: its answer came late,
+    /// or the sidecar had no room): Envoy's balancer placed them.
+    pub fallbacks: usize,
 }
 
 /// What the section measures.
@@ -67,7 +72,14 @@ fn peak_rss_mb(pid: u32) -> Option<f64> {
     Some(kb / 1024.0)
 }
 
-fn options(routing: Routing) -> StackOptions {
+/// The setups: label, routing, `envoy_tokenizers`, and a seed apart from the others'.
+const SETUPS: [(&str, Routing, &str, u32); 3] = [
+    ("Envoy alone", Routing::RoundRobin, "all", 200_000),
+    ("Envoy + kvgate", Routing::Kvgate, "all", 400_000),
+    ("+ kvgate, sidecar tokenizes", Routing::Kvgate, "none", 600_000),
+];
+
+fn options(routing: Routing, envoy_tokenizers: &str) -> StackOptions {
     let sim_args = super::filter::instant_engines(&[
         "--num-gpu-blocks-override",
         "65536",
@@ -82,6 +94,7 @@ fn options(routing: Routing) -> StackOptions {
         routing,
         sim_args,
         route_timeout_ms: 25,
+        filter_config: serde_json::Map::from_iter([("envoy_tokenizers".to_owned(), json!(envoy_tokenizers))]),
         ..StackOptions::default()
     }
 }
@@ -121,23 +134,24 @@ fn offer(url: &str, setup: &'static str, rate: Option<usize>, bodies: Vec<String
                     if let Some(wait) = due.checked_duration_since(Instant::now()) {
                         std::thread::sleep(wait);
                     }
-                    let ok = http
-                        .post(&url)
-                        .header("content-type", "application/json")
-                        .body(body.clone())
-                        .send()
-                        .and_then(|r| Ok((r.status().is_success(), r.bytes()?)))
-                        .is_ok_and(|(ok, _)| ok);
-                    done.push((ok, due.elapsed(), Instant::now()));
+                    let answer =
+                        http.post(&url).header("content-type", "application/json").body(body.clone()).send().and_then(
+                            |r| {
+                                let fallback = r.headers().get("x-kvgate-routed-to").is_some_and(|v| v == "fallback");
+                                Ok((r.status().is_success(), fallback, r.bytes()?))
+                            },
+                        );
+                    let (ok, fallback) = answer.map_or((false, false), |(ok, fallback, _)| (ok, fallback));
+                    done.push((ok, fallback, due.elapsed(), Instant::now()));
                 }
                 done
             })
         })
         .collect();
-    let results: Vec<(bool, Duration, Instant)> =
+    let results: Vec<(bool, bool, Duration, Instant)> =
         senders.into_iter().flat_map(|t| t.join().unwrap_or_default()).collect();
-    let last = results.iter().map(|r| r.2).max().unwrap_or(start);
-    let ms: Vec<f64> = results.iter().filter(|r| r.0).map(|r| r.1.as_secs_f64() * 1000.0).collect();
+    let last = results.iter().map(|r| r.3).max().unwrap_or(start);
+    let ms: Vec<f64> = results.iter().filter(|r| r.0).map(|r| r.2.as_secs_f64() * 1000.0).collect();
     let cell = Cell {
         setup,
         offered: rate,
@@ -145,6 +159,7 @@ fn offer(url: &str, setup: &'static str, rate: Option<usize>, bodies: Vec<String
         p50_ms: percentile(&ms, 50.0).unwrap_or(0.0),
         p99_ms: percentile(&ms, 99.0).unwrap_or(0.0),
         errors: results.len() - ms.len(),
+        fallbacks: results.iter().filter(|r| r.1).count(),
     };
     eprintln!("bench throughput: {cell:?}");
     cell
@@ -154,10 +169,8 @@ fn offer(url: &str, setup: &'static str, rate: Option<usize>, bodies: Vec<String
 pub fn run(artifacts: &Artifacts) -> anyhow::Result<Throughput> {
     pin(std::process::id(), 1)?;
     let (mut cells, mut envoy_peak_rss_mb) = (Vec::new(), Vec::new());
-    for (setup, routing, seed) in
-        [("Envoy alone", Routing::RoundRobin, 200_000), ("Envoy + kvgate", Routing::Kvgate, 400_000)]
-    {
-        let stack = Stack::start(&options(routing), artifacts)?;
+    for (setup, routing, envoy_tokenizers, seed) in SETUPS {
+        let stack = Stack::start(&options(routing, envoy_tokenizers), artifacts)?;
         for pid in stack.gateway_pids() {
             pin(pid, 0)?;
         }
@@ -187,24 +200,24 @@ pub fn table(throughput: &Throughput) -> String {
          Distinct ~1k-token chats, engines answering at once with one token; Envoy and the sidecar \
          on core 0, engines and load generator on core 1. Open loop at each rate for {SECS_PER_RATE} s \
          (latency from when each request was due), then a closed loop of {CLIENTS} clients.\n\n\
-         | offered | Envoy alone: achieved | p50 | p99 | + kvgate: achieved | p50 | p99 | added p99 | errors |\n\
-         |---|---|---|---|---|---|---|---|---|\n"
+         | offered | Envoy alone: achieved | p50 | p99 | + kvgate: achieved | p50 | p99 | added p99 | + kvgate, sidecar tokenizes: achieved | p50 | p99 | added p99 | errors | not routed by kvgate |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     );
     let find = |setup: &str, offered| cells.iter().find(|c| c.setup == setup && c.offered == offered);
     for offered in RATES.iter().map(|r| Some(*r)).chain([None]) {
-        let (Some(a), Some(k)) = (find("Envoy alone", offered), find("Envoy + kvgate", offered)) else { continue };
+        let [Some(a), Some(k), Some(s)] = SETUPS.map(|(setup, ..)| find(setup, offered)) else { continue };
         let label = offered.map_or(format!("closed loop ({CLIENTS})"), |r| format!("{r}/s"));
-        md += &format!(
-            "| {label} | {:.0}/s | {:.2} ms | {:.2} ms | {:.0}/s | {:.2} ms | {:.2} ms | {:.2} ms | {} |\n",
-            a.achieved,
-            a.p50_ms,
-            a.p99_ms,
-            k.achieved,
-            k.p50_ms,
-            k.p99_ms,
-            k.p99_ms - a.p99_ms,
-            a.errors + k.errors
-        );
+        md += &format!("| {label} | {:.0}/s | {:.2} ms | {:.2} ms ", a.achieved, a.p50_ms, a.p99_ms);
+        for c in [k, s] {
+            md += &format!(
+                "| {:.0}/s | {:.2} ms | {:.2} ms | {:.2} ms ",
+                c.achieved,
+                c.p50_ms,
+                c.p99_ms,
+                c.p99_ms - a.p99_ms
+            );
+        }
+        md += &format!("| {} | {} + {} |\n", a.errors + k.errors + s.errors, k.fallbacks, s.fallbacks);
     }
     md += "\nEnvoy's peak resident memory:";
     for (setup, mb) in &throughput.envoy_peak_rss_mb {
