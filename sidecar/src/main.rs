@@ -366,16 +366,24 @@ async fn serve(config: Config, config_path: PathBuf, health: Arc<Health>) -> any
         tracing::info!(model = %pool_config.model, renderer = ?bundle.renderer, "chat renderer");
         let bundle = codec::encode(&bundle)?;
         let pool = Arc::new(Pool::new(pool_config.clone(), bundle, metrics.clone()));
-        // The tokenizer for offloaded prompts, loaded now so that the first one does not pay
-        // for it (and time out in the filter); here, one model after another on this thread,
-        // so that each load reuses the memory the one before freed (`heap`).
-        if let Err(e) = pool.tokenizer() {
-            tracing::error!(model = %pool.config().model, error = %e, "cannot load the tokenizer for offloaded prompts");
-        }
         pools.insert(pool_config.model.clone(), pool);
         sources.insert(pool_config.model.clone(), found.clone());
     }
+    // What reading the tokenizer files peaked at goes back to the system (`heap`) before the
+    // tokenizers for offloaded prompts load, so that the two peaks do not add up. Those load
+    // now so that the first such prompt does not pay for it (and time out in the filter): off
+    // the runtime, while the API already answers, and one model after another on one thread,
+    // so that each load reuses the memory the one before freed; then the rest goes back too.
     kvgate_sidecar::heap::release_free_pages();
+    let warming: Vec<Arc<Pool>> = pools.values().cloned().collect();
+    tokio::task::spawn_blocking(move || {
+        for pool in warming {
+            if let Err(e) = pool.tokenizer() {
+                tracing::error!(model = %pool.config().model, error = %e, "cannot load the tokenizer for offloaded prompts");
+            }
+        }
+        kvgate_sidecar::heap::release_free_pages();
+    });
 
     let reload = Arc::new(AtomicBool::new(false));
     let zmq_ctx = zmq::Context::new();

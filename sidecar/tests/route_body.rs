@@ -178,6 +178,25 @@ async fn a_body_whose_prompt_cannot_be_read_is_booked_on_an_estimate() {
     assert!(metrics.contains(r#"kvgate_estimated_requests_total{reason="unparsable"} 1"#), "{metrics}");
 }
 
+/// A pool whose tokenizer cannot load (the filter cannot load it either: the same bundle)
+/// still books what it is sent, on an estimate, rather than leaving the load uncounted.
+#[tokio::test]
+async fn a_pool_without_a_tokenizer_books_offloads_on_an_estimate() {
+    let replica = ReplicaConfig::new("r0", "127.0.0.1:9000".parse().unwrap(), "tcp://127.0.0.1:1");
+    let config = PoolConfig::new("qwen3", model_dir(), BLOCK, vec![replica]);
+    let metrics = Arc::new(Metrics::default());
+    let pool = Arc::new(Pool::new(config, b"not a bundle".to_vec(), metrics.clone()));
+    let pools = HashMap::from([("qwen3".to_owned(), pool.clone())]);
+    let state = Arc::new(AppState::new(pools, ScoringConfig::default(), false, metrics));
+    let (status, answer) =
+        post(state.clone(), offload(r#"{"model":"qwen3","messages":[{"role":"user","content":"hi"}]}"#)).await;
+    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&answer));
+    assert!(codec::decode::<RouteResponse>(&answer).unwrap().endpoint.is_some(), "routed on load");
+    assert_eq!(pool.state().bookings, 1, "and booked");
+    let metrics = state.metrics.render();
+    assert!(metrics.contains(r#"kvgate_estimated_requests_total{reason="no_tokenizer"} 1"#), "{metrics}");
+}
+
 /// A filter of another release is refused by name (409), before its body is misread; the
 /// same call with this release's version, or with none (curl), is served.
 #[tokio::test]
@@ -248,4 +267,32 @@ async fn offloaded_bodies_held_at_once_are_bounded_in_bytes() {
     let again = router(state.clone()).oneshot(call(Body::from(body), len)).await.unwrap();
     assert_eq!(again.status(), StatusCode::OK);
     assert_eq!(held(), 0);
+}
+
+/// A small body (one the filter sends because it holds no tokenizer for its model) takes no
+/// room: big bodies filling `offload_queue_bytes` do not turn it away.
+#[tokio::test]
+async fn a_small_offload_is_routed_while_big_bodies_fill_the_room() {
+    let chat = format!(r#"{{"model":"qwen3","messages":[{{"role":"user","content":"{}"}}]}}"#, "word ".repeat(12_000));
+    let big = offload(&chat);
+    let (state, pool) = state_holding(big.len());
+    pool.tokenizer().unwrap();
+    // A big body holds all the room while its bytes have not come.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+    let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    let first = tokio::spawn(router(state.clone()).oneshot(call(Body::from_stream(stream), big.len())));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while state.metrics.offload_bytes_held.get() != big.len() as i64 {
+        assert!(tokio::time::Instant::now() < deadline, "the big body's room is never held");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let small = offload(r#"{"model":"qwen3","messages":[{"role":"user","content":"hello"}]}"#);
+    let answered = router(state.clone()).oneshot(call(Body::from(small.clone()), small.len())).await.unwrap();
+    assert_eq!(answered.status(), StatusCode::OK);
+    let route: RouteResponse = codec::decode(&to_bytes(answered.into_body(), 1 << 20).await.unwrap()).unwrap();
+    assert!(route.endpoint.is_some(), "routed: {route:?}");
+    assert_eq!(pool.state().bookings, 1, "the small one, booked");
+    tx.send(Ok(Bytes::from(big))).await.unwrap();
+    drop(tx);
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
 }

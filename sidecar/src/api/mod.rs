@@ -167,6 +167,12 @@ async fn same_wire(
 
 /// Room for a [`RouteBodyRequest`]'s fields around the body it carries.
 const ENVELOPE_BYTES: usize = 64 << 10;
+/// An offload call this small carries a body about the filter's default `offload_bytes` (16
+/// KiB) or less, with its fields: sent because the filter holds no tokenizer for its model,
+/// not because it is big. It takes no room in `offload_queue_bytes` and, once the pool's
+/// tokenizer has loaded, is tokenized on its own task (natively at most about 0.3 ms, about
+/// what a decision takes) rather than waiting for one of the slots big bodies share.
+const SMALL_OFFLOAD: usize = 20 << 10;
 /// The largest offload call read.
 const OFFLOAD_LIMIT: usize = MAX_BODY_BYTES + ENVELOPE_BYTES;
 
@@ -353,7 +359,8 @@ async fn admitted(
 const DEFAULT_OFFLOAD_BUDGET: Duration = Duration::from_secs(1);
 
 /// A prompt the filter offloaded: parsed and tokenized here, on a blocking thread, so that
-/// neither an Envoy worker nor this runtime's threads stall on it. At most one prompt per
+/// neither an Envoy worker nor this runtime's threads stall on it — except a small one
+/// ([`SMALL_OFFLOAD`]), tokenized on its own task like a decision. At most one big prompt per
 /// core is tokenized at once; a prompt that cannot be routed within the filter's budget is
 /// skipped (`late`, 503) and not booked: the filter has given up on it. Bodies held at once
 /// (read, waiting, tokenizing) are bounded in bytes: one past the bound is answered at once
@@ -370,9 +377,18 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
         .map_or(OFFLOAD_LIMIT, |n| n.min(OFFLOAD_LIMIT));
-    let Some(_room) = state.reserve_offload(declared) else {
-        let message = format!("{declared} bytes would pass the sidecar's offload_queue_bytes; routed by Envoy");
-        return fallback(&state, "offload_full", StatusCode::SERVICE_UNAVAILABLE, message);
+    // A small body (a request whose model the filter holds no tokenizer for) takes no room:
+    // big bodies filling the queue must not turn it away.
+    let small = declared <= SMALL_OFFLOAD;
+    let _room = match small {
+        true => None,
+        false => match state.reserve_offload(declared) {
+            Some(room) => Some(room),
+            None => {
+                let message = format!("{declared} bytes would pass the sidecar's offload_queue_bytes; routed by Envoy");
+                return fallback(&state, "offload_full", StatusCode::SERVICE_UNAVAILABLE, message);
+            }
+        },
     };
     let body = match axum::body::to_bytes(body, declared).await {
         Ok(b) => b,
@@ -411,29 +427,31 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
         let message = format!("no pool for model {:?}", parsed.model);
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, message);
     };
-    let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
-    let Ok(Ok(slot)) = slot else {
-        tracing::debug!(request_id = %req.request_id, "no tokenizer free within the filter's budget");
-        return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
-    };
     let request_id = req.request_id.clone();
-    let tokenizing = pool.clone();
     let tokenize = tracing::info_span!("kvgate.tokenize", body_bytes = req.body.len());
-    let prepared = tokio::task::spawn_blocking(move || {
-        let _slot = slot;
+    let prepared = if small && pool.tokenizer_ready() {
+        // As quick as a decision: tokenized on this task, never behind a big body.
         let _span = tokenize.enter();
-        tokenizing.request_for_body(&parsed, &req, deadline)
-    })
-    .await;
+        Ok(pool.request_for_body(&parsed, &req, deadline))
+    } else {
+        let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
+        let Ok(Ok(slot)) = slot else {
+            tracing::debug!(%request_id, "no tokenizer free within the filter's budget");
+            return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
+        };
+        let tokenizing = pool.clone();
+        tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            let _span = tokenize.enter();
+            tokenizing.request_for_body(&parsed, &req, deadline)
+        })
+        .await
+    };
     let (answer, waited) = match prepared {
         Ok(Ok(route)) => admitted(&state, &pool, &route, &scoring, started).await,
         Ok(Err(e @ OffloadError::Late)) => {
             tracing::debug!(%request_id, error = %e, "offloaded prompt not routed in time");
             (fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, e.to_string()), Duration::ZERO)
-        }
-        Ok(Err(e)) => {
-            tracing::debug!(%request_id, error = %e, "offloaded prompt not tokenized");
-            (fallback(&state, "tokenize_failed", StatusCode::UNPROCESSABLE_ENTITY, e.to_string()), Duration::ZERO)
         }
         Err(e) => {
             tracing::warn!(%request_id, error = %e, "tokenizing an offloaded prompt failed");

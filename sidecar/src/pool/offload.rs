@@ -16,9 +16,6 @@ use crate::metrics::FallbackLabels;
 /// Why an offloaded prompt was not routed.
 #[derive(Debug, thiserror::Error)]
 pub enum OffloadError {
-    /// The pool's tokenizer failed to load, or failed on this prompt.
-    #[error("cannot tokenize the prompt: {0}")]
-    Tokenizer(String),
     /// The filter's budget ran out before the decision: nothing was booked.
     #[error("the filter's deadline passed before the prompt was routed")]
     Late,
@@ -53,10 +50,17 @@ impl Pool {
             .map_err(Clone::clone)
     }
 
+    /// Whether the tokenizer for offloaded prompts has loaded (or failed to): [`Pool::tokenizer`]
+    /// then returns at once.
+    pub fn tokenizer_ready(&self) -> bool {
+        self.tokenizer.get().is_some()
+    }
+
     /// The route request of a whole request body (the filter's offload): tokenized exactly as
     /// the filter would — unless `deadline` has passed by then (the filter has routed the
     /// request without us: booking it would count load that is not there). Blocking (it
-    /// tokenizes).
+    /// tokenizes). A pool whose tokenizer cannot load books it on an estimate (the filter
+    /// cannot tokenize it either: it loads the same bundle).
     pub fn request_for_body(
         &self,
         parsed: &ParsedRequest,
@@ -66,7 +70,10 @@ impl Pool {
         if Instant::now() >= deadline {
             return Err(OffloadError::Late);
         }
-        let tokenizer = self.tokenizer().map_err(OffloadError::Tokenizer)?;
+        let tokenizer = match self.tokenizer() {
+            Ok(tokenizer) => tokenizer,
+            Err(_) => return Ok(self.estimated(parsed.model.as_str(), req, "no_tokenizer")),
+        };
         let tokens = match tokenizer.prompt_tokens(parsed) {
             Ok(tokens) => tokens,
             // Content parts it does not render, a template that fails: still real load.
