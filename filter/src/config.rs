@@ -49,6 +49,15 @@ pub enum EnvoyTokenizers {
 }
 
 impl EnvoyTokenizers {
+    /// Whether no worker loads any tokenizer (`"none"`, or an empty list).
+    pub fn is_none(&self) -> bool {
+        match self {
+            EnvoyTokenizers::All => false,
+            EnvoyTokenizers::None => true,
+            EnvoyTokenizers::Only(models) => models.is_empty(),
+        }
+    }
+
     /// Whether a worker loads the tokenizer of base model `model`.
     pub fn wants(&self, model: &str) -> bool {
         match self {
@@ -113,8 +122,9 @@ pub struct FilterConfig {
     /// tokenizer this worker has not loaded — not wanted here, or not loaded yet — goes whole
     /// to the sidecar, which tokenizes it, as for a body above `offload_bytes`. Each worker's
     /// VM keeps what loading a tokenizer peaked at (Qwen3: about 64 MiB per worker), so
-    /// `"none"` trades that memory for the sidecar's CPU. Token forwarding needs the ids
-    /// computed here: only requests tokenized in Envoy are forwarded as ids.
+    /// `"none"` trades that memory for the sidecar's CPU. Token forwarding and decode progress
+    /// need what is computed here (the ids, the pool's block size): only requests tokenized in
+    /// Envoy have them, so `"none"` refuses both.
     pub envoy_tokenizers: EnvoyTokenizers,
     /// Add `x-kvgate-*` response headers describing the decision (for tests and debugging).
     pub debug_headers: bool,
@@ -247,12 +257,16 @@ impl FilterConfig {
                     .into(),
             );
         }
-        if config.envoy_tokenizers == EnvoyTokenizers::None && (config.forward_tokens || config.forward_chat_tokens) {
-            return Err(
-                "kvgate filter configuration: forward_tokens and forward_chat_tokens send the ids Envoy computed, \
-                        and envoy_tokenizers \"none\" computes none"
-                    .into(),
-            );
+        let needs_envoy = [
+            ("forward_tokens", config.forward_tokens),
+            ("forward_chat_tokens", config.forward_chat_tokens),
+            ("decode_progress", config.decode_progress),
+        ];
+        if let Some((key, _)) = needs_envoy.iter().find(|(_, on)| *on && config.envoy_tokenizers.is_none()) {
+            return Err(format!(
+                "kvgate filter configuration: {key} needs what Envoy's workers compute when they tokenize, \
+                 and envoy_tokenizers loads no tokenizer"
+            ));
         }
         if config.breaker_max_open_ms < config.breaker_open_ms {
             return Err("kvgate filter configuration: breaker_max_open_ms must be at least breaker_open_ms".into());
@@ -311,6 +325,8 @@ mod tests {
             br#"{"envoy_tokenizers": "some"}"#,
             br#"{"envoy_tokenizers": [1]}"#,
             br#"{"envoy_tokenizers": "none", "forward_chat_tokens": true}"#,
+            br#"{"envoy_tokenizers": [], "forward_tokens": true}"#,
+            br#"{"envoy_tokenizers": "none", "decode_progress": true}"#,
         ] {
             assert!(FilterConfig::parse(bad).is_err());
         }

@@ -11,7 +11,7 @@
 //! |---|---|---|---|
 //! | `kvgate_requests_total` | counter | model, outcome | how a request left the filter: `routed` (the sidecar's choice applied), `passthrough` (not routable: bad body, unknown model…; the engine answers), `fallback_timeout` / `fallback_error` (the sidecar did not answer in time / failed or answered nonsense: Envoy's balancer picked), `shed` (every replica saturated: answered 429 here), `breaker_open` (not asked: the circuit breaker was open, or half-open with its probe out) |
 //! | `kvgate_requests_truncated_total` | counter | model | routed on the prompt's head (`max_tokenize_bytes`) |
-//! | `kvgate_requests_offloaded_total` | counter | model | the body was tokenized by the sidecar (`offload_bytes`) |
+//! | `kvgate_requests_offloaded_total` | counter | model | the body was tokenized by the sidecar (above `offload_bytes`, or no tokenizer for its model in this worker) |
 //! | `kvgate_requests_tokens_forwarded_total` | counter | model | the prompt went upstream as token ids (`forward_tokens`) |
 //! | `kvgate_requests_untokenizable_total` | counter | model | a request for a routed model whose prompt kvgate cannot read (content parts it does not render, a failing template): routed and booked on an estimate of its size |
 //! | `kvgate_prefill_legs_total` | counter | model, outcome | disaggregated requests' prefill legs: `ok` (vLLM: its KV went to the decode worker; SGLang: it answered), `failed` (an error status, or no `kv_transfer_params` in its answer), `timeout`, `unsent` (no `prefill_cluster`, an endpoint or body a leg cannot carry, or the call could not be made); the request is then served whole on its decode worker |

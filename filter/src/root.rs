@@ -41,7 +41,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType};
 
 use crate::breaker::Breaker;
-use crate::config::FilterConfig;
+use crate::config::{EnvoyTokenizers, FilterConfig};
 use crate::fetches::Fetches;
 use crate::host::{Envoy, RootHost};
 use crate::http::RequestContext;
@@ -173,6 +173,20 @@ impl<H: RootHost> Root<H> {
         }
     }
 
+    /// Says, once, which models `envoy_tokenizers` names that the sidecar does not route as
+    /// base models (a misspelt name, an adapter): their tokenizers are never loaded here.
+    fn name_unknown_tokenizers(&self, base_models: &[String]) {
+        let shared = self.shared.borrow();
+        let EnvoyTokenizers::Only(named) = &shared.config.envoy_tokenizers else { return };
+        let unknown: Vec<&String> = named.iter().filter(|m| !base_models.contains(m)).collect();
+        if !unknown.is_empty() {
+            log::warn!(
+                "kvgate: envoy_tokenizers names {unknown:?}, which the sidecar does not route as base models \
+                 (it routes {base_models:?}); requests for models not named are tokenized by the sidecar"
+            );
+        }
+    }
+
     /// Fetches the tokenizers of listed models that are wanted in Envoy (`envoy_tokenizers`),
     /// not loaded and not backing off, once
     /// this VM serves requests: a tokenizer's load peaks at several times what it keeps, and
@@ -284,7 +298,7 @@ impl<H: RootHost> Root<H> {
             log::warn!("kvgate: undecodable model list from the sidecar");
             return;
         };
-        self.listed_at = Some(self.host.now());
+        let first = self.listed_at.replace(self.host.now()).is_none();
         // The sidecar is answering: an open breaker lets the next request probe it now.
         {
             let mut shared = self.shared.borrow_mut();
@@ -311,6 +325,9 @@ impl<H: RootHost> Root<H> {
             let mut shared = self.shared.borrow_mut();
             shared.models.retain(|name, _| names.contains(name));
             shared.listed = Some(names);
+        }
+        if first {
+            self.name_unknown_tokenizers(&list.models);
         }
         self.adapters = list.adapters;
         self.base_models = list.models;

@@ -525,7 +525,12 @@ impl Stack {
         };
         // A module in the filter's place reports no tokenizer: nothing to wait for.
         if opts.routing == Routing::Kvgate && opts.wasm.is_none() {
-            let in_envoy = opts.filter_config.get("envoy_tokenizers") != Some(&json!("none"));
+            // Tokenized in Envoy unless `envoy_tokenizers` leaves the stack's model out.
+            let in_envoy = match opts.filter_config.get("envoy_tokenizers") {
+                Some(Value::String(word)) => word != "none",
+                Some(Value::Array(models)) => models.contains(&json!(opts.model)),
+                _ => true,
+            };
             for url in stack.gateways("/v1/chat/completions") {
                 stack.wait_tokenizer_loaded(&url, in_envoy)?;
             }

@@ -208,6 +208,7 @@ fn with_no_tokenizer_in_envoy_the_sidecar_tokenizes_and_routes_on_the_cache() {
     let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
     let doc = document(22, 600);
     let body = |question: &str| chat(&doc, question);
+    assert!(body("follow-up 0").to_string().len() < 16 << 10, "below offload_bytes: offloaded for no tokenizer");
     let warm = post(&stack.sim("c").url("/v1/chat/completions"), body("first").to_string(), &[]).unwrap();
     assert_eq!(warm.status, 200, "{}", warm.body);
     let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
