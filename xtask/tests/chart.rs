@@ -1334,6 +1334,11 @@ fn the_schema_refuses_bad_values() {
             "envoy_tokenizers",
         ),
         (
+            "decode progress with no tokenizer in Envoy",
+            values("istio", json!({"filter": {"config": {"envoy_tokenizers": "none", "decode_progress": true}}})),
+            "decode_progress",
+        ),
+        (
             "the sync listen address, which the chart owns",
             values("istio", json!({"sync": {"config": {"listen": "tcp://0.0.0.0:9913"}}})),
             "listen",
