@@ -165,6 +165,26 @@ fn filter_token_count_matches_the_simulator() {
 
 /// A Hugging Face model name (`org/name`, as `vllm serve Qwen/Qwen3-0.6B` serves it) gets
 /// its tokenizer, and its requests are routed by kvgate on their cache overlap.
+/// Caches `body("first")`'s prompt on replica `c`, then sends three follow-ups through the
+/// gateway: each must be routed to `c` on (nearly) the whole cached prefix. Returns their
+/// replies.
+fn follow_ups_find_their_prefix_on_c(stack: &Stack, body: impl Fn(&str) -> Value) -> Vec<kvgate_e2e::client::Streamed> {
+    let warm = post(&stack.sim("c").url("/v1/chat/completions"), body("first").to_string(), &[]).unwrap();
+    assert_eq!(warm.status, 200, "{}", warm.body);
+    let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    stack.wait_indexed("c", prompt_tokens / 16).unwrap();
+    (0..3)
+        .map(|i| {
+            let reply = stream(&stack.gateway("/v1/chat/completions"), body(&format!("follow-up {i}"))).unwrap();
+            assert_eq!(reply.status, 200);
+            assert_eq!(reply.header("x-kvgate-routed-to"), "c", "routed by kvgate to the replica holding the prefix");
+            let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap();
+            assert!(overlap >= prompt_tokens / 16 - 1, "the sidecar saw the cached prefix: {overlap} blocks");
+            reply
+        })
+        .collect()
+}
+
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn hugging_face_model_names_are_routed_on_their_cache() {
@@ -176,16 +196,7 @@ fn hugging_face_model_names_are_routed_on_their_cache() {
         json!({"model": model, "max_tokens": 2, "messages": [
             {"role": "system", "content": doc}, {"role": "user", "content": question}]})
     };
-    let warm = post(&stack.sim("c").url("/v1/chat/completions"), body("first").to_string(), &[]).unwrap();
-    assert_eq!(warm.status, 200, "{}", warm.body);
-    let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
-    stack.wait_indexed("c", prompt_tokens / 16).unwrap();
-    for i in 0..3 {
-        let reply = stream(&stack.gateway("/v1/chat/completions"), body(&format!("follow-up {i}"))).unwrap();
-        assert_eq!(reply.status, 200);
-        assert_eq!(reply.header("x-kvgate-routed-to"), "c", "routed by kvgate to the replica holding the prefix");
-        let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap();
-        assert!(overlap >= prompt_tokens / 16 - 1, "the sidecar saw the cached prefix: {overlap} blocks");
+    for reply in follow_ups_find_their_prefix_on_c(&stack, body) {
         assert!(!reply.header("x-kvgate-prompt-tokens").is_empty(), "tokenized in the filter");
     }
     let fetches = stack.sidecar_state().unwrap()["pools"][0]["tokenizer_fetches"].as_u64().unwrap();
@@ -209,17 +220,8 @@ fn with_no_tokenizer_in_envoy_the_sidecar_tokenizes_and_routes_on_the_cache() {
     let doc = document(22, 600);
     let body = |question: &str| chat(&doc, question);
     assert!(body("follow-up 0").to_string().len() < 16 << 10, "below offload_bytes: offloaded for no tokenizer");
-    let warm = post(&stack.sim("c").url("/v1/chat/completions"), body("first").to_string(), &[]).unwrap();
-    assert_eq!(warm.status, 200, "{}", warm.body);
-    let prompt_tokens = warm.json()["usage"]["prompt_tokens"].as_u64().unwrap();
-    stack.wait_indexed("c", prompt_tokens / 16).unwrap();
-    for i in 0..3 {
-        let reply = stream(&stack.gateway("/v1/chat/completions"), body(&format!("follow-up {i}"))).unwrap();
-        assert_eq!(reply.status, 200);
+    for reply in follow_ups_find_their_prefix_on_c(&stack, body) {
         assert_eq!(reply.header("x-kvgate-offloaded"), "true", "tokenized by the sidecar");
-        assert_eq!(reply.header("x-kvgate-routed-to"), "c", "routed to the replica holding the prefix");
-        let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap();
-        assert!(overlap >= prompt_tokens / 16 - 1, "the sidecar saw the cached prefix: {overlap} blocks");
     }
     let fetches = stack.sidecar_state().unwrap()["pools"][0]["tokenizer_fetches"].as_u64().unwrap();
     assert_eq!(fetches, 0, "no worker fetched a tokenizer");
