@@ -32,6 +32,7 @@
 
 use std::time::Duration;
 
+use kvgate_shared::wire::SESSION_HEADER;
 use serde::Deserialize;
 
 use crate::breaker::Limits;
@@ -166,6 +167,13 @@ pub struct FilterConfig {
     /// `priority_header`, name only a header your own filters set: a client that could set it
     /// would take a fresh turn with every new value.
     pub tenant_header: Option<String>,
+    /// The request header whose value is the request's session key (default
+    /// `x-session-id`; cut to 256 bytes): what the `consistent_hash` policy hashes and pools
+    /// with `sessions` bind, ahead of the body's `session_id`, `user` or Messages
+    /// `metadata.user_id`. Sessions only steer where a client's own requests go (a pool binds
+    /// them only if its operator turned `sessions` on); name a header your auth filter sets
+    /// if clients must not pick theirs.
+    pub session_header: String,
     /// The Envoy cluster prefill legs go to (disaggregated pools): one whose load balancer
     /// is `override_host` on `x-gateway-destination-endpoint`, with the prefill workers among
     /// its hosts — the engines' own cluster will do. Unset (default): a disaggregated pool's
@@ -218,6 +226,7 @@ impl Default for FilterConfig {
             admission_wait_ms: 0,
             priority_header: None,
             tenant_header: None,
+            session_header: SESSION_HEADER.into(),
             prefill_cluster: None,
             prefill_timeout_ms: 60_000,
             client_transfer_fields: false,
@@ -248,6 +257,9 @@ impl FilterConfig {
             config.prefill_timeout_ms,
             config.breaker_open_ms,
         ];
+        if config.session_header.is_empty() {
+            return Err("kvgate filter configuration: session_header must not be empty".into());
+        }
         if config.prefill_cluster.as_deref() == Some("") {
             return Err("kvgate filter configuration: prefill_cluster must not be empty".into());
         }

@@ -203,7 +203,8 @@ pub struct ScoringOverrides {
 /// The request header carrying [`ScoringOverrides`] as JSON.
 pub const OVERRIDES_HEADER: &str = "x-kvgate-scoring";
 
-/// The request header carrying a session key.
+/// The request header carrying a session key, unless the filter names another
+/// (`session_header`).
 pub const SESSION_HEADER: &str = "x-session-id";
 
 /// The sidecar's decision.

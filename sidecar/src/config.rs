@@ -34,6 +34,7 @@
 //! | top level | [`Config`] | here |
 //! | `[scoring]` | `ScoringConfig` | `crate::score` |
 //! | `[[pools]]`, `[[pools.replicas]]`, `[pools.disaggregation]` | `PoolConfig`, `ReplicaConfig`, `DisaggregationConfig` | `crate::pool` (`config.rs`) |
+//! | `[pools.sessions]` | `SessionConfig` | `crate::pool` (`sessions.rs`) |
 //! | `[pools.admission]` | `AdmissionConfig` | `crate::admission` (`config.rs`) |
 //! | `[pools.discovery]` | `DiscoveryConfig` | `crate::discovery` (`config.rs`) |
 //! | `[sync]` | `SyncConfig` | `crate::sync` (`config.rs`) |
@@ -238,6 +239,17 @@ impl Config {
         for PoolSection { pool, .. } in &self.pools {
             pool.check_tokenizer_mode()?;
             pool.admission.validate(&pool.model, pool.engine_metrics_secs)?;
+            if let Some(sessions) = &pool.sessions {
+                sessions.validate(&pool.model)?;
+                if pool.policy != Policy::KvAware {
+                    bail!(
+                        "pool {:?}: sessions are bound by a credit in the kv_aware cost; the {} policy has none \
+                         (consistent_hash pins sessions by their key instead)",
+                        pool.model,
+                        pool.policy.name()
+                    );
+                }
+            }
         }
         if let Some(sync) = &self.sync {
             sync.validate()?;

@@ -167,6 +167,21 @@ pub struct Metrics {
     /// Decisions in disaggregated pools, by mode: `disaggregated`, or served whole for
     /// `short_prompt`, `prefill_busy`, `no_prefill_worker` or `several_prompts`.
     pub disaggregation: Family<ModeLabels, Counter>,
+    /// Decisions of requests with a session in pools that bind sessions, by outcome: `new`,
+    /// `kept`, or why the session moved (`replica_gone`, `prefix_gone`, `saturated`,
+    /// `outweighed`).
+    pub session_decisions: Family<SessionLabels, Counter>,
+    /// Sessions bound, per pool (expired bindings are dropped as new ones come).
+    pub sessions_bound: Family<PoolLabels, Gauge>,
+}
+
+/// Labels of a session's decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SessionLabels {
+    /// The pool's model.
+    pub model: String,
+    /// `new`, `kept`, `replica_gone`, `prefix_gone`, `saturated` or `outweighed`.
+    pub outcome: String,
 }
 
 /// Labels of a disaggregated pool's decision.
@@ -278,6 +293,14 @@ impl Default for Metrics {
             "Decisions in disaggregated pools, by mode (disaggregated, or why served whole)",
             disaggregation.clone(),
         );
+        let session_decisions = Family::default();
+        registry.register(
+            "session_decisions",
+            "Decisions of requests with a session, by outcome (new, kept, or why the session moved)",
+            session_decisions.clone(),
+        );
+        let sessions_bound = Family::default();
+        registry.register("sessions_bound", "Sessions bound to a replica, per pool", sessions_bound.clone());
         registry.register(
             "admission",
             "Requests that waited for capacity, by outcome (admitted, queue_full, queue_time)",
@@ -471,6 +494,8 @@ impl Default for Metrics {
             pool_active_requests,
             pool_saturation,
             disaggregation,
+            session_decisions,
+            sessions_bound,
         }
     }
 }

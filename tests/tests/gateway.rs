@@ -1909,3 +1909,67 @@ fn a_clients_token_ids_do_not_replace_the_messages_the_engine_runs() {
     assert!(ran > 3, "through kvgate the engine ran the messages: {ran} tokens");
     assert_eq!(reply.header("x-kvgate-prompt-tokens"), ran.to_string(), "and kvgate routed on what it ran");
 }
+
+/// 42. Sessions, named by the operator's header, bound softly and shared by the gateways: with
+///     `[pools.sessions]` and the filter's `session_header = "x-agent-session"`, an agent's
+///     first turn through gateway 0 binds its session where it went; gateway 1 hears the
+///     binding over the mesh and credits that replica for its next turn, which the decision
+///     explains. A client's `x-session-id`, not the operator's header, keys nothing.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn sessions_named_by_the_operators_header_are_bound_across_gateways() {
+    let mut filter_config = serde_json::Map::new();
+    filter_config.insert("session_header".into(), json!("x-agent-session"));
+    let opts = StackOptions {
+        name: "sessions".into(),
+        replicas: 2,
+        gateways: 2,
+        pool_toml: "[pools.sessions]\nttl_secs = 60\n".into(),
+        filter_config,
+        ..Default::default()
+    };
+    let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let urls = stack.gateways("/v1/chat/completions");
+    let explained = |gateway: usize, booking: &str| -> Option<Value> {
+        let url = stack.sidecar_url_of(gateway, &format!("/debug/explain?request={booking}"));
+        let body: Value = serde_json::from_str(&client().get(url).send().ok()?.text().ok()?).ok()?;
+        body["decisions"].as_array()?.first().cloned()
+    };
+    let bound = |gateway: usize| stack.sidecar_state_of(gateway).ok()?["pools"][0]["sessions_bound"].as_u64();
+    let system = document(60, 600);
+    // Each gateway's filter decides before the test starts (its tokenizer is loaded).
+    for url in &urls {
+        wait_for("the gateway routes", Duration::from_secs(20), || {
+            let reply = post(url, chat(&document(61, 50), "warm").to_string(), &[]).ok()?;
+            (reply.status == 200 && !matches!(reply.header("x-kvgate-routed-to"), "" | "fallback")).then_some(())
+        })
+        .unwrap();
+    }
+    let turn = |gateway: usize, question: &str| {
+        let body = chat(&system, question).to_string();
+        let reply = post(&urls[gateway], body, &[("x-agent-session", "agent-7")]).unwrap();
+        assert_eq!(reply.status, 200);
+        (reply.header("x-kvgate-replica").to_owned(), reply.header("x-kvgate-booking-id").to_owned())
+    };
+    let (home, first) = turn(0, "read the repository");
+    let decision = explained(0, &first).expect("the first turn is explained");
+    assert_eq!(decision["session"], "new", "{decision}");
+    wait_for("gateway 1 hears the binding", Duration::from_secs(10), || (bound(1)? == 1).then_some(())).unwrap();
+    let (next, second) = turn(1, "read the repository, then fix the test");
+    let decision = explained(1, &second).expect("the second turn is explained");
+    assert_eq!((next.as_str(), decision["session"].as_str()), (home.as_str(), Some("kept")), "{decision}");
+    let credited: Vec<(&str, f64)> = decision["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["replica"].as_str().unwrap(), c["session_credit"].as_f64().unwrap()))
+        .filter(|(_, credit)| *credit > 0.0)
+        .collect();
+    assert_eq!(credited, [(home.as_str(), 64.0)], "the bound replica, and only it, is credited: {decision}");
+    // The default header is not the operator's here: it keys no session.
+    let body = chat(&document(62, 100), "q").to_string();
+    let reply = post(&urls[0], body, &[("x-session-id", "someone-else")]).unwrap();
+    let decision = explained(0, reply.header("x-kvgate-booking-id")).expect("explained");
+    assert!(decision["session"].is_null(), "{decision}");
+    assert_eq!(bound(0), Some(1));
+}

@@ -329,6 +329,7 @@ fn maximal() -> Value {
             "max_prefill_backlog_tokens": 65536,
             "prefill_policy": "kv_aware",
         },
+        "sessions": {"ttl_secs": 600, "stickiness_blocks": 64.0, "max_sessions": 100000},
     });
     let filter = json!({
         "sidecar_authority": "kvgate-sidecar",
@@ -349,6 +350,7 @@ fn maximal() -> Value {
         "admission_wait_ms": 2000,
         "priority_header": "x-kvgate-priority",
         "tenant_header": "x-kvgate-tenant",
+        "session_header": "x-session-id",
         "prefill_cluster": "outbound|30000||sglang.llm.svc.cluster.local",
         "prefill_timeout_ms": 60000,
         "client_transfer_fields": false,
@@ -1472,6 +1474,12 @@ fn the_schema_types_every_key_kvgate_reads() {
             "/definitions/disaggregation",
             &v["pools"][0]["disaggregation"],
             format!("{:?}", pool.pool.disaggregation.as_ref().unwrap()),
+            &[],
+        ),
+        (
+            "/definitions/sessions",
+            &v["pools"][0]["sessions"],
+            format!("{:?}", pool.pool.sessions.as_ref().unwrap()),
             &[],
         ),
         ("/properties/filter/properties/config", &v["filter"]["config"], format!("{filter:?}"), &["sidecar_cluster"]),

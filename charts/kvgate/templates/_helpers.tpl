@@ -163,7 +163,7 @@ key_file = "/etc/kvgate/sync-key/key"
 
 [[pools]]
 model = {{ $pool.model | toJson }}
-{{- include "kvgate.tomlKeys" (omit $pool "model" "tokenizer" "discovery" "admission" "disaggregation" "extraToml") }}
+{{- include "kvgate.tomlKeys" (omit $pool "model" "tokenizer" "discovery" "admission" "disaggregation" "sessions" "extraToml") }}
 tokenizer = {{ include "kvgate.tokenizerDir" (list $i $pool) | toJson }}
 {{- with $pool.extraToml }}
 {{ . | trim }}
@@ -174,6 +174,11 @@ tokenizer = {{ include "kvgate.tokenizerDir" (list $i $pool) | toJson }}
 {{- with $pool.disaggregation }}
 
 [pools.disaggregation]
+{{- include "kvgate.tomlKeys" . }}
+{{- end }}
+{{- with $pool.sessions }}
+
+[pools.sessions]
 {{- include "kvgate.tomlKeys" . }}
 {{- end }}
 {{- with $pool.admission }}

@@ -13,7 +13,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use kvgate_shared::route::RequestKeys;
-use kvgate_shared::wire::{DESTINATION_HEADER, DP_RANK_HEADER, OVERRIDES_HEADER, SESSION_HEADER};
+use kvgate_shared::wire::{DESTINATION_HEADER, DP_RANK_HEADER, OVERRIDES_HEADER};
 
 use crate::host::Host;
 use crate::metrics::Outcome;
@@ -73,7 +73,7 @@ impl<H: Host> Request<H> {
         let keys = RequestKeys {
             request_id: booking_id(vm_tag, self.context_id),
             client_request_id: self.host.request_header("x-request-id"),
-            session: self.host.request_header(SESSION_HEADER),
+            session: self.configured_header(Some(&config.session_header)),
             overrides: parse_overrides(self.host.request_header(OVERRIDES_HEADER).as_deref()),
             wait_ms: u32::try_from(config.admission_wait_ms).unwrap_or(u32::MAX),
             priority: self.configured_header(config.priority_header.as_deref()),

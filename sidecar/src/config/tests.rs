@@ -105,6 +105,22 @@ fn explanations_are_kept_by_count_and_age() {
 }
 
 #[test]
+fn sessions_are_bound_only_where_the_operator_says_and_under_kv_aware() {
+    let with = |keys: &str| BASE.replace("block_size = 16", &format!("block_size = 16\n{keys}"));
+    assert_eq!(load(BASE, &[]).unwrap().pools[0].pool.sessions, None, "off unless configured");
+    let set = load(&with("[pools.sessions]\nttl_secs = 60"), &[]).unwrap();
+    let sessions = set.pools[0].pool.sessions.clone().unwrap();
+    assert_eq!((sessions.ttl_secs, sessions.stickiness_blocks, sessions.max_sessions), (60, 64.0, 100_000));
+    for bad in ["ttl_secs = 0", "stickiness_blocks = -1", "max_sessions = 0", "max_sessions = 10000001"] {
+        let error = load(&with(&format!("[pools.sessions]\n{bad}")), &[]).unwrap_err().to_string();
+        assert!(error.contains(bad.split(' ').next().unwrap()), "{bad}: {error}");
+    }
+    let hashed = with("policy = \"consistent_hash\"\n[pools.sessions]");
+    let error = load(&hashed, &[]).unwrap_err().to_string();
+    assert!(error.contains("consistent_hash") && error.contains("kv_aware"), "{error}");
+}
+
+#[test]
 fn defaults_are_loopback_and_dynamos() {
     let c = load(BASE, &[]).unwrap();
     assert_eq!(c.listen, "127.0.0.1:9911".parse().unwrap());
@@ -375,6 +391,7 @@ fn the_readme_names_every_configuration_key() {
         ("[pools.disaggregation]", keys::<DisaggregationConfig>()),
         ("[pools.admission]", keys::<AdmissionConfig>()),
         ("[pools.admission.classes]", keys::<ClassConfig>()),
+        ("[pools.sessions]", keys::<crate::pool::SessionConfig>()),
         ("[sync]", keys::<SyncConfig>()),
     ];
     let mut missing = Vec::new();

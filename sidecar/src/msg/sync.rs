@@ -26,6 +26,8 @@ pub enum SyncEvent {
         total_blocks: u64,
         /// Sequences booked: the request's prompts times its samples (`n`).
         sequences: u64,
+        /// The request's session, in a pool that binds sessions: bound to the target.
+        session: Option<SessionKey>,
     },
     /// The request's first token arrived.
     FirstToken {
@@ -41,6 +43,18 @@ pub enum SyncEvent {
         /// The origin's request id.
         request_id: RequestId,
     },
+}
+
+/// A session, as the pools that bind sessions key it: a 128-bit hash of the session key the
+/// request carried, so that neither a table's entries nor a sync message grow with the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct SessionKey(u128);
+
+impl SessionKey {
+    /// The key of `session`.
+    pub fn of(session: &str) -> SessionKey {
+        SessionKey(xxhash_rust::xxh3::xxh3_128(session.as_bytes()))
+    }
 }
 
 /// One published message.

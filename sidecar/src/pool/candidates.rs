@@ -32,6 +32,8 @@ pub(super) struct Scored {
     pub trusted: bool,
     /// Under `predicted_latency`, the TTFT predicted there, in seconds, if its model predicts.
     pub predicted_ttft: Option<f32>,
+    /// The credit taken off its cost for being the request's session's replica (0 if none).
+    pub session_credit: f64,
 }
 
 /// The eligible replicas' costs for these inputs (one per replica, in order).
@@ -46,6 +48,13 @@ pub(super) fn scored(
         .iter()
         .zip(inputs)
         .zip(logits)
-        .map(|((e, inputs), logit)| Scored { slot: e.slot, inputs, logit, trusted: e.trusted, predicted_ttft: None })
+        .map(|((e, inputs), logit)| Scored {
+            slot: e.slot,
+            inputs,
+            logit,
+            trusted: e.trusted,
+            predicted_ttft: None,
+            session_credit: 0.0,
+        })
         .collect()
 }

@@ -10,6 +10,7 @@ use kvgate_shared::prompt::PromptError;
 use kvgate_shared::wire::ModelBundle;
 use serde::Deserialize;
 
+use super::sessions::SessionConfig;
 use crate::admission::AdmissionConfig;
 
 /// A model served by a set of interchangeable replicas.
@@ -94,6 +95,13 @@ pub struct PoolConfig {
     /// and prefill load) and a decode worker (by load). Off (unset) by default.
     #[serde(default)]
     pub disaggregation: Option<DisaggregationConfig>,
+    /// Session binding (`kv_aware` only): a request's session key — the filter's
+    /// `session_header`, else the body's `session_id`, `user` or Messages `metadata.user_id` —
+    /// binds its session to the replica it went to, and later requests of the session are
+    /// credited for staying there while it holds their prefix (see `sessions.rs`). Off
+    /// (unset) by default: nothing a client sends then keys any state.
+    #[serde(default)]
+    pub sessions: Option<SessionConfig>,
     /// `/debug/explain`: how many of the last decisions are kept, each with every candidate's
     /// cost terms (default 4096, at most 1 048 576 — [`MAX_EXPLAIN_KEEP`]). Memory is bounded
     /// by this count: about 250 bytes a decision plus 80 per candidate replica.
@@ -137,6 +145,7 @@ impl PoolConfig {
             adapters_poll_secs: default_adapters_poll(),
             admission: AdmissionConfig::default(),
             disaggregation: None,
+            sessions: None,
             explain_keep: default_explain_keep(),
             explain_max_age_secs: default_explain_max_age(),
             replicas,

@@ -40,6 +40,8 @@ pub(super) struct Kept {
     measured_ttft: Option<f32>,
     /// In a disaggregated pool: the decision's mode, or `prefill_leg` for a leg's.
     disaggregation: Option<&'static str>,
+    /// In a pool that binds sessions, a request with a session: what its binding did.
+    session: Option<&'static str>,
 }
 
 /// A decision's prediction against what the engine reported.
@@ -59,6 +61,8 @@ pub(super) struct Chosen {
     pub(super) slot: ReplicaIdx,
     pub(super) overlap: Overlap,
     pub(super) predicted_ttft: Option<Duration>,
+    /// What the request's session binding did (`new`, `kept`, or why it moved).
+    pub(super) session: Option<&'static str>,
 }
 
 /// One candidate's cost terms in a decision.
@@ -81,6 +85,9 @@ pub struct CandidateTerms {
     /// Under `predicted_latency`, the time to first token predicted there, in seconds (lowest
     /// wins; absent while its model does not predict, and then the decision is `kv_aware`'s).
     pub predicted_ttft_secs: Option<f64>,
+    /// The credit taken off `logit` because the request's session is bound here, holds its
+    /// prefix and has headroom (`[pools.sessions]`; 0 otherwise).
+    pub session_credit: f64,
 }
 
 /// Why a request went where it went.
@@ -109,6 +116,11 @@ pub struct Explanation {
     /// `<request_id>/prefill`, marked `prefill_leg`) or why it was served whole
     /// (`short_prompt`, `prefill_busy`, `no_prefill_worker`, `several_prompts`).
     pub disaggregation: Option<&'static str>,
+    /// In a pool that binds sessions, for a request with a session: `new` (it was not
+    /// bound), `kept`, or why it moved — `replica_gone`, `prefix_gone` (its replica holds less
+    /// of the prompt than another), `saturated`, `outweighed` (another was cheaper by more
+    /// than the credit). The session is now bound to `chosen`.
+    pub session: Option<&'static str>,
 }
 
 /// A pool's kept decisions: the last `keep`, none older than `max_age`, findable by booking
@@ -227,6 +239,7 @@ impl Pool {
                     measured_secs: f64::from(measured),
                 }),
                 disaggregation: k.disaggregation,
+                session: k.session,
                 candidates: k
                     .candidates
                     .iter()
@@ -239,6 +252,7 @@ impl Pool {
                         requests: s.inputs.requests,
                         logit: s.logit,
                         predicted_ttft_secs: s.predicted_ttft.map(f64::from),
+                        session_credit: s.session_credit,
                     })
                     .collect(),
             })
@@ -255,7 +269,7 @@ impl Pool {
         chosen: Chosen,
         mode: Option<&'static str>,
     ) {
-        let Chosen { slot: best, overlap, predicted_ttft } = chosen;
+        let Chosen { slot: best, overlap, predicted_ttft, session } = chosen;
         let labels = self.labels(best);
         tracing::debug!(
             request_id = %req.request_id,
@@ -290,6 +304,7 @@ impl Pool {
             predicted_ttft: predicted_ttft.map(|d| d.as_secs_f32()),
             measured_ttft: None,
             disaggregation: mode,
+            session,
         });
     }
 
@@ -338,6 +353,7 @@ impl Pool {
             predicted_ttft: None,
             measured_ttft: None,
             disaggregation: Some("prefill_leg"),
+            session: None,
         });
     }
 
@@ -390,6 +406,7 @@ mod tests {
             predicted_ttft: None,
             measured_ttft: None,
             disaggregation: None,
+            session: None,
         }
     }
 

@@ -142,8 +142,8 @@ impl Pool {
     }
 
     /// Applies another gateway's booking or lifecycle event to the load table, under
-    /// `origin/request_id`, and a booking's prefix to the in-flight credit
-    /// ([`Pool::record_peer_route`]). A booking on a target this pool does not have is ignored.
+    /// `origin/request_id`, a booking's prefix to the in-flight credit
+    /// ([`Pool::record_peer_route`]) and its session's binding (in a pool that binds sessions). A booking on a target this pool does not have is ignored.
     pub fn apply_remote(&self, origin: &str, event: &SyncEvent) {
         // Lock order: members, affinity, load. `members` is held until the booking is made, so
         // the slot cannot be retired and given to a newcomer in between.
@@ -154,8 +154,12 @@ impl Pool {
             }
             _ => None,
         };
-        if let (Some(slot), SyncEvent::Booked { hashes, .. }) = (target_slot, event) {
+        if let (Some(slot), SyncEvent::Booked { hashes, session, .. }) = (target_slot, event) {
             self.record_peer_route(slot, hashes);
+            // The peer bound the request's session there.
+            if let Some(key) = session {
+                self.bind_session(*key, slot);
+            }
         }
         let mut load = self.load_table();
         let touched = match event {

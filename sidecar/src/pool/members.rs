@@ -235,8 +235,12 @@ impl Pool {
             let free = members.iter().position(|m| !m.active && m.leaving_since.is_none());
             let slot = match free.map(ReplicaIdx::new) {
                 Some(slot) => {
-                    // What the decisions kept name by slot would now name the newcomer.
+                    // What the decisions kept and the sessions bound name by slot would now
+                    // name the newcomer.
                     self.forget_slot(slot);
+                    if let Some(mut sessions) = self.sessions() {
+                        sessions.forget_slot(slot);
+                    }
                     slot
                 }
                 None => {

@@ -24,6 +24,7 @@ mod lifecycle;
 mod members;
 mod offload;
 mod route;
+mod sessions;
 mod state;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize};
@@ -50,6 +51,7 @@ pub use handover::TakenOver;
 pub use members::{targets, Member, ReplicaHealth, Target};
 pub use offload::OffloadError;
 pub use route::Admit;
+pub use sessions::{SessionConfig, MAX_SESSIONS};
 pub use state::{PoolState, ReplicaState, TtftState};
 
 use explain::Explanations;
@@ -94,6 +96,8 @@ pub struct Pool {
     admission: Option<Gate>,
     /// What a peer handed over and is not used yet (`handover.rs`).
     handover: Mutex<handover::Staged>,
+    /// Where each session is bound (`[pools.sessions]`; `sessions.rs`).
+    sessions: Option<Mutex<sessions::Sessions>>,
 }
 
 // Locks are only poisoned if a holder panicked; the data is still consistent enough to serve.
@@ -113,7 +117,9 @@ impl Pool {
         let affinity = ApproxIndex::new(config.affinity_blocks, Duration::from_secs(ttl));
         let admission = config.admission.enabled.then(|| Gate::new(&config.admission));
         let explanations = Explanations::new(config.explain_keep, Duration::from_secs(config.explain_max_age_secs));
+        let sessions = config.sessions.as_ref().map(|s| Mutex::new(sessions::Sessions::new(s)));
         Pool {
+            sessions,
             admission,
             index: Mirrored::new(KvIndex::new(config.block_size as usize, n)),
             load: Mutex::new(LoadTable::new(n, config.prefill_tokens_per_sec)),
@@ -184,6 +190,11 @@ impl Pool {
 
     fn load_table(&self) -> std::sync::MutexGuard<'_, LoadTable> {
         self.load.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The session bindings, if the pool binds sessions (a lock taken alone).
+    fn sessions(&self) -> Option<std::sync::MutexGuard<'_, sessions::Sessions>> {
+        self.sessions.as_ref().map(|s| s.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 

@@ -12,6 +12,7 @@ use super::candidates::{scored, Eligible, Scored};
 use super::disagg::{self, Prompt, Split};
 use super::explain::Chosen;
 use super::members::NONE;
+use super::sessions::{self, Weighed};
 use super::{Member, Pool};
 use super::{Policy, TransferProtocol};
 use crate::accuracy::{Prediction, Unchecked};
@@ -19,7 +20,8 @@ use crate::index::approx::ApproxIndex;
 use crate::index::{Overlap, ReplicaIdx};
 use crate::load::flows::Flow;
 use crate::load::{BookingId, LoadTable, NewBooking};
-use crate::msg::sync::SyncEvent;
+use crate::metrics::{PoolLabels, SessionLabels};
+use crate::msg::sync::{SessionKey, SyncEvent};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 use kvgate_shared::ids::RequestId;
 
@@ -141,6 +143,10 @@ impl Pool {
         }
         // Every eligible replica's cost, from its booked load.
         let mut scored = score_all(&load, &eligible, &shape, &scoring);
+        // Its session's replica credited for keeping it, while it holds the session's prefix
+        // and has headroom (`[pools.sessions]`, `kv_aware`).
+        let session = self.session_of(req, policy);
+        let weighed = session.map(|key| self.weigh_session(key, &load, &eligible, &mut scored, req, &scoring));
         // Under `predicted_latency`, the lowest predicted TTFT; until every candidate's model
         // predicts, the request is decided (and recorded) as `kv_aware`.
         let fastest = (policy == Policy::PredictedLatency)
@@ -181,6 +187,13 @@ impl Pool {
         let figures: Vec<_> = std::iter::once(&booked).chain(&leg).map(|b| (b.slot, load.load(b.slot))).collect();
         let predicted_ttft = load.predicted_ttft(&id);
         drop(load);
+        // The session is bound where it went, afresh.
+        let session_outcome = session.zip(weighed).filter(|_| booked.booked).map(|(key, w)| {
+            self.bind_session(key, booked.slot);
+            let outcome = w.outcome(choice);
+            self.count_session(outcome);
+            outcome
+        });
         // Remember where the prefix went, and expect the engine's events for it.
         for b in std::iter::once(&booked).chain(&leg) {
             self.after_booking(routes.as_deref_mut(), &members[b.slot.get()], &shape, b);
@@ -200,12 +213,13 @@ impl Pool {
                 self.unchecked(b.slot, reason);
             }
         }
-        self.share_booking(&req.request_id, &replica.id, &shape, &booked);
+        let bound = session_outcome.and(session);
+        self.share_booking(&req.request_id, &replica.id, &shape, &booked, bound);
         if let (Some(leg), Some(p)) = (&leg, &prefill) {
-            self.share_booking(&leg_id.request_id(), &p.replica, &shape.leg(), leg);
+            self.share_booking(&leg_id.request_id(), &p.replica, &shape.leg(), leg, None);
         }
         let mode = split.mode();
-        let chosen = Chosen { slot: booked.slot, overlap: booked.overlap, predicted_ttft };
+        let chosen = Chosen { slot: booked.slot, overlap: booked.overlap, predicted_ttft, session: session_outcome };
         self.record(req, policy, scored, chosen, mode);
         if let (Split::Remote { scored, .. }, Some(leg)) = (split, &leg) {
             self.record_leg(req, &leg_id, policy, scored, leg.slot);
@@ -313,6 +327,51 @@ impl Pool {
         matches!(self.config.policy, Policy::KvAware | Policy::PredictedLatency) && self.config.inflight_credit_secs > 0
     }
 
+    /// The request's session, if it has one and the pool binds sessions under this policy.
+    fn session_of(&self, req: &RouteRequest, policy: Policy) -> Option<SessionKey> {
+        let session = req.session.as_deref().filter(|_| self.sessions.is_some() && policy == Policy::KvAware)?;
+        Some(SessionKey::of(session))
+    }
+
+    /// Where the session is bound, credited in `scored` if it holds the session's prefix and
+    /// is not saturated for the request (with admission control on).
+    fn weigh_session(
+        &self,
+        key: SessionKey,
+        load: &LoadTable,
+        eligible: &[Eligible],
+        scored: &mut [Scored],
+        req: &RouteRequest,
+        scoring: &ScoringConfig,
+    ) -> Weighed {
+        let (Some(config), Some(mut table)) = (&self.config.sessions, self.sessions()) else {
+            return Weighed::Unbound;
+        };
+        let bound = table.bound(key, Instant::now());
+        drop(table);
+        let saturated = |slot| {
+            let gate = self.admission.as_ref();
+            gate.is_some_and(|g| g.saturated_for(&load.load(slot), g.class_of(req.priority.as_deref()), false))
+        };
+        sessions::weigh(bound, eligible, scored, scoring, config.stickiness_blocks, saturated)
+    }
+
+    /// Binds a session to `slot` from now, and publishes the pool's count.
+    pub(super) fn bind_session(&self, key: SessionKey, slot: ReplicaIdx) {
+        let Some(mut table) = self.sessions() else { return };
+        table.bind(key, slot, Instant::now());
+        let bound = table.len();
+        drop(table);
+        let pool = PoolLabels { model: self.config.model.clone() };
+        self.metrics.sessions_bound.get_or_create(&pool).set(i64::try_from(bound).unwrap_or(i64::MAX));
+    }
+
+    /// Counts a session's decision by outcome.
+    fn count_session(&self, outcome: &'static str) {
+        let labels = SessionLabels { model: self.config.model.clone(), outcome: outcome.to_owned() };
+        self.metrics.session_decisions.get_or_create(&labels).inc();
+    }
+
     fn policy_for(&self, req: &RouteRequest) -> Policy {
         match (self.config.policy, &req.session) {
             (Policy::ConsistentHash, None) => Policy::KvAware,
@@ -364,8 +423,15 @@ impl Pool {
         }
     }
 
-    /// Tells the other gateways (when sync is on).
-    fn share_booking(&self, request_id: &RequestId, target: &str, shape: &Shape<'_>, booked: &Booked) {
+    /// Tells the other gateways (when sync is on), with the session bound to the target.
+    fn share_booking(
+        &self,
+        request_id: &RequestId,
+        target: &str,
+        shape: &Shape<'_>,
+        booked: &Booked,
+        session: Option<SessionKey>,
+    ) {
         let (true, Some(outbox)) = (booked.booked, self.outbox.get()) else { return };
         outbox.send(SyncEvent::Booked {
             model: self.config.model.clone(),
@@ -375,6 +441,7 @@ impl Pool {
             hashes: shape.hashes.to_vec(),
             total_blocks: shape.total_blocks,
             sequences: shape.sequences,
+            session,
         });
     }
 }

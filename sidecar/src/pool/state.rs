@@ -96,6 +96,8 @@ pub struct PoolState {
     /// Tenants (per class) with requests in flight, among which admission control shares
     /// capacity fairly (admission control on; else `null`).
     pub admission_tenants: Option<usize>,
+    /// Sessions bound to a replica (`[pools.sessions]`; else `null`).
+    pub sessions_bound: Option<usize>,
     /// Active replicas, in slot order (the config's first).
     pub replicas: Vec<ReplicaState>,
 }
@@ -163,6 +165,7 @@ impl Pool {
             leaving,
             admission_waiting: self.admission.as_ref().map(Gate::waiting),
             admission_tenants: self.admission.as_ref().map(|_| tenants),
+            sessions_bound: self.sessions().map(|s| s.len()),
             replicas,
         }
     }

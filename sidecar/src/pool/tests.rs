@@ -383,6 +383,7 @@ fn peer_booking(target: &str, request_id: &str, tokens: &[u32]) -> SyncEvent {
         hashes: prompt_block_hashes(tokens, 4, Salt::NONE),
         total_blocks: tokens.len().div_ceil(4) as u64,
         sequences: 1,
+        session: None,
     }
 }
 
@@ -924,4 +925,120 @@ fn predicted_latency_sends_requests_where_they_start_soonest() {
     let predicted: Vec<f64> = explained.candidates.iter().map(|c| c.predicted_ttft_secs.unwrap()).collect();
     assert!(predicted[1] < predicted[0], "{predicted:?}");
     assert_eq!(explained.predicted_ttft_secs.map(|s| s as f32), Some(predicted[1] as f32));
+}
+
+/// Two replicas that both cache a shared system prompt, in a pool that binds sessions (with
+/// `stickiness` as the credit), or not; no in-flight credit, so only the engines' events say
+/// what is cached.
+fn session_pool(stickiness: Option<f64>, grace_secs: u64) -> Pool {
+    let mut config = pool(2).config;
+    config.inflight_credit_secs = 0;
+    config.leave_grace_secs = grace_secs;
+    config.sessions = stickiness.map(|s| SessionConfig { stickiness_blocks: s, ..SessionConfig::default() });
+    let p = Pool::new(config, Vec::new(), Arc::new(Metrics::default()));
+    cache_on(&p, 0, &conversation(0));
+    cache_on(&p, 1, &conversation(0));
+    p
+}
+
+/// A conversation's prompt after `turns` turns of 16 tokens each, on a shared system prompt of
+/// 64 tokens (16 blocks).
+fn conversation(turns: u32) -> Vec<u32> {
+    (0..64).chain((0..turns * 16).map(|t| 50_000 + t)).collect()
+}
+
+fn in_session(id: &str, session: &str, tokens: &[u32]) -> RouteRequest {
+    RouteRequest { session: Some(session.into()), ..request(id, tokens) }
+}
+
+/// Session `s` bound to r0 by its first turn, r0 then holding the turn's prefix (as its engine
+/// says), and `busy` prefill tokens of another gateway's booked on r0; where its second turn goes.
+fn second_turn(p: &Pool, busy: u32) -> RouteResponse {
+    let cfg = ScoringConfig::default();
+    cache_on(p, 0, &conversation(1));
+    let first = p.route(&in_session("turn-1", "s", &conversation(1)), &cfg);
+    assert_eq!(chosen(&first), 0, "the first turn goes where its prefix is");
+    assert!(p.lifecycle(&"turn-1".into(), false));
+    let other: Vec<u32> = (90_000..90_000 + busy).collect();
+    p.apply_remote("peer", &peer_booking("r0", "busy", &other));
+    p.route(&in_session("turn-2", "s", &conversation(2)), &cfg)
+}
+
+#[test]
+fn a_session_stays_on_its_replica_unless_another_is_cheaper_by_more_than_the_credit() {
+    // Without sessions: the least load on r0 that sends the second turn to r1.
+    let moves_at = (1..200).map(|b| b * 4).find(|&busy| chosen(&second_turn(&session_pool(None, 30), busy)) == 1);
+    let moves_at = moves_at.expect("enough load on r0 moves the conversation");
+    // With a credit of 32, that load keeps it on r0: the decision says why.
+    let p = session_pool(Some(32.0), 30);
+    assert_eq!(chosen(&second_turn(&p, moves_at)), 0, "bound to r0, which holds its prefix");
+    let e = &p.explain(Some("turn-2"), 1)[0];
+    assert_eq!((e.session, e.candidates[0].session_credit, e.candidates[1].session_credit), (Some("kept"), 32.0, 0.0));
+    assert_eq!(p.explain(Some("turn-1"), 1)[0].session, Some("new"));
+    // 36 more prefill tokens there (36 of cost at block size 4 and prefill weight 4, and
+    // 9 blocks) outweigh the credit: the session moves, and is bound where it went.
+    let p = session_pool(Some(32.0), 30);
+    assert_eq!(chosen(&second_turn(&p, moves_at + 36)), 1, "r1 is cheaper by more than the credit");
+    assert_eq!(p.explain(Some("turn-2"), 1)[0].session, Some("outweighed"));
+    // r1 holds less of the conversation than r0 (its engine has not said it stored turn 2):
+    // no credit there.
+    p.route(&in_session("turn-3", "s", &conversation(3)), &ScoringConfig::default());
+    assert_eq!(p.explain(Some("turn-3"), 1)[0].session, Some("prefix_gone"));
+    let text = p.metrics.render();
+    for outcome in ["new", "outweighed", "prefix_gone"] {
+        let line = format!(r#"kvgate_session_decisions_total{{model="m",outcome="{outcome}"}} 1"#);
+        assert!(text.contains(&line), "{line} in\n{text}");
+    }
+    assert!(text.contains(r#"kvgate_sessions_bound{model="m"} 1"#), "{text}");
+}
+
+#[test]
+fn requests_without_a_session_or_pools_without_binding_bind_nothing() {
+    let p = session_pool(Some(32.0), 30);
+    let r = p.route(&request("no-session", &conversation(1)), &ScoringConfig::default());
+    assert!(r.replica.is_some());
+    assert_eq!(p.explain(Some("no-session"), 1)[0].session, None);
+    assert_eq!(p.state().sessions_bound, Some(0));
+    let p = session_pool(None, 30);
+    p.route(&in_session("s1", "s", &conversation(1)), &ScoringConfig::default());
+    assert_eq!((p.explain(Some("s1"), 1)[0].session, p.state().sessions_bound), (None, None));
+}
+
+#[test]
+fn a_peers_booking_binds_the_session_here_too() {
+    // Another gateway routed session `s` to r1: a small booking, but load r0 does not have.
+    let mut booking = peer_booking("r1", "elsewhere", &[1, 2, 3, 4]);
+    if let SyncEvent::Booked { session, .. } = &mut booking {
+        *session = Some(crate::msg::sync::SessionKey::of("s"));
+    }
+    let next = |stickiness| {
+        let p = session_pool(stickiness, 30);
+        p.apply_remote("peer", &booking);
+        let r = p.route(&in_session("next", "s", &conversation(1)), &ScoringConfig::default());
+        (chosen(&r), p.explain(Some("next"), 1)[0].session, p.state().sessions_bound)
+    };
+    assert_eq!(next(Some(32.0)), (1, Some("kept"), Some(1)), "the peer's binding keeps the session on r1");
+    assert_eq!(next(None), (0, None, None), "without binding, r1's load sends it to r0");
+}
+
+#[test]
+fn a_session_whose_replica_left_is_bound_afresh() {
+    let p = session_pool(Some(32.0), 0);
+    let cfg = ScoringConfig::default();
+    cache_on(&p, 1, &conversation(1));
+    assert_eq!(chosen(&p.route(&in_session("t1", "s", &conversation(1)), &cfg)), 1);
+    assert_eq!(chosen(&p.route(&in_session("u1", "u", &conversation(1)), &cfg)), 1);
+    let replicas = p.config.replicas.clone();
+    p.set_members(&replicas[..1]);
+    assert_eq!(chosen(&p.route(&in_session("t2", "s", &conversation(2)), &cfg)), 0);
+    assert_eq!(p.explain(Some("t2"), 1)[0].session, Some("replica_gone"));
+    // r1's slot goes to a newcomer holding more of the conversation: session `s` (bound to
+    // r0) is not credited there; `u`'s binding to the slot went with r1.
+    let newcomer = ReplicaConfig { id: "r9".into(), ..replicas[1].clone() };
+    p.set_members(&[replicas[0].clone(), newcomer]);
+    cache_on(&p, 1, &conversation(2));
+    p.route(&in_session("t3", "s", &conversation(2)), &cfg);
+    assert_eq!(p.explain(Some("t3"), 1)[0].session, Some("prefix_gone"), "r0 holds less than r9");
+    p.route(&in_session("u2", "u", &conversation(2)), &cfg);
+    assert_eq!(p.explain(Some("u2"), 1)[0].session, Some("new"));
 }
