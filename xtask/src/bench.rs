@@ -1,7 +1,7 @@
 //! `cargo xtask bench e2e`: every routing policy on the same simulated fleet and workloads.
 //!
 //! ```text
-//! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation,cache-pressure]
+//! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation,cache-pressure,agentic]
 //!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
 //!                       [--speedup 10] [--mix none|priorities|tenants|outside] [--gateways 1,2,4]
 //!                       [--users 48] [--user-spacing 0.25] [--pin] [--nice-engines 10]
@@ -28,9 +28,10 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context};
+use kvgate_e2e::bench::agentic::{self, AgenticParams};
 use kvgate_e2e::bench::cells::{self, CellStore};
 use kvgate_e2e::bench::report::{self, Facts};
-use kvgate_e2e::bench::workloads::{CachePressure, Mix, Mooncake, MultiTurn, SharedPrefix, Workload};
+use kvgate_e2e::bench::workloads::{Agentic, CachePressure, Mix, Mooncake, MultiTurn, SharedPrefix, Workload};
 use kvgate_e2e::bench::{self, BenchConfig, Fleet, Policy};
 use kvgate_e2e::{repo_root, Artifacts};
 
@@ -123,8 +124,33 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
     Ok(a)
 }
 
+/// The agentic workload's committed trace.
+fn agentic_trace_path() -> PathBuf {
+    repo_root().join("tests/traces/agentic-coding.jsonl")
+}
+
+/// `cargo xtask bench agentic-trace [--seed N] [--sessions N]`: writes the agentic trace.
+pub fn agentic_trace(raw: &[String]) -> anyhow::Result<()> {
+    let mut params = AgenticParams::default();
+    let mut it = raw.iter();
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--seed" => params.seed = it.next().context("--seed needs a value")?.parse()?,
+            "--sessions" => params.sessions = it.next().context("--sessions needs a value")?.parse()?,
+            other => bail!("unknown flag {other}"),
+        }
+    }
+    let sessions = agentic::generate(&params);
+    let path = agentic_trace_path();
+    std::fs::write(&path, agentic::trace_text(&params, &sessions)?)?;
+    let calls: usize = sessions.iter().map(agentic::calls).sum();
+    println!("{} sessions, {calls} model calls: {}", sessions.len(), path.display());
+    Ok(())
+}
+
 /// The workloads at full or quick scale.
 fn workloads(quick: bool) -> Vec<Workload> {
+    let agentic = Workload::Agentic(Agentic { trace: agentic_trace_path() });
     if quick {
         vec![
             Workload::SharedPrefix(SharedPrefix {
@@ -160,6 +186,7 @@ fn workloads(quick: bool) -> Vec<Workload> {
                 output_tokens: 50,
                 pressure: 3.0,
             }),
+            agentic,
         ]
     } else {
         vec![
@@ -196,6 +223,7 @@ fn workloads(quick: bool) -> Vec<Workload> {
                 output_tokens: 200,
                 pressure: 3.0,
             }),
+            agentic,
         ]
     }
 }

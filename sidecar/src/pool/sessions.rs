@@ -17,6 +17,8 @@
 //! last `ttl_secs` after their last request; at most `max_sessions` are kept, the least
 //! recently used dropped first. Sessions are keyed by a 128-bit hash of the session key
 //! ([`SessionKey`]), so a key's length never sizes the table and peers share the hash only.
+//! A sidecar that starts is handed its peers' index and bookings, not their bindings: a
+//! session's next request there is bound afresh, led to its replica by its prefix.
 
 use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};

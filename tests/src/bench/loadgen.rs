@@ -7,6 +7,8 @@
 //! request, so for a request sent at 0 with headers at `h` and its first token at `f`,
 //! `TTFT = h + (f − h) × speedup`. The same holds for inter-token and end-to-end latency.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,11 +18,17 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+use super::agentic::{AgentSession, Step, StepKind};
+use crate::workload::document;
+
 /// The header a request names its priority class in (the flow-control policy's
 /// `priority_header`).
 pub const PRIORITY_HEADER: &str = "x-kvgate-priority";
 /// The header a request names its tenant in (the flow-control policy's `tenant_header`).
 pub const TENANT_HEADER: &str = "x-kvgate-tenant";
+/// The header an agent's requests carry its session id in (kvgate's default
+/// `session_header`).
+pub const SESSION_HEADER: &str = "x-session-id";
 
 /// Who a request is from, for admission control: sent as [`PRIORITY_HEADER`] and
 /// [`TENANT_HEADER`], and reported per value.
@@ -125,6 +133,10 @@ pub struct Outcome {
     /// The generated text (for conversation history; not written out).
     #[serde(skip)]
     pub text: String,
+    /// The request's body, kept where the run needs its prompt afterwards (the agentic
+    /// workload's cache ceiling; not written out).
+    #[serde(skip)]
+    pub body: Option<Value>,
 }
 
 impl Outcome {
@@ -155,6 +167,7 @@ impl Outcome {
             error: None,
             tags: Tags::default(),
             text: String::new(),
+            body: None,
         }
     }
 }
@@ -236,7 +249,12 @@ impl Target {
     }
 
     /// Sends one request and reads its stream to the end.
-    pub async fn send(&self, path: &str, mut body: Value, tags: Tags) -> Outcome {
+    pub async fn send(&self, path: &str, body: Value, tags: Tags) -> Outcome {
+        self.send_in_session(path, body, tags, None).await
+    }
+
+    /// [`Target::send`], with the request's session id in [`SESSION_HEADER`].
+    pub async fn send_in_session(&self, path: &str, mut body: Value, tags: Tags, session: Option<&str>) -> Outcome {
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true});
         let sent = Instant::now();
@@ -257,8 +275,10 @@ impl Target {
             error: None,
             tags,
             text: String::new(),
+            body: None,
         };
-        match tokio::time::timeout(self.timeout, self.stream(path, &body, tags, sent, &mut outcome)).await {
+        let streamed = self.stream(path, &body, (tags, session), sent, &mut outcome);
+        match tokio::time::timeout(self.timeout, streamed).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => outcome.error = Some(e.to_string()),
             Err(_) => outcome.error = Some(format!("timed out after {:?}", self.timeout)),
@@ -266,7 +286,14 @@ impl Target {
         outcome
     }
 
-    async fn stream(&self, path: &str, body: &Value, tags: Tags, sent: Instant, o: &mut Outcome) -> anyhow::Result<()> {
+    async fn stream(
+        &self,
+        path: &str,
+        body: &Value,
+        (tags, session): (Tags, Option<&str>),
+        sent: Instant,
+        o: &mut Outcome,
+    ) -> anyhow::Result<()> {
         let base = match tags.tenant {
             Some(OUTSIDE) if !self.engines.is_empty() => &self.engines[0],
             _ => self.next_base(),
@@ -277,6 +304,9 @@ impl Target {
         }
         if let Some(tenant) = tags.tenant {
             request = request.header(TENANT_HEADER, tenant);
+        }
+        if let Some(session) = session {
+            request = request.header(SESSION_HEADER, session);
         }
         let response = request.send().await?;
         let headers_at = sent.elapsed().as_secs_f64();
@@ -386,6 +416,87 @@ impl Target {
             }
         }
         out
+    }
+}
+
+impl Target {
+    /// Runs agent sessions (closed loop): a session's steps go one after another, each with
+    /// the history so far and the session's id in [`SESSION_HEADER`]; a step's subagents run
+    /// in parallel from a copy of that history, each under a session id of its own, and the
+    /// session goes on once all have answered. Steps not started by `duration` are skipped.
+    /// Each outcome keeps its body ([`Outcome::body`]).
+    pub async fn agents(
+        &self,
+        sessions: Vec<AgentSession>,
+        systems: Vec<String>,
+        model: &str,
+        duration: Duration,
+    ) -> Vec<Outcome> {
+        let mut running = Vec::new();
+        for s in sessions {
+            let target = self.clone();
+            let history = vec![json!({"role": "system", "content": systems[s.tenant % systems.len()]})];
+            let model = model.to_owned();
+            running.push(tokio::spawn(async move {
+                tokio::time::sleep_until(target.wall(Duration::from_millis(s.start_ms))).await;
+                target.agent(model, s.session, history, s.steps, duration).await
+            }));
+        }
+        let mut out = Vec::new();
+        for r in running {
+            if let Ok(o) = r.await {
+                out.extend(o);
+            }
+        }
+        out
+    }
+
+    /// One agent's steps from `history` (boxed: a step's subagents are agents too).
+    fn agent(
+        &self,
+        model: String,
+        session: String,
+        mut history: Vec<Value>,
+        steps: Vec<Step>,
+        duration: Duration,
+    ) -> Pin<Box<dyn Future<Output = Vec<Outcome>> + Send + 'static>> {
+        let target = self.clone();
+        Box::pin(async move {
+            let mut outcomes = Vec::new();
+            for (i, step) in steps.into_iter().enumerate() {
+                tokio::time::sleep(Duration::from_millis(step.wait_ms).div_f64(target.speedup)).await;
+                if target.start.elapsed().mul_f64(target.speedup) > duration {
+                    break;
+                }
+                let text = document(step.seed, step.tokens);
+                let content = match step.kind {
+                    StepKind::User => text,
+                    StepKind::Tool => format!("<tool_response>\n{text}\n</tool_response>"),
+                };
+                history.push(json!({"role": "user", "content": content}));
+                let body =
+                    json!({"model": model, "messages": history, "max_tokens": step.max_tokens, "ignore_eos": true});
+                let path = "/v1/chat/completions";
+                let o = target.send_in_session(path, body.clone(), Tags::default(), Some(&session)).await;
+                history.push(json!({"role": "assistant", "content": o.text}));
+                outcomes.push(Outcome { request: format!("{session}.s{i}"), body: Some(body), ..o });
+                let forks: Vec<_> = step
+                    .subagents
+                    .into_iter()
+                    .enumerate()
+                    .map(|(j, sub)| {
+                        let id = format!("{session}.s{i}.a{j}");
+                        tokio::spawn(target.agent(model.clone(), id, history.clone(), sub, duration))
+                    })
+                    .collect();
+                for fork in forks {
+                    if let Ok(o) = fork.await {
+                        outcomes.extend(o);
+                    }
+                }
+            }
+            outcomes
+        })
     }
 }
 

@@ -3,7 +3,9 @@
 //!
 //! | module | what it does |
 //! |---|---|
-//! | `workloads` | shared-prefix, mooncake-conversation, multi-turn → a plan of requests |
+//! | `workloads` | shared-prefix, mooncake-conversation, multi-turn, cache-pressure, agentic → a plan of requests |
+//! | `agentic` | the agentic workload's generator and trace file, from published agent-trace statistics |
+//! | `ceiling` | a run's cache-hit ceiling: an infinite cache shared by the fleet, the same prompts |
 //! | `cells` | which cells a run has left, each finished one kept in `cells.jsonl` at once |
 //! | `progress` | "cell i of N", each cell's time and an estimate of the time left |
 //! | `loadgen` | sends the plan through the gateway (open or closed loop), streaming SSE |
@@ -19,6 +21,8 @@
 //! Each (workload, QPS, repeat) starts a fresh fleet per policy, so no policy inherits
 //! another's warm caches; ratios against round robin are taken within the same repeat.
 
+pub mod agentic;
+pub mod ceiling;
 pub mod cells;
 pub mod filter;
 pub mod loadgen;
@@ -70,6 +74,9 @@ pub enum Policy {
     /// cache and two prefill batches; `batch` (also the class of untagged requests) waits at
     /// 70 % and one batch, so interactive requests find headroom.
     KvgateFlowControl,
+    /// kvgate `kv_aware` binding sessions (`[pools.sessions]`, the defaults) on the requests'
+    /// `x-session-id`.
+    KvgateSessions,
     /// kvgate `kv_aware` with several gateways whose sidecars do not share their bookings:
     /// the sync mesh's ablation (the same as `kvgate-kv-aware` at one gateway).
     KvgateNoSync,
@@ -126,7 +133,7 @@ impl Knob {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 18] = [
+    pub const ALL: [Policy; 19] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
@@ -136,6 +143,7 @@ impl Policy {
         Policy::KvgateDynamoCost,
         Policy::KvgateAdmission,
         Policy::KvgateFlowControl,
+        Policy::KvgateSessions,
         Policy::KvgateNoSync,
         Policy::KvgateEngineMetrics,
         Policy::KvgatePd("kv_aware"),
@@ -157,6 +165,7 @@ impl Policy {
             Policy::KvgateDynamoCost => "kvgate-kv-aware-dynamo-cost".into(),
             Policy::KvgateAdmission => "kvgate-kv-aware-admission".into(),
             Policy::KvgateFlowControl => "kvgate-kv-aware-flow-control".into(),
+            Policy::KvgateSessions => "kvgate-kv-aware-sessions".into(),
             Policy::KvgateNoSync => "kvgate-kv-aware-no-sync".into(),
             Policy::KvgateEngineMetrics => "kvgate-kv-aware-engine-metrics".into(),
             Policy::KvgatePd("kv_aware") => "kvgate-pd".into(),
@@ -190,6 +199,7 @@ impl Policy {
             | Policy::KvgateDynamoCost
             | Policy::KvgateAdmission
             | Policy::KvgateFlowControl
+            | Policy::KvgateSessions
             | Policy::KvgateNoSync
             | Policy::KvgateEngineMetrics
             | Policy::KvgatePd(_)
@@ -231,6 +241,7 @@ impl Policy {
                 (pool, filter)
             }
             Policy::KvgateEngineMetrics => ("engine_metrics_secs = 1".into(), serde_json::Map::new()),
+            Policy::KvgateSessions => ("[pools.sessions]".into(), serde_json::Map::new()),
             Policy::KvgateTuned(Knob::OffloadKib, kib) => {
                 let mut filter = serde_json::Map::new();
                 filter.insert("offload_bytes".into(), (u64::from(*kib) << 10).into());
@@ -519,6 +530,7 @@ fn run_cell(
         match plan {
             Plan::OpenLoop(plan) => target.open_loop(plan, duration).await,
             Plan::Conversations(c) => target.conversations(c, workloads::MODEL, duration).await,
+            Plan::Agents(sessions, systems) => target.agents(sessions, systems, workloads::MODEL, duration).await,
         }
     });
     let cpu = cpu_used(&cpu_before, &cpu_of(&router_pids));
@@ -539,6 +551,7 @@ fn run_cell(
         .collect();
     let mut summary = stats::summarize(&outcomes, config.slo_ttft_s, &work);
     summary.router_cpu_ms = (!outcomes.is_empty()).then(|| cpu * 1000.0 / outcomes.len() as f64);
+    summary.hit_ceiling = ceiling::infinite_cache_hit_ratio(&artifacts.model_dir, config.fleet.block_size, &outcomes)?;
     eprintln!(
         "bench:   {} ok, {} errors ({} shed), TTFT p50 {:?} p90 {:?} (served), hit ratio {:?}, load max/mean {:?}, sim clock lag {:?}, kvgate routed/other {:?}",
         summary.ok,

@@ -129,6 +129,8 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
                 output_tps: med(&|s| Some(s.output_tps)).unwrap_or(0.0),
                 goodput: med(&|s| Some(s.goodput)).unwrap_or(0.0),
                 hit_ratio: med(&|s| s.hit_ratio),
+                hit_ceiling: med(&|s| s.hit_ceiling),
+                hit_ratio_served: med(&|s| s.hit_ratio_served),
                 load_max_over_mean: med(&|s| s.load_max_over_mean),
                 load_floor: med(&|s| s.load_floor),
                 decision_us_p50: med(&|s| s.decision_us_p50),
@@ -204,7 +206,14 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
             q.errors_total,
             m.status_503,
             m.status_429,
-            num(m.hit_ratio, 3),
+            match (m.hit_ratio_served, m.hit_ceiling) {
+                (Some(served), Some(ceiling)) => format!(
+                    "{} (served {served:.3} of ceiling {ceiling:.3}: {:.1} %)",
+                    num(m.hit_ratio, 3),
+                    served / ceiling * 100.0
+                ),
+                _ => num(m.hit_ratio, 3),
+            },
             num(m.load_max_over_mean, 2),
             m.load_floor.map_or(String::new(), |f| format!(" (≥ {f:.2})")),
             num(m.router_cpu_ms, 2),

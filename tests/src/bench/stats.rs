@@ -59,6 +59,16 @@ pub struct Summary {
     pub goodput: f64,
     /// Prefix-cache hits / queries, from the engines' `/metrics`.
     pub hit_ratio: Option<f64>,
+    /// The most any placement could reach on the same prompts in the same order: one
+    /// infinite cache shared by the fleet ([`super::ceiling`]); `None` for workloads whose
+    /// prompts are not kept (all but `agentic`).
+    #[serde(default)]
+    pub hit_ceiling: Option<f64>,
+    /// Cached prompt tokens over prompt tokens, from the engines' `usage` of the requests
+    /// served: the hit ratio over the same requests as `hit_ceiling` (the engines' counters
+    /// also count recomputed prompts).
+    #[serde(default)]
+    pub hit_ratio_served: Option<f64>,
     /// Max over mean of per-engine token load (uncached prompt + output tokens computed).
     pub load_max_over_mean: Option<f64>,
     /// A floor under this run's max/mean set by the traffic no router saw (tenant `outside`,
@@ -145,6 +155,11 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
         output_tps: if span > 0.0 { tokens as f64 / span } else { 0.0 },
         goodput: ttfts.iter().filter(|t| **t <= slo_ttft_s).count() as f64 / outcomes.len().max(1) as f64,
         hit_ratio,
+        hit_ceiling: None,
+        hit_ratio_served: {
+            let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
+            (prompt > 0).then(|| ok.iter().map(|o| o.cached_tokens).sum::<u64>() as f64 / prompt as f64)
+        },
         load_max_over_mean: (mean_load > 0.0).then(|| loads.iter().copied().fold(0.0, f64::max) / mean_load),
         load_floor: (mean_load > 0.0).then(|| unseen_load(&ok)).flatten().map(|unseen| (unseen / mean_load).max(1.0)),
         decision_us_p50: percentile(&decisions, 50.0),

@@ -1,10 +1,10 @@
-//! The benchmark's workloads: `shared-prefix`, `mooncake-conversation`, `multi-turn` and
-//! `cache-pressure`.
+//! The benchmark's workloads: `shared-prefix`, `mooncake-conversation`, `multi-turn`,
+//! `cache-pressure` and `agentic` (its generator: [`super::agentic`]).
 //!
 //! Each is deterministic for a seed: the same run twice sends the same bytes at the same
 //! (simulated) times.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rand::rngs::StdRng;
@@ -13,6 +13,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::agentic::{self, AgentSession};
 use super::loadgen::{Conversation, Planned, Tags, OUTSIDE};
 use crate::workload::document;
 
@@ -95,6 +96,15 @@ pub struct CachePressure {
     pub pressure: f64,
 }
 
+/// Coding-agent sessions replayed from a trace file written by [`agentic::generate`]: tenants'
+/// system prompts and tool schemas, conversations growing by tool results, think times,
+/// subagents forking from their parent's context, each session's id in `x-session-id`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Agentic {
+    /// The trace file (`tests/traces/agentic-coding.jsonl`).
+    pub trace: PathBuf,
+}
+
 /// A workload, ready to plan.
 #[derive(Debug, Clone, Serialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
@@ -107,6 +117,8 @@ pub enum Workload {
     MultiTurn(MultiTurn),
     /// See [`CachePressure`].
     CachePressure(CachePressure),
+    /// See [`Agentic`].
+    Agentic(Agentic),
 }
 
 /// What a workload sends.
@@ -115,6 +127,8 @@ pub enum Plan {
     OpenLoop(Vec<Planned>),
     /// Conversations whose turns wait for the previous answer.
     Conversations(Vec<Conversation>),
+    /// Agent sessions (closed loop, subagents in parallel), with each tenant's system prompt.
+    Agents(Vec<AgentSession>, Vec<String>),
 }
 
 impl Workload {
@@ -125,6 +139,7 @@ impl Workload {
             Workload::MooncakeConversation(_) => "mooncake-conversation",
             Workload::MultiTurn(_) => "multi-turn",
             Workload::CachePressure(_) => "cache-pressure",
+            Workload::Agentic(_) => "agentic",
         }
     }
 
@@ -154,6 +169,18 @@ impl Workload {
                 w.output_tokens,
                 w.pressure
             ),
+            Workload::Agentic(w) => match agentic::read_trace(&w.trace) {
+                Ok((p, sessions)) => format!(
+                    "{} coding-agent sessions of {} tenants ({} model calls, subagents included), system and tools {} tokens, longest history ~{} tokens, trace {}",
+                    sessions.len(),
+                    p.tenants,
+                    sessions.iter().map(agentic::calls).sum::<usize>(),
+                    p.system_tokens,
+                    sessions.iter().map(|s| agentic::longest_context(s, p.system_tokens)).max().unwrap_or(0),
+                    w.trace.file_name().unwrap_or_default().to_string_lossy()
+                ),
+                Err(e) => format!("agentic trace unreadable: {e}"),
+            },
         }
     }
 
@@ -170,6 +197,11 @@ impl Workload {
             Workload::MooncakeConversation(w) => Plan::OpenLoop(w.plan(trace)?),
             Workload::MultiTurn(w) => Plan::Conversations(w.plan()),
             Workload::CachePressure(w) => Plan::OpenLoop(w.plan(qps, &mut rng)),
+            Workload::Agentic(w) => {
+                let (params, sessions) = agentic::read_trace(&w.trace)?;
+                let systems = (0..params.tenants).map(|t| tenant_system(t, params.system_tokens)).collect();
+                Plan::Agents(sessions, systems)
+            }
         })
     }
 }
@@ -228,6 +260,11 @@ impl Mix {
             };
         }
     }
+}
+
+/// Tenant `t`'s system prompt with its tool schemas.
+fn tenant_system(t: usize, tokens: usize) -> String {
+    format!("You are a coding agent. Tools follow.\n{}", document(4_000_000 + t as u32, tokens))
 }
 
 /// Poisson arrival times at `qps`.
