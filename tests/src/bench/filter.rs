@@ -1,7 +1,7 @@
 //! `cargo xtask bench filter`: what kvgate adds to a request's path, tokenization inside
 //! Envoy against native, and what a big prompt does to everyone else's latency.
 //!
-//! 1. **Overhead.** For chats of about 1k, 8k and 32k tokens, cold (a document never seen)
+//! 1. **Overhead.** For chats of about 1k, 8k, 32k and 128k tokens, cold (a document never seen)
 //!    and warm (the same document again with a new question: the segment cache), the time to
 //!    response headers through Envoy alone, through Envoy + kvgate as shipped (bodies over
 //!    `offload_bytes` tokenized by the sidecar), and through Envoy + kvgate tokenizing
@@ -31,7 +31,7 @@ use crate::workload::document;
 use crate::{Artifacts, Routing, Stack, StackOptions};
 
 /// Prompt sizes measured (about one token per word).
-pub const SIZES: [usize; 3] = [1_000, 8_000, 32_000];
+pub const SIZES: [usize; 4] = [1_000, 8_000, 32_000, 128_000];
 /// Requests per (size, cache state, routing).
 const SAMPLES: usize = 9;
 
