@@ -143,7 +143,8 @@ impl Pool {
 
     /// Applies another gateway's booking or lifecycle event to the load table, under
     /// `origin/request_id`, a booking's prefix to the in-flight credit
-    /// ([`Pool::record_peer_route`]) and its session's binding (in a pool that binds sessions). A booking on a target this pool does not have is ignored.
+    /// ([`Pool::record_peer_route`]) and its session's binding (in a pool that binds
+    /// sessions). A booking on a target this pool does not have is ignored.
     pub fn apply_remote(&self, origin: &str, event: &SyncEvent) {
         // Lock order: members, affinity, load. `members` is held until the booking is made, so
         // the slot cannot be retired and given to a newcomer in between.

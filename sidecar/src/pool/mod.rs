@@ -51,7 +51,7 @@ pub use handover::TakenOver;
 pub use members::{targets, Member, ReplicaHealth, Target};
 pub use offload::OffloadError;
 pub use route::Admit;
-pub use sessions::{SessionConfig, MAX_SESSIONS};
+pub use sessions::SessionConfig;
 pub use state::{PoolState, ReplicaState, TtftState};
 
 use explain::Explanations;

@@ -32,7 +32,7 @@ use crate::msg::sync::SessionKey;
 use crate::score::ScoringConfig;
 
 /// The most sessions a pool may bind (`max_sessions`).
-pub const MAX_SESSIONS: usize = 10_000_000;
+const MAX_SESSIONS: usize = 10_000_000;
 
 /// `[pools.sessions]`: bind sessions to the replica holding their cache. Off when absent.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -18,6 +18,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+use kvgate_shared::wire::SESSION_HEADER;
+
 use super::agentic::{AgentSession, Step, StepKind};
 use crate::workload::document;
 
@@ -26,9 +28,6 @@ use crate::workload::document;
 pub const PRIORITY_HEADER: &str = "x-kvgate-priority";
 /// The header a request names its tenant in (the flow-control policy's `tenant_header`).
 pub const TENANT_HEADER: &str = "x-kvgate-tenant";
-/// The header an agent's requests carry its session id in (kvgate's default
-/// `session_header`).
-pub const SESSION_HEADER: &str = "x-session-id";
 
 /// Who a request is from, for admission control: sent as [`PRIORITY_HEADER`] and
 /// [`TENANT_HEADER`], and reported per value.
@@ -409,13 +408,7 @@ impl Target {
                 outcomes
             }));
         }
-        let mut out = Vec::new();
-        for u in users {
-            if let Ok(o) = u.await {
-                out.extend(o);
-            }
-        }
-        out
+        joined(users).await
     }
 }
 
@@ -442,13 +435,7 @@ impl Target {
                 target.agent(model, s.session, history, s.steps, duration).await
             }));
         }
-        let mut out = Vec::new();
-        for r in running {
-            if let Ok(o) = r.await {
-                out.extend(o);
-            }
-        }
-        out
+        joined(running).await
     }
 
     /// One agent's steps from `history` (boxed: a step's subagents are agents too).
@@ -489,15 +476,22 @@ impl Target {
                         tokio::spawn(target.agent(model.clone(), id, history.clone(), sub, duration))
                     })
                     .collect();
-                for fork in forks {
-                    if let Ok(o) = fork.await {
-                        outcomes.extend(o);
-                    }
-                }
+                outcomes.extend(joined(forks).await);
             }
             outcomes
         })
     }
+}
+
+/// The outcomes of spawned runs, in the order they were spawned (a run that panicked has none).
+async fn joined(runs: Vec<tokio::task::JoinHandle<Vec<Outcome>>>) -> Vec<Outcome> {
+    let mut out = Vec::new();
+    for run in runs {
+        if let Ok(outcomes) = run.await {
+            out.extend(outcomes);
+        }
+    }
+    out
 }
 
 #[cfg(test)]
