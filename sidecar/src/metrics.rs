@@ -117,6 +117,8 @@ pub struct Metrics {
     pub index_blocks: Family<ReplicaLabels, Gauge>,
     /// Unix time of the last KV-event message applied per replica (event lag: now minus it).
     pub last_event: Family<ReplicaLabels, Gauge>,
+    /// From an engine's batch timestamp to its changes being visible to decisions, per pool.
+    pub event_lag_seconds: Family<PoolLabels, Histogram, fn() -> Histogram>,
     /// Active (booked, not finished) requests per replica.
     pub active_requests: Family<ReplicaLabels, Gauge>,
     /// Booked prefill tokens per replica.
@@ -222,6 +224,11 @@ fn prediction_error_histogram() -> Histogram {
 }
 
 /// Buckets of the relative TTFT prediction error.
+/// 0.5 ms to about 16 s.
+fn event_lag_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(5e-4, 2.0, 16))
+}
+
 fn ttft_error_histogram() -> Histogram {
     Histogram::new([0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0])
 }
@@ -249,6 +256,8 @@ impl Default for Metrics {
         let degraded = Family::default();
         let index_blocks = Family::default();
         let last_event = Family::default();
+        let event_lag_seconds: Family<PoolLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(event_lag_histogram);
         let active_requests = Family::default();
         let prefill_tokens = Family::default();
         let external_requests = Family::default();
@@ -434,6 +443,12 @@ impl Default for Metrics {
             "Unix time of the last KV-event message applied per replica",
             last_event.clone(),
         );
+        registry.register(
+            "kv_event_lag_seconds",
+            "From an engine's KV-event batch timestamp to its changes being visible to decisions \
+             (engine and gateway clocks both count: a skewed clock reads as lag, or as 0)",
+            event_lag_seconds.clone(),
+        );
         registry.register("active_requests", "Booked, unfinished requests per replica", active_requests.clone());
         registry.register(
             "prefill_tokens",
@@ -472,6 +487,7 @@ impl Default for Metrics {
             degraded,
             index_blocks,
             last_event,
+            event_lag_seconds,
             active_requests,
             prefill_tokens,
             external_requests,

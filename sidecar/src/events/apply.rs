@@ -161,6 +161,9 @@ fn finish(pool: &Pool, metrics: &Metrics, done: InProgress) {
     let InProgress { replica, mut outcome, progress, refused, .. } = done;
     outcome.refused(refused);
     pool.after_ingest(replica, progress, &outcome);
+    if let Some(published) = outcome.published {
+        metrics.event_lag_seconds.get_or_create(&pool.pool_labels()).observe(lag_since(published));
+    }
     let labels = pool.labels(replica);
     metrics.events_applied.get_or_create(&labels).inc_by(outcome.applied);
     metrics.gaps_replayed.get_or_create(&labels).inc_by(outcome.gaps_replayed);
@@ -168,6 +171,13 @@ fn finish(pool: &Pool, metrics: &Metrics, done: InProgress) {
     for reason in &outcome.dropped {
         metrics.dropped(&labels, reason);
     }
+}
+
+/// Seconds from `published` (Unix seconds, the engine's clock) to now; 0 when the engine's
+/// clock is ahead.
+fn lag_since(published: f64) -> f64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    (now - published).max(0.0)
 }
 
 #[cfg(test)]
@@ -181,8 +191,12 @@ mod tests {
     use crate::pool::{PoolConfig, ReplicaConfig};
 
     fn pool() -> Pool {
+        pool_with(Arc::new(Metrics::default()))
+    }
+
+    fn pool_with(metrics: Arc<Metrics>) -> Pool {
         let replica = ReplicaConfig::new("r0", "127.0.0.1:8000".parse().unwrap(), "tcp://127.0.0.1:1");
-        Pool::new(PoolConfig::new("m", "unused", 4, vec![replica]), Vec::new(), Arc::new(Metrics::default()))
+        Pool::new(PoolConfig::new("m", "unused", 4, vec![replica]), Vec::new(), metrics)
     }
 
     /// A message `seq` storing `chains` chains of `blocks` blocks, one change each.
@@ -225,5 +239,30 @@ mod tests {
         queue.push_back(job(1, 1, 1, true));
         assert_eq!(apply_batch(&pool, &mut queue).len(), 1);
         assert_eq!(exported(&pool), None, "a loss may have left stale entries");
+    }
+
+    #[test]
+    fn lag_is_measured_from_the_engines_timestamp_to_the_batch_that_applies_it() {
+        let metrics = Arc::new(Metrics::default());
+        let pool = pool_with(metrics.clone());
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+        // Published 3 s ago, and by an engine whose clock is 60 s ahead.
+        for (seq, published) in [(0, now - 3.0), (1, now + 60.0)] {
+            let mut job = job(seq, 1, 1, false);
+            job.outcome.published = Some(published);
+            let mut queue = VecDeque::from([job]);
+            for (done, applied) in apply_batch(&pool, &mut queue) {
+                assert!(applied);
+                finish(&pool, &metrics, done);
+            }
+        }
+        let text = metrics.render();
+        let bucket = |le: &str| {
+            let line = format!("kvgate_kv_event_lag_seconds_bucket{{le=\"{le}\",model=\"m\"}} ");
+            text.lines().find_map(|l| l.strip_prefix(&line)).unwrap_or_else(|| panic!("{line} in {text}")).to_owned()
+        };
+        assert_eq!(bucket("0.0005"), "1", "an engine clock ahead reads as no lag");
+        assert_eq!(bucket("2.048"), "1", "the message published 3 s ago is later than 2 s");
+        assert_eq!(bucket("4.096"), "2");
     }
 }

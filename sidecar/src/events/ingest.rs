@@ -181,6 +181,7 @@ impl Ingest {
                 return;
             }
         };
+        out.published = Some(batch.ts);
         // Consecutive removals on one tier become one change. Anything else ends the run, so
         // events still take effect in order.
         let mut removals: Option<(Tier, Vec<EngineHash>)> = None;

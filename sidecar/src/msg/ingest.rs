@@ -2,7 +2,7 @@
 //! (its health, gauges and metrics). Pure types; the ingestion is in `crate::events`.
 
 /// What happened to one message, for metrics.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct Outcome {
     /// Events applied to the index.
     pub applied: u64,
@@ -14,6 +14,9 @@ pub struct Outcome {
     pub gaps_lost: u64,
     /// The replica's blocks were cleared (restart or `AllBlocksCleared`).
     pub cleared: bool,
+    /// The engine's timestamp (Unix seconds) of the newest batch in the message, if one was
+    /// decoded: how late its changes became visible is measured from it.
+    pub published: Option<f64>,
 }
 
 impl Outcome {

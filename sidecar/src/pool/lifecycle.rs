@@ -10,7 +10,7 @@ use crate::accuracy::{AlarmChange, Check, EngineUsage, Unchecked};
 use crate::index::ReplicaIdx;
 use crate::latency::Watched;
 use crate::load::{BookingId, EngineReport, NewBooking, ReplicaLoad};
-use crate::metrics::{PoolLabels, ReasonLabels};
+use crate::metrics::ReasonLabels;
 use crate::msg::sync::{Outbox, SyncEvent};
 use kvgate_shared::ids::RequestId;
 
@@ -43,7 +43,7 @@ impl Pool {
         };
         self.metrics.predictions.get_or_create(&outcome).inc();
         let change = self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).record(check);
-        let pool = PoolLabels { model: self.config.model.clone() };
+        let pool = self.pool_labels();
         match change {
             AlarmChange::Raised => {
                 tracing::warn!(
@@ -345,7 +345,7 @@ impl Pool {
     fn publish_pool_load(&self, figures: &[ReplicaLoad]) {
         let routable: Vec<&ReplicaLoad> =
             self.members().iter().zip(figures).filter(|(m, _)| m.active).map(|(_, f)| f).collect();
-        let labels = PoolLabels { model: self.config.model.clone() };
+        let labels = self.pool_labels();
         let backlog: u64 = routable.iter().map(|l| l.prefill_tokens).sum();
         let requests: u64 = routable.iter().map(|l| l.requests).sum();
         self.metrics.pool_prefill_backlog.get_or_create(&labels).set(backlog as i64);

@@ -39,7 +39,7 @@ use crate::admission::Gate;
 use crate::index::approx::ApproxIndex;
 use crate::index::{ApplyError, Change, KvIndex, Mirrored, Overlap, ReplicaIdx, Store, StoredBlocks, Write};
 use crate::load::LoadTable;
-use crate::metrics::{Metrics, ReplicaLabels};
+use crate::metrics::{Metrics, PoolLabels, ReplicaLabels};
 use crate::msg::sync::Outbox;
 
 pub use config::{
@@ -180,6 +180,11 @@ impl Pool {
     /// Metric labels for a replica.
     pub fn labels(&self, replica: ReplicaIdx) -> ReplicaLabels {
         ReplicaLabels { model: self.config.model.clone(), replica: self.members()[replica.get()].replica.id.clone() }
+    }
+
+    /// Metric labels for the pool.
+    pub fn pool_labels(&self) -> PoolLabels {
+        PoolLabels { model: self.config.model.clone() }
     }
 
     /// A batch of writes to the index: the pool's applier ([`crate::events::apply`]) and

@@ -20,7 +20,7 @@ use crate::index::approx::ApproxIndex;
 use crate::index::{Overlap, ReplicaIdx};
 use crate::load::flows::Flow;
 use crate::load::{BookingId, LoadTable, NewBooking};
-use crate::metrics::{PoolLabels, SessionLabels};
+use crate::metrics::SessionLabels;
 use crate::msg::sync::{SessionKey, SyncEvent};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 use kvgate_shared::ids::RequestId;
@@ -362,7 +362,7 @@ impl Pool {
         table.bind(key, slot, Instant::now());
         let bound = table.len();
         drop(table);
-        let pool = PoolLabels { model: self.config.model.clone() };
+        let pool = self.pool_labels();
         self.metrics.sessions_bound.get_or_create(&pool).set(i64::try_from(bound).unwrap_or(i64::MAX));
     }
 
