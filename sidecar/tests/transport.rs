@@ -218,6 +218,44 @@ fn many_replicas_share_the_ingest_workers_in_order() {
     supervisor.shutdown();
 }
 
+/// More replicas than one ZMQ context has sockets for (1 023, three a replica): every
+/// replica is subscribed and read.
+#[test]
+fn more_replicas_than_a_zmq_context_holds_are_all_read() {
+    const REPLICAS: usize = 400;
+    let ctx = zmq::Context::new();
+    // Held until all are picked, so no port is picked twice.
+    let held: Vec<std::net::TcpListener> =
+        (0..REPLICAS).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let ports: Vec<u16> = held.iter().map(|l| l.local_addr().unwrap().port()).collect();
+    drop(held);
+    let engines: Vec<Engine> = ports.iter().map(|p| Engine::start(&ctx, *p, None)).collect();
+    let replicas = (0..REPLICAS).map(|r| replica(r, &ports)).collect();
+    let metrics = Arc::new(Metrics::default());
+    let pool = Arc::new(Pool::new(PoolConfig::new("m", "unused", BS as u32, replicas), Vec::new(), metrics.clone()));
+    let supervisor = Supervisor::start(ctx.clone(), pool.clone(), DiscoveryConfig::default(), metrics).unwrap();
+    // Each engine sends its first block until its subscriber has it (ZMQ's slow joiner).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let state = pool.state();
+        let waiting: Vec<usize> = (0..REPLICAS).filter(|r| state.replicas[*r].last_seq != Some(0)).collect();
+        if waiting.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{} replicas never read, the first {}", waiting.len(), waiting[0]);
+        for r in waiting {
+            engines[r].restart();
+            engines[r].send(0, &store(r as u32, 0), false);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (r, engine) in engines.iter().enumerate() {
+        engine.send(1, &store(r as u32, 1), false);
+    }
+    wait_for("every replica's second message", || pool.state().replicas.iter().all(|r| r.last_seq == Some(1)));
+    supervisor.shutdown();
+}
+
 /// One reader serves every replica: a replica that leaves the pool is unsubscribed (its
 /// engine sees the connection close), and the one that stays goes on being read.
 #[test]

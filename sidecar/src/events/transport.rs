@@ -1,9 +1,13 @@
 //! ZMQ transport: per pool one reader thread waiting on every replica's SUB socket at once
-//! (`zmq::poll`) and moving each message into its replica's inbox, bounded in bytes; per pool
-//! a few ingest workers (one per core) that run each replica's [`super::ingest::Ingest`] —
-//! decoding, replaying gaps — with no lock held, and hand the changes to the pool's
-//! [`Applier`].
+//! and moving each message into its replica's inbox, bounded in bytes; per pool a few ingest
+//! workers (one per core) that run each replica's [`super::ingest::Ingest`] — decoding,
+//! replaying gaps — with no lock held, and hand the changes to the pool's [`Applier`].
 //!
+//! - The reader waits on the sockets' signalling descriptors with epoll (`mio`) and reads
+//!   only the sockets that signalled: a round costs what is ready, not how many engines are
+//!   subscribed. (`zmq::poll` over every socket cost the reader O(engines) system calls a
+//!   wake-up: half the sidecar's CPU at 64 engines; `docs/scale.md`.) Each
+//!   [`REPLICAS_PER_CONTEXT`] replicas share a ZMQ context, libzmq's limit being 1 023 sockets.
 //! - A replica's ingestion is a [`Stream`]: its inbox and its `Ingest` state. When a message
 //!   arrives the reader schedules the stream on the pool's run queue (once: a scheduled
 //!   stream is not queued again); a worker takes it, ingests up to [`TURN`] messages, and
@@ -32,11 +36,15 @@
 //!   0.25) and `["", topic, seq, payload]` (0.26+). A replay is bounded in time, messages and
 //!   bytes; past a bound it counts as lost (the replica is degraded, not stalled).
 
+use std::collections::{HashMap, HashSet};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver, RecvTimeoutError, SendError, Sender, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use mio::unix::SourceFd;
 
 use super::apply::{Applier, Job};
 use super::ingest::{Ingest, NoReplay, Replay};
@@ -193,11 +201,25 @@ impl Readers {
         };
         let (woken, wake) = (pair(true)?, pair(false)?);
         let (added, sources) = channel();
-        let (ctx, stop) = (ctx.clone(), stop.clone());
+        let stop = stop.clone();
         let name = format!("kv-read-{}", pool.config().model);
+        let poll = mio::Poll::new()?;
+        poll.registry().register(&mut SourceFd(&woken.as_raw_fd()), WOKEN, mio::Interest::READABLE)?;
+        let reader = Reader {
+            contexts: Contexts::default(),
+            pool,
+            metrics,
+            woken,
+            sources,
+            subscriptions: HashMap::new(),
+            next_key: 0,
+            poll,
+            pending: HashSet::new(),
+            swept: Instant::now(),
+        };
         let thread = std::thread::Builder::new().name(name).spawn(move || {
             give_way_to_routing();
-            Reader { ctx, pool, metrics, woken, sources, subscriptions: Vec::new() }.run(&stop);
+            reader.run(&stop);
         })?;
         Ok((Readers { added, wake: Mutex::new(wake), runs: ingesters.runs.clone() }, thread))
     }
@@ -236,121 +258,248 @@ impl Readers {
     }
 }
 
+/// Replicas whose sockets share one ZMQ context. libzmq allows 1 023 sockets a context
+/// (`ZMQ_MAX_SOCKETS`, which this binding cannot raise) and a replica takes three: its SUB,
+/// the monitor's PAIR and the PAIR libzmq monitors through. Each context also runs its own
+/// I/O thread, so a large fleet's connections are served by several.
+const REPLICAS_PER_CONTEXT: usize = 256;
+
+/// The ZMQ contexts a reader opens its replicas' sockets in, and how many replicas each holds.
+#[derive(Default)]
+struct Contexts {
+    all: Vec<(zmq::Context, usize)>,
+}
+
+impl Contexts {
+    /// A context with room for one more replica, and its number.
+    fn take(&mut self) -> (usize, zmq::Context) {
+        let i = match self.all.iter().position(|(_, n)| *n < REPLICAS_PER_CONTEXT) {
+            Some(i) => i,
+            None => {
+                self.all.push((zmq::Context::new(), 0));
+                self.all.len() - 1
+            }
+        };
+        self.all[i].1 += 1;
+        (i, self.all[i].0.clone())
+    }
+
+    /// A replica's sockets in context `i` are closed.
+    fn give_back(&mut self, i: usize) {
+        self.all[i].1 -= 1;
+    }
+}
+
 /// The reader thread's state.
 struct Reader {
-    ctx: zmq::Context,
+    contexts: Contexts,
     pool: Arc<Pool>,
     metrics: Arc<Metrics>,
     woken: zmq::Socket,
     sources: Receiver<(Source, Inbox)>,
-    subscriptions: Vec<Subscription>,
+    /// Every replica read, by its key (its tokens in `poll` are `2 key` and `2 key + 1`).
+    subscriptions: HashMap<usize, Subscription>,
+    next_key: usize,
+    /// The sockets' signalling descriptors, registered edge-triggered.
+    poll: mio::Poll,
+    /// Subscriptions to read in the next round whether or not their sockets signal: more was
+    /// waiting than a turn takes, or they were just opened.
+    pending: HashSet<usize>,
+    /// When every subscription was last looked at.
+    swept: Instant,
 }
+
+/// The token of the wake-up socket.
+const WOKEN: mio::Token = mio::Token(usize::MAX);
 
 /// One replica the reader reads.
 struct Subscription {
     source: Source,
     inbox: Inbox,
     /// Its sockets, or when to try opening them again.
-    sockets: Result<Sockets, std::time::Instant>,
+    sockets: Result<Sockets, Instant>,
 }
 
-/// A replica's SUB socket and the monitor of its connection.
+/// A replica's SUB socket and the monitor of its connection, and the context they are in.
 struct Sockets {
     sub: zmq::Socket,
     monitor: zmq::Socket,
+    context: usize,
 }
 
-/// What a round of the reader found on one subscription.
-#[derive(Clone, Copy)]
+/// What to look at on one subscription.
+#[derive(Clone, Copy, Default)]
 struct Ready {
     message: bool,
     monitor: bool,
 }
 
+/// What reading a subscription left.
+#[derive(PartialEq, Eq)]
+enum Read {
+    /// Nothing waiting.
+    Drained,
+    /// More messages than a turn takes: read again in the next round.
+    More,
+    /// The replica left (or its ingestion has gone): drop it.
+    Gone,
+    /// A receive failed: close the sockets, to be opened again at the next sweep.
+    Failed,
+}
+
 impl Reader {
+    /// Waits on the signalling descriptors of every replica's sockets and reads only those
+    /// that signal (or still hold messages from the last round): a round costs what is ready,
+    /// not what is subscribed. ZMQ's descriptors signal on an edge, so a socket is read until
+    /// it says nothing is waiting, or put in `pending`; and every [`POLL`] each socket is
+    /// asked once more, so a missed edge delays a message by at most that.
     fn run(mut self, stop: &AtomicBool) {
+        let mut events = mio::Events::with_capacity(1024);
+        self.sweep();
         while !stop.load(Ordering::Relaxed) {
-            self.subscriptions.extend(self.sources.try_iter().map(|(source, inbox)| Subscription {
-                source,
-                inbox,
-                sockets: Err(std::time::Instant::now()),
-            }));
-            self.subscriptions.retain(|s| !s.source.stop.load(Ordering::Relaxed));
-            for s in &mut self.subscriptions {
-                s.open_when_due(&self.ctx);
-            }
-            let ready = match self.poll() {
-                Ok(ready) => ready,
-                // A signal (SIGHUP reloads the config) interrupted the wait: nothing failed.
-                Err(zmq::Error::EINTR) => continue,
-                Err(e) => {
+            let timeout = if self.pending.is_empty() { POLL } else { Duration::ZERO };
+            if let Err(e) = self.poll.poll(&mut events, Some(timeout)) {
+                // A signal (SIGHUP reloads the config) interrupts the wait: nothing failed.
+                if e.kind() != std::io::ErrorKind::Interrupted {
                     tracing::warn!(error = %e, "KV-event poll failed; polling again");
                     std::thread::sleep(POLL);
+                }
+                continue;
+            }
+            let mut ready: HashMap<usize, Ready> =
+                self.pending.drain().map(|k| (k, Ready { message: true, monitor: false })).collect();
+            let mut woken = false;
+            for event in &events {
+                if event.token() == WOKEN {
+                    woken = true;
                     continue;
                 }
-            };
-            let (pool, metrics, mut ready) = (&*self.pool, &*self.metrics, ready.into_iter());
-            self.subscriptions.retain_mut(|s| ready.next().flatten().is_none_or(|r| s.read(pool, metrics, r)));
+                let r = ready.entry(event.token().0 / 2).or_default();
+                if event.token().0 % 2 == 0 {
+                    r.message = true;
+                } else {
+                    r.monitor = true;
+                }
+            }
+            if woken || self.swept.elapsed() >= POLL {
+                while self.woken.recv_bytes(zmq::DONTWAIT).is_ok() {}
+                self.sweep();
+                ready.extend(self.pending.drain().map(|k| (k, Ready { message: true, monitor: true })));
+            }
+            for (key, r) in ready {
+                let Some(s) = self.subscriptions.get_mut(&key) else { continue };
+                match s.read(&self.pool, &self.metrics, r) {
+                    Read::Drained => {}
+                    Read::More => {
+                        self.pending.insert(key);
+                    }
+                    Read::Gone => self.drop_subscription(key),
+                    Read::Failed => s.close(&self.poll, &mut self.contexts),
+                }
+            }
         }
     }
 
-    /// Waits until a replica has a message or a connection event (or until [`POLL`]), and says
-    /// which: one entry per subscription, `None` where its sockets are closed.
-    fn poll(&self) -> zmq::Result<Vec<Option<Ready>>> {
-        let mut items = vec![self.woken.as_poll_item(zmq::POLLIN)];
-        for sockets in self.subscriptions.iter().filter_map(|s| s.sockets.as_ref().ok()) {
-            items.push(sockets.sub.as_poll_item(zmq::POLLIN));
-            items.push(sockets.monitor.as_poll_item(zmq::POLLIN));
+    /// Takes up new replicas, drops those that left, opens closed sockets that are due, and
+    /// marks every open subscription to be read this round.
+    fn sweep(&mut self) {
+        self.swept = Instant::now();
+        while let Ok((source, inbox)) = self.sources.try_recv() {
+            let key = self.next_key;
+            self.next_key += 1;
+            self.subscriptions.insert(key, Subscription { source, inbox, sockets: Err(Instant::now()) });
         }
-        zmq::poll(&mut items, POLL.as_millis() as i64)?;
-        if items[0].is_readable() {
-            while self.woken.recv_bytes(zmq::DONTWAIT).is_ok() {}
+        let left: Vec<usize> =
+            self.subscriptions.iter().filter(|(_, s)| s.source.stop.load(Ordering::Relaxed)).map(|(k, _)| *k).collect();
+        for key in left {
+            self.drop_subscription(key);
         }
-        let mut found =
-            items[1..].chunks(2).map(|pair| Ready { message: pair[0].is_readable(), monitor: pair[1].is_readable() });
-        Ok(self.subscriptions.iter().map(|s| s.sockets.as_ref().ok().and_then(|_| found.next())).collect())
+        for (&key, s) in &mut self.subscriptions {
+            if s.sockets.is_err() && s.open_when_due(&mut self.contexts) {
+                s.register(&self.poll, key);
+            }
+            if s.sockets.is_ok() {
+                self.pending.insert(key);
+            }
+        }
+    }
+
+    fn drop_subscription(&mut self, key: usize) {
+        if let Some(mut s) = self.subscriptions.remove(&key) {
+            s.close(&self.poll, &mut self.contexts);
+        }
+        self.pending.remove(&key);
     }
 }
 
 impl Subscription {
-    /// Opens the replica's sockets if they are closed and it is time to try.
-    fn open_when_due(&mut self, ctx: &zmq::Context) {
-        let Err(due) = self.sockets else { return };
-        if std::time::Instant::now() < due {
-            return;
-        }
-        let config = &self.source.config;
-        let opened =
-            open_sub(ctx, config).and_then(|sub| Ok(Sockets { monitor: monitor(ctx, &sub, &config.id)?, sub }));
-        self.sockets = opened.map_err(|e| {
-            tracing::warn!(endpoint = %config.kv_events, error = %e, "cannot open the KV-event socket; retrying");
-            std::time::Instant::now() + Duration::from_secs(1)
-        });
-    }
-
-    /// Handles what `ready` says is waiting: a disconnection, and up to [`TURN`] messages
-    /// moved into the inbox. False once the replica has left (its slot may already hold a
-    /// newcomer, which must not see this engine's events) or its ingestion has gone.
-    fn read(&mut self, pool: &Pool, metrics: &Metrics, ready: Ready) -> bool {
-        let replica = self.source.replica;
-        if self.source.stop.load(Ordering::Relaxed) {
+    /// Opens the replica's sockets if they are closed and it is time to try; true if they
+    /// were opened.
+    fn open_when_due(&mut self, contexts: &mut Contexts) -> bool {
+        let Err(due) = self.sockets else { return false };
+        if Instant::now() < due {
             return false;
         }
-        let Ok(sockets) = &self.sockets else { return true };
+        let config = &self.source.config;
+        let (context, ctx) = contexts.take();
+        let opened = open_sub(&ctx, config)
+            .and_then(|sub| Ok(Sockets { monitor: monitor(&ctx, &sub, &config.id)?, sub, context }));
+        if opened.is_err() {
+            contexts.give_back(context);
+        }
+        self.sockets = opened.map_err(|e| {
+            tracing::warn!(endpoint = %config.kv_events, error = %e, "cannot open the KV-event socket; retrying");
+            Instant::now() + Duration::from_secs(1)
+        });
+        self.sockets.is_ok()
+    }
+
+    /// Has `poll` wake the reader when either socket signals.
+    fn register(&self, poll: &mio::Poll, key: usize) {
+        let Ok(sockets) = &self.sockets else { return };
+        for (socket, token) in [(&sockets.sub, 2 * key), (&sockets.monitor, 2 * key + 1)] {
+            let fd = socket.as_raw_fd();
+            if let Err(e) = poll.registry().register(&mut SourceFd(&fd), mio::Token(token), mio::Interest::READABLE) {
+                // Still read at every sweep, at most [`POLL`] late.
+                tracing::warn!(replica = %self.source.config.id, error = %e, "cannot wait on the KV-event socket");
+            }
+        }
+    }
+
+    /// Closes the sockets, once `poll` no longer waits on them; the next sweep opens them
+    /// again if the replica is still read.
+    fn close(&mut self, poll: &mio::Poll, contexts: &mut Contexts) {
+        let Ok(sockets) = std::mem::replace(&mut self.sockets, Err(Instant::now())) else { return };
+        for socket in [&sockets.sub, &sockets.monitor] {
+            // Not registered (it failed) is the only error, and then there is nothing to undo.
+            let _ = poll.registry().deregister(&mut SourceFd(&socket.as_raw_fd()));
+        }
+        contexts.give_back(sockets.context);
+    }
+
+    /// Handles what `ready` says may be waiting: a disconnection, and up to [`TURN`]
+    /// messages moved into the inbox. [`Read::Gone`] once the replica has left (its slot may
+    /// already hold a newcomer, which must not see this engine's events) or its ingestion
+    /// has gone.
+    fn read(&mut self, pool: &Pool, metrics: &Metrics, ready: Ready) -> Read {
+        let replica = self.source.replica;
+        if self.source.stop.load(Ordering::Relaxed) {
+            return Read::Gone;
+        }
+        let Ok(sockets) = &self.sockets else { return Read::Drained };
         if ready.monitor && disconnected(&sockets.monitor) {
             pool.publisher_disconnected(replica);
         }
         if !ready.message {
-            return true;
+            return Read::Drained;
         }
         for _ in 0..TURN {
             let frames = match sockets.sub.recv_multipart(zmq::DONTWAIT) {
                 Ok(f) => f,
-                Err(zmq::Error::EAGAIN) => return true,
+                Err(zmq::Error::EAGAIN) => return Read::Drained,
                 Err(e) => {
                     tracing::warn!(error = %e, "KV-event receive failed; reopening");
-                    self.sockets = Err(std::time::Instant::now());
-                    return true;
+                    return Read::Failed;
                 }
             };
             let [_topic, seq, payload] = <[Vec<u8>; 3]>::try_from(frames).unwrap_or_default();
@@ -373,10 +522,10 @@ impl Subscription {
                     stream.queued.fetch_sub(1, Ordering::SeqCst);
                     metrics.dropped(&pool.labels(replica), "inbox_full");
                 }
-                Err(TrySendError::Disconnected(_)) => return false,
+                Err(TrySendError::Disconnected(_)) => return Read::Gone,
             }
         }
-        true
+        Read::More
     }
 }
 
