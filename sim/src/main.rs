@@ -13,6 +13,7 @@
 //! | module | responsibility |
 //! |---|---|
 //! | `api` | vLLM's OpenAI-compatible HTTP API |
+//! | `fleet` | many engines' KV-event streams from one recording, for scale benchmarks |
 //! | `fanout` | a request's sequences (`n`, a completion's prompt list), its choices and `usage` |
 //! | `engine` | one scheduler loop per data-parallel rank, in (sped-up) wall-clock time |
 //! | `scheduler` | vLLM v1's continuous batching, chunked prefill and preemption |
@@ -30,6 +31,7 @@ mod api;
 mod engine;
 mod extra_keys;
 mod fanout;
+mod fleet;
 mod histogram;
 mod kv_cache;
 mod kv_events;
@@ -127,6 +129,10 @@ struct Cli {
     /// Cost per block loaded from the CPU tier, µs.
     #[arg(long)]
     cpu_load_us_per_block: Option<f64>,
+    /// Serve no API: record this engine's KV events under load in simulated time, then
+    /// publish them as many engines (JSON, see `fleet::FleetConfig`), and exit.
+    #[arg(long)]
+    fleet_config: Option<String>,
     /// Print the presets, their coefficients and calibration targets, and exit.
     #[arg(long)]
     list_presets: bool,
@@ -188,6 +194,15 @@ struct Cli {
 }
 
 impl Cli {
+    fn limits(&self) -> scheduler::Limits {
+        scheduler::Limits { max_num_seqs: self.max_num_seqs, max_num_batched_tokens: self.max_num_batched_tokens }
+    }
+
+    /// vLLM's block hasher, seeded as vLLM seeds it.
+    fn hasher(&self) -> vllm_hash::VllmHasher {
+        vllm_hash::VllmHasher::new(self.prefix_caching_hash_algo, std::env::var("PYTHONHASHSEED").ok().as_deref())
+    }
+
     fn cost(&self) -> time_model::StepCost {
         let mut c = self.preset.cost();
         let overrides = [
@@ -308,6 +323,11 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     cli.validate()?;
+    if let Some(json) = &cli.fleet_config {
+        let config: fleet::FleetConfig = serde_json::from_str(json).context("--fleet-config is not valid")?;
+        let cache = kv_cache::KvCache::new(cli.block_size, cli.num_gpu_blocks_override, 0, cli.hasher());
+        return fleet::run(&config, cli.limits(), cli.cost(), cache);
+    }
     let served = tokio::runtime::Runtime::new()?.block_on(serve(cli));
     if let Some(provider) = traces {
         let _ = provider.shutdown();
@@ -346,16 +366,10 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
             block_size: cli.block_size,
             num_gpu_blocks: cli.num_gpu_blocks_override,
             cpu_offload_blocks: cli.cpu_offload_blocks,
-            limits: scheduler::Limits {
-                max_num_seqs: cli.max_num_seqs,
-                max_num_batched_tokens: cli.max_num_batched_tokens,
-            },
+            limits: cli.limits(),
             cost: cli.cost(),
             speedup: cli.speedup,
-            hasher: vllm_hash::VllmHasher::new(
-                cli.prefix_caching_hash_algo,
-                std::env::var("PYTHONHASHSEED").ok().as_deref(),
-            ),
+            hasher: cli.hasher(),
             transfer,
         },
         publishers,
