@@ -31,6 +31,7 @@ use anyhow::{bail, Context};
 use kvgate_e2e::bench::agentic::{self, AgenticParams};
 use kvgate_e2e::bench::cells::{self, CellStore};
 use kvgate_e2e::bench::report::{self, Facts};
+use kvgate_e2e::bench::scale::ScaleParams;
 use kvgate_e2e::bench::workloads::{Agentic, CachePressure, Mix, Mooncake, MultiTurn, SharedPrefix, Workload};
 use kvgate_e2e::bench::{self, BenchConfig, Fleet, Policy};
 use kvgate_e2e::{repo_root, Artifacts};
@@ -145,6 +146,76 @@ pub fn agentic_trace(raw: &[String]) -> anyhow::Result<()> {
     std::fs::write(&path, agentic::trace_text(&params, &sessions)?)?;
     let calls: usize = sessions.iter().map(agentic::calls).sum();
     println!("{} sessions, {calls} model calls: {}", sessions.len(), path.display());
+    Ok(())
+}
+
+/// `cargo xtask bench scale [--engines 64,256,1000] [--rate-scale 1,1,0.25] [--warmup S]
+/// [--window S] [--decisions N] [--publisher-threads N] [--out DIR]`: one sidecar as the fleet
+/// grows (`tests/src/bench/scale.rs`); writes `scale.md` and `scale.json`.
+pub fn scale(raw: &[String]) -> anyhow::Result<()> {
+    let mut params = ScaleParams::default();
+    let mut out = None;
+    let mut it = raw.iter();
+    let list = |v: Option<&String>, flag: &str| -> anyhow::Result<Vec<String>> {
+        Ok(v.with_context(|| format!("{flag} needs a value"))?.split(',').map(str::to_owned).collect())
+    };
+    while let Some(flag) = it.next() {
+        let value =
+            |it: &mut std::slice::Iter<'_, String>| it.next().with_context(|| format!("{flag} needs a value")).cloned();
+        match flag.as_str() {
+            "--engines" => {
+                params.engines = list(it.next(), flag)?.iter().map(|v| v.parse()).collect::<Result<_, _>>()?
+            }
+            "--rate-scale" => {
+                params.rate_scale = list(it.next(), flag)?.iter().map(|v| v.parse()).collect::<Result<_, _>>()?;
+            }
+            "--warmup" => params.warmup_s = value(&mut it)?.parse()?,
+            "--window" => params.window_s = value(&mut it)?.parse()?,
+            "--decisions" => params.decisions_per_s = value(&mut it)?.parse()?,
+            "--publisher-threads" => params.publisher_threads = value(&mut it)?.parse()?,
+            "--out" => out = Some(PathBuf::from(value(&mut it)?)),
+            other => bail!("unknown flag {other}"),
+        }
+    }
+    anyhow::ensure!(
+        !params.engines.is_empty() && params.engines.iter().all(|e| *e > 0),
+        "--engines: at least one engine count, each positive"
+    );
+    anyhow::ensure!(
+        !params.rate_scale.is_empty() && params.rate_scale.iter().all(|r| r.is_finite() && *r > 0.0),
+        "--rate-scale: positive shares of the recorded rate"
+    );
+    anyhow::ensure!(params.window_s > 0.0 && params.decisions_per_s > 0.0, "--window and --decisions must be positive");
+    cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
+    let artifacts = Artifacts::locate("release");
+    let facts = facts(format!("cargo xtask bench scale {}", raw.join(" ")).trim().to_owned());
+    let dir = out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));
+    let rows = kvgate_e2e::bench::scale::run(&artifacts, &dir.join("scale-logs"), &params)?;
+    let md = format!(
+        "# One sidecar as the fleet grows
+
+- command: `{}`
+- commit: `{}`
+- machine: {}
+- started: {}
+
+{}",
+        facts.command,
+        facts.commit,
+        facts.machine,
+        facts.started,
+        kvgate_e2e::bench::scale::table(&rows)
+    );
+    std::fs::write(dir.join("scale.md"), &md)?;
+    std::fs::write(
+        dir.join("scale.json"),
+        serde_json::to_string_pretty(&serde_json::json!({ "params": params, "rows": rows }))?,
+    )?;
+    println!(
+        "{md}
+written to {}",
+        dir.display()
+    );
     Ok(())
 }
 

@@ -11,6 +11,8 @@
 //!   the summary table and the routing decision's cost inside Envoy.
 //! - `cargo xtask bench e2e`: the side-by-side benchmark of every routing policy on the same
 //!   simulated fleet (see `bench.rs` for its flags); writes a report under `target/bench/`.
+//! - `cargo xtask bench scale`: one sidecar subscribed to 64 to 1 000 engines' KV events,
+//!   deciding at a fixed rate (see `tests/src/bench/scale.rs`); writes `scale.md`.
 //! - `cargo xtask bench agentic-trace [--seed N] [--sessions N]`: writes the agentic workload's
 //!   trace file, `tests/traces/agentic-coding.jsonl` (see `tests/src/bench/agentic.rs`).
 //! - `cargo xtask faults [SCENARIO…]`: the fault suite under load, with its table of expected
@@ -58,9 +60,10 @@ fn main() -> anyhow::Result<()> {
         Some("bench") if args.get(1).map(String::as_str) == Some("memory") => bench::memory(),
         Some("bench") if args.get(1).map(String::as_str) == Some("throughput") => bench::throughput(),
         Some("bench") if args.get(1).map(String::as_str) == Some("agentic-trace") => bench::agentic_trace(&args[2..]),
+        Some("bench") if args.get(1).map(String::as_str) == Some("scale") => bench::scale(&args[2..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <test|demo|faults|soak|e2e-vllm|bench e2e|bench filter|bench memory|bench throughput|bench agentic-trace|package|install|build-wasm>"
+                "usage: cargo xtask <test|demo|faults|soak|e2e-vllm|bench e2e|bench filter|bench memory|bench throughput|bench agentic-trace|bench scale|package|install|build-wasm>"
             );
             std::process::exit(2);
         }

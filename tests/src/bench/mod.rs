@@ -16,6 +16,7 @@
 //! | `throughput` | `cargo xtask bench filter`, then: routed requests/s one Envoy worker sustains |
 //! | `memory` | `cargo xtask bench filter`, then: what 15 MiB bodies leave in Envoy's memory |
 //! | `workers` | `cargo xtask bench filter`, last: Envoy's memory by worker count and models |
+//! | `scale` | `cargo xtask bench scale`: one sidecar as the fleet grows to 1 000 engines |
 //! | `placement` | `cargo xtask bench memory`, last: tokenizing in Envoy or in the sidecar, per request |
 //!
 //! Each (workload, QPS, repeat) starts a fresh fleet per policy, so no policy inherits
@@ -31,6 +32,7 @@ pub mod peers;
 pub mod placement;
 pub mod progress;
 pub mod report;
+pub mod scale;
 pub mod stats;
 pub mod throughput;
 pub mod workers;
