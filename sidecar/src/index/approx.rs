@@ -49,13 +49,37 @@ impl ApproxIndex {
     /// O(blocks × (holders + replicas / 64)): the replicas still matching are a bit set, and a
     /// replica's overlap is written once, when it stops matching.
     pub fn find_matches(&self, hashes: &[SequenceHash], replicas: usize, now: Instant) -> Vec<Overlap> {
+        self.walk(hashes, replicas, now, 0)
+    }
+
+    /// The larger of each replica's overlap here and `known`, for a caller that knows every
+    /// replica holds the prompt's first `known` blocks (the event-fed index says so): the walk
+    /// starts at block `known`, with every replica matching. A shared system prompt that every
+    /// replica caches then costs nothing, however many replicas it was sent to — the walk over
+    /// its blocks reads every holder of each, O(blocks × replicas) on a large fleet.
+    ///
+    /// Where a record of an early block was evicted from the LRU and a later one's was not,
+    /// this credits the later one and `find_matches` stops at the gap; a block's sequence hash
+    /// names its whole prefix, so its fresh record means the whole prefix was sent there.
+    pub fn find_matches_past(
+        &self,
+        hashes: &[SequenceHash],
+        replicas: usize,
+        now: Instant,
+        known: usize,
+    ) -> Vec<Overlap> {
+        self.walk(hashes, replicas, now, known.min(hashes.len()))
+    }
+
+    /// Every replica's overlap, taking the first `start` blocks as held by all.
+    fn walk(&self, hashes: &[SequenceHash], replicas: usize, now: Instant, start: usize) -> Vec<Overlap> {
         let mut out = vec![Overlap::default(); replicas];
         let words = replicas.div_ceil(64);
         let mut still: Vec<u64> = (0..words).map(|w| bits_below(replicas - w * 64)).collect();
         let mut here = vec![0u64; words];
-        let mut depth = 0u32;
+        let mut depth = start as u32;
         let fresh = self.fresh_at(now);
-        for h in hashes {
+        for h in &hashes[start..] {
             let Some(holders) = self.blocks.peek(h) else { break };
             here.fill(0);
             for &Holder { replica: r, at } in holders {
@@ -161,6 +185,21 @@ mod tests {
         );
         idx.clear_replica(ReplicaIdx::new(1));
         assert_eq!(idx.find_matches(&h(&[1, 2, 3]), 3, t)[1].device, 0);
+    }
+
+    #[test]
+    fn a_prefix_every_replica_holds_is_not_walked_but_counted() {
+        let mut idx = ApproxIndex::new(100, Duration::from_secs(60));
+        let t = Instant::now();
+        idx.record(ReplicaIdx::new(0), &h(&[1, 2, 3, 4]), t);
+        idx.record(ReplicaIdx::new(1), &h(&[1, 2]), t);
+        idx.record(ReplicaIdx::new(2), &h(&[1, 2, 3, 4, 5, 6]), t);
+        let prompt = h(&[1, 2, 3, 4, 5, 6]);
+        let device = |o: Vec<Overlap>| o.iter().map(|o| o.device).collect::<Vec<_>>();
+        assert_eq!(device(idx.find_matches(&prompt, 4, t)), [4, 2, 6, 0]);
+        assert_eq!(device(idx.find_matches_past(&prompt, 4, t, 3)), [4, 3, 6, 3], "the larger of the two");
+        assert_eq!(device(idx.find_matches_past(&prompt, 4, t, 0)), [4, 2, 6, 0]);
+        assert_eq!(device(idx.find_matches_past(&prompt, 4, t, 9)), [6; 4], "no further than the prompt");
     }
 
     #[test]

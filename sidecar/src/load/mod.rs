@@ -440,7 +440,11 @@ impl LoadTable {
     /// `additional_active_blocks` (the prompt's total minus its leading blocks already active).
     pub fn additional_blocks(&self, replica: ReplicaIdx, hashes: &[SequenceHash], total_blocks: u64) -> u64 {
         let shared = &self.replicas[replica.get()].shared_blocks;
-        let overlap = hashes.iter().take_while(|h| shared.contains_key(h)).count() as u64;
+        // Every booking holds its prompt's hashes from the first block, and a block's sequence
+        // hash names its whole prefix: if the replica has block i of this prompt booked, it has
+        // every block before it. So the booked blocks are a prefix of `hashes`, found by
+        // bisection (a walk costs a lookup per block, on every candidate of every decision).
+        let overlap = hashes.partition_point(|h| shared.contains_key(h)) as u64;
         total_blocks.saturating_sub(overlap)
     }
 

@@ -211,6 +211,24 @@ fn lifecycle_releases_load() {
 }
 
 #[test]
+fn the_booked_part_of_a_prompt_is_its_longest_booked_prefix() {
+    let mut t = LoadTable::new(1, 8_000.0);
+    let now = Instant::now();
+    // Prompts of one conversation: each block's hash names its prefix.
+    t.book(ReplicaIdx::new(0), booking("short", 10, &[1, 2, 3], 3), now);
+    t.book(ReplicaIdx::new(0), booking("long", 10, &[1, 2, 3, 4, 5], 5), now);
+    let new_blocks =
+        |prompt: &[u64]| t.additional_blocks(ReplicaIdx::new(0), &h(prompt.iter().copied()), prompt.len() as u64);
+    assert_eq!(new_blocks(&[1, 2, 3, 4, 5, 6, 7]), 2);
+    assert_eq!(new_blocks(&[1, 2, 3, 4]), 0);
+    assert_eq!(new_blocks(&[9, 10]), 2);
+    t.finish(&id("long"));
+    let new_blocks =
+        |prompt: &[u64]| t.additional_blocks(ReplicaIdx::new(0), &h(prompt.iter().copied()), prompt.len() as u64);
+    assert_eq!(new_blocks(&[1, 2, 3, 4, 5, 6, 7]), 4, "what the short booking still holds");
+}
+
+#[test]
 fn shared_prefixes_count_once() {
     let mut t = LoadTable::new(1, 8_000.0);
     let now = Instant::now();

@@ -303,7 +303,10 @@ impl Pool {
         drop(index);
         let routes = self.records_routes().then(|| self.affinity_index());
         if let Some(routes) = &routes {
-            let recent = routes.find_matches(hashes, members.len(), Instant::now());
+            // Under `kv_aware` the larger of the two overlaps counts, so the blocks every
+            // candidate holds by the events (a shared system prompt) need no walk.
+            let known = if affinity { 0 } else { eligible.iter().map(|e| e.overlap.device).min().unwrap_or(0) };
+            let recent = routes.find_matches_past(hashes, members.len(), Instant::now(), known as usize);
             for e in &mut eligible {
                 let here = recent[e.slot.get()];
                 if affinity {
