@@ -59,8 +59,12 @@ const MAX_MESSAGE_BYTES: i64 = 64 << 20;
 /// Messages ZMQ itself buffers on the SUB socket (the reader drains it into the inbox as
 /// they come, so this only fills if the reader is starved of CPU).
 const SOCKET_MESSAGES: i32 = 10_000;
-/// Bytes buffered between a reader and its ingester.
-pub const INBOX_BYTES: usize = 64 << 20;
+/// Bytes buffered between a reader and its ingester, per replica.
+const INBOX_BYTES: usize = 64 << 20;
+/// Bytes buffered in all of a pool's inboxes together. Per replica alone, a sidecar that falls
+/// behind 1 000 engines could hold 64 GiB of backlog (`docs/scale.md`); this holds about 30 s
+/// of an H100 fleet's messages at that size.
+const POOL_INBOX_BYTES: usize = 1 << 30;
 /// Messages buffered between a reader and its ingester.
 const INBOX_MESSAGES: usize = 10_000;
 /// The longest a blocked call waits before checking for shutdown; also how late the reader
@@ -97,6 +101,8 @@ struct Stream {
     queued: AtomicUsize,
     /// Payload bytes in the inbox.
     bytes: AtomicUsize,
+    /// What the pool's inboxes hold together.
+    budget: Arc<Budget>,
     /// On the run queue or being run: the reader does not queue it again.
     scheduled: AtomicBool,
     /// The inbox's receiving end and the ingest state; only the worker running the stream
@@ -113,13 +119,52 @@ struct StreamState {
     ingest: Ingest,
 }
 
+/// Bytes held in a pool's inboxes, and the most they may hold.
+#[derive(Debug)]
+struct Budget {
+    held: AtomicUsize,
+    limit: usize,
+}
+
+impl Budget {
+    fn new(limit: usize) -> Arc<Budget> {
+        Arc::new(Budget { held: AtomicUsize::new(0), limit })
+    }
+}
+
 impl Stream {
+    /// Counts `len` bytes into the inbox if they fit in the replica's share and the pool's;
+    /// false (nothing counted) if not. Only the reader adds, so the check and the add do not
+    /// race with another add.
+    fn hold(&self, len: usize) -> bool {
+        let fits = self.bytes.load(Ordering::Relaxed) + len <= INBOX_BYTES
+            && self.budget.held.load(Ordering::Relaxed) + len <= self.budget.limit;
+        if fits {
+            self.bytes.fetch_add(len, Ordering::Relaxed);
+            self.budget.held.fetch_add(len, Ordering::Relaxed);
+        }
+        fits
+    }
+
+    /// `len` bytes left the inbox.
+    fn release(&self, len: usize) {
+        self.bytes.fetch_sub(len, Ordering::Relaxed);
+        self.budget.held.fetch_sub(len, Ordering::Relaxed);
+    }
+
     /// Puts the stream on the run queue unless it is there already.
     fn schedule(self: &Arc<Self>, runs: &Sender<Arc<Stream>>) {
         if !self.scheduled.swap(true, Ordering::SeqCst) {
             // A closed run queue means the pool is shutting down: nothing left to do.
             let _ = runs.send(self.clone());
         }
+    }
+}
+
+impl Drop for Stream {
+    /// What its inbox still held goes back to the pool (the replica left).
+    fn drop(&mut self) {
+        self.budget.held.fetch_sub(*self.bytes.get_mut(), Ordering::Relaxed);
     }
 }
 
@@ -175,6 +220,8 @@ pub struct Readers {
     /// Wakes the reader to take up a new replica or drop one that left (a PAIR socket).
     wake: Mutex<zmq::Socket>,
     runs: Sender<Arc<Stream>>,
+    /// What the pool's inboxes hold together.
+    budget: Arc<Budget>,
 }
 
 impl Readers {
@@ -221,7 +268,13 @@ impl Readers {
             give_way_to_routing();
             reader.run(&stop);
         })?;
-        Ok((Readers { added, wake: Mutex::new(wake), runs: ingesters.runs.clone() }, thread))
+        let readers = Readers {
+            added,
+            wake: Mutex::new(wake),
+            runs: ingesters.runs.clone(),
+            budget: Budget::new(POOL_INBOX_BYTES),
+        };
+        Ok((readers, thread))
     }
 
     /// Starts reading `source`'s events into `pool`.
@@ -240,6 +293,7 @@ impl Readers {
             replay: source.config.kv_replay.clone(),
             queued: AtomicUsize::new(0),
             bytes: AtomicUsize::new(0),
+            budget: self.budget.clone(),
             scheduled: AtomicBool::new(false),
             state: Mutex::new(StreamState { inbox: rx, ingest }),
         });
@@ -508,17 +562,16 @@ impl Subscription {
                 continue;
             };
             let (len, stream) = (payload.len(), &self.inbox.stream);
-            if stream.bytes.load(Ordering::Relaxed) + len > INBOX_BYTES {
+            // Counted before it is sent, so a worker never sees a message it was not told of.
+            if !stream.hold(len) {
                 metrics.dropped(&pool.labels(replica), "inbox_full");
                 continue;
             }
-            // Counted before it is sent, so a worker never sees a message it was not told of.
-            stream.bytes.fetch_add(len, Ordering::Relaxed);
             stream.queued.fetch_add(1, Ordering::SeqCst);
             match self.inbox.tx.try_send((seq, payload)) {
                 Ok(()) => stream.schedule(&self.inbox.runs),
                 Err(TrySendError::Full(_)) => {
-                    stream.bytes.fetch_sub(len, Ordering::Relaxed);
+                    stream.release(len);
                     stream.queued.fetch_sub(1, Ordering::SeqCst);
                     metrics.dropped(&pool.labels(replica), "inbox_full");
                 }
@@ -600,7 +653,7 @@ fn turn(ctx: &zmq::Context, stream: &Stream, applier: &Applier) -> bool {
         }
         let Ok((seq, payload)) = inbox.try_recv() else { break };
         stream.queued.fetch_sub(1, Ordering::SeqCst);
-        stream.bytes.fetch_sub(payload.len(), Ordering::Relaxed);
+        stream.release(payload.len());
         // Decoding and replay take as long as they take: no lock is held here.
         let planned = match &stream.replay {
             Some(endpoint) => ingest.on_message(seq, &payload, &mut Dealer { ctx, endpoint }),
@@ -655,5 +708,41 @@ pub fn replay(ctx: &zmq::Context, endpoint: &str, start: u64) -> anyhow::Result<
         }
         bytes += payload.len();
         out.push((seq, payload.to_vec()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream(budget: &Arc<Budget>) -> Stream {
+        let (_, inbox) = sync_channel(1);
+        Stream {
+            replica: ReplicaIdx::new(0),
+            stop: Arc::default(),
+            replay: None,
+            queued: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            budget: budget.clone(),
+            scheduled: AtomicBool::new(false),
+            state: Mutex::new(StreamState { inbox, ingest: Ingest::new(16) }),
+        }
+    }
+
+    #[test]
+    fn the_pools_inboxes_share_one_bound_and_a_replica_that_leaves_frees_its_share() {
+        let budget = Budget::new(100);
+        let (a, b) = (stream(&budget), stream(&budget));
+        assert!(a.hold(60));
+        assert!(!b.hold(50), "the pool holds 60 of 100");
+        assert!(b.hold(40));
+        a.release(60);
+        assert!(b.hold(50), "what a worker took is room again");
+        drop(b);
+        assert_eq!(budget.held.load(Ordering::Relaxed), 0, "a stream dropped with a full inbox gives it back");
+        let roomy = Budget::new(usize::MAX);
+        let c = stream(&roomy);
+        assert!(c.hold(INBOX_BYTES));
+        assert!(!c.hold(1), "a replica's own share bounds it too");
     }
 }
