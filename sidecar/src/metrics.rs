@@ -223,12 +223,12 @@ fn prediction_error_histogram() -> Histogram {
     Histogram::new(bounds)
 }
 
-/// Buckets of the relative TTFT prediction error.
-/// 0.5 ms to about 16 s.
+/// Buckets of the event lag: 0.5 ms to about 16 s.
 fn event_lag_histogram() -> Histogram {
     Histogram::new(exponential_buckets(5e-4, 2.0, 16))
 }
 
+/// Buckets of the relative TTFT prediction error.
 fn ttft_error_histogram() -> Histogram {
     Histogram::new([0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0])
 }

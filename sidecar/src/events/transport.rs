@@ -389,7 +389,6 @@ struct Ready {
 }
 
 /// What reading a subscription left.
-#[derive(PartialEq, Eq)]
 enum Read {
     /// Nothing waiting.
     Drained,
