@@ -56,6 +56,19 @@ struct Args {
     resume: bool,
 }
 
+/// A flag's comma-separated values.
+fn list(value: Option<&String>, flag: &str) -> anyhow::Result<Vec<String>> {
+    Ok(value.with_context(|| format!("{flag} needs a value"))?.split(',').map(str::to_owned).collect())
+}
+
+/// A flag's comma-separated values, each parsed.
+fn parsed_list<T: std::str::FromStr>(value: Option<&String>, flag: &str) -> anyhow::Result<Vec<T>>
+where
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    list(value, flag)?.iter().map(|v| v.parse::<T>().with_context(|| format!("{flag}: {v:?}"))).collect()
+}
+
 fn parse(args: &[String]) -> anyhow::Result<Args> {
     let mut a = Args {
         quick: false,
@@ -74,17 +87,14 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
         resume: false,
     };
     let mut it = args.iter();
-    let list = |v: Option<&String>| -> anyhow::Result<Vec<String>> {
-        Ok(v.context("a value is missing")?.split(',').map(str::to_owned).collect())
-    };
     while let Some(flag) = it.next() {
         match flag.as_str() {
             "--quick" => a.quick = true,
-            "--workload" => a.workloads = Some(list(it.next())?),
-            "--policies" => a.policies = Some(list(it.next())?),
-            "--qps" => a.qps = Some(list(it.next())?.iter().map(|q| q.parse()).collect::<Result<_, _>>()?),
+            "--workload" => a.workloads = Some(list(it.next(), flag)?),
+            "--policies" => a.policies = Some(list(it.next(), flag)?),
+            "--qps" => a.qps = Some(parsed_list(it.next(), flag)?),
             "--gateways" => {
-                a.gateways = list(it.next())?.iter().map(|g| g.parse()).collect::<Result<_, _>>()?;
+                a.gateways = parsed_list(it.next(), flag)?;
                 if a.gateways.contains(&0) {
                     bail!("--gateways: at least one gateway");
                 }
@@ -156,19 +166,12 @@ pub fn scale(raw: &[String]) -> anyhow::Result<()> {
     let mut params = ScaleParams::default();
     let mut out = None;
     let mut it = raw.iter();
-    let list = |v: Option<&String>, flag: &str| -> anyhow::Result<Vec<String>> {
-        Ok(v.with_context(|| format!("{flag} needs a value"))?.split(',').map(str::to_owned).collect())
-    };
     while let Some(flag) = it.next() {
         let value =
             |it: &mut std::slice::Iter<'_, String>| it.next().with_context(|| format!("{flag} needs a value")).cloned();
         match flag.as_str() {
-            "--engines" => {
-                params.engines = list(it.next(), flag)?.iter().map(|v| v.parse()).collect::<Result<_, _>>()?
-            }
-            "--rate-scale" => {
-                params.rate_scale = list(it.next(), flag)?.iter().map(|v| v.parse()).collect::<Result<_, _>>()?;
-            }
+            "--engines" => params.engines = parsed_list(it.next(), flag)?,
+            "--rate-scale" => params.rate_scale = parsed_list(it.next(), flag)?,
             "--warmup" => params.warmup_s = value(&mut it)?.parse()?,
             "--window" => params.window_s = value(&mut it)?.parse()?,
             "--decisions" => params.decisions_per_s = value(&mut it)?.parse()?,

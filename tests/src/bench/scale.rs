@@ -34,6 +34,7 @@ use serde_json::Value;
 
 use super::stats::percentile;
 use crate::process::{cpu_seconds, free_port, free_port_run, pin, wait_for, Proc};
+use crate::stack::metric_sum;
 use crate::Artifacts;
 
 /// Tokens per block, the engines' and the pool's.
@@ -173,14 +174,6 @@ impl Histogram {
         }
         Some(lower)
     }
-}
-
-/// The sum of every series of counter or gauge `name` (`name{…} v` or `name v`).
-fn total(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' ')))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
 }
 
 /// Counter `name` summed by its `reason` label.
@@ -367,7 +360,7 @@ fn run_one(
     sidecar.kill();
     fleet.proc.kill();
     let hist = |name: &str| Histogram::scrape(&after, name).since(&Histogram::scrape(&before, name));
-    let delta = |name: &str| total(&after, name) - total(&before, name);
+    let delta = |name: &str| metric_sum(&after, name, "") - metric_sum(&before, name, "");
     let (lag, route) = (hist("kvgate_kv_event_lag_seconds"), hist("kvgate_route_seconds"));
     let recorded_blocks = ["blocks_stored_per_s", "blocks_removed_per_s"]
         .iter()
@@ -396,7 +389,7 @@ fn run_one(
         decisions: rtts.len(),
         sidecar_cores: cpu / wall,
         sidecar_rss_mib: rss,
-        index_blocks: total(&after, "kvgate_index_blocks") as u64,
+        index_blocks: metric_sum(&after, "kvgate_index_blocks", "") as u64,
         recorded: fleet.recorded,
         publisher_cores: fleet_cpu / wall,
     })
@@ -478,7 +471,7 @@ kvgate_kv_events_dropped_total{model=\"m\",replica=\"e1\",reason=\"inbox_full\"}
 
     #[test]
     fn counters_are_summed_and_live_series_counted() {
-        assert_eq!(total(PAGE, "kvgate_kv_events_applied_total"), 5.0);
+        assert_eq!(metric_sum(PAGE, "kvgate_kv_events_applied_total", ""), 5.0);
         assert_eq!(positive_series(PAGE, "kvgate_kv_events_applied_total"), 1);
         assert_eq!(by_reason(PAGE, "kvgate_kv_events_dropped_total"), BTreeMap::from([("inbox_full".to_owned(), 5.0)]));
     }
