@@ -224,7 +224,7 @@ fn main() {
         let supervisor =
             Supervisor::start(ctx.clone(), p.clone(), DiscoveryConfig::default(), Arc::new(Metrics::default()))
                 .unwrap();
-        let request = fleet::request(prompt_tokens);
+        let request = fleet::request(prompt_tokens, 42);
         row("idle", prompt_tokens, &decide_for(&p, &request, secs), None);
         run.store(true, Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(500));

@@ -40,7 +40,7 @@ fn bench(c: &mut Criterion) {
     for prompt_tokens in [1024usize, 8192] {
         for replicas in [8usize, 64, 512] {
             let p = pool(replicas, prompt_tokens);
-            let request = fleet::request(prompt_tokens);
+            let request = fleet::request(prompt_tokens, 42);
             assert_eq!(p.route(&request, &scoring).overlap_blocks, 16, "the group prefix is found");
             p.lifecycle(&"bench".into(), false);
             group.bench_function(BenchmarkId::new(format!("{prompt_tokens}_tokens"), replicas), |b| {

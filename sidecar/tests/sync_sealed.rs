@@ -26,7 +26,7 @@ const WAIT: Duration = Duration::from_secs(10);
 const KEY: &str = "6b76676174652d746573742d6b65792d6f6e6c792d6e65766572207573652121";
 const OTHER_KEY: &str = "0000000000000000000000000000000000000000000000000000000000000001";
 /// The topic of this release's sync messages.
-const TOPIC: &[u8] = b"kvgate-sync/3";
+const TOPIC: &[u8] = b"kvgate-sync/4";
 
 fn key_file(name: &str, key: &str) -> PathBuf {
     static FILES: AtomicUsize = AtomicUsize::new(0);
@@ -67,6 +67,7 @@ fn booking(id: &str, target: &str) -> Vec<u8> {
         request_id: id.into(),
         prefill_tokens: 64,
         hashes: vec![SequenceHash(7)],
+        held_blocks: 0,
         total_blocks: 16,
         sequences: 1,
         session: None,

@@ -15,7 +15,7 @@ use kvgate_sidecar::pool::Pool;
 /// Tokens per block.
 pub const BS: usize = 16;
 /// Blocks of a group's shared prefix.
-const PREFIX_BLOCKS: usize = 16;
+pub const PREFIX_BLOCKS: usize = 16;
 /// Prompts cached per replica, and the groups they fall in.
 const PROMPTS: u64 = 64;
 const GROUPS: u64 = 8;
@@ -54,9 +54,9 @@ pub fn preload(pool: &Pool, replicas: usize, prompt_tokens: usize, tag: u64) {
     }
 }
 
-/// The decided request: group 3's prefix, then new content.
-pub fn request(prompt_tokens: usize) -> RouteRequest {
+/// A decided request: group 3's prefix, then new content drawn from `content`.
+pub fn request(prompt_tokens: usize, content: u64) -> RouteRequest {
     let mut t = tokens(3, PREFIX_BLOCKS * BS);
-    t.extend(tokens(42, prompt_tokens - PREFIX_BLOCKS * BS));
+    t.extend(tokens(content, prompt_tokens - PREFIX_BLOCKS * BS));
     RouteRequest::exact("bench", "m", prompt_tokens as u32, BS as u32, prompt_block_hashes(&t, BS, Salt::NONE))
 }

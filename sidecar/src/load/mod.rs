@@ -443,7 +443,11 @@ impl LoadTable {
         // Every booking holds its prompt's hashes from the first block, and a block's sequence
         // hash names its whole prefix: if the replica has block i of this prompt booked, it has
         // every block before it. So the booked blocks are a prefix of `hashes`, found by
-        // bisection (a walk costs a lookup per block, on every candidate of every decision).
+        // bisection (a walk costs a lookup per block, on every candidate of every decision),
+        // after one lookup of the first block, which most candidates of a large pool miss.
+        if !hashes.first().is_some_and(|h| shared.contains_key(h)) {
+            return total_blocks;
+        }
         let overlap = hashes.partition_point(|h| shared.contains_key(h)) as u64;
         total_blocks.saturating_sub(overlap)
     }

@@ -22,6 +22,9 @@ pub enum SyncEvent {
         prefill_tokens: u64,
         /// The prompt's block hashes.
         hashes: Vec<SequenceHash>,
+        /// Of `hashes`, the leading blocks the target's KV events held when the origin decided:
+        /// the in-flight credit records only the rest (the receiver's own events credit these).
+        held_blocks: u32,
         /// All blocks the prompt occupies.
         total_blocks: u64,
         /// Sequences booked: the request's prompts times its samples (`n`).

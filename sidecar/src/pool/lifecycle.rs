@@ -155,8 +155,8 @@ impl Pool {
             }
             _ => None,
         };
-        if let (Some(slot), SyncEvent::Booked { hashes, session, .. }) = (target_slot, event) {
-            self.record_peer_route(slot, hashes);
+        if let (Some(slot), SyncEvent::Booked { hashes, held_blocks, session, .. }) = (target_slot, event) {
+            self.record_peer_route(slot, hashes, *held_blocks);
             // The peer bound the request's session there.
             if let Some(key) = session {
                 self.bind_session(*key, slot);

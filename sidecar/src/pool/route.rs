@@ -73,6 +73,9 @@ struct BookAs<'a> {
 struct Booked {
     slot: ReplicaIdx,
     overlap: Overlap,
+    /// Of `overlap`'s device blocks, those the target's events held (under `prefix_affinity`,
+    /// those routed there before).
+    indexed: u32,
     prefill_tokens: u64,
     /// False if the request had already ended (its end overtook the decision).
     booked: bool,
@@ -303,10 +306,17 @@ impl Pool {
         drop(index);
         let routes = self.records_routes().then(|| self.affinity_index());
         if let Some(routes) = &routes {
-            // Under `kv_aware` the larger of the two overlaps counts, so the blocks every
-            // candidate holds by the events (a shared system prompt) need no walk.
-            let known = if affinity { 0 } else { eligible.iter().map(|e| e.overlap.device).min().unwrap_or(0) };
-            let recent = routes.find_matches_past(hashes, members.len(), Instant::now(), known as usize);
+            // Under `kv_aware` a candidate's blocks held by its events count as routed there:
+            // its bookings recorded only the blocks past them, and the blocks every candidate
+            // holds (a shared system prompt) need no walk. Members that are not candidates
+            // hold what the least of them holds, so they neither start the walk earlier nor
+            // prolong it.
+            let known = eligible.iter().map(|e| e.overlap.device).min().unwrap_or(0);
+            let mut held = vec![if affinity { 0 } else { known }; members.len()];
+            for e in eligible.iter().filter(|_| !affinity) {
+                held[e.slot.get()] = e.overlap.device;
+            }
+            let recent = routes.find_matches_past(hashes, &held, Instant::now());
             for e in &mut eligible {
                 let here = recent[e.slot.get()];
                 if affinity {
@@ -406,7 +416,7 @@ impl Pool {
     /// are now expected from the replica if its engine must store a new block.
     fn after_booking(&self, routes: Option<&mut ApproxIndex>, member: &Member, shape: &Shape<'_>, booked: &Booked) {
         if let (Some(routes), true) = (routes, booked.booked) {
-            routes.record(booked.slot, shape.hashes, Instant::now());
+            routes.record(booked.slot, &shape.hashes[self.held_by_events(booked)..], Instant::now());
         }
         if self.config.policy != Policy::PrefixAffinity && booked.booked && booked.prefill_tokens >= shape.block_size {
             let since = &member.health.awaiting_events_since;
@@ -414,15 +424,27 @@ impl Pool {
         }
     }
 
-    /// A peer gateway booked `hashes` on `slot`: under the in-flight credit it counts
-    /// as routed from here too, so a request sharing the prefix that reaches this gateway
-    /// before the engine's events follows it there instead of prefilling it a second time
-    /// elsewhere. At most [`PEER_ROUTE_BLOCKS`] of its blocks, so one peer message cannot
-    /// flush what this gateway remembers. (`prefix_affinity` keeps to its own routes.)
-    pub(super) fn record_peer_route(&self, slot: ReplicaIdx, hashes: &[SequenceHash]) {
+    /// The leading blocks of a booking's prompt that its target's events held when it was
+    /// decided: the in-flight credit records only the blocks after them, since the walk counts
+    /// what the events hold (`ApproxIndex::find_matches_past`). `prefix_affinity` records every
+    /// block: its routes are all it knows.
+    fn held_by_events(&self, booked: &Booked) -> usize {
+        match self.config.policy {
+            Policy::PrefixAffinity => 0,
+            _ => booked.indexed as usize,
+        }
+    }
+
+    /// A peer gateway booked `hashes` on `slot`, whose events held the first `held` of them
+    /// there: under the in-flight credit the rest count as routed from here too, so a request
+    /// sharing the prefix that reaches this gateway before the engine's events follows it there
+    /// instead of prefilling it a second time elsewhere. At most [`PEER_ROUTE_BLOCKS`] of its
+    /// blocks, so one peer message cannot flush what this gateway remembers.
+    /// (`prefix_affinity` keeps to its own routes.)
+    pub(super) fn record_peer_route(&self, slot: ReplicaIdx, hashes: &[SequenceHash], held: u32) {
         if self.inflight_credit() {
-            let hashes = &hashes[..hashes.len().min(PEER_ROUTE_BLOCKS)];
-            self.affinity_index().record(slot, hashes, Instant::now());
+            let rest = &hashes[(held as usize).min(hashes.len())..];
+            self.affinity_index().record(slot, &rest[..rest.len().min(PEER_ROUTE_BLOCKS)], Instant::now());
         }
     }
 
@@ -442,6 +464,7 @@ impl Pool {
             request_id: request_id.clone(),
             prefill_tokens: booked.prefill_tokens,
             hashes: shape.hashes.to_vec(),
+            held_blocks: self.held_by_events(booked) as u32,
             total_blocks: shape.total_blocks,
             sequences: shape.sequences,
             session,
@@ -532,7 +555,7 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         times_ttft: shape.stream && to.remote.is_none() && shape.prompt_count != PromptCount::Estimated,
     };
     let booked = load.book(at.slot, booking, Instant::now());
-    Booked { slot: at.slot, overlap: at.overlap, prefill_tokens, booked, unpredicted }
+    Booked { slot: at.slot, overlap: at.overlap, indexed: at.indexed, prefill_tokens, booked, unpredicted }
 }
 
 /// What the engine should report for one sequence's prompt booked `at` (`remote`: its KV comes

@@ -373,6 +373,34 @@ fn kv_aware_credits_prefixes_routed_moments_ago() {
     assert_eq!(p.route(&request("second", &longer), &cfg).overlap_blocks, 0, "no credit without events");
 }
 
+#[test]
+fn routes_past_a_prefix_the_events_hold_are_credited_and_only_they_are_remembered() {
+    let cfg = ScoringConfig::default();
+    let prompt: Vec<u32> = (0..256).collect();
+    let mut longer = prompt.clone();
+    longer.extend(5000..5016);
+    // r1's events hold the prompt's first 32 blocks; this gateway sends it the whole prompt.
+    let p = pool(3);
+    cache_on(&p, 1, &prompt[..128]);
+    let first = p.route(&request("first", &prompt), &cfg);
+    assert_eq!((chosen(&first), first.overlap_blocks), (1, 32));
+    assert!(p.lifecycle(&"first".into(), true));
+    assert_eq!(p.affinity_index().len(), 32, "the 32 blocks past the events' are remembered, not all 64");
+    let second = p.route(&request("second", &longer), &cfg);
+    assert_eq!((chosen(&second), second.overlap_blocks), (1, 64), "the events' 32 blocks, then the routed 32");
+    // A peer's booking says how much its target's events held; this gateway's events agree.
+    let p = pool(3);
+    cache_on(&p, 1, &prompt[..128]);
+    let mut booked = peer_booking("r1", "first", &prompt);
+    if let SyncEvent::Booked { held_blocks, .. } = &mut booked {
+        *held_blocks = 32;
+    }
+    p.apply_remote("peer", &booked);
+    assert_eq!(p.affinity_index().len(), 32);
+    let second = p.route(&request("second", &longer), &cfg);
+    assert_eq!((chosen(&second), second.overlap_blocks), (1, 64), "the peer's route past the events counts");
+}
+
 /// Another gateway's booking of `tokens` on `target`, as the sync mesh delivers it.
 fn peer_booking(target: &str, request_id: &str, tokens: &[u32]) -> SyncEvent {
     SyncEvent::Booked {
@@ -381,6 +409,7 @@ fn peer_booking(target: &str, request_id: &str, tokens: &[u32]) -> SyncEvent {
         request_id: request_id.into(),
         prefill_tokens: tokens.len() as u64,
         hashes: prompt_block_hashes(tokens, 4, Salt::NONE),
+        held_blocks: 0,
         total_blocks: tokens.len().div_ceil(4) as u64,
         sequences: 1,
         session: None,
