@@ -352,12 +352,17 @@ fn data_parallel_ranks_are_targets_of_their_own() {
     assert_eq!(pool(1).route(&request("x", &prompt), &ScoringConfig::default()).dp_rank, None);
 }
 
+/// A 64-block prompt, and the same with one more block: a conversation's next turn.
+fn prompt_and_next_turn() -> (Vec<u32>, Vec<u32>) {
+    let prompt: Vec<u32> = (0..256).collect();
+    let longer = prompt.iter().copied().chain(5000..5016).collect();
+    (prompt, longer)
+}
+
 #[test]
 fn kv_aware_credits_prefixes_routed_moments_ago() {
     let cfg = ScoringConfig::default();
-    let prompt: Vec<u32> = (0..256).collect();
-    let mut longer = prompt.clone();
-    longer.extend(5000..5016);
+    let (prompt, longer) = prompt_and_next_turn();
     // The first request's prefill is done (it streams its answer) but the engine's events
     // have not arrived yet.
     let p = pool(3);
@@ -376,9 +381,7 @@ fn kv_aware_credits_prefixes_routed_moments_ago() {
 #[test]
 fn routes_past_a_prefix_the_events_hold_are_credited_and_only_they_are_remembered() {
     let cfg = ScoringConfig::default();
-    let prompt: Vec<u32> = (0..256).collect();
-    let mut longer = prompt.clone();
-    longer.extend(5000..5016);
+    let (prompt, longer) = prompt_and_next_turn();
     // r1's events hold the prompt's first 32 blocks; this gateway sends it the whole prompt.
     let p = pool(3);
     cache_on(&p, 1, &prompt[..128]);
@@ -419,9 +422,7 @@ fn peer_booking(target: &str, request_id: &str, tokens: &[u32]) -> SyncEvent {
 #[test]
 fn kv_aware_credits_prefixes_a_peer_routed_moments_ago() {
     let cfg = ScoringConfig::default();
-    let prompt: Vec<u32> = (0..256).collect();
-    let mut longer = prompt.clone();
-    longer.extend(5000..5016);
+    let (prompt, longer) = prompt_and_next_turn();
     // Another gateway sent the prompt to r2 a moment ago; the engine's events have not arrived.
     let peer_booked = |p: &Pool| p.apply_remote("peer", &peer_booking("r2", "first", &prompt));
     let p = pool(3);
