@@ -61,6 +61,21 @@ impl Arena {
         self.heads[slot as usize / 64] >> (slot % 64) & 1 == 1
     }
 
+    /// Whether no slot in `from..=to` heads a chain: then each live one continues the chain of
+    /// the slot before it, and a live block at `to` has its ancestors in the slots before it,
+    /// back to `from - 1` (a removed slot's live successor heads a chain).
+    pub(super) fn no_head_in(&self, from: u32, to: u32) -> bool {
+        let (from, to) = (from as usize, to as usize);
+        if from > to {
+            return true;
+        }
+        (from / 64..=to / 64).all(|w| {
+            let low = if w == from / 64 { u64::MAX << (from % 64) } else { u64::MAX };
+            let high = if w == to / 64 { u64::MAX >> (63 - to % 64) } else { u64::MAX };
+            self.heads[w] & low & high == 0
+        })
+    }
+
     /// Marks `slot` as heading a chain.
     pub(super) fn set_head(&mut self, slot: u32) {
         self.heads[slot as usize / 64] |= 1 << (slot % 64);
@@ -164,6 +179,18 @@ mod tests {
         assert!(a.is_head(1) && !a.is_head(0) && !a.is_head(2));
         assert_eq!(a.push(h(11), true), 3);
         assert_eq!(a.heads().collect::<Vec<_>>(), [(1, h(5)), (3, h(11))]);
+    }
+
+    #[test]
+    fn head_free_ranges_are_found_across_words() {
+        let mut a = Arena::default();
+        for seq in 0..200u64 {
+            a.push(h(seq + 1), seq == 0 || seq == 70 || seq == 150);
+        }
+        assert!(a.no_head_in(1, 69) && a.no_head_in(71, 149) && a.no_head_in(151, 199));
+        assert!(!a.no_head_in(1, 70) && !a.no_head_in(70, 70) && !a.no_head_in(60, 160));
+        assert!(a.no_head_in(5, 4), "an empty range");
+        assert!(a.no_head_in(64, 64) && a.no_head_in(127, 128), "word edges");
     }
 
     #[test]

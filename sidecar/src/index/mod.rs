@@ -427,8 +427,14 @@ impl KvIndex {
             // the first block (two engine hashes for one content), so that many such heads
             // cost a lookup each, not a scan of `out`.
             let mut position: Vec<u32> = Vec::new();
+            // How far the last replica's chain went: the next replica's walk tries to start
+            // there (`shortcut`), so replicas that hold one shared prompt cost a few reads each
+            // instead of one per block.
+            let mut reached = 0;
             for &Head { replica: r, slot, .. } in starts {
-                let device = self.chain_end(0, r, slot, 0, hashes, &mut memo) as u32;
+                let (from_slot, from_pos) = self.shortcut(r, slot, reached, hashes).unwrap_or((slot, 0));
+                reached = self.chain_end(0, r, from_slot, from_pos, hashes, &mut memo);
+                let device = reached as u32;
                 let (word, bit) = (r as usize / 64, 1 << (r % 64));
                 if seen[word] & bit == 0 {
                     seen[word] |= bit;
@@ -458,6 +464,19 @@ impl KvIndex {
         self.lower_tier(Tier::Host, hashes, &mut dense);
         self.lower_tier(Tier::Disk, hashes, &mut dense);
         dense.into_iter().enumerate().filter(|(_, o)| *o != Overlap::default()).map(|(r, o)| (r as u32, o)).collect()
+    }
+
+    /// Where replica `r`'s device chain from the prompt's first block at `slot` can resume
+    /// its walk: at the prompt's block `reached - 1`, if the slot that many after `slot` holds
+    /// it and no slot in between heads a chain. Each of those slots then continues the one
+    /// before it, so they hold that block's ancestors: the prompt's blocks before it (a
+    /// sequence hash names its whole prefix).
+    fn shortcut(&self, r: u32, slot: u32, reached: usize, hashes: &[SequenceHash]) -> Option<(u32, usize)> {
+        let pos = reached.checked_sub(1).filter(|pos| *pos > 0 && *pos < hashes.len())?;
+        let arena = &self.replicas[r as usize].tiers[Tier::Device.idx()].arena;
+        let at = slot.checked_add(u32::try_from(pos).ok()?)?;
+        let holds = arena.seqs().get(at as usize) == Some(&hashes[pos]);
+        (holds && arena.no_head_in(slot + 1, at)).then_some((at, pos))
     }
 
     /// Where replica `r`'s chain on tier `t` through the prompt ends (an index into `hashes`,

@@ -176,3 +176,24 @@ fn lower_tiers_continue_past_the_device_match() {
     assert_eq!(idx.find_matches(&prompt)[0], Overlap { device: 2, host: 0, disk: 0 }, "a hole stops the walk");
     assert_eq!(idx.replica_tier_blocks(ReplicaIdx::new(0), Tier::Disk), 1);
 }
+
+#[test]
+fn a_walk_resumes_where_the_last_ended_only_over_an_unbroken_chain() {
+    let mut idx = KvIndex::new(4, 3);
+    let t = tokens(24);
+    let prompt = prompt_block_hashes(&t, 4, Salt::NONE);
+    // Every replica stores the prompt's first four blocks side by side, then each its own rest.
+    for r in 0..3u64 {
+        let own = [10 * r + 1, 10 * r + 2, 10 * r + 3, 10 * r + 4];
+        idx.store(ReplicaIdx::new(r as usize), store(None, &own, &t[..16], 4)).unwrap();
+    }
+    let mut other = t.clone();
+    other[16] = 1;
+    idx.store(ReplicaIdx::new(0), store(Some(4), &[5, 6], &t[16..24], 4)).unwrap();
+    idx.store(ReplicaIdx::new(2), store(Some(24), &[25, 26], &other[16..24], 4)).unwrap();
+    // Replica 1 loses its second block: its third and fourth still sit where the walk of
+    // replica 0 would resume, but no longer follow its first.
+    idx.remove(ReplicaIdx::new(1), Tier::Device, &e(&[12]));
+    assert_eq!(devices(&idx.find_matches(&prompt)), vec![6, 1, 4]);
+    assert_eq!(devices(&idx.find_matches(&prompt[..4])), vec![4, 1, 4]);
+}
