@@ -416,7 +416,8 @@ impl Pool {
     /// are now expected from the replica if its engine must store a new block.
     fn after_booking(&self, routes: Option<&mut ApproxIndex>, member: &Member, shape: &Shape<'_>, booked: &Booked) {
         if let (Some(routes), true) = (routes, booked.booked) {
-            routes.record(booked.slot, &shape.hashes[self.held_by_events(booked)..], Instant::now());
+            let past = shape.hashes.get(self.held_by_events(booked)..).unwrap_or_default();
+            routes.record(booked.slot, past, Instant::now());
         }
         if self.config.policy != Policy::PrefixAffinity && booked.booked && booked.prefill_tokens >= shape.block_size {
             let since = &member.health.awaiting_events_since;
