@@ -36,7 +36,7 @@ struct Block {
 }
 
 /// Blocks held by one request.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Allocation {
     /// Block ids, in sequence order.
     blocks: Vec<usize>,
@@ -67,7 +67,7 @@ impl Allocation {
 pub struct OutOfBlocks;
 
 /// The cache.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct KvCache {
     block_size: usize,
     hasher: VllmHasher,

@@ -14,6 +14,7 @@
 //! |---|---|
 //! | `api` | vLLM's OpenAI-compatible HTTP API |
 //! | `fleet` | many engines' KV-event streams from one recording, for scale benchmarks |
+//! | `replay` | a run's requests replayed in simulated time under given placements and a greedy one |
 //! | `fanout` | a request's sequences (`n`, a completion's prompt list), its choices and `usage` |
 //! | `engine` | one scheduler loop per data-parallel rank, in (sped-up) wall-clock time |
 //! | `scheduler` | vLLM v1's continuous batching, chunked prefill and preemption |
@@ -38,6 +39,7 @@ mod kv_events;
 mod kv_transfer;
 mod lora;
 mod metrics;
+mod replay;
 mod scheduler;
 mod time_model;
 mod vllm_hash;
@@ -133,6 +135,11 @@ struct Cli {
     /// publish them as many engines (JSON, see `fleet::FleetConfig`), and exit.
     #[arg(long)]
     fleet_config: Option<String>,
+    /// Serve no API: replay the requests in this file (JSON, see `replay::Input`) in simulated
+    /// time on engines of this configuration, under each placement it names and a greedy one;
+    /// print each request's time to first token (JSON) and exit.
+    #[arg(long)]
+    replay: Option<PathBuf>,
     /// Print the presets, their coefficients and calibration targets, and exit.
     #[arg(long)]
     list_presets: bool,
@@ -327,6 +334,10 @@ fn main() -> anyhow::Result<()> {
         let config: fleet::FleetConfig = serde_json::from_str(json).context("--fleet-config is not valid")?;
         let cache = kv_cache::KvCache::new(cli.block_size, cli.num_gpu_blocks_override, 0, cli.hasher());
         return fleet::run(&config, cli.limits(), cli.cost(), cache);
+    }
+    if let Some(path) = &cli.replay {
+        let cache = kv_cache::KvCache::new(cli.block_size, cli.num_gpu_blocks_override, 0, cli.hasher());
+        return replay::main(path, scheduler::Scheduler::new(cli.limits(), cli.cost(), cache));
     }
     let served = tokio::runtime::Runtime::new()?.block_on(serve(cli));
     if let Some(provider) = traces {

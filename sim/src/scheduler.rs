@@ -180,7 +180,7 @@ impl Counters {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Seq {
     id: SeqId,
     /// Prompt, then the output tokens sampled so far except the last one.
@@ -208,7 +208,7 @@ pub fn blocks_needed(prompt_len: usize, output_len: usize, block_size: usize) ->
 }
 
 /// One engine's (one data-parallel rank's) scheduler and KV cache.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Scheduler {
     limits: Limits,
     cost: StepCost,
