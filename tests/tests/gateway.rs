@@ -1050,7 +1050,8 @@ fn repeated_turns_use_the_segment_cache() {
 
 /// 9. The benchmark harness end to end, at toy scale: three policies on fresh fleets, every
 ///    request completes, kvgate routes all of them itself, requests tagged with priority
-///    classes are reported per class, and the report is written.
+///    classes are reported per class, every run is replayed above its floor, and the report
+///    is written.
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn bench_harness_runs_policies_side_by_side() {
@@ -1097,6 +1098,16 @@ fn bench_harness_runs_policies_side_by_side() {
         assert_eq!((s.requests, s.ok, s.errors), (12, 12, 0), "{}: {s:?}", r.policy);
         assert!(s.ttft_p50.is_some() && s.e2e_p99.is_some() && s.output_tps > 0.0, "{}: {s:?}", r.policy);
         assert!(s.hit_ratio.is_some_and(|h| h > 0.0), "{}: the engines' counters were read", r.policy);
+        let (served, ceiling) = (s.hit_ratio_served.unwrap(), s.hit_ceiling.expect("every run has a ceiling"));
+        assert!(served <= ceiling + 1e-9, "{}: served {served} above the ceiling {ceiling}", r.policy);
+        let replayed = s.replayed.expect("every run is replayed");
+        assert_eq!(replayed.requests, 12, "{}: every request served is replayed", r.policy);
+        let placed = [replayed.own, replayed.round_robin, replayed.greedy];
+        assert!(
+            placed.iter().all(|p| replayed.floor[0] <= p[0] + 1e-9 && replayed.floor[1] <= p[1] + 1e-9),
+            "{}: no placement beats the floor: {replayed:?}",
+            r.policy
+        );
     }
     assert_eq!(results[0].kvgate_routed, None);
     for r in &results[1..] {
@@ -1132,6 +1143,7 @@ fn bench_harness_runs_policies_side_by_side() {
     .unwrap();
     assert!(md.contains("| envoy-round-robin |") && md.contains("| kvgate-kv-aware-prefill-x4 |"), "{md}");
     assert!(md.contains("| kvgate-kv-aware-flow-control | 0 | priority=interactive |"), "{md}");
+    assert!(md.contains("What there was to win") && md.contains("| envoy-round-robin | 0."), "{md}");
     assert!(results.iter().all(|r| r.summary.router_cpu_ms.is_some_and(|ms| ms > 0.0)), "the routers' CPU is counted");
 
     // Two gateways: requests spread over both Envoys, kvgate routing every one of them.

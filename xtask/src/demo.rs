@@ -60,6 +60,7 @@ pub fn run() -> anyhow::Result<()> {
     println!("\n{} at {QPS} req/s ({}), latencies in simulated time:\n", workload.name(), workload.describe());
     let setting = report::Setting { workload: workload.name().into(), gateways: 1, qps: Some(QPS) };
     print!("{}", report::table(&points, &setting));
+    print!("{}", report::bounds_table(&points, &setting));
     let kvgate = points.iter().find(|p| p.policy == Policy::Kvgate("kv_aware").name());
     let rr = points.iter().find(|p| p.policy == Policy::EnvoyRoundRobin.name());
     if let (Some(k), Some(r)) = (kvgate, rr) {

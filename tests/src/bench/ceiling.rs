@@ -16,31 +16,53 @@ use kvgate_shared::wire::ModelBundle;
 
 use super::loadgen::Outcome;
 
-/// The ceiling over the outcomes that kept their body ([`Outcome::body`]), in the order they
-/// were sent; `None` if none did.
-pub fn infinite_cache_hit_ratio(
-    model_dir: &Path,
-    block_size: u32,
-    outcomes: &[Outcome],
-) -> anyhow::Result<Option<f64>> {
-    let mut sent: Vec<&Outcome> = outcomes.iter().filter(|o| o.body.is_some()).collect();
+/// A request served, as the engines saw it: the run's outcomes tokenized once, for the
+/// ceiling here and the replayed placements ([`super::oracle`]).
+#[derive(Debug, Clone)]
+pub struct Served {
+    /// Sent at, simulated seconds from the start of the run.
+    pub at_s: f64,
+    /// The replica that served it.
+    pub replica: String,
+    /// Its prompt's token ids, rendered and tokenized with the engines' own pipeline.
+    pub prompt: Vec<u32>,
+    /// Its answer's token ids: the text tokenized, as many as the engine generated.
+    pub answer: Vec<u32>,
+    /// Prompt tokens the ceiling's infinite cache held when it was sent.
+    pub best_cached: usize,
+}
+
+/// The outcomes served that kept their body ([`Outcome::body`]), tokenized, in the order they
+/// were sent.
+pub fn served(model_dir: &Path, block_size: u32, outcomes: &[Outcome]) -> anyhow::Result<Vec<Served>> {
+    let mut sent: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok() && o.body.is_some()).collect();
     if sent.is_empty() {
-        return Ok(None);
+        return Ok(Vec::new());
     }
     sent.sort_by(|a, b| a.sent_at.total_cmp(&b.sent_at));
     let bundle = ModelBundle::from_dir("ceiling", model_dir, block_size)?;
     let tokenizer = ModelTokenizer::from_bundle(&bundle)?;
     let mut cache = Cache { seen: HashSet::new(), block_size: block_size as usize };
-    let (mut prompt, mut hits) = (0usize, 0usize);
+    let mut out = Vec::with_capacity(sent.len());
     for o in sent {
-        let body = serde_json::to_vec(o.body.as_ref().expect("filtered"))?;
-        let mut ids = tokenizer.prompt_tokens(&parse(Endpoint::ChatCompletions, &body)?)?;
-        prompt += ids.len();
-        hits += cache.lookup_then_store(&ids);
-        ids.extend(tokenizer.encode(&o.text, false)?);
-        cache.store(&ids);
+        let (path, body) = o.body.as_ref().expect("filtered");
+        let endpoint =
+            Endpoint::from_path(path).ok_or_else(|| anyhow::anyhow!("{path} is not an endpoint kvgate routes"))?;
+        let prompt = tokenizer.prompt_tokens(&parse(endpoint, &serde_json::to_vec(body)?)?)?;
+        let mut answer = tokenizer.encode(&o.text, false)?;
+        // The engine generated `output_tokens`; its text may tokenize to a few more or fewer.
+        answer.resize(o.output_tokens.max(1) as usize, answer.last().copied().unwrap_or(0));
+        let best_cached = cache.lookup_then_store(&prompt);
+        cache.store(&[prompt.as_slice(), answer.as_slice()].concat());
+        out.push(Served { at_s: o.sent_at, replica: o.replica.clone(), prompt, answer, best_cached });
     }
-    Ok((prompt > 0).then(|| hits as f64 / prompt as f64))
+    Ok(out)
+}
+
+/// The ceiling over `served`; `None` if it is empty.
+pub fn infinite_cache_hit_ratio(served: &[Served]) -> Option<f64> {
+    let prompt: usize = served.iter().map(|s| s.prompt.len()).sum();
+    (prompt > 0).then(|| served.iter().map(|s| s.best_cached).sum::<usize>() as f64 / prompt as f64)
 }
 
 /// Every block any prompt stored.

@@ -132,10 +132,11 @@ pub struct Outcome {
     /// The generated text (for conversation history; not written out).
     #[serde(skip)]
     pub text: String,
-    /// The request's body, kept where the run needs its prompt afterwards (the agentic
-    /// workload's cache ceiling; not written out).
+    /// The request's path and body, kept for what the run computes from its prompts
+    /// afterwards (the cache ceiling, the replayed placements; not written out). `None` in
+    /// outcomes not built by [`Target::send`].
     #[serde(skip)]
-    pub body: Option<Value>,
+    pub body: Option<(String, Value)>,
 }
 
 impl Outcome {
@@ -282,6 +283,7 @@ impl Target {
             Ok(Err(e)) => outcome.error = Some(e.to_string()),
             Err(_) => outcome.error = Some(format!("timed out after {:?}", self.timeout)),
         }
+        outcome.body = Some((path.to_owned(), body));
         outcome
     }
 
@@ -417,7 +419,6 @@ impl Target {
     /// the history so far and the session's id in [`SESSION_HEADER`]; a step's subagents run
     /// in parallel from a copy of that history, each under a session id of its own, and the
     /// session goes on once all have answered. Steps not started by `duration` are skipped.
-    /// Each outcome keeps its body ([`Outcome::body`]).
     pub async fn agents(
         &self,
         sessions: Vec<AgentSession>,
@@ -464,9 +465,9 @@ impl Target {
                 let body =
                     json!({"model": model, "messages": history, "max_tokens": step.max_tokens, "ignore_eos": true});
                 let path = "/v1/chat/completions";
-                let o = target.send_in_session(path, body.clone(), Tags::default(), Some(&session)).await;
+                let o = target.send_in_session(path, body, Tags::default(), Some(&session)).await;
                 history.push(json!({"role": "assistant", "content": o.text}));
-                outcomes.push(Outcome { request: format!("{session}.s{i}"), body: Some(body), ..o });
+                outcomes.push(Outcome { request: format!("{session}.s{i}"), ..o });
                 let forks: Vec<_> = step
                     .subagents
                     .into_iter()

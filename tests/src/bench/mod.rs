@@ -6,6 +6,7 @@
 //! | `workloads` | shared-prefix, mooncake-conversation, multi-turn, cache-pressure, agentic → a plan of requests |
 //! | `agentic` | the agentic workload's generator and trace file, from published agent-trace statistics |
 //! | `ceiling` | a run's cache-hit ceiling: an infinite cache shared by the fleet, the same prompts |
+//! | `oracle` | a run's TTFT replayed in simulated time: the router's placement, round robin, a greedy clairvoyant one |
 //! | `cells` | which cells a run has left, each finished one kept in `cells.jsonl` at once |
 //! | `progress` | "cell i of N", each cell's time and an estimate of the time left |
 //! | `loadgen` | sends the plan through the gateway (open or closed loop), streaming SSE |
@@ -28,6 +29,7 @@ pub mod cells;
 pub mod filter;
 pub mod loadgen;
 pub mod memory;
+pub mod oracle;
 pub mod peers;
 pub mod placement;
 pub mod progress;
@@ -553,7 +555,18 @@ fn run_cell(
         .collect();
     let mut summary = stats::summarize(&outcomes, config.slo_ttft_s, &work);
     summary.router_cpu_ms = (!outcomes.is_empty()).then(|| cpu * 1000.0 / outcomes.len() as f64);
-    summary.hit_ceiling = ceiling::infinite_cache_hit_ratio(&artifacts.model_dir, config.fleet.block_size, &outcomes)?;
+    let served = ceiling::served(&artifacts.model_dir, config.fleet.block_size, &outcomes)?;
+    summary.hit_ceiling = ceiling::infinite_cache_hit_ratio(&served);
+    // Only a fleet of whole engines replays: a disaggregated one's requests ran on two.
+    if stack.sims.iter().all(|s| s.role.is_none()) {
+        let replicas: Vec<String> = stack.sims.iter().map(|s| s.id.clone()).collect();
+        summary.replayed = oracle::replay(&artifacts.sim, &config.fleet, gpu_blocks, &replicas, &served)?;
+    }
+    // The bodies have served their purpose; a whole bench's would weigh gigabytes.
+    let mut outcomes = outcomes;
+    for o in &mut outcomes {
+        o.body = None;
+    }
     eprintln!(
         "bench:   {} ok, {} errors ({} shed), TTFT p50 {:?} p90 {:?} (served), hit ratio {:?}, load max/mean {:?}, sim clock lag {:?}, kvgate routed/other {:?}",
         summary.ok,

@@ -60,8 +60,7 @@ pub struct Summary {
     /// Prefix-cache hits / queries, from the engines' `/metrics`.
     pub hit_ratio: Option<f64>,
     /// The most any placement could reach on the same prompts in the same order: one
-    /// infinite cache shared by the fleet ([`super::ceiling`]); `None` for workloads whose
-    /// prompts are not kept (all but `agentic`).
+    /// infinite cache shared by the fleet ([`super::ceiling`]), over the requests served.
     #[serde(default)]
     pub hit_ceiling: Option<f64>,
     /// Cached prompt tokens over prompt tokens, from the engines' `usage` of the requests
@@ -93,6 +92,10 @@ pub struct Summary {
     /// stepped, all engines together (0: the host kept up; a few % or more: the run measures
     /// the host's CPU as much as the routing).
     pub sim_clock_lag: Option<f64>,
+    /// The requests served, replayed in simulated time under this router's placement, round
+    /// robin and a greedy clairvoyant one ([`super::oracle`]); `None` for a disaggregated
+    /// fleet.
+    pub replayed: Option<super::oracle::Replayed>,
 }
 
 /// One engine's counters over a run (differences of its `/metrics` before and after).
@@ -168,6 +171,8 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
         // Measured around the run by its driver, not from the outcomes.
         router_cpu_ms: None,
         sim_clock_lag,
+        // Replayed by the run's driver, which knows the fleet.
+        replayed: None,
     }
 }
 
