@@ -19,7 +19,7 @@ use serde_json::json;
 
 use super::stats::percentile;
 use crate::client::client;
-use crate::process::pin;
+use crate::process::{cpu_seconds, pin};
 use crate::workload::document;
 use crate::{Artifacts, Routing, Stack, StackOptions};
 
@@ -31,6 +31,8 @@ const SECS_PER_RATE: u64 = 4;
 const SENDERS: usize = 64;
 /// Clients of the closed loop.
 pub const CLIENTS: usize = 32;
+/// Requests of the closed loop.
+const CLOSED_REQUESTS: usize = 3_000;
 /// Words per prompt (about 1k tokens in the chat).
 const WORDS: usize = 1_000;
 
@@ -52,6 +54,9 @@ pub struct Cell {
     /// Requests kvgate did not route (`x-kvgate-routed-to: fallback`: its answer came late,
     /// or the sidecar had no room): Envoy's balancer placed them.
     pub fallbacks: usize,
+    /// CPU per request sent, ms: Envoy's and the sidecar's (closed loop only: the core is
+    /// saturated there, so this is what sets the ceiling).
+    pub cpu_ms: Option<(f64, f64)>,
 }
 
 /// What the section measures.
@@ -160,6 +165,7 @@ fn offer(url: &str, setup: &'static str, rate: Option<usize>, bodies: Vec<String
         p99_ms: percentile(&ms, 99.0).unwrap_or(0.0),
         errors: results.len() - ms.len(),
         fallbacks: results.iter().filter(|r| r.1).count(),
+        cpu_ms: None,
     };
     eprintln!("bench throughput: {cell:?}");
     cell
@@ -184,7 +190,14 @@ pub fn run(artifacts: &Artifacts) -> anyhow::Result<Throughput> {
             cells.push(offer(&url, setup, Some(rate), bodies(seed, n)));
             seed += n as u32;
         }
-        cells.push(offer(&url, setup, None, bodies(seed, 3_000)));
+        let envoy = stack.gateway_pids().first().copied();
+        let cpu = || [envoy, stack.sidecar_pid()].map(|pid| pid.and_then(cpu_seconds).unwrap_or(0.0));
+        let before = cpu();
+        let mut closed = offer(&url, setup, None, bodies(seed, CLOSED_REQUESTS));
+        let after = cpu();
+        let per_request = |i: usize| (after[i] - before[i]) * 1000.0 / CLOSED_REQUESTS as f64;
+        closed.cpu_ms = Some((per_request(0), per_request(1)));
+        cells.push(closed);
         if let Some(mb) = stack.gateway_pids().first().and_then(|pid| peak_rss_mb(*pid)) {
             envoy_peak_rss_mb.push((setup, mb));
         }
@@ -219,7 +232,13 @@ pub fn table(throughput: &Throughput) -> String {
         }
         md += &format!("| {} | {} + {} |\n", a.errors + k.errors + s.errors, k.fallbacks, s.fallbacks);
     }
-    md += "\nEnvoy's peak resident memory:";
+    md += "\nCPU per request in the closed loop (Envoy + sidecar):";
+    for c in cells.iter().filter(|c| c.offered.is_none()) {
+        if let Some((envoy, sidecar)) = c.cpu_ms {
+            md += &format!(" {} {:.3} + {:.3} ms;", c.setup, envoy, sidecar);
+        }
+    }
+    md += "\n\nEnvoy's peak resident memory:";
     for (setup, mb) in &throughput.envoy_peak_rss_mb {
         md += &format!(" {setup} {mb:.0} MB;");
     }
