@@ -162,7 +162,7 @@ fn a_starting_sidecar_takes_its_peers_view_over_and_resumes_the_streams() {
     assert_eq!(taken.len(), 1);
     assert_eq!(
         taken[0].1,
-        TakenOver { replicas: 2, blocks: 2 * BLOCKS as usize - 1, bookings: 3, waiting: 0 },
+        TakenOver { replicas: 2, blocks: 2 * BLOCKS as usize - 1, bookings: 3, waiting: 0, sessions: 0 },
         "both replicas' blocks and A's three bookings"
     );
     let prompts =

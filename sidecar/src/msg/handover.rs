@@ -1,5 +1,5 @@
 //! What a running sidecar hands a peer that starts: each pool's index, replica by replica,
-//! and its bookings ([`Handover`]), sent as one [`Part`] a frame so that no frame grows with
+//! its bookings and its session bindings ([`Handover`]), sent as one [`Part`] a frame so that no frame grows with
 //! the fleet. Pure types; the sockets are in `crate::sync::state`, what a pool exports and takes
 //! over in `crate::pool::handover`.
 
@@ -8,14 +8,17 @@ use kvgate_shared::ids::RequestId;
 use serde::{Deserialize, Serialize};
 
 use crate::index::ReplicaSnapshot;
+use crate::msg::sync::SessionKey;
 
 /// What a starting sidecar sends to ask for a handover; the version moves whenever
 /// [`Part`]'s encoding does. A peer of another release does not answer it.
-pub const REQUEST: &[u8] = b"kvgate-handover/1";
+pub const REQUEST: &[u8] = b"kvgate-handover/2";
 
 /// The most prompt hashes a frame of bookings carries (~9 MB): bookings come in as many
 /// frames as that takes.
 pub const BOOKING_HASHES_PER_FRAME: usize = 1 << 20;
+/// The most session bindings a frame carries (~4 MB with short target ids).
+pub const SESSIONS_PER_FRAME: usize = 1 << 16;
 /// A replica with more blocks than this (~34 MB decoded) is not handed over: the starting
 /// peer rebuilds it from the engine's replay, as it would without a peer.
 pub const MAX_REPLICA_BLOCKS: usize = 2 << 20;
@@ -50,6 +53,13 @@ pub enum Part {
         /// The replica's entries.
         replica: ReplicaHandover,
     },
+    /// Some of a pool's session bindings.
+    Sessions {
+        /// The pool's model.
+        model: String,
+        /// The bindings.
+        sessions: Vec<SessionHandover>,
+    },
 }
 
 /// Why frames are not a handover.
@@ -65,8 +75,9 @@ pub enum HandoverError {
 
 impl Handover {
     /// Its frames: the sender, then per pool its name, its bookings in frames of at most
-    /// [`BOOKING_HASHES_PER_FRAME`] hashes, and each replica of at most
-    /// [`MAX_REPLICA_BLOCKS`] blocks (bigger ones are left out).
+    /// [`BOOKING_HASHES_PER_FRAME`] hashes, its session bindings in frames of at most
+    /// [`SESSIONS_PER_FRAME`], and each replica of at most [`MAX_REPLICA_BLOCKS`] blocks
+    /// (bigger ones are left out).
     pub fn into_parts(self) -> Vec<Part> {
         let mut parts = vec![Part::From { origin: self.origin }];
         for pool in self.pools {
@@ -84,6 +95,12 @@ impl Handover {
             }
             if !chunk.is_empty() {
                 parts.push(Part::Bookings { model: model.clone(), bookings: chunk });
+            }
+            let mut sessions = pool.sessions;
+            while !sessions.is_empty() {
+                let rest = sessions.split_off(sessions.len().min(SESSIONS_PER_FRAME));
+                parts.push(Part::Sessions { model: model.clone(), sessions });
+                sessions = rest;
             }
             for replica in pool.replicas.into_iter().filter(|r| r.snapshot.blocks() <= MAX_REPLICA_BLOCKS) {
                 parts.push(Part::Replica { model: model.clone(), replica });
@@ -104,7 +121,13 @@ impl Handover {
                 Part::From { .. } => {}
                 Part::Pool { model, block_size } => {
                     if !pools.iter().any(|p| p.model == model) {
-                        pools.push(PoolHandover { model, block_size, replicas: Vec::new(), bookings: Vec::new() });
+                        pools.push(PoolHandover {
+                            model,
+                            block_size,
+                            replicas: Vec::new(),
+                            bookings: Vec::new(),
+                            sessions: Vec::new(),
+                        });
                     }
                 }
                 other => orphans.push(other),
@@ -120,6 +143,11 @@ impl Handover {
                 Part::Replica { model, replica } => {
                     if let Some(pool) = pools.iter_mut().find(|p| p.model == model) {
                         pool.replicas.push(replica);
+                    }
+                }
+                Part::Sessions { model, sessions } => {
+                    if let Some(pool) = pools.iter_mut().find(|p| p.model == model) {
+                        pool.sessions.extend(sessions);
                     }
                 }
                 Part::From { .. } | Part::Pool { .. } => {}
@@ -149,6 +177,21 @@ pub struct PoolHandover {
     pub replicas: Vec<ReplicaHandover>,
     /// Every booking it holds, its own and its peers'.
     pub bookings: Vec<BookingHandover>,
+    /// Its session bindings not yet expired, least recently routed first (empty when the pool
+    /// binds no sessions).
+    pub sessions: Vec<SessionHandover>,
+}
+
+/// One session binding.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionHandover {
+    /// The session.
+    pub key: SessionKey,
+    /// The target it is bound to.
+    pub target: String,
+    /// How long since its last request, ms: it keeps its age, so it expires when it would
+    /// have at the peer.
+    pub idle_ms: u64,
 }
 
 /// One routing target's index entries.
@@ -215,6 +258,7 @@ mod tests {
             block_size: 16,
             replicas: rs,
             bookings: bs,
+            sessions: Vec::new(),
         };
         let big = BOOKING_HASHES_PER_FRAME / 2 + 1;
         let h = Handover {
@@ -237,6 +281,7 @@ mod tests {
                 Part::Pool { .. } => "pool",
                 Part::Bookings { .. } => "bookings",
                 Part::Replica { .. } => "replica",
+                Part::Sessions { .. } => "sessions",
             })
             .collect();
         assert_eq!(
@@ -257,5 +302,32 @@ mod tests {
         let orphan = vec![parts[0].clone(), Part::Replica { model: "m9".into(), replica: replica("x", 1) }];
         assert_eq!(Handover::from_parts(orphan).unwrap().pools, []);
         assert_eq!(Handover::from_parts(parts[1..].to_vec()), Err(HandoverError::NoSender));
+    }
+
+    #[test]
+    fn session_bindings_travel_in_frames_of_a_bounded_count() {
+        let sessions: Vec<SessionHandover> = (0..SESSIONS_PER_FRAME + 3)
+            .map(|i| SessionHandover { key: SessionKey::of(&i.to_string()), target: "a".into(), idle_ms: i as u64 })
+            .collect();
+        let h = Handover {
+            origin: "gw-a".into(),
+            pools: vec![PoolHandover {
+                model: "m".into(),
+                block_size: 16,
+                replicas: Vec::new(),
+                bookings: Vec::new(),
+                sessions,
+            }],
+        };
+        let parts = h.clone().into_parts();
+        let counts: Vec<usize> = parts
+            .iter()
+            .filter_map(|p| match p {
+                Part::Sessions { sessions, .. } => Some(sessions.len()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(counts, [SESSIONS_PER_FRAME, 3]);
+        assert_eq!(Handover::from_parts(parts), Ok(h), "in order, least recently routed first");
     }
 }

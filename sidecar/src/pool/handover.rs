@@ -12,6 +12,8 @@
 //!   Bookings of other gateways keep their `origin/request_id` ids, so their ends, which the
 //!   origin publishes, release them; this sidecar's own (a restart under the same id) keep
 //!   their plain ids, so its filter's reports release them.
+//! - Session bindings are bound the same way, each with its age (`sessions.rs`,
+//!   [`super::sessions::Sessions::adopt`]); one already made here stands.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -19,7 +21,7 @@ use std::time::{Duration, Instant};
 use super::Pool;
 use crate::index::{Change, ReplicaIdx, ReplicaSnapshot, Write};
 use crate::load::{BookingId, NewBooking};
-use crate::msg::handover::{BookingHandover, PoolHandover, ReplicaHandover};
+use crate::msg::handover::{BookingHandover, PoolHandover, ReplicaHandover, SessionHandover};
 use crate::msg::ingest::{Outcome, Progress};
 use kvgate_shared::ids::RequestId;
 
@@ -37,10 +39,12 @@ pub(super) struct Staged {
     /// When they were handed over: a target that joins later than [`RESTORE_WITHIN`] starts
     /// from the engine's replay instead of an old snapshot.
     taken_at: Option<Instant>,
-    /// Bookings on targets the pool does not have yet, and this sidecar's id.
+    /// Bookings and session bindings on targets the pool does not have yet, and this
+    /// sidecar's id.
     bookings: Vec<BookingHandover>,
+    sessions: Vec<SessionHandover>,
     own_id: String,
-    /// The waiting bookings had their one more membership change.
+    /// The waiting bookings and bindings had their one more membership change.
     retried: bool,
 }
 
@@ -55,11 +59,14 @@ pub struct TakenOver {
     pub bookings: usize,
     /// Bookings waiting for their targets to join.
     pub waiting: usize,
+    /// Session bindings bound now (those waiting for their targets are bound when they join).
+    pub sessions: usize,
 }
 
 impl Pool {
     /// This pool's view for a starting peer: the index entries of every active, trusted
-    /// target whose applied mark is set, and every booking. `own_id` is this sidecar's id.
+    /// target whose applied mark is set, every booking, and every session binding not
+    /// expired. `own_id` is this sidecar's id.
     /// Holds no lock for long: `members` only to list the targets, the index one replica at
     /// a time.
     pub fn export_handover(&self, own_id: &str) -> PoolHandover {
@@ -108,11 +115,33 @@ impl Pool {
                 }
             })
             .collect();
-        PoolHandover { model: self.config.model.clone(), block_size: self.config.block_size, replicas, bookings }
+        drop(members);
+        let sessions = self.export_sessions();
+        PoolHandover {
+            model: self.config.model.clone(),
+            block_size: self.config.block_size,
+            replicas,
+            bookings,
+            sessions,
+        }
     }
 
-    /// Takes a peer's view over: stages its index entries, books its bookings. `own_id` is
-    /// this sidecar's id. Call it before the pool's event streams start.
+    /// The session bindings to active targets, least recently routed first.
+    fn export_sessions(&self) -> Vec<SessionHandover> {
+        // The sessions lock is taken alone.
+        let Some(bound) = self.sessions().map(|table| table.export(Instant::now())) else { return Vec::new() };
+        let members = self.members();
+        bound
+            .into_iter()
+            .filter_map(|(key, slot, idle)| {
+                let m = members.get(slot.get()).filter(|m| m.active)?;
+                Some(SessionHandover { key, target: m.replica.id.clone(), idle_ms: idle.as_millis() as u64 })
+            })
+            .collect()
+    }
+
+    /// Takes a peer's view over: stages its index entries, books its bookings, binds its
+    /// sessions. `own_id` is this sidecar's id. Call it before the pool's event streams start.
     pub fn take_over(&self, view: PoolHandover, own_id: &str) -> TakenOver {
         let mut taken = TakenOver { replicas: view.replicas.len(), ..TakenOver::default() };
         let mut staged = self.staged();
@@ -123,9 +152,11 @@ impl Pool {
         staged.taken_at = Some(Instant::now());
         staged.own_id = own_id.to_owned();
         staged.bookings = view.bookings;
+        staged.sessions = view.sessions;
         staged.retried = false;
         drop(staged);
         (taken.bookings, taken.waiting) = self.book_handed_over();
+        taken.sessions = self.bind_handed_over();
         taken
     }
 
@@ -220,6 +251,41 @@ impl Pool {
             tracing::info!(model = %self.config.model, n = waiting.len(), "handed-over bookings name targets this pool does not have; dropped");
         }
         (booked, 0)
+    }
+
+    /// Binds the handed-over sessions whose targets are in the pool, each with its age
+    /// grown by the time since the handover; the others wait for a membership change that
+    /// brings their target, until their TTL runs out. Returns how many were bound.
+    pub(super) fn bind_handed_over(&self) -> usize {
+        let (handed, since) = {
+            let mut staged = self.staged();
+            (std::mem::take(&mut staged.sessions), staged.taken_at.map_or(Duration::ZERO, |t| t.elapsed()))
+        };
+        if handed.is_empty() {
+            return 0;
+        }
+        let slots: Vec<Option<ReplicaIdx>> = {
+            let members = self.members();
+            let slot_of = |target: &str| members.iter().position(|m| m.active && m.replica.id == target);
+            handed.iter().map(|s| slot_of(&s.target).map(ReplicaIdx::new)).collect()
+        };
+        let Some(ttl) = self.config.sessions.as_ref().map(|c| Duration::from_secs(c.ttl_secs)) else { return 0 };
+        let (mut bound, mut waiting) = (0, Vec::new());
+        let Some(mut table) = self.sessions() else { return 0 };
+        let now = Instant::now();
+        for (s, slot) in handed.into_iter().zip(slots) {
+            let idle = Duration::from_millis(s.idle_ms) + since;
+            match slot {
+                Some(slot) => bound += usize::from(table.adopt(s.key, slot, idle, now)),
+                None if idle <= ttl => waiting.push(s),
+                None => {}
+            }
+        }
+        let count = table.len();
+        drop(table);
+        self.publish_sessions_bound(count);
+        self.staged().sessions = waiting;
+        bound
     }
 
     fn staged(&self) -> std::sync::MutexGuard<'_, Staged> {

@@ -258,8 +258,9 @@ impl Pool {
         // The index's new slots go live before the members that name them.
         drop(index);
         drop(members);
-        // Bookings a peer handed over that were waiting for these targets.
+        // Bookings and session bindings a peer handed over that were waiting for these targets.
         self.book_handed_over();
+        self.bind_handed_over();
         if returned || !start.is_empty() {
             // A replica joined or came back: room for the requests that wait.
             self.capacity_freed();

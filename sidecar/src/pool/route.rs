@@ -375,6 +375,11 @@ impl Pool {
         table.bind(key, slot, Instant::now());
         let bound = table.len();
         drop(table);
+        self.publish_sessions_bound(bound);
+    }
+
+    /// Publishes how many sessions the pool has bound.
+    pub(super) fn publish_sessions_bound(&self, bound: usize) {
         let pool = self.pool_labels();
         self.metrics.sessions_bound.get_or_create(&pool).set(i64::try_from(bound).unwrap_or(i64::MAX));
     }

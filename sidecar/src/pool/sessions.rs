@@ -17,8 +17,9 @@
 //! last `ttl_secs` after their last request; at most `max_sessions` are kept, the least
 //! recently used dropped first. Sessions are keyed by a 128-bit hash of the session key
 //! ([`SessionKey`]), so a key's length never sizes the table and peers share the hash only.
-//! A sidecar that starts is handed its peers' index and bookings, not their bindings: a
-//! session's next request there is bound afresh, led to its replica by its prefix.
+//! A sidecar that starts is handed its peers' bindings with their index and bookings
+//! (`handover.rs`, [`Sessions::export`] and [`Sessions::adopt`]): each keeps its age, so it
+//! expires when it would have at the peer, and a session already bound here keeps its own.
 
 use std::num::NonZeroUsize;
 use std::time::{Duration, Instant};
@@ -123,6 +124,29 @@ impl Sessions {
         }
     }
 
+    /// Every binding not expired at `now`, least recently routed first: the session, its
+    /// slot, and how long since its last request.
+    pub(super) fn export(&self, now: Instant) -> Vec<(SessionKey, ReplicaIdx, Duration)> {
+        self.bound
+            .iter()
+            .rev()
+            .map(|(key, b)| (*key, b.slot, now.saturating_duration_since(b.at)))
+            .filter(|(_, _, idle)| *idle <= self.ttl)
+            .collect()
+    }
+
+    /// Binds `key` to `slot` as last routed `idle` before `now`, unless it is bound here
+    /// already (this sidecar's own binding is newer) or that is past its TTL. Returns whether
+    /// it was bound.
+    pub(super) fn adopt(&mut self, key: SessionKey, slot: ReplicaIdx, idle: Duration, now: Instant) -> bool {
+        if idle > self.ttl || self.bound(key, now).is_some() {
+            return false;
+        }
+        let at = now.checked_sub(idle).unwrap_or(now);
+        self.bound.put(key, Binding { slot, at });
+        true
+    }
+
     /// Sessions bound (expired ones not yet dropped included).
     pub(super) fn len(&self) -> usize {
         self.bound.len()
@@ -192,6 +216,37 @@ mod tests {
 
     fn key(s: &str) -> SessionKey {
         SessionKey::of(s)
+    }
+
+    #[test]
+    fn bindings_handed_over_keep_their_age_and_never_replace_ones_made_here() {
+        let config = SessionConfig { ttl_secs: 10, ..SessionConfig::default() };
+        let (mut peer, mut here) = (Sessions::new(&config), Sessions::new(&config));
+        let t0 = Instant::now();
+        let slot = |i| ReplicaIdx::new(i);
+        peer.bind(key("old"), slot(0), t0);
+        peer.bind(key("new"), slot(1), t0 + Duration::from_secs(6));
+        peer.bind(key("mine"), slot(1), t0 + Duration::from_secs(6));
+        let now = t0 + Duration::from_secs(8);
+        let exported = peer.export(now);
+        assert_eq!(
+            exported,
+            [
+                (key("old"), slot(0), Duration::from_secs(8)),
+                (key("new"), slot(1), Duration::from_secs(2)),
+                (key("mine"), slot(1), Duration::from_secs(2))
+            ],
+            "least recently routed first"
+        );
+        here.bind(key("mine"), slot(0), now);
+        let adopted: Vec<bool> = exported.into_iter().map(|(k, s, idle)| here.adopt(k, s, idle, now)).collect();
+        assert_eq!(adopted, [true, true, false], "the binding made here stands");
+        assert_eq!(here.bound(key("mine"), now), Some(slot(0)));
+        // Each expires when it would have at the peer: "old" 10 s after t0.
+        let later = t0 + Duration::from_secs(11);
+        assert_eq!((here.bound(key("old"), later), here.bound(key("new"), later)), (None, Some(slot(1))));
+        assert!(peer.export(later).iter().all(|(k, ..)| *k != key("old")), "an expired one is not exported");
+        assert!(!here.adopt(key("late"), slot(0), Duration::from_secs(11), later), "nor adopted");
     }
 
     #[test]

@@ -1052,6 +1052,37 @@ fn a_peers_booking_binds_the_session_here_too() {
 }
 
 #[test]
+fn a_starting_sidecar_is_handed_its_peers_session_bindings() {
+    // Gateway A has session `s` bound to r1 (a peer's booking said so, with load r0 has not).
+    let mut booking = peer_booking("r1", "elsewhere", &[1, 2, 3, 4]);
+    if let SyncEvent::Booked { session, .. } = &mut booking {
+        *session = Some(crate::msg::sync::SessionKey::of("s"));
+    }
+    let a = session_pool(Some(32.0), 30);
+    a.apply_remote("peer", &booking);
+    let view = a.export_handover("a");
+    assert_eq!(view.sessions.iter().map(|s| s.target.as_str()).collect::<Vec<_>>(), ["r1"]);
+    // Gateway B starts and takes A's view over: the booking and the binding.
+    let next = |b: &Pool, id: &str| {
+        let r = b.route(&in_session(id, "s", &conversation(1)), &ScoringConfig::default());
+        (chosen(&r), b.explain(Some(id), 1)[0].session)
+    };
+    let b = session_pool(Some(32.0), 30);
+    let taken = b.take_over(view.clone(), "b");
+    assert_eq!((taken.bookings, taken.sessions), (1, 1));
+    assert_eq!(next(&b, "next"), (1, Some("kept")), "B keeps the session where A bound it");
+    assert_eq!(b.state().sessions_bound, Some(1));
+    // A target B does not have yet: the binding waits for it to join.
+    let c = session_pool(Some(32.0), 0);
+    let replicas = c.config.replicas.clone();
+    c.set_members(&replicas[..1]);
+    assert_eq!(c.take_over(view, "c").sessions, 0, "r1 is not a member yet");
+    c.set_members(&replicas);
+    cache_on(&c, 1, &conversation(0));
+    assert_eq!(c.state().sessions_bound, Some(1), "bound once r1 joined");
+}
+
+#[test]
 fn a_session_whose_replica_left_is_bound_afresh() {
     let p = session_pool(Some(32.0), 0);
     let cfg = ScoringConfig::default();
