@@ -519,15 +519,16 @@ mod tests {
         }
         let ctx = zmq::Context::new();
         let dealer = ctx.socket(zmq::DEALER).unwrap();
-        dealer.set_rcvtimeo(5000).unwrap();
+        dealer.set_rcvtimeo(500).unwrap();
         dealer.connect(&format!("tcp://127.0.0.1:{replay_port}")).unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        // A request unanswered within its timeout (the connection still being made, a busy
+        // host) is sent again until the deadline.
         let replies = loop {
             dealer.send_multipart([&b""[..], &0u64.to_be_bytes()], 0).unwrap();
             let mut replies = Vec::new();
-            loop {
-                let frames = dealer.recv_multipart(0).unwrap();
-                // As a DEALER sees them: ["", topic, seq, payload].
+            // As a DEALER sees them: ["", topic, seq, payload], up to the end marker.
+            while let Ok(frames) = dealer.recv_multipart(0) {
                 let end = frames[2] == [0xff; 8];
                 replies.push(frames);
                 if end {
