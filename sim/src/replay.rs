@@ -23,7 +23,7 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::extra_keys::ExtraKeys;
-use crate::scheduler::{Emitted, Remote, Scheduler, SeqId};
+use crate::scheduler::{Remote, Scheduler, SeqId};
 
 /// What to replay.
 #[derive(Debug, Deserialize)]
@@ -96,22 +96,21 @@ impl Engine {
     /// Runs steps while the engine is busy and its clock is before `until_us`; an idle
     /// engine's clock moves to `until_us`. Each first token is passed to `first`.
     fn advance(&mut self, until_us: f64, first: &mut impl FnMut(First)) {
-        while self.clock_us < until_us && !self.scheduler.is_idle() {
-            let out = self.scheduler.step();
-            if out.duration_us == 0.0 {
-                // Nothing schedulable until something arrives (as the live engine waits).
-                break;
-            }
-            self.clock_us += out.duration_us;
-            self.firsts(&out.emitted, first);
-        }
+        while self.clock_us < until_us && !self.scheduler.is_idle() && self.step(first) {}
         if until_us.is_finite() {
             self.clock_us = self.clock_us.max(until_us);
         }
     }
 
-    fn firsts(&mut self, emitted: &[Emitted], first: &mut impl FnMut(First)) {
-        for e in emitted {
+    /// Runs one step and passes each first token to `first`; `false` when nothing was
+    /// schedulable until something arrives (the live engine then waits).
+    fn step(&mut self, first: &mut impl FnMut(First)) -> bool {
+        let out = self.scheduler.step();
+        if out.duration_us == 0.0 {
+            return false;
+        }
+        self.clock_us += out.duration_us;
+        for e in &out.emitted {
             let request = self.requests[&e.id];
             if e.index == 1 {
                 self.awaiting.remove(&e.id);
@@ -121,6 +120,7 @@ impl Engine {
                 self.requests.remove(&e.id);
             }
         }
+        true
     }
 
     /// Queues request `index`; `None` if it does not fit this engine's cache.
@@ -145,18 +145,8 @@ impl Engine {
     /// Steps until `id`'s first token is out; returns when it was.
     fn first_token(&mut self, id: SeqId) -> Option<f64> {
         while self.awaiting.contains(&id) {
-            let out = self.scheduler.step();
-            if out.duration_us == 0.0 {
+            if !self.step(&mut |_| {}) {
                 return None;
-            }
-            self.clock_us += out.duration_us;
-            for e in &out.emitted {
-                if e.index == 1 {
-                    self.awaiting.remove(&e.id);
-                }
-                if e.finished {
-                    self.requests.remove(&e.id);
-                }
             }
         }
         Some(self.clock_us)

@@ -530,7 +530,7 @@ fn run_cell(
     let engines: Vec<String> = stack.sims.iter().map(|s| s.url("")).collect();
     let target = Target::spread(&bases, config.fleet.speedup, Duration::from_secs(600))?.with_engines(&engines)?;
     let duration = Duration::from_secs_f64(config.max_duration_s);
-    let outcomes: Vec<Outcome> = runtime.block_on(async {
+    let mut outcomes: Vec<Outcome> = runtime.block_on(async {
         match plan {
             Plan::OpenLoop(plan) => target.open_loop(plan, duration).await,
             Plan::Conversations(c) => target.conversations(c, workloads::MODEL, duration).await,
@@ -563,7 +563,6 @@ fn run_cell(
         summary.replayed = oracle::replay(&artifacts.sim, &config.fleet, gpu_blocks, &replicas, &served)?;
     }
     // The bodies have served their purpose; a whole bench's would weigh gigabytes.
-    let mut outcomes = outcomes;
     for o in &mut outcomes {
         o.body = None;
     }
