@@ -19,7 +19,7 @@ use kvgate_shared::prompt::openai::Endpoint;
 use kvgate_shared::prompt::tokenizer::ModelTokenizer;
 use kvgate_shared::wire::{
     LifecycleEvent, LifecycleKind, ModelBundle, PrefillLeg, PromptCount, RouteBodyRequest, RouteRequest, RouteResponse,
-    Transfer, DESTINATION_HEADER,
+    Transfer, DESTINATION_HEADER, SHED_REASON_HEADER,
 };
 use proxy_wasm::types::MetricType;
 
@@ -382,11 +382,28 @@ fn a_shed_request_is_answered_429_and_goes_no_further() {
     assert_eq!((code, headers.get("retry-after").map(String::as_str)), (429, Some("3")));
     let error: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(error["error"]["code"], "rate_limit_exceeded");
+    assert!(error["error"]["message"].as_str().unwrap().contains("saturated"), "{error}");
     assert_eq!(s.resumed, 0, "the request is not sent upstream");
     assert!(!s.request_headers.contains_key(DESTINATION_HEADER));
     drop(s);
     ctx.on_log();
     assert!(kinds(&fake).is_empty(), "nothing was booked, nothing to release");
+}
+
+#[test]
+fn a_request_shed_for_its_ttft_slo_is_told_so() {
+    let config = FilterConfig { admission_wait_ms: 500, ..FilterConfig::default() };
+    let (mut ctx, fake) = request(&chat("hello, in a hurry"), &[], config);
+    assert_eq!(send(&mut ctx, &fake), Action::Pause);
+    fake.0.borrow_mut().answer = Some(("429".into(), Vec::new()));
+    fake.0.borrow_mut().answer_headers.insert(SHED_REASON_HEADER.into(), "slo".into());
+    ctx.on_call_response(1, 2, 0);
+    let (code, headers, body) = fake.0.borrow().local_reply.clone().expect("answered here");
+    assert_eq!((code, headers.get("retry-after").map(String::as_str)), (429, Some("1")));
+    let error: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.contains("predicted to meet the request's TTFT objective"), "{message}");
+    assert_eq!(fake.0.borrow().resumed, 0, "the request is not sent upstream");
 }
 
 #[test]

@@ -27,6 +27,10 @@ pub const WIRE_VERSION: &str = "8";
 /// The header that carries [`WIRE_VERSION`].
 pub const WIRE_VERSION_HEADER: &str = "x-kvgate-wire";
 
+/// On a route call answered 429 (the request is shed), why: `slo` when no replica is
+/// predicted to meet its TTFT SLO; otherwise (or absent) every replica is saturated.
+pub const SHED_REASON_HEADER: &str = "x-kvgate-shed-reason";
+
 /// The largest request body Envoy buffers for the filter (`request_body_buffer_limit` in
 /// `envoy/`): the sidecar accepts an offloaded body this large, plus its envelope.
 pub const MAX_BODY_BYTES: usize = 16 << 20;

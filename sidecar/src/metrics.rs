@@ -172,17 +172,21 @@ pub struct Metrics {
     /// Decisions of requests with a session in pools that bind sessions, by outcome: `new`,
     /// `kept`, or why the session moved (`replica_gone`, `prefix_gone`, `saturated`,
     /// `outweighed`).
-    pub session_decisions: Family<SessionLabels, Counter>,
+    pub session_decisions: Family<OutcomeLabels, Counter>,
+    /// Decisions held to a TTFT SLO, by outcome: `within` (the replica chosen is predicted to
+    /// meet it), `missed` (none is, and the class is not sheddable), `unpredicted` (some
+    /// candidate's model does not predict yet), `shed`.
+    pub slo_decisions: Family<OutcomeLabels, Counter>,
     /// Sessions bound, per pool (expired bindings are dropped as new ones come).
     pub sessions_bound: Family<PoolLabels, Gauge>,
 }
 
-/// Labels of a session's decision.
+/// Labels of a pool's decision counted by outcome (a session's, one held to a TTFT SLO).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SessionLabels {
+pub struct OutcomeLabels {
     /// The pool's model.
     pub model: String,
-    /// `new`, `kept`, `replica_gone`, `prefix_gone`, `saturated` or `outweighed`.
+    /// The outcome (see the metric).
     pub outcome: String,
 }
 
@@ -310,9 +314,15 @@ impl Default for Metrics {
         );
         let sessions_bound = Family::default();
         registry.register("sessions_bound", "Sessions bound to a replica, per pool", sessions_bound.clone());
+        let slo_decisions = Family::default();
+        registry.register(
+            "slo_decisions",
+            "Decisions held to a TTFT SLO, by outcome (within, missed, unpredicted, shed)",
+            slo_decisions.clone(),
+        );
         registry.register(
             "admission",
-            "Requests that waited for capacity, by outcome (admitted, queue_full, queue_time)",
+            "Requests that waited for capacity, by outcome (admitted, queue_full, queue_time, slo)",
             admission.clone(),
         );
         registry.register(
@@ -512,6 +522,7 @@ impl Default for Metrics {
             disaggregation,
             session_decisions,
             sessions_bound,
+            slo_decisions,
         }
     }
 }

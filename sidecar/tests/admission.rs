@@ -279,3 +279,84 @@ async fn a_wake_up_without_room_goes_on_to_another_tenant() {
     assert_eq!(pool.admission().unwrap().waiting(), 1);
     backlog.abort();
 }
+
+/// The `/metrics` text.
+async fn metrics_text(state: &Arc<AppState>) -> String {
+    let response = router(state.clone()).oneshot(Request::get("/metrics").body(Body::empty()).unwrap()).await.unwrap();
+    String::from_utf8(to_bytes(response.into_body(), 1 << 20).await.unwrap().to_vec()).unwrap()
+}
+
+/// With a TTFT SLO, a decision keeps to the replicas predicted to meet it; a request of a
+/// sheddable class that none is predicted to meet is shed at once (429, `Retry-After`,
+/// outcome `slo`, nothing booked), and one of a class that is not sheddable is routed anyway.
+#[tokio::test]
+async fn a_ttft_slo_keeps_to_replicas_predicted_to_meet_it_and_sheds_a_sheddable_miss_at_once() {
+    let class = |name: &str, slo_ms: Option<u64>, sheddable| ClassConfig {
+        name: name.into(),
+        ttft_slo_ms: slo_ms,
+        sheddable: Some(sheddable),
+        ..ClassConfig::default()
+    };
+    let (state, pool) = state_with(AdmissionConfig {
+        classes: vec![
+            class("free", Some(0), false),
+            class("chat", Some(60), false),
+            class("batch", Some(10), true),
+            class("late", Some(10), false),
+        ],
+        default_class: Some("free".into()),
+        ..AdmissionConfig::default()
+    });
+    // r0 answers its first token in 20 ms, r1 in 200 ms; until both models have learned, the
+    // SLO classes are decided as without one.
+    let ttft = |replica: &str| Duration::from_millis(if replica == "r0" { 20 } else { 200 });
+    let mut seed = 100;
+    let mut send = |class: Option<&'static str>| {
+        seed += 1;
+        let (state, id) = (state.clone(), format!("q{seed}"));
+        async move {
+            match post(&state, "/v1/route", request_of_class(&id, seed, 0, class)).await {
+                (StatusCode::OK, _, body) => Ok((id, codec::decode::<RouteResponse>(&body).unwrap().replica.unwrap())),
+                (status, retry_after, _) => Err((status, retry_after)),
+            }
+        }
+    };
+    let learned = |pool: &Pool| pool.state().replicas.iter().all(|r| r.ttft.samples >= 8);
+    for _ in 0..200 {
+        let (id, replica) = send(Some("chat")).await.unwrap();
+        assert!(pool.first_token(&id.as_str().into(), Some(ttft(&replica))));
+        done(&state, &id).await;
+        if learned(&pool) {
+            break;
+        }
+    }
+    assert!(learned(&pool), "{:?}", pool.state().replicas.iter().map(|r| r.ttft).collect::<Vec<_>>());
+    // Requests held on r0: without an SLO kv_aware sends the next to idle r1; under the 60 ms
+    // SLO every one goes to r0, the only replica predicted to meet it.
+    let (held, first) = send(None).await.unwrap();
+    let (_, second) = send(None).await.unwrap();
+    assert_ne!(first, second, "without an SLO, the load spreads");
+    for _ in 0..4 {
+        assert_eq!(send(Some("chat")).await.unwrap().1, "r0", "r1 is predicted at 200 ms");
+    }
+    let explained = pool.explain(None, 1).pop().unwrap();
+    assert_eq!(explained.ttft_slo_secs.map(|s| (s * 1e3).round()), Some(60.0), "{explained:?}");
+    let predicted: Vec<f64> = explained.candidates.iter().map(|c| c.predicted_ttft_secs.unwrap()).collect();
+    assert!((predicted[0] - 0.020).abs() < 1e-3 && (predicted[1] - 0.200).abs() < 1e-3, "{predicted:?}");
+    // A 10 ms SLO nobody is predicted to meet: shed at once if sheddable, else routed.
+    let bookings = pool.state().bookings;
+    assert_eq!(send(Some("batch")).await.unwrap_err(), (StatusCode::TOO_MANY_REQUESTS, Some("7".into())));
+    assert_eq!(pool.state().bookings, bookings, "a shed request books nothing");
+    assert!(send(Some("late")).await.is_ok(), "a class that is not sheddable is routed late");
+    done(&state, &held).await;
+    let metrics = metrics_text(&state).await;
+    for line in [
+        "kvgate_admission_total{model=\"m\",class=\"batch\",outcome=\"slo\"} 1",
+        "kvgate_slo_decisions_total{model=\"m\",outcome=\"shed\"} 1",
+        "kvgate_slo_decisions_total{model=\"m\",outcome=\"missed\"} 1",
+        "kvgate_slo_decisions_total{model=\"m\",outcome=\"within\"} 4",
+    ] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
+    assert!(metrics.contains("kvgate_slo_decisions_total{model=\"m\",outcome=\"unpredicted\"}"), "{metrics}");
+}

@@ -6,7 +6,7 @@
 
 use kvgate_shared::codec;
 use kvgate_shared::ids::ModelName;
-use kvgate_shared::wire::{RouteResponse, DESTINATION_HEADER, DP_RANK_HEADER};
+use kvgate_shared::wire::{RouteResponse, DESTINATION_HEADER, DP_RANK_HEADER, SHED_REASON_HEADER};
 
 use crate::host::Host;
 use crate::metrics::Outcome;
@@ -76,15 +76,20 @@ impl Exchange {
         }
     }
 
-    /// The sidecar shed the request (every replica saturated, its wait over): answer 429 with
-    /// the sidecar's `Retry-After` and an OpenAI-style error, and book nothing. If the reply
-    /// cannot be sent, the request goes on through Envoy's balancing instead.
+    /// The sidecar shed the request (every replica saturated and its wait over, or none
+    /// predicted to meet its class's TTFT SLO): answer 429 with the sidecar's `Retry-After` and
+    /// an OpenAI-style error saying which, and book nothing. If the reply cannot be sent, the
+    /// request goes on through Envoy's balancing instead.
     fn shed(&mut self, host: &impl Host) -> Outcome {
         let retry_after = host.call_header("retry-after").filter(|v| v.parse::<u32>().is_ok());
         let retry_after = retry_after.unwrap_or_else(|| "1".into());
         let model = self.booked.as_ref().map_or("", ModelName::as_str);
+        let why = match host.call_header(SHED_REASON_HEADER).as_deref() {
+            Some("slo") => format!("no replica of model {model:?} is predicted to meet the request's TTFT objective"),
+            _ => format!("every replica of model {model:?} is saturated"),
+        };
         let error = serde_json::json!({"error": {
-            "message": format!("every replica of model {model:?} is saturated; retry after {retry_after} s"),
+            "message": format!("{why}; retry after {retry_after} s"),
             "type": "rate_limit_error",
             "param": null,
             "code": "rate_limit_exceeded",

@@ -60,6 +60,17 @@ pub struct AdmissionConfig {
     /// bursting one's backlog. 0: tenants only take turns in the queue.
     #[serde(default = "default_fair_headroom")]
     pub fair_headroom: f64,
+    /// Time to first token the pool's requests should get, in ms (0: none). Once every
+    /// candidate's TTFT model predicts (`crate::latency`), a replica predicted to miss what is
+    /// left of it (after the request's wait) is not chosen while another is predicted to meet
+    /// it; if none is, the request is shed at once when its class is `sheddable`, and
+    /// otherwise decided as without an SLO.
+    #[serde(default)]
+    pub ttft_slo_ms: u64,
+    /// Whether a request that no replica is predicted to serve within its TTFT SLO is shed at
+    /// once (429 with `Retry-After`, outcome `slo`) rather than routed late.
+    #[serde(default)]
+    pub sheddable: bool,
 }
 
 /// One priority class of admission control.
@@ -85,6 +96,14 @@ pub struct ClassConfig {
     /// The prefill backlog this class may add to (default: the pool's `max_prefill_tokens`).
     #[serde(default)]
     pub max_prefill_tokens: Option<u64>,
+    /// The class's TTFT SLO in ms (default: the pool's `ttft_slo_ms`; 0: none).
+    #[serde(default)]
+    pub ttft_slo_ms: Option<u64>,
+    /// Whether the class's requests are shed at once when no replica is predicted to meet
+    /// their SLO (default: the pool's `sheddable`). Batch traffic that can come back later
+    /// is; interactive traffic that would rather be late usually is not.
+    #[serde(default)]
+    pub sheddable: Option<bool>,
 }
 
 impl Default for AdmissionConfig {
@@ -102,6 +121,8 @@ impl Default for AdmissionConfig {
             classes: Vec::new(),
             default_class: None,
             fair_headroom: default_fair_headroom(),
+            ttft_slo_ms: 0,
+            sheddable: false,
         }
     }
 }
@@ -115,11 +136,21 @@ impl AdmissionConfig {
         if self.engine_signals && !polled {
             bail!("pool {model:?}: admission.engine_signals needs engine_metrics_secs > 0 to read the engines");
         }
-        if self.kv_blocks == 0 && self.max_prefill_tokens == 0 && !polled {
+        let slo = self.ttft_slo_ms > 0 || self.classes.iter().any(|c| c.ttft_slo_ms.is_some_and(|ms| ms > 0));
+        if self.kv_blocks == 0 && self.max_prefill_tokens == 0 && !polled && !slo {
             bail!(
                 "pool {model:?}: admission needs kv_blocks or max_prefill_tokens, or engine_metrics_secs to learn \
-                 each engine's KV capacity, to tell when a replica is saturated"
+                 each engine's KV capacity, to tell when a replica is saturated, or a ttft_slo_ms"
             );
+        }
+        let sheddable_without_slo = |sheddable: bool, slo_ms: u64| sheddable && slo_ms == 0;
+        if self.classes.is_empty() && sheddable_without_slo(self.sheddable, self.ttft_slo_ms) {
+            bail!("pool {model:?}: admission.sheddable sheds requests that miss their TTFT SLO: set ttft_slo_ms");
+        }
+        if let Some(c) = self.classes.iter().find(|c| {
+            sheddable_without_slo(c.sheddable.unwrap_or(self.sheddable), c.ttft_slo_ms.unwrap_or(self.ttft_slo_ms))
+        }) {
+            bail!("pool {model:?}: admission class {:?} is sheddable but has no ttft_slo_ms", c.name);
         }
         if !(self.kv_fraction > 0.0 && self.kv_fraction <= 1.0) {
             bail!("pool {model:?}: admission.kv_fraction must be in (0, 1], got {}", self.kv_fraction);

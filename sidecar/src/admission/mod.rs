@@ -31,6 +31,12 @@
 //!   keep a quiet tenant's requests fast once a burst holds the capacity: whoever is first
 //!   still waits for a release.
 //!
+//! - a TTFT SLO (`ttft_slo_ms`, per class): once every candidate's TTFT model predicts, the
+//!   decision keeps to the replicas predicted to meet what is left of the SLO after the
+//!   request's wait; when none is, a request of a `sheddable` class is shed at once (outcome
+//!   `slo`) instead of being routed late or after `max_queue_ms`, and another class's is
+//!   decided as without an SLO (`crate::pool`, `route.rs`).
+//!
 //! A waiter that gave up (timed out, or its client left and the filter stopped waiting) is
 //! skipped. Tenants are remembered only while they have a turn ahead of their class's
 //! (at most [`MAX_TENANTS`] per pool; beyond that a tenant is treated as a newcomer).
@@ -59,6 +65,8 @@ pub enum ShedReason {
     QueueFull,
     /// Capacity did not free within the request's wait.
     QueueTime,
+    /// No replica is predicted to meet its class's TTFT SLO, and the class is sheddable.
+    Slo,
 }
 
 impl ShedReason {
@@ -67,6 +75,7 @@ impl ShedReason {
         match self {
             ShedReason::QueueFull => "queue_full",
             ShedReason::QueueTime => "queue_time",
+            ShedReason::Slo => "slo",
         }
     }
 }
@@ -86,6 +95,10 @@ struct Class {
     /// higher class's.
     fair_kv_fraction: f64,
     fair_max_prefill_tokens: u64,
+    /// Its TTFT SLO, and whether a request that no replica is predicted to meet it with is
+    /// shed at once.
+    ttft_slo: Option<Duration>,
+    sheddable: bool,
 }
 
 /// A pool's admission gate.
@@ -298,6 +311,9 @@ impl Gate {
                 max_prefill_tokens: c.max_prefill_tokens.unwrap_or(config.max_prefill_tokens),
                 fair_kv_fraction: 0.0,
                 fair_max_prefill_tokens: 0,
+                ttft_slo: Some(Duration::from_millis(c.ttft_slo_ms.unwrap_or(config.ttft_slo_ms)))
+                    .filter(|slo| !slo.is_zero()),
+                sheddable: c.sheddable.unwrap_or(config.sheddable),
             })
             .collect();
         let mut by_priority: Vec<usize> = (0..classes.len()).collect();
@@ -388,6 +404,17 @@ impl Gate {
     /// A class's name, for metrics.
     pub fn class_name(&self, class: usize) -> &str {
         &self.classes[class].name
+    }
+
+    /// The TTFT SLO of `class`, if it has one.
+    pub fn ttft_slo(&self, class: usize) -> Option<Duration> {
+        self.classes[class].ttft_slo
+    }
+
+    /// Whether a request of `class` that no replica is predicted to serve within its SLO is
+    /// shed at once.
+    pub fn sheddable(&self, class: usize) -> bool {
+        self.classes[class].sheddable
     }
 
     /// The longest a request of `class` waits.

@@ -29,13 +29,13 @@ use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::{model_of, parse};
 use kvgate_shared::wire::{
     Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteBodyRequest, RouteRequest, CONTENT_TYPE, MAX_BODY_BYTES,
-    WIRE_VERSION, WIRE_VERSION_HEADER,
+    SHED_REASON_HEADER, WIRE_VERSION, WIRE_VERSION_HEADER,
 };
 
-use crate::admission::Place;
+use crate::admission::{Place, ShedReason};
 use crate::health::Health;
 use crate::metrics::{AdmissionLabels, FallbackLabels, LifecycleLabels, Metrics, PoolLabels};
-use crate::pool::{Admit, OffloadError, Pool};
+use crate::pool::{Admit, NotAdmitted, OffloadError, Pool};
 use crate::score::ScoringConfig;
 use kvgate_telemetry as telemetry;
 use tracing::Instrument;
@@ -285,7 +285,8 @@ async fn route_in(state: Arc<AppState>, body: Bytes) -> Response {
 /// headroom lets it through) waits in the pool's queue — at most
 /// its class's `max_queue_ms` from `arrived`, and no longer than the filter said it waits —
 /// and decides again when it is woken, where its prefix is cached then. Past that it is shed:
-/// 429 with `Retry-After`, nothing booked. If the filter stops waiting, this future is
+/// 429 with `Retry-After`, nothing booked; so is a request of a sheddable class that no
+/// replica is predicted to serve within its class's TTFT SLO, at once. If the filter stops waiting, this future is
 /// dropped and its place with it. Returns the answer and the time spent waiting (which the
 /// decision-time histogram leaves out).
 async fn admitted(
@@ -306,6 +307,23 @@ async fn admitted(
         state.metrics.admission.get_or_create(&labels).inc();
         state.metrics.admission_wait_seconds.observe(arrived.elapsed().as_secs_f64());
     };
+    let shed = |reason: ShedReason, waited: Duration| {
+        outcome(reason.label());
+        tracing::debug!(
+            request_id = %req.request_id,
+            %model,
+            reason = reason.label(),
+            waited_ms = waited.as_millis() as u64,
+            "shed"
+        );
+        let retry_after = gate.retry_after_secs().to_string();
+        let message = match reason {
+            ShedReason::Slo => format!("no replica of {model:?} is predicted to meet the request's TTFT SLO (slo)"),
+            _ => format!("every replica of {model:?} is saturated ({})", reason.label()),
+        };
+        let headers = [(header::RETRY_AFTER.as_str(), retry_after.as_str()), (SHED_REASON_HEADER, reason.label())];
+        (StatusCode::TOO_MANY_REQUESTS, headers, message).into_response()
+    };
     let mut place = None;
     let mut woken = false;
     let mut waited = Duration::ZERO;
@@ -320,12 +338,16 @@ async fn admitted(
                 Some(p) => p.is_first(),
             };
         if first || (gate.has_fair_headroom() && req.tenant.is_some() && !gate.higher_waiting(class)) {
-            if let Ok(decision) = pool.admit(req, scoring, Admit { behind: !first }) {
-                if place.as_ref().is_some_and(|p: &Place<'_>| p.waited()) {
-                    outcome("admitted");
+            match pool.admit(req, scoring, Admit { behind: !first, waited: arrived.elapsed() }) {
+                Ok(decision) => {
+                    if place.as_ref().is_some_and(|p: &Place<'_>| p.waited()) {
+                        outcome("admitted");
+                    }
+                    // Dropping the place wakes the next waiter: there may be room for it too.
+                    return (encoded(&decision), waited);
                 }
-                // Dropping the place wakes the next waiter: there may be room for it too.
-                return (encoded(&decision), waited);
+                Err(NotAdmitted::OverSlo) => return (shed(ShedReason::Slo, waited), waited),
+                Err(NotAdmitted::Saturated) => {}
             }
         }
         let p = place.get_or_insert_with(|| gate.place(class, req.model.as_str(), req.tenant.as_deref()));
@@ -337,20 +359,7 @@ async fn admitted(
         waiting.set(gate.waiting() as i64);
         match result {
             Ok(signalled) => woken = signalled,
-            Err(reason) => {
-                outcome(reason.label());
-                tracing::debug!(
-                    request_id = %req.request_id,
-                    %model,
-                    reason = reason.label(),
-                    waited_ms = waited.as_millis() as u64,
-                    "shed: every replica saturated"
-                );
-                let retry_after = gate.retry_after_secs().to_string();
-                let message = format!("every replica of {model:?} is saturated ({})", reason.label());
-                let shed = (StatusCode::TOO_MANY_REQUESTS, [(header::RETRY_AFTER, retry_after)], message);
-                return (shed.into_response(), waited);
-            }
+            Err(reason) => return (shed(reason, waited), waited),
         }
     }
 }

@@ -89,6 +89,15 @@ fn admission_needs_a_saturation_criterion() {
     let a = &ok.pools[0].pool.admission;
     assert_eq!((a.kv_fraction, a.max_queue_ms, a.max_queued, a.retry_after_secs), (0.9, 2000, 256, 1));
     assert_eq!(a.fair_headroom, 0.5);
+    assert_eq!((a.ttft_slo_ms, a.sheddable), (0, false));
+    assert!(load(&with("enabled = true, ttft_slo_ms = 500"), &[]).is_ok(), "a TTFT SLO is a criterion of its own");
+    let blind = load(&with("enabled = true, kv_blocks = 100, sheddable = true"), &[]).unwrap_err().to_string();
+    assert!(blind.contains("ttft_slo_ms"), "{blind}");
+    let class = "enabled = true, kv_blocks = 100, classes = [{ name = \"batch\", sheddable = true }]";
+    let error = load(&with(class), &[]).unwrap_err().to_string();
+    assert!(error.contains("\"batch\"") && error.contains("ttft_slo_ms"), "{error}");
+    let inherited = "enabled = true, ttft_slo_ms = 500, classes = [{ name = \"batch\", sheddable = true }]";
+    assert!(load(&with(inherited), &[]).is_ok(), "the class inherits the pool's SLO");
 }
 
 #[test]

@@ -30,7 +30,8 @@ pub(super) struct Scored {
     pub logit: f64,
     /// Whether its cache credit counted.
     pub trusted: bool,
-    /// Under `predicted_latency`, the TTFT predicted there, in seconds, if its model predicts.
+    /// Under `predicted_latency` or a TTFT SLO, the TTFT predicted there, in seconds, if its
+    /// model predicts.
     pub predicted_ttft: Option<f32>,
     /// The credit taken off its cost for being the request's session's replica (0 if none).
     pub session_credit: f64,

@@ -38,6 +38,8 @@ pub(super) struct Kept {
     predicted_ttft: Option<f32>,
     /// What the filter measured, once the first token came.
     measured_ttft: Option<f32>,
+    /// What was left of its TTFT SLO when it was decided, in seconds, if it had one.
+    ttft_slo: Option<f32>,
     /// In a disaggregated pool: the decision's mode, or `prefill_leg` for a leg's.
     disaggregation: Option<&'static str>,
     /// In a pool that binds sessions, a request with a session: what its binding did.
@@ -63,6 +65,8 @@ pub(super) struct Chosen {
     pub(super) predicted_ttft: Option<Duration>,
     /// What the request's session binding did (`new`, `kept`, or why it moved).
     pub(super) session: Option<&'static str>,
+    /// What was left of its TTFT SLO, if it had one.
+    pub(super) ttft_slo: Option<Duration>,
 }
 
 /// One candidate's cost terms in a decision.
@@ -82,8 +86,10 @@ pub struct CandidateTerms {
     pub requests: u64,
     /// The cost; lowest wins under `kv_aware` and `least_load`.
     pub logit: f64,
-    /// Under `predicted_latency`, the time to first token predicted there, in seconds (lowest
-    /// wins; absent while its model does not predict, and then the decision is `kv_aware`'s).
+    /// Under `predicted_latency` or a TTFT SLO, the time to first token predicted there, in
+    /// seconds (under `predicted_latency` the lowest wins; under an SLO only those within it
+    /// are chosen while any is). Absent while its model does not predict, and then the decision
+    /// is `kv_aware`'s and holds to no SLO.
     pub predicted_ttft_secs: Option<f64>,
     /// The credit taken off `logit` because the request's session is bound here, holds its
     /// prefix and has headroom (`[pools.sessions]`; 0 otherwise).
@@ -112,6 +118,10 @@ pub struct Explanation {
     pub predicted_ttft_secs: Option<f64>,
     /// That prediction against the TTFT the filter measured, once the first token came.
     pub ttft_checked: Option<TtftCheck>,
+    /// With a TTFT SLO for its class (admission control): what was left of it after the
+    /// request's wait, in seconds. The candidates predicted above it were not chosen, unless
+    /// every one was.
+    pub ttft_slo_secs: Option<f64>,
     /// In a disaggregated pool: `disaggregated` (its prefill leg is explained under
     /// `<request_id>/prefill`, marked `prefill_leg`) or why it was served whole
     /// (`short_prompt`, `prefill_busy`, `no_prefill_worker`, `several_prompts`).
@@ -238,6 +248,7 @@ impl Pool {
                     predicted_secs: f64::from(predicted),
                     measured_secs: f64::from(measured),
                 }),
+                ttft_slo_secs: k.ttft_slo.map(f64::from),
                 disaggregation: k.disaggregation,
                 session: k.session,
                 candidates: k
@@ -269,7 +280,7 @@ impl Pool {
         chosen: Chosen,
         mode: Option<&'static str>,
     ) {
-        let Chosen { slot: best, overlap, predicted_ttft, session } = chosen;
+        let Chosen { slot: best, overlap, predicted_ttft, session, ttft_slo } = chosen;
         let labels = self.labels(best);
         tracing::debug!(
             request_id = %req.request_id,
@@ -303,6 +314,7 @@ impl Pool {
             checked: None,
             predicted_ttft: predicted_ttft.map(|d| d.as_secs_f32()),
             measured_ttft: None,
+            ttft_slo: ttft_slo.map(|d| d.as_secs_f32()),
             disaggregation: mode,
             session,
         });
@@ -352,6 +364,7 @@ impl Pool {
             checked: None,
             predicted_ttft: None,
             measured_ttft: None,
+            ttft_slo: None,
             disaggregation: Some("prefill_leg"),
             session: None,
         });
@@ -405,6 +418,7 @@ mod tests {
             checked: None,
             predicted_ttft: None,
             measured_ttft: None,
+            ttft_slo: None,
             disaggregation: None,
             session: None,
         }
@@ -474,11 +488,11 @@ mod tests {
         assert_eq!(e.by_id.len(), 4);
     }
 
-    /// The memory the `explain_keep` documentation states: a kept decision in about 250 bytes
+    /// The memory the `explain_keep` documentation states: a kept decision in about 260 bytes
     /// (its ids on the heap included) plus 80 per candidate.
     #[test]
     fn a_kept_decision_is_as_small_as_documented() {
-        assert!(std::mem::size_of::<Entry>() + 2 * 24 <= 250, "{}", std::mem::size_of::<Entry>());
+        assert!(std::mem::size_of::<Entry>() + 2 * 24 <= 260, "{}", std::mem::size_of::<Entry>());
         assert!(std::mem::size_of::<Scored>() <= 80, "{}", std::mem::size_of::<Scored>());
     }
 }

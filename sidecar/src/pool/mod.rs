@@ -50,7 +50,7 @@ pub use explain::{CandidateTerms, Checked, Explanation};
 pub use handover::TakenOver;
 pub use members::{targets, Member, ReplicaHealth, Target};
 pub use offload::OffloadError;
-pub use route::Admit;
+pub use route::{Admit, NotAdmitted};
 pub use sessions::SessionConfig;
 pub use state::{PoolState, ReplicaState, TtftState};
 

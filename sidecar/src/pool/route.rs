@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvgate_shared::hash::SequenceHash;
 use kvgate_shared::wire::{PromptCount, RouteRequest, RouteResponse};
@@ -20,7 +20,7 @@ use crate::index::approx::ApproxIndex;
 use crate::index::{Overlap, ReplicaIdx};
 use crate::load::flows::Flow;
 use crate::load::{BookingId, LoadTable, NewBooking};
-use crate::metrics::SessionLabels;
+use crate::metrics::OutcomeLabels;
 use crate::msg::sync::{SessionKey, SyncEvent};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
 use kvgate_shared::ids::RequestId;
@@ -87,9 +87,15 @@ fn nowhere() -> RouteResponse {
     RouteResponse { endpoint: None, replica: None, overlap_blocks: 0, dp_rank: None, prefill: None }
 }
 
-/// Every replica the request may go to is saturated: it waits, or is shed.
+/// Why an admission-controlled request was not decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Saturated;
+pub enum NotAdmitted {
+    /// Every replica it may go to is saturated: it waits, or is shed.
+    Saturated,
+    /// No replica is predicted to meet its class's TTFT SLO, and its class is sheddable: it
+    /// is shed at once.
+    OverSlo,
+}
 
 /// How an admission-controlled decision is made.
 #[derive(Debug, Clone, Copy)]
@@ -97,18 +103,33 @@ pub struct Admit {
     /// Others of its class wait ahead of the request: it routes only on its tenant's
     /// fair-share headroom.
     pub behind: bool,
+    /// How long it has waited so far: its class's TTFT SLO is what is left after it.
+    pub waited: Duration,
+}
+
+/// A decision held to a TTFT SLO: what is left of it, and whether missing it sheds.
+#[derive(Debug, Clone, Copy)]
+struct Slo {
+    left: Duration,
+    sheddable: bool,
 }
 
 impl Pool {
     /// Scores every replica, picks one by the pool's policy, and books the request there,
     /// atomically (no herding: concurrent requests see each other's bookings).
     pub fn route(&self, req: &RouteRequest, scoring: &ScoringConfig) -> RouteResponse {
-        self.decide(req, scoring, None).unwrap_or_else(|Saturated| nowhere())
+        self.decide(req, scoring, None).unwrap_or_else(|_| nowhere())
     }
 
     /// [`Pool::route`], unless admission control is on and every eligible replica is
-    /// saturated for the request: then nothing is booked.
-    pub fn admit(&self, req: &RouteRequest, scoring: &ScoringConfig, admit: Admit) -> Result<RouteResponse, Saturated> {
+    /// saturated for the request, or, for a sheddable class, predicted to miss its TTFT SLO:
+    /// then nothing is booked.
+    pub fn admit(
+        &self,
+        req: &RouteRequest,
+        scoring: &ScoringConfig,
+        admit: Admit,
+    ) -> Result<RouteResponse, NotAdmitted> {
         self.decide(req, scoring, self.admission.is_some().then_some(admit))
     }
 
@@ -117,7 +138,7 @@ impl Pool {
         req: &RouteRequest,
         scoring: &ScoringConfig,
         admit: Option<Admit>,
-    ) -> Result<RouteResponse, Saturated> {
+    ) -> Result<RouteResponse, NotAdmitted> {
         // The prompt in the pool's terms: hashes of another block size are dropped.
         let shape = self.shape(req);
         // Lock order: members, index, affinity, load.
@@ -142,7 +163,7 @@ impl Pool {
             self.admission.as_ref().and_then(|g| g.flow_of(g.class_of(req.priority.as_deref()), req.tenant.as_deref()));
         // With admission control, a full pool books nothing: the request waits.
         if admit.is_some_and(|a| self.all_saturated(&load, &eligible, req, flow, a)) {
-            return Err(Saturated);
+            return Err(NotAdmitted::Saturated);
         }
         // Every eligible replica's cost, from its booked load.
         let mut scored = score_all(&load, &eligible, &shape, &scoring);
@@ -150,16 +171,37 @@ impl Pool {
         // and has headroom (`[pools.sessions]`, `kv_aware`).
         let session = self.session_of(req, policy);
         let weighed = session.map(|key| self.weigh_session(key, &load, &eligible, &mut scored, req, &scoring));
+        // Its class's TTFT SLO, what is left of it after its wait (admission control).
+        let slo = admit.and_then(|a| self.slo_for(req, a));
+        // Each candidate's predicted TTFT, where the policy or the SLO needs it: known once
+        // every candidate's model predicts.
+        let predicted = (policy == Policy::PredictedLatency || slo.is_some())
+            && predict_all(&load, &eligible, &mut scored, &shape, &scoring);
+        // The candidates the choice keeps to: those predicted to meet the SLO, if any is;
+        // none, and a sheddable class's request is shed at once.
+        let within = slo.filter(|_| predicted).map(|slo| within(&scored, slo.left));
+        if slo.is_some_and(|s| s.sheddable) && within.as_ref().is_some_and(Vec::is_empty) {
+            self.count_slo("shed");
+            return Err(NotAdmitted::OverSlo);
+        }
+        let allowed = within.clone().filter(|w| !w.is_empty()).unwrap_or_else(|| (0..eligible.len()).collect());
         // Under `predicted_latency`, the lowest predicted TTFT; until every candidate's model
         // predicts, the request is decided (and recorded) as `kv_aware`.
-        let fastest = (policy == Policy::PredictedLatency)
-            .then(|| fastest(&load, &eligible, &mut scored, &shape, &scoring))
-            .flatten();
+        let fastest = (policy == Policy::PredictedLatency && predicted).then(|| fastest(&scored, &allowed)).flatten();
         let policy = if policy == Policy::PredictedLatency && fastest.is_none() { Policy::KvAware } else { policy };
         // The policy's pick, an index into `eligible`.
-        let Some(choice) = fastest.or_else(|| self.choose(policy, req, &members, &eligible, &scored, &scoring)) else {
+        let Some(choice) =
+            fastest.or_else(|| self.choose(policy, req, &members, &eligible, &scored, &scoring, &allowed))
+        else {
             return Ok(nowhere());
         };
+        if slo.is_some() {
+            self.count_slo(match &within {
+                None => "unpredicted",
+                Some(w) if w.is_empty() => "missed",
+                Some(_) => "within",
+            });
+        }
         // Where the prompt is computed: there, or in a prefill worker's leg.
         let prompt = Prompt {
             tokens: shape.prompt_tokens,
@@ -222,7 +264,13 @@ impl Pool {
             self.share_booking(&leg_id.request_id(), &p.replica, &shape.leg(), leg, None);
         }
         let mode = split.mode();
-        let chosen = Chosen { slot: booked.slot, overlap: booked.overlap, predicted_ttft, session: session_outcome };
+        let chosen = Chosen {
+            slot: booked.slot,
+            overlap: booked.overlap,
+            predicted_ttft,
+            session: session_outcome,
+            ttft_slo: slo.map(|s| s.left),
+        };
         self.record(req, policy, scored, chosen, mode);
         if let (Split::Remote { scored, .. }, Some(leg)) = (split, &leg) {
             self.record_leg(req, &leg_id, policy, scored, leg.slot);
@@ -254,6 +302,20 @@ impl Pool {
             return true;
         }
         eligible.iter().all(|e| gate.saturated_for(&load.load(e.slot), class, under_share))
+    }
+
+    /// The TTFT SLO of the request's class, less what it has waited, with admission control.
+    fn slo_for(&self, req: &RouteRequest, admit: Admit) -> Option<Slo> {
+        let gate = self.admission.as_ref()?;
+        let class = gate.class_of(req.priority.as_deref());
+        let left = gate.ttft_slo(class)?.saturating_sub(admit.waited);
+        Some(Slo { left, sheddable: gate.sheddable(class) })
+    }
+
+    /// Counts a decision held to a TTFT SLO by outcome.
+    fn count_slo(&self, outcome: &'static str) {
+        let labels = OutcomeLabels { model: self.config.model.clone(), outcome: outcome.to_owned() };
+        self.metrics.slo_decisions.get_or_create(&labels).inc();
     }
 
     fn shape<'a>(&self, req: &'a RouteRequest) -> Shape<'a> {
@@ -386,7 +448,7 @@ impl Pool {
 
     /// Counts a session's decision by outcome.
     fn count_session(&self, outcome: &'static str) {
-        let labels = SessionLabels { model: self.config.model.clone(), outcome: outcome.to_owned() };
+        let labels = OutcomeLabels { model: self.config.model.clone(), outcome: outcome.to_owned() };
         self.metrics.session_decisions.get_or_create(&labels).inc();
     }
 
@@ -397,7 +459,9 @@ impl Pool {
         }
     }
 
-    /// The policy's choice among `eligible` (an index into it).
+    /// The policy's choice among the `allowed` candidates (indices into `eligible`, in order;
+    /// not empty): an index into `eligible`.
+    #[allow(clippy::too_many_arguments)]
     fn choose(
         &self,
         policy: Policy,
@@ -406,14 +470,15 @@ impl Pool {
         eligible: &[Eligible],
         scored: &[Scored],
         scoring: &ScoringConfig,
+        allowed: &[usize],
     ) -> Option<usize> {
         match policy {
             Policy::KvAware | Policy::LeastLoad | Policy::PrefixAffinity | Policy::PredictedLatency => {
-                let logits: Vec<f64> = scored.iter().map(|s| s.logit).collect();
-                score::select(&logits, scoring.temperature, &mut rand::rng())
+                let logits: Vec<f64> = allowed.iter().map(|&c| scored[c].logit).collect();
+                score::select(&logits, scoring.temperature, &mut rand::rng()).map(|k| allowed[k])
             }
-            Policy::RoundRobin => Some(self.next.fetch_add(1, Ordering::Relaxed) % eligible.len()),
-            Policy::ConsistentHash => req.session.as_deref().map(|key| rendezvous(key, members, eligible)),
+            Policy::RoundRobin => Some(allowed[self.next.fetch_add(1, Ordering::Relaxed) % allowed.len()]),
+            Policy::ConsistentHash => req.session.as_deref().map(|key| rendezvous(key, members, eligible, allowed)),
         }
     }
 
@@ -511,23 +576,34 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
     scored(eligible, inputs, request, scoring)
 }
 
-/// The candidate with the lowest predicted time to first token, its own prefill being what it
-/// has not cached there; `None` while any candidate's model does not predict yet.
-/// Each candidate's prediction is kept in `scored`, for `/debug/explain`.
-fn fastest(
+/// Each candidate's predicted time to first token, its own prefill being what it has not
+/// cached there, kept in `scored` (for the choice and `/debug/explain`). Whether every
+/// candidate's model predicts.
+fn predict_all(
     load: &LoadTable,
     eligible: &[Eligible],
     scored: &mut [Scored],
     shape: &Shape<'_>,
     scoring: &ScoringConfig,
-) -> Option<usize> {
+) -> bool {
     let now = Instant::now();
     for (e, s) in eligible.iter().zip(scored.iter_mut()) {
         let own = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
         s.predicted_ttft = load.predict_ttft(e.slot, own, now).map(|d| d.as_secs_f32());
     }
-    let predicted: Option<Vec<f64>> = scored.iter().map(|s| s.predicted_ttft.map(f64::from)).collect();
-    score::argmin(&predicted?, &mut rand::rng())
+    scored.iter().all(|s| s.predicted_ttft.is_some())
+}
+
+/// Of the `allowed` candidates (indices into `scored`), the one with the lowest predicted TTFT.
+fn fastest(scored: &[Scored], allowed: &[usize]) -> Option<usize> {
+    let predicted: Option<Vec<f64>> = allowed.iter().map(|&c| scored[c].predicted_ttft.map(f64::from)).collect();
+    score::argmin(&predicted?, &mut rand::rng()).map(|k| allowed[k])
+}
+
+/// The candidates (indices into `scored`) predicted to meet an SLO with `left` of it left.
+fn within(scored: &[Scored], left: Duration) -> Vec<usize> {
+    let left = left.as_secs_f64();
+    (0..scored.len()).filter(|&c| scored[c].predicted_ttft.is_some_and(|t| f64::from(t) <= left)).collect()
 }
 
 /// Books the request (or its prefill leg) on the chosen replica: its prefill left after the
@@ -585,15 +661,15 @@ fn predict(shape: &Shape<'_>, at: Eligible, remote: Option<(TransferProtocol, El
     }
 }
 
-/// Rendezvous (highest-random-weight) hashing over the eligible replicas: a session keeps its
-/// replica, and only the sessions of a replica that leaves move. Returns an index into
-/// `eligible`.
-fn rendezvous(key: &str, members: &[Member], eligible: &[Eligible]) -> usize {
+/// Rendezvous (highest-random-weight) hashing over the `allowed` eligible replicas: a session
+/// keeps its replica, and only the sessions of a replica that leaves move. Returns an index
+/// into `eligible`.
+fn rendezvous(key: &str, members: &[Member], eligible: &[Eligible], allowed: &[usize]) -> usize {
     let weight = |id: &str| {
         let mut bytes = key.as_bytes().to_vec();
         bytes.push(0);
         bytes.extend_from_slice(id.as_bytes());
         xxhash_rust::xxh3::xxh3_64(&bytes)
     };
-    (0..eligible.len()).max_by_key(|&c| weight(&members[eligible[c].slot.get()].replica.id)).unwrap_or(0)
+    allowed.iter().copied().max_by_key(|&c| weight(&members[eligible[c].slot.get()].replica.id)).unwrap_or(0)
 }
