@@ -146,12 +146,29 @@ struct Replica {
     prefill_rate: Option<f64>,
     /// Its time to first token, learned from the filter's measurements, and checked.
     ttft: ReplicaTtft,
+    /// The prefill booked here still to compute, as last set (at `backlog_at`): drained since
+    /// at the speed its TTFT model learned.
+    backlog: f64,
+    backlog_at: Option<Instant>,
 }
 
 impl Replica {
-    /// What a request with `prefill_tokens` of its own to compute faces here now.
-    fn ttft_inputs(&self, prefill_tokens: u64) -> TtftInputs {
-        TtftInputs { prefill_ahead: self.prefill_tokens + prefill_tokens, decoding: self.requests - self.prefilling }
+    /// The prefill booked here still to compute at `now`: what was booked, less what the
+    /// replica computed since at the speed its model learned (nothing while it does not
+    /// predict), never more than the prefill booked and not yet past its first token.
+    fn backlog(&self, now: Instant) -> f64 {
+        let elapsed = self.backlog_at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
+        let computed = match self.ttft.secs_per_prefill_token(now) {
+            Some(secs) if secs > 0.0 => elapsed / secs,
+            _ => 0.0,
+        };
+        (self.backlog - computed).clamp(0.0, self.prefill_tokens as f64)
+    }
+
+    /// What a request with `prefill_tokens` of its own to compute faces here at `now`.
+    fn ttft_inputs(&self, prefill_tokens: u64, now: Instant) -> TtftInputs {
+        let ahead = self.backlog(now).round() as u64;
+        TtftInputs { prefill_ahead: ahead + prefill_tokens, decoding: self.requests - self.prefilling }
     }
 }
 
@@ -461,9 +478,10 @@ impl LoadTable {
         self.release(booking.id);
         let r = &mut self.replicas[replica.get()];
         let ttft = booking.times_ttft.then(|| {
-            let inputs = r.ttft_inputs(booking.prefill_tokens);
+            let inputs = r.ttft_inputs(booking.prefill_tokens, now);
             (inputs, r.ttft.predict(inputs, now))
         });
+        (r.backlog, r.backlog_at) = (r.backlog(now) + booking.prefill_tokens as f64, Some(now));
         r.prefill_tokens += booking.prefill_tokens;
         r.prefilling += booking.sequences.max(1);
         r.requests += booking.sequences.max(1);
@@ -528,7 +546,7 @@ impl LoadTable {
     /// have if booked on `replica` at `now`, if the replica's model predicts.
     pub fn predict_ttft(&self, replica: ReplicaIdx, prefill_tokens: u64, now: Instant) -> Option<Duration> {
         let r = &self.replicas[replica.get()];
-        r.ttft.predict(r.ttft_inputs(prefill_tokens), now)
+        r.ttft.predict(r.ttft_inputs(prefill_tokens, now), now)
     }
 
     /// The TTFT predicted for a request when it was booked, if its replica's model had

@@ -323,3 +323,39 @@ fn each_streamed_request_teaches_its_replica_the_ttft_it_faced_and_is_checked_ag
     t.clear_replica(r0);
     assert_eq!(t.ttft(r0).samples(), 0);
 }
+
+/// The prefill booked ahead of a request drains at the speed its replica's model learned: a
+/// request booked halfway through another's prefill faces half of it, one booked after it
+/// none, and none once the other's first token came, however early.
+#[test]
+fn the_prefill_ahead_drains_at_the_speed_learned() {
+    let mut t = LoadTable::new(1, 1_000.0);
+    let (r0, t0) = (ReplicaIdx::new(0), Instant::now());
+    let timed = |key: &str, prefill| NewBooking { times_ttft: true, ..booking(key, prefill, &[], 1) };
+    let ahead = |t: &LoadTable, key: &str| t.bookings[&id(key)].ttft.unwrap().0.prefill_ahead;
+    // Taught on requests with nothing ahead: 4 ms plus 10 µs a prefill token.
+    for i in 0..crate::latency::MIN_SAMPLES as u64 {
+        let key = format!("learn{i}");
+        let own = 100 * (1 + i % 5);
+        assert!(t.book(r0, timed(&key, own), t0));
+        assert_eq!(ahead(&t, &key), own, "nothing ahead");
+        t.ttft_measured(&id(&key), measured_ttft(own, 0), t0);
+        assert!(t.finish(&id(&key)));
+    }
+    // 1 000 tokens take 10 ms: booked 5 ms in, a request faces 500 of them; 20 ms in, none.
+    assert!(t.book(r0, booking("long", 1_000, &[], 1), t0));
+    assert!(t.book(r0, timed("half", 100), t0 + Duration::from_millis(5)));
+    assert!(ahead(&t, "half").abs_diff(100 + 500) <= 5, "{}: the ridge keeps the speed within 1 %", ahead(&t, "half"));
+    assert!(t.finish(&id("half")));
+    assert!(t.book(r0, timed("later", 100), t0 + Duration::from_millis(20)));
+    assert_eq!(ahead(&t, "later"), 100, "the long prefill is computed by now");
+    assert_eq!(t.load(r0).prefill_tokens, 1_100, "though its first token was not reported yet");
+    // Its first token reported at once: nothing of it is ahead, whatever the speed learned.
+    let t1 = t0 + Duration::from_secs(1);
+    assert!(t.book(r0, booking("quick", 1_000, &[], 1), t1));
+    for key in ["long", "later", "quick"] {
+        assert!(t.prefill_done(&id(key), t1));
+    }
+    assert!(t.book(r0, timed("after", 100), t1));
+    assert_eq!(ahead(&t, "after"), 100);
+}
