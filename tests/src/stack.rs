@@ -624,7 +624,15 @@ impl Stack {
     /// The relative error `|predicted − measured| / measured` of each TTFT prediction the
     /// first sidecar checked among its last `last` decisions kept (`/debug/explain`).
     pub fn ttft_errors(&self, last: usize) -> anyhow::Result<Vec<f64>> {
-        let url = self.sidecar_url(&format!("/debug/explain?last={last}"));
+        self.ttft_errors_of(0, last)
+    }
+
+    /// [`Stack::ttft_errors`] of gateway `i`'s sidecar.
+    ///
+    /// # Panics
+    /// If there is no gateway `i`.
+    pub fn ttft_errors_of(&self, i: usize, last: usize) -> anyhow::Result<Vec<f64>> {
+        let url = self.sidecar_url_of(i, &format!("/debug/explain?last={last}"));
         let explained: Value = client::client().get(url).send()?.json()?;
         let decisions = explained["decisions"].as_array().map(Vec::as_slice).unwrap_or_default();
         Ok(decisions

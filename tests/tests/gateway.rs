@@ -1119,6 +1119,7 @@ fn bench_harness_runs_policies_side_by_side() {
         },
         max_duration_s: 60.0,
         slo_ttft_s: 5.0,
+        slo_itl_s: 1.0,
         trace: kvgate_e2e::repo_root().join("unused.jsonl"),
         seed: 1,
         mix: Mix::Priorities,
@@ -1133,6 +1134,7 @@ fn bench_harness_runs_policies_side_by_side() {
         assert_eq!((s.requests, s.ok, s.errors), (12, 12, 0), "{}: {s:?}", r.policy);
         assert!(s.ttft_p50.is_some() && s.e2e_p99.is_some() && s.output_tps > 0.0, "{}: {s:?}", r.policy);
         assert!(s.hit_ratio.is_some_and(|h| h > 0.0), "{}: the engines' counters were read", r.policy);
+        assert_eq!(s.slo_attainment, 1.0, "{}: every request within the SLOs below capacity: {s:?}", r.policy);
         let (served, ceiling) = (s.hit_ratio_served.unwrap(), s.hit_ceiling.expect("every run has a ceiling"));
         assert!(served <= ceiling + 1e-9, "{}: served {served} above the ceiling {ceiling}", r.policy);
         let replayed = s.replayed.expect("every run is replayed");

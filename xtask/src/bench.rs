@@ -378,6 +378,7 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
         fleet: fleet(speedup),
         max_duration_s: if args.quick { 200.0 } else { 600.0 },
         slo_ttft_s: 2.0,
+        slo_itl_s: 0.1,
         trace: repo_root().join("../shared/testdata/traces/mooncake-conversation.jsonl"),
         seed: 7,
         mix: args.mix,

@@ -41,6 +41,7 @@ pub fn run() -> anyhow::Result<()> {
         fleet: fleet(2.0),
         max_duration_s: 60.0,
         slo_ttft_s: 2.0,
+        slo_itl_s: 0.1,
         trace: repo_root().join("../shared/testdata/traces/mooncake-conversation.jsonl"),
         seed: 7,
         mix: kvgate_e2e::bench::workloads::Mix::None,

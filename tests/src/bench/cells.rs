@@ -272,6 +272,7 @@ mod tests {
             },
             max_duration_s: 10.0,
             slo_ttft_s: 2.0,
+            slo_itl_s: 0.1,
             trace: "t".into(),
             seed: 7,
             mix: Mix::Priorities,

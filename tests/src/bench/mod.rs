@@ -72,6 +72,11 @@ pub enum Policy {
     /// cache booked or two full prefill batches booked, and a request waits at most one
     /// simulated second for one that is not, else it is shed (429).
     KvgateAdmission,
+    /// kvgate `kv_aware` held to the run's TTFT SLO (`[pools.admission]` `ttft_slo_ms`, in
+    /// wall-clock ms, `sheddable`): once the replicas' TTFT models predict, a request goes only
+    /// where it is predicted to meet the SLO, and is shed at once (429) when no replica is.
+    /// No saturation criterion: the predictions alone decide.
+    KvgateSlo,
     /// [`Policy::KvgateAdmission`] with two priority classes and tenants, named by the
     /// requests' [`loadgen::PRIORITY_HEADER`] and [`loadgen::TENANT_HEADER`] (see
     /// [`workloads::Mix`]): `interactive` goes first and may fill 90 % of a replica's KV
@@ -137,7 +142,7 @@ impl Knob {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 19] = [
+    pub const ALL: [Policy; 20] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
@@ -146,6 +151,7 @@ impl Policy {
         Policy::Kvgate("kv_aware"),
         Policy::KvgateDynamoCost,
         Policy::KvgateAdmission,
+        Policy::KvgateSlo,
         Policy::KvgateFlowControl,
         Policy::KvgateSessions,
         Policy::KvgateNoSync,
@@ -168,6 +174,7 @@ impl Policy {
             Policy::KvgateTuned(knob, n) => format!("{}{n}", knob.name_prefix()),
             Policy::KvgateDynamoCost => "kvgate-kv-aware-dynamo-cost".into(),
             Policy::KvgateAdmission => "kvgate-kv-aware-admission".into(),
+            Policy::KvgateSlo => "kvgate-kv-aware-slo".into(),
             Policy::KvgateFlowControl => "kvgate-kv-aware-flow-control".into(),
             Policy::KvgateSessions => "kvgate-kv-aware-sessions".into(),
             Policy::KvgateNoSync => "kvgate-kv-aware-no-sync".into(),
@@ -202,6 +209,7 @@ impl Policy {
             Policy::KvgateTuned(..)
             | Policy::KvgateDynamoCost
             | Policy::KvgateAdmission
+            | Policy::KvgateSlo
             | Policy::KvgateFlowControl
             | Policy::KvgateSessions
             | Policy::KvgateNoSync
@@ -212,8 +220,16 @@ impl Policy {
     }
 
     /// The stack this policy runs on, with `gateways` gateway pods (a peer runs that many
-    /// instances of its own instead, and the stack's one Envoy idles).
-    fn stack_options(&self, name: &str, fleet: &Fleet, gpu_blocks: usize, gateways: usize) -> StackOptions {
+    /// instances of its own instead, and the stack's one Envoy idles), for a run whose TTFT
+    /// SLO is `slo_ttft_s` simulated seconds.
+    fn stack_options(
+        &self,
+        name: &str,
+        fleet: &Fleet,
+        gpu_blocks: usize,
+        gateways: usize,
+        slo_ttft_s: f64,
+    ) -> StackOptions {
         let (routing, pool_policy) = self.routing();
         let scoring_toml = match self {
             Policy::KvgateTuned(knob, n) => knob.scoring_key().map(|key| format!("{key} = {n}.0")).unwrap_or_default(),
@@ -243,6 +259,12 @@ impl Policy {
                     filter.insert("tenant_header".into(), loadgen::TENANT_HEADER.into());
                 }
                 (pool, filter)
+            }
+            Policy::KvgateSlo => {
+                // The filter measures TTFT on the wall clock.
+                let slo_ms = (slo_ttft_s * 1000.0 / fleet.speedup).round() as u64;
+                let pool = format!("admission = {{ enabled = true, ttft_slo_ms = {slo_ms}, sheddable = true }}");
+                (pool, serde_json::Map::new())
             }
             Policy::KvgateEngineMetrics => ("engine_metrics_secs = 1".into(), serde_json::Map::new()),
             Policy::KvgateSessions => ("[pools.sessions]".into(), serde_json::Map::new()),
@@ -364,6 +386,9 @@ pub struct BenchConfig {
     pub max_duration_s: f64,
     /// A request is "good" if its TTFT is within this (simulated seconds).
     pub slo_ttft_s: f64,
+    /// And meets the SLO if its mean inter-token latency is within this too (simulated
+    /// seconds).
+    pub slo_itl_s: f64,
     /// The Mooncake trace.
     pub trace: PathBuf,
     /// Seed of every random choice.
@@ -380,6 +405,13 @@ pub struct BenchConfig {
     /// they need it and the engines every other cycle, as if the engines had hardware of
     /// their own, without halving their share as [`BenchConfig::pin`] does on two cores.
     pub engines_nice: Option<i32>,
+}
+
+impl BenchConfig {
+    /// What a request must meet to count as served well.
+    pub fn slo(&self) -> stats::Slo {
+        stats::Slo { ttft_s: self.slo_ttft_s, itl_s: self.slo_itl_s }
+    }
 }
 
 /// One run's result.
@@ -490,7 +522,7 @@ fn run_cell(
     let mut plan = workload.plan(qps.unwrap_or(1.0), plan_seed, &config.trace)?;
     config.mix.tag(&mut plan, plan_seed);
     let gpu_blocks = config.fleet.gpu_blocks_for(workload);
-    let options = policy.stack_options(&policy.name(), &config.fleet, gpu_blocks, gateways);
+    let options = policy.stack_options(&policy.name(), &config.fleet, gpu_blocks, gateways, config.slo_ttft_s);
     let stack = Stack::start(&options, artifacts)?;
     if let Some(nice) = config.engines_nice {
         for pid in stack.engine_pids() {
@@ -553,8 +585,14 @@ fn run_cell(
             lost_s: a.lost_s - b.lost_s,
         })
         .collect();
-    let mut summary = stats::summarize(&outcomes, config.slo_ttft_s, &work);
+    let mut summary = stats::summarize(&outcomes, config.slo(), &work);
     summary.router_cpu_ms = (!outcomes.is_empty()).then(|| cpu * 1000.0 / outcomes.len() as f64);
+    if policy.routing().0 == Routing::Kvgate {
+        let errors = ttft_errors(&stack)?;
+        summary.ttft_error_p50 = stats::percentile(&errors, 50.0);
+        summary.ttft_error_p90 = stats::percentile(&errors, 90.0);
+        summary.ttft_checks = errors.len();
+    }
     let served = ceiling::served(&artifacts.model_dir, config.fleet.block_size, &outcomes)?;
     summary.hit_ceiling = ceiling::infinite_cache_hit_ratio(&served);
     // Only a fleet of whole engines replays: a disaggregated one's requests ran on two.
@@ -589,7 +627,7 @@ fn run_cell(
         repeat,
         router_command: peers.first().map(|p| p.command.clone()),
         kvgate_routed,
-        by_tag: stats::by_tag(&outcomes, config.slo_ttft_s),
+        by_tag: stats::by_tag(&outcomes, config.slo()),
         summary,
         outcomes,
     })
@@ -615,6 +653,16 @@ fn kvgate_routed(stack: &Stack, policy: Policy) -> anyhow::Result<Option<(u64, u
     let stat = |n: &str| stack.filter_stat_total("kvgate.requests_total", &[("outcome", n)]);
     let other = stat("passthrough")? + stat("fallback_timeout")? + stat("fallback_error")? + stat("breaker_open")?;
     Ok(Some((stat("routed")?, other)))
+}
+
+/// Every gateway's checked TTFT predictions: each relative error, over the last decisions each
+/// sidecar keeps (`explain_keep`).
+fn ttft_errors(stack: &Stack) -> anyhow::Result<Vec<f64>> {
+    let mut errors = Vec::new();
+    for gateway in 0..stack.gateways("").len() {
+        errors.extend(stack.ttft_errors_of(gateway, 1 << 20)?);
+    }
+    Ok(errors)
 }
 
 /// Each engine's cumulative counters, from its `/metrics` (summed over its ranks).
@@ -657,31 +705,37 @@ mod tests {
             max_num_seqs: 8,
             max_num_batched_tokens: 2048,
         };
-        let o = Policy::KvgateTuned(Knob::DuplicatePenalty, 3).stack_options("x", &fleet, 100, 1);
+        let o = Policy::KvgateTuned(Knob::DuplicatePenalty, 3).stack_options("x", &fleet, 100, 1, 2.0);
         assert_eq!(
             (o.routing, o.pool_policy.as_str(), o.scoring_toml.as_str()),
             (Routing::Kvgate, "kv_aware", "duplicate_penalty = 3.0")
         );
-        let o = Policy::KvgateTuned(Knob::OffloadKib, 256).stack_options("x", &fleet, 100, 1);
+        let o = Policy::KvgateTuned(Knob::OffloadKib, 256).stack_options("x", &fleet, 100, 1, 2.0);
         assert_eq!((o.scoring_toml.as_str(), &o.filter_config["offload_bytes"]), ("", &serde_json::json!(262_144)));
-        let o = Policy::KvgateDynamoCost.stack_options("x", &fleet, 100, 1);
+        let o = Policy::KvgateDynamoCost.stack_options("x", &fleet, 100, 1, 2.0);
         assert_eq!(o.scoring_toml, "prefill_load_scale = 1.0\nduplicate_penalty = 0.0");
-        let o = Policy::KvgateAdmission.stack_options("x", &fleet, 100, 1);
+        let o = Policy::KvgateAdmission.stack_options("x", &fleet, 100, 1, 2.0);
         assert!(
             o.pool_toml.contains("kv_blocks = 100") && o.pool_toml.contains("max_queue_ms = 1000"),
             "{}",
             o.pool_toml
         );
         assert_eq!(o.filter_config["admission_wait_ms"], 1000);
-        let o = Policy::Peer(Peer::SglangCacheAware).stack_options("x", &fleet, 100, 4);
+        let o = Policy::KvgateSlo.stack_options("x", &fleet, 100, 1, 2.0);
+        assert!(
+            o.pool_toml.contains("ttft_slo_ms = 2000") && o.pool_toml.contains("sheddable = true"),
+            "{}",
+            o.pool_toml
+        );
+        let o = Policy::Peer(Peer::SglangCacheAware).stack_options("x", &fleet, 100, 4, 2.0);
         assert_eq!(
             (o.routing, o.scoring_toml.as_str(), o.gateways),
             (Routing::RoundRobin, "", 1),
             "peers run their own"
         );
         let (synced, alone) = (
-            Policy::Kvgate("kv_aware").stack_options("x", &fleet, 100, 4),
-            Policy::KvgateNoSync.stack_options("x", &fleet, 100, 4),
+            Policy::Kvgate("kv_aware").stack_options("x", &fleet, 100, 4, 2.0),
+            Policy::KvgateNoSync.stack_options("x", &fleet, 100, 4, 2.0),
         );
         assert_eq!((synced.gateways, synced.sync, alone.gateways, alone.sync), (4, true, 4, false));
     }

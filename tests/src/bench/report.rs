@@ -7,7 +7,7 @@ use plotters::prelude::*;
 use serde::Serialize;
 
 use super::oracle::Replayed;
-use super::stats::{median, Summary, TagSummary};
+use super::stats::{median, Slo, Summary, TagSummary};
 use super::{BenchConfig, RunResult};
 
 /// Where and how the benchmark ran.
@@ -129,6 +129,10 @@ pub fn points(results: &[RunResult]) -> Vec<Point> {
                 e2e_p99: med(&|s| s.e2e_p99),
                 output_tps: med(&|s| Some(s.output_tps)).unwrap_or(0.0),
                 goodput: med(&|s| Some(s.goodput)).unwrap_or(0.0),
+                slo_attainment: med(&|s| Some(s.slo_attainment)).unwrap_or(0.0),
+                ttft_error_p50: med(&|s| s.ttft_error_p50),
+                ttft_error_p90: med(&|s| s.ttft_error_p90),
+                ttft_checks: med(&|s| Some(s.ttft_checks as f64)).unwrap_or(0.0) as usize,
                 hit_ratio: med(&|s| s.hit_ratio),
                 hit_ceiling: med(&|s| s.hit_ceiling),
                 hit_ratio_served: med(&|s| s.hit_ratio_served),
@@ -223,6 +227,29 @@ pub fn table(points: &[Point], setting: &Setting) -> String {
             },
             m.sim_clock_lag.map_or("–".into(), |l| format!("{:.1} %", l * 100.0)),
         );
+    }
+    md
+}
+
+/// The SLOs in one setting, a row per policy: requests sent that met both (TTFT and ITL), those
+/// shed, and kvgate's TTFT predictions against its filter's measurements.
+pub fn slo_table(points: &[Point], setting: &Setting, slo: Slo) -> String {
+    let mut md = format!(
+        "\nSLOs: TTFT ≤ {} and mean ITL ≤ {} (simulated), of every request sent (a shed or failed one is a miss). \
+         TTFT prediction error: kvgate's predictions against its filter's measurements, |predicted − measured| / \
+         measured, over the decisions checked.\n\n\
+         | policy | SLO attainment | goodput (TTFT only) | shed (429) | TTFT prediction error p50 / p90 (checks) |\n\
+         |---|---|---|---|---|\n",
+        secs(Some(slo.ttft_s)),
+        secs(Some(slo.itl_s))
+    );
+    for q in points.iter().filter(|q| setting.has_point(q)) {
+        let m = &q.median;
+        let errors = match (m.ttft_error_p50, m.ttft_error_p90) {
+            (Some(p50), Some(p90)) => format!("{:.1} % / {:.1} % ({})", p50 * 100.0, p90 * 100.0, m.ttft_checks),
+            _ => "–".into(),
+        };
+        let _ = writeln!(md, "| {} | {:.3} | {:.3} | {} | {errors} |", q.policy, m.slo_attainment, m.goodput, shed(m));
     }
     md
 }
@@ -349,6 +376,7 @@ pub fn write(dir: &Path, config: &BenchConfig, facts: &Facts, results: &[RunResu
         seen.push(setting.clone());
         let _ = writeln!(md, "## {}\n", setting.title());
         md.push_str(&table(&points, &setting));
+        md.push_str(&slo_table(&points, &setting, config.slo()));
         md.push_str(&bounds_table(&points, &setting));
         md.push_str(&tag_table(results, &setting));
         let chart = format!("ttft-cdf-{}.svg", setting.slug());
@@ -562,6 +590,7 @@ mod tests {
             },
             max_duration_s: 1.0,
             slo_ttft_s: 1.0,
+            slo_itl_s: 0.05,
             mix: super::super::workloads::Mix::Priorities,
             trace: "t".into(),
             seed: 0,
@@ -571,7 +600,17 @@ mod tests {
         };
         let facts = Facts { command: "c".into(), commit: "x".into(), machine: "m".into(), started: "s".into() };
         let mut results = vec![run(BASELINE, 0, 4.0), run("kvgate-kv-aware", 0, 1.0)];
-        results[1].summary = Summary { requests: 4, status_429: 1, shed_share: 0.25, ..results[1].summary.clone() };
+        results[1].summary = Summary {
+            requests: 4,
+            status_429: 1,
+            shed_share: 0.25,
+            goodput: 0.75,
+            slo_attainment: 0.5,
+            ttft_error_p50: Some(0.041),
+            ttft_error_p90: Some(0.2),
+            ttft_checks: 3,
+            ..results[1].summary.clone()
+        };
         let mut more = results.clone();
         for r in &mut more {
             r.qps = Some(2.0);
@@ -603,6 +642,9 @@ mod tests {
             "shed beside TTFT: {md}"
         );
         assert!(md.contains("| envoy-round-robin | 2.00 s | 4.00 s | – | 0 (0.0 %) | 1.00× |"), "{md}");
+        assert!(md.contains("SLOs: TTFT ≤ 1.00 s and mean ITL ≤ 50 ms"), "{md}");
+        assert!(md.contains("| kvgate-kv-aware | 0.500 | 0.750 | 1 (25.0 %) | 4.1 % / 20.0 % (3) |"), "{md}");
+        assert!(md.contains("| envoy-round-robin | 0.000 | 0.000 | 0 (0.0 %) | – |"), "{md}");
         assert!(
             md.contains("| kvgate-kv-aware | 0 | priority=interactive | 3 | 2 | 1 (33.3 %) | 200 ms | 1.50 s | 0.50 |"),
             "{md}"

@@ -20,6 +20,16 @@ pub fn median(values: &[f64]) -> Option<f64> {
     percentile(values, 50.0)
 }
 
+/// What a request must meet to count as served well (simulated seconds).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Slo {
+    /// Its time to first token at most this: goodput counts these.
+    pub ttft_s: f64,
+    /// And its mean inter-token latency at most this: SLO attainment counts those meeting
+    /// both.
+    pub itl_s: f64,
+}
+
 /// One (workload, policy, QPS, repeat) run, summarised. Latencies in simulated seconds.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Summary {
@@ -57,6 +67,22 @@ pub struct Summary {
     /// Fraction of requests sent that completed with TTFT within the SLO: a shed or failed
     /// request counts as a miss.
     pub goodput: f64,
+    /// Fraction of requests sent that completed within both SLOs, TTFT and mean ITL (a
+    /// request of one output token has no ITL and meets that one): a shed or failed request
+    /// counts as a miss.
+    #[serde(default)]
+    pub slo_attainment: f64,
+    /// kvgate's TTFT predictions against what its filter measured, over the run's checked
+    /// decisions (every gateway's last `explain_keep`): the relative error's p50 and p90, and
+    /// how many were checked. `None` for routers without them.
+    #[serde(default)]
+    pub ttft_error_p50: Option<f64>,
+    /// .
+    #[serde(default)]
+    pub ttft_error_p90: Option<f64>,
+    /// .
+    #[serde(default)]
+    pub ttft_checks: usize,
     /// Prefix-cache hits / queries, from the engines' `/metrics`.
     pub hit_ratio: Option<f64>,
     /// The most any placement could reach on the same prompts in the same order: one
@@ -121,7 +147,7 @@ impl EngineWork {
 }
 
 /// Summarises outcomes, with each engine's counters (idle engines count in the balance).
-pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) -> Summary {
+pub fn summarize(outcomes: &[Outcome], slo: Slo, engines: &[EngineWork]) -> Summary {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
     let ttfts: Vec<f64> = ok.iter().filter_map(|o| o.ttft).collect();
     // Per-request mean ITL: SSE chunks can arrive coalesced, so single gaps are noise.
@@ -156,7 +182,16 @@ pub fn summarize(outcomes: &[Outcome], slo_ttft_s: f64, engines: &[EngineWork]) 
         e2e_p50: percentile(&e2es, 50.0),
         e2e_p99: percentile(&e2es, 99.0),
         output_tps: if span > 0.0 { tokens as f64 / span } else { 0.0 },
-        goodput: ttfts.iter().filter(|t| **t <= slo_ttft_s).count() as f64 / outcomes.len().max(1) as f64,
+        goodput: ttfts.iter().filter(|t| **t <= slo.ttft_s).count() as f64 / outcomes.len().max(1) as f64,
+        slo_attainment: ok
+            .iter()
+            .filter(|o| o.ttft.is_some_and(|t| t <= slo.ttft_s) && o.itl_mean.is_none_or(|itl| itl <= slo.itl_s))
+            .count() as f64
+            / outcomes.len().max(1) as f64,
+        // Read from the sidecars by the run's driver.
+        ttft_error_p50: None,
+        ttft_error_p90: None,
+        ttft_checks: 0,
         hit_ratio,
         hit_ceiling: None,
         hit_ratio_served: {
@@ -198,7 +233,7 @@ pub struct TagSummary {
 
 /// The run's requests per priority class and per tenant, in name order (empty when the run
 /// tagged none).
-pub fn by_tag(outcomes: &[Outcome], slo_ttft_s: f64) -> Vec<TagSummary> {
+pub fn by_tag(outcomes: &[Outcome], slo: Slo) -> Vec<TagSummary> {
     let mut tags = std::collections::BTreeMap::<String, Vec<Outcome>>::new();
     for o in outcomes {
         let names = [("priority", o.tags.priority), ("tenant", o.tags.tenant)];
@@ -208,12 +243,15 @@ pub fn by_tag(outcomes: &[Outcome], slo_ttft_s: f64) -> Vec<TagSummary> {
             }
         }
     }
-    tags.into_iter().map(|(tag, os)| TagSummary { tag, summary: summarize(&os, slo_ttft_s, &[]) }).collect()
+    tags.into_iter().map(|(tag, os)| TagSummary { tag, summary: summarize(&os, slo, &[]) }).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A TTFT within 1 s and a mean ITL within 50 ms.
+    const SLO: Slo = Slo { ttft_s: 1.0, itl_s: 0.05 };
     use crate::bench::loadgen::Tags;
 
     fn outcome(replica: &str, ttft: f64, prompt: u64, cached: u64) -> Outcome {
@@ -241,7 +279,7 @@ mod tests {
             EngineWork { queried: 100.0, hits: 100.0, generated: 10.0, stepped_s: 1.0, lost_s: 0.0 },
             EngineWork::default(),
         ];
-        let s = summarize(&outcomes, 1.0, &engines);
+        let s = summarize(&outcomes, SLO, &engines);
         assert_eq!((s.requests, s.ok, s.errors, s.status_503), (4, 3, 1, 1));
         assert_eq!(s.goodput, 0.5, "2 of 4 within the SLO");
         assert_eq!(s.hit_ratio, Some(0.5));
@@ -258,12 +296,30 @@ mod tests {
     fn shed_requests_are_counted_beside_the_ttft_they_lack() {
         let shed = || Outcome { status: 429, ttft: None, ..outcome("a", 0.0, 0, 0) };
         let outcomes = vec![outcome("a", 0.1, 1, 0), outcome("a", 0.2, 1, 0), outcome("b", 0.3, 1, 0), shed(), shed()];
-        let s = summarize(&outcomes, 1.0, &[]);
+        let s = summarize(&outcomes, SLO, &[]);
         assert_eq!((s.requests, s.ok, s.errors, s.status_429), (5, 3, 2, 2));
         assert_eq!(s.shed_share, 0.4, "2 of 5 shed");
         assert_eq!((s.ttft_p50, s.ttft_p90), (Some(0.2), Some(0.3)), "over the 3 served only");
         assert_eq!(s.goodput, 0.6, "3 of 5 sent within the SLO: the shed are misses");
-        assert_eq!(summarize(&[], 1.0, &[]).shed_share, 0.0, "nothing sent, nothing shed");
+        assert_eq!(summarize(&[], SLO, &[]).shed_share, 0.0, "nothing sent, nothing shed");
+    }
+
+    /// SLO attainment asks for both: a quick first token and quick tokens after it. A request of
+    /// one token has no ITL to miss; a shed one misses both.
+    #[test]
+    fn slo_attainment_counts_requests_within_both_slos_of_all_sent() {
+        let with_itl = |ttft, itl| Outcome { itl_mean: itl, ..outcome("a", ttft, 1, 0) };
+        let shed = Outcome { status: 429, ttft: None, ..outcome("a", 0.0, 0, 0) };
+        let outcomes = vec![
+            with_itl(0.5, Some(0.01)),
+            with_itl(0.5, Some(0.08)),
+            with_itl(2.0, Some(0.01)),
+            with_itl(0.5, None),
+            shed,
+        ];
+        let s = summarize(&outcomes, SLO, &[]);
+        assert_eq!(s.goodput, 0.6, "3 of 5 within the TTFT SLO");
+        assert_eq!(s.slo_attainment, 0.4, "2 of 5 within both");
     }
 
     /// Traffic around the routers sets a floor under the run's balance; decisions
@@ -281,12 +337,12 @@ mod tests {
             EngineWork { queried: 300.0, hits: 50.0, generated: 50.0, ..EngineWork::default() },
             EngineWork { queried: 100.0, hits: 0.0, generated: 0.0, ..EngineWork::default() },
         ];
-        let s = summarize(&outcomes, 1.0, &engines);
+        let s = summarize(&outcomes, SLO, &engines);
         assert!((s.load_floor.unwrap() - 270.0 / 200.0).abs() < 1e-9, "{:?}", s.load_floor);
         assert_eq!((s.decision_us_p50, s.decision_us_p90), (Some(100.0), Some(900.0)));
         assert_eq!(s.tokenize_us_p50, Some(10.0), "the tokenizing part's median");
         // Outside load below the mean: the floor is perfect balance.
-        let light = summarize(&[outside("a", 20, 0)], 1.0, &engines);
+        let light = summarize(&[outside("a", 20, 0)], SLO, &engines);
         assert_eq!(light.load_floor, Some(1.0));
     }
 
@@ -302,13 +358,13 @@ mod tests {
             shed,
             outcome("a", 0.2, 1, 0),
         ];
-        let t = by_tag(&outcomes, 1.0);
+        let t = by_tag(&outcomes, SLO);
         let names: Vec<&str> = t.iter().map(|t| t.tag.as_str()).collect();
         assert_eq!(names, ["priority=batch", "priority=interactive", "tenant=t1"]);
         let s: Vec<&Summary> = t.iter().map(|t| &t.summary).collect();
         assert_eq!((s[0].requests, s[0].ok, s[0].status_429, s[0].goodput), (2, 1, 1, 0.0));
         assert_eq!((s[1].ttft_p50, s[1].ttft_p90, s[1].goodput), (Some(0.1), Some(0.3), 1.0));
         assert_eq!((s[2].requests, s[2].goodput), (2, 0.5));
-        assert!(by_tag(&[outcome("a", 0.2, 1, 0)], 1.0).is_empty(), "untagged runs have no rows");
+        assert!(by_tag(&[outcome("a", 0.2, 1, 0)], SLO).is_empty(), "untagged runs have no rows");
     }
 }
