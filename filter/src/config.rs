@@ -21,6 +21,7 @@
 //!   "admission_wait_ms": 0,
 //!   "priority_header": null,
 //!   "tenant_header": null,
+//!   "ttft_slo_header": null,
 //!   "prefill_cluster": null,
 //!   "prefill_timeout_ms": 60000,
 //!   "client_transfer_fields": false,
@@ -167,6 +168,13 @@ pub struct FilterConfig {
     /// `priority_header`, name only a header your own filters set: a client that could set it
     /// would take a fresh turn with every new value.
     pub tenant_header: Option<String>,
+    /// The request header whose value is the request's TTFT SLO in milliseconds (for example
+    /// `x-kvgate-ttft-slo-ms`), replacing its admission class's `ttft_slo_ms` (the sidecar's
+    /// `[pools.admission]`). Unset (default): no request names one. A value that is not a
+    /// whole number is ignored. As with `priority_header`, name a header your own filters set:
+    /// a client could otherwise loosen its SLO, or tighten it to be sent to the replica
+    /// predicted fastest.
+    pub ttft_slo_header: Option<String>,
     /// The request header whose value is the request's session key (default
     /// `x-session-id`; cut to 256 bytes): what the `consistent_hash` policy hashes and pools
     /// with `sessions` bind, ahead of the body's `session_id`, `user` or Messages
@@ -225,6 +233,7 @@ impl Default for FilterConfig {
             request_usage: true,
             admission_wait_ms: 0,
             priority_header: None,
+            ttft_slo_header: None,
             tenant_header: None,
             session_header: SESSION_HEADER.into(),
             prefill_cluster: None,

@@ -331,6 +331,7 @@ pub fn offload<'a>(
         wait_ms: hints.wait_ms,
         priority: hints.priority.clone(),
         tenant: hints.tenant.clone(),
+        ttft_slo_ms: hints.ttft_slo_ms,
         prefill_legs: hints.prefill_legs,
     };
     Ok((ModelName::from(model.as_ref()), request))
@@ -519,6 +520,7 @@ mod tests {
             wait_ms: 250,
             priority: Some("batch".into()),
             tenant: Some("t1".into()),
+            ttft_slo_ms: Some(300),
             prefill_legs: true,
         };
         fn off<'a>(
@@ -536,6 +538,7 @@ mod tests {
         );
         assert_eq!(req.wait_ms, 250, "the sidecar's admission queue holds it at most this long");
         assert_eq!((req.priority.as_deref(), req.tenant.as_deref()), (Some("batch"), Some("t1")));
+        assert_eq!(req.ttft_slo_ms, Some(300), "the sidecar holds the offloaded request to it too");
         assert_eq!((model.as_str(), req.client_request_id.as_deref()), ("qwen3", Some("client")));
         assert_eq!(req.body.as_ref(), body);
         let listed = HashSet::from(["other".to_owned()]);

@@ -368,6 +368,21 @@ fn priority_and_tenant_come_only_from_headers_the_operator_named() {
 }
 
 #[test]
+fn a_ttft_slo_comes_only_from_the_header_the_operator_named_and_only_as_a_number() {
+    let (mut ctx, fake) = request(&chat("hi"), &[("x-slo", "250")], FilterConfig::default());
+    send(&mut ctx, &fake);
+    let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
+    assert_eq!(sent.ttft_slo_ms, None, "an unnamed header is not read");
+    let config = || FilterConfig { ttft_slo_header: Some("x-slo".into()), ..FilterConfig::default() };
+    for (value, slo) in [(" 250 ", Some(250)), ("fast", None), ("-5", None), ("1e3", None)] {
+        let (mut ctx, fake) = request(&chat("hi"), &[("x-slo", value)], config());
+        send(&mut ctx, &fake);
+        let sent: RouteRequest = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
+        assert_eq!(sent.ttft_slo_ms, slo, "{value:?}");
+    }
+}
+
+#[test]
 fn a_shed_request_is_answered_429_and_goes_no_further() {
     let config = FilterConfig { admission_wait_ms: 500, ..FilterConfig::default() };
     let (mut ctx, fake) = request(&chat("hello while the fleet is full"), &[], config);

@@ -171,6 +171,7 @@ proptest! {
             wait_ms: 0,
             priority: None,
             tenant: None,
+            ttft_slo_ms: None,
             prefill_legs: false,
         };
         let body = br#"{"model":"qwen3","prompt":"hello there","messages":[{"role":"user","content":"hi"}]}"#;

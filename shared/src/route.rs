@@ -25,6 +25,9 @@ pub struct RequestKeys {
     pub priority: Option<String>,
     /// The tenant header's value, if the filter is configured to read one.
     pub tenant: Option<String>,
+    /// The TTFT SLO header's value in ms, if the filter is configured to read one and it is a
+    /// whole number.
+    pub ttft_slo_ms: Option<u32>,
     /// Whether the filter can run a prefill leg for it (see
     /// [`crate::wire::RouteRequest::prefill_legs`]).
     pub prefill_legs: bool,
@@ -83,6 +86,7 @@ pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptT
         wait_ms: keys.wait_ms,
         priority: keys.priority.clone(),
         tenant: keys.tenant.clone(),
+        ttft_slo_ms: keys.ttft_slo_ms,
         prefill_legs: keys.prefill_legs,
     }
 }
@@ -109,6 +113,7 @@ pub fn estimated_request(model: &str, keys: &RequestKeys, tokens: u32, block_siz
         wait_ms: keys.wait_ms,
         priority: keys.priority.clone(),
         tenant: keys.tenant.clone(),
+        ttft_slo_ms: keys.ttft_slo_ms,
         prefill_legs: keys.prefill_legs,
     }
 }

@@ -22,7 +22,7 @@ pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 /// The version of these types as encoded. The filter sends it on every sidecar call
 /// ([`WIRE_VERSION_HEADER`]); a sidecar of another version answers 409 naming both, instead
 /// of misreading the body. Bump it with any change to an encoded type's fields.
-pub const WIRE_VERSION: &str = "8";
+pub const WIRE_VERSION: &str = "9";
 
 /// The header that carries [`WIRE_VERSION`].
 pub const WIRE_VERSION_HEADER: &str = "x-kvgate-wire";
@@ -105,6 +105,9 @@ pub struct RouteRequest {
     /// The request's tenant, for fairness between tenants while requests wait: the value of
     /// the filter's `tenant_header`, if configured.
     pub tenant: Option<String>,
+    /// The request's TTFT SLO in ms: the value of the filter's `ttft_slo_header`, if
+    /// configured and a whole number. It replaces its admission class's `ttft_slo_ms`.
+    pub ttft_slo_ms: Option<u32>,
     /// Whether the filter can run a prefill leg for it (its `prefill_cluster` is set and the
     /// endpoint is one legs exist for): in a disaggregated pool a request that cannot is
     /// served whole.
@@ -139,6 +142,7 @@ impl RouteRequest {
             wait_ms: 0,
             priority: None,
             tenant: None,
+            ttft_slo_ms: None,
             prefill_legs: false,
         }
     }
@@ -188,6 +192,8 @@ pub struct RouteBodyRequest<'a> {
     pub priority: Option<String>,
     /// Its tenant, as in [`RouteRequest`].
     pub tenant: Option<String>,
+    /// Its TTFT SLO, as in [`RouteRequest`].
+    pub ttft_slo_ms: Option<u32>,
     /// Whether the filter can run a prefill leg for it, as in [`RouteRequest`].
     pub prefill_legs: bool,
 }

@@ -52,7 +52,11 @@ fn request_of_class(id: &str, seed: u64, wait_ms: u32, priority: Option<&str>) -
 }
 
 fn request_from(id: &str, seed: u64, wait_ms: u32, priority: Option<&str>, tenant: Option<&str>) -> Vec<u8> {
-    let request = RouteRequest {
+    codec::encode(&route_request(id, seed, wait_ms, priority, tenant)).unwrap()
+}
+
+fn route_request(id: &str, seed: u64, wait_ms: u32, priority: Option<&str>, tenant: Option<&str>) -> RouteRequest {
+    RouteRequest {
         request_id: id.into(),
         client_request_id: None,
         model: "m".into(),
@@ -69,9 +73,9 @@ fn request_from(id: &str, seed: u64, wait_ms: u32, priority: Option<&str>, tenan
         wait_ms,
         priority: priority.map(str::to_owned),
         tenant: tenant.map(str::to_owned),
+        ttft_slo_ms: None,
         prefill_legs: false,
-    };
-    codec::encode(&request).unwrap()
+    }
 }
 
 async fn post(state: &Arc<AppState>, path: &str, body: Vec<u8>) -> (StatusCode, Option<String>, Vec<u8>) {
@@ -341,6 +345,20 @@ async fn a_ttft_slo_keeps_to_replicas_predicted_to_meet_it_and_sheds_a_sheddable
     }
     let explained = pool.explain(None, 1).pop().unwrap();
     assert_eq!(explained.ttft_slo_secs.map(|s| (s * 1e3).round()), Some(60.0), "{explained:?}");
+    // A request's own SLO (the filter's `ttft_slo_header`) replaces its class's: 300 ms in
+    // "chat" lets r1 back in, 60 ms in "free" keeps it out.
+    let own = |id: &str, seed, class: Option<&str>, slo_ms| {
+        let request = RouteRequest { ttft_slo_ms: Some(slo_ms), ..route_request(id, seed, 0, class, None) };
+        let state = state.clone();
+        async move {
+            let (status, _, body) = post(&state, "/v1/route", codec::encode(&request).unwrap()).await;
+            assert_eq!(status, StatusCode::OK);
+            codec::decode::<RouteResponse>(&body).unwrap().replica.unwrap()
+        }
+    };
+    assert_eq!(own("loose", 900, Some("chat"), 300).await, "r1", "r0 holds five, r1 none: kv_aware's pick");
+    assert_eq!(own("strict", 901, None, 60).await, "r0", "r1 is predicted at 200 ms");
+    assert_eq!(pool.explain(Some("strict"), 1)[0].ttft_slo_secs.map(|s| (s * 1e3).round()), Some(60.0));
     let predicted: Vec<f64> = explained.candidates.iter().map(|c| c.predicted_ttft_secs.unwrap()).collect();
     assert!((predicted[0] - 0.020).abs() < 1e-3 && (predicted[1] - 0.200).abs() < 1e-3, "{predicted:?}");
     // A 10 ms SLO nobody is predicted to meet: shed at once if sheddable, else routed.
@@ -354,7 +372,7 @@ async fn a_ttft_slo_keeps_to_replicas_predicted_to_meet_it_and_sheds_a_sheddable
         "kvgate_admission_total{model=\"m\",class=\"batch\",outcome=\"slo\"} 1",
         "kvgate_slo_decisions_total{model=\"m\",outcome=\"shed\"} 1",
         "kvgate_slo_decisions_total{model=\"m\",outcome=\"missed\"} 1",
-        "kvgate_slo_decisions_total{model=\"m\",outcome=\"within\"} 4",
+        "kvgate_slo_decisions_total{model=\"m\",outcome=\"within\"} 6",
     ] {
         assert!(metrics.contains(line), "{line}: {metrics}");
     }

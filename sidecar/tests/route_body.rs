@@ -73,6 +73,7 @@ fn offload_to(endpoint: Endpoint, body: &str) -> Vec<u8> {
         wait_ms: 0,
         priority: None,
         tenant: None,
+        ttft_slo_ms: None,
         prefill_legs: false,
     };
     codec::encode(&request).unwrap()

@@ -296,10 +296,12 @@ fn maximal() -> Value {
         "retry_after_secs": 1,
         "default_class": "batch",
         "fair_headroom": 0.5,
+        "ttft_slo_ms": 2000,
+        "sheddable": false,
         "classes": [
             {"name": "interactive", "priority": 10, "max_queue_ms": 1000, "max_queued": 64,
-             "kv_fraction": 0.9, "max_prefill_tokens": 8192},
-            {"name": "batch", "priority": 0},
+             "kv_fraction": 0.9, "max_prefill_tokens": 8192, "ttft_slo_ms": 1000, "sheddable": false},
+            {"name": "batch", "priority": 0, "sheddable": true},
         ],
     });
     let pool = json!({
@@ -350,6 +352,7 @@ fn maximal() -> Value {
         "admission_wait_ms": 2000,
         "priority_header": "x-kvgate-priority",
         "tenant_header": "x-kvgate-tenant",
+        "ttft_slo_header": "x-kvgate-ttft-slo-ms",
         "session_header": "x-session-id",
         "prefill_cluster": "outbound|30000||sglang.llm.svc.cluster.local",
         "prefill_timeout_ms": 60000,

@@ -78,6 +78,7 @@ impl<H: Host> Request<H> {
             wait_ms: u32::try_from(config.admission_wait_ms).unwrap_or(u32::MAX),
             priority: self.configured_header(config.priority_header.as_deref()),
             tenant: self.configured_header(config.tenant_header.as_deref()),
+            ttft_slo_ms: self.configured_header(config.ttft_slo_header.as_deref()).and_then(|v| v.trim().parse().ok()),
             prefill_legs: config.prefill_cluster.is_some() && !endpoint.is_converted(),
         };
         self.phase = Phase::Buffering { route: Box::new(Route { endpoint, keys, path, settings }), buffered: 0 };

@@ -101,6 +101,7 @@ fn keys(req: &RouteBodyRequest<'_>) -> RequestKeys {
         wait_ms: req.wait_ms,
         priority: req.priority.clone(),
         tenant: req.tenant.clone(),
+        ttft_slo_ms: req.ttft_slo_ms,
         prefill_legs: req.prefill_legs,
     }
 }

@@ -304,11 +304,13 @@ impl Pool {
         eligible.iter().all(|e| gate.saturated_for(&load.load(e.slot), class, under_share))
     }
 
-    /// The TTFT SLO of the request's class, less what it has waited, with admission control.
+    /// The request's TTFT SLO — its own (the filter's `ttft_slo_header`), else its class's —
+    /// less what it has waited, with admission control.
     fn slo_for(&self, req: &RouteRequest, admit: Admit) -> Option<Slo> {
         let gate = self.admission.as_ref()?;
         let class = gate.class_of(req.priority.as_deref());
-        let left = gate.ttft_slo(class)?.saturating_sub(admit.waited);
+        let own = req.ttft_slo_ms.filter(|ms| *ms > 0).map(|ms| Duration::from_millis(u64::from(ms)));
+        let left = own.or_else(|| gate.ttft_slo(class))?.saturating_sub(admit.waited);
         Some(Slo { left, sheddable: gate.sheddable(class) })
     }
 
