@@ -170,8 +170,9 @@ pub struct FilterConfig {
     pub tenant_header: Option<String>,
     /// The request header whose value is the request's TTFT SLO in milliseconds (for example
     /// `x-kvgate-ttft-slo-ms`), replacing its admission class's `ttft_slo_ms` (the sidecar's
-    /// `[pools.admission]`). Unset (default): no request names one. A value that is not a
-    /// whole number is ignored. As with `priority_header`, name a header your own filters set:
+    /// `[pools.admission]`, which must be enabled). Unset (default): no request names one. A
+    /// value that is not a whole number, or 0, leaves the class's. As with `priority_header`,
+    /// name a header your own filters set:
     /// a client could otherwise loosen its SLO, or tighten it to be sent to the replica
     /// predicted fastest.
     pub ttft_slo_header: Option<String>,

@@ -9,7 +9,7 @@
 //!
 //! | metric (Prometheus) | kind | tags | meaning |
 //! |---|---|---|---|
-//! | `kvgate_requests_total` | counter | model, outcome | how a request left the filter: `routed` (the sidecar's choice applied), `passthrough` (not routable: bad body, unknown model…; the engine answers), `fallback_timeout` / `fallback_error` (the sidecar did not answer in time / failed or answered nonsense: Envoy's balancer picked), `shed` (every replica saturated: answered 429 here), `breaker_open` (not asked: the circuit breaker was open, or half-open with its probe out) |
+//! | `kvgate_requests_total` | counter | model, outcome | how a request left the filter: `routed` (the sidecar's choice applied), `passthrough` (not routable: bad body, unknown model…; the engine answers), `fallback_timeout` / `fallback_error` (the sidecar did not answer in time / failed or answered nonsense: Envoy's balancer picked), `shed` (every replica saturated, or none predicted to meet the request's TTFT SLO: answered 429 here), `breaker_open` (not asked: the circuit breaker was open, or half-open with its probe out) |
 //! | `kvgate_requests_truncated_total` | counter | model | routed on the prompt's head (`max_tokenize_bytes`) |
 //! | `kvgate_requests_offloaded_total` | counter | model | the body was tokenized by the sidecar (above `offload_bytes`, or no tokenizer for its model in this worker) |
 //! | `kvgate_requests_tokens_forwarded_total` | counter | model | the prompt went upstream as token ids (`forward_tokens`) |
@@ -111,7 +111,8 @@ pub enum Outcome {
     FallbackTimeout,
     /// The sidecar failed: fallback LB.
     FallbackError,
-    /// Every replica was saturated and the wait ran out: answered 429 here.
+    /// Shed by the sidecar (every replica saturated and the wait ran out, or none predicted
+    /// to meet the request's TTFT SLO): answered 429 here.
     Shed,
     /// The circuit breaker was open: the sidecar was not asked, fallback LB.
     BreakerOpen,

@@ -322,7 +322,7 @@ impl Default for Metrics {
         );
         registry.register(
             "admission",
-            "Requests that waited for capacity, by outcome (admitted, queue_full, queue_time, slo)",
+            "Requests that waited for capacity or were shed, by outcome (admitted after waiting, queue_full, queue_time, slo)",
             admission.clone(),
         );
         registry.register(

@@ -296,12 +296,13 @@ fn maximal() -> Value {
         "retry_after_secs": 1,
         "default_class": "batch",
         "fair_headroom": 0.5,
-        "ttft_slo_ms": 2000,
+        // No TTFT SLO: the pool below is disaggregated, which refuses one.
+        "ttft_slo_ms": 0,
         "sheddable": false,
         "classes": [
             {"name": "interactive", "priority": 10, "max_queue_ms": 1000, "max_queued": 64,
-             "kv_fraction": 0.9, "max_prefill_tokens": 8192, "ttft_slo_ms": 1000, "sheddable": false},
-            {"name": "batch", "priority": 0, "sheddable": true},
+             "kv_fraction": 0.9, "max_prefill_tokens": 8192, "ttft_slo_ms": 0, "sheddable": false},
+            {"name": "batch", "priority": 0},
         ],
     });
     let pool = json!({

@@ -1,7 +1,8 @@
 //! Asking → Prefilling or Responding: the sidecar's answer. Set the destination header (and
 //! the data-parallel rank's); on *any* failure (sidecar down, timeout, bad answer, a header
-//! that cannot be set) leave it unset: Envoy's fallback balancer routes. A 429 means every
-//! replica is saturated: the client is answered here. In a disaggregated pool the answer
+//! that cannot be set) leave it unset: Envoy's fallback balancer routes. A 429 means the
+//! request is shed — every replica saturated and its wait over, or none predicted to meet its
+//! TTFT SLO: the client is answered here. In a disaggregated pool the answer
 //! names a prefill leg too, which is sent now ([`super::leg`]).
 
 use kvgate_shared::codec;

@@ -136,7 +136,11 @@ impl AdmissionConfig {
         if self.engine_signals && !polled {
             bail!("pool {model:?}: admission.engine_signals needs engine_metrics_secs > 0 to read the engines");
         }
-        let slo = self.ttft_slo_ms > 0 || self.classes.iter().any(|c| c.ttft_slo_ms.is_some_and(|ms| ms > 0));
+        // Every class (the implicit one without classes) must have a criterion: an SLO of its own.
+        let slo = match self.classes.is_empty() {
+            true => self.ttft_slo_ms > 0,
+            false => self.classes.iter().all(|c| c.ttft_slo_ms.unwrap_or(self.ttft_slo_ms) > 0),
+        };
         if self.kv_blocks == 0 && self.max_prefill_tokens == 0 && !polled && !slo {
             bail!(
                 "pool {model:?}: admission needs kv_blocks or max_prefill_tokens, or engine_metrics_secs to learn \

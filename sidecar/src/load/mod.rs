@@ -154,20 +154,26 @@ struct Replica {
 
 impl Replica {
     /// The prefill booked here still to compute at `now`: what was booked, less what the
-    /// replica computed since at the speed its model learned (nothing while it does not
-    /// predict), never more than the prefill booked and not yet past its first token.
-    fn backlog(&self, now: Instant) -> f64 {
+    /// replica computed since — at the speed its TTFT model learned, or while that model
+    /// does not predict (or learned no cost per token), at its prefill rate (`default_rate`
+    /// until it has one) — never more than the prefill booked and not yet past its first token.
+    fn backlog(&self, now: Instant, default_rate: f64) -> f64 {
         let elapsed = self.backlog_at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
-        let computed = match self.ttft.secs_per_prefill_token(now) {
-            Some(secs) if secs > 0.0 => elapsed / secs,
-            _ => 0.0,
+        let secs_per_token = match self.ttft.secs_per_prefill_token(now) {
+            Some(secs) if secs > 0.0 => secs,
+            _ => 1.0 / self.prefill_rate.unwrap_or(default_rate),
         };
-        (self.backlog - computed).clamp(0.0, self.prefill_tokens as f64)
+        (self.backlog - elapsed / secs_per_token).clamp(0.0, self.prefill_tokens as f64)
+    }
+
+    /// Adds `tokens` of prefill to compute to the backlog at `now`.
+    fn add_backlog(&mut self, tokens: u64, now: Instant, default_rate: f64) {
+        (self.backlog, self.backlog_at) = (self.backlog(now, default_rate) + tokens as f64, Some(now));
     }
 
     /// What a request with `prefill_tokens` of its own to compute faces here at `now`.
-    fn ttft_inputs(&self, prefill_tokens: u64, now: Instant) -> TtftInputs {
-        let ahead = self.backlog(now).round() as u64;
+    fn ttft_inputs(&self, prefill_tokens: u64, now: Instant, default_rate: f64) -> TtftInputs {
+        let ahead = self.backlog(now, default_rate).round() as u64;
         TtftInputs { prefill_ahead: ahead + prefill_tokens, decoding: self.requests - self.prefilling }
     }
 }
@@ -476,12 +482,13 @@ impl LoadTable {
             return false;
         }
         self.release(booking.id);
+        let default_rate = self.default_prefill_rate;
         let r = &mut self.replicas[replica.get()];
         let ttft = booking.times_ttft.then(|| {
-            let inputs = r.ttft_inputs(booking.prefill_tokens, now);
+            let inputs = r.ttft_inputs(booking.prefill_tokens, now, default_rate);
             (inputs, r.ttft.predict(inputs, now))
         });
-        (r.backlog, r.backlog_at) = (r.backlog(now) + booking.prefill_tokens as f64, Some(now));
+        r.add_backlog(booking.prefill_tokens, now, default_rate);
         r.prefill_tokens += booking.prefill_tokens;
         r.prefilling += booking.sequences.max(1);
         r.requests += booking.sequences.max(1);
@@ -546,7 +553,7 @@ impl LoadTable {
     /// have if booked on `replica` at `now`, if the replica's model predicts.
     pub fn predict_ttft(&self, replica: ReplicaIdx, prefill_tokens: u64, now: Instant) -> Option<Duration> {
         let r = &self.replicas[replica.get()];
-        r.ttft.predict(r.ttft_inputs(prefill_tokens, now), now)
+        r.ttft.predict(r.ttft_inputs(prefill_tokens, now, self.default_prefill_rate), now)
     }
 
     /// The TTFT predicted for a request when it was booked, if its replica's model had
@@ -614,7 +621,12 @@ impl LoadTable {
     /// the first replica and is dropped. Returns the replica it left, the prompt's hashes and
     /// whether an unchecked prediction was dropped, or `None` if it is not booked or already
     /// there.
-    pub fn move_booking(&mut self, id: &BookingId, to: ReplicaIdx) -> Option<(ReplicaIdx, Vec<SequenceHash>, bool)> {
+    pub fn move_booking(
+        &mut self,
+        id: &BookingId,
+        to: ReplicaIdx,
+        now: Instant,
+    ) -> Option<(ReplicaIdx, Vec<SequenceHash>, bool)> {
         let mut b = self.bookings.remove(id)?;
         let from = b.replica;
         if from == to {
@@ -626,8 +638,10 @@ impl LoadTable {
         // What was predicted and measured is about the replica it was booked on.
         b.ttft = None;
         let dropped = b.prediction.take().is_some();
+        let default_rate = self.default_prefill_rate;
         let r = &mut self.replicas[to.get()];
         if !b.prefill_done {
+            r.add_backlog(b.prefill_tokens, now, default_rate);
             r.prefill_tokens += b.prefill_tokens;
             r.prefilling += b.sequences;
         }
@@ -653,12 +667,14 @@ impl LoadTable {
     /// computing it where it is booked after all: `prefill_tokens` are added, unless its
     /// prefill is already over, and its prediction, made for a transfer, is dropped. Returns
     /// whether an unchecked prediction was dropped, or `None` if it is not booked.
-    pub fn served_whole(&mut self, id: &BookingId, prefill_tokens: u64) -> Option<bool> {
+    pub fn served_whole(&mut self, id: &BookingId, prefill_tokens: u64, now: Instant) -> Option<bool> {
         let b = self.bookings.get_mut(id)?;
         let dropped = b.prediction.take().is_some();
         if !b.prefill_done {
             b.prefill_tokens += prefill_tokens;
-            self.replicas[b.replica.get()].prefill_tokens += prefill_tokens;
+            let r = &mut self.replicas[b.replica.get()];
+            r.add_backlog(prefill_tokens, now, self.default_prefill_rate);
+            r.prefill_tokens += prefill_tokens;
             self.prefill_booked += prefill_tokens;
         }
         Some(dropped)

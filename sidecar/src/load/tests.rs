@@ -66,11 +66,14 @@ fn a_booking_moves_with_its_request() {
     assert!(t.book(ReplicaIdx::new(0), booking("r", 100, &prompt, 10), now));
     assert!(t.prefill_done(&id("r"), Instant::now()));
     let before = t.load(ReplicaIdx::new(0));
-    assert_eq!(t.move_booking(&id("r"), ReplicaIdx::new(1)), Some((ReplicaIdx::new(0), hashes.clone(), false)));
+    assert_eq!(
+        t.move_booking(&id("r"), ReplicaIdx::new(1), Instant::now()),
+        Some((ReplicaIdx::new(0), hashes.clone(), false))
+    );
     assert_eq!(t.load(ReplicaIdx::new(0)), ReplicaLoad::default(), "nothing stays on the replica it left");
     assert_eq!(t.load(ReplicaIdx::new(1)), before, "it carries its load as it stands (prefill done)");
-    assert_eq!(t.move_booking(&id("r"), ReplicaIdx::new(1)), None, "already there");
-    assert_eq!(t.move_booking(&id("unknown"), ReplicaIdx::new(0)), None);
+    assert_eq!(t.move_booking(&id("r"), ReplicaIdx::new(1), Instant::now()), None, "already there");
+    assert_eq!(t.move_booking(&id("unknown"), ReplicaIdx::new(0), Instant::now()), None);
     assert!(t.finish(&id("r")));
     assert_eq!(
         (t.load(ReplicaIdx::new(0)), t.load(ReplicaIdx::new(1))),
@@ -121,7 +124,7 @@ fn every_way_a_booking_ends_ends_its_flow() {
     assert_eq!(t.flows_in_flight(), 5, "booking an id again counts it once");
     assert!(!t.under_share(Flow { class: 0, tenant: 1 }), "one each of five: at its share");
     t.finish(&id("done"));
-    t.move_booking(&id("moved"), ReplicaIdx::new(1));
+    t.move_booking(&id("moved"), ReplicaIdx::new(1), Instant::now());
     assert_eq!(t.flows_in_flight(), 4, "a moved booking keeps its flow");
     t.clear_replica(ReplicaIdx::new(1));
     assert_eq!(t.flows_in_flight(), 1, "gone with their replica: moved, rebooked, cleared");
@@ -316,7 +319,7 @@ fn each_streamed_request_teaches_its_replica_the_ttft_it_faced_and_is_checked_ag
     assert!(t.ttft_measured(&id("quiet"), measured_ttft(500, 2), now).is_none());
     assert!(t.book(r0, timed("moved", 500), now));
     assert!(t.predicted_ttft(&id("moved")).is_some());
-    assert!(t.move_booking(&id("moved"), ReplicaIdx::new(1)).is_some());
+    assert!(t.move_booking(&id("moved"), ReplicaIdx::new(1), Instant::now()).is_some());
     assert!(t.ttft_measured(&id("moved"), measured_ttft(500, 2), now).is_none());
     assert_eq!(t.ttft(r0).samples(), learned);
     // A replica that leaves takes its model along: a newcomer in its slot is learned afresh.

@@ -118,9 +118,9 @@ pub struct Explanation {
     pub predicted_ttft_secs: Option<f64>,
     /// That prediction against the TTFT the filter measured, once the first token came.
     pub ttft_checked: Option<TtftCheck>,
-    /// With a TTFT SLO for its class (admission control): what was left of it after the
-    /// request's wait, in seconds. The candidates predicted above it were not chosen, unless
-    /// every one was.
+    /// With a TTFT SLO (its own, or its class's; admission control): what was left of it after
+    /// the request's wait, in seconds. The candidates predicted above it were not chosen,
+    /// unless every one was; a candidate whose model does not predict yet could be.
     pub ttft_slo_secs: Option<f64>,
     /// In a disaggregated pool: `disaggregated` (its prefill leg is explained under
     /// `<request_id>/prefill`, marked `prefill_leg`) or why it was served whole
@@ -128,8 +128,9 @@ pub struct Explanation {
     pub disaggregation: Option<&'static str>,
     /// In a pool that binds sessions, for a request with a session: `new` (it was not
     /// bound), `kept`, or why it moved — `replica_gone`, `prefix_gone` (its replica holds less
-    /// of the prompt than another), `saturated`, `outweighed` (another was cheaper by more
-    /// than the credit). The session is now bound to `chosen`.
+    /// of the prompt than another), `saturated`, `slo` (predicted to miss the request's TTFT
+    /// SLO), `outweighed` (another was cheaper by more than the credit). The session is now
+    /// bound to `chosen`.
     pub session: Option<&'static str>,
 }
 

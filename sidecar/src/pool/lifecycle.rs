@@ -82,7 +82,7 @@ impl Pool {
         let Some(to) = to.map(ReplicaIdx::new) else { return false };
         let moved = {
             let mut load = self.load_table();
-            let moved = load.move_booking(&BookingId::new(request_id), to);
+            let moved = load.move_booking(&BookingId::new(request_id), to, Instant::now());
             moved.map(|(from, hashes, predicted)| (from, hashes, load.load(from), load.load(to), predicted))
         };
         let Some((from, hashes, left, arrived, predicted)) = moved else { return false };
@@ -111,7 +111,7 @@ impl Pool {
         let prefill = blocks.saturating_sub(cached) * block_size;
         let figures = {
             let mut load = self.load_table();
-            load.served_whole(&id, prefill).map(|predicted| (load.load(slot), predicted))
+            load.served_whole(&id, prefill, Instant::now()).map(|predicted| (load.load(slot), predicted))
         };
         let Some((figures, predicted)) = figures else { return false };
         if predicted {

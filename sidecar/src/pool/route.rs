@@ -161,8 +161,12 @@ impl Pool {
         // Its tenant's flow, whose bookings count towards fairness.
         let flow =
             self.admission.as_ref().and_then(|g| g.flow_of(g.class_of(req.priority.as_deref()), req.tenant.as_deref()));
-        // With admission control, a full pool books nothing: the request waits.
-        if admit.is_some_and(|a| self.all_saturated(&load, &eligible, req, flow, a)) {
+        // With admission control, a full pool books nothing: the request waits — unless its
+        // class sheds what misses its TTFT SLO, which is judged first (below).
+        let saturated = admit.is_some_and(|a| self.all_saturated(&load, &eligible, req, flow, a));
+        // Its TTFT SLO, what is left of it after its wait (admission control).
+        let slo = admit.and_then(|a| self.slo_for(req, a));
+        if saturated && !slo.is_some_and(|s| s.sheddable) {
             return Err(NotAdmitted::Saturated);
         }
         // Every eligible replica's cost, from its booked load.
@@ -171,37 +175,38 @@ impl Pool {
         // and has headroom (`[pools.sessions]`, `kv_aware`).
         let session = self.session_of(req, policy);
         let weighed = session.map(|key| self.weigh_session(key, &load, &eligible, &mut scored, req, &scoring));
-        // Its class's TTFT SLO, what is left of it after its wait (admission control).
-        let slo = admit.and_then(|a| self.slo_for(req, a));
-        // Each candidate's predicted TTFT, where the policy or the SLO needs it: known once
-        // every candidate's model predicts.
+        // Each candidate's predicted TTFT, where the policy or the SLO needs it; whether every
+        // candidate's model predicts.
         let predicted = (policy == Policy::PredictedLatency || slo.is_some())
             && predict_all(&load, &eligible, &mut scored, &shape, &scoring);
-        // The candidates the choice keeps to: those predicted to meet the SLO, if any is;
-        // none, and a sheddable class's request is shed at once.
-        let within = slo.filter(|_| predicted).map(|slo| within(&scored, slo.left));
+        // Under an SLO, the candidates the choice keeps to: those predicted within what is left
+        // of it, and those whose model does not predict yet (being chosen is how they learn).
+        // None — every candidate predicted to miss it — and a sheddable class's request is shed.
+        let within = slo.map(|slo| within(&scored, slo.left));
         if slo.is_some_and(|s| s.sheddable) && within.as_ref().is_some_and(Vec::is_empty) {
+            drop(load);
             self.count_slo("shed");
             return Err(NotAdmitted::OverSlo);
         }
-        let allowed = within.clone().filter(|w| !w.is_empty()).unwrap_or_else(|| (0..eligible.len()).collect());
+        if saturated {
+            return Err(NotAdmitted::Saturated);
+        }
+        let allowed = within.as_deref().filter(|w| !w.is_empty());
         // Under `predicted_latency`, the lowest predicted TTFT; until every candidate's model
         // predicts, the request is decided (and recorded) as `kv_aware`.
-        let fastest = (policy == Policy::PredictedLatency && predicted).then(|| fastest(&scored, &allowed)).flatten();
+        let fastest = (policy == Policy::PredictedLatency && predicted).then(|| fastest(&scored, allowed)).flatten();
         let policy = if policy == Policy::PredictedLatency && fastest.is_none() { Policy::KvAware } else { policy };
         // The policy's pick, an index into `eligible`.
         let Some(choice) =
-            fastest.or_else(|| self.choose(policy, req, &members, &eligible, &scored, &scoring, &allowed))
+            fastest.or_else(|| self.choose(policy, req, &members, &eligible, &scored, &scoring, allowed))
         else {
             return Ok(nowhere());
         };
-        if slo.is_some() {
-            self.count_slo(match &within {
-                None => "unpredicted",
-                Some(w) if w.is_empty() => "missed",
-                Some(_) => "within",
-            });
-        }
+        let slo_outcome = slo.map(|_| match allowed {
+            None => "missed",
+            Some(_) if scored[choice].predicted_ttft.is_none() => "unpredicted",
+            Some(_) => "within",
+        });
         // Where the prompt is computed: there, or in a prefill worker's leg.
         let prompt = Prompt {
             tokens: shape.prompt_tokens,
@@ -235,10 +240,13 @@ impl Pool {
         // The session is bound where it went, afresh.
         let session_outcome = session.zip(weighed).filter(|_| booked.booked).map(|(key, w)| {
             self.bind_session(key, booked.slot);
-            let outcome = w.outcome(choice);
+            let outcome = w.outcome(choice, allowed);
             self.count_session(outcome);
             outcome
         });
+        if let Some(outcome) = slo_outcome.filter(|_| booked.booked) {
+            self.count_slo(outcome);
+        }
         // Remember where the prefix went, and expect the engine's events for it.
         for b in std::iter::once(&booked).chain(&leg) {
             self.after_booking(routes.as_deref_mut(), &members[b.slot.get()], &shape, b);
@@ -461,8 +469,8 @@ impl Pool {
         }
     }
 
-    /// The policy's choice among the `allowed` candidates (indices into `eligible`, in order;
-    /// not empty): an index into `eligible`.
+    /// The policy's choice among the `allowed` candidates (indices into `eligible`, in order,
+    /// not empty; `None`: every one): an index into `eligible`.
     #[allow(clippy::too_many_arguments)]
     fn choose(
         &self,
@@ -472,15 +480,19 @@ impl Pool {
         eligible: &[Eligible],
         scored: &[Scored],
         scoring: &ScoringConfig,
-        allowed: &[usize],
+        allowed: Option<&[usize]>,
     ) -> Option<usize> {
+        let at = |k: usize| allowed.map_or(k, |a| a[k]);
+        let count = allowed.map_or(eligible.len(), <[usize]>::len);
         match policy {
             Policy::KvAware | Policy::LeastLoad | Policy::PrefixAffinity | Policy::PredictedLatency => {
-                let logits: Vec<f64> = allowed.iter().map(|&c| scored[c].logit).collect();
-                score::select(&logits, scoring.temperature, &mut rand::rng()).map(|k| allowed[k])
+                let logits: Vec<f64> = (0..count).map(|k| scored[at(k)].logit).collect();
+                score::select(&logits, scoring.temperature, &mut rand::rng()).map(at)
             }
-            Policy::RoundRobin => Some(allowed[self.next.fetch_add(1, Ordering::Relaxed) % allowed.len()]),
-            Policy::ConsistentHash => req.session.as_deref().map(|key| rendezvous(key, members, eligible, allowed)),
+            Policy::RoundRobin => Some(at(self.next.fetch_add(1, Ordering::Relaxed) % count)),
+            Policy::ConsistentHash => {
+                req.session.as_deref().map(|key| at(rendezvous(key, members, eligible, (0..count).map(at))))
+            }
         }
     }
 
@@ -596,16 +608,21 @@ fn predict_all(
     scored.iter().all(|s| s.predicted_ttft.is_some())
 }
 
-/// Of the `allowed` candidates (indices into `scored`), the one with the lowest predicted TTFT.
-fn fastest(scored: &[Scored], allowed: &[usize]) -> Option<usize> {
-    let predicted: Option<Vec<f64>> = allowed.iter().map(|&c| scored[c].predicted_ttft.map(f64::from)).collect();
-    score::argmin(&predicted?, &mut rand::rng()).map(|k| allowed[k])
+/// Of the `allowed` candidates (indices into `scored`; `None`: every one), the one with the
+/// lowest predicted TTFT; `None` if one of them does not predict.
+fn fastest(scored: &[Scored], allowed: Option<&[usize]>) -> Option<usize> {
+    let at = |k: usize| allowed.map_or(k, |a| a[k]);
+    let count = allowed.map_or(scored.len(), <[usize]>::len);
+    let predicted: Option<Vec<f64>> = (0..count).map(|k| scored[at(k)].predicted_ttft.map(f64::from)).collect();
+    score::argmin(&predicted?, &mut rand::rng()).map(at)
 }
 
-/// The candidates (indices into `scored`) predicted to meet an SLO with `left` of it left.
+/// The candidates (indices into `scored`) an SLO with `left` of it left keeps: those predicted
+/// within it, and those that do not predict yet. Nothing is within an SLO that is spent.
 fn within(scored: &[Scored], left: Duration) -> Vec<usize> {
     let left = left.as_secs_f64();
-    (0..scored.len()).filter(|&c| scored[c].predicted_ttft.is_some_and(|t| f64::from(t) <= left)).collect()
+    let keeps = |t: Option<f32>| t.is_none_or(|t| left > 0.0 && f64::from(t) <= left);
+    (0..scored.len()).filter(|&c| keeps(scored[c].predicted_ttft)).collect()
 }
 
 /// Books the request (or its prefill leg) on the chosen replica: its prefill left after the
@@ -663,15 +680,16 @@ fn predict(shape: &Shape<'_>, at: Eligible, remote: Option<(TransferProtocol, El
     }
 }
 
-/// Rendezvous (highest-random-weight) hashing over the `allowed` eligible replicas: a session
-/// keeps its replica, and only the sessions of a replica that leaves move. Returns an index
-/// into `eligible`.
-fn rendezvous(key: &str, members: &[Member], eligible: &[Eligible], allowed: &[usize]) -> usize {
+/// Rendezvous (highest-random-weight) hashing over the `allowed` eligible replicas (indices
+/// into `eligible`): a session keeps its replica, and only the sessions of a replica that
+/// leaves (or, under a TTFT SLO, is predicted to miss it) move. Returns the position in
+/// `allowed` of the one chosen.
+fn rendezvous(key: &str, members: &[Member], eligible: &[Eligible], allowed: impl Iterator<Item = usize>) -> usize {
     let weight = |id: &str| {
         let mut bytes = key.as_bytes().to_vec();
         bytes.push(0);
         bytes.extend_from_slice(id.as_bytes());
         xxhash_rust::xxh3::xxh3_64(&bytes)
     };
-    allowed.iter().copied().max_by_key(|&c| weight(&members[eligible[c].slot.get()].replica.id)).unwrap_or(0)
+    allowed.enumerate().max_by_key(|(_, c)| weight(&members[eligible[*c].slot.get()].replica.id)).map_or(0, |(k, _)| k)
 }

@@ -169,13 +169,16 @@ pub(super) enum Weighed {
 }
 
 impl Weighed {
-    /// The decision's session outcome once `chosen` (an index into the candidates) is picked:
-    /// `new`, `kept`, or why it moved — `replica_gone`, `prefix_gone`, `saturated`, or
-    /// `outweighed` (another replica was cheaper by more than the credit).
-    pub(super) fn outcome(self, chosen: usize) -> &'static str {
+    /// The decision's session outcome once `chosen` (an index into the candidates) is picked
+    /// among `allowed` (those within the request's TTFT SLO; `None`: every candidate): `new`,
+    /// `kept`, or why it moved — `replica_gone`, `prefix_gone`, `saturated`, `slo` (predicted
+    /// to miss the request's TTFT SLO), or `outweighed` (another replica was cheaper by more
+    /// than the credit).
+    pub(super) fn outcome(self, chosen: usize, allowed: Option<&[usize]>) -> &'static str {
         match self {
             Weighed::Unbound => "new",
             Weighed::Credited { at } if at == chosen => "kept",
+            Weighed::Credited { at } if allowed.is_some_and(|a| !a.contains(&at)) => "slo",
             Weighed::Credited { .. } => "outweighed",
             Weighed::Gone => "replica_gone",
             Weighed::NoPrefix => "prefix_gone",

@@ -73,7 +73,8 @@ pub struct Summary {
     #[serde(default)]
     pub slo_attainment: f64,
     /// kvgate's TTFT predictions against what its filter measured, over the run's checked
-    /// decisions (every gateway's last `explain_keep`): the relative error's p50 and p90, and
+    /// decisions (every gateway's last `explain_keep`, none older than `explain_max_age_secs`:
+    /// a long run's last minutes): the relative error's p50 and p90, and
     /// how many were checked. `None` for routers without them.
     #[serde(default)]
     pub ttft_error_p50: Option<f64>,
