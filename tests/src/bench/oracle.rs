@@ -16,6 +16,7 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
@@ -68,8 +69,14 @@ struct Placement {
     ttft_s: Vec<Option<f64>>,
 }
 
+/// The longest one replay may take (wall clock). The greedy placement tries every engine on
+/// a copy for each request, so an overloaded run's deep queues make it slow: a run at twice
+/// the fleet's capacity took over a quarter of an hour.
+const REPLAY_BUDGET: Duration = Duration::from_secs(180);
+
 /// Replays `served` on `replicas` (the fleet's replica ids, in engine order), each engine
-/// with `gpu_blocks`; `None` when nothing was served on a known replica.
+/// with `gpu_blocks`; `None` when nothing was served on a known replica, or when the replay
+/// would take longer than [`REPLAY_BUDGET`] (it is stopped, and the run says so).
 pub fn replay(
     sim: &Path,
     fleet: &Fleet,
@@ -95,20 +102,21 @@ pub fn replay(
     });
     let file = tempfile_path();
     std::fs::write(&file, serde_json::to_vec(&input)?)?;
-    let output = Command::new(sim)
-        .args(fleet.sim_args(gpu_blocks))
-        .args(["--block-size", &fleet.block_size.to_string(), "--replay"])
-        .arg(&file)
-        .output()
-        .with_context(|| format!("running {} --replay", sim.display()));
+    let output = run_within(
+        Command::new(sim)
+            .args(fleet.sim_args(gpu_blocks))
+            .args(["--block-size", &fleet.block_size.to_string(), "--replay"])
+            .arg(&file),
+        &file.with_extension("out"),
+        REPLAY_BUDGET,
+    )
+    .with_context(|| format!("running {} --replay", sim.display()));
     let _ = std::fs::remove_file(&file);
-    let output = output?;
-    anyhow::ensure!(
-        output.status.success(),
-        "kvgate-sim --replay failed: {}",
-        String::from_utf8_lossy(&output.stderr).lines().last().unwrap_or("")
-    );
-    let placements: Vec<Placement> = serde_json::from_slice(&output.stdout).context("reading the replay")?;
+    let Some(stdout) = output? else {
+        eprintln!("bench:   the replay took over {REPLAY_BUDGET:?} and was stopped: this run has no bounds");
+        return Ok(None);
+    };
+    let placements: Vec<Placement> = serde_json::from_slice(&stdout).context("reading the replay")?;
     let p = |name: &str| -> anyhow::Result<[f64; 2]> {
         let found = placements.iter().find(|p| p.name == name).with_context(|| format!("no {name} in the replay"))?;
         let ttfts: Vec<f64> = found.ttft_s.iter().flatten().copied().collect();
@@ -123,6 +131,31 @@ pub fn replay(
     }))
 }
 
+/// Runs `command` with its output in `out` and its errors beside (both removed after), for
+/// at most `budget`: its stdout if it succeeded, `None` if it was stopped for the budget, an
+/// error if it failed.
+fn run_within(command: &mut Command, out: &Path, budget: Duration) -> anyhow::Result<Option<Vec<u8>>> {
+    let errors = out.with_extension("err");
+    let mut child = command.stdout(std::fs::File::create(out)?).stderr(std::fs::File::create(&errors)?).spawn()?;
+    let deadline = Instant::now() + budget;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (stdout, stderr) = (std::fs::read(out), std::fs::read_to_string(&errors).unwrap_or_default());
+    let _ = (std::fs::remove_file(out), std::fs::remove_file(&errors));
+    let Some(status) = status else { return Ok(None) };
+    anyhow::ensure!(status.success(), "kvgate-sim --replay failed: {}", stderr.lines().last().unwrap_or(""));
+    Ok(Some(stdout?))
+}
+
 /// A file of this process's own for one replay's input.
 fn tempfile_path() -> std::path::PathBuf {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -134,6 +167,19 @@ fn tempfile_path() -> std::path::PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A replay that runs past its budget is stopped and gives nothing; one that fails says
+    /// so; one that finishes gives its output.
+    #[test]
+    fn a_replay_is_bounded_in_time() {
+        let out = |n: &str| std::env::temp_dir().join(format!("kvgate-run-within-{}-{n}.out", std::process::id()));
+        let quick = run_within(Command::new("echo").arg("done"), &out("a"), Duration::from_secs(30)).unwrap();
+        assert_eq!(quick.as_deref(), Some(&b"done\n"[..]));
+        let slow = run_within(Command::new("sleep").arg("30"), &out("b"), Duration::from_millis(100)).unwrap();
+        assert_eq!(slow, None, "stopped at its budget");
+        assert!(run_within(&mut Command::new("false"), &out("c"), Duration::from_secs(30)).is_err());
+        assert!(!out("a").exists() && !out("b").with_extension("err").exists(), "nothing left behind");
+    }
 
     fn replayed(own: f64, round_robin: f64, floor: f64) -> Replayed {
         let p90 = |v| [0.0, v];
