@@ -380,8 +380,7 @@ fn check_roles(pool: &PoolConfig, discovery: &DiscoveryConfig) -> anyhow::Result
             pool.model
         );
     }
-    let a = &pool.admission;
-    if a.enabled && (a.ttft_slo_ms > 0 || a.classes.iter().any(|c| c.ttft_slo_ms.is_some_and(|ms| ms > 0))) {
+    if pool.admission.has_ttft_slo() {
         bail!(
             "pool {:?}: a TTFT SLO is held to each replica's predicted time to compute a prompt it is sent \
              whole; in a disaggregated pool a prefill worker computes it",

@@ -1,5 +1,7 @@
 //! `[pools.admission]`: admission control (`crate::admission`).
 
+use std::borrow::Cow;
+
 use anyhow::bail;
 use serde::Deserialize;
 
@@ -128,6 +130,20 @@ impl Default for AdmissionConfig {
 }
 
 impl AdmissionConfig {
+    /// The classes as configured, or, with none, the one implicit class (`default`), whose
+    /// bounds are the pool's.
+    pub(crate) fn classes_or_implicit(&self) -> Cow<'_, [ClassConfig]> {
+        match self.classes.is_empty() {
+            true => Cow::Owned(vec![ClassConfig { name: "default".into(), ..ClassConfig::default() }]),
+            false => Cow::Borrowed(&self.classes),
+        }
+    }
+
+    /// Whether admission control is on and holds some class to a TTFT SLO.
+    pub(crate) fn has_ttft_slo(&self) -> bool {
+        self.enabled && self.classes_or_implicit().iter().any(|c| c.slo_ms_in(self) > 0)
+    }
+
     pub(crate) fn validate(&self, model: &str, engine_metrics_secs: u64) -> anyhow::Result<()> {
         if !self.enabled {
             return Ok(());
@@ -136,25 +152,21 @@ impl AdmissionConfig {
         if self.engine_signals && !polled {
             bail!("pool {model:?}: admission.engine_signals needs engine_metrics_secs > 0 to read the engines");
         }
-        // Every class (the implicit one without classes) must have a criterion: an SLO of its own.
-        let slo = match self.classes.is_empty() {
-            true => self.ttft_slo_ms > 0,
-            false => self.classes.iter().all(|c| c.ttft_slo_ms.unwrap_or(self.ttft_slo_ms) > 0),
-        };
+        let classes = self.classes_or_implicit();
+        // Every class must have a criterion: an SLO of its own is one.
+        let slo = classes.iter().all(|c| c.slo_ms_in(self) > 0);
         if self.kv_blocks == 0 && self.max_prefill_tokens == 0 && !polled && !slo {
             bail!(
                 "pool {model:?}: admission needs kv_blocks or max_prefill_tokens, or engine_metrics_secs to learn \
                  each engine's KV capacity, to tell when a replica is saturated, or a ttft_slo_ms"
             );
         }
-        let sheddable_without_slo = |sheddable: bool, slo_ms: u64| sheddable && slo_ms == 0;
-        if self.classes.is_empty() && sheddable_without_slo(self.sheddable, self.ttft_slo_ms) {
-            bail!("pool {model:?}: admission.sheddable sheds requests that miss their TTFT SLO: set ttft_slo_ms");
-        }
-        if let Some(c) = self.classes.iter().find(|c| {
-            sheddable_without_slo(c.sheddable.unwrap_or(self.sheddable), c.ttft_slo_ms.unwrap_or(self.ttft_slo_ms))
-        }) {
-            bail!("pool {model:?}: admission class {:?} is sheddable but has no ttft_slo_ms", c.name);
+        if let Some(c) = classes.iter().find(|c| c.sheddable_in(self) && c.slo_ms_in(self) == 0) {
+            bail!(
+                "pool {model:?}: admission class {:?} is sheddable (it sheds requests that miss their TTFT SLO) but \
+                 has no ttft_slo_ms",
+                c.name
+            );
         }
         if !(self.kv_fraction > 0.0 && self.kv_fraction <= 1.0) {
             bail!("pool {model:?}: admission.kv_fraction must be in (0, 1], got {}", self.kv_fraction);
@@ -179,6 +191,18 @@ impl AdmissionConfig {
             }
         }
         Ok(())
+    }
+}
+
+impl ClassConfig {
+    /// Its TTFT SLO in ms in a pool whose admission control is `pool` (0: none).
+    pub(crate) fn slo_ms_in(&self, pool: &AdmissionConfig) -> u64 {
+        self.ttft_slo_ms.unwrap_or(pool.ttft_slo_ms)
+    }
+
+    /// Whether it sheds a request no replica is predicted to serve within its SLO, in `pool`.
+    pub(crate) fn sheddable_in(&self, pool: &AdmissionConfig) -> bool {
+        self.sheddable.unwrap_or(pool.sheddable)
     }
 }
 

@@ -297,9 +297,7 @@ fn record_turn(queue: &mut Queue, id: (usize, u64), turn: u64) {
 impl Gate {
     /// A gate with `config`'s thresholds, classes and bounds.
     pub fn new(config: &AdmissionConfig) -> Gate {
-        // No classes configured: one, with the pool's bounds.
-        let implicit = [ClassConfig { name: "default".into(), ..ClassConfig::default() }];
-        let configured = if config.classes.is_empty() { &implicit[..] } else { &config.classes[..] };
+        let configured = config.classes_or_implicit();
         let mut classes: Vec<Class> = configured
             .iter()
             .map(|c| Class {
@@ -311,9 +309,8 @@ impl Gate {
                 max_prefill_tokens: c.max_prefill_tokens.unwrap_or(config.max_prefill_tokens),
                 fair_kv_fraction: 0.0,
                 fair_max_prefill_tokens: 0,
-                ttft_slo: Some(Duration::from_millis(c.ttft_slo_ms.unwrap_or(config.ttft_slo_ms)))
-                    .filter(|slo| !slo.is_zero()),
-                sheddable: c.sheddable.unwrap_or(config.sheddable),
+                ttft_slo: Some(Duration::from_millis(c.slo_ms_in(config))).filter(|slo| !slo.is_zero()),
+                sheddable: c.sheddable_in(config),
             })
             .collect();
         let mut by_priority: Vec<usize> = (0..classes.len()).collect();

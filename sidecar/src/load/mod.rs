@@ -153,6 +153,12 @@ struct Replica {
 }
 
 impl Replica {
+    /// Its prefill tokens per second, as learned (`default_rate` until it has served a
+    /// streamed request).
+    fn prefill_rate(&self, default_rate: f64) -> f64 {
+        self.prefill_rate.unwrap_or(default_rate)
+    }
+
     /// The prefill booked here still to compute at `now`: what was booked, less what the
     /// replica computed since — at the speed its TTFT model learned, or while that model
     /// does not predict (or learned no cost per token), at its prefill rate (`default_rate`
@@ -161,7 +167,7 @@ impl Replica {
         let elapsed = self.backlog_at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
         let secs_per_token = match self.ttft.secs_per_prefill_token(now) {
             Some(secs) if secs > 0.0 => secs,
-            _ => 1.0 / self.prefill_rate.unwrap_or(default_rate),
+            _ => 1.0 / self.prefill_rate(default_rate),
         };
         (self.backlog - elapsed / secs_per_token).clamp(0.0, self.prefill_tokens as f64)
     }
@@ -358,7 +364,7 @@ impl LoadTable {
 
     /// The prefill rate a replica is assumed to run at, tokens/s.
     pub fn prefill_rate(&self, replica: ReplicaIdx) -> f64 {
-        self.replicas[replica.get()].prefill_rate.unwrap_or(self.default_prefill_rate)
+        self.replicas[replica.get()].prefill_rate(self.default_prefill_rate)
     }
 
     /// Ends the estimated prefills due by `now`. Returns the ids ended (for the sync mesh).

@@ -482,17 +482,17 @@ impl Pool {
         scoring: &ScoringConfig,
         allowed: Option<&[usize]>,
     ) -> Option<usize> {
-        let at = |k: usize| allowed.map_or(k, |a| a[k]);
-        let count = allowed.map_or(eligible.len(), <[usize]>::len);
+        let among = among(allowed, eligible.len());
         match policy {
             Policy::KvAware | Policy::LeastLoad | Policy::PrefixAffinity | Policy::PredictedLatency => {
-                let logits: Vec<f64> = (0..count).map(|k| scored[at(k)].logit).collect();
-                score::select(&logits, scoring.temperature, &mut rand::rng()).map(at)
+                let logits: Vec<f64> = among.clone().map(|c| scored[c].logit).collect();
+                score::select(&logits, scoring.temperature, &mut rand::rng()).and_then(|k| among.clone().nth(k))
             }
-            Policy::RoundRobin => Some(at(self.next.fetch_add(1, Ordering::Relaxed) % count)),
-            Policy::ConsistentHash => {
-                req.session.as_deref().map(|key| at(rendezvous(key, members, eligible, (0..count).map(at))))
+            Policy::RoundRobin => {
+                let turn = self.next.fetch_add(1, Ordering::Relaxed) % among.clone().count();
+                among.clone().nth(turn)
             }
+            Policy::ConsistentHash => req.session.as_deref().and_then(|key| rendezvous(key, members, eligible, among)),
         }
     }
 
@@ -608,13 +608,19 @@ fn predict_all(
     scored.iter().all(|s| s.predicted_ttft.is_some())
 }
 
+/// The candidates a choice is made among: `allowed` (indices into the `n` candidates), or
+/// every one.
+fn among(allowed: Option<&[usize]>, n: usize) -> impl Iterator<Item = usize> + Clone + '_ {
+    let every = allowed.is_none().then_some(0..n);
+    allowed.into_iter().flatten().copied().chain(every.into_iter().flatten())
+}
+
 /// Of the `allowed` candidates (indices into `scored`; `None`: every one), the one with the
 /// lowest predicted TTFT; `None` if one of them does not predict.
 fn fastest(scored: &[Scored], allowed: Option<&[usize]>) -> Option<usize> {
-    let at = |k: usize| allowed.map_or(k, |a| a[k]);
-    let count = allowed.map_or(scored.len(), <[usize]>::len);
-    let predicted: Option<Vec<f64>> = (0..count).map(|k| scored[at(k)].predicted_ttft.map(f64::from)).collect();
-    score::argmin(&predicted?, &mut rand::rng()).map(at)
+    let among = among(allowed, scored.len());
+    let predicted: Option<Vec<f64>> = among.clone().map(|c| scored[c].predicted_ttft.map(f64::from)).collect();
+    score::argmin(&predicted?, &mut rand::rng()).and_then(|k| among.clone().nth(k))
 }
 
 /// The candidates (indices into `scored`) an SLO with `left` of it left keeps: those predicted
@@ -682,14 +688,19 @@ fn predict(shape: &Shape<'_>, at: Eligible, remote: Option<(TransferProtocol, El
 
 /// Rendezvous (highest-random-weight) hashing over the `allowed` eligible replicas (indices
 /// into `eligible`): a session keeps its replica, and only the sessions of a replica that
-/// leaves (or, under a TTFT SLO, is predicted to miss it) move. Returns the position in
-/// `allowed` of the one chosen.
-fn rendezvous(key: &str, members: &[Member], eligible: &[Eligible], allowed: impl Iterator<Item = usize>) -> usize {
+/// leaves (or, under a TTFT SLO, is predicted to miss it) move. Returns an index into
+/// `eligible`; `None` if none is allowed.
+fn rendezvous(
+    key: &str,
+    members: &[Member],
+    eligible: &[Eligible],
+    allowed: impl Iterator<Item = usize>,
+) -> Option<usize> {
     let weight = |id: &str| {
         let mut bytes = key.as_bytes().to_vec();
         bytes.push(0);
         bytes.extend_from_slice(id.as_bytes());
         xxhash_rust::xxh3::xxh3_64(&bytes)
     };
-    allowed.enumerate().max_by_key(|(_, c)| weight(&members[eligible[*c].slot.get()].replica.id)).map_or(0, |(k, _)| k)
+    allowed.max_by_key(|&c| weight(&members[eligible[c].slot.get()].replica.id))
 }
