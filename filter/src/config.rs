@@ -22,6 +22,7 @@
 //!   "priority_header": null,
 //!   "tenant_header": null,
 //!   "ttft_slo_header": null,
+//!   "itl_slo_header": null,
 //!   "prefill_cluster": null,
 //!   "prefill_timeout_ms": 60000,
 //!   "client_transfer_fields": false,
@@ -176,6 +177,10 @@ pub struct FilterConfig {
     /// a client could otherwise loosen its SLO, or tighten it to be sent to the replica
     /// predicted fastest.
     pub ttft_slo_header: Option<String>,
+    /// The request header whose value is the request's ITL SLO in milliseconds — the mean
+    /// time between its output tokens (for example `x-kvgate-itl-slo-ms`) — replacing its
+    /// admission class's `itl_slo_ms`, as `ttft_slo_header` does its TTFT SLO.
+    pub itl_slo_header: Option<String>,
     /// The request header whose value is the request's session key (default
     /// `x-session-id`; cut to 256 bytes): what the `consistent_hash` policy hashes and pools
     /// with `sessions` bind, ahead of the body's `session_id`, `user` or Messages
@@ -235,6 +240,7 @@ impl Default for FilterConfig {
             admission_wait_ms: 0,
             priority_header: None,
             ttft_slo_header: None,
+            itl_slo_header: None,
             tenant_header: None,
             session_header: SESSION_HEADER.into(),
             prefill_cluster: None,

@@ -243,20 +243,41 @@ pub const USAGE_TAIL_BYTES: usize = 4096;
 /// assert_eq!(kvgate_filter::plan::engine_usage(br#"{"usage":{"input_tokens":40,"output_tokens":4}}"#), Some((40, None)));
 /// ```
 pub fn engine_usage(tail: &[u8]) -> Option<(u32, Option<u32>)> {
-    let at = find_last(tail, b"\"usage\"")?;
-    let usage = &tail[at..];
-    let number_after = |key: &[u8]| -> Option<u32> {
+    let number = usage_reader(tail)?;
+    let prompt = number(b"\"prompt_tokens\"").or_else(|| number(b"\"input_tokens\""))?;
+    if let Some(read) = number(b"\"cache_read_input_tokens\"") {
+        let written = number(b"\"cache_creation_input_tokens\"").unwrap_or(0);
+        return Some((prompt.saturating_add(read).saturating_add(written), Some(read)));
+    }
+    Some((prompt, number(b"\"cached_tokens\"")))
+}
+
+/// The tokens the engine says it produced (`usage.completion_tokens`; `output_tokens` for
+/// Responses and Messages), from the end of a response as [`engine_usage`] reads it.
+///
+/// ```
+/// use kvgate_filter::plan::output_tokens;
+/// let tail = br#"data: {"choices":[],"usage":{"prompt_tokens":12,"total_tokens":40,"completion_tokens":28}}
+///
+/// data: [DONE]"#;
+/// assert_eq!(output_tokens(tail), Some(28));
+/// assert_eq!(output_tokens(br#"{"usage":{"input_tokens":8,"output_tokens":4}}"#), Some(4));
+/// assert_eq!(output_tokens(br#"{"usage":{"prompt_tokens":7}}"#), None);
+/// ```
+pub fn output_tokens(tail: &[u8]) -> Option<u32> {
+    let number = usage_reader(tail)?;
+    number(b"\"completion_tokens\"").or_else(|| number(b"\"output_tokens\""))
+}
+
+/// Reads the whole number after a key in the last `usage` of `tail`; `None` if it has none.
+fn usage_reader(tail: &[u8]) -> Option<impl Fn(&[u8]) -> Option<u32> + '_> {
+    let usage = &tail[find_last(tail, b"\"usage\"")?..];
+    Some(move |key: &[u8]| -> Option<u32> {
         let from = find_last(usage, key)? + key.len();
         let rest = usage[from..].trim_ascii_start().strip_prefix(b":")?.trim_ascii_start();
         let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
         std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
-    };
-    let prompt = number_after(b"\"prompt_tokens\"").or_else(|| number_after(b"\"input_tokens\""))?;
-    if let Some(read) = number_after(b"\"cache_read_input_tokens\"") {
-        let written = number_after(b"\"cache_creation_input_tokens\"").unwrap_or(0);
-        return Some((prompt.saturating_add(read).saturating_add(written), Some(read)));
-    }
-    Some((prompt, number_after(b"\"cached_tokens\"")))
+    })
 }
 
 fn find_last(haystack: &[u8], needle: &[u8]) -> Option<usize> {
@@ -332,6 +353,7 @@ pub fn offload<'a>(
         priority: hints.priority.clone(),
         tenant: hints.tenant.clone(),
         ttft_slo_ms: hints.ttft_slo_ms,
+        itl_slo_ms: hints.itl_slo_ms,
         prefill_legs: hints.prefill_legs,
     };
     Ok((ModelName::from(model.as_ref()), request))
@@ -521,6 +543,7 @@ mod tests {
             priority: Some("batch".into()),
             tenant: Some("t1".into()),
             ttft_slo_ms: Some(300),
+            itl_slo_ms: Some(40),
             prefill_legs: true,
         };
         fn off<'a>(
@@ -539,6 +562,7 @@ mod tests {
         assert_eq!(req.wait_ms, 250, "the sidecar's admission queue holds it at most this long");
         assert_eq!((req.priority.as_deref(), req.tenant.as_deref()), (Some("batch"), Some("t1")));
         assert_eq!(req.ttft_slo_ms, Some(300), "the sidecar holds the offloaded request to it too");
+        assert_eq!(req.itl_slo_ms, Some(40));
         assert_eq!((model.as_str(), req.client_request_id.as_deref()), ("qwen3", Some("client")));
         assert_eq!(req.body.as_ref(), body);
         let listed = HashSet::from(["other".to_owned()]);

@@ -417,7 +417,7 @@ fn a_request_shed_for_its_ttft_slo_is_told_so() {
     assert_eq!((code, headers.get("retry-after").map(String::as_str)), (429, Some("1")));
     let error: serde_json::Value = serde_json::from_slice(&body).unwrap();
     let message = error["error"]["message"].as_str().unwrap();
-    assert!(message.contains("predicted to meet the request's TTFT objective"), "{message}");
+    assert!(message.contains("predicted to meet the request's latency objectives"), "{message}");
     assert_eq!(fake.0.borrow().resumed, 0, "the request is not sent upstream");
 }
 
@@ -569,6 +569,48 @@ fn usage_is_asked_for_on_a_streaming_clients_behalf_and_taken_back_out() {
         kinds(&fake).contains(&LifecycleKind::Usage { prompt_tokens: 20, cached_tokens: Some(16) }),
         "the closed loop has the engine's numbers"
     );
+}
+
+/// A stream's mean time between tokens is its span from first byte to last over the tokens
+/// the engine says it produced, less one; a stream that is not a success, one that is not an
+/// event stream, or one of a single token measures none.
+#[test]
+fn a_streamed_response_reports_its_mean_time_between_tokens() {
+    let stream = |status: &str, content_type: &str, completion_tokens: u32| {
+        let (mut ctx, fake) = routed_chat("hello there");
+        fake.0.borrow_mut().upstream = Some("127.0.0.1:8001".into());
+        fake.0
+            .borrow_mut()
+            .response_headers
+            .extend([(":status", status), ("content-type", content_type)].map(|(k, v)| (k.to_owned(), v.to_owned())));
+        ctx.on_response_headers();
+        let token = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        let usage = format!(
+            "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":9,\"completion_tokens\":{completion_tokens}}}}}\n\n"
+        );
+        let start = Instant::now();
+        let chunks = [token, token, token, &usage];
+        for (i, chunk) in chunks.iter().enumerate() {
+            if i > 0 {
+                std::thread::sleep(Duration::from_millis(4));
+            }
+            fake.0.borrow_mut().response_chunk = chunk.as_bytes().to_vec();
+            ctx.on_response_body(chunk.len(), i + 1 == chunks.len());
+        }
+        let span = start.elapsed();
+        ctx.on_log();
+        let itl = fake.0.borrow().queued.iter().find_map(|e| match e.kind {
+            LifecycleKind::Decoded { itl_us } => Some(Duration::from_micros(itl_us)),
+            _ => None,
+        });
+        (itl, span)
+    };
+    let (itl, span) = stream("200", "text/event-stream", 4);
+    let itl = itl.expect("a streamed success of four tokens is timed");
+    assert!(Duration::from_millis(4) <= itl && itl <= span / 3, "{itl:?}: three gaps in {span:?}");
+    assert_eq!(stream("200", "text/event-stream", 1).0, None, "one token has no gap");
+    assert_eq!(stream("500", "text/event-stream", 4).0, None, "an error times nothing");
+    assert_eq!(stream("200", "application/json", 4).0, None, "a body that is not streamed comes at once");
 }
 
 #[test]

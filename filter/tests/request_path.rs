@@ -172,6 +172,7 @@ proptest! {
             priority: None,
             tenant: None,
             ttft_slo_ms: None,
+            itl_slo_ms: None,
             prefill_legs: false,
         };
         let body = br#"{"model":"qwen3","prompt":"hello there","messages":[{"role":"user","content":"hi"}]}"#;

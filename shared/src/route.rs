@@ -28,6 +28,8 @@ pub struct RequestKeys {
     /// The TTFT SLO header's value in ms, if the filter is configured to read one and it is a
     /// whole number.
     pub ttft_slo_ms: Option<u32>,
+    /// The ITL SLO header's value in ms, likewise.
+    pub itl_slo_ms: Option<u32>,
     /// Whether the filter can run a prefill leg for it (see
     /// [`crate::wire::RouteRequest::prefill_legs`]).
     pub prefill_legs: bool,
@@ -87,6 +89,7 @@ pub fn route_request(parsed: &ParsedRequest, keys: &RequestKeys, prompt: PromptT
         priority: keys.priority.clone(),
         tenant: keys.tenant.clone(),
         ttft_slo_ms: keys.ttft_slo_ms,
+        itl_slo_ms: keys.itl_slo_ms,
         prefill_legs: keys.prefill_legs,
     }
 }
@@ -114,6 +117,7 @@ pub fn estimated_request(model: &str, keys: &RequestKeys, tokens: u32, block_siz
         priority: keys.priority.clone(),
         tenant: keys.tenant.clone(),
         ttft_slo_ms: keys.ttft_slo_ms,
+        itl_slo_ms: keys.itl_slo_ms,
         prefill_legs: keys.prefill_legs,
     }
 }

@@ -22,7 +22,7 @@ pub const CONTENT_TYPE: &str = "application/x-kvgate-bincode";
 /// The version of these types as encoded. The filter sends it on every sidecar call
 /// ([`WIRE_VERSION_HEADER`]); a sidecar of another version answers 409 naming both, instead
 /// of misreading the body. Bump it with any change to an encoded type's fields.
-pub const WIRE_VERSION: &str = "9";
+pub const WIRE_VERSION: &str = "10";
 
 /// The header that carries [`WIRE_VERSION`].
 pub const WIRE_VERSION_HEADER: &str = "x-kvgate-wire";
@@ -108,6 +108,10 @@ pub struct RouteRequest {
     /// The request's TTFT SLO in ms: the value of the filter's `ttft_slo_header`, if
     /// configured and a whole number. It replaces its admission class's `ttft_slo_ms`.
     pub ttft_slo_ms: Option<u32>,
+    /// The request's ITL SLO in ms (the mean time between its output tokens): the value of
+    /// the filter's `itl_slo_header`, if configured and a whole number. It replaces its
+    /// admission class's `itl_slo_ms`.
+    pub itl_slo_ms: Option<u32>,
     /// Whether the filter can run a prefill leg for it (its `prefill_cluster` is set and the
     /// endpoint is one legs exist for): in a disaggregated pool a request that cannot is
     /// served whole.
@@ -143,6 +147,7 @@ impl RouteRequest {
             priority: None,
             tenant: None,
             ttft_slo_ms: None,
+            itl_slo_ms: None,
             prefill_legs: false,
         }
     }
@@ -194,6 +199,8 @@ pub struct RouteBodyRequest<'a> {
     pub tenant: Option<String>,
     /// Its TTFT SLO, as in [`RouteRequest`].
     pub ttft_slo_ms: Option<u32>,
+    /// Its ITL SLO, as in [`RouteRequest`].
+    pub itl_slo_ms: Option<u32>,
     /// Whether the filter can run a prefill leg for it, as in [`RouteRequest`].
     pub prefill_legs: bool,
 }
@@ -282,6 +289,15 @@ pub enum LifecycleKind {
         /// it, which the sidecar's TTFT predictions are checked against. `None` for a response
         /// that is not a success (2xx), whose first byte says nothing of the engine's speed.
         ttft_us: Option<u64>,
+    },
+    /// The response streamed its output: the mean time between its output tokens, in
+    /// microseconds — from its first body byte to its last, over the engine's
+    /// `usage.completion_tokens` less one — which the sidecar's ITL predictions are checked
+    /// against. Sent before [`LifecycleKind::Done`] for a successful (2xx) stream whose
+    /// `usage` said it produced two tokens or more.
+    Decoded {
+        /// The mean inter-token latency, µs.
+        itl_us: u64,
     },
     /// The response ended (or the request was abandoned): the replica's load is released.
     Done,

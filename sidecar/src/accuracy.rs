@@ -33,6 +33,7 @@
 use serde::Serialize;
 
 use crate::index::Churn;
+use crate::latency::Latency;
 use crate::watch::Watch;
 
 /// Checks the alarm looks at.
@@ -254,15 +255,17 @@ pub struct AccuracyTotals {
     /// Whether the alarm is raised.
     pub alarm: bool,
     /// Time-to-first-token predictions checked against the filter's measurement.
-    pub ttft: TtftTotals,
+    pub ttft: LatencyTotals,
+    /// Inter-token-latency predictions checked against the filter's measurement.
+    pub itl: LatencyTotals,
 }
 
-/// Time-to-first-token predictions checked, since the sidecar started.
+/// Latency predictions of one kind checked, since the sidecar started.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct TtftTotals {
+pub struct LatencyTotals {
     /// Predictions checked.
     pub checked: u64,
-    /// Of those, close to the measured TTFT ([`crate::latency::TtftCheck::close`]).
+    /// Of those, close to the measurement ([`crate::latency::Check::close`]).
     pub close: u64,
 }
 
@@ -312,10 +315,15 @@ impl Accuracy {
         }
     }
 
-    /// Counts a TTFT check (each replica's alarm is its own: [`crate::latency::ReplicaTtft`]).
-    pub fn record_ttft(&mut self, close: bool) {
-        self.totals.ttft.checked += 1;
-        self.totals.ttft.close += u64::from(close);
+    /// Counts a check of a `latency` prediction (each replica's alarm is its own:
+    /// [`crate::latency::Predictor`]).
+    pub fn record_latency(&mut self, latency: Latency, close: bool) {
+        let totals = match latency {
+            Latency::Ttft => &mut self.totals.ttft,
+            Latency::Itl => &mut self.totals.itl,
+        };
+        totals.checked += 1;
+        totals.close += u64::from(close);
     }
 
     /// Records a prompt the engine counted differently from kvgate (checked or not: the count

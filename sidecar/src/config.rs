@@ -380,10 +380,10 @@ fn check_roles(pool: &PoolConfig, discovery: &DiscoveryConfig) -> anyhow::Result
             pool.model
         );
     }
-    if pool.admission.has_ttft_slo() {
+    if pool.admission.has_slo() {
         bail!(
-            "pool {:?}: a TTFT SLO is held to each replica's predicted time to compute a prompt it is sent \
-             whole; in a disaggregated pool a prefill worker computes it",
+            "pool {:?}: an SLO is held to each replica's predicted latencies for a prompt it is sent whole; in a \
+             disaggregated pool a prefill worker computes it",
             pool.model
         );
     }

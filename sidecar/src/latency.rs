@@ -1,20 +1,25 @@
-//! Time to first token, predicted per replica from the exact view, learned online, and
-//! checked. Pure: the load table keeps one [`ReplicaTtft`] per replica, asks it at each
-//! decision and feeds it what each streamed request measured; the pool publishes the checks.
+//! Time to first token (TTFT) and inter-token latency (ITL), predicted per replica from the
+//! exact view, learned online, and checked. Pure: the load table keeps one [`Predictor`] of
+//! each per replica, asks them at each decision and feeds them what each streamed request
+//! measured; the pool publishes the checks.
 //!
-//! **Inputs** ([`TtftInputs`]), taken when the request is booked: the prefill tokens the
-//! replica must compute before the request's first token — its own, left after the cache
-//! overlap, plus what is left of the prefill booked there before it (the load table drains
-//! that backlog at the speed this model learned, `b` — at the replica's prefill rate while
-//! the model does not predict — and never counts more than the prefill whose first token has
-//! not come) — and the sequences it is decoding meanwhile, which share each engine step with
-//! the prefill.
+//! **Inputs** ([`Inputs`]), taken when the request is booked. For its TTFT: the prefill
+//! tokens the replica must compute before the request's first token — its own, left after
+//! the cache overlap, plus what is left of the prefill booked there before it (the load table
+//! drains that backlog at the speed the TTFT model learned, `b` — at the replica's prefill
+//! rate while the model does not predict — and never counts more than the prefill whose first
+//! token has not come) — and the sequences it is decoding meanwhile, which share each engine
+//! step with the prefill. For its ITL: what will share the steps that decode it — the
+//! sequences on the replica, this one included, and the prefill booked there before it (an
+//! engine that chunks prefill computes it in the same steps).
 //!
-//! **Model.** `ttft = a + b · prefill_ahead + c · decoding` with `b, c ≥ 0`, fitted per replica
+//! **Model.** `latency = a + b · prefill + c · sequences` with `b, c ≥ 0`, fitted per replica
 //! by least squares over its last [`WINDOW`] timed requests — streamed, their prompt counted
-//! and computed there, answered 2xx — as the filter measured them: from the moment the request
-//! left the filter for the engine to the first byte of its response. Each request weighs
-//! `1 / ttft²`, so the fit minimises the relative error, which is what the check measures: on a
+//! and computed there, answered 2xx — as the filter measured them: the TTFT from the moment
+//! the request left the filter for the engine to the first byte of its response; the ITL as
+//! the time from that first byte to the last over the tokens the engine reported producing,
+//! less one. Each request weighs
+//! `1 / latency²`, so the fit minimises the relative error, which is what the check measures: on a
 //! busy replica the slow requests scatter most (they share steps with requests booked after
 //! them), and an unweighted fit lets that scatter set the line for the quick ones. The inputs
 //! are centred on the window's means and their slopes lightly ridged, so an input that does not vary (a
@@ -26,11 +31,11 @@
 //! self; one that has taught nothing for [`FORGET_AFTER`] (routed around because it looked
 //! slow, or idle) is forgotten and learned afresh, so a replica that recovered is found again.
 //!
-//! **Check.** Each prediction is compared with the measured TTFT ([`TtftCheck`]): *close* when
-//! within [`TOLERANCE`] of it, plus [`SLACK`]. Each replica watches its last [`WATCH`] checks:
-//! fewer than half close (after [`MIN_WATCHED`]) raises its alarm, 80 % close clears it. A
-//! replica slowed behind kvgate's back raises it until its model has relearned it; one whose
-//! TTFT the inputs do not explain keeps it raised.
+//! **Check.** Each prediction is compared with the measurement ([`Check`]): *close* when
+//! within [`TOLERANCE`] of it, plus a slack ([`Latency::slack`]). Each replica watches its last
+//! [`WATCH`] checks of each: fewer than half close (after [`MIN_WATCHED`]) raises its alarm,
+//! 80 % close clears it. A replica slowed behind kvgate's back raises it until its model has
+//! relearned it; one whose latency the inputs do not explain keeps it raised.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -45,39 +50,59 @@ pub const MIN_SAMPLES: usize = 8;
 pub const WINDOW: usize = 32;
 /// A replica that has taught its model nothing for this long is forgotten.
 pub const FORGET_AFTER: Duration = Duration::from_secs(60);
-/// A measured TTFT below this share of the window's median weighs in the fit as one at it
-/// does: one freak quick answer must not outweigh the rest of the window (with `1 / ttft²`
+/// A measurement below this share of the window's median weighs in the fit as one at it
+/// does: one freak quick answer must not outweigh the rest of the window (with `1 / latency²`
 /// weights, a tenth of the median would weigh a hundred times as much as it).
 const WEIGHT_FLOOR_OF_MEDIAN: f64 = 0.25;
 /// The ridge on each slope's normal equation, in the scaled units of [`features`]: far below
 /// what any varying input contributes.
 const RIDGE: f64 = 1e-3;
-/// How far a prediction may be from the measured TTFT, as a share of it, and still be close.
+/// How far a prediction may be from the measurement, as a share of it, and still be close.
 pub const TOLERANCE: f64 = 0.25;
-/// And in absolute terms, on top: a few milliseconds say nothing about the model.
-pub const SLACK: Duration = Duration::from_millis(5);
 /// Checks each replica's alarm looks at.
 pub const WATCH: usize = 16;
 /// Checks needed before the alarm can be raised.
 pub const MIN_WATCHED: usize = 8;
 
-/// What the replica faces when a request is booked on it.
+/// What a [`Predictor`] predicts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Latency {
+    /// Time to first token.
+    Ttft,
+    /// Inter-token latency: the mean time between a request's output tokens.
+    Itl,
+}
+
+impl Latency {
+    /// How far a prediction may be off in absolute terms, on top of [`TOLERANCE`]: what says
+    /// nothing about the model (a few milliseconds of a TTFT, one of an ITL).
+    pub fn slack(self) -> Duration {
+        match self {
+            Latency::Ttft => Duration::from_millis(5),
+            Latency::Itl => Duration::from_millis(1),
+        }
+    }
+}
+
+/// What the replica faces when a request is booked on it (the module docs say which figures
+/// each latency takes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TtftInputs {
-    /// Prefill tokens to compute before its first token: its own left after the cache
-    /// overlap, and those booked there ahead of it.
+pub struct Inputs {
+    /// Prefill tokens: for the TTFT, its own left after the cache overlap and those booked
+    /// there ahead of it; for the ITL, those booked ahead.
     pub prefill_ahead: u64,
-    /// Sequences the replica is decoding.
+    /// Sequences: for the TTFT, those the replica is decoding; for the ITL, all it holds,
+    /// this one's included.
     pub decoding: u64,
 }
 
-/// A timed request as the model keeps it: its scaled inputs and its measured TTFT (ms).
+/// A timed request as the model keeps it: its scaled inputs and its measured latency (ms).
 type Sample = ([f64; 2], f64);
 
 /// One replica's model: its latest requests and the line fitted to them.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct TtftModel {
-    /// The scaled inputs and the measured TTFT (ms) of the last [`WINDOW`] requests.
+pub struct Model {
+    /// The scaled inputs and the measured latency (ms) of the last [`WINDOW`] requests.
     window: VecDeque<Sample>,
     /// Milliseconds at rest (all inputs 0), and per unit of each scaled input.
     intercept: f64,
@@ -90,19 +115,19 @@ pub struct TtftModel {
 
 /// The model's inputs, scaled so their slopes are of like size: thousands of prefill tokens,
 /// tens of decoding sequences.
-fn features(inputs: TtftInputs) -> [f64; 2] {
+fn features(inputs: Inputs) -> [f64; 2] {
     [inputs.prefill_ahead as f64 / 1_000.0, inputs.decoding as f64 / 10.0]
 }
 
-impl TtftModel {
-    /// The TTFT it predicts at `now` for `inputs`; `None` until its window holds
+impl Model {
+    /// The latency it predicts at `now` for `inputs`; `None` until its window holds
     /// [`MIN_SAMPLES`] requests, or once it has learned nothing for [`FORGET_AFTER`].
     ///
     /// ```
-    /// use kvgate_sidecar::latency::{TtftInputs, TtftModel};
+    /// use kvgate_sidecar::latency::{Inputs, Model};
     /// use std::time::{Duration, Instant};
-    /// let (mut m, now) = (TtftModel::default(), Instant::now());
-    /// let inputs = |tokens| TtftInputs { prefill_ahead: tokens, decoding: 0 };
+    /// let (mut m, now) = (Model::default(), Instant::now());
+    /// let inputs = |tokens| Inputs { prefill_ahead: tokens, decoding: 0 };
     /// assert_eq!(m.predict(inputs(1000), now), None, "nothing learned yet");
     /// // 5 ms at rest and 20 ms per thousand tokens.
     /// for tokens in (0..40).map(|i| 100 + (i % 8) * 500) {
@@ -111,7 +136,7 @@ impl TtftModel {
     /// let predicted = m.predict(inputs(3000), now).unwrap().as_secs_f64() * 1e3;
     /// assert!((predicted - 65.0).abs() < 0.5, "{predicted}");
     /// ```
-    pub fn predict(&self, inputs: TtftInputs, now: Instant) -> Option<Duration> {
+    pub fn predict(&self, inputs: Inputs, now: Instant) -> Option<Duration> {
         if self.window.len() < MIN_SAMPLES || self.forgotten(now) {
             return None;
         }
@@ -119,9 +144,8 @@ impl TtftModel {
         Some(millis(self.intercept + self.slopes[0] * x[0] + self.slopes[1] * x[1]))
     }
 
-    /// Learns at `now` from one request that met `inputs` and whose first token came after
-    /// `measured`.
-    pub fn learn(&mut self, inputs: TtftInputs, measured: Duration, now: Instant) {
+    /// Learns at `now` from one request that met `inputs` and measured `measured`.
+    pub fn learn(&mut self, inputs: Inputs, measured: Duration, now: Instant) {
         if self.forgotten(now) {
             self.window.clear();
         } else if self.window.len() == WINDOW {
@@ -151,7 +175,7 @@ impl TtftModel {
 }
 
 /// The least-squares line through `samples` with non-negative slopes, each sample
-/// weighted by `1 / ttft²` (no more than at a quarter of the window's median) so that the fit
+/// weighted by `1 / latency²` (no more than at a quarter of the window's median) so that the fit
 /// minimises the *relative* error (the check's measure): unweighted,
 /// the few slow requests of a busy window pull the line up and a quick one on an idle replica
 /// is predicted at twice its TTFT. Returns the intercept and the slopes. The inputs are centred
@@ -193,19 +217,27 @@ fn fit(samples: &VecDeque<Sample>) -> Option<(f64, [f64; 2])> {
     (intercept.is_finite() && slopes.iter().all(|v| v.is_finite())).then_some((intercept, slopes))
 }
 
-/// One TTFT prediction against what the filter measured.
+/// One prediction against what the filter measured.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct TtftCheck {
+pub struct Check {
     /// Predicted at the decision, in seconds.
     pub predicted_secs: f64,
-    /// Measured by the filter: from the request leaving it to the response's first byte.
+    /// Measured by the filter (a TTFT: from the request leaving it to the response's first
+    /// byte; an ITL: the mean time between the response's tokens).
     pub measured_secs: f64,
+    /// What is close regardless, in seconds ([`Latency::slack`]).
+    #[serde(skip)]
+    slack_secs: f64,
 }
 
-impl TtftCheck {
-    /// The prediction against the measurement.
-    pub fn new(predicted: Duration, measured: Duration) -> TtftCheck {
-        TtftCheck { predicted_secs: predicted.as_secs_f64(), measured_secs: measured.as_secs_f64() }
+impl Check {
+    /// A prediction of `latency` against the measurement.
+    pub fn new(latency: Latency, predicted: Duration, measured: Duration) -> Check {
+        Check {
+            predicted_secs: predicted.as_secs_f64(),
+            measured_secs: measured.as_secs_f64(),
+            slack_secs: latency.slack().as_secs_f64(),
+        }
     }
 
     /// `|predicted − measured|`, in seconds.
@@ -218,18 +250,19 @@ impl TtftCheck {
         self.error() / self.measured_secs.max(1e-6)
     }
 
-    /// Within [`TOLERANCE`] of the measured TTFT, plus [`SLACK`].
+    /// Within [`TOLERANCE`] of the measurement, plus its slack.
     ///
     /// ```
-    /// use kvgate_sidecar::latency::TtftCheck;
+    /// use kvgate_sidecar::latency::{Check, Latency::{Itl, Ttft}};
     /// use std::time::Duration;
     /// let ms = Duration::from_millis;
-    /// assert!(TtftCheck::new(ms(120), ms(100)).close());
-    /// assert!(!TtftCheck::new(ms(140), ms(100)).close());
-    /// assert!(TtftCheck::new(ms(6), ms(2)).close(), "a few milliseconds off");
+    /// assert!(Check::new(Ttft, ms(120), ms(100)).close());
+    /// assert!(!Check::new(Ttft, ms(140), ms(100)).close());
+    /// assert!(Check::new(Ttft, ms(6), ms(2)).close(), "a few milliseconds off");
+    /// assert!(!Check::new(Itl, ms(6), ms(2)).close(), "a few milliseconds are much of an ITL");
     /// ```
     pub fn close(&self) -> bool {
-        self.error() <= TOLERANCE * self.measured_secs + SLACK.as_secs_f64()
+        self.error() <= TOLERANCE * self.measured_secs + self.slack_secs
     }
 }
 
@@ -237,30 +270,30 @@ impl TtftCheck {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Watched {
     /// The prediction against the measurement.
-    pub check: TtftCheck,
+    pub check: Check,
     /// The replica's alarm, after this check.
     pub alarm: bool,
     /// Whether this check raised or cleared it.
     pub changed: bool,
 }
 
-/// One replica's TTFT: its model, and the watch over its last predictions.
+/// One replica's TTFT or ITL: its model, and the watch over its last predictions.
 #[derive(Debug, Clone)]
-pub struct ReplicaTtft {
-    model: TtftModel,
+pub struct Predictor {
+    latency: Latency,
+    model: Model,
     /// Whether its last [`WATCH`] predictions were close.
     watch: Watch,
 }
 
-impl Default for ReplicaTtft {
-    fn default() -> Self {
-        ReplicaTtft { model: TtftModel::default(), watch: Watch::new(WATCH, MIN_WATCHED, 0.8) }
+impl Predictor {
+    /// A replica's predictor of `latency`, which has learned nothing.
+    pub fn new(latency: Latency) -> Predictor {
+        Predictor { latency, model: Model::default(), watch: Watch::new(WATCH, MIN_WATCHED, 0.8) }
     }
-}
 
-impl ReplicaTtft {
-    /// The TTFT predicted at `now` for `inputs` (see [`TtftModel::predict`]).
-    pub fn predict(&self, inputs: TtftInputs, now: Instant) -> Option<Duration> {
+    /// The latency predicted at `now` for `inputs` (see [`Model::predict`]).
+    pub fn predict(&self, inputs: Inputs, now: Instant) -> Option<Duration> {
         self.model.predict(inputs, now)
     }
 
@@ -269,13 +302,13 @@ impl ReplicaTtft {
     /// predicted, with the alarm's state.
     pub fn measured(
         &mut self,
-        inputs: TtftInputs,
+        inputs: Inputs,
         predicted: Option<Duration>,
         measured: Duration,
         now: Instant,
     ) -> Option<Watched> {
         self.model.learn(inputs, measured, now);
-        let check = TtftCheck::new(predicted?, measured);
+        let check = Check::new(self.latency, predicted?, measured);
         let changed = self.watch.record(check.close());
         Some(Watched { check, alarm: self.watch.alarm(), changed })
     }
@@ -295,9 +328,24 @@ impl ReplicaTtft {
         self.model.samples()
     }
 
-    /// Seconds each prefill token ahead adds, as learned (see [`TtftModel::secs_per_prefill_token`]).
+    /// Seconds each prefill token ahead adds, as learned (see [`Model::secs_per_prefill_token`]).
     pub fn secs_per_prefill_token(&self, now: Instant) -> Option<f64> {
         self.model.secs_per_prefill_token(now)
+    }
+}
+
+/// One replica's latencies: its TTFT and its ITL, each learned and watched on its own.
+#[derive(Debug, Clone)]
+pub struct ReplicaLatency {
+    /// Its time to first token.
+    pub ttft: Predictor,
+    /// Its inter-token latency.
+    pub itl: Predictor,
+}
+
+impl Default for ReplicaLatency {
+    fn default() -> Self {
+        ReplicaLatency { ttft: Predictor::new(Latency::Ttft), itl: Predictor::new(Latency::Itl) }
     }
 }
 
@@ -313,12 +361,12 @@ mod tests {
 
     /// A replica whose TTFT is `at_rest` ms plus `per_k` ms per thousand prefill tokens plus
     /// `per_seq` ms per decoding sequence.
-    fn replica(at_rest: f64, per_k: f64, per_seq: f64) -> impl Fn(TtftInputs) -> Duration {
+    fn replica(at_rest: f64, per_k: f64, per_seq: f64) -> impl Fn(Inputs) -> Duration {
         move |i| millis(at_rest + per_k * i.prefill_ahead as f64 / 1e3 + per_seq * i.decoding as f64)
     }
 
-    fn traffic(n: u64) -> impl Iterator<Item = TtftInputs> {
-        (0..n).map(|i| TtftInputs { prefill_ahead: 200 + (i * 733) % 6000, decoding: (i * 7) % 24 })
+    fn traffic(n: u64) -> impl Iterator<Item = Inputs> {
+        (0..n).map(|i| Inputs { prefill_ahead: 200 + (i * 733) % 6000, decoding: (i * 7) % 24 })
     }
 
     fn ms(d: Duration) -> f64 {
@@ -326,12 +374,7 @@ mod tests {
     }
 
     /// A model taught `truth` over `inputs`, all at `now`.
-    fn taught(
-        m: &mut TtftModel,
-        inputs: impl Iterator<Item = TtftInputs>,
-        truth: impl Fn(TtftInputs) -> Duration,
-        now: Instant,
-    ) {
+    fn taught(m: &mut Model, inputs: impl Iterator<Item = Inputs>, truth: impl Fn(Inputs) -> Duration, now: Instant) {
         for i in inputs {
             m.learn(i, truth(i), now);
         }
@@ -340,9 +383,9 @@ mod tests {
     #[test]
     fn it_learns_each_input_and_predicts_inputs_it_has_not_seen() {
         let (truth, now) = (replica(12.0, 30.0, 1.5), Instant::now());
-        let mut m = TtftModel::default();
+        let mut m = Model::default();
         taught(&mut m, traffic(60), &truth, now);
-        let unseen = TtftInputs { prefill_ahead: 9_000, decoding: 40 };
+        let unseen = Inputs { prefill_ahead: 9_000, decoding: 40 };
         let (predicted, actual) = (ms(m.predict(unseen, now).unwrap()), ms(truth(unseen)));
         assert!((predicted - actual).abs() < 0.01 * actual, "{predicted} vs {actual}");
     }
@@ -350,10 +393,10 @@ mod tests {
     #[test]
     fn a_replica_that_slows_down_is_relearned_once_its_window_holds_only_the_new_self() {
         let now = Instant::now();
-        let mut m = TtftModel::default();
+        let mut m = Model::default();
         taught(&mut m, traffic(200), replica(10.0, 20.0, 1.0), now);
         let slow = replica(30.0, 80.0, 4.0);
-        let probe = TtftInputs { prefill_ahead: 3_000, decoding: 10 };
+        let probe = Inputs { prefill_ahead: 3_000, decoding: 10 };
         let before = ms(m.predict(probe, now).unwrap());
         assert!(before < 0.5 * ms(slow(probe)), "{before}: still the fast replica");
         taught(&mut m, traffic(WINDOW as u64), &slow, now);
@@ -366,10 +409,10 @@ mod tests {
         let now = Instant::now();
         // Eight sequences decoding throughout, and a TTFT that does not depend on them.
         let truth = replica(10.0, 20.0, 0.0);
-        let mut m = TtftModel::default();
-        taught(&mut m, traffic(100).map(|i| TtftInputs { decoding: 8, ..i }), &truth, now);
+        let mut m = Model::default();
+        taught(&mut m, traffic(100).map(|i| Inputs { decoding: 8, ..i }), &truth, now);
         for decoding in [0, 8, 40] {
-            let probe = TtftInputs { prefill_ahead: 1_000, decoding };
+            let probe = Inputs { prefill_ahead: 1_000, decoding };
             assert!((ms(m.predict(probe, now).unwrap()) - 30.0).abs() < 0.1, "{decoding}: {m:?}");
         }
     }
@@ -379,10 +422,10 @@ mod tests {
         let now = Instant::now();
         // Measurements where more decoding came with shorter TTFTs (a coincidence of the
         // window): the slope is held at 0, not fitted negative.
-        let mut m = TtftModel::default();
-        let falling = |i: TtftInputs| millis(20.0 + 0.01 * i.prefill_ahead as f64 - 0.5 * i.decoding as f64);
+        let mut m = Model::default();
+        let falling = |i: Inputs| millis(20.0 + 0.01 * i.prefill_ahead as f64 - 0.5 * i.decoding as f64);
         taught(&mut m, traffic(40), falling, now);
-        let probe = |decoding| ms(m.predict(TtftInputs { prefill_ahead: 2_000, decoding }, now).unwrap());
+        let probe = |decoding| ms(m.predict(Inputs { prefill_ahead: 2_000, decoding }, now).unwrap());
         assert!(probe(40) >= probe(0), "{} < {}", probe(40), probe(0));
         assert!(m.slopes.iter().all(|b| *b >= 0.0) && m.slopes[1] == 0.0, "{m:?}");
     }
@@ -394,10 +437,10 @@ mod tests {
     #[test]
     fn slow_requests_scatter_does_not_pull_the_quick_ones_predictions() {
         let (truth, now) = (replica(5.0, 100.0, 0.0), Instant::now());
-        let mut m = TtftModel::default();
+        let mut m = Model::default();
         for i in 0..WINDOW as u64 {
-            let inputs = TtftInputs { prefill_ahead: 100 + (i * 37) % 200, decoding: 0 };
-            let slow = TtftInputs { prefill_ahead: 1_000 + (i * 53) % 1_000, decoding: 0 };
+            let inputs = Inputs { prefill_ahead: 100 + (i * 37) % 200, decoding: 0 };
+            let slow = Inputs { prefill_ahead: 1_000 + (i * 53) % 1_000, decoding: 0 };
             let scatter = [1.4, 0.6, 1.4, 1.4][(i / 4) as usize % 4];
             let (inputs, measured) = match i % 4 {
                 0 => (slow, truth(slow).mul_f64(scatter)),
@@ -405,7 +448,7 @@ mod tests {
             };
             m.learn(inputs, measured, now);
         }
-        let quick = TtftInputs { prefill_ahead: 150, decoding: 0 };
+        let quick = Inputs { prefill_ahead: 150, decoding: 0 };
         let (predicted, actual) = (ms(m.predict(quick, now).unwrap()), ms(truth(quick)));
         assert!((predicted - actual).abs() < 0.02 * actual, "{predicted} vs {actual}: {m:?}");
     }
@@ -413,8 +456,8 @@ mod tests {
     #[test]
     fn it_predicts_nothing_until_its_window_holds_enough_nor_once_it_is_forgotten() {
         let t0 = Instant::now();
-        let mut m = TtftModel::default();
-        let inputs = |i: u64| TtftInputs { prefill_ahead: 1_000 + 100 * i, decoding: 0 };
+        let mut m = Model::default();
+        let inputs = |i: u64| Inputs { prefill_ahead: 1_000 + 100 * i, decoding: 0 };
         for i in 1..MIN_SAMPLES as u64 {
             m.learn(inputs(i), Duration::from_millis(10 + i), t0);
             assert_eq!(m.predict(inputs(0), t0), None);
@@ -429,17 +472,17 @@ mod tests {
         assert_eq!(m.predict(inputs(0), later), None, "one request is not enough");
         assert_eq!(m.samples(), MIN_SAMPLES as u64 + 1, "the count is of all it learned from");
         // A line that dips below zero far from what it learned predicts zero there, not less.
-        let mut m = TtftModel::default();
-        let steep = |i: TtftInputs| millis(0.1 * i.prefill_ahead as f64 - 50.0);
-        taught(&mut m, (0..9).map(|k| TtftInputs { prefill_ahead: 1_000 + 100 * k, decoding: 0 }), steep, t0);
-        assert_eq!(m.predict(TtftInputs::default(), t0), Some(Duration::ZERO));
+        let mut m = Model::default();
+        let steep = |i: Inputs| millis(0.1 * i.prefill_ahead as f64 - 50.0);
+        taught(&mut m, (0..9).map(|k| Inputs { prefill_ahead: 1_000 + 100 * k, decoding: 0 }), steep, t0);
+        assert_eq!(m.predict(Inputs::default(), t0), Some(Duration::ZERO));
     }
 
     #[test]
     fn a_replica_slowed_behind_its_back_raises_its_alarm_until_relearned() {
-        let (mut r, now) = (ReplicaTtft::default(), Instant::now());
+        let (mut r, now) = (Predictor::new(Latency::Ttft), Instant::now());
         let fast = replica(10.0, 20.0, 1.0);
-        let record = |r: &mut ReplicaTtft, inputs: TtftInputs, truth: Duration| {
+        let record = |r: &mut Predictor, inputs: Inputs, truth: Duration| {
             let predicted = r.predict(inputs, now);
             r.measured(inputs, predicted, truth, now)
         };

@@ -149,6 +149,10 @@ pub struct Metrics {
     pub ttft_prediction_error: Family<ReplicaLabels, Histogram, fn() -> Histogram>,
     /// 1 while a replica's TTFT predictions keep missing what the filter measures.
     pub ttft_prediction_alarm: Family<ReplicaLabels, Gauge>,
+    /// `|predicted − measured| / measured` inter-token latency, per chosen replica.
+    pub itl_prediction_error: Family<ReplicaLabels, Histogram, fn() -> Histogram>,
+    /// 1 while a replica's ITL predictions keep missing what the filter measures.
+    pub itl_prediction_alarm: Family<ReplicaLabels, Gauge>,
     /// Offloaded requests routed and booked on an estimate of their size: their prompt could
     /// not be read (reason `unparsable` or `untokenizable`).
     pub estimated_requests: Family<FallbackLabels, Counter>,
@@ -232,8 +236,8 @@ fn event_lag_histogram() -> Histogram {
     Histogram::new(exponential_buckets(5e-4, 2.0, 16))
 }
 
-/// Buckets of the relative TTFT prediction error.
-fn ttft_error_histogram() -> Histogram {
+/// Buckets of the relative TTFT or ITL prediction error.
+fn latency_error_histogram() -> Histogram {
     Histogram::new([0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0])
 }
 
@@ -276,8 +280,11 @@ impl Default for Metrics {
         let prompt_token_mismatches = Family::default();
         let prediction_alarm = Family::default();
         let ttft_prediction_error: Family<ReplicaLabels, Histogram, fn() -> Histogram> =
-            Family::new_with_constructor(ttft_error_histogram);
+            Family::new_with_constructor(latency_error_histogram);
         let ttft_prediction_alarm = Family::default();
+        let itl_prediction_error: Family<ReplicaLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_error_histogram);
+        let itl_prediction_alarm = Family::default();
         let estimated_requests = Family::default();
         let admission = Family::default();
         let admission_wait_seconds = Histogram::new(exponential_buckets(1e-3, 2.0, 14));
@@ -382,6 +389,20 @@ impl Default for Metrics {
              last 16 within 25 % + 5 ms (it slowed down behind kvgate's back, or its TTFT depends on more than the \
              model's inputs)",
             ttft_prediction_alarm.clone(),
+        );
+        registry.register(
+            "itl_prediction_error_ratio",
+            "|predicted - measured| / measured inter-token latency of streamed requests, per chosen replica (the \
+             filter measures from the response's first byte to its last, over the tokens the engine produced less \
+             one)",
+            itl_prediction_error.clone(),
+        );
+        registry.register(
+            "itl_prediction_alarm",
+            "1 while a replica's ITL predictions keep missing what the filter measures: fewer than half of its last \
+             16 within 25 % + 1 ms (its decode slowed down behind kvgate's back, or depends on more than the model's \
+             inputs)",
+            itl_prediction_alarm.clone(),
         );
         registry.register("replicas", "Active replicas per pool", replicas.clone());
         registry.register(
@@ -512,6 +533,8 @@ impl Default for Metrics {
             prediction_alarm,
             ttft_prediction_error,
             ttft_prediction_alarm,
+            itl_prediction_error,
+            itl_prediction_alarm,
             estimated_requests,
             admission,
             admission_wait_seconds,
@@ -547,6 +570,7 @@ impl Metrics {
             &self.external_requests,
             &self.engine_reports_cached_tokens,
             &self.ttft_prediction_alarm,
+            &self.itl_prediction_alarm,
         ];
         for gauge in gauges {
             gauge.remove(replica);

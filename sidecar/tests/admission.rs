@@ -74,6 +74,7 @@ fn route_request(id: &str, seed: u64, wait_ms: u32, priority: Option<&str>, tena
         priority: priority.map(str::to_owned),
         tenant: tenant.map(str::to_owned),
         ttft_slo_ms: None,
+        itl_slo_ms: None,
         prefill_legs: false,
     }
 }
@@ -383,6 +384,94 @@ async fn a_ttft_slo_keeps_to_replicas_predicted_to_meet_it_and_sheds_a_sheddable
     // one counted too.
     assert!(count("within") >= 6.0, "{metrics}");
     assert!(count("unpredicted") >= 1.0, "the first decisions, before any model predicted: {metrics}");
+}
+
+/// Reports the request's mean time between tokens, as the filter does once its stream ended.
+async fn decoded(state: &Arc<AppState>, id: &str, itl: Duration) {
+    let itl_us = u64::try_from(itl.as_micros()).unwrap();
+    let event = LifecycleEvent { request_id: id.into(), model: "m".into(), kind: LifecycleKind::Decoded { itl_us } };
+    let (status, _, _) =
+        post(state, "/v1/lifecycle", codec::encode(&LifecycleBatch { events: vec![event] }).unwrap()).await;
+    assert!(status.is_success(), "{status}");
+}
+
+/// With an ITL SLO, a decision keeps to the replicas whose ITL model predicts the request's
+/// tokens will come at least that often — though another replica is as quick to its first
+/// token and less loaded — and a sheddable class's request that none is predicted to meet is
+/// shed at once. Each prediction is checked against the filter's measurement.
+#[tokio::test]
+async fn an_itl_slo_keeps_to_replicas_predicted_to_decode_fast_enough() {
+    let class = |name: &str, itl_slo_ms: Option<u64>, sheddable| ClassConfig {
+        name: name.into(),
+        itl_slo_ms,
+        sheddable: Some(sheddable),
+        ..ClassConfig::default()
+    };
+    let (state, pool) = state_with(AdmissionConfig {
+        classes: vec![class("free", None, false), class("smooth", Some(40), false), class("batch", Some(5), true)],
+        default_class: Some("free".into()),
+        ..AdmissionConfig::default()
+    });
+    // Both answer their first token in 20 ms; r0 then streams a token every 10 ms, r1 every 80.
+    let itl = |replica: &str| Duration::from_millis(if replica == "r0" { 10 } else { 80 });
+    let learned = |pool: &Pool| pool.state().replicas.iter().all(|r| r.itl.samples >= 8);
+    for seed in 0..200 {
+        let id = format!("learn{seed}");
+        let replica = route(&state, &id, seed, 0).await.unwrap().replica.unwrap();
+        assert!(pool.first_token(&id.as_str().into(), Some(Duration::from_millis(20))));
+        decoded(&state, &id, itl(&replica)).await;
+        done(&state, &id).await;
+        if learned(&pool) {
+            break;
+        }
+    }
+    assert!(learned(&pool), "{:?}", pool.state().replicas.iter().map(|r| r.itl).collect::<Vec<_>>());
+    let route_as = |id: &'static str, seed, class: Option<&'static str>, itl_slo_ms: Option<u32>| {
+        let request = RouteRequest { itl_slo_ms, ..route_request(id, seed, 0, class, None) };
+        let state = state.clone();
+        async move {
+            match post(&state, "/v1/route", codec::encode(&request).unwrap()).await {
+                (StatusCode::OK, _, body) => Ok(codec::decode::<RouteResponse>(&body).unwrap().replica.unwrap()),
+                (status, retry_after, _) => Err((status, retry_after)),
+            }
+        }
+    };
+    // One request held on each: the next without an SLO goes by load and cache alone.
+    let held = route_as("held", 500, Some("smooth"), None).await.unwrap();
+    assert_eq!(held, "r0", "r1 is predicted at 80 ms a token");
+    assert_eq!(route_as("free", 501, None, None).await.unwrap(), "r1", "without an SLO, the load spreads");
+    for (id, seed) in [("s1", 502), ("s2", 503), ("s3", 504)] {
+        assert_eq!(route_as(id, seed, Some("smooth"), None).await.unwrap(), "r0", "{id}");
+    }
+    let explained = pool.explain(Some("s3"), 1).pop().unwrap();
+    assert_eq!(explained.itl_slo_secs.map(|s| (s * 1e3).round()), Some(40.0), "{explained:?}");
+    let predicted: Vec<f64> = explained.candidates.iter().map(|c| c.predicted_itl_secs.unwrap()).collect();
+    assert!((predicted[0] - 0.010).abs() < 1e-3 && (predicted[1] - 0.080).abs() < 1e-3, "{predicted:?}");
+    // The request's own ITL SLO replaces its class's: 100 ms lets r1, less loaded, back in.
+    assert_eq!(route_as("loose", 505, Some("smooth"), Some(100)).await.unwrap(), "r1");
+    // 5 ms a token, which neither is predicted to meet: a sheddable class's request is shed.
+    let bookings = pool.state().bookings;
+    assert_eq!(
+        route_as("batch", 506, Some("batch"), None).await.unwrap_err(),
+        (StatusCode::TOO_MANY_REQUESTS, Some("7".into()))
+    );
+    assert_eq!(pool.state().bookings, bookings, "a shed request books nothing");
+    // A prediction against what the filter measured: 10 ms predicted, 30 ms measured (r0
+    // slowed down) is not close.
+    decoded(&state, "s3", Duration::from_millis(30)).await;
+    let checked = pool.explain(Some("s3"), 1)[0].itl_checked.unwrap();
+    assert!((checked.predicted_secs - 0.010).abs() < 1e-3 && (checked.measured_secs - 0.030).abs() < 1e-6);
+    assert!(!checked.close(), "{checked:?}");
+    let totals = pool.state().prediction.itl;
+    assert!(totals.checked >= 1 && totals.close == totals.checked - 1, "every earlier one was close: {totals:?}");
+    let metrics = metrics_text(&state).await;
+    for line in [
+        "kvgate_itl_prediction_error_ratio_count{model=\"m\",replica=\"r0\"}",
+        "kvgate_itl_prediction_alarm{model=\"m\",replica=\"r0\"} 0",
+        "kvgate_admission_total{model=\"m\",class=\"batch\",outcome=\"slo\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
 }
 
 /// A sheddable class's request that no replica is predicted to serve within its SLO is shed at

@@ -74,6 +74,7 @@ fn offload_to(endpoint: Endpoint, body: &str) -> Vec<u8> {
         priority: None,
         tenant: None,
         ttft_slo_ms: None,
+        itl_slo_ms: None,
         prefill_legs: false,
     };
     codec::encode(&request).unwrap()

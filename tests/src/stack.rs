@@ -621,24 +621,26 @@ impl Stack {
         Ok(client::client().get(self.sidecar_url("/debug/state")).send()?.json()?)
     }
 
-    /// The relative error `|predicted − measured| / measured` of each TTFT prediction the
-    /// first sidecar checked among its last `last` decisions kept (`/debug/explain`).
-    pub fn ttft_errors(&self, last: usize) -> anyhow::Result<Vec<f64>> {
-        self.ttft_errors_of(0, last)
+    /// The relative error `|predicted − measured| / measured` of each `latency` prediction
+    /// (`"ttft"` or `"itl"`) the first sidecar checked among its last `last` decisions kept
+    /// (`/debug/explain`).
+    pub fn latency_errors(&self, latency: &str, last: usize) -> anyhow::Result<Vec<f64>> {
+        self.latency_errors_of(0, latency, last)
     }
 
-    /// [`Stack::ttft_errors`] of gateway `i`'s sidecar.
+    /// [`Stack::latency_errors`] of gateway `i`'s sidecar.
     ///
     /// # Panics
     /// If there is no gateway `i`.
-    pub fn ttft_errors_of(&self, i: usize, last: usize) -> anyhow::Result<Vec<f64>> {
+    pub fn latency_errors_of(&self, i: usize, latency: &str, last: usize) -> anyhow::Result<Vec<f64>> {
         let url = self.sidecar_url_of(i, &format!("/debug/explain?last={last}"));
         let explained: Value = client::client().get(url).send()?.json()?;
         let decisions = explained["decisions"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let field = format!("{latency}_checked");
         Ok(decisions
             .iter()
             .filter_map(|d| {
-                let checked = &d["ttft_checked"];
+                let checked = &d[field.as_str()];
                 let (predicted, measured) = (checked["predicted_secs"].as_f64()?, checked["measured_secs"].as_f64()?);
                 Some((predicted - measured).abs() / measured)
             })

@@ -309,53 +309,61 @@ fn cache_predictions_match_what_the_engines_report() {
     assert!(metrics.contains("kvgate_predictions_total{"), "exported");
 }
 
-/// kvgate predicts each streamed request's time to first token from what its replica faces,
-/// learns each replica from what the filter measures, and checks every prediction: on a steady
-/// replica they come close; slowed behind kvgate's back (its events and metrics say nothing of
-/// it), the predictions miss and its TTFT alarm fires, in `/debug/state` and
-/// `kvgate_ttft_prediction_alarm`, until the model has relearned it.
+/// kvgate predicts each streamed request's time to first token and inter-token latency from
+/// what its replica faces, learns each replica from what the filter measures, and checks every
+/// prediction: on a steady replica they come close; slowed behind kvgate's back (its events
+/// and metrics say nothing of it), the predictions miss and its TTFT and ITL alarms fire, in
+/// `/debug/state` and `kvgate_{ttft,itl}_prediction_alarm`, until the models have relearned it.
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
-fn ttft_predictions_come_close_and_alarm_when_a_replica_is_slowed() {
+fn latency_predictions_come_close_and_alarm_when_a_replica_is_slowed() {
     let opts = StackOptions { name: "ttft".into(), replicas: 1, ..Default::default() };
     let stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
     let url = stack.gateway("/v1/chat/completions");
-    // Prompts of 100 to 1 000 tokens, none cached: prefill is most of each TTFT.
+    // Prompts of 100 to 1 000 tokens, none cached: prefill is most of each TTFT. 24 tokens
+    // out: the ITL is a mean over 23 engine steps.
     let send = |i: u32| {
         let words = 60 + (i as usize * 37) % 700;
-        let reply = stream(&url, chat(&document(5_000 + i, words), "Summarise.")).unwrap();
+        let mut body = chat(&document(5_000 + i, words), "Summarise.");
+        body["max_tokens"] = json!(24);
+        let reply = stream(&url, body).unwrap();
         assert_eq!(reply.status, 200);
     };
     let pool = || stack.sidecar_state().ok().map(|s| s["pools"][0].clone());
-    let alarm = || pool().map(|p| p["replicas"][0]["ttft"]["alarm"] == true);
+    let alarm = |latency: &str| pool().map(|p| p["replicas"][0][latency]["alarm"] == true);
     for i in 0..60 {
         send(i);
     }
-    let steady = wait_for("the steady replica's checks", Duration::from_secs(20), || {
-        pool().map(|p| p["prediction"]["ttft"].clone()).filter(|t| t["checked"].as_u64().is_some_and(|n| n >= 40))
-    })
-    .unwrap();
-    eprintln!("TTFT predictions on a steady replica: {steady}");
-    let close = steady["close"].as_u64().unwrap() as f64 / steady["checked"].as_u64().unwrap() as f64;
-    assert!(close >= 0.9, "close to the measured TTFT in {:.0} % of the checks: {steady}", close * 100.0);
-    assert_eq!(alarm(), Some(false));
-    let errors = stack.ttft_errors(60).unwrap();
-    let (p50, p90) = (percentile(&errors, 50.0).unwrap(), percentile(&errors, 90.0).unwrap());
-    eprintln!("TTFT error over {} checks: p50 {p50:.3}, p90 {p90:.3}", errors.len());
-    assert!(errors.len() >= 40 && p90 <= 0.15, "p90 within 15 %: {errors:?}");
+    for latency in ["ttft", "itl"] {
+        let steady = wait_for("the steady replica's checks", Duration::from_secs(20), || {
+            pool().map(|p| p["prediction"][latency].clone()).filter(|t| t["checked"].as_u64().is_some_and(|n| n >= 40))
+        })
+        .unwrap();
+        eprintln!("{latency} predictions on a steady replica: {steady}");
+        let close = steady["close"].as_u64().unwrap() as f64 / steady["checked"].as_u64().unwrap() as f64;
+        assert!(close >= 0.9, "{latency}: close to the measurement in {:.0} % of the checks: {steady}", close * 100.0);
+        assert_eq!(alarm(latency), Some(false));
+        let errors = stack.latency_errors(latency, 60).unwrap();
+        let (p50, p90) = (percentile(&errors, 50.0).unwrap(), percentile(&errors, 90.0).unwrap());
+        eprintln!("{latency} error over {} checks: p50 {p50:.3}, p90 {p90:.3}", errors.len());
+        assert!(errors.len() >= 40 && p90 <= 0.15, "{latency}: p90 within 15 %: {errors:?}");
+    }
     let slowed = client().post(stack.sim("a").url("/_chaos/slowdown")).body(r#"{"factor": 4}"#).send().unwrap();
     assert_eq!(slowed.status(), 200);
     let mut sent = 60;
-    let raised = wait_for("the TTFT alarm", Duration::from_secs(120), || {
+    let raised = wait_for("the TTFT and ITL alarms", Duration::from_secs(120), || {
         send(sent);
         sent += 1;
-        alarm().filter(|raised| *raised)
+        (alarm("ttft")? && alarm("itl")?).then_some(())
     });
-    let replica = pool().map(|p| p["replicas"][0]["ttft"].clone());
+    let replica = pool().map(|p| (p["replicas"][0]["ttft"].clone(), p["replicas"][0]["itl"].clone()));
     eprintln!("after slowing the replica 4×, {} requests: {replica:?}", sent - 60);
     assert!(raised.is_ok(), "{replica:?}");
     let metrics = client().get(stack.sidecar_url("/metrics")).send().unwrap().text().unwrap();
-    assert!(metrics.contains("kvgate_ttft_prediction_alarm{model=\"qwen3\",replica=\"a\"} 1"), "{metrics}");
+    for latency in ["ttft", "itl"] {
+        let line = format!("kvgate_{latency}_prediction_alarm{{model=\"qwen3\",replica=\"a\"}} 1");
+        assert!(metrics.contains(&line), "{line}: {metrics}");
+    }
 }
 
 /// Four clients at once on one replica, each pausing a random while (100 ms on average)
@@ -385,12 +393,16 @@ fn ttft_predictions_stay_close_with_concurrent_clients() {
             });
         }
     });
-    let errors =
-        wait_for("the TTFT checks", Duration::from_secs(20), || stack.ttft_errors(400).ok().filter(|e| e.len() >= 140))
-            .unwrap();
+    let errors = wait_for("the TTFT checks", Duration::from_secs(20), || {
+        stack.latency_errors("ttft", 400).ok().filter(|e| e.len() >= 140)
+    })
+    .unwrap();
     let (p50, p90) = (percentile(&errors, 50.0).unwrap(), percentile(&errors, 90.0).unwrap());
     eprintln!("TTFT error with 4 concurrent clients, {} checks: p50 {p50:.3}, p90 {p90:.3}", errors.len());
     assert!(p50 <= 0.08 && p90 <= 0.35, "p50 {p50:.3}, p90 {p90:.3}: {errors:?}");
+    let errors = stack.latency_errors("itl", 400).unwrap();
+    let (p50, p90) = (percentile(&errors, 50.0).unwrap(), percentile(&errors, 90.0).unwrap());
+    eprintln!("ITL error with 4 concurrent clients, {} checks: p50 {p50:.3}, p90 {p90:.3}", errors.len());
 }
 
 /// `predicted_latency` routes on the TTFT each replica's model predicts: with one of two
@@ -2023,16 +2035,19 @@ fn sessions_named_by_the_operators_header_are_bound_across_gateways() {
     assert_eq!(bound(0), Some(1));
 }
 
-/// 4j. A TTFT SLO through Envoy: once both replicas' models have learned, a replica slowed 5×
-///     behind kvgate's back gets none of the requests it is predicted to serve too late, and a
-///     request of a sheddable class that no replica can serve in time is answered 429 by the
+/// 4j. TTFT and ITL SLOs through Envoy: once both replicas' models have learned, a replica
+///     slowed 5× behind kvgate's back gets none of the requests it is predicted to serve too
+///     late — whether by its class's TTFT SLO or by the ITL SLO a request's header names — and
+///     a request of a sheddable class that no replica can serve in time is answered 429 by the
 ///     filter at once, saying why.
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
-fn a_ttft_slo_keeps_requests_off_a_slowed_replica_and_sheds_what_none_can_meet() {
+fn slos_keep_requests_off_a_slowed_replica_and_shed_what_none_can_meet() {
     let pool = "admission = { enabled = true, ttft_slo_ms = 100, default_class = \"chat\", retry_after_secs = 3, \
-                classes = [{ name = \"chat\" }, { name = \"batch\", ttft_slo_ms = 1, sheddable = true }] }";
-    let stack = admission_stack("slo", pool, &[("priority_header", "x-class".into())], &[]);
+                classes = [{ name = \"chat\" }, { name = \"smooth\", ttft_slo_ms = 0, itl_slo_ms = 50 }, \
+                { name = \"batch\", ttft_slo_ms = 1, sheddable = true }] }";
+    let filter = [("priority_header", "x-class".into()), ("itl_slo_header", "x-itl-slo-ms".into())];
+    let stack = admission_stack("slo", pool, &filter, &[]);
     let slowed = client().post(stack.sim("b").url("/_chaos/slowdown")).body(r#"{"factor": 5}"#).send().unwrap();
     assert_eq!(slowed.status(), 200);
     let url = stack.gateway("/v1/chat/completions");
@@ -2056,12 +2071,24 @@ fn a_ttft_slo_keeps_requests_off_a_slowed_replica_and_sheds_what_none_can_meet()
     .unwrap();
     let to_slowed = (100..120).map(send).filter(|replica| replica == "b").count();
     assert_eq!(to_slowed, 0, "the slowed replica is predicted past the 100 ms SLO");
+    // No TTFT SLO, but 5 ms between tokens (the header replaces the class's 50): a streams one
+    // every 2 ms, b every 10.
+    let smooth = |i: u32, itl_slo: &str| {
+        let body = chat(&document(9_200 + i, 200 + (i as usize * 37) % 100), "Summarise.").to_string();
+        let reply = post(&url, body, &[("x-class", "smooth"), ("x-itl-slo-ms", itl_slo)]).unwrap();
+        assert_eq!(reply.status, 200);
+        reply.header("x-kvgate-routed-to").to_owned()
+    };
+    let to_slowed = (0..20).map(|i| smooth(i, "5")).filter(|replica| replica == "b").count();
+    assert_eq!(to_slowed, 0, "the slowed replica is predicted past the 5 ms ITL SLO");
+    let loose = (20..40).map(|i| smooth(i, "50")).filter(|replica| replica == "b").count();
+    assert!(loose > 0, "with 50 ms, both are within it and idle replicas share the requests");
     let body = chat(&document(9_500, 250), "Summarise.").to_string();
     let shed = post(&url, body, &[("x-class", "batch")]).unwrap();
     assert_eq!((shed.status, shed.header("retry-after")), (429, "3"), "{}", shed.body);
-    assert!(shed.body.contains("predicted to meet the request's TTFT objective"), "{}", shed.body);
+    assert!(shed.body.contains("predicted to meet the request's latency objectives"), "{}", shed.body);
     let metrics = stack.sidecar_metrics().unwrap();
     assert_eq!(metric_sum(&metrics, "kvgate_slo_decisions_total", "outcome=\"shed\""), 1.0, "{metrics}");
-    assert!(metric_sum(&metrics, "kvgate_slo_decisions_total", "outcome=\"within\"") >= 20.0, "{metrics}");
+    assert!(metric_sum(&metrics, "kvgate_slo_decisions_total", "outcome=\"within\"") >= 60.0, "{metrics}");
     assert_eq!(metric_sum(&metrics, "kvgate_admission_total", "outcome=\"slo\""), 1.0, "{metrics}");
 }

@@ -296,12 +296,14 @@ fn maximal() -> Value {
         "retry_after_secs": 1,
         "default_class": "batch",
         "fair_headroom": 0.5,
-        // No TTFT SLO: the pool below is disaggregated, which refuses one.
+        // No SLO: the pool below is disaggregated, which refuses one.
         "ttft_slo_ms": 0,
+        "itl_slo_ms": 0,
         "sheddable": false,
         "classes": [
             {"name": "interactive", "priority": 10, "max_queue_ms": 1000, "max_queued": 64,
-             "kv_fraction": 0.9, "max_prefill_tokens": 8192, "ttft_slo_ms": 0, "sheddable": false},
+             "kv_fraction": 0.9, "max_prefill_tokens": 8192, "ttft_slo_ms": 0, "itl_slo_ms": 0,
+             "sheddable": false},
             {"name": "batch", "priority": 0},
         ],
     });
@@ -354,6 +356,7 @@ fn maximal() -> Value {
         "priority_header": "x-kvgate-priority",
         "tenant_header": "x-kvgate-tenant",
         "ttft_slo_header": "x-kvgate-ttft-slo-ms",
+        "itl_slo_header": "x-kvgate-itl-slo-ms",
         "session_header": "x-session-id",
         "prefill_cluster": "outbound|30000||sglang.llm.svc.cluster.local",
         "prefill_timeout_ms": 60000,

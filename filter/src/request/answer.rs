@@ -86,7 +86,9 @@ impl Exchange {
         let retry_after = retry_after.unwrap_or_else(|| "1".into());
         let model = self.booked.as_ref().map_or("", ModelName::as_str);
         let why = match host.call_header(SHED_REASON_HEADER).as_deref() {
-            Some("slo") => format!("no replica of model {model:?} is predicted to meet the request's TTFT objective"),
+            Some("slo") => format!(
+                "no replica of model {model:?} is predicted to meet the request's latency objectives (TTFT, ITL)"
+            ),
             _ => format!("every replica of model {model:?} is saturated"),
         };
         let error = serde_json::json!({"error": {

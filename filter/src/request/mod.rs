@@ -79,6 +79,7 @@ impl<H: Host> Request<H> {
             priority: self.configured_header(config.priority_header.as_deref()),
             tenant: self.configured_header(config.tenant_header.as_deref()),
             ttft_slo_ms: self.configured_header(config.ttft_slo_header.as_deref()).and_then(|v| v.trim().parse().ok()),
+            itl_slo_ms: self.configured_header(config.itl_slo_header.as_deref()).and_then(|v| v.trim().parse().ok()),
             prefill_legs: config.prefill_cluster.is_some() && !endpoint.is_converted(),
         };
         self.phase = Phase::Buffering { route: Box::new(Route { endpoint, keys, path, settings }), buffered: 0 };

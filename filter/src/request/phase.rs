@@ -258,7 +258,11 @@ pub(super) struct Progress {
     pub(super) block_size: u32,
     /// The response's status is a success (2xx): its first byte times the engine.
     pub(super) succeeded: bool,
-    pub(super) first_byte_reported: bool,
+    /// It is an event stream: its tokens come as they are produced.
+    pub(super) streamed: bool,
+    /// When its first and (so far) last body bytes came: the span its output was decoded in.
+    pub(super) first_byte_at: Option<Instant>,
+    pub(super) last_byte_at: Option<Instant>,
     /// Output tokens streamed so far.
     pub(super) output_tokens: u32,
     /// The response's last bytes, where the engine's `usage` is.
@@ -266,6 +270,16 @@ pub(super) struct Progress {
 }
 
 impl Progress {
+    /// The mean time between its output tokens, in µs, once it is over: from the first body
+    /// byte to the last over the `output_tokens` the engine reported, less one. `None` unless
+    /// it was a successful stream of two tokens or more.
+    pub(super) fn itl_us(&self, output_tokens: Option<u32>) -> Option<u64> {
+        let gaps = output_tokens?.checked_sub(1).filter(|g| *g > 0)?;
+        let span = self.last_byte_at?.saturating_duration_since(self.first_byte_at?);
+        (self.succeeded && self.streamed)
+            .then(|| u64::try_from(span.as_micros() / u128::from(gaps)).unwrap_or(u64::MAX))
+    }
+
     /// Keeps the last [`USAGE_TAIL_BYTES`] of the response: from `chunk` when it was read
     /// whole already, else reading only that much of it.
     pub(super) fn keep_tail(&mut self, host: &impl Host, chunk_size: usize, chunk: Option<&[u8]>) {

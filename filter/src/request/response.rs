@@ -4,11 +4,13 @@
 //! it, [`crate::usage`]), and the end of the exchange. Reports go to the root context's
 //! lifecycle queue.
 
+use std::time::Instant;
+
 use kvgate_shared::wire::LifecycleKind;
 
 use crate::host::Host;
 use crate::metrics::LegOutcome;
-use crate::plan::engine_usage;
+use crate::plan::{engine_usage, output_tokens};
 
 use super::phase::{Decision, Exchange, Leg, Route};
 
@@ -17,6 +19,9 @@ impl Exchange {
     pub(super) fn on_response_headers(&mut self, host: &impl Host) {
         self.check_upstream(host);
         self.progress.succeeded = host.response_header(":status").is_some_and(|s| s.starts_with('2'));
+        self.progress.streamed = host
+            .response_header("content-type")
+            .is_some_and(|ct| ct.trim_start().to_ascii_lowercase().starts_with("text/event-stream"));
         if let (Some(m), Some(_)) = (self.metrics(), &self.booked) {
             // The request's own work (its body, its plan) is done: what it needed is in there.
             m.vm_memory(host);
@@ -44,11 +49,13 @@ impl Exchange {
         if self.booked.is_none() || body_size == 0 {
             return;
         }
-        if !self.progress.first_byte_reported {
-            self.progress.first_byte_reported = true;
+        let now = Instant::now();
+        self.progress.last_byte_at = Some(now);
+        if self.progress.first_byte_at.is_none() {
+            self.progress.first_byte_at = Some(now);
             // From the sidecar's answer (the request left for the engine) to this byte; an
             // error's first byte times nothing.
-            let ttft = self.asked_at.elapsed().as_micros().saturating_sub(self.decision.micros);
+            let ttft = now.duration_since(self.asked_at).as_micros().saturating_sub(self.decision.micros);
             let ttft_us = self.progress.succeeded.then(|| u64::try_from(ttft).unwrap_or(u64::MAX));
             self.report(host, LifecycleKind::FirstToken { ttft_us });
         }
@@ -68,6 +75,9 @@ impl Exchange {
         }
         if let Some((prompt_tokens, cached_tokens)) = engine_usage(&self.progress.tail) {
             self.report(host, LifecycleKind::Usage { prompt_tokens, cached_tokens });
+        }
+        if let Some(itl_us) = self.progress.itl_us(output_tokens(&self.progress.tail)) {
+            self.report(host, LifecycleKind::Decoded { itl_us });
         }
         self.report(host, LifecycleKind::Done);
     }
@@ -90,10 +100,7 @@ impl Exchange {
     /// passed on untouched. A stream that is stripped loses its `content-length`, if it had
     /// one, since what the client receives is shorter.
     fn keep_stripping_if_streamed(&mut self, host: &impl Host) {
-        let sse = host
-            .response_header("content-type")
-            .is_some_and(|ct| ct.trim_start().to_ascii_lowercase().starts_with("text/event-stream"));
-        if !(self.progress.succeeded && sse) {
+        if !(self.progress.succeeded && self.progress.streamed) {
             self.stripper = None;
             return;
         }

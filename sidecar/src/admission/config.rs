@@ -69,7 +69,13 @@ pub struct AdmissionConfig {
     /// otherwise decided as without an SLO.
     #[serde(default)]
     pub ttft_slo_ms: u64,
-    /// Whether a request that no replica is predicted to serve within its TTFT SLO is shed at
+    /// Inter-token latency the pool's requests should get — the mean time between their
+    /// output tokens — in ms (0: none). A replica whose ITL model predicts more is not chosen
+    /// while another is predicted to meet it (and the TTFT SLO, if any); if none is, as for
+    /// the TTFT SLO.
+    #[serde(default)]
+    pub itl_slo_ms: u64,
+    /// Whether a request that no replica is predicted to serve within its SLOs is shed at
     /// once (429 with `Retry-After`, outcome `slo`) rather than routed late.
     #[serde(default)]
     pub sheddable: bool,
@@ -101,6 +107,9 @@ pub struct ClassConfig {
     /// The class's TTFT SLO in ms (default: the pool's `ttft_slo_ms`; 0: none).
     #[serde(default)]
     pub ttft_slo_ms: Option<u64>,
+    /// The class's ITL SLO in ms (default: the pool's `itl_slo_ms`; 0: none).
+    #[serde(default)]
+    pub itl_slo_ms: Option<u64>,
     /// Whether the class's requests are shed at once when no replica is predicted to meet
     /// their SLO (default: the pool's `sheddable`). Batch traffic that can come back later
     /// is; interactive traffic that would rather be late usually is not.
@@ -124,6 +133,7 @@ impl Default for AdmissionConfig {
             default_class: None,
             fair_headroom: default_fair_headroom(),
             ttft_slo_ms: 0,
+            itl_slo_ms: 0,
             sheddable: false,
         }
     }
@@ -139,9 +149,9 @@ impl AdmissionConfig {
         }
     }
 
-    /// Whether admission control is on and holds some class to a TTFT SLO.
-    pub(crate) fn has_ttft_slo(&self) -> bool {
-        self.enabled && self.classes_or_implicit().iter().any(|c| c.slo_ms_in(self) > 0)
+    /// Whether admission control is on and holds some class to an SLO.
+    pub(crate) fn has_slo(&self) -> bool {
+        self.enabled && self.classes_or_implicit().iter().any(|c| c.has_slo_in(self))
     }
 
     pub(crate) fn validate(&self, model: &str, engine_metrics_secs: u64) -> anyhow::Result<()> {
@@ -154,17 +164,17 @@ impl AdmissionConfig {
         }
         let classes = self.classes_or_implicit();
         // Every class must have a criterion: an SLO of its own is one.
-        let slo = classes.iter().all(|c| c.slo_ms_in(self) > 0);
+        let slo = classes.iter().all(|c| c.has_slo_in(self));
         if self.kv_blocks == 0 && self.max_prefill_tokens == 0 && !polled && !slo {
             bail!(
                 "pool {model:?}: admission needs kv_blocks or max_prefill_tokens, or engine_metrics_secs to learn \
-                 each engine's KV capacity, to tell when a replica is saturated, or a ttft_slo_ms"
+                 each engine's KV capacity, to tell when a replica is saturated, or a ttft_slo_ms or itl_slo_ms"
             );
         }
-        if let Some(c) = classes.iter().find(|c| c.sheddable_in(self) && c.slo_ms_in(self) == 0) {
+        if let Some(c) = classes.iter().find(|c| c.sheddable_in(self) && !c.has_slo_in(self)) {
             bail!(
-                "pool {model:?}: admission class {:?} is sheddable (it sheds requests that miss their TTFT SLO) but \
-                 has no ttft_slo_ms",
+                "pool {model:?}: admission class {:?} is sheddable (it sheds requests predicted to miss their SLOs) \
+                 but has neither ttft_slo_ms nor itl_slo_ms",
                 c.name
             );
         }
@@ -196,8 +206,18 @@ impl AdmissionConfig {
 
 impl ClassConfig {
     /// Its TTFT SLO in ms in a pool whose admission control is `pool` (0: none).
-    pub(crate) fn slo_ms_in(&self, pool: &AdmissionConfig) -> u64 {
+    pub(crate) fn ttft_slo_ms_in(&self, pool: &AdmissionConfig) -> u64 {
         self.ttft_slo_ms.unwrap_or(pool.ttft_slo_ms)
+    }
+
+    /// Its ITL SLO in ms in `pool` (0: none).
+    pub(crate) fn itl_slo_ms_in(&self, pool: &AdmissionConfig) -> u64 {
+        self.itl_slo_ms.unwrap_or(pool.itl_slo_ms)
+    }
+
+    /// Whether it holds its requests to an SLO of either kind in `pool`.
+    fn has_slo_in(&self, pool: &AdmissionConfig) -> bool {
+        self.ttft_slo_ms_in(pool) > 0 || self.itl_slo_ms_in(pool) > 0
     }
 
     /// Whether it sheds a request no replica is predicted to serve within its SLO, in `pool`.

@@ -35,7 +35,9 @@
 //!   decision keeps to the replicas predicted to meet what is left of the SLO after the
 //!   request's wait; when none is, a request of a `sheddable` class is shed at once (outcome
 //!   `slo`) instead of being routed late or after `max_queue_ms`, and another class's is
-//!   decided as without an SLO (`crate::pool`, `route.rs`).
+//!   decided as without an SLO (`crate::pool`, `route.rs`). An ITL SLO (`itl_slo_ms`) keeps
+//!   the decision to the replicas whose ITL model predicts the request's tokens will come at
+//!   least that often, alongside.
 //!
 //! A waiter that gave up (timed out, or its client left and the filter stopped waiting) is
 //! skipped. Tenants are remembered only while they have a turn ahead of their class's
@@ -95,9 +97,10 @@ struct Class {
     /// higher class's.
     fair_kv_fraction: f64,
     fair_max_prefill_tokens: u64,
-    /// Its TTFT SLO, and whether a request that no replica is predicted to meet it with is
-    /// shed at once.
+    /// Its TTFT and ITL SLOs, and whether a request that no replica is predicted to meet them
+    /// with is shed at once.
     ttft_slo: Option<Duration>,
+    itl_slo: Option<Duration>,
     sheddable: bool,
 }
 
@@ -309,7 +312,8 @@ impl Gate {
                 max_prefill_tokens: c.max_prefill_tokens.unwrap_or(config.max_prefill_tokens),
                 fair_kv_fraction: 0.0,
                 fair_max_prefill_tokens: 0,
-                ttft_slo: Some(Duration::from_millis(c.slo_ms_in(config))).filter(|slo| !slo.is_zero()),
+                ttft_slo: Some(Duration::from_millis(c.ttft_slo_ms_in(config))).filter(|slo| !slo.is_zero()),
+                itl_slo: Some(Duration::from_millis(c.itl_slo_ms_in(config))).filter(|slo| !slo.is_zero()),
                 sheddable: c.sheddable_in(config),
             })
             .collect();
@@ -406,6 +410,11 @@ impl Gate {
     /// The TTFT SLO of `class`, if it has one.
     pub fn ttft_slo(&self, class: usize) -> Option<Duration> {
         self.classes[class].ttft_slo
+    }
+
+    /// The ITL SLO of `class`, if it has one.
+    pub fn itl_slo(&self, class: usize) -> Option<Duration> {
+        self.classes[class].itl_slo
     }
 
     /// Whether a request of `class` that no replica is predicted to serve within its SLO is

@@ -484,6 +484,9 @@ async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
             LifecycleKind::FirstToken { ttft_us } => {
                 ("first_token", pool.is_some_and(|p| p.first_token(id, ttft_us.map(Duration::from_micros))))
             }
+            LifecycleKind::Decoded { itl_us } => {
+                ("decoded", pool.is_some_and(|p| p.decoded(id, Duration::from_micros(*itl_us))))
+            }
             LifecycleKind::Done => ("done", pool.is_some_and(|p| p.lifecycle(id, false))),
             LifecycleKind::Progress(n) => ("progress", pool.is_some_and(|p| p.progress(id, *n))),
             LifecycleKind::RanOn(endpoint) => ("ran_on", pool.is_some_and(|p| p.ran_on(id, endpoint))),

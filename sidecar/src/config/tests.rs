@@ -319,7 +319,7 @@ fn disaggregated_pools_need_both_roles_and_sglang_bootstrap_ports() {
     let slo = pd("vllm", "role = \"prefill\"")
         .replace("block_size = 16", "block_size = 16\nadmission = { enabled = true, ttft_slo_ms = 500 }");
     let refused = load(&slo, &[]).unwrap_err().to_string();
-    assert!(refused.contains("TTFT SLO") && refused.contains("disaggregated"), "{refused}");
+    assert!(refused.contains("SLO") && refused.contains("disaggregated"), "{refused}");
     let roles_alone =
         BASE.replace("kv_events = \"tcp://127.0.0.1:5557\"", "kv_events = \"tcp://127.0.0.1:5557\"\nrole = \"decode\"");
     assert!(load(&roles_alone, &[]).is_err(), "a role without disaggregation");

@@ -35,7 +35,7 @@ use kvgate_shared::ids::RequestId;
 
 use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
-use crate::latency::{ReplicaTtft, TtftInputs, Watched};
+use crate::latency::{Inputs, Predictor, ReplicaLatency, Watched};
 use flows::{Flow, Flows};
 
 /// What one engine (a data-parallel rank: vLLM's `engine` label, SGLang's `dp_rank`) reports
@@ -116,9 +116,10 @@ struct Booking {
     flow: Option<Flow>,
     /// Booked by a peer gateway (its id is `origin/request_id`).
     from_peer: bool,
-    /// What its replica faced when it was booked, and the TTFT predicted from that, for a
-    /// request whose measured TTFT teaches the replica's model.
-    ttft: Option<(TtftInputs, Option<Duration>)>,
+    /// What its replica faced when it was booked, and the TTFT and ITL predicted from that,
+    /// for a timed request (whose measurements teach the replica's models), until measured.
+    ttft: Option<(Inputs, Option<Duration>)>,
+    itl: Option<(Inputs, Option<Duration>)>,
 }
 
 #[derive(Debug, Default)]
@@ -144,8 +145,9 @@ struct Replica {
     shared_blocks: HashMap<SequenceHash, u32, foldhash::fast::RandomState>,
     /// Prefill tokens per second, learned from streamed requests (`None` until one is).
     prefill_rate: Option<f64>,
-    /// Its time to first token, learned from the filter's measurements, and checked.
-    ttft: ReplicaTtft,
+    /// Its time to first token and inter-token latency, learned from the filter's
+    /// measurements, and checked.
+    latency: ReplicaLatency,
     /// The prefill booked here still to compute, as last set (at `backlog_at`): drained since
     /// at the speed its TTFT model learned.
     backlog: f64,
@@ -165,7 +167,7 @@ impl Replica {
     /// until it has one) — never more than the prefill booked and not yet past its first token.
     fn backlog(&self, now: Instant, default_rate: f64) -> f64 {
         let elapsed = self.backlog_at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
-        let secs_per_token = match self.ttft.secs_per_prefill_token(now) {
+        let secs_per_token = match self.latency.ttft.secs_per_prefill_token(now) {
             Some(secs) if secs > 0.0 => secs,
             _ => 1.0 / self.prefill_rate(default_rate),
         };
@@ -178,9 +180,15 @@ impl Replica {
     }
 
     /// What a request with `prefill_tokens` of its own to compute faces here at `now`.
-    fn ttft_inputs(&self, prefill_tokens: u64, now: Instant, default_rate: f64) -> TtftInputs {
+    fn ttft_inputs(&self, prefill_tokens: u64, now: Instant, default_rate: f64) -> Inputs {
         let ahead = self.backlog(now, default_rate).round() as u64;
-        TtftInputs { prefill_ahead: ahead + prefill_tokens, decoding: self.requests - self.prefilling }
+        Inputs { prefill_ahead: ahead + prefill_tokens, decoding: self.requests - self.prefilling }
+    }
+
+    /// What a request of `sequences` decodes among here at `now`: the prefill booked before
+    /// it and every sequence, its own included.
+    fn itl_inputs(&self, sequences: u64, now: Instant, default_rate: f64) -> Inputs {
+        Inputs { prefill_ahead: self.backlog(now, default_rate).round() as u64, decoding: self.requests + sequences }
     }
 }
 
@@ -319,10 +327,10 @@ pub struct NewBooking<'a> {
     pub flow: Option<Flow>,
     /// Booked by a peer gateway (its id is `origin/request_id`), not by this one.
     pub from_peer: bool,
-    /// Whether its TTFT, as the filter measures it, is the replica's own: a streamed request
-    /// that computes its prompt there (not one whose KV a prefill worker sends). Its TTFT is
-    /// then predicted, checked and learned from.
-    pub times_ttft: bool,
+    /// Whether its TTFT and ITL, as the filter measures them, are the replica's own: a
+    /// streamed request that computes its prompt there (not one whose KV a prefill worker
+    /// sends). They are then predicted, checked and learned from.
+    pub timed: bool,
 }
 
 /// A booking as a starting peer takes it over (`crate::pool::handover`).
@@ -397,7 +405,7 @@ impl LoadTable {
     pub fn clear_replica(&mut self, replica: ReplicaIdx) -> usize {
         let r = &mut self.replicas[replica.get()];
         (r.external, r.external_waiting) = (0, 0);
-        r.ttft = ReplicaTtft::default();
+        r.latency = ReplicaLatency::default();
         let gone: Vec<BookingId> =
             self.bookings.iter().filter(|(_, b)| b.replica == replica).map(|(id, _)| id.clone()).collect();
         for id in &gone {
@@ -490,10 +498,15 @@ impl LoadTable {
         self.release(booking.id);
         let default_rate = self.default_prefill_rate;
         let r = &mut self.replicas[replica.get()];
-        let ttft = booking.times_ttft.then(|| {
-            let inputs = r.ttft_inputs(booking.prefill_tokens, now, default_rate);
-            (inputs, r.ttft.predict(inputs, now))
-        });
+        let (ttft, itl) = match booking.timed {
+            true => {
+                let inputs = r.ttft_inputs(booking.prefill_tokens, now, default_rate);
+                let decode = r.itl_inputs(booking.sequences.max(1), now, default_rate);
+                let ttft = (inputs, r.latency.ttft.predict(inputs, now));
+                (Some(ttft), Some((decode, r.latency.itl.predict(decode, now))))
+            }
+            false => (None, None),
+        };
         r.add_backlog(booking.prefill_tokens, now, default_rate);
         r.prefill_tokens += booking.prefill_tokens;
         r.prefilling += booking.sequences.max(1);
@@ -530,6 +543,7 @@ impl LoadTable {
                 flow: booking.flow,
                 from_peer: booking.from_peer,
                 ttft,
+                itl,
             },
         );
         if let Some(flow) = booking.flow {
@@ -559,7 +573,14 @@ impl LoadTable {
     /// have if booked on `replica` at `now`, if the replica's model predicts.
     pub fn predict_ttft(&self, replica: ReplicaIdx, prefill_tokens: u64, now: Instant) -> Option<Duration> {
         let r = &self.replicas[replica.get()];
-        r.ttft.predict(r.ttft_inputs(prefill_tokens, now, self.default_prefill_rate), now)
+        r.latency.ttft.predict(r.ttft_inputs(prefill_tokens, now, self.default_prefill_rate), now)
+    }
+
+    /// The ITL predicted on `replica` at `now` for a request of `sequences`, if its model
+    /// predicts.
+    pub fn predict_itl(&self, replica: ReplicaIdx, sequences: u64, now: Instant) -> Option<Duration> {
+        let r = &self.replicas[replica.get()];
+        r.latency.itl.predict(r.itl_inputs(sequences.max(1), now, self.default_prefill_rate), now)
     }
 
     /// The TTFT predicted for a request when it was booked, if its replica's model had
@@ -568,19 +589,37 @@ impl LoadTable {
         self.bookings.get(id)?.ttft?.1
     }
 
+    /// The ITL predicted for a request when it was booked, likewise.
+    pub fn predicted_itl(&self, id: &BookingId) -> Option<Duration> {
+        self.bookings.get(id)?.itl?.1
+    }
+
     /// The filter measured the request's TTFT, reported at `now`: its replica's model learns
     /// from it (once). Returns its replica and the check of the prediction made for it, with
     /// the replica's alarm, if there was one.
     pub fn ttft_measured(&mut self, id: &BookingId, measured: Duration, now: Instant) -> Option<(ReplicaIdx, Watched)> {
         let b = self.bookings.get_mut(id)?;
         let (inputs, predicted) = b.ttft.take()?;
-        let watched = self.replicas[b.replica.get()].ttft.measured(inputs, predicted, measured, now)?;
+        let watched = self.replicas[b.replica.get()].latency.ttft.measured(inputs, predicted, measured, now)?;
+        Some((b.replica, watched))
+    }
+
+    /// The filter measured the request's ITL, reported at `now`: as [`LoadTable::ttft_measured`].
+    pub fn itl_measured(&mut self, id: &BookingId, measured: Duration, now: Instant) -> Option<(ReplicaIdx, Watched)> {
+        let b = self.bookings.get_mut(id)?;
+        let (inputs, predicted) = b.itl.take()?;
+        let watched = self.replicas[b.replica.get()].latency.itl.measured(inputs, predicted, measured, now)?;
         Some((b.replica, watched))
     }
 
     /// A replica's TTFT model and the watch over its predictions.
-    pub fn ttft(&self, replica: ReplicaIdx) -> &ReplicaTtft {
-        &self.replicas[replica.get()].ttft
+    pub fn ttft(&self, replica: ReplicaIdx) -> &Predictor {
+        &self.replicas[replica.get()].latency.ttft
+    }
+
+    /// A replica's ITL model and the watch over its predictions.
+    pub fn itl(&self, replica: ReplicaIdx) -> &Predictor {
+        &self.replicas[replica.get()].latency.itl
     }
 
     /// Its bookkeeping: bookings held, and ends remembered that came before their booking.
@@ -642,7 +681,7 @@ impl LoadTable {
         self.detach(&b);
         b.replica = to;
         // What was predicted and measured is about the replica it was booked on.
-        b.ttft = None;
+        (b.ttft, b.itl) = (None, None);
         let dropped = b.prediction.take().is_some();
         let default_rate = self.default_prefill_rate;
         let r = &mut self.replicas[to.get()];

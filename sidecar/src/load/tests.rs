@@ -23,7 +23,7 @@ fn booking(key: &str, prefill: u64, hashes: &[u64], total: u64) -> NewBooking<'s
         streamed: true,
         flow: None,
         from_peer: false,
-        times_ttft: false,
+        timed: false,
     }
 }
 
@@ -281,7 +281,7 @@ fn measured_ttft(prefill_ahead: u64, decoding: u64) -> Duration {
 fn each_streamed_request_teaches_its_replica_the_ttft_it_faced_and_is_checked_against_it() {
     let mut t = LoadTable::new(2, 1_000.0);
     let now = Instant::now();
-    let timed = |key: &str, prefill| NewBooking { times_ttft: true, ..booking(key, prefill, &[], 1) };
+    let timed = |key: &str, prefill| NewBooking { timed: true, ..booking(key, prefill, &[], 1) };
     let r0 = ReplicaIdx::new(0);
     // Two decoding requests hold the replica; each new one has another's prefill ahead of it.
     for key in ["d1", "d2"] {
@@ -291,7 +291,7 @@ fn each_streamed_request_teaches_its_replica_the_ttft_it_faced_and_is_checked_ag
     let mut learned = 0;
     for i in 0..crate::latency::MIN_SAMPLES as u64 + 4 {
         let (ahead, own) = (200 * (i % 5), 300 + 100 * (i % 3));
-        assert!(t.book(r0, NewBooking { times_ttft: false, ..booking("ahead", ahead, &[], 1) }, now));
+        assert!(t.book(r0, NewBooking { timed: false, ..booking("ahead", ahead, &[], 1) }, now));
         let key = format!("s{i}");
         assert!(t.book(r0, timed(&key, own), now));
         let predicted = t.predicted_ttft(&id(&key));
@@ -334,7 +334,7 @@ fn each_streamed_request_teaches_its_replica_the_ttft_it_faced_and_is_checked_ag
 fn the_prefill_ahead_drains_at_the_speed_learned() {
     let mut t = LoadTable::new(1, 1_000.0);
     let (r0, t0) = (ReplicaIdx::new(0), Instant::now());
-    let timed = |key: &str, prefill| NewBooking { times_ttft: true, ..booking(key, prefill, &[], 1) };
+    let timed = |key: &str, prefill| NewBooking { timed: true, ..booking(key, prefill, &[], 1) };
     let ahead = |t: &LoadTable, key: &str| t.bookings[&id(key)].ttft.unwrap().0.prefill_ahead;
     // Taught on requests with nothing ahead: 4 ms plus 10 µs a prefill token.
     for i in 0..crate::latency::MIN_SAMPLES as u64 {

@@ -30,9 +30,11 @@ pub(super) struct Scored {
     pub logit: f64,
     /// Whether its cache credit counted.
     pub trusted: bool,
-    /// Under `predicted_latency` or a TTFT SLO, the TTFT predicted there, in seconds, if its
+    /// Under `predicted_latency` or an SLO, the TTFT predicted there, in seconds, if its
     /// model predicts.
     pub predicted_ttft: Option<f32>,
+    /// Likewise, the ITL predicted there.
+    pub predicted_itl: Option<f32>,
     /// The credit taken off its cost for being the request's session's replica (0 if none).
     pub session_credit: f64,
 }
@@ -55,6 +57,7 @@ pub(super) fn scored(
             logit,
             trusted: e.trusted,
             predicted_ttft: None,
+            predicted_itl: None,
             session_credit: 0.0,
         })
         .collect()

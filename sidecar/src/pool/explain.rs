@@ -18,7 +18,7 @@ use super::Policy;
 use super::Pool;
 use crate::accuracy::{Check, EngineUsage};
 use crate::index::{Overlap, ReplicaIdx};
-use crate::latency::TtftCheck;
+use crate::latency::{self, Latency};
 use crate::metrics::{DecisionLabels, ModeLabels};
 
 /// A kept decision, before names are attached.
@@ -38,8 +38,14 @@ pub(super) struct Kept {
     predicted_ttft: Option<f32>,
     /// What the filter measured, once the first token came.
     measured_ttft: Option<f32>,
+    /// The ITL predicted there, in seconds, if its model predicts yet.
+    predicted_itl: Option<f32>,
+    /// What the filter measured, once the response ended.
+    measured_itl: Option<f32>,
     /// What was left of its TTFT SLO when it was decided, in seconds, if it had one.
     ttft_slo: Option<f32>,
+    /// Its ITL SLO, in seconds, if it had one.
+    itl_slo: Option<f32>,
     /// In a disaggregated pool: the decision's mode, or `prefill_leg` for a leg's.
     disaggregation: Option<&'static str>,
     /// In a pool that binds sessions, a request with a session: what its binding did.
@@ -57,16 +63,19 @@ pub struct Checked {
     pub check: Check,
 }
 
-/// The replica a decision chose, what it has cached of the prompt, and the TTFT predicted
-/// there.
+/// The replica a decision chose, what it has cached of the prompt, and the TTFT and ITL
+/// predicted there.
 pub(super) struct Chosen {
     pub(super) slot: ReplicaIdx,
     pub(super) overlap: Overlap,
     pub(super) predicted_ttft: Option<Duration>,
+    pub(super) predicted_itl: Option<Duration>,
     /// What the request's session binding did (`new`, `kept`, or why it moved).
     pub(super) session: Option<&'static str>,
     /// What was left of its TTFT SLO, if it had one.
     pub(super) ttft_slo: Option<Duration>,
+    /// Its ITL SLO, if it had one.
+    pub(super) itl_slo: Option<Duration>,
 }
 
 /// One candidate's cost terms in a decision.
@@ -91,6 +100,9 @@ pub struct CandidateTerms {
     /// are chosen while any is). Absent while its model does not predict, and then the decision
     /// is `kv_aware`'s and holds to no SLO.
     pub predicted_ttft_secs: Option<f64>,
+    /// Likewise, with an ITL SLO, the inter-token latency predicted there, in seconds (only
+    /// those within it are chosen while any is).
+    pub predicted_itl_secs: Option<f64>,
     /// The credit taken off `logit` because the request's session is bound here, holds its
     /// prefix and has headroom (`[pools.sessions]`; 0 otherwise).
     pub session_credit: f64,
@@ -117,11 +129,19 @@ pub struct Explanation {
     /// request, once the replica's model has learned enough).
     pub predicted_ttft_secs: Option<f64>,
     /// That prediction against the TTFT the filter measured, once the first token came.
-    pub ttft_checked: Option<TtftCheck>,
+    pub ttft_checked: Option<latency::Check>,
+    /// The inter-token latency predicted on the chosen replica, in seconds (a streamed
+    /// request, once the replica's ITL model has learned enough).
+    pub predicted_itl_secs: Option<f64>,
+    /// That prediction against the ITL the filter measured, once the response ended.
+    pub itl_checked: Option<latency::Check>,
     /// With a TTFT SLO (its own, or its class's; admission control): what was left of it after
     /// the request's wait, in seconds. The candidates predicted above it were not chosen,
     /// unless every one was; a candidate whose model does not predict yet could be.
     pub ttft_slo_secs: Option<f64>,
+    /// With an ITL SLO (its own, or its class's): the SLO, in seconds. The candidates
+    /// predicted above it were not chosen, unless every one was.
+    pub itl_slo_secs: Option<f64>,
     /// In a disaggregated pool: `disaggregated` (its prefill leg is explained under
     /// `<request_id>/prefill`, marked `prefill_leg`) or why it was served whole
     /// (`short_prompt`, `prefill_busy`, `no_prefill_worker`, `several_prompts`).
@@ -215,6 +235,12 @@ impl Explanations {
     }
 }
 
+/// A kept prediction against its measurement, once both are there.
+fn checked(latency: Latency, predicted: Option<f32>, measured: Option<f32>) -> Option<latency::Check> {
+    let secs = |s: f32| Duration::from_secs_f32(s.max(0.0));
+    predicted.zip(measured).map(|(p, m)| latency::Check::new(latency, secs(p), secs(m)))
+}
+
 impl Pool {
     /// The kept decisions for `request_id` — its booking key's, or else every one whose client
     /// sent that `x-request-id` — or the most recent `last` decisions (newest first).
@@ -245,11 +271,11 @@ impl Pool {
                 chosen: Some(name(k.chosen)),
                 checked: k.checked,
                 predicted_ttft_secs: k.predicted_ttft.map(f64::from),
-                ttft_checked: k.predicted_ttft.zip(k.measured_ttft).map(|(predicted, measured)| TtftCheck {
-                    predicted_secs: f64::from(predicted),
-                    measured_secs: f64::from(measured),
-                }),
+                ttft_checked: checked(Latency::Ttft, k.predicted_ttft, k.measured_ttft),
+                predicted_itl_secs: k.predicted_itl.map(f64::from),
+                itl_checked: checked(Latency::Itl, k.predicted_itl, k.measured_itl),
                 ttft_slo_secs: k.ttft_slo.map(f64::from),
+                itl_slo_secs: k.itl_slo.map(f64::from),
                 disaggregation: k.disaggregation,
                 session: k.session,
                 candidates: k
@@ -264,6 +290,7 @@ impl Pool {
                         requests: s.inputs.requests,
                         logit: s.logit,
                         predicted_ttft_secs: s.predicted_ttft.map(f64::from),
+                        predicted_itl_secs: s.predicted_itl.map(f64::from),
                         session_credit: s.session_credit,
                     })
                     .collect(),
@@ -281,7 +308,7 @@ impl Pool {
         chosen: Chosen,
         mode: Option<&'static str>,
     ) {
-        let Chosen { slot: best, overlap, predicted_ttft, session, ttft_slo } = chosen;
+        let Chosen { slot: best, overlap, predicted_ttft, predicted_itl, session, ttft_slo, itl_slo } = chosen;
         let labels = self.labels(best);
         tracing::debug!(
             request_id = %req.request_id,
@@ -315,7 +342,10 @@ impl Pool {
             checked: None,
             predicted_ttft: predicted_ttft.map(|d| d.as_secs_f32()),
             measured_ttft: None,
+            predicted_itl: predicted_itl.map(|d| d.as_secs_f32()),
+            measured_itl: None,
             ttft_slo: ttft_slo.map(|d| d.as_secs_f32()),
+            itl_slo: itl_slo.map(|d| d.as_secs_f32()),
             disaggregation: mode,
             session,
         });
@@ -365,7 +395,10 @@ impl Pool {
             checked: None,
             predicted_ttft: None,
             measured_ttft: None,
+            predicted_itl: None,
+            measured_itl: None,
             ttft_slo: None,
+            itl_slo: None,
             disaggregation: Some("prefill_leg"),
             session: None,
         });
@@ -396,10 +429,13 @@ impl Pool {
 
     /// Attaches the TTFT the filter measured to the kept decision of `request_id`, if it is
     /// still kept.
-    pub(super) fn ttft_explained(&self, request_id: &RequestId, measured_secs: f64) {
+    pub(super) fn latency_explained(&self, request_id: &RequestId, latency: Latency, measured_secs: f64) {
         let mut kept = self.explanations.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = kept.by_booking(request_id.as_str()) {
-            k.measured_ttft = Some(measured_secs as f32);
+            *match latency {
+                Latency::Ttft => &mut k.measured_ttft,
+                Latency::Itl => &mut k.measured_itl,
+            } = Some(measured_secs as f32);
         }
     }
 }
@@ -419,7 +455,10 @@ mod tests {
             checked: None,
             predicted_ttft: None,
             measured_ttft: None,
+            predicted_itl: None,
+            measured_itl: None,
             ttft_slo: None,
+            itl_slo: None,
             disaggregation: None,
             session: None,
         }
@@ -489,11 +528,11 @@ mod tests {
         assert_eq!(e.by_id.len(), 4);
     }
 
-    /// The memory the `explain_keep` documentation states: a kept decision in about 260 bytes
+    /// The memory the `explain_keep` documentation states: a kept decision in about 280 bytes
     /// (its ids on the heap included) plus 80 per candidate.
     #[test]
     fn a_kept_decision_is_as_small_as_documented() {
-        assert!(std::mem::size_of::<Entry>() + 2 * 24 <= 260, "{}", std::mem::size_of::<Entry>());
+        assert!(std::mem::size_of::<Entry>() + 2 * 24 <= 280, "{}", std::mem::size_of::<Entry>());
         assert!(std::mem::size_of::<Scored>() <= 80, "{}", std::mem::size_of::<Scored>());
     }
 }

@@ -223,7 +223,7 @@ impl Pool {
                 flow: None,
                 from_peer,
                 // Its inputs were another sidecar's.
-                times_ttft: false,
+                timed: false,
             };
             // It keeps its age: expiry comes when it would have at its origin.
             let booked_at = now.checked_sub(Duration::from_millis(b.age_ms)).unwrap_or(now);

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::Pool;
 use crate::accuracy::{AlarmChange, Check, EngineUsage, Unchecked};
 use crate::index::ReplicaIdx;
-use crate::latency::Watched;
+use crate::latency::{Latency, Watched};
 use crate::load::{BookingId, EngineReport, NewBooking, ReplicaLoad};
 use crate::metrics::ReasonLabels;
 use crate::msg::sync::{Outbox, SyncEvent};
@@ -181,7 +181,7 @@ impl Pool {
                     // Fairness between tenants is each gateway's own.
                     flow: None,
                     from_peer: true,
-                    times_ttft: false,
+                    timed: false,
                 };
                 load.book(slot, booking, Instant::now());
                 Some(slot)
@@ -237,28 +237,48 @@ impl Pool {
         let id = BookingId::new(request_id);
         let measured = ttft.and_then(|ttft| self.load_table().ttft_measured(&id, ttft, Instant::now()));
         if let Some((slot, watched)) = measured {
-            self.ttft_checked(request_id, slot, watched);
+            self.latency_checked(request_id, slot, Latency::Ttft, watched);
         }
         self.lifecycle(request_id, true)
     }
 
-    fn ttft_checked(&self, request_id: &RequestId, slot: ReplicaIdx, watched: Watched) {
+    /// The request streamed its output with `itl` between tokens on average: its replica's
+    /// ITL model learns from it and the prediction made for it is checked, as for its TTFT.
+    /// Returns false if the request is not booked in this pool.
+    pub fn decoded(&self, request_id: &RequestId, itl: Duration) -> bool {
+        let id = BookingId::new(request_id);
+        let mut load = self.load_table();
+        let known = load.replica_of(&id).is_some();
+        let measured = load.itl_measured(&id, itl, Instant::now());
+        drop(load);
+        if let Some((slot, watched)) = measured {
+            self.latency_checked(request_id, slot, Latency::Itl, watched);
+        }
+        known
+    }
+
+    fn latency_checked(&self, request_id: &RequestId, slot: ReplicaIdx, latency: Latency, watched: Watched) {
         let (labels, check) = (self.labels(slot), watched.check);
-        self.metrics.ttft_prediction_error.get_or_create(&labels).observe(check.relative_error());
-        self.metrics.ttft_prediction_alarm.get_or_create(&labels).set(i64::from(watched.alarm));
-        self.ttft_explained(request_id, check.measured_secs);
-        self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).record_ttft(check.close());
+        let (error, alarm, name) = match latency {
+            Latency::Ttft => (&self.metrics.ttft_prediction_error, &self.metrics.ttft_prediction_alarm, "TTFT"),
+            Latency::Itl => (&self.metrics.itl_prediction_error, &self.metrics.itl_prediction_alarm, "ITL"),
+        };
+        error.get_or_create(&labels).observe(check.relative_error());
+        alarm.get_or_create(&labels).set(i64::from(watched.alarm));
+        self.latency_explained(request_id, latency, check.measured_secs);
+        self.accuracy.lock().unwrap_or_else(|e| e.into_inner()).record_latency(latency, check.close());
         match (watched.changed, watched.alarm) {
             (true, true) => tracing::warn!(
                 model = %labels.model,
                 replica = %labels.replica,
-                "kvgate's TTFT predictions for this replica keep missing what the gateway measures (see \
-                 /debug/explain and kvgate_ttft_prediction_error_ratio): it slowed down, or its TTFT depends on \
-                 more than the prefill ahead of a request and the sequences it decodes; its model relearns a \
-                 steady change within 32 timed requests"
+                latency = name,
+                "kvgate's latency predictions for this replica keep missing what the gateway measures (see \
+                 /debug/explain and kvgate_ttft_prediction_error_ratio or kvgate_itl_prediction_error_ratio): it \
+                 slowed down, or its latency depends on more than the prefill booked there and the sequences it \
+                 runs; its model relearns a steady change within 32 timed requests"
             ),
             (true, false) => {
-                tracing::info!(model = %labels.model, replica = %labels.replica, "TTFT predictions match again")
+                tracing::info!(model = %labels.model, replica = %labels.replica, latency = name, "latency predictions match again")
             }
             (false, _) => {}
         }

@@ -52,7 +52,7 @@ pub use members::{targets, Member, ReplicaHealth, Target};
 pub use offload::OffloadError;
 pub use route::{Admit, NotAdmitted};
 pub use sessions::SessionConfig;
-pub use state::{PoolState, ReplicaState, TtftState};
+pub use state::{LatencyState, PoolState, ReplicaState};
 
 use explain::Explanations;
 use members::member;

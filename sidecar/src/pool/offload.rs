@@ -102,6 +102,7 @@ fn keys(req: &RouteBodyRequest<'_>) -> RequestKeys {
         priority: req.priority.clone(),
         tenant: req.tenant.clone(),
         ttft_slo_ms: req.ttft_slo_ms,
+        itl_slo_ms: req.itl_slo_ms,
         prefill_legs: req.prefill_legs,
     }
 }

@@ -107,11 +107,21 @@ pub struct Admit {
     pub waited: Duration,
 }
 
-/// A decision held to a TTFT SLO: what is left of it, and whether missing it sheds.
+/// A decision held to SLOs: what is left of its TTFT SLO, its ITL SLO, and whether missing
+/// them sheds.
 #[derive(Debug, Clone, Copy)]
 struct Slo {
-    left: Duration,
+    ttft_left: Option<Duration>,
+    itl: Option<Duration>,
     sheddable: bool,
+}
+
+impl Slo {
+    /// Whether every latency it bounds is predicted on `candidate`.
+    fn predicted_on(&self, candidate: &Scored) -> bool {
+        (self.ttft_left.is_none() || candidate.predicted_ttft.is_some())
+            && (self.itl.is_none() || candidate.predicted_itl.is_some())
+    }
 }
 
 impl Pool {
@@ -175,14 +185,15 @@ impl Pool {
         // and has headroom (`[pools.sessions]`, `kv_aware`).
         let session = self.session_of(req, policy);
         let weighed = session.map(|key| self.weigh_session(key, &load, &eligible, &mut scored, req, &scoring));
-        // Each candidate's predicted TTFT, where the policy or the SLO needs it; whether every
-        // candidate's model predicts.
+        // Each candidate's predicted TTFT and ITL, where the policy or the SLO needs them;
+        // whether every candidate's TTFT model predicts.
         let predicted = (policy == Policy::PredictedLatency || slo.is_some())
             && predict_all(&load, &eligible, &mut scored, &shape, &scoring);
-        // Under an SLO, the candidates the choice keeps to: those predicted within what is left
-        // of it, and those whose model does not predict yet (being chosen is how they learn).
-        // None — every candidate predicted to miss it — and a sheddable class's request is shed.
-        let within = slo.map(|slo| within(&scored, slo.left));
+        // Under SLOs, the candidates the choice keeps to: those predicted within them (what is
+        // left of the TTFT SLO), a model that does not predict yet counting as within (being
+        // chosen is how it learns). None — every candidate predicted to miss — and a sheddable
+        // class's request is shed.
+        let within = slo.map(|slo| within(&scored, slo));
         if slo.is_some_and(|s| s.sheddable) && within.as_ref().is_some_and(Vec::is_empty) {
             drop(load);
             self.count_slo("shed");
@@ -202,9 +213,9 @@ impl Pool {
         else {
             return Ok(nowhere());
         };
-        let slo_outcome = slo.map(|_| match allowed {
+        let slo_outcome = slo.map(|slo| match allowed {
             None => "missed",
-            Some(_) if scored[choice].predicted_ttft.is_none() => "unpredicted",
+            Some(_) if !slo.predicted_on(&scored[choice]) => "unpredicted",
             Some(_) => "within",
         });
         // Where the prompt is computed: there, or in a prefill worker's leg.
@@ -235,7 +246,7 @@ impl Pool {
             _ => None,
         };
         let figures: Vec<_> = std::iter::once(&booked).chain(&leg).map(|b| (b.slot, load.load(b.slot))).collect();
-        let predicted_ttft = load.predicted_ttft(&id);
+        let (predicted_ttft, predicted_itl) = (load.predicted_ttft(&id), load.predicted_itl(&id));
         drop(load);
         // The session is bound where it went, afresh.
         let session_outcome = session.zip(weighed).filter(|_| booked.booked).map(|(key, w)| {
@@ -276,8 +287,10 @@ impl Pool {
             slot: booked.slot,
             overlap: booked.overlap,
             predicted_ttft,
+            predicted_itl,
             session: session_outcome,
-            ttft_slo: slo.map(|s| s.left),
+            ttft_slo: slo.and_then(|s| s.ttft_left),
+            itl_slo: slo.and_then(|s| s.itl),
         };
         self.record(req, policy, scored, chosen, mode);
         if let (Split::Remote { scored, .. }, Some(leg)) = (split, &leg) {
@@ -312,14 +325,20 @@ impl Pool {
         eligible.iter().all(|e| gate.saturated_for(&load.load(e.slot), class, under_share))
     }
 
-    /// The request's TTFT SLO — its own (the filter's `ttft_slo_header`), else its class's —
-    /// less what it has waited, with admission control.
+    /// The request's SLOs — its own (the filter's `ttft_slo_header`, `itl_slo_header`), else
+    /// its class's — its TTFT SLO less what it has waited, with admission control; `None`
+    /// without either.
     fn slo_for(&self, req: &RouteRequest, admit: Admit) -> Option<Slo> {
         let gate = self.admission.as_ref()?;
         let class = gate.class_of(req.priority.as_deref());
-        let own = req.ttft_slo_ms.filter(|ms| *ms > 0).map(|ms| Duration::from_millis(u64::from(ms)));
-        let left = own.or_else(|| gate.ttft_slo(class))?.saturating_sub(admit.waited);
-        Some(Slo { left, sheddable: gate.sheddable(class) })
+        let own = |ms: Option<u32>| ms.filter(|ms| *ms > 0).map(|ms| Duration::from_millis(u64::from(ms)));
+        let ttft = own(req.ttft_slo_ms).or_else(|| gate.ttft_slo(class));
+        let itl = own(req.itl_slo_ms).or_else(|| gate.itl_slo(class));
+        (ttft.is_some() || itl.is_some()).then(|| Slo {
+            ttft_left: ttft.map(|slo| slo.saturating_sub(admit.waited)),
+            itl,
+            sheddable: gate.sheddable(class),
+        })
     }
 
     /// Counts a decision held to a TTFT SLO by outcome.
@@ -591,8 +610,8 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
 }
 
 /// Each candidate's predicted time to first token, its own prefill being what it has not
-/// cached there, kept in `scored` (for the choice and `/debug/explain`). Whether every
-/// candidate's model predicts.
+/// cached there, and inter-token latency, kept in `scored` (for the choice and
+/// `/debug/explain`). Whether every candidate's TTFT model predicts.
 fn predict_all(
     load: &LoadTable,
     eligible: &[Eligible],
@@ -604,6 +623,7 @@ fn predict_all(
     for (e, s) in eligible.iter().zip(scored.iter_mut()) {
         let own = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
         s.predicted_ttft = load.predict_ttft(e.slot, own, now).map(|d| d.as_secs_f32());
+        s.predicted_itl = load.predict_itl(e.slot, shape.sequences, now).map(|d| d.as_secs_f32());
     }
     scored.iter().all(|s| s.predicted_ttft.is_some())
 }
@@ -623,12 +643,16 @@ fn fastest(scored: &[Scored], allowed: Option<&[usize]>) -> Option<usize> {
     score::argmin(&predicted?, &mut rand::rng()).and_then(|k| among.clone().nth(k))
 }
 
-/// The candidates (indices into `scored`) an SLO with `left` of it left keeps: those predicted
-/// within it, and those that do not predict yet. Nothing is within an SLO that is spent.
-fn within(scored: &[Scored], left: Duration) -> Vec<usize> {
-    let left = left.as_secs_f64();
-    let keeps = |t: Option<f32>| t.is_none_or(|t| left > 0.0 && f64::from(t) <= left);
-    (0..scored.len()).filter(|&c| keeps(scored[c].predicted_ttft)).collect()
+/// The candidates (indices into `scored`) the SLOs keep: those predicted within what is left
+/// of the TTFT SLO and within the ITL SLO, a latency not predicted yet counting as within.
+/// Nothing is within a TTFT SLO that is spent.
+fn within(scored: &[Scored], slo: Slo) -> Vec<usize> {
+    let keeps = |bound: Option<Duration>, t: Option<f32>| {
+        let Some(bound) = bound.map(|b| b.as_secs_f64()) else { return true };
+        t.is_none_or(|t| bound > 0.0 && f64::from(t) <= bound)
+    };
+    let within = |s: &Scored| keeps(slo.ttft_left, s.predicted_ttft) && keeps(slo.itl, s.predicted_itl);
+    (0..scored.len()).filter(|&c| within(&scored[c])).collect()
 }
 
 /// Books the request (or its prefill leg) on the chosen replica: its prefill left after the
@@ -659,7 +683,7 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         flow: to.flow,
         from_peer: false,
         // Its TTFT is its replica's own, of a prompt whose size is known.
-        times_ttft: shape.stream && to.remote.is_none() && shape.prompt_count != PromptCount::Estimated,
+        timed: shape.stream && to.remote.is_none() && shape.prompt_count != PromptCount::Estimated,
     };
     let booked = load.book(at.slot, booking, Instant::now());
     Booked { slot: at.slot, overlap: at.overlap, indexed: at.indexed, prefill_tokens, booked, unpredicted }

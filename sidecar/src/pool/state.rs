@@ -9,6 +9,7 @@ use super::Pool;
 use crate::accuracy::AccuracyTotals;
 use crate::admission::Gate;
 use crate::index::{ReplicaIdx, Tier};
+use crate::latency::Predictor;
 
 /// One replica in `/debug/state`.
 #[derive(Debug, Serialize)]
@@ -56,19 +57,27 @@ pub struct ReplicaState {
     /// report): without them kvgate's predictions for it cannot be checked.
     pub reports_cached_tokens: Option<bool>,
     /// Its time-to-first-token model ([`crate::latency`]).
-    pub ttft: TtftState,
+    pub ttft: LatencyState,
+    /// Its inter-token-latency model.
+    pub itl: LatencyState,
 }
 
-/// A replica's TTFT model in `/debug/state`.
+/// A replica's TTFT or ITL model in `/debug/state`.
 #[derive(Debug, Clone, Copy, Serialize)]
-pub struct TtftState {
+pub struct LatencyState {
     /// Timed requests it learned from since it joined (it predicts once its window holds
     /// `latency::MIN_SAMPLES` recent ones).
     pub samples: u64,
     /// The share of its last predictions close to what the filter measured.
     pub recent_close_ratio: f64,
-    /// Whether its TTFT alarm is raised.
+    /// Whether its alarm is raised.
     pub alarm: bool,
+}
+
+impl LatencyState {
+    fn of(p: &Predictor) -> LatencyState {
+        LatencyState { samples: p.samples(), recent_close_ratio: p.recent_close_ratio(), alarm: p.alarm() }
+    }
 }
 
 /// One pool in `/debug/state`.
@@ -142,11 +151,8 @@ impl Pool {
                         CACHE_REPORT_NO => Some(false),
                         _ => None,
                     },
-                    ttft: TtftState {
-                        samples: load.ttft(i).samples(),
-                        recent_close_ratio: load.ttft(i).recent_close_ratio(),
-                        alarm: load.ttft(i).alarm(),
-                    },
+                    ttft: LatencyState::of(load.ttft(i)),
+                    itl: LatencyState::of(load.itl(i)),
                 }
             })
             .collect();

@@ -117,7 +117,7 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
                 streamed: true,
                 flow: None,
                 from_peer: false,
-                times_ttft: false,
+                timed: false,
             },
             Instant::now(),
         );
@@ -897,7 +897,7 @@ fn ttft_is_predicted_for_each_decision_checked_when_the_first_token_comes_and_al
         assert!(send(101 + i, 1).0.ttft_checked.is_some_and(|c| c.close()));
     }
     assert_eq!((replica().samples, replica().alarm), (crate::latency::MIN_SAMPLES as u64 + 41, false));
-    assert_eq!(p.state().prediction.ttft, crate::accuracy::TtftTotals { checked: 41, close: 41 });
+    assert_eq!(p.state().prediction.ttft, crate::accuracy::LatencyTotals { checked: 41, close: 41 });
     // Slowed 4×: the predictions miss, and the replica's alarm fires, until its model has
     // relearned it.
     let raised = (0..32).find(|i| {

@@ -664,7 +664,7 @@ fn kvgate_routed(stack: &Stack, policy: Policy) -> anyhow::Result<Option<(u64, u
 fn ttft_errors(stack: &Stack) -> anyhow::Result<Vec<f64>> {
     let mut errors = Vec::new();
     for gateway in 0..stack.gateways("").len() {
-        errors.extend(stack.ttft_errors_of(gateway, 1 << 20)?);
+        errors.extend(stack.latency_errors_of(gateway, "ttft", 1 << 20)?);
     }
     Ok(errors)
 }
