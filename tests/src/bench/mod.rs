@@ -72,11 +72,18 @@ pub enum Policy {
     /// cache booked or two full prefill batches booked, and a request waits at most one
     /// simulated second for one that is not, else it is shed (429).
     KvgateAdmission,
-    /// kvgate `kv_aware` held to the run's TTFT SLO (`[pools.admission]` `ttft_slo_ms`, in
-    /// wall-clock ms, `sheddable`): once the replicas' TTFT models predict, a request goes only
-    /// where it is predicted to meet the SLO, and is shed at once (429) when no replica is.
-    /// No saturation criterion: the predictions alone decide.
+    /// kvgate `kv_aware` held to the run's SLOs (`[pools.admission]` `ttft_slo_ms` and
+    /// `itl_slo_ms`, in wall-clock ms, `sheddable`): once the replicas' models predict, a
+    /// request goes only where it is predicted to meet both, and is shed at once (429) when no
+    /// replica is. No saturation criterion: the predictions alone decide.
     KvgateSlo,
+    /// [`Policy::KvgateSlo`] with [`Policy::KvgateAdmission`]'s saturation criterion: a
+    /// request that finds every replica saturated waits for capacity as long as it can still
+    /// meet its TTFT SLO (the filter's `admission_wait_ms` and the pool's `max_queue_ms` are
+    /// the SLO), and is shed at once when no replica is predicted to meet what is left of it.
+    /// The engines are kept out of the overload their queues would bring, where predictions
+    /// from kvgate's view cannot see the engines' own waits.
+    KvgateSloAdmission,
     /// [`Policy::KvgateAdmission`] with two priority classes and tenants, named by the
     /// requests' [`loadgen::PRIORITY_HEADER`] and [`loadgen::TENANT_HEADER`] (see
     /// [`workloads::Mix`]): `interactive` goes first and may fill 90 % of a replica's KV
@@ -142,7 +149,7 @@ impl Knob {
 
 impl Policy {
     /// Every policy the harness knows.
-    pub const ALL: [Policy; 20] = [
+    pub const ALL: [Policy; 21] = [
         Policy::EnvoyRoundRobin,
         Policy::EnvoyLeastRequest,
         Policy::Kvgate("round_robin"),
@@ -152,6 +159,7 @@ impl Policy {
         Policy::KvgateDynamoCost,
         Policy::KvgateAdmission,
         Policy::KvgateSlo,
+        Policy::KvgateSloAdmission,
         Policy::KvgateFlowControl,
         Policy::KvgateSessions,
         Policy::KvgateNoSync,
@@ -175,6 +183,7 @@ impl Policy {
             Policy::KvgateDynamoCost => "kvgate-kv-aware-dynamo-cost".into(),
             Policy::KvgateAdmission => "kvgate-kv-aware-admission".into(),
             Policy::KvgateSlo => "kvgate-kv-aware-slo".into(),
+            Policy::KvgateSloAdmission => "kvgate-kv-aware-slo-admission".into(),
             Policy::KvgateFlowControl => "kvgate-kv-aware-flow-control".into(),
             Policy::KvgateSessions => "kvgate-kv-aware-sessions".into(),
             Policy::KvgateNoSync => "kvgate-kv-aware-no-sync".into(),
@@ -210,6 +219,7 @@ impl Policy {
             | Policy::KvgateDynamoCost
             | Policy::KvgateAdmission
             | Policy::KvgateSlo
+            | Policy::KvgateSloAdmission
             | Policy::KvgateFlowControl
             | Policy::KvgateSessions
             | Policy::KvgateNoSync
@@ -220,15 +230,15 @@ impl Policy {
     }
 
     /// The stack this policy runs on, with `gateways` gateway pods (a peer runs that many
-    /// instances of its own instead, and the stack's one Envoy idles), for a run whose TTFT
-    /// SLO is `slo_ttft_s` simulated seconds.
+    /// instances of its own instead, and the stack's one Envoy idles), for a run held to `slo`
+    /// (simulated seconds).
     fn stack_options(
         &self,
         name: &str,
         fleet: &Fleet,
         gpu_blocks: usize,
         gateways: usize,
-        slo_ttft_s: f64,
+        slo: stats::Slo,
     ) -> StackOptions {
         let (routing, pool_policy) = self.routing();
         let scoring_toml = match self {
@@ -236,6 +246,11 @@ impl Policy {
             Policy::KvgateDynamoCost => "prefill_load_scale = 1.0\nduplicate_penalty = 0.0".into(),
             _ => String::new(),
         };
+        // The SLOs in wall-clock ms: the filter measures on the wall clock.
+        let wall_ms = |simulated_s: f64| (simulated_s * 1000.0 / fleet.speedup).round() as u64;
+        let slos =
+            format!("ttft_slo_ms = {}, itl_slo_ms = {}, sheddable = true", wall_ms(slo.ttft_s), wall_ms(slo.itl_s));
+        let saturation = format!("kv_blocks = {gpu_blocks}, max_prefill_tokens = {}", 2 * fleet.max_num_batched_tokens);
         let (pool_toml, filter_config) = match self {
             Policy::KvgateAdmission | Policy::KvgateFlowControl => {
                 // One simulated second of waiting, in wall-clock ms.
@@ -249,8 +264,7 @@ impl Policy {
                     String::new()
                 };
                 let pool = format!(
-                    "admission = {{ enabled = true, kv_blocks = {gpu_blocks}, max_prefill_tokens = {}, max_queue_ms = {wait_ms}, max_queued = 1024{classes} }}",
-                    2 * batch
+                    "admission = {{ enabled = true, {saturation}, max_queue_ms = {wait_ms}, max_queued = 1024{classes} }}"
                 );
                 let mut filter = serde_json::Map::new();
                 filter.insert("admission_wait_ms".into(), wait_ms.into());
@@ -260,11 +274,15 @@ impl Policy {
                 }
                 (pool, filter)
             }
-            Policy::KvgateSlo => {
-                // The filter measures TTFT on the wall clock.
-                let slo_ms = (slo_ttft_s * 1000.0 / fleet.speedup).round() as u64;
-                let pool = format!("admission = {{ enabled = true, ttft_slo_ms = {slo_ms}, sheddable = true }}");
-                (pool, serde_json::Map::new())
+            Policy::KvgateSlo => (format!("admission = {{ enabled = true, {slos} }}"), serde_json::Map::new()),
+            Policy::KvgateSloAdmission => {
+                let wait_ms = wall_ms(slo.ttft_s);
+                let pool = format!(
+                    "admission = {{ enabled = true, {saturation}, max_queue_ms = {wait_ms}, max_queued = 1024, {slos} }}"
+                );
+                let mut filter = serde_json::Map::new();
+                filter.insert("admission_wait_ms".into(), wait_ms.into());
+                (pool, filter)
             }
             Policy::KvgateEngineMetrics => ("engine_metrics_secs = 1".into(), serde_json::Map::new()),
             Policy::KvgateSessions => ("[pools.sessions]".into(), serde_json::Map::new()),
@@ -522,7 +540,7 @@ fn run_cell(
     let mut plan = workload.plan(qps.unwrap_or(1.0), plan_seed, &config.trace)?;
     config.mix.tag(&mut plan, plan_seed);
     let gpu_blocks = config.fleet.gpu_blocks_for(workload);
-    let options = policy.stack_options(&policy.name(), &config.fleet, gpu_blocks, gateways, config.slo_ttft_s);
+    let options = policy.stack_options(&policy.name(), &config.fleet, gpu_blocks, gateways, config.slo());
     let stack = Stack::start(&options, artifacts)?;
     if let Some(nice) = config.engines_nice {
         for pid in stack.engine_pids() {
@@ -688,6 +706,9 @@ fn engine_counters(stack: &Stack) -> anyhow::Result<Vec<EngineWork>> {
 mod tests {
     use super::*;
 
+    /// The SLOs the stacks below are held to (simulated seconds).
+    const SLO: stats::Slo = stats::Slo { ttft_s: 2.0, itl_s: 0.1 };
+
     #[test]
     fn policy_names_parse_back() {
         let tuned = Knob::ALL.into_iter().flat_map(|k| [Policy::KvgateTuned(k, 0), Policy::KvgateTuned(k, 12)]);
@@ -709,37 +730,47 @@ mod tests {
             max_num_seqs: 8,
             max_num_batched_tokens: 2048,
         };
-        let o = Policy::KvgateTuned(Knob::DuplicatePenalty, 3).stack_options("x", &fleet, 100, 1, 2.0);
+        let o = Policy::KvgateTuned(Knob::DuplicatePenalty, 3).stack_options("x", &fleet, 100, 1, SLO);
         assert_eq!(
             (o.routing, o.pool_policy.as_str(), o.scoring_toml.as_str()),
             (Routing::Kvgate, "kv_aware", "duplicate_penalty = 3.0")
         );
-        let o = Policy::KvgateTuned(Knob::OffloadKib, 256).stack_options("x", &fleet, 100, 1, 2.0);
+        let o = Policy::KvgateTuned(Knob::OffloadKib, 256).stack_options("x", &fleet, 100, 1, SLO);
         assert_eq!((o.scoring_toml.as_str(), &o.filter_config["offload_bytes"]), ("", &serde_json::json!(262_144)));
-        let o = Policy::KvgateDynamoCost.stack_options("x", &fleet, 100, 1, 2.0);
+        let o = Policy::KvgateDynamoCost.stack_options("x", &fleet, 100, 1, SLO);
         assert_eq!(o.scoring_toml, "prefill_load_scale = 1.0\nduplicate_penalty = 0.0");
-        let o = Policy::KvgateAdmission.stack_options("x", &fleet, 100, 1, 2.0);
+        let o = Policy::KvgateAdmission.stack_options("x", &fleet, 100, 1, SLO);
         assert!(
             o.pool_toml.contains("kv_blocks = 100") && o.pool_toml.contains("max_queue_ms = 1000"),
             "{}",
             o.pool_toml
         );
         assert_eq!(o.filter_config["admission_wait_ms"], 1000);
-        let o = Policy::KvgateSlo.stack_options("x", &fleet, 100, 1, 2.0);
+        let o = Policy::KvgateSlo.stack_options("x", &fleet, 100, 1, SLO);
         assert!(
-            o.pool_toml.contains("ttft_slo_ms = 2000") && o.pool_toml.contains("sheddable = true"),
+            o.pool_toml.contains("ttft_slo_ms = 2000, itl_slo_ms = 100, sheddable = true")
+                && !o.pool_toml.contains("kv_blocks"),
             "{}",
             o.pool_toml
         );
-        let o = Policy::Peer(Peer::SglangCacheAware).stack_options("x", &fleet, 100, 4, 2.0);
+        let o = Policy::KvgateSloAdmission.stack_options("x", &fleet, 100, 1, SLO);
+        assert!(
+            o.pool_toml.contains("kv_blocks = 100")
+                && o.pool_toml.contains("max_queue_ms = 2000")
+                && o.pool_toml.contains("ttft_slo_ms = 2000, itl_slo_ms = 100, sheddable = true"),
+            "{}",
+            o.pool_toml
+        );
+        assert_eq!(o.filter_config["admission_wait_ms"], 2000, "it waits as long as its SLO allows");
+        let o = Policy::Peer(Peer::SglangCacheAware).stack_options("x", &fleet, 100, 4, SLO);
         assert_eq!(
             (o.routing, o.scoring_toml.as_str(), o.gateways),
             (Routing::RoundRobin, "", 1),
             "peers run their own"
         );
         let (synced, alone) = (
-            Policy::Kvgate("kv_aware").stack_options("x", &fleet, 100, 4, 2.0),
-            Policy::KvgateNoSync.stack_options("x", &fleet, 100, 4, 2.0),
+            Policy::Kvgate("kv_aware").stack_options("x", &fleet, 100, 4, SLO),
+            Policy::KvgateNoSync.stack_options("x", &fleet, 100, 4, SLO),
         );
         assert_eq!((synced.gateways, synced.sync, alone.gateways, alone.sync), (4, true, 4, false));
     }
