@@ -498,15 +498,15 @@ impl LoadTable {
         self.release(booking.id);
         let default_rate = self.default_prefill_rate;
         let r = &mut self.replicas[replica.get()];
-        let (ttft, itl) = match booking.timed {
-            true => {
-                let inputs = r.ttft_inputs(booking.prefill_tokens, now, default_rate);
-                let decode = r.itl_inputs(booking.sequences.max(1), now, default_rate);
-                let ttft = (inputs, r.latency.ttft.predict(inputs, now));
-                (Some(ttft), Some((decode, r.latency.itl.predict(decode, now))))
-            }
-            false => (None, None),
-        };
+        let ttft = booking.timed.then(|| {
+            let inputs = r.ttft_inputs(booking.prefill_tokens, now, default_rate);
+            (inputs, r.latency.ttft.predict(inputs, now))
+        });
+        // Several sequences' tokens interleave in one stream: its mean gap is not an ITL.
+        let itl = (booking.timed && booking.sequences <= 1).then(|| {
+            let inputs = r.itl_inputs(1, now, default_rate);
+            (inputs, r.latency.itl.predict(inputs, now))
+        });
         r.add_backlog(booking.prefill_tokens, now, default_rate);
         r.prefill_tokens += booking.prefill_tokens;
         r.prefilling += booking.sequences.max(1);

@@ -327,6 +327,43 @@ fn each_streamed_request_teaches_its_replica_the_ttft_it_faced_and_is_checked_ag
     assert_eq!(t.ttft(r0).samples(), 0);
 }
 
+/// A timed request is also given what will share its decode's steps — every sequence on its
+/// replica, its own included — and teaches the replica's ITL model what it measured; one of
+/// several sequences (their tokens interleave in one stream) is not timed.
+#[test]
+fn each_streamed_request_of_one_sequence_teaches_its_replica_its_itl() {
+    let mut t = LoadTable::new(1, 1_000.0);
+    let now = Instant::now();
+    let r0 = ReplicaIdx::new(0);
+    let timed = |key: &str| NewBooking { timed: true, ..booking(key, 100, &[], 1) };
+    // 2 ms a step, and 0.25 ms more per sequence in the batch.
+    let itl = |sequences: u64| Duration::from_micros(2_000 + 250 * sequences);
+    let mut held = Vec::new();
+    for i in 0..crate::latency::MIN_SAMPLES as u64 + 4 {
+        let key = format!("s{i}");
+        assert!(t.book(r0, timed(&key), now));
+        let (inputs, _) = t.bookings[&id(&key)].itl.unwrap();
+        assert_eq!(inputs.decoding, held.len() as u64 + 1, "the sequences held, and its own");
+        let predicted = t.predicted_itl(&id(&key));
+        assert_eq!(predicted.is_some(), i >= crate::latency::MIN_SAMPLES as u64);
+        let checked = t.itl_measured(&id(&key), itl(inputs.decoding), now);
+        if let Some(p) = predicted {
+            assert!((p.as_secs_f64() - itl(inputs.decoding).as_secs_f64()).abs() < 1e-5, "{p:?}");
+            assert!(checked.is_some_and(|(r, w)| r == r0 && w.check.close()));
+        }
+        assert!(t.itl_measured(&id(&key), itl(1), now).is_none(), "learned from once");
+        // Every other request stays, so the batch grows.
+        if i % 2 == 0 {
+            held.push(key);
+        } else {
+            assert!(t.finish(&id(&key)));
+        }
+    }
+    assert_eq!(t.itl(r0).samples(), crate::latency::MIN_SAMPLES as u64 + 4);
+    assert!(t.book(r0, NewBooking { sequences: 3, ..timed("n3") }, now));
+    assert!(t.bookings[&id("n3")].ttft.is_some() && t.bookings[&id("n3")].itl.is_none());
+}
+
 /// The prefill booked ahead of a request drains at the speed its replica's model learned: a
 /// request booked halfway through another's prefill faces half of it, one booked after it
 /// none, and none once the other's first token came, however early.
