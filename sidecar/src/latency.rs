@@ -38,6 +38,7 @@
 //! relearned it; one whose latency the inputs do not explain keeps it raised.
 
 use std::collections::VecDeque;
+use std::ops::{Index, IndexMut};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -74,6 +75,9 @@ pub enum Latency {
 }
 
 impl Latency {
+    /// Both, in the order [`PerLatency`] keeps them.
+    pub const ALL: [Latency; 2] = [Latency::Ttft, Latency::Itl];
+
     /// How far a prediction may be off in absolute terms, on top of [`TOLERANCE`]: what says
     /// nothing about the model (a few milliseconds of a TTFT, one of an ITL).
     pub fn slack(self) -> Duration {
@@ -334,18 +338,38 @@ impl Predictor {
     }
 }
 
-/// One replica's latencies: its TTFT and its ITL, each learned and watched on its own.
-#[derive(Debug, Clone)]
-pub struct ReplicaLatency {
-    /// Its time to first token.
-    pub ttft: Predictor,
-    /// Its inter-token latency.
-    pub itl: Predictor,
+/// One value per kind of latency (the TTFT's and the ITL's), reached by indexing with a
+/// [`Latency`]: what is kept twice is written once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PerLatency<T>([T; 2]);
+
+impl<T> PerLatency<T> {
+    /// Each kind's value, made from the kind.
+    pub fn from_fn(mut make: impl FnMut(Latency) -> T) -> PerLatency<T> {
+        PerLatency(Latency::ALL.map(&mut make))
+    }
 }
+
+impl<T> Index<Latency> for PerLatency<T> {
+    type Output = T;
+
+    fn index(&self, latency: Latency) -> &T {
+        &self.0[latency as usize]
+    }
+}
+
+impl<T> IndexMut<Latency> for PerLatency<T> {
+    fn index_mut(&mut self, latency: Latency) -> &mut T {
+        &mut self.0[latency as usize]
+    }
+}
+
+/// One replica's latencies: its TTFT and its ITL, each learned and watched on its own.
+pub type ReplicaLatency = PerLatency<Predictor>;
 
 impl Default for ReplicaLatency {
     fn default() -> Self {
-        ReplicaLatency { ttft: Predictor::new(Latency::Ttft), itl: Predictor::new(Latency::Itl) }
+        PerLatency::from_fn(Predictor::new)
     }
 }
 

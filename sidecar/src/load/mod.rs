@@ -35,7 +35,7 @@ use kvgate_shared::ids::RequestId;
 
 use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
-use crate::latency::{Inputs, Predictor, ReplicaLatency, Watched};
+use crate::latency::{Inputs, Latency, PerLatency, Predictor, ReplicaLatency, Watched};
 use flows::{Flow, Flows};
 
 /// What one engine (a data-parallel rank: vLLM's `engine` label, SGLang's `dp_rank`) reports
@@ -116,10 +116,10 @@ struct Booking {
     flow: Option<Flow>,
     /// Booked by a peer gateway (its id is `origin/request_id`).
     from_peer: bool,
-    /// What its replica faced when it was booked, and the TTFT and ITL predicted from that,
-    /// for a timed request (whose measurements teach the replica's models), until measured.
-    ttft: Option<(Inputs, Option<Duration>)>,
-    itl: Option<(Inputs, Option<Duration>)>,
+    /// Of each latency: what its replica faced when it was booked, and what was predicted
+    /// from that, for a timed request (whose measurements teach the replica's models), until
+    /// measured.
+    timed: PerLatency<Option<(Inputs, Option<Duration>)>>,
 }
 
 #[derive(Debug, Default)]
@@ -167,7 +167,7 @@ impl Replica {
     /// until it has one) — never more than the prefill booked and not yet past its first token.
     fn backlog(&self, now: Instant, default_rate: f64) -> f64 {
         let elapsed = self.backlog_at.map_or(0.0, |at| now.saturating_duration_since(at).as_secs_f64());
-        let secs_per_token = match self.latency.ttft.secs_per_prefill_token(now) {
+        let secs_per_token = match self.latency[Latency::Ttft].secs_per_prefill_token(now) {
             Some(secs) if secs > 0.0 => secs,
             _ => 1.0 / self.prefill_rate(default_rate),
         };
@@ -179,16 +179,17 @@ impl Replica {
         (self.backlog, self.backlog_at) = (self.backlog(now, default_rate) + tokens as f64, Some(now));
     }
 
-    /// What a request with `prefill_tokens` of its own to compute faces here at `now`.
-    fn ttft_inputs(&self, prefill_tokens: u64, now: Instant, default_rate: f64) -> Inputs {
+    /// What a request of `own` faces here at `now`, for `latency`: for its TTFT, the prefill
+    /// ahead with its own and the sequences decoding meanwhile; for its ITL, the prefill
+    /// booked before it and every sequence, its own included.
+    fn inputs(&self, latency: Latency, own: Own, now: Instant, default_rate: f64) -> Inputs {
         let ahead = self.backlog(now, default_rate).round() as u64;
-        Inputs { prefill_ahead: ahead + prefill_tokens, decoding: self.requests - self.prefilling }
-    }
-
-    /// What a request of `sequences` decodes among here at `now`: the prefill booked before
-    /// it and every sequence, its own included.
-    fn itl_inputs(&self, sequences: u64, now: Instant, default_rate: f64) -> Inputs {
-        Inputs { prefill_ahead: self.backlog(now, default_rate).round() as u64, decoding: self.requests + sequences }
+        match latency {
+            Latency::Ttft => {
+                Inputs { prefill_ahead: ahead + own.prefill_tokens, decoding: self.requests - self.prefilling }
+            }
+            Latency::Itl => Inputs { prefill_ahead: ahead, decoding: self.requests + own.sequences.max(1) },
+        }
     }
 }
 
@@ -331,6 +332,15 @@ pub struct NewBooking<'a> {
     /// streamed request that computes its prompt there (not one whose KV a prefill worker
     /// sends). They are then predicted, checked and learned from.
     pub timed: bool,
+}
+
+/// What a request brings to a replica, as its latencies are predicted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Own {
+    /// Prefill tokens left after the replica's cache overlap (its TTFT's).
+    pub prefill_tokens: u64,
+    /// Sequences it decodes (its ITL's; none counts as one).
+    pub sequences: u64,
 }
 
 /// A booking as a starting peer takes it over (`crate::pool::handover`).
@@ -498,14 +508,14 @@ impl LoadTable {
         self.release(booking.id);
         let default_rate = self.default_prefill_rate;
         let r = &mut self.replicas[replica.get()];
-        let ttft = booking.timed.then(|| {
-            let inputs = r.ttft_inputs(booking.prefill_tokens, now, default_rate);
-            (inputs, r.latency.ttft.predict(inputs, now))
-        });
-        // Several sequences' tokens interleave in one stream: its mean gap is not an ITL.
-        let itl = (booking.timed && booking.sequences <= 1).then(|| {
-            let inputs = r.itl_inputs(1, now, default_rate);
-            (inputs, r.latency.itl.predict(inputs, now))
+        let own = Own { prefill_tokens: booking.prefill_tokens, sequences: booking.sequences };
+        let timed = PerLatency::from_fn(|latency| {
+            // Several sequences' tokens interleave in one stream: its mean gap is not an ITL.
+            let timed = booking.timed && (latency == Latency::Ttft || booking.sequences <= 1);
+            timed.then(|| {
+                let inputs = r.inputs(latency, own, now, default_rate);
+                (inputs, r.latency[latency].predict(inputs, now))
+            })
         });
         r.add_backlog(booking.prefill_tokens, now, default_rate);
         r.prefill_tokens += booking.prefill_tokens;
@@ -542,8 +552,7 @@ impl LoadTable {
                 prefill_ends_at,
                 flow: booking.flow,
                 from_peer: booking.from_peer,
-                ttft,
-                itl,
+                timed,
             },
         );
         if let Some(flow) = booking.flow {
@@ -569,57 +578,38 @@ impl LoadTable {
         self.bookings.get_mut(id).and_then(|b| Some((b.replica, b.prediction.take()?)))
     }
 
-    /// The TTFT a request with `prefill_tokens` to compute (after its cache overlap) would
-    /// have if booked on `replica` at `now`, if the replica's model predicts.
-    pub fn predict_ttft(&self, replica: ReplicaIdx, prefill_tokens: u64, now: Instant) -> Option<Duration> {
+    /// The `latency` a request of `own` would have if booked on `replica` at `now`, if the
+    /// replica's model predicts.
+    pub fn predict(&self, latency: Latency, replica: ReplicaIdx, own: Own, now: Instant) -> Option<Duration> {
         let r = &self.replicas[replica.get()];
-        r.latency.ttft.predict(r.ttft_inputs(prefill_tokens, now, self.default_prefill_rate), now)
+        r.latency[latency].predict(r.inputs(latency, own, now, self.default_prefill_rate), now)
     }
 
-    /// The ITL predicted on `replica` at `now` for a request of `sequences`, if its model
-    /// predicts.
-    pub fn predict_itl(&self, replica: ReplicaIdx, sequences: u64, now: Instant) -> Option<Duration> {
-        let r = &self.replicas[replica.get()];
-        r.latency.itl.predict(r.itl_inputs(sequences.max(1), now, self.default_prefill_rate), now)
-    }
-
-    /// The TTFT predicted for a request when it was booked, if its replica's model had
+    /// The `latency` predicted for a request when it was booked, if its replica's model had
     /// learned enough.
-    pub fn predicted_ttft(&self, id: &BookingId) -> Option<Duration> {
-        self.bookings.get(id)?.ttft?.1
+    pub fn predicted(&self, id: &BookingId, latency: Latency) -> Option<Duration> {
+        self.bookings.get(id)?.timed[latency]?.1
     }
 
-    /// The ITL predicted for a request when it was booked, likewise.
-    pub fn predicted_itl(&self, id: &BookingId) -> Option<Duration> {
-        self.bookings.get(id)?.itl?.1
-    }
-
-    /// The filter measured the request's TTFT, reported at `now`: its replica's model learns
-    /// from it (once). Returns its replica and the check of the prediction made for it, with
-    /// the replica's alarm, if there was one.
-    pub fn ttft_measured(&mut self, id: &BookingId, measured: Duration, now: Instant) -> Option<(ReplicaIdx, Watched)> {
+    /// The filter measured the request's `latency`, reported at `now`: its replica's model
+    /// learns from it (once). Returns its replica and the check of the prediction made for
+    /// it, with the replica's alarm, if there was one.
+    pub fn measured(
+        &mut self,
+        id: &BookingId,
+        latency: Latency,
+        measured: Duration,
+        now: Instant,
+    ) -> Option<(ReplicaIdx, Watched)> {
         let b = self.bookings.get_mut(id)?;
-        let (inputs, predicted) = b.ttft.take()?;
-        let watched = self.replicas[b.replica.get()].latency.ttft.measured(inputs, predicted, measured, now)?;
+        let (inputs, predicted) = b.timed[latency].take()?;
+        let watched = self.replicas[b.replica.get()].latency[latency].measured(inputs, predicted, measured, now)?;
         Some((b.replica, watched))
     }
 
-    /// The filter measured the request's ITL, reported at `now`: as [`LoadTable::ttft_measured`].
-    pub fn itl_measured(&mut self, id: &BookingId, measured: Duration, now: Instant) -> Option<(ReplicaIdx, Watched)> {
-        let b = self.bookings.get_mut(id)?;
-        let (inputs, predicted) = b.itl.take()?;
-        let watched = self.replicas[b.replica.get()].latency.itl.measured(inputs, predicted, measured, now)?;
-        Some((b.replica, watched))
-    }
-
-    /// A replica's TTFT model and the watch over its predictions.
-    pub fn ttft(&self, replica: ReplicaIdx) -> &Predictor {
-        &self.replicas[replica.get()].latency.ttft
-    }
-
-    /// A replica's ITL model and the watch over its predictions.
-    pub fn itl(&self, replica: ReplicaIdx) -> &Predictor {
-        &self.replicas[replica.get()].latency.itl
+    /// A replica's model of `latency` and the watch over its predictions.
+    pub fn predictor(&self, replica: ReplicaIdx, latency: Latency) -> &Predictor {
+        &self.replicas[replica.get()].latency[latency]
     }
 
     /// Its bookkeeping: bookings held, and ends remembered that came before their booking.
@@ -681,7 +671,7 @@ impl LoadTable {
         self.detach(&b);
         b.replica = to;
         // What was predicted and measured is about the replica it was booked on.
-        (b.ttft, b.itl) = (None, None);
+        b.timed = PerLatency::default();
         let dropped = b.prediction.take().is_some();
         let default_rate = self.default_prefill_rate;
         let r = &mut self.replicas[to.get()];

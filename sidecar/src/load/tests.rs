@@ -294,37 +294,37 @@ fn each_streamed_request_teaches_its_replica_the_ttft_it_faced_and_is_checked_ag
         assert!(t.book(r0, NewBooking { timed: false, ..booking("ahead", ahead, &[], 1) }, now));
         let key = format!("s{i}");
         assert!(t.book(r0, timed(&key, own), now));
-        let predicted = t.predicted_ttft(&id(&key));
+        let predicted = t.predicted(&id(&key), Latency::Ttft);
         assert_eq!(predicted.is_some(), learned >= crate::latency::MIN_SAMPLES as u64, "predicts once it has learned");
         let measured = measured_ttft(ahead + own, 2);
-        let checked = t.ttft_measured(&id(&key), measured, now);
+        let checked = t.measured(&id(&key), Latency::Ttft, measured, now);
         assert_eq!(checked.map(|(r, w)| (r, w.check.predicted_secs)), predicted.map(|p| (r0, p.as_secs_f64())));
         assert!(checked.is_none_or(|(_, w)| w.check.close() && !w.alarm));
         if let Some(p) = predicted {
             let error = (p.as_secs_f64() - measured.as_secs_f64()).abs();
             assert!(error < 1e-4, "{p:?} vs {measured:?}");
         }
-        assert!(t.ttft_measured(&id(&key), measured, now).is_none(), "learned from once");
+        assert!(t.measured(&id(&key), Latency::Ttft, measured, now).is_none(), "learned from once");
         learned += 1;
-        assert_eq!(t.ttft(r0).samples(), learned);
+        assert_eq!(t.predictor(r0, Latency::Ttft).samples(), learned);
         for key in ["ahead", key.as_str()] {
             assert!(t.finish(&id(key)));
         }
     }
-    assert_eq!(t.ttft(ReplicaIdx::new(1)).samples(), 0, "per replica");
+    assert_eq!(t.predictor(ReplicaIdx::new(1), Latency::Ttft).samples(), 0, "per replica");
     // A request that did not time its replica (a peer's, a non-streamed one) teaches nothing,
     // nor does one that ran elsewhere.
     assert!(t.book(r0, booking("quiet", 500, &[], 1), now));
-    assert_eq!(t.predicted_ttft(&id("quiet")), None);
-    assert!(t.ttft_measured(&id("quiet"), measured_ttft(500, 2), now).is_none());
+    assert_eq!(t.predicted(&id("quiet"), Latency::Ttft), None);
+    assert!(t.measured(&id("quiet"), Latency::Ttft, measured_ttft(500, 2), now).is_none());
     assert!(t.book(r0, timed("moved", 500), now));
-    assert!(t.predicted_ttft(&id("moved")).is_some());
+    assert!(t.predicted(&id("moved"), Latency::Ttft).is_some());
     assert!(t.move_booking(&id("moved"), ReplicaIdx::new(1), Instant::now()).is_some());
-    assert!(t.ttft_measured(&id("moved"), measured_ttft(500, 2), now).is_none());
-    assert_eq!(t.ttft(r0).samples(), learned);
+    assert!(t.measured(&id("moved"), Latency::Ttft, measured_ttft(500, 2), now).is_none());
+    assert_eq!(t.predictor(r0, Latency::Ttft).samples(), learned);
     // A replica that leaves takes its model along: a newcomer in its slot is learned afresh.
     t.clear_replica(r0);
-    assert_eq!(t.ttft(r0).samples(), 0);
+    assert_eq!(t.predictor(r0, Latency::Ttft).samples(), 0);
 }
 
 /// A timed request is also given what will share its decode's steps — every sequence on its
@@ -342,16 +342,16 @@ fn each_streamed_request_of_one_sequence_teaches_its_replica_its_itl() {
     for i in 0..crate::latency::MIN_SAMPLES as u64 + 4 {
         let key = format!("s{i}");
         assert!(t.book(r0, timed(&key), now));
-        let (inputs, _) = t.bookings[&id(&key)].itl.unwrap();
+        let (inputs, _) = t.bookings[&id(&key)].timed[Latency::Itl].unwrap();
         assert_eq!(inputs.decoding, held.len() as u64 + 1, "the sequences held, and its own");
-        let predicted = t.predicted_itl(&id(&key));
+        let predicted = t.predicted(&id(&key), Latency::Itl);
         assert_eq!(predicted.is_some(), i >= crate::latency::MIN_SAMPLES as u64);
-        let checked = t.itl_measured(&id(&key), itl(inputs.decoding), now);
+        let checked = t.measured(&id(&key), Latency::Itl, itl(inputs.decoding), now);
         if let Some(p) = predicted {
             assert!((p.as_secs_f64() - itl(inputs.decoding).as_secs_f64()).abs() < 1e-5, "{p:?}");
             assert!(checked.is_some_and(|(r, w)| r == r0 && w.check.close()));
         }
-        assert!(t.itl_measured(&id(&key), itl(1), now).is_none(), "learned from once");
+        assert!(t.measured(&id(&key), Latency::Itl, itl(1), now).is_none(), "learned from once");
         // Every other request stays, so the batch grows.
         if i % 2 == 0 {
             held.push(key);
@@ -359,9 +359,11 @@ fn each_streamed_request_of_one_sequence_teaches_its_replica_its_itl() {
             assert!(t.finish(&id(&key)));
         }
     }
-    assert_eq!(t.itl(r0).samples(), crate::latency::MIN_SAMPLES as u64 + 4);
+    assert_eq!(t.predictor(r0, Latency::Itl).samples(), crate::latency::MIN_SAMPLES as u64 + 4);
     assert!(t.book(r0, NewBooking { sequences: 3, ..timed("n3") }, now));
-    assert!(t.bookings[&id("n3")].ttft.is_some() && t.bookings[&id("n3")].itl.is_none());
+    assert!(
+        t.bookings[&id("n3")].timed[Latency::Ttft].is_some() && t.bookings[&id("n3")].timed[Latency::Itl].is_none()
+    );
 }
 
 /// The prefill booked ahead of a request drains at the speed its replica's model learned: a
@@ -372,14 +374,14 @@ fn the_prefill_ahead_drains_at_the_speed_learned() {
     let mut t = LoadTable::new(1, 1_000.0);
     let (r0, t0) = (ReplicaIdx::new(0), Instant::now());
     let timed = |key: &str, prefill| NewBooking { timed: true, ..booking(key, prefill, &[], 1) };
-    let ahead = |t: &LoadTable, key: &str| t.bookings[&id(key)].ttft.unwrap().0.prefill_ahead;
+    let ahead = |t: &LoadTable, key: &str| t.bookings[&id(key)].timed[Latency::Ttft].unwrap().0.prefill_ahead;
     // Taught on requests with nothing ahead: 4 ms plus 10 µs a prefill token.
     for i in 0..crate::latency::MIN_SAMPLES as u64 {
         let key = format!("learn{i}");
         let own = 100 * (1 + i % 5);
         assert!(t.book(r0, timed(&key, own), t0));
         assert_eq!(ahead(&t, &key), own, "nothing ahead");
-        t.ttft_measured(&id(&key), measured_ttft(own, 0), t0);
+        t.measured(&id(&key), Latency::Ttft, measured_ttft(own, 0), t0);
         assert!(t.finish(&id(&key)));
     }
     // 1 000 tokens take 10 ms: booked 5 ms in, a request faces 500 of them; 20 ms in, none.

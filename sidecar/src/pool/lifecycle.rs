@@ -234,10 +234,8 @@ impl Pool {
     /// `/debug/state`, the replica's TTFT alarm), and its prefill is over
     /// ([`Pool::lifecycle`]). Returns false if the request is not booked in this pool.
     pub fn first_token(&self, request_id: &RequestId, ttft: Option<Duration>) -> bool {
-        let id = BookingId::new(request_id);
-        let measured = ttft.and_then(|ttft| self.load_table().ttft_measured(&id, ttft, Instant::now()));
-        if let Some((slot, watched)) = measured {
-            self.latency_checked(request_id, slot, Latency::Ttft, watched);
+        if let Some(ttft) = ttft {
+            self.latency_measured(request_id, Latency::Ttft, ttft);
         }
         self.lifecycle(request_id, true)
     }
@@ -246,13 +244,20 @@ impl Pool {
     /// ITL model learns from it and the prediction made for it is checked, as for its TTFT.
     /// Returns false if the request is not booked in this pool.
     pub fn decoded(&self, request_id: &RequestId, itl: Duration) -> bool {
+        self.latency_measured(request_id, Latency::Itl, itl)
+    }
+
+    /// The filter measured the request's `latency`: its replica's model learns from it and,
+    /// if a prediction was made for it, the prediction is checked. Whether the request is
+    /// booked in this pool.
+    fn latency_measured(&self, request_id: &RequestId, latency: Latency, measured: Duration) -> bool {
         let id = BookingId::new(request_id);
         let mut load = self.load_table();
         let known = load.replica_of(&id).is_some();
-        let measured = load.itl_measured(&id, itl, Instant::now());
+        let checked = load.measured(&id, latency, measured, Instant::now());
         drop(load);
-        if let Some((slot, watched)) = measured {
-            self.latency_checked(request_id, slot, Latency::Itl, watched);
+        if let Some((slot, watched)) = checked {
+            self.latency_checked(request_id, slot, latency, watched);
         }
         known
     }

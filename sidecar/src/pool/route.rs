@@ -18,8 +18,9 @@ use super::{Policy, TransferProtocol};
 use crate::accuracy::{Prediction, Unchecked};
 use crate::index::approx::ApproxIndex;
 use crate::index::{Overlap, ReplicaIdx};
+use crate::latency::Latency;
 use crate::load::flows::Flow;
-use crate::load::{BookingId, LoadTable, NewBooking};
+use crate::load::{BookingId, LoadTable, NewBooking, Own};
 use crate::metrics::OutcomeLabels;
 use crate::msg::sync::{SessionKey, SyncEvent};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
@@ -246,7 +247,7 @@ impl Pool {
             _ => None,
         };
         let figures: Vec<_> = std::iter::once(&booked).chain(&leg).map(|b| (b.slot, load.load(b.slot))).collect();
-        let (predicted_ttft, predicted_itl) = (load.predicted_ttft(&id), load.predicted_itl(&id));
+        let (predicted_ttft, predicted_itl) = (load.predicted(&id, Latency::Ttft), load.predicted(&id, Latency::Itl));
         drop(load);
         // The session is bound where it went, afresh.
         let session_outcome = session.zip(weighed).filter(|_| booked.booked).map(|(key, w)| {
@@ -621,9 +622,10 @@ fn predict_all(
 ) -> bool {
     let now = Instant::now();
     for (e, s) in eligible.iter().zip(scored.iter_mut()) {
-        let own = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
-        s.predicted_ttft = load.predict_ttft(e.slot, own, now).map(|d| d.as_secs_f32());
-        s.predicted_itl = load.predict_itl(e.slot, shape.sequences, now).map(|d| d.as_secs_f32());
+        let prefill_tokens = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
+        let own = Own { prefill_tokens, sequences: shape.sequences };
+        let predict = |latency| load.predict(latency, e.slot, own, now).map(|d| d.as_secs_f32());
+        (s.predicted_ttft, s.predicted_itl) = (predict(Latency::Ttft), predict(Latency::Itl));
     }
     scored.iter().all(|s| s.predicted_ttft.is_some())
 }

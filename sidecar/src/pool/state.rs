@@ -9,7 +9,7 @@ use super::Pool;
 use crate::accuracy::AccuracyTotals;
 use crate::admission::Gate;
 use crate::index::{ReplicaIdx, Tier};
-use crate::latency::Predictor;
+use crate::latency::{Latency, Predictor};
 
 /// One replica in `/debug/state`.
 #[derive(Debug, Serialize)]
@@ -151,8 +151,8 @@ impl Pool {
                         CACHE_REPORT_NO => Some(false),
                         _ => None,
                     },
-                    ttft: LatencyState::of(load.ttft(i)),
-                    itl: LatencyState::of(load.itl(i)),
+                    ttft: LatencyState::of(load.predictor(i, Latency::Ttft)),
+                    itl: LatencyState::of(load.predictor(i, Latency::Itl)),
                 }
             })
             .collect();
