@@ -4,12 +4,14 @@
 //! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation,cache-pressure,agentic]
 //!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
 //!                       [--speedup 10] [--mix none|priorities|tenants|outside] [--gateways 1,2,4]
-//!                       [--users 48] [--user-spacing 0.25] [--pin] [--nice-engines 10]
+//!                       [--users 48] [--user-spacing 0.25] [--trace-speed 4] [--pin] [--nice-engines 10]
 //!                       [--out DIR [--resume]]
 //! ```
 //!
 //! `--users` and `--user-spacing` set multi-turn's load (it is a closed loop, so `--qps` does
 //! not drive it): how many users, and the simulated seconds between their first questions.
+//! `--trace-speed F` sets the Mooncake trace's load: its arrival times divided by F (2 at quick
+//! scale, 1 at full scale).
 //! `--pin` puts the routers on one core and the engines on the other; `--nice-engines N`
 //! instead runs the engines' threads at nice N, so a router never waits for a CPU an engine
 //! holds and the engines still get every cycle the routers leave.
@@ -50,6 +52,7 @@ struct Args {
     mix: Mix,
     users: Option<usize>,
     user_spacing_s: Option<f64>,
+    trace_speed: Option<f64>,
     pin: bool,
     nice_engines: Option<i32>,
     out: Option<PathBuf>,
@@ -81,6 +84,7 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
         mix: Mix::None,
         users: None,
         user_spacing_s: None,
+        trace_speed: None,
         pin: false,
         nice_engines: None,
         out: None,
@@ -115,6 +119,13 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
                     bail!("--user-spacing: a number of seconds ≥ 0");
                 }
                 a.user_spacing_s = Some(s);
+            }
+            "--trace-speed" => {
+                let f: f64 = it.next().context("--trace-speed needs a value")?.parse()?;
+                if !(f.is_finite() && f > 0.0) {
+                    bail!("--trace-speed: a positive factor");
+                }
+                a.trace_speed = Some(f);
             }
             "--pin" => a.pin = true,
             "--nice-engines" => {
@@ -357,9 +368,13 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
         all.retain(|w| names.iter().any(|n| n == w.name()));
     }
     for w in &mut all {
-        if let Workload::MultiTurn(m) = w {
-            m.users = args.users.unwrap_or(m.users);
-            m.user_spacing_s = args.user_spacing_s.unwrap_or(m.user_spacing_s);
+        match w {
+            Workload::MultiTurn(m) => {
+                m.users = args.users.unwrap_or(m.users);
+                m.user_spacing_s = args.user_spacing_s.unwrap_or(m.user_spacing_s);
+            }
+            Workload::MooncakeConversation(m) => m.time_compression = args.trace_speed.unwrap_or(m.time_compression),
+            _ => {}
         }
     }
     let policies = match &args.policies {
