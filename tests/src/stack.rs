@@ -25,6 +25,15 @@ pub enum Routing {
     LeastRequest,
 }
 
+/// A kept decision's booking key, and the TTFT and ITL it predicted on the replica it chose
+/// (wall-clock seconds; `None` while that replica's model did not predict).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Predicted {
+    pub booking: String,
+    pub ttft: Option<f64>,
+    pub itl: Option<f64>,
+}
+
 /// What to start.
 #[derive(Debug, Clone)]
 pub struct StackOptions {
@@ -643,6 +652,23 @@ impl Stack {
                 let checked = &d[field.as_str()];
                 let (predicted, measured) = (checked["predicted_secs"].as_f64()?, checked["measured_secs"].as_f64()?);
                 Some((predicted - measured).abs() / measured)
+            })
+            .collect())
+    }
+
+    /// Gateway `i`'s last `last` decisions, each with what it predicted.
+    pub fn predictions_of(&self, i: usize, last: usize) -> anyhow::Result<Vec<Predicted>> {
+        let url = self.sidecar_url_of(i, &format!("/debug/explain?last={last}"));
+        let explained: Value = client::client().get(url).send()?.json()?;
+        let decisions = explained["decisions"].as_array().map(Vec::as_slice).unwrap_or_default();
+        Ok(decisions
+            .iter()
+            .filter_map(|d| {
+                Some(Predicted {
+                    booking: d["request_id"].as_str()?.to_owned(),
+                    ttft: d["predicted_ttft_secs"].as_f64(),
+                    itl: d["predicted_itl_secs"].as_f64(),
+                })
             })
             .collect())
     }

@@ -1138,6 +1138,7 @@ fn bench_harness_runs_policies_side_by_side() {
         peers_venv: kvgate_e2e::repo_root().join("target/peers-venv"),
         pin: false,
         engines_nice: None,
+        replay: true,
     };
     let results = bench::run(&config, &Artifacts::locate("debug")).expect("the benchmark runs");
     assert_eq!(results.len(), 3);

@@ -4,14 +4,16 @@
 //! cargo xtask bench e2e [--quick] [--workload shared-prefix,multi-turn,mooncake-conversation,cache-pressure,agentic]
 //!                       [--qps 2,4,8] [--repeats 3] [--policies envoy-round-robin,kvgate-kv-aware]
 //!                       [--speedup 10] [--mix none|priorities|tenants|outside] [--gateways 1,2,4]
-//!                       [--users 48] [--user-spacing 0.25] [--trace-speed 4] [--pin] [--nice-engines 10]
+//!                       [--users 48] [--user-spacing 0.25] [--trace-speed 4] [--no-replay]
+//!                       [--pin] [--nice-engines 10]
 //!                       [--out DIR [--resume]]
 //! ```
 //!
 //! `--users` and `--user-spacing` set multi-turn's load (it is a closed loop, so `--qps` does
 //! not drive it): how many users, and the simulated seconds between their first questions.
 //! `--trace-speed F` sets the Mooncake trace's load: its arrival times divided by F (2 at quick
-//! scale, 1 at full scale).
+//! scale, 1 at full scale). `--no-replay` skips the offline replay behind the bounds table
+//! (an overloaded cell's runs out its three minutes and gives none).
 //! `--pin` puts the routers on one core and the engines on the other; `--nice-engines N`
 //! instead runs the engines' threads at nice N, so a router never waits for a CPU an engine
 //! holds and the engines still get every cycle the routers leave.
@@ -53,6 +55,7 @@ struct Args {
     users: Option<usize>,
     user_spacing_s: Option<f64>,
     trace_speed: Option<f64>,
+    no_replay: bool,
     pin: bool,
     nice_engines: Option<i32>,
     out: Option<PathBuf>,
@@ -85,6 +88,7 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
         users: None,
         user_spacing_s: None,
         trace_speed: None,
+        no_replay: false,
         pin: false,
         nice_engines: None,
         out: None,
@@ -127,6 +131,7 @@ fn parse(args: &[String]) -> anyhow::Result<Args> {
                 }
                 a.trace_speed = Some(f);
             }
+            "--no-replay" => a.no_replay = true,
             "--pin" => a.pin = true,
             "--nice-engines" => {
                 let nice: i32 = it.next().context("--nice-engines needs a value")?.parse()?;
@@ -400,6 +405,7 @@ pub fn e2e(raw: &[String]) -> anyhow::Result<()> {
         peers_venv: kvgate_e2e::bench::peers::venv_dir(&repo_root().join("target")),
         pin: args.pin,
         engines_nice: args.nice_engines,
+        replay: !args.no_replay,
     };
     let dir = args.out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));
     // Before building anything: a directory of another configuration is refused at once.

@@ -48,6 +48,7 @@ pub fn run() -> anyhow::Result<()> {
         peers_venv: bench::peers::venv_dir(&repo_root().join("target")),
         pin: false,
         engines_nice: None,
+        replay: true,
     };
     println!(
         "\n== {} simulated engines; Envoy alone vs Envoy + kvgate, each on a fresh fleet ==",

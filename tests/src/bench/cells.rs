@@ -279,6 +279,7 @@ mod tests {
             peers_venv: "v".into(),
             pin: false,
             engines_nice: None,
+            replay: true,
         }
     }
 

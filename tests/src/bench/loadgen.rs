@@ -129,6 +129,16 @@ pub struct Outcome {
     pub error: Option<String>,
     /// The class and tenant it was sent as.
     pub tags: Tags,
+    /// The key kvgate booked it under (`x-kvgate-booking-id`): what joins it to its decision.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub booking: String,
+    /// The TTFT and mean ITL kvgate predicted for it on the replica it chose, in simulated
+    /// seconds (kvgate's prediction times the speedup): `None` when kvgate did not route it
+    /// or its replica's model did not predict yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_ttft: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_itl: Option<f64>,
     /// The generated text (for conversation history; not written out).
     #[serde(skip)]
     pub text: String,
@@ -166,6 +176,9 @@ impl Outcome {
             cached_tokens: 0,
             error: None,
             tags: Tags::default(),
+            booking: String::new(),
+            predicted_ttft: None,
+            predicted_itl: None,
             text: String::new(),
             body: None,
         }
@@ -274,6 +287,9 @@ impl Target {
             cached_tokens: 0,
             error: None,
             tags,
+            booking: String::new(),
+            predicted_ttft: None,
+            predicted_itl: None,
             text: String::new(),
             body: None,
         };
@@ -318,6 +334,7 @@ impl Target {
         o.routed_to = header("x-kvgate-routed-to");
         o.decision_us = header("x-kvgate-decision-us").parse().ok();
         o.tokenize_us = header("x-kvgate-tokenize-us").parse().ok();
+        o.booking = header("x-kvgate-booking-id");
         if o.status != 200 {
             o.e2e = scale(sent.elapsed().as_secs_f64());
             return Ok(());

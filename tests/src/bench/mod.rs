@@ -423,6 +423,9 @@ pub struct BenchConfig {
     /// they need it and the engines every other cycle, as if the engines had hardware of
     /// their own, without halving their share as [`BenchConfig::pin`] does on two cores.
     pub engines_nice: Option<i32>,
+    /// Replay each cell's requests offline for the bounds table. Off, the report has none;
+    /// an overloaded cell's replay runs out its budget and gives none anyway.
+    pub replay: bool,
 }
 
 impl BenchConfig {
@@ -614,11 +617,14 @@ fn run_cell(
         summary.ttft_error_p50 = stats::percentile(&errors, 50.0);
         summary.ttft_error_p90 = stats::percentile(&errors, 90.0);
         summary.ttft_checks = errors.len();
+        if let Err(e) = attach_predictions(&stack, config.fleet.speedup, &mut outcomes) {
+            eprintln!("bench:   the decisions' predictions could not be read: {e:#}");
+        }
     }
     let served = ceiling::served(&artifacts.model_dir, config.fleet.block_size, &outcomes)?;
     summary.hit_ceiling = ceiling::infinite_cache_hit_ratio(&served);
     // Only a fleet of whole engines replays: a disaggregated one's requests ran on two.
-    if stack.sims.iter().all(|s| s.role.is_none()) {
+    if config.replay && stack.sims.iter().all(|s| s.role.is_none()) {
         let replicas: Vec<String> = stack.sims.iter().map(|s| s.id.clone()).collect();
         summary.replayed = oracle::replay(&artifacts.sim, &config.fleet, gpu_blocks, &replicas, &served)?;
     }
@@ -685,6 +691,23 @@ fn ttft_errors(stack: &Stack) -> anyhow::Result<Vec<f64>> {
         errors.extend(stack.latency_errors_of(gateway, "ttft", 1 << 20)?);
     }
     Ok(errors)
+}
+
+/// Writes into each outcome the TTFT and ITL kvgate predicted for it, in simulated seconds,
+/// from every gateway's kept decisions (joined on the booking key).
+fn attach_predictions(stack: &Stack, speedup: f64, outcomes: &mut [Outcome]) -> anyhow::Result<()> {
+    let mut predicted = std::collections::HashMap::new();
+    for gateway in 0..stack.gateways("").len() {
+        for p in stack.predictions_of(gateway, 1 << 20)? {
+            predicted.insert(p.booking, (p.ttft.map(|s| s * speedup), p.itl.map(|s| s * speedup)));
+        }
+    }
+    for o in outcomes {
+        if let Some(&(ttft, itl)) = predicted.get(&o.booking) {
+            (o.predicted_ttft, o.predicted_itl) = (ttft, itl);
+        }
+    }
+    Ok(())
 }
 
 /// Each engine's cumulative counters, from its `/metrics` (summed over its ranks).

@@ -597,6 +597,7 @@ mod tests {
             peers_venv: "v".into(),
             pin: false,
             engines_nice: None,
+            replay: true,
         };
         let facts = Facts { command: "c".into(), commit: "x".into(), machine: "m".into(), started: "s".into() };
         let mut results = vec![run(BASELINE, 0, 4.0), run("kvgate-kv-aware", 0, 1.0)];
