@@ -34,6 +34,34 @@ pub struct Predicted {
     pub itl: Option<f64>,
 }
 
+/// Each checked `latency` (`"ttft"` or `"itl"`) prediction's relative error,
+/// |predicted − measured| / measured, among kept decisions ([`Stack::decisions_of`]).
+pub fn latency_errors_in(decisions: &[Value], latency: &str) -> Vec<f64> {
+    let field = format!("{latency}_checked");
+    decisions
+        .iter()
+        .filter_map(|d| {
+            let checked = &d[field.as_str()];
+            let (predicted, measured) = (checked["predicted_secs"].as_f64()?, checked["measured_secs"].as_f64()?);
+            Some((predicted - measured).abs() / measured)
+        })
+        .collect()
+}
+
+/// What each of the kept decisions ([`Stack::decisions_of`]) predicted.
+pub fn predictions_in(decisions: &[Value]) -> Vec<Predicted> {
+    decisions
+        .iter()
+        .filter_map(|d| {
+            Some(Predicted {
+                booking: d["request_id"].as_str()?.to_owned(),
+                ttft: d["predicted_ttft_secs"].as_f64(),
+                itl: d["predicted_itl_secs"].as_f64(),
+            })
+        })
+        .collect()
+}
+
 /// What to start.
 #[derive(Debug, Clone)]
 pub struct StackOptions {
@@ -642,35 +670,20 @@ impl Stack {
     /// # Panics
     /// If there is no gateway `i`.
     pub fn latency_errors_of(&self, i: usize, latency: &str, last: usize) -> anyhow::Result<Vec<f64>> {
-        let url = self.sidecar_url_of(i, &format!("/debug/explain?last={last}"));
-        let explained: Value = client::client().get(url).send()?.json()?;
-        let decisions = explained["decisions"].as_array().map(Vec::as_slice).unwrap_or_default();
-        let field = format!("{latency}_checked");
-        Ok(decisions
-            .iter()
-            .filter_map(|d| {
-                let checked = &d[field.as_str()];
-                let (predicted, measured) = (checked["predicted_secs"].as_f64()?, checked["measured_secs"].as_f64()?);
-                Some((predicted - measured).abs() / measured)
-            })
-            .collect())
+        Ok(latency_errors_in(&self.decisions_of(i, last)?, latency))
     }
 
-    /// Gateway `i`'s last `last` decisions, each with what it predicted.
-    pub fn predictions_of(&self, i: usize, last: usize) -> anyhow::Result<Vec<Predicted>> {
+    /// Gateway `i`'s last `last` kept decisions, as its `/debug/explain` gives them.
+    ///
+    /// # Panics
+    /// If there is no gateway `i`.
+    pub fn decisions_of(&self, i: usize, last: usize) -> anyhow::Result<Vec<Value>> {
         let url = self.sidecar_url_of(i, &format!("/debug/explain?last={last}"));
-        let explained: Value = client::client().get(url).send()?.json()?;
-        let decisions = explained["decisions"].as_array().map(Vec::as_slice).unwrap_or_default();
-        Ok(decisions
-            .iter()
-            .filter_map(|d| {
-                Some(Predicted {
-                    booking: d["request_id"].as_str()?.to_owned(),
-                    ttft: d["predicted_ttft_secs"].as_f64(),
-                    itl: d["predicted_itl_secs"].as_f64(),
-                })
-            })
-            .collect())
+        let mut explained: Value = client::client().get(url).send()?.json()?;
+        Ok(match explained["decisions"].take() {
+            Value::Array(decisions) => decisions,
+            _ => Vec::new(),
+        })
     }
 
     /// `http://127.0.0.1:<gateway i's sidecar>{path}` (0: the first's).
@@ -1023,7 +1036,8 @@ fn envoy_command(
 
 #[cfg(test)]
 mod tests {
-    use super::{filter_stat_values, sum_filter_stat};
+    use super::{filter_stat_values, latency_errors_in, predictions_in, sum_filter_stat, Predicted};
+    use serde_json::json;
 
     #[test]
     fn filter_stats_are_summed_over_the_tags_not_asked_for() {
@@ -1037,5 +1051,28 @@ mod tests {
         assert_eq!(sum_filter_stat(text, "kvgate.segment_cache_hits_total", &[]), 7);
         assert_eq!(sum_filter_stat(text, "kvgate.requests_total", &[("outcome", "passthrough")]), 0);
         assert_eq!(filter_stat_values(text, "kvgate.requests_total", &[]), [3, 4, 5], "one value a series");
+    }
+
+    /// Kept decisions, as `/debug/explain` gives them: a checked one, one not predicted yet,
+    /// and one without an id (which names no request and is left out).
+    #[test]
+    fn kept_decisions_give_their_errors_and_predictions() {
+        let decisions = [
+            json!({"request_id": "a-1", "predicted_ttft_secs": 0.3, "predicted_itl_secs": 0.02,
+                   "ttft_checked": {"predicted_secs": 0.3, "measured_secs": 0.2}}),
+            json!({"request_id": "a-2", "predicted_ttft_secs": null, "ttft_checked": null}),
+            json!({"predicted_ttft_secs": 0.1}),
+        ];
+        let errors = latency_errors_in(&decisions, "ttft");
+        assert_eq!(errors.len(), 1);
+        assert!((errors[0] - 0.5).abs() < 1e-12, "{errors:?}");
+        assert!(latency_errors_in(&decisions, "itl").is_empty(), "no ITL was checked");
+        assert_eq!(
+            predictions_in(&decisions),
+            [
+                Predicted { booking: "a-1".into(), ttft: Some(0.3), itl: Some(0.02) },
+                Predicted { booking: "a-2".into(), ttft: None, itl: None },
+            ]
+        );
     }
 }

@@ -45,6 +45,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::stack::Predicted;
 use crate::{Artifacts, Routing, Stack, StackOptions};
 use cells::{Cell, CellStore};
 use loadgen::{Outcome, Target};
@@ -610,16 +611,15 @@ fn run_cell(
     summary.router_cpu_ms = (!outcomes.is_empty()).then(|| cpu * 1000.0 / outcomes.len() as f64);
     if policy.routing().0 == Routing::Kvgate {
         // A sidecar that cannot say leaves the figures out, not the run.
-        let errors = ttft_errors(&stack).unwrap_or_else(|e| {
-            eprintln!("bench:   the TTFT checks could not be read: {e:#}");
+        let decisions = kept_decisions(&stack).unwrap_or_else(|e| {
+            eprintln!("bench:   the kept decisions could not be read: {e:#}");
             Vec::new()
         });
+        let errors = crate::stack::latency_errors_in(&decisions, "ttft");
         summary.ttft_error_p50 = stats::percentile(&errors, 50.0);
         summary.ttft_error_p90 = stats::percentile(&errors, 90.0);
         summary.ttft_checks = errors.len();
-        if let Err(e) = attach_predictions(&stack, config.fleet.speedup, &mut outcomes) {
-            eprintln!("bench:   the decisions' predictions could not be read: {e:#}");
-        }
+        attach_predictions(&mut outcomes, crate::stack::predictions_in(&decisions), config.fleet.speedup);
     }
     let served = ceiling::served(&artifacts.model_dir, config.fleet.block_size, &outcomes)?;
     summary.hit_ceiling = ceiling::infinite_cache_hit_ratio(&served);
@@ -683,31 +683,25 @@ fn kvgate_routed(stack: &Stack, policy: Policy) -> anyhow::Result<Option<(u64, u
     Ok(Some((stat("routed")?, other)))
 }
 
-/// Every gateway's checked TTFT predictions: each relative error, over the last decisions each
-/// sidecar keeps (`explain_keep`).
-fn ttft_errors(stack: &Stack) -> anyhow::Result<Vec<f64>> {
-    let mut errors = Vec::new();
+/// Every gateway's kept decisions (as many as each sidecar keeps: `explain_keep`), each
+/// fetched once for all the figures read from them.
+fn kept_decisions(stack: &Stack) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut decisions = Vec::new();
     for gateway in 0..stack.gateways("").len() {
-        errors.extend(stack.latency_errors_of(gateway, "ttft", 1 << 20)?);
+        decisions.extend(stack.decisions_of(gateway, 1 << 20)?);
     }
-    Ok(errors)
+    Ok(decisions)
 }
 
-/// Writes into each outcome the TTFT and ITL kvgate predicted for it, in simulated seconds,
-/// from every gateway's kept decisions (joined on the booking key).
-fn attach_predictions(stack: &Stack, speedup: f64, outcomes: &mut [Outcome]) -> anyhow::Result<()> {
-    let mut predicted = std::collections::HashMap::new();
-    for gateway in 0..stack.gateways("").len() {
-        for p in stack.predictions_of(gateway, 1 << 20)? {
-            predicted.insert(p.booking, (p.ttft.map(|s| s * speedup), p.itl.map(|s| s * speedup)));
-        }
-    }
+/// Writes into each outcome the TTFT and ITL kvgate predicted for it (`predicted`, in
+/// wall-clock seconds), in simulated seconds: joined on the booking key.
+fn attach_predictions(outcomes: &mut [Outcome], predicted: Vec<Predicted>, speedup: f64) {
+    let by_booking: std::collections::HashMap<_, _> = predicted.into_iter().map(|p| (p.booking.clone(), p)).collect();
     for o in outcomes {
-        if let Some(&(ttft, itl)) = predicted.get(&o.booking) {
-            (o.predicted_ttft, o.predicted_itl) = (ttft, itl);
+        if let Some(p) = by_booking.get(&o.booking) {
+            (o.predicted_ttft, o.predicted_itl) = (p.ttft.map(|s| s * speedup), p.itl.map(|s| s * speedup));
         }
     }
-    Ok(())
 }
 
 /// Each engine's cumulative counters, from its `/metrics` (summed over its ranks).
@@ -796,5 +790,23 @@ mod tests {
             Policy::KvgateNoSync.stack_options("x", &fleet, 100, 4, SLO),
         );
         assert_eq!((synced.gateways, synced.sync, alone.gateways, alone.sync), (4, true, 4, false));
+    }
+
+    /// Each request gets what kvgate predicted for it, found by its booking key and scaled to
+    /// simulated time; a request kvgate kept no decision for gets nothing.
+    #[test]
+    fn each_request_gets_the_prediction_of_its_own_decision() {
+        let mut outcomes = vec![
+            Outcome { booking: "g-1".into(), ..Outcome::served("0", "a", 0.5) },
+            Outcome { booking: "g-2".into(), ..Outcome::served("1", "b", 0.5) },
+            Outcome::served("2", "a", 0.5),
+        ];
+        let predicted = vec![
+            Predicted { booking: "g-2".into(), ttft: Some(0.1), itl: None },
+            Predicted { booking: "g-1".into(), ttft: Some(0.2), itl: Some(0.01) },
+        ];
+        attach_predictions(&mut outcomes, predicted, 2.0);
+        let got: Vec<_> = outcomes.iter().map(|o| (o.predicted_ttft, o.predicted_itl)).collect();
+        assert_eq!(got, [(Some(0.4), Some(0.02)), (Some(0.2), None), (None, None)]);
     }
 }
