@@ -1035,6 +1035,7 @@ pub fn run(setup: &Setup, artifacts: &Artifacts) -> anyhow::Result<Vec<Row>> {
     }
     done(load::together("2g. load: 2c–2f together", &tallies));
     done(ttft::check(&stack, "qwen3")?);
+    done(ttft::check_concurrent(&stack, "qwen3", &setup.out)?);
     done(reset(&stack)?);
     let (row, expected) = events(&stack, artifacts)?;
     done(row);
