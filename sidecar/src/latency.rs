@@ -89,8 +89,8 @@ impl Latency {
 }
 
 /// What the replica faces when a request is booked on it (the module docs say which figures
-/// each latency takes).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// each latency takes); `/debug/explain` shows them beside each prediction.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Inputs {
     /// Prefill tokens: for the TTFT, its own left after the cache overlap and those booked
     /// there ahead of it; for the ITL, those booked ahead.

@@ -26,12 +26,16 @@ pub enum Routing {
 }
 
 /// A kept decision's booking key, and the TTFT and ITL it predicted on the replica it chose
-/// (wall-clock seconds; `None` while that replica's model did not predict).
+/// (wall-clock seconds; `None` while that replica's model did not predict), with the inputs
+/// each model was given there (`/debug/explain`'s `ttft_inputs`, `itl_inputs`; `None` for a
+/// request that was not timed).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Predicted {
     pub booking: String,
     pub ttft: Option<f64>,
     pub itl: Option<f64>,
+    pub ttft_inputs: Option<Value>,
+    pub itl_inputs: Option<Value>,
 }
 
 /// Each checked `latency` (`"ttft"` or `"itl"`) prediction's relative error,
@@ -53,10 +57,13 @@ pub fn predictions_in(decisions: &[Value]) -> Vec<Predicted> {
     decisions
         .iter()
         .filter_map(|d| {
+            let inputs = |field: &str| Some(d[field].clone()).filter(|v| !v.is_null());
             Some(Predicted {
                 booking: d["request_id"].as_str()?.to_owned(),
                 ttft: d["predicted_ttft_secs"].as_f64(),
                 itl: d["predicted_itl_secs"].as_f64(),
+                ttft_inputs: inputs("ttft_inputs"),
+                itl_inputs: inputs("itl_inputs"),
             })
         })
         .collect()
@@ -1059,7 +1066,8 @@ mod tests {
     fn kept_decisions_give_their_errors_and_predictions() {
         let decisions = [
             json!({"request_id": "a-1", "predicted_ttft_secs": 0.3, "predicted_itl_secs": 0.02,
-                   "ttft_checked": {"predicted_secs": 0.3, "measured_secs": 0.2}}),
+                   "ttft_checked": {"predicted_secs": 0.3, "measured_secs": 0.2},
+                   "ttft_inputs": {"prefill_ahead": 700, "decoding": 3}, "itl_inputs": null}),
             json!({"request_id": "a-2", "predicted_ttft_secs": null, "ttft_checked": null}),
             json!({"predicted_ttft_secs": 0.1}),
         ];
@@ -1070,8 +1078,14 @@ mod tests {
         assert_eq!(
             predictions_in(&decisions),
             [
-                Predicted { booking: "a-1".into(), ttft: Some(0.3), itl: Some(0.02) },
-                Predicted { booking: "a-2".into(), ttft: None, itl: None },
+                Predicted {
+                    booking: "a-1".into(),
+                    ttft: Some(0.3),
+                    itl: Some(0.02),
+                    ttft_inputs: Some(json!({"prefill_ahead": 700, "decoding": 3})),
+                    itl_inputs: None,
+                },
+                Predicted { booking: "a-2".into(), ttft: None, itl: None, ttft_inputs: None, itl_inputs: None },
             ]
         );
     }

@@ -591,6 +591,12 @@ impl LoadTable {
         self.bookings.get(id)?.timed[latency]?.1
     }
 
+    /// What booking `id`'s replica faced, for `latency`, when it was booked: the inputs its
+    /// prediction was (or would have been) made from; `None` unless it is timed.
+    pub fn faced(&self, id: &BookingId, latency: Latency) -> Option<Inputs> {
+        Some(self.bookings.get(id)?.timed[latency]?.0)
+    }
+
     /// The filter measured the request's `latency`, reported at `now`: its replica's model
     /// learns from it (once). Returns its replica and the check of the prediction made for
     /// it, with the replica's alarm, if there was one.

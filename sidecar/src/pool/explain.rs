@@ -18,7 +18,7 @@ use super::Policy;
 use super::Pool;
 use crate::accuracy::{Check, EngineUsage};
 use crate::index::{Overlap, ReplicaIdx};
-use crate::latency::{self, Latency};
+use crate::latency::{self, Latency, PerLatency};
 use crate::metrics::{DecisionLabels, ModeLabels};
 
 /// A kept decision, before names are attached.
@@ -42,6 +42,8 @@ pub(super) struct Kept {
     predicted_itl: Option<f32>,
     /// What the filter measured, once the response ended.
     measured_itl: Option<f32>,
+    /// What each latency's model was given on the chosen replica, for a timed request.
+    faced: PerLatency<Option<latency::Inputs>>,
     /// What was left of its TTFT SLO when it was decided, in seconds, if it had one.
     ttft_slo: Option<f32>,
     /// Its ITL SLO, in seconds, if it had one.
@@ -70,6 +72,8 @@ pub(super) struct Chosen {
     pub(super) overlap: Overlap,
     pub(super) predicted_ttft: Option<Duration>,
     pub(super) predicted_itl: Option<Duration>,
+    /// What each latency's model was (or would have been) given there, for a timed request.
+    pub(super) faced: PerLatency<Option<latency::Inputs>>,
     /// What the request's session binding did (`new`, `kept`, or why it moved).
     pub(super) session: Option<&'static str>,
     /// What was left of its TTFT SLO, if it had one.
@@ -130,11 +134,19 @@ pub struct Explanation {
     pub predicted_ttft_secs: Option<f64>,
     /// That prediction against the TTFT the filter measured, once the first token came.
     pub ttft_checked: Option<latency::Check>,
+    /// What the chosen replica's TTFT model was given for this request when it was booked —
+    /// prefill tokens before its first token (its own after the cache overlap, and what was
+    /// left of those booked there before it) and sequences decoding — whether or not it
+    /// predicted yet; a streamed request's only (see `crate::latency`).
+    pub ttft_inputs: Option<latency::Inputs>,
     /// The inter-token latency predicted on the chosen replica, in seconds (a streamed
     /// request, once the replica's ITL model has learned enough).
     pub predicted_itl_secs: Option<f64>,
     /// That prediction against the ITL the filter measured, once the response ended.
     pub itl_checked: Option<latency::Check>,
+    /// What the chosen replica's ITL model was given for it: the prefill booked there before
+    /// it, and every sequence there, its own included.
+    pub itl_inputs: Option<latency::Inputs>,
     /// With a TTFT SLO (its own, or its class's; admission control): what was left of it after
     /// the request's wait, in seconds. The candidates predicted above it were not chosen,
     /// unless every one was; a candidate whose model does not predict yet could be.
@@ -272,8 +284,10 @@ impl Pool {
                 checked: k.checked,
                 predicted_ttft_secs: k.predicted_ttft.map(f64::from),
                 ttft_checked: checked(Latency::Ttft, k.predicted_ttft, k.measured_ttft),
+                ttft_inputs: k.faced[Latency::Ttft],
                 predicted_itl_secs: k.predicted_itl.map(f64::from),
                 itl_checked: checked(Latency::Itl, k.predicted_itl, k.measured_itl),
+                itl_inputs: k.faced[Latency::Itl],
                 ttft_slo_secs: k.ttft_slo.map(f64::from),
                 itl_slo_secs: k.itl_slo.map(f64::from),
                 disaggregation: k.disaggregation,
@@ -308,7 +322,7 @@ impl Pool {
         chosen: Chosen,
         mode: Option<&'static str>,
     ) {
-        let Chosen { slot: best, overlap, predicted_ttft, predicted_itl, session, ttft_slo, itl_slo } = chosen;
+        let Chosen { slot: best, overlap, predicted_ttft, predicted_itl, faced, session, ttft_slo, itl_slo } = chosen;
         let labels = self.labels(best);
         tracing::debug!(
             request_id = %req.request_id,
@@ -344,6 +358,7 @@ impl Pool {
             measured_ttft: None,
             predicted_itl: predicted_itl.map(|d| d.as_secs_f32()),
             measured_itl: None,
+            faced,
             ttft_slo: ttft_slo.map(|d| d.as_secs_f32()),
             itl_slo: itl_slo.map(|d| d.as_secs_f32()),
             disaggregation: mode,
@@ -397,6 +412,7 @@ impl Pool {
             measured_ttft: None,
             predicted_itl: None,
             measured_itl: None,
+            faced: PerLatency::default(),
             ttft_slo: None,
             itl_slo: None,
             disaggregation: Some("prefill_leg"),
@@ -457,6 +473,7 @@ mod tests {
             measured_ttft: None,
             predicted_itl: None,
             measured_itl: None,
+            faced: PerLatency::default(),
             ttft_slo: None,
             itl_slo: None,
             disaggregation: None,
@@ -528,11 +545,11 @@ mod tests {
         assert_eq!(e.by_id.len(), 4);
     }
 
-    /// The memory the `explain_keep` documentation states: a kept decision in about 280 bytes
+    /// The memory the `explain_keep` documentation states: a kept decision in about 330 bytes
     /// (its ids on the heap included) plus 80 per candidate.
     #[test]
     fn a_kept_decision_is_as_small_as_documented() {
-        assert!(std::mem::size_of::<Entry>() + 2 * 24 <= 280, "{}", std::mem::size_of::<Entry>());
+        assert!(std::mem::size_of::<Entry>() + 2 * 24 <= 330, "{}", std::mem::size_of::<Entry>());
         assert!(std::mem::size_of::<Scored>() <= 80, "{}", std::mem::size_of::<Scored>());
     }
 }

@@ -18,7 +18,7 @@ use super::{Policy, TransferProtocol};
 use crate::accuracy::{Prediction, Unchecked};
 use crate::index::approx::ApproxIndex;
 use crate::index::{Overlap, ReplicaIdx};
-use crate::latency::Latency;
+use crate::latency::{Latency, PerLatency};
 use crate::load::flows::Flow;
 use crate::load::{BookingId, LoadTable, NewBooking, Own};
 use crate::metrics::OutcomeLabels;
@@ -248,6 +248,7 @@ impl Pool {
         };
         let figures: Vec<_> = std::iter::once(&booked).chain(&leg).map(|b| (b.slot, load.load(b.slot))).collect();
         let (predicted_ttft, predicted_itl) = (load.predicted(&id, Latency::Ttft), load.predicted(&id, Latency::Itl));
+        let faced = PerLatency::from_fn(|latency| load.faced(&id, latency));
         drop(load);
         // The session is bound where it went, afresh.
         let session_outcome = session.zip(weighed).filter(|_| booked.booked).map(|(key, w)| {
@@ -289,6 +290,7 @@ impl Pool {
             overlap: booked.overlap,
             predicted_ttft,
             predicted_itl,
+            faced,
             session: session_outcome,
             ttft_slo: slo.and_then(|s| s.ttft_left),
             itl_slo: slo.and_then(|s| s.itl),

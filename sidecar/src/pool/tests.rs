@@ -11,6 +11,7 @@ use kvgate_shared::wire::{RouteRequest, RouteResponse};
 use super::ReplicaConfig;
 use super::*;
 use crate::index::{Store, Tier};
+use crate::latency::Inputs;
 use crate::load::EngineReport;
 use crate::load::NewBooking;
 use crate::msg::ingest::{Outcome, Progress};
@@ -955,6 +956,16 @@ fn predicted_latency_sends_requests_where_they_start_soonest() {
     let predicted: Vec<f64> = explained.candidates.iter().map(|c| c.predicted_ttft_secs.unwrap()).collect();
     assert!(predicted[1] < predicted[0], "{predicted:?}");
     assert_eq!(explained.predicted_ttft_secs.map(|s| s as f32), Some(predicted[1] as f32));
+    // And what each model was given there: on the idle replica, its own prompt and nothing
+    // decoding for its TTFT; nothing booked before it and its own sequence for its ITL.
+    let own = prompt(500).len() as u64;
+    assert_eq!(explained.ttft_inputs, Some(Inputs { prefill_ahead: own, decoding: 0 }));
+    assert_eq!(explained.itl_inputs, Some(Inputs { prefill_ahead: 0, decoding: 1 }));
+    // A request that is not streamed is not timed: no inputs.
+    let quiet = RouteRequest { stream: false, ..request("quiet", &prompt(501)) };
+    assert!(p.route(&quiet, &scoring).replica.is_some());
+    let quiet = p.explain(Some("quiet"), 1).pop().unwrap();
+    assert_eq!((quiet.ttft_inputs, quiet.itl_inputs), (None, None));
 }
 
 /// Two replicas that both cache a shared system prompt, in a pool that binds sessions (with

@@ -139,6 +139,12 @@ pub struct Outcome {
     pub predicted_ttft: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predicted_itl: Option<f64>,
+    /// What kvgate's TTFT and ITL models were given for it there (its `/debug/explain`'s
+    /// `ttft_inputs` and `itl_inputs`, in tokens and sequences): why a prediction missed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_inputs: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_inputs: Option<Value>,
     /// The generated text (for conversation history; not written out).
     #[serde(skip)]
     pub text: String,
@@ -179,6 +185,8 @@ impl Outcome {
             booking: String::new(),
             predicted_ttft: None,
             predicted_itl: None,
+            ttft_inputs: None,
+            itl_inputs: None,
             text: String::new(),
             body: None,
         }
@@ -290,6 +298,8 @@ impl Target {
             booking: String::new(),
             predicted_ttft: None,
             predicted_itl: None,
+            ttft_inputs: None,
+            itl_inputs: None,
             text: String::new(),
             body: None,
         };

@@ -700,6 +700,7 @@ fn attach_predictions(outcomes: &mut [Outcome], predicted: Vec<Predicted>, speed
     for o in outcomes {
         if let Some(p) = by_booking.get(&o.booking) {
             (o.predicted_ttft, o.predicted_itl) = (p.ttft.map(|s| s * speedup), p.itl.map(|s| s * speedup));
+            (o.ttft_inputs, o.itl_inputs) = (p.ttft_inputs.clone(), p.itl_inputs.clone());
         }
     }
 }
@@ -802,11 +803,19 @@ mod tests {
             Outcome::served("2", "a", 0.5),
         ];
         let predicted = vec![
-            Predicted { booking: "g-2".into(), ttft: Some(0.1), itl: None },
-            Predicted { booking: "g-1".into(), ttft: Some(0.2), itl: Some(0.01) },
+            Predicted { booking: "g-2".into(), ttft: Some(0.1), itl: None, ttft_inputs: None, itl_inputs: None },
+            Predicted {
+                booking: "g-1".into(),
+                ttft: Some(0.2),
+                itl: Some(0.01),
+                ttft_inputs: Some(serde_json::json!({"prefill_ahead": 900, "decoding": 2})),
+                itl_inputs: None,
+            },
         ];
         attach_predictions(&mut outcomes, predicted, 2.0);
         let got: Vec<_> = outcomes.iter().map(|o| (o.predicted_ttft, o.predicted_itl)).collect();
         assert_eq!(got, [(Some(0.4), Some(0.02)), (Some(0.2), None), (None, None)]);
+        assert_eq!(outcomes[0].ttft_inputs, Some(serde_json::json!({"prefill_ahead": 900, "decoding": 2})));
+        assert_eq!((&outcomes[1].ttft_inputs, &outcomes[2].ttft_inputs), (&None, &None));
     }
 }
