@@ -588,13 +588,14 @@ impl LoadTable {
     /// The `latency` predicted for a request when it was booked, if its replica's model had
     /// learned enough.
     pub fn predicted(&self, id: &BookingId, latency: Latency) -> Option<Duration> {
-        self.bookings.get(id)?.timed[latency]?.1
+        self.timed(id, latency)?.1
     }
 
-    /// What booking `id`'s replica faced, for `latency`, when it was booked: the inputs its
-    /// prediction was (or would have been) made from; `None` unless it is timed.
-    pub fn faced(&self, id: &BookingId, latency: Latency) -> Option<Inputs> {
-        Some(self.bookings.get(id)?.timed[latency]?.0)
+    /// What booking `id`'s replica faced, for `latency`, when it was booked — the inputs its
+    /// prediction was (or would have been) made from — and what was predicted from them;
+    /// `None` unless it is timed.
+    pub fn timed(&self, id: &BookingId, latency: Latency) -> Option<(Inputs, Option<Duration>)> {
+        self.bookings.get(id)?.timed[latency]
     }
 
     /// The filter measured the request's `latency`, reported at `now`: its replica's model

@@ -70,10 +70,9 @@ pub struct Checked {
 pub(super) struct Chosen {
     pub(super) slot: ReplicaIdx,
     pub(super) overlap: Overlap,
-    pub(super) predicted_ttft: Option<Duration>,
-    pub(super) predicted_itl: Option<Duration>,
-    /// What each latency's model was (or would have been) given there, for a timed request.
-    pub(super) faced: PerLatency<Option<latency::Inputs>>,
+    /// Of each latency, for a timed request: what its model was given there, and what it
+    /// predicted from that (once it predicts).
+    pub(super) timed: PerLatency<Option<(latency::Inputs, Option<Duration>)>>,
     /// What the request's session binding did (`new`, `kept`, or why it moved).
     pub(super) session: Option<&'static str>,
     /// What was left of its TTFT SLO, if it had one.
@@ -322,7 +321,8 @@ impl Pool {
         chosen: Chosen,
         mode: Option<&'static str>,
     ) {
-        let Chosen { slot: best, overlap, predicted_ttft, predicted_itl, faced, session, ttft_slo, itl_slo } = chosen;
+        let Chosen { slot: best, overlap, timed, session, ttft_slo, itl_slo } = chosen;
+        let predicted = |latency| timed[latency].and_then(|(_, p)| p).map(|d| d.as_secs_f32());
         let labels = self.labels(best);
         tracing::debug!(
             request_id = %req.request_id,
@@ -354,11 +354,11 @@ impl Pool {
             chosen: best,
             candidates,
             checked: None,
-            predicted_ttft: predicted_ttft.map(|d| d.as_secs_f32()),
+            predicted_ttft: predicted(Latency::Ttft),
             measured_ttft: None,
-            predicted_itl: predicted_itl.map(|d| d.as_secs_f32()),
+            predicted_itl: predicted(Latency::Itl),
             measured_itl: None,
-            faced,
+            faced: PerLatency::from_fn(|latency| timed[latency].map(|(inputs, _)| inputs)),
             ttft_slo: ttft_slo.map(|d| d.as_secs_f32()),
             itl_slo: itl_slo.map(|d| d.as_secs_f32()),
             disaggregation: mode,

@@ -247,8 +247,7 @@ impl Pool {
             _ => None,
         };
         let figures: Vec<_> = std::iter::once(&booked).chain(&leg).map(|b| (b.slot, load.load(b.slot))).collect();
-        let (predicted_ttft, predicted_itl) = (load.predicted(&id, Latency::Ttft), load.predicted(&id, Latency::Itl));
-        let faced = PerLatency::from_fn(|latency| load.faced(&id, latency));
+        let timed = PerLatency::from_fn(|latency| load.timed(&id, latency));
         drop(load);
         // The session is bound where it went, afresh.
         let session_outcome = session.zip(weighed).filter(|_| booked.booked).map(|(key, w)| {
@@ -288,9 +287,7 @@ impl Pool {
         let chosen = Chosen {
             slot: booked.slot,
             overlap: booked.overlap,
-            predicted_ttft,
-            predicted_itl,
-            faced,
+            timed,
             session: session_outcome,
             ttft_slo: slo.and_then(|s| s.ttft_left),
             itl_slo: slo.and_then(|s| s.itl),

@@ -39,8 +39,8 @@ pub fn check(stack: &Stack, model: &str) -> anyhow::Result<Row> {
     // First tokens are reported in the filter's batches, with the ends: wait for the last.
     super::load::settled(stack)?;
     let checks = checked(stack)? - checked_before;
-    let errors = stack.latency_errors("ttft", REQUESTS as usize)?;
-    let itl = stack.latency_errors("itl", REQUESTS as usize)?;
+    let decisions = stack.decisions_of(0, REQUESTS as usize)?;
+    let (errors, itl) = (latency_errors_in(&decisions, "ttft"), latency_errors_in(&decisions, "itl"));
     let (p50, p90) = (percentile(&errors, 50.0), percentile(&errors, 90.0));
     Ok(Row {
         scenario: "2h. TTFT and ITL predictions",
