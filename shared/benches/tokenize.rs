@@ -5,6 +5,8 @@
 //!   before 1.0; the baseline);
 //! - `cold`: the whole pipeline (parse, render, encode) on a conversation never seen;
 //! - `cold-cached`: the same with the segment cache on (what the cache costs when it misses);
+//! - `cold-spread-2`: `cold`, spread over two threads (`prompt_tokens_on`, as the sidecar
+//!   tokenizes a long offloaded prompt on an idle machine of two cores);
 //! - `warm`: the segment cache on, the conversation seen before plus one new turn.
 //!
 //! Every cold iteration is a different conversation: prose cut from the repo's own docs at a
@@ -81,6 +83,9 @@ fn bench(c: &mut Criterion) {
     let template = bundle.template().expect("template").expect("the model has a template");
     let cold = ModelTokenizer::from_bundle(&bundle).expect("tokenizer");
     let cached = ModelTokenizer::from_bundle(&bundle).expect("tokenizer").with_segment_cache(64 << 20);
+    // Its own instance: the tokenizer's word cache fills as it runs, so a variant sharing one
+    // would meet another's leftovers.
+    let spread = ModelTokenizer::from_bundle(&bundle).expect("tokenizer");
     let corpus = corpus();
     let mut group = c.benchmark_group("chat");
     group.sample_size(10);
@@ -89,14 +94,19 @@ fn bench(c: &mut Criterion) {
             .prompt_tokens(&parse(Endpoint::ChatCompletions, &body(&conversation(&corpus, 0, size), 0)).expect("body"))
             .expect("tokens")
             .len();
-        let mut seed = 1;
-        let mut fresh = || {
-            seed += 1;
-            body(&conversation(&corpus, seed, size), seed)
+        // Each variant meets the same conversations in the same order, none seen before.
+        let corpus = &corpus;
+        let fresh = || {
+            let mut seed = 1;
+            move || {
+                seed += 1;
+                body(&conversation(corpus, seed, size), seed)
+            }
         };
+        let mut conversations = fresh();
         group.bench_function(BenchmarkId::new("legacy", n), |b| {
             b.iter_batched(
-                &mut fresh,
+                &mut conversations,
                 |body| {
                     let request = parse(Endpoint::ChatCompletions, &body).expect("body");
                     let Prompt::Chat(chat) = &request.prompt else { unreachable!("a chat") };
@@ -106,20 +116,23 @@ fn bench(c: &mut Criterion) {
                 criterion::BatchSize::PerIteration,
             )
         });
-        for (name, tokenizer) in [("cold", &cold), ("cold-cached", &cached)] {
+        for (name, tokenizer, threads) in
+            [("cold", &cold, 1), ("cold-cached", &cached, 1), ("cold-spread-2", &spread, 2)]
+        {
+            let mut conversations = fresh();
             group.bench_function(BenchmarkId::new(name, n), |b| {
                 b.iter_batched(
-                    &mut fresh,
+                    &mut conversations,
                     |body| {
                         tokenizer
-                            .prompt_tokens(&parse(Endpoint::ChatCompletions, &body).expect("body"))
+                            .prompt_tokens_on(&parse(Endpoint::ChatCompletions, &body).expect("body"), threads)
                             .expect("tokens")
                     },
                     criterion::BatchSize::PerIteration,
                 )
             });
         }
-        let seen = conversation(&corpus, 0, size);
+        let seen = conversation(corpus, 0, size);
         let mut question = 0;
         group.bench_function(BenchmarkId::new("warm", n), |b| {
             b.iter_batched(

@@ -13,7 +13,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use kvgate_shared::prompt::tokenizer::ModelTokenizer;
+use kvgate_shared::prompt::openai::{parse, Endpoint};
+use kvgate_shared::prompt::spread::{places, Spread, MIN_PART_BYTES};
+use kvgate_shared::prompt::tokenizer::{load_tokenizer, ModelTokenizer};
 use kvgate_shared::wire::ModelBundle;
 use proptest::prelude::*;
 use serde_json::Value;
@@ -261,7 +263,6 @@ fn adversarial_corpus_matches() {
 #[test]
 fn the_segment_cache_is_exact_where_it_is_on() {
     use kvgate_shared::prompt::segments::SegmentCache;
-    use kvgate_shared::prompt::tokenizer::load_tokenizer;
     use tokenizers::pipeline::{EncodeOptions, PipelineToken};
     let mut failures = Vec::new();
     let mut cached = Vec::new();
@@ -282,7 +283,7 @@ fn the_segment_cache_is_exact_where_it_is_on() {
         for text in SPECIALS.iter().map(|s| turns(s)).chain([SPECIALS.join("x y "), turns("")]) {
             let whole = encode(&text).unwrap();
             for round in ["first", "again"] {
-                let pieces = cache.encode(&text, encode).unwrap();
+                let pieces = cache.encode(&text, |pieces| pieces.iter().map(|p| encode(p)).collect()).unwrap();
                 if pieces != whole {
                     failures.push(format!("{} ({round}) on {:?}", pair.name, &text[..text.len().min(60)]));
                 }
@@ -291,6 +292,100 @@ fn the_segment_cache_is_exact_where_it_is_on() {
     }
     assert!(cached.iter().any(|n| n.starts_with("qwen3")), "the cache is on for Qwen3: {cached:?}");
     assert!(failures.is_empty(), "segment cache diverges:\n{}", failures.join("\n"));
+}
+
+/// The raw tokenizer of each family and its name, loaded as the segment test does.
+fn raw_tokenizers() -> &'static [(String, tokenizers::pipeline::PipelineTokenizer)] {
+    static RAW: OnceLock<Vec<(String, tokenizers::pipeline::PipelineTokenizer)>> = OnceLock::new();
+    RAW.get_or_init(|| {
+        pairs()
+            .iter()
+            .map(|pair| {
+                let json = std::fs::read_to_string(pair.dir.join("tokenizer.json")).unwrap();
+                (pair.name.clone(), load_tokenizer(&json).unwrap())
+            })
+            .collect()
+    })
+}
+
+/// Where whole and cut encodes of `text` differ: at every `step`-th place [`places`] allows.
+fn spread_divergences(
+    name: &str,
+    tokenizer: &tokenizers::pipeline::PipelineTokenizer,
+    text: &str,
+    step: usize,
+) -> Vec<String> {
+    use tokenizers::pipeline::{EncodeOptions, PipelineToken};
+    let encode = |text: &str| {
+        let mut out: Vec<PipelineToken> = Vec::new();
+        tokenizer.encode_into(text, &EncodeOptions::no_specials(), &mut out).unwrap();
+        PipelineToken::cast_slice(&out).to_vec()
+    };
+    let whole = encode(text);
+    places(text)
+        .step_by(step)
+        .filter(|&at| [encode(&text[..at]), encode(&text[at..])].concat() != whole)
+        .map(|at| format!("{name}: cut at {at} of {:?}", &text[at.saturating_sub(20)..(at + 20).min(text.len())]))
+        .collect()
+}
+
+/// A prompt spread over threads (cut between a letter and a spaced letter, the parts encoded
+/// apart) gives the ids of one whole encode, at every place the rule may cut, for every family
+/// the rule admits; it refuses the families it has no proof for (a replacing or prepending
+/// normalizer, whitespace-stripping added tokens).
+#[test]
+fn spread_cuts_are_exact_where_admitted() {
+    let texts: Vec<String> = vec![
+        PIECES.join(" "),
+        PIECES.join(" a "),
+        SPECIALS.join("x y "),
+        SPECIALS.join(" word "),
+        PIECES.iter().map(|p| format!("word{p} w{p}x y")).collect(),
+        PIECES.iter().map(|p| format!("{p}a b{p}")).collect(),
+    ];
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let mut admitted = Vec::new();
+    let mut failures = Vec::new();
+    for (name, tokenizer) in raw_tokenizers() {
+        if Spread::for_tokenizer(tokenizer).is_none() {
+            continue;
+        }
+        admitted.push(name.as_str());
+        for text in &texts {
+            failures.extend(spread_divergences(name, tokenizer, text, 1));
+        }
+        failures.extend(spread_divergences(name, tokenizer, &readme, 29));
+    }
+    assert!(failures.is_empty(), "{} cuts diverge:\n{}", failures.len(), failures.join("\n"));
+    for family in ["qwen3", "llama-3.2", "mistral-nemo", "gpt-oss", "deepseek-v3"] {
+        assert!(admitted.iter().any(|n| n.starts_with(family)), "{family} not admitted: {admitted:?}");
+    }
+    for family in ["gemma-3", "phi-3.5"] {
+        assert!(!admitted.iter().any(|n| n.starts_with(family)), "{family} admitted: {admitted:?}");
+    }
+}
+
+/// Through the whole pipeline: a long chat tokenized on four threads is the chat tokenized on
+/// one, for each family that renders chats with a template and spreads.
+#[test]
+fn a_long_chat_spread_over_threads_has_the_ids_of_one_thread() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let document: String = readme.split_whitespace().cycle().take(60_000).collect::<Vec<_>>().join(" ");
+    assert!(document.len() > 4 * MIN_PART_BYTES, "long enough to spread: {} bytes", document.len());
+    let body = serde_json::json!({"model": "m", "messages": [
+        {"role": "system", "content": document},
+        {"role": "user", "content": format!("{document} and again")},
+    ]})
+    .to_string();
+    let request = parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
+    let mut spread = Vec::new();
+    for pair in pairs().iter().filter(|p| p.ours.spreads()) {
+        let Ok(one) = pair.ours.prompt_tokens(&request) else { continue };
+        assert_eq!(pair.ours.prompt_tokens_on(&request, 4).unwrap(), one, "{}", pair.name);
+        spread.push(pair.name.as_str());
+    }
+    assert!(spread.iter().any(|n| n.starts_with("qwen3")), "{spread:?}");
+    assert!(spread.iter().any(|n| n.starts_with("llama-3.2")), "{spread:?}");
 }
 
 /// Combining marks whose canonical combining class is newer than the Unicode tables of
@@ -377,6 +472,23 @@ fn adversarial_text() -> impl Strategy<Value = String> {
     proptest::collection::vec(piece, 1..40).prop_map(|pieces| {
         pieces.concat().chars().filter(|c| !NEWER_COMBINING_MARKS.contains(&u32::from(*c))).collect()
     })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 64,
+        failure_persistence: None,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x7370_7265_6164),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn random_text_cut_for_spreading_matches(text in adversarial_text()) {
+        for (name, tokenizer) in raw_tokenizers().iter().filter(|(_, t)| Spread::for_tokenizer(t).is_some()) {
+            let failures = spread_divergences(name, tokenizer, &text, 1);
+            prop_assert!(failures.is_empty(), "{}", failures.join("\n"));
+        }
+    }
 }
 
 proptest! {

@@ -14,7 +14,9 @@
 //!    content shaped as the template expects ([`content_format`]) — or, for gpt-oss,
 //!    [`harmony`] renders them as vLLM does, into pieces of text and special tokens.
 //! 4. [`tokenizer::ModelTokenizer`] encodes the text (or passes token ids through), through an
-//!    exact [`segments::SegmentCache`] when enabled, so repeated turns are not re-tokenized.
+//!    exact [`segments::SegmentCache`] when enabled, so repeated turns are not re-tokenized;
+//!    a caller with threads to spare spreads a long prompt's new text over them, cut where the
+//!    ids stay exact ([`spread`]).
 
 pub mod chat;
 pub mod content_format;
@@ -23,6 +25,7 @@ pub mod messages;
 pub mod openai;
 pub mod responses;
 pub mod segments;
+pub mod spread;
 pub mod strftime;
 pub mod template;
 pub mod tokenizer;

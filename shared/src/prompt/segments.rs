@@ -85,8 +85,13 @@ impl SegmentCache {
     }
 
     /// Encodes `text` (without added special tokens) piece by piece, through the cache: the
-    /// pieces it holds are looked up, the others tokenized with no lock held, then kept.
-    pub fn encode<E>(&self, text: &str, mut encode: impl FnMut(&str) -> Result<Vec<u32>, E>) -> Result<Vec<u32>, E> {
+    /// pieces it holds are looked up, the others tokenized together by `encode` (each piece's
+    /// ids, in order) with no lock held, then kept.
+    pub fn encode<E>(
+        &self,
+        text: &str,
+        encode: impl FnOnce(&[&str]) -> Result<Vec<Vec<u32>>, E>,
+    ) -> Result<Vec<u32>, E> {
         let mut cuts: Vec<usize> = self.splitter.find_iter(text).map(|m| m.start()).collect();
         if cuts.first() != Some(&0) {
             cuts.insert(0, 0);
@@ -97,21 +102,25 @@ impl SegmentCache {
             let mut p = self.lock();
             pieces.iter().map(|piece| p.lookup(piece)).collect()
         };
+        let missed: Vec<&str> = pieces.iter().zip(&cached).filter(|(_, c)| c.is_none()).map(|(p, _)| *p).collect();
+        let new = encode(&missed)?;
+        assert_eq!(new.len(), missed.len(), "one encoding per piece");
+        let mut new = new.into_iter();
         let mut ids = Vec::new();
-        let mut new = Vec::new();
+        let mut kept = Vec::new();
         for (piece, cached) in pieces.iter().zip(cached) {
             match cached {
                 Some(piece_ids) => ids.extend_from_slice(&piece_ids),
                 None => {
-                    let piece_ids = encode(piece)?;
+                    let piece_ids = new.next().unwrap_or_default();
                     ids.extend_from_slice(&piece_ids);
-                    new.push((*piece, piece_ids));
+                    kept.push((*piece, piece_ids));
                 }
             }
         }
-        if !new.is_empty() {
+        if !kept.is_empty() {
             let mut p = self.lock();
-            for (piece, piece_ids) in new {
+            for (piece, piece_ids) in kept {
                 p.insert(piece, piece_ids);
             }
         }

@@ -11,6 +11,7 @@ use super::content_format::ContentFormat;
 use super::harmony::{self, Piece, Special};
 use super::openai::{ParsedRequest, Prompt};
 use super::segments::{SegmentCache, SegmentStats};
+use super::spread::{encode_pieces, Spread};
 use super::template::ChatTemplate;
 use super::{PromptError, Renderer};
 use crate::wire::ModelBundle;
@@ -20,6 +21,7 @@ pub struct ModelTokenizer {
     tokenizer: PipelineTokenizer,
     chat: ChatRenderer,
     segments: Option<SegmentCache>,
+    spread: Option<Spread>,
 }
 
 /// How chats become prompt tokens for this model.
@@ -70,7 +72,8 @@ impl ModelTokenizer {
             Renderer::Template => ChatRenderer::Template(bundle.template()?.map(Box::new)),
             Renderer::Harmony => ChatRenderer::Harmony(HarmonyIds::resolve(&tokenizer)?),
         };
-        Ok(ModelTokenizer { tokenizer, chat, segments: None })
+        let spread = Spread::for_tokenizer(&tokenizer);
+        Ok(ModelTokenizer { tokenizer, chat, segments: None, spread })
     }
 
     /// Caches tokenized chat segments, up to `budget` bytes (see [`SegmentCache`]). A
@@ -87,7 +90,19 @@ impl ModelTokenizer {
 
     /// The prompt token ids vLLM would compute for this request.
     pub fn prompt_tokens(&self, request: &ParsedRequest) -> Result<Vec<u32>, PromptError> {
-        Ok(self.prompt_head(request, usize::MAX)?.tokens)
+        self.prompt_tokens_on(request, 1)
+    }
+
+    /// [`ModelTokenizer::prompt_tokens`], spreading a long chat's new text over up to
+    /// `threads` threads (this one included) where the tokenizer allows it ([`Spread`]);
+    /// the ids are the same.
+    pub fn prompt_tokens_on(&self, request: &ParsedRequest, threads: usize) -> Result<Vec<u32>, PromptError> {
+        Ok(self.head(request, usize::MAX, now_unix_secs(), threads)?.tokens)
+    }
+
+    /// Whether [`ModelTokenizer::prompt_tokens_on`] can spread this model's prompts at all.
+    pub fn spreads(&self) -> bool {
+        self.spread.is_some()
     }
 
     /// The first tokens of the prompt, tokenizing at most about `max_bytes` of its text: the
@@ -105,6 +120,16 @@ impl ModelTokenizer {
         request: &ParsedRequest,
         max_bytes: usize,
         unix_secs: i64,
+    ) -> Result<PromptHead, PromptError> {
+        self.head(request, max_bytes, unix_secs, 1)
+    }
+
+    fn head(
+        &self,
+        request: &ParsedRequest,
+        max_bytes: usize,
+        unix_secs: i64,
+        threads: usize,
     ) -> Result<PromptHead, PromptError> {
         let (text, add_special_tokens) = match (&request.prompt, &self.chat) {
             (Prompt::Tokens(ids), _) => {
@@ -133,9 +158,11 @@ impl ModelTokenizer {
             }
         };
         let head = &text[..safe_cut(&text, max_bytes)];
+        let encode_all = |pieces: &[&str]| encode_pieces(pieces, threads, self.spread, |p| self.encode(p, false));
         let tokens = match (&self.segments, add_special_tokens) {
-            (Some(cache), false) => cache.encode(head, |piece| self.encode(piece, false))?,
-            _ => self.encode(head, add_special_tokens)?,
+            (Some(cache), false) => cache.encode(head, encode_all)?,
+            (None, false) => encode_all(&[head])?.concat(),
+            (_, true) => self.encode(head, true)?,
         };
         Ok(PromptHead::of(tokens, head.len(), text.len()))
     }
