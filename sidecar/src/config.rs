@@ -97,6 +97,10 @@ pub struct Config {
     /// (`kvgate_route_fallbacks_total{reason="offload_full"}`).
     #[serde(default = "default_offload_queue_bytes")]
     pub offload_queue_bytes: usize,
+    /// Offloaded prompts tokenized at once, and the most threads one long prompt spreads
+    /// over when the others are idle (default: one per core the sidecar may use). At least 1.
+    #[serde(default)]
+    pub offload_threads: Option<usize>,
     /// One pool per model.
     pub pools: Vec<PoolSection>,
     /// Share bookings with the sidecars of the other gateway pods (off when absent).
@@ -229,6 +233,9 @@ impl Config {
         }
         if self.metrics_listen == Some(self.listen) {
             bail!("metrics_listen must differ from listen");
+        }
+        if self.offload_threads == Some(0) {
+            bail!("offload_threads must be at least 1 (offloaded prompts tokenized at once)");
         }
         if !self.listen.ip().is_loopback() && !self.allow_non_loopback_api {
             bail!(

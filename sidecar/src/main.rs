@@ -418,11 +418,13 @@ async fn serve(config: Config, config_path: PathBuf, health: Arc<Health>) -> any
     // Non-streamed requests' prefills end on estimates: checked ten times a second.
     every(&pools, Duration::from_millis(100), Pool::end_estimated_prefills);
 
-    let state = Arc::new(
-        api::AppState::new(pools, config.scoring.clone(), config.allow_request_overrides, metrics)
-            .with_offload_queue_bytes(config.offload_queue_bytes)
-            .with_health(health.clone()),
-    );
+    let state = api::AppState::new(pools, config.scoring.clone(), config.allow_request_overrides, metrics)
+        .with_offload_queue_bytes(config.offload_queue_bytes)
+        .with_health(health.clone());
+    let state = Arc::new(match config.offload_threads {
+        Some(threads) => state.with_offload_slots(threads),
+        None => state,
+    });
     if let Some(listener) = metrics_listener {
         let app = api::metrics_router(state.clone());
         tokio::spawn(async move {

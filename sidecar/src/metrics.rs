@@ -95,6 +95,8 @@ pub struct Metrics {
     pub handovers_served: Counter,
     /// Bytes of offloaded bodies held now (read, waiting for a tokenizer, or tokenizing).
     pub offload_bytes_held: Gauge,
+    /// Idle tokenizer slots that long offloaded prompts spread over, beyond their own.
+    pub offload_spare_threads: Counter,
     /// Handover requests not answered: unauthenticated, too old, or over the rate limit.
     pub handovers_refused: Family<RefusalLabels, Counter>,
     /// Bytes of the handover answers sent.
@@ -250,6 +252,7 @@ impl Default for Metrics {
         let sync_mismatches = Counter::default();
         let handovers_served = Counter::default();
         let offload_bytes_held = Gauge::default();
+        let offload_spare_threads = Counter::default();
         let sync_rejected = Family::default();
         let handovers_refused = Family::default();
         let handover_bytes = Counter::default();
@@ -439,6 +442,11 @@ impl Default for Metrics {
             offload_bytes_held.clone(),
         );
         registry.register(
+            "offload_spare_threads",
+            "Idle tokenizer slots (one per core) that long offloaded prompts spread over, beyond their own",
+            offload_spare_threads.clone(),
+        );
+        registry.register(
             "handovers_served",
             "Views (index and bookings) handed over to sidecars that started while this one ran",
             handovers_served.clone(),
@@ -504,6 +512,7 @@ impl Default for Metrics {
             sync_mismatches,
             handovers_served,
             offload_bytes_held,
+            offload_spare_threads,
             sync_rejected,
             handovers_refused,
             handover_bytes,

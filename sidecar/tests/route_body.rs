@@ -118,6 +118,32 @@ async fn an_offloaded_prompt_follows_its_cached_prefix() {
     assert_eq!(answer.overlap_blocks as usize, full, "every full block of the same tokens matched");
 }
 
+/// A long offloaded prompt spreads over the tokenizer slots no one is using, and its tokens
+/// are still exactly the filter's: every full block matches the blocks an engine reported for
+/// the prompt tokenized on one thread.
+#[tokio::test]
+async fn a_long_offloaded_prompt_spreads_over_idle_slots_and_matches_every_block() {
+    let (state, pool) = state();
+    let state = Arc::new(Arc::into_inner(state).unwrap().with_offload_slots(4));
+    let system: String =
+        (0..24_000).map(|i| format!("word{} of the agent's context", i % 97)).collect::<Vec<_>>().join(" ");
+    let body = serde_json::json!({"model": "qwen3", "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "what next?"},
+    ]})
+    .to_string();
+    let full = cache_prompt(&pool, 1, Endpoint::ChatCompletions, &body);
+
+    let (status, answer) = post(state.clone(), offload(&body)).await;
+    assert_eq!(status, StatusCode::OK);
+    let answer: RouteResponse = codec::decode(&answer).unwrap();
+    assert_eq!(answer.replica.as_deref(), Some("r1"));
+    assert_eq!(answer.overlap_blocks as usize, full, "every full block of the same tokens matched");
+    let response = router(state).oneshot(Request::get("/metrics").body(Body::empty()).unwrap()).await.unwrap();
+    let text = String::from_utf8(to_bytes(response.into_body(), 1 << 20).await.unwrap().to_vec()).unwrap();
+    assert!(text.contains("kvgate_offload_spare_threads_total 3\n"), "the three idle slots were lent:\n{text}");
+}
+
 /// An Anthropic Messages body is rendered as the filter renders it: Claude Code's billing
 /// header, different on every request, is dropped, so the request finds the prefix an earlier
 /// one left.
@@ -159,7 +185,7 @@ async fn work_past_the_filters_deadline_is_skipped_and_not_booked() {
     let body = r#"{"model":"qwen3","messages":[{"role":"user","content":"hello"}]}"#;
     let request: RouteBodyRequest<'static> = codec::decode(&offload(body)).unwrap();
     let parsed = parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
-    let late = pool.request_for_body(&parsed, &request, std::time::Instant::now());
+    let late = pool.request_for_body(&parsed, &request, std::time::Instant::now(), 1);
     assert!(matches!(late, Err(OffloadError::Late)), "{late:?}");
     assert_eq!(pool.state().bookings, 0, "the filter has gone on without us: nothing booked");
     // Within its budget the same prompt is routed and booked.

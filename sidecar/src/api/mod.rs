@@ -27,6 +27,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::{model_of, parse};
+use kvgate_shared::prompt::spread::MIN_PART_BYTES;
 use kvgate_shared::wire::{
     Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteBodyRequest, RouteRequest, CONTENT_TYPE, MAX_BODY_BYTES,
     SHED_REASON_HEADER, WIRE_VERSION, WIRE_VERSION_HEADER,
@@ -88,6 +89,12 @@ impl AppState {
     /// Reports the health of `health`'s threads on `/healthz`.
     pub fn with_health(self, health: Arc<Health>) -> AppState {
         AppState { health, ..self }
+    }
+
+    /// Tokenizes at most `slots` offloaded prompts at once (default: one per core); a long
+    /// prompt spreads over the slots no other prompt is using.
+    pub fn with_offload_slots(self, slots: usize) -> AppState {
+        AppState { offload_slots: Arc::new(tokio::sync::Semaphore::new(slots.max(1))), ..self }
     }
 
     /// Holds at most `bytes` of offloaded bodies at once (the config's `offload_queue_bytes`).
@@ -437,22 +444,29 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, message);
     };
     let request_id = req.request_id.clone();
-    let tokenize = tracing::info_span!("kvgate.tokenize", body_bytes = req.body.len());
+    let tokenize = tracing::info_span!("kvgate.tokenize", body_bytes = req.body.len(), threads = 1);
     let prepared = if small && pool.tokenizer_ready() {
         // As quick as a decision: tokenized on this task, never behind a big body.
         let _span = tokenize.enter();
-        Ok(pool.request_for_body(&parsed, &req, deadline))
+        Ok(pool.request_for_body(&parsed, &req, deadline, 1))
     } else {
         let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
         let Ok(Ok(slot)) = slot else {
             tracing::debug!(%request_id, "no tokenizer free within the filter's budget");
             return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
         };
+        // A long prompt also takes the slots no other prompt is using, and spreads over them.
+        let mut slots = vec![slot];
+        while slots.len() < req.body.len() / MIN_PART_BYTES {
+            let Ok(spare) = state.offload_slots.clone().try_acquire_owned() else { break };
+            slots.push(spare);
+        }
+        tokenize.record("threads", slots.len());
+        state.metrics.offload_spare_threads.inc_by(slots.len() as u64 - 1);
         let tokenizing = pool.clone();
         tokio::task::spawn_blocking(move || {
-            let _slot = slot;
             let _span = tokenize.enter();
-            tokenizing.request_for_body(&parsed, &req, deadline)
+            tokenizing.request_for_body(&parsed, &req, deadline, slots.len())
         })
         .await
     };

@@ -414,3 +414,11 @@ fn the_readme_names_every_configuration_key() {
     }
     assert!(missing.is_empty(), "README.md's configuration reference does not name: {missing:?}");
 }
+
+#[test]
+fn offload_threads_default_to_the_cores_and_refuse_zero() {
+    assert_eq!(load(BASE, &[]).unwrap().offload_threads, None);
+    assert_eq!(load(&format!("offload_threads = 1\n{BASE}"), &[]).unwrap().offload_threads, Some(1));
+    let err = load(&format!("offload_threads = 0\n{BASE}"), &[]).unwrap_err().to_string();
+    assert!(err.contains("offload_threads must be at least 1"), "{err}");
+}

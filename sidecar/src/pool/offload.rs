@@ -59,13 +59,15 @@ impl Pool {
     /// The route request of a whole request body (the filter's offload): tokenized exactly as
     /// the filter would — unless `deadline` has passed by then (the filter has routed the
     /// request without us: booking it would count load that is not there). Blocking (it
-    /// tokenizes). A pool whose tokenizer cannot load books it on an estimate (the filter
-    /// cannot tokenize it either: it loads the same bundle).
+    /// tokenizes, on up to `threads` threads for a long prompt). A pool whose tokenizer cannot
+    /// load books it on an estimate (the filter cannot tokenize it either: it loads the same
+    /// bundle).
     pub fn request_for_body(
         &self,
         parsed: &ParsedRequest,
         req: &RouteBodyRequest<'_>,
         deadline: Instant,
+        threads: usize,
     ) -> Result<RouteRequest, OffloadError> {
         if Instant::now() >= deadline {
             return Err(OffloadError::Late);
@@ -74,7 +76,7 @@ impl Pool {
             Ok(tokenizer) => tokenizer,
             Err(_) => return Ok(self.estimated(parsed.model.as_str(), req, "no_tokenizer")),
         };
-        let tokens = match tokenizer.prompt_tokens(parsed) {
+        let tokens = match tokenizer.prompt_tokens_on(parsed, threads) {
             Ok(tokens) => tokens,
             // Content parts it does not render, a template that fails: still real load.
             Err(_) => return Ok(self.estimated(parsed.model.as_str(), req, "untokenizable")),
