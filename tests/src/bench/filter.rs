@@ -6,7 +6,9 @@
 //!    response headers through Envoy alone, through Envoy + kvgate as shipped (bodies over
 //!    `offload_bytes` tokenized by the sidecar), and through Envoy + kvgate tokenizing
 //!    everything in Envoy (offload off), and through Envoy + kvgate with no tokenizer in Envoy
-//!    (`envoy_tokenizers: "none"`: the sidecar tokenizes every request). The engines answer
+//!    (`envoy_tokenizers: "none"`: the sidecar tokenizes every request), and through Envoy +
+//!    kvgate as shipped but with one sidecar tokenizer thread (`offload_threads = 1`: a long
+//!    offloaded prompt is not spread over the idle cores). The engines answer
 //!    headers on admission, so the
 //!    differences are the filter's and sidecar's work. Native tokenization of the same
 //!    prompts runs in this process.
@@ -57,8 +59,13 @@ pub struct Row {
     /// Median time to headers through Envoy + kvgate with every prompt tokenized by the
     /// sidecar (`envoy_tokenizers: "none"`), ms.
     pub sidecar_ms: f64,
+    /// Median time to headers through Envoy + kvgate as shipped, but with one sidecar
+    /// tokenizer thread (`offload_threads = 1`), ms.
+    pub one_thread_ms: f64,
     /// Median native tokenization of the same prompts (same segment-cache state), µs.
     pub native_tokenize_us: f64,
+    /// The same spread over two threads (`prompt_tokens_on`), µs.
+    pub native_spread_us: f64,
 }
 
 /// Small-request latency with big prompts in flight, for one gateway setup.
@@ -132,17 +139,19 @@ const BIG_PROMPT_WORDS: usize = 57_000;
 const BIG_PROMPTS: usize = 5;
 
 /// The gateway setups: Envoy alone, kvgate as shipped, kvgate with offload off, kvgate with
-/// no tokenizer in Envoy.
+/// no tokenizer in Envoy, kvgate with one sidecar tokenizer thread.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Setup {
     EnvoyAlone,
     Kvgate,
     KvgateInline,
     KvgateSidecar,
+    KvgateOneThread,
 }
 
 impl Setup {
-    const ALL: [Setup; 4] = [Setup::EnvoyAlone, Setup::Kvgate, Setup::KvgateInline, Setup::KvgateSidecar];
+    const ALL: [Setup; 5] =
+        [Setup::EnvoyAlone, Setup::Kvgate, Setup::KvgateInline, Setup::KvgateSidecar, Setup::KvgateOneThread];
 
     fn label(self) -> &'static str {
         match self {
@@ -150,6 +159,7 @@ impl Setup {
             Setup::Kvgate => "kvgate (offload on, as shipped)",
             Setup::KvgateInline => "kvgate (offload off: all in Envoy)",
             Setup::KvgateSidecar => "kvgate (no tokenizer in Envoy: all in the sidecar)",
+            Setup::KvgateOneThread => "kvgate (offload on, one sidecar tokenizer thread)",
         }
     }
 
@@ -169,6 +179,7 @@ impl Setup {
             sim_args: sim_args.to_vec(),
             route_timeout_ms: 5000,
             filter_config,
+            sidecar_toml: if self == Setup::KvgateOneThread { "offload_threads = 1".into() } else { String::new() },
             ..StackOptions::default()
         }
     }
@@ -219,12 +230,14 @@ pub fn run(artifacts: &Artifacts) -> anyhow::Result<Report> {
                 eprintln!("bench filter: {size} tokens {cache} {}: {ms:.2} ms to headers", setup.label());
                 eprintln!("bench filter: {}", progress.finish(started.elapsed()));
                 if setup == Setup::EnvoyAlone {
-                    let native_us = native_tokenize(&native, prime.as_ref(), &bodies)?;
+                    let native_us = native_tokenize(&native, prime.as_ref(), &bodies, 1)?;
+                    let spread_us = native_tokenize(&native, prime.as_ref(), &bodies, 2)?;
                     rows.push(Row {
                         tokens: size,
                         cache,
                         envoy_ms: ms,
                         native_tokenize_us: native_us,
+                        native_spread_us: spread_us,
                         ..Row::default()
                     });
                     continue;
@@ -244,6 +257,7 @@ pub fn run(artifacts: &Artifacts) -> anyhow::Result<Report> {
                         row.inline_tokenize_us = median(&tokenize).unwrap_or(0.0);
                     }
                     Setup::KvgateSidecar => row.sidecar_ms = ms,
+                    Setup::KvgateOneThread => row.one_thread_ms = ms,
                     // Its row is the baseline, made above.
                     Setup::EnvoyAlone => {}
                 }
@@ -258,8 +272,14 @@ pub fn run(artifacts: &Artifacts) -> anyhow::Result<Report> {
     Ok(Report { rows, stalls, big_prompt_bytes })
 }
 
-/// Native tokenization of the cell's requests (after its prime, like the filter), median µs.
-fn native_tokenize(native: &ModelTokenizer, prime: Option<&Value>, bodies: &[Value]) -> anyhow::Result<f64> {
+/// Native tokenization of the cell's requests on `threads` threads (after its prime, like the
+/// filter), median µs.
+fn native_tokenize(
+    native: &ModelTokenizer,
+    prime: Option<&Value>,
+    bodies: &[Value],
+    threads: usize,
+) -> anyhow::Result<f64> {
     if let Some(p) = prime {
         native.prompt_tokens(&parse(Endpoint::ChatCompletions, p.to_string().as_bytes())?)?;
     }
@@ -267,7 +287,7 @@ fn native_tokenize(native: &ModelTokenizer, prime: Option<&Value>, bodies: &[Val
     for body in bodies {
         let request = parse(Endpoint::ChatCompletions, body.to_string().as_bytes())?;
         let started = Instant::now();
-        native.prompt_tokens(&request)?;
+        native.prompt_tokens_on(&request, threads)?;
         micros.push(started.elapsed().as_secs_f64() * 1e6);
     }
     Ok(median(&micros).unwrap_or(0.0))
@@ -337,22 +357,25 @@ pub fn tables(report: &Report) -> String {
     let mut md = String::from(
         "### What kvgate adds, and tokenizing in Envoy vs native\n\n\
          Medians of 9 requests per cell; time to response headers (the engines answer on admission).\n\n\
-         | prompt | cache | Envoy alone | + kvgate as shipped | added | + kvgate, all in Envoy | + kvgate, all in the sidecar | in-Envoy tokenize | native tokenize | in-Envoy ÷ native |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+         | prompt | cache | Envoy alone | + kvgate as shipped | added | + kvgate, one sidecar tokenizer thread | added | + kvgate, all in Envoy | + kvgate, all in the sidecar | in-Envoy tokenize | native tokenize | native on 2 threads | in-Envoy ÷ native |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in &report.rows {
         let shipped = if r.offloaded { " (offloaded)" } else { "" };
         md += &format!(
-            "| ~{}k tokens | {} | {:.2} ms | {:.2} ms{shipped} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {} |\n",
+            "| ~{}k tokens | {} | {:.2} ms | {:.2} ms{shipped} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {} |\n",
             r.tokens / 1000,
             r.cache,
             r.envoy_ms,
             r.kvgate_ms,
             r.kvgate_ms - r.envoy_ms,
+            r.one_thread_ms,
+            r.one_thread_ms - r.envoy_ms,
             r.inline_ms,
             r.sidecar_ms,
             r.inline_tokenize_us / 1000.0,
             r.native_tokenize_us / 1000.0,
+            r.native_spread_us / 1000.0,
             super::report::gain(r.inline_tokenize_us / r.native_tokenize_us.max(1.0)),
         );
     }
