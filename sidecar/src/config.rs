@@ -97,10 +97,16 @@ pub struct Config {
     /// (`kvgate_route_fallbacks_total{reason="offload_full"}`).
     #[serde(default = "default_offload_queue_bytes")]
     pub offload_queue_bytes: usize,
-    /// Offloaded prompts tokenized at once, and the most threads one long prompt spreads
-    /// over when the others are idle (default: one per core the sidecar may use). At least 1.
+    /// Offloaded prompts tokenized at once (default: one per core the sidecar may use). At
+    /// least 1.
     #[serde(default)]
     pub offload_threads: Option<usize>,
+    /// The most threads one long offloaded prompt is tokenized on, taken from the slots of
+    /// `offload_threads` that no other prompt holds (default 1: no spreading). Worth raising
+    /// only where the sidecar has cores of its own: on cores it shares with Envoy, a spread
+    /// prompt slows the worker's other requests. At least 1.
+    #[serde(default = "default_offload_spread_threads")]
+    pub offload_spread_threads: usize,
     /// One pool per model.
     pub pools: Vec<PoolSection>,
     /// Share bookings with the sidecars of the other gateway pods (off when absent).
@@ -131,6 +137,10 @@ impl<'de> Deserialize<'de> for PoolSection {
         let pool = PoolConfig::deserialize(toml::Value::Table(table)).map_err(D::Error::custom)?;
         Ok(PoolSection { pool, discovery })
     }
+}
+
+fn default_offload_spread_threads() -> usize {
+    1
 }
 
 fn default_offload_queue_bytes() -> usize {
@@ -236,6 +246,9 @@ impl Config {
         }
         if self.offload_threads == Some(0) {
             bail!("offload_threads must be at least 1 (offloaded prompts tokenized at once)");
+        }
+        if self.offload_spread_threads == 0 {
+            bail!("offload_spread_threads must be at least 1 (threads one offloaded prompt is tokenized on)");
         }
         if !self.listen.ip().is_loopback() && !self.allow_non_loopback_api {
             bail!(

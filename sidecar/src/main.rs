@@ -420,6 +420,7 @@ async fn serve(config: Config, config_path: PathBuf, health: Arc<Health>) -> any
 
     let state = api::AppState::new(pools, config.scoring.clone(), config.allow_request_overrides, metrics)
         .with_offload_queue_bytes(config.offload_queue_bytes)
+        .with_offload_spread(config.offload_spread_threads)
         .with_health(health.clone());
     let state = Arc::new(match config.offload_threads {
         Some(threads) => state.with_offload_slots(threads),

@@ -118,13 +118,18 @@ async fn an_offloaded_prompt_follows_its_cached_prefix() {
     assert_eq!(answer.overlap_blocks as usize, full, "every full block of the same tokens matched");
 }
 
-/// A long offloaded prompt spreads over the tokenizer slots no one is using, and its tokens
-/// are still exactly the filter's: every full block matches the blocks an engine reported for
-/// the prompt tokenized on one thread.
+/// With `offload_spread_threads`, a long offloaded prompt spreads over the tokenizer slots no
+/// one is using, and its tokens are still exactly the filter's: every full block matches the
+/// blocks an engine reported for the prompt tokenized on one thread. By default it takes none.
 #[tokio::test]
 async fn a_long_offloaded_prompt_spreads_over_idle_slots_and_matches_every_block() {
+    let spare = |state: Arc<AppState>| async move {
+        let response = router(state).oneshot(Request::get("/metrics").body(Body::empty()).unwrap()).await.unwrap();
+        let text = String::from_utf8(to_bytes(response.into_body(), 1 << 20).await.unwrap().to_vec()).unwrap();
+        text.lines().find_map(|l| l.strip_prefix("kvgate_offload_spare_threads_total ")?.parse::<u64>().ok())
+    };
     let (state, pool) = state();
-    let state = Arc::new(Arc::into_inner(state).unwrap().with_offload_slots(4));
+    let state = Arc::new(Arc::into_inner(state).unwrap().with_offload_slots(4).with_offload_spread(4));
     let system: String =
         (0..24_000).map(|i| format!("word{} of the agent's context", i % 97)).collect::<Vec<_>>().join(" ");
     let body = serde_json::json!({"model": "qwen3", "messages": [
@@ -139,9 +144,12 @@ async fn a_long_offloaded_prompt_spreads_over_idle_slots_and_matches_every_block
     let answer: RouteResponse = codec::decode(&answer).unwrap();
     assert_eq!(answer.replica.as_deref(), Some("r1"));
     assert_eq!(answer.overlap_blocks as usize, full, "every full block of the same tokens matched");
-    let response = router(state).oneshot(Request::get("/metrics").body(Body::empty()).unwrap()).await.unwrap();
-    let text = String::from_utf8(to_bytes(response.into_body(), 1 << 20).await.unwrap().to_vec()).unwrap();
-    assert!(text.contains("kvgate_offload_spare_threads_total 3\n"), "the three idle slots were lent:\n{text}");
+    assert_eq!(spare(state).await, Some(3), "the three idle slots were lent");
+
+    let (default, _) = state_holding(kvgate_sidecar::api::DEFAULT_OFFLOAD_QUEUE_BYTES);
+    let (status, _) = post(default.clone(), offload(&body)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(spare(default).await, Some(0), "no slot lent unless configured");
 }
 
 /// An Anthropic Messages body is rendered as the filter renders it: Claude Code's billing

@@ -55,6 +55,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Offloaded prompts tokenized at once: one per core. Others wait, up to their deadline.
     offload_slots: Arc<tokio::sync::Semaphore>,
+    /// The most slots one long offloaded prompt is tokenized on.
+    offload_spread: usize,
     /// Bytes of offloaded bodies held at once (read, waiting or tokenizing), one permit a byte.
     offload_bytes: Arc<tokio::sync::Semaphore>,
     /// The background threads' heartbeats, for `/healthz`.
@@ -81,6 +83,7 @@ impl AppState {
             allow_request_overrides,
             metrics,
             offload_slots,
+            offload_spread: 1,
             offload_bytes,
             health: Health::new(),
         }
@@ -91,10 +94,15 @@ impl AppState {
         AppState { health, ..self }
     }
 
-    /// Tokenizes at most `slots` offloaded prompts at once (default: one per core); a long
-    /// prompt spreads over the slots no other prompt is using.
+    /// Tokenizes at most `slots` offloaded prompts at once (default: one per core).
     pub fn with_offload_slots(self, slots: usize) -> AppState {
         AppState { offload_slots: Arc::new(tokio::sync::Semaphore::new(slots.max(1))), ..self }
+    }
+
+    /// Tokenizes a long offloaded prompt on up to `threads` slots, those no other prompt holds
+    /// (the config's `offload_spread_threads`; default 1).
+    pub fn with_offload_spread(self, threads: usize) -> AppState {
+        AppState { offload_spread: threads.max(1), ..self }
     }
 
     /// Holds at most `bytes` of offloaded bodies at once (the config's `offload_queue_bytes`).
@@ -455,9 +463,9 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
             tracing::debug!(%request_id, "no tokenizer free within the filter's budget");
             return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
         };
-        // A long prompt also takes the slots no other prompt is using, and spreads over them.
+        // A long prompt may also take slots no other prompt is using, and spread over them.
         let mut slots = vec![slot];
-        while slots.len() < req.body.len() / MIN_PART_BYTES {
+        while slots.len() < state.offload_spread.min(req.body.len() / MIN_PART_BYTES) {
             let Ok(spare) = state.offload_slots.clone().try_acquire_owned() else { break };
             slots.push(spare);
         }

@@ -416,9 +416,13 @@ fn the_readme_names_every_configuration_key() {
 }
 
 #[test]
-fn offload_threads_default_to_the_cores_and_refuse_zero() {
-    assert_eq!(load(BASE, &[]).unwrap().offload_threads, None);
-    assert_eq!(load(&format!("offload_threads = 1\n{BASE}"), &[]).unwrap().offload_threads, Some(1));
-    let err = load(&format!("offload_threads = 0\n{BASE}"), &[]).unwrap_err().to_string();
-    assert!(err.contains("offload_threads must be at least 1"), "{err}");
+fn offload_threads_default_to_the_cores_and_no_spreading_and_refuse_zero() {
+    let config = load(BASE, &[]).unwrap();
+    assert_eq!((config.offload_threads, config.offload_spread_threads), (None, 1));
+    let config = load(&format!("offload_threads = 4\noffload_spread_threads = 2\n{BASE}"), &[]).unwrap();
+    assert_eq!((config.offload_threads, config.offload_spread_threads), (Some(4), 2));
+    for key in ["offload_threads", "offload_spread_threads"] {
+        let err = load(&format!("{key} = 0\n{BASE}"), &[]).unwrap_err().to_string();
+        assert!(err.contains(&format!("{key} must be at least 1")), "{err}");
+    }
 }
