@@ -469,29 +469,42 @@ pub fn throughput() -> anyhow::Result<()> {
 
 /// `cargo xtask bench filter`: the latency kvgate adds, and tokenization in Envoy vs native.
 pub fn filter(raw: &[String]) -> anyhow::Result<()> {
-    let out = match raw {
-        [] => None,
-        [flag, dir] if flag == "--out" => Some(PathBuf::from(dir)),
-        _ => bail!("usage: cargo xtask bench filter [--out DIR]"),
-    };
+    let usage = "usage: cargo xtask bench filter [--out DIR] [--overhead-only]";
+    let (mut out, mut overhead_only) = (None, false);
+    let mut args = raw.iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--out" => out = Some(PathBuf::from(args.next().ok_or_else(|| anyhow::anyhow!(usage))?)),
+            "--overhead-only" => overhead_only = true,
+            _ => bail!(usage),
+        }
+    }
     install::all()?;
     build_wasm()?;
     cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
     let artifacts = Artifacts::locate("release");
     let facts = facts(format!("cargo xtask bench filter {}", raw.join(" ")).trim().to_owned());
     let report = kvgate_e2e::bench::filter::run(&artifacts)?;
-    let throughput = kvgate_e2e::bench::throughput::run(&artifacts)?;
-    let memory = kvgate_e2e::bench::memory::run(&artifacts)?;
-    let workers = kvgate_e2e::bench::workers::run(&artifacts)?;
-    let placement = kvgate_e2e::bench::placement::run(&artifacts)?;
-    let tables = format!(
-        "{}\n{}\n{}\n{}\n{}",
-        kvgate_e2e::bench::filter::tables(&report),
-        kvgate_e2e::bench::throughput::table(&throughput),
-        kvgate_e2e::bench::memory::table(&memory),
-        kvgate_e2e::bench::workers::table(&workers),
-        kvgate_e2e::bench::placement::table(&placement)
-    );
+    let mut tables = kvgate_e2e::bench::filter::tables(&report);
+    let mut json = serde_json::json!({"facts": facts, "report": report});
+    if !overhead_only {
+        let throughput = kvgate_e2e::bench::throughput::run(&artifacts)?;
+        let memory = kvgate_e2e::bench::memory::run(&artifacts)?;
+        let workers = kvgate_e2e::bench::workers::run(&artifacts)?;
+        let placement = kvgate_e2e::bench::placement::run(&artifacts)?;
+        for table in [
+            kvgate_e2e::bench::throughput::table(&throughput),
+            kvgate_e2e::bench::memory::table(&memory),
+            kvgate_e2e::bench::workers::table(&workers),
+            kvgate_e2e::bench::placement::table(&placement),
+        ] {
+            tables += &format!("\n{table}");
+        }
+        json["throughput"] = serde_json::to_value(&throughput)?;
+        json["memory"] = serde_json::to_value(&memory)?;
+        json["workers"] = serde_json::to_value(&workers)?;
+        json["placement"] = serde_json::to_value(&placement)?;
+    }
     let md = format!(
         "# kvgate filter overhead\n\n- command: `{}`\n- commit: `{}`\n- machine: {}\n- started: {}\n\n{tables}",
         facts.command, facts.commit, facts.machine, facts.started
@@ -499,12 +512,7 @@ pub fn filter(raw: &[String]) -> anyhow::Result<()> {
     let dir = out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("filter.md"), &md)?;
-    std::fs::write(
-        dir.join("filter.json"),
-        serde_json::to_string_pretty(
-            &serde_json::json!({"facts": facts, "report": report, "throughput": throughput, "memory": memory, "workers": workers, "placement": placement}),
-        )?,
-    )?;
+    std::fs::write(dir.join("filter.json"), serde_json::to_string_pretty(&json)?)?;
     println!("{md}\nwritten to {}", dir.display());
     Ok(())
 }
