@@ -373,6 +373,8 @@ fn maximal() -> Value {
                 "stall_timeout_secs": 30,
                 "allow_request_overrides": false,
                 "offload_queue_bytes": 67108864,
+                "offload_threads": 2,
+                "offload_spread_threads": 2,
                 "scoring": scoring,
             }},
             "sync": {"config": {"handover_timeout_ms": 5000, "handover_burst": 4, "handover_refill_ms": 5000}},

@@ -53,7 +53,8 @@ pub struct AppState {
     pub allow_request_overrides: bool,
     /// Metrics.
     pub metrics: Arc<Metrics>,
-    /// Offloaded prompts tokenized at once: one per core. Others wait, up to their deadline.
+    /// Offloaded prompts tokenized at once: one per core unless configured (`offload_threads`).
+    /// Others wait, up to their deadline.
     offload_slots: Arc<tokio::sync::Semaphore>,
     /// The most slots one long offloaded prompt is tokenized on.
     offload_spread: usize,
