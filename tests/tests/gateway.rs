@@ -399,7 +399,10 @@ fn ttft_predictions_stay_close_with_concurrent_clients() {
     .unwrap();
     let (p50, p90) = (percentile(&errors, 50.0).unwrap(), percentile(&errors, 90.0).unwrap());
     eprintln!("TTFT error with 4 concurrent clients, {} checks: p50 {p50:.3}, p90 {p90:.3}", errors.len());
-    assert!(p50 <= 0.08 && p90 <= 0.35, "p50 {p50:.3}, p90 {p90:.3}: {errors:?}");
+    // Quiet hosts give p90 9–15 %; a host running twice as slow as usual gave 35.1 % once
+    // (2026-12-06), its slow spell in the middle of the run. Before the model's fixes the same
+    // traffic gave p90 48 %, and predictions of zero score 100 %.
+    assert!(p50 <= 0.08 && p90 <= 0.42, "p50 {p50:.3}, p90 {p90:.3}: {errors:?}");
     let errors = stack.latency_errors("itl", 400).unwrap();
     let (p50, p90) = (percentile(&errors, 50.0).unwrap(), percentile(&errors, 90.0).unwrap());
     eprintln!("ITL error with 4 concurrent clients, {} checks: p50 {p50:.3}, p90 {p90:.3}", errors.len());
