@@ -21,7 +21,9 @@ pub struct ModelTokenizer {
     tokenizer: PipelineTokenizer,
     chat: ChatRenderer,
     segments: Option<SegmentCache>,
-    spread: Option<Spread>,
+    /// Whether long texts may be cut for threads: checked on first use, so a filter (which
+    /// never spreads) pays nothing for it at load.
+    spread: std::sync::OnceLock<Option<Spread>>,
 }
 
 /// How chats become prompt tokens for this model.
@@ -72,8 +74,7 @@ impl ModelTokenizer {
             Renderer::Template => ChatRenderer::Template(bundle.template()?.map(Box::new)),
             Renderer::Harmony => ChatRenderer::Harmony(HarmonyIds::resolve(&tokenizer)?),
         };
-        let spread = Spread::for_tokenizer(&tokenizer);
-        Ok(ModelTokenizer { tokenizer, chat, segments: None, spread })
+        Ok(ModelTokenizer { tokenizer, chat, segments: None, spread: std::sync::OnceLock::new() })
     }
 
     /// Caches tokenized chat segments, up to `budget` bytes (see [`SegmentCache`]). A
@@ -102,7 +103,11 @@ impl ModelTokenizer {
 
     /// Whether [`ModelTokenizer::prompt_tokens_on`] can spread this model's prompts at all.
     pub fn spreads(&self) -> bool {
-        self.spread.is_some()
+        self.spread().is_some()
+    }
+
+    fn spread(&self) -> Option<Spread> {
+        *self.spread.get_or_init(|| Spread::for_tokenizer(&self.tokenizer))
     }
 
     /// The first tokens of the prompt, tokenizing at most about `max_bytes` of its text: the
@@ -158,7 +163,8 @@ impl ModelTokenizer {
             }
         };
         let head = &text[..safe_cut(&text, max_bytes)];
-        let encode_all = |pieces: &[&str]| encode_pieces(pieces, threads, self.spread, |p| self.encode(p, false));
+        let spread = if threads > 1 { self.spread() } else { None };
+        let encode_all = |pieces: &[&str]| encode_pieces(pieces, threads, spread, |p| self.encode(p, false));
         let tokens = match (&self.segments, add_special_tokens) {
             (Some(cache), false) => cache.encode(head, encode_all)?,
             (None, false) => encode_all(&[head])?.concat(),
