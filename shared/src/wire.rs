@@ -205,6 +205,34 @@ pub struct RouteBodyRequest<'a> {
     pub prefill_legs: bool,
 }
 
+impl<'a> RouteBodyRequest<'a> {
+    /// An offload of `body` sent to `endpoint`, answered within `budget_ms`; nothing else set
+    /// (no session, overrides, wait, class, tenant, SLOs or prefill leg). Tests and
+    /// benchmarks start from it.
+    pub fn of(
+        request_id: &str,
+        endpoint: crate::prompt::openai::Endpoint,
+        body: impl Into<std::borrow::Cow<'a, [u8]>>,
+        budget_ms: u32,
+    ) -> RouteBodyRequest<'a> {
+        RouteBodyRequest {
+            request_id: RequestId::from(request_id),
+            client_request_id: None,
+            endpoint,
+            body: body.into(),
+            session: None,
+            overrides: None,
+            budget_ms,
+            wait_ms: 0,
+            priority: None,
+            tenant: None,
+            ttft_slo_ms: None,
+            itl_slo_ms: None,
+            prefill_legs: false,
+        }
+    }
+}
+
 /// Scoring knobs a request may override (Dynamo's `router_config_override`).
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

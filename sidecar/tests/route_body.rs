@@ -62,21 +62,7 @@ fn offload(body: &str) -> Vec<u8> {
 }
 
 fn offload_to(endpoint: Endpoint, body: &str) -> Vec<u8> {
-    let request = RouteBodyRequest {
-        request_id: "r1".into(),
-        client_request_id: None,
-        endpoint,
-        body: body.as_bytes().into(),
-        session: None,
-        overrides: None,
-        budget_ms: 30_000,
-        wait_ms: 0,
-        priority: None,
-        tenant: None,
-        ttft_slo_ms: None,
-        itl_slo_ms: None,
-        prefill_legs: false,
-    };
+    let request = RouteBodyRequest::of("r1", endpoint, body.as_bytes(), 30_000);
     codec::encode(&request).unwrap()
 }
 
