@@ -2,7 +2,11 @@
 //! tokenize, hash; what the sidecar does on a tokenizer slot for a body the filter hands it):
 //! a cold chat of about 32k and 128k words (a document never seen, and a question), on one
 //! thread and spread over two, so what an idle core saves is measured against the same pool
-//! without it. Run: `cargo bench -p kvgate-sidecar --bench offload`.
+//! without it. And where a cold offload of ~128k tokens spends its time in the sidecar, stage by stage
+//! on the same documents (`stages`): decoding the filter's call and parsing the body; render,
+//! tokenize and hash; the decision (index lookup, scoring, booking, the in-flight credit); and
+//! all of them in a row.
+//! Run: `cargo bench -p kvgate-sidecar --bench offload`.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -14,6 +18,7 @@ use kvgate_shared::prompt::openai::{parse, Endpoint, ParsedRequest};
 use kvgate_shared::wire::{ModelBundle, RouteBodyRequest};
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::{Pool, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::score::ScoringConfig;
 
 const BLOCK: u32 = 16;
 
@@ -23,6 +28,11 @@ fn repo() -> &'static Path {
 
 /// A pool of two replicas serving the vendored Qwen3, its tokenizer loaded.
 fn pool() -> Pool {
+    pool_with(|_| ())
+}
+
+/// [`pool`], its config changed by `change` first.
+fn pool_with(change: impl FnOnce(&mut PoolConfig)) -> Pool {
     let model_dir = repo().join("models/qwen3-0.6b");
     let replicas = (0..2)
         .map(|i| {
@@ -30,7 +40,8 @@ fn pool() -> Pool {
             ReplicaConfig::new(&format!("r{i}"), endpoint, "tcp://127.0.0.1:1")
         })
         .collect();
-    let config = PoolConfig::new("qwen3", model_dir.clone(), BLOCK, replicas);
+    let mut config = PoolConfig::new("qwen3", model_dir.clone(), BLOCK, replicas);
+    change(&mut config);
     let bundle = codec::encode(&ModelBundle::from_dir("qwen3", &model_dir, BLOCK).expect("model")).expect("bundle");
     let pool = Pool::new(config, bundle, Arc::new(Metrics::default()));
     pool.tokenizer().expect("tokenizer");
@@ -51,21 +62,7 @@ fn offload(words: &[&str], seed: usize, n: usize) -> (ParsedRequest, RouteBodyRe
     ]})
     .to_string();
     let parsed = parse(Endpoint::ChatCompletions, body.as_bytes()).expect("body");
-    let request = RouteBodyRequest {
-        request_id: format!("r{seed}").into(),
-        client_request_id: None,
-        endpoint: Endpoint::ChatCompletions,
-        body: body.into_bytes().into(),
-        session: None,
-        overrides: None,
-        budget_ms: 60_000,
-        wait_ms: 0,
-        priority: None,
-        tenant: None,
-        ttft_slo_ms: None,
-        itl_slo_ms: None,
-        prefill_legs: false,
-    };
+    let request = RouteBodyRequest::of(&format!("r{seed}"), Endpoint::ChatCompletions, body.into_bytes(), 60_000);
     (parsed, request)
 }
 
@@ -97,5 +94,99 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+/// A cold offload's stages, each timed on its own over the same documents, and all in a row.
+fn stages(c: &mut Criterion) {
+    let readme = std::fs::read_to_string(repo().join("README.md")).expect("README");
+    let words: Vec<&str> = readme.split_whitespace().collect();
+    let scoring = ScoringConfig::default();
+    // About 128k prompt tokens (the words of the README, with ids, run ~2.3 tokens each).
+    let n = 55_000;
+    let mut group = c.benchmark_group("offload_stages");
+    group.sample_size(20);
+    let deadline = || Instant::now() + Duration::from_secs(60);
+    // What the filter sends: its call's body, encoded.
+    let call = |seed| codec::encode(&offload(&words, seed, n).1).expect("encoded");
+    let decode_and_parse = |call: &[u8]| {
+        let request: RouteBodyRequest<'static> = codec::decode(call).expect("decoded");
+        let parsed = parse(request.endpoint, &request.body).expect("parsed");
+        (parsed, request)
+    };
+
+    // The size of what every stage handles (each seed's document is about as long).
+    let (parsed, request) = offload(&words, 0, n);
+    let route = pool().request_for_body(&parsed, &request, deadline(), 1).expect("routed");
+    eprintln!(
+        "offload_stages: a {} KB body, {} prompt tokens, {} full blocks of {BLOCK}",
+        request.body.len() / 1000,
+        route.prompt_tokens,
+        route.block_hashes.len()
+    );
+
+    let mut seed = 0;
+    group.bench_function(BenchmarkId::new("decode_and_parse", n), |b| {
+        b.iter_batched(
+            || {
+                seed += 1;
+                call(seed)
+            },
+            |call| decode_and_parse(&call),
+            criterion::BatchSize::PerIteration,
+        )
+    });
+
+    let pool_for_tokenize = pool();
+    let mut seed = 0;
+    group.bench_function(BenchmarkId::new("tokenize_and_hash", n), |b| {
+        b.iter_batched(
+            || {
+                seed += 1;
+                offload(&words, seed, n)
+            },
+            |(parsed, request)| pool_for_tokenize.request_for_body(&parsed, &request, deadline(), 1).expect("routed"),
+            criterion::BatchSize::PerIteration,
+        )
+    });
+
+    // Each its own pool: the documents are cold in its index and its in-flight credit too.
+    // The previous request ends before each decision (untimed): an end is not on the
+    // decision's path, and the load stays steady. Without the in-flight credit
+    // (`inflight_credit_secs = 0`): what remembering where the prompt went costs.
+    let pools = [("decide", pool()), ("decide_without_inflight_credit", pool_with(|c| c.inflight_credit_secs = 0))];
+    for (name, pool) in &pools {
+        let mut seed = 0;
+        group.bench_function(BenchmarkId::new(*name, n), |b| {
+            b.iter_batched(
+                || {
+                    pool.lifecycle(&format!("r{seed}").into(), false);
+                    seed += 1;
+                    let (parsed, request) = offload(&words, seed, n);
+                    pool.request_for_body(&parsed, &request, deadline(), 1).expect("routed")
+                },
+                |route| pool.route(&route, &scoring),
+                criterion::BatchSize::PerIteration,
+            )
+        });
+    }
+
+    let pool_for_all = pool();
+    let mut seed = 0;
+    group.bench_function(BenchmarkId::new("all", n), |b| {
+        b.iter_batched(
+            || {
+                pool_for_all.lifecycle(&format!("r{seed}").into(), false);
+                seed += 1;
+                call(seed)
+            },
+            |call| {
+                let (parsed, request) = decode_and_parse(&call);
+                let route = pool_for_all.request_for_body(&parsed, &request, deadline(), 1).expect("routed");
+                pool_for_all.route(&route, &scoring)
+            },
+            criterion::BatchSize::PerIteration,
+        )
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench, stages);
 criterion_main!(benches);
