@@ -10,9 +10,12 @@
 //! come through this gateway.
 //!
 //! The same index is the in-flight credit of `kv_aware` (where prefixes went moments ago).
-//! Every decision and every peer's booking records here, so a record costs one lookup per
-//! block in a flat table, and blocks leave in the order they were last recorded: when they
-//! expire, or when the table is full.
+//! Every decision and every peer's booking records here, so a record must cost little however
+//! long its prompt: the blocks a record adds are one *run*, stored side by side, and the table
+//! holds only each run's first block and every [`STRIDE`]th after it. A walk follows a run by
+//! comparing the next slot, and finds the run holding a block from the table within
+//! [`STRIDE`] lookups back. Sequence hashes chain, so a run holding the prompt's block at a
+//! depth agrees with the prompt up to it.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -23,49 +26,82 @@ use smallvec::SmallVec;
 use super::sharded::Map;
 use super::{Overlap, ReplicaIdx};
 
-/// Blocks recorded per replica, most recently routed last; bounded and timed.
+/// A run's blocks in the table: its first, and every `STRIDE`th after it.
+const STRIDE: usize = 16;
+
+/// Blocks recorded per replica, as runs; bounded and timed.
 #[derive(Debug)]
 pub struct ApproxIndex {
-    /// Sequence hash → the replicas it was sent to, with when.
-    blocks: Map<SequenceHash, Block>,
-    /// Every record, oldest first: a block and when it was recorded. A block leaves when its
+    /// Every run kept, by id.
+    runs: Map<u64, Run>,
+    /// Sequence hash → the runs holding it at their first block or at a multiple of
+    /// [`STRIDE`] after it.
+    table: Map<SequenceHash, SmallVec<[Entry; 1]>>,
+    /// Every record of a run, oldest first: the run and its time then. A run leaves when its
     /// latest record is popped (a record refreshed since is skipped).
-    order: VecDeque<(SequenceHash, u64)>,
+    order: VecDeque<(u64, u64)>,
+    /// Blocks in all runs (a block recorded on two replicas counts twice).
+    blocks: usize,
+    /// Runs per replica: a replica with none is not walked.
+    per_replica: Vec<u32>,
+    /// The next run's id.
+    next: u64,
     /// Blocks kept at most.
     capacity: usize,
     ttl: Duration,
-    /// What [`Holder::at`] counts from.
+    /// What [`Run::at`] counts from.
     epoch: Instant,
 }
 
-/// A block's holders, and when it was last recorded.
-#[derive(Debug, Default)]
-struct Block {
-    holders: SmallVec<[Holder; 2]>,
-    last: u64,
+/// Blocks recorded on one replica in one go (or the part of such a record that a later one
+/// refreshed), in prompt order.
+#[derive(Debug)]
+struct Run {
+    replica: ReplicaIdx,
+    /// When it was last recorded: milliseconds after the index's epoch.
+    at: u64,
+    hashes: Vec<SequenceHash>,
 }
 
-/// A replica a block was sent to, and when: 16 bytes (an `Instant` alone takes 16), since
-/// every decision reads the holders of each of its prompt's blocks.
+/// A run holding a block, and where. A block's entries are in replica order, so a walk finds
+/// one replica's among a fleet's by bisection.
 #[derive(Debug, Clone, Copy)]
-struct Holder {
+struct Entry {
+    run: u64,
+    offset: u32,
     replica: ReplicaIdx,
-    /// Milliseconds after the index's epoch.
-    at: u64,
+}
+
+/// What a walk found at each depth of the prompt, looked up once for every replica walked.
+struct Lookups<'a> {
+    found: Vec<Option<&'a [Entry]>>,
+    done: Vec<bool>,
+}
+
+impl<'a> Lookups<'a> {
+    fn new(blocks: usize) -> Self {
+        Lookups { found: vec![None; blocks], done: vec![false; blocks] }
+    }
 }
 
 impl ApproxIndex {
-    /// An empty index keeping at most `capacity` distinct blocks, each for `ttl`.
+    /// An empty index keeping at most `capacity` blocks, each for `ttl`.
     pub fn new(capacity: usize, ttl: Duration) -> ApproxIndex {
-        let capacity = capacity.max(1);
-        ApproxIndex { blocks: Map::default(), order: VecDeque::new(), capacity, ttl, epoch: Instant::now() }
+        ApproxIndex {
+            runs: Map::default(),
+            table: Map::default(),
+            order: VecDeque::new(),
+            blocks: 0,
+            per_replica: Vec::new(),
+            next: 0,
+            capacity: capacity.max(1),
+            ttl,
+            epoch: Instant::now(),
+        }
     }
 
     /// Each of `replicas` replicas' overlap with the prompt: its leading blocks recorded on that
     /// replica and not expired at `now` (reported as device blocks).
-    ///
-    /// O(blocks × (holders + replicas / 64)): the replicas still matching are a bit set, and a
-    /// replica's overlap is written once, when it stops matching.
     pub fn find_matches(&self, hashes: &[SequenceHash], replicas: usize, now: Instant) -> Vec<Overlap> {
         self.find_matches_past(hashes, &vec![0; replicas], now)
     }
@@ -75,133 +111,215 @@ impl ApproxIndex {
     /// and not expired at `now` (one per entry of `held`).
     ///
     /// A decision records on its target only the blocks past what the target's events hold
-    /// ([`ApproxIndex::record`] of the rest), so a prefix that the events show cached does not
-    /// grow every one of its blocks' holder lists with the fleet; the walk counts what the
-    /// events hold as held, so the blocks recorded after it still count. The walk starts at the
-    /// fewest blocks any replica's events hold (a shared system prompt costs nothing). Where a
-    /// record of an early block was forgotten (the table was full) and a later one's was not,
-    /// the walk stops at the gap.
+    /// ([`ApproxIndex::record`] from there), so a prefix that the events show cached is not
+    /// recorded again for every request; the walk counts what the events hold as held, and
+    /// goes on with the runs recorded after it. A replica with no run is not walked; the
+    /// others are walked from where their events end, the table's lookups shared among them.
+    /// Where a run of an early block was forgotten and a later one was not, the walk stops at
+    /// the gap.
     pub fn find_matches_past(&self, hashes: &[SequenceHash], held: &[u32], now: Instant) -> Vec<Overlap> {
-        let replicas = held.len();
-        let start = (held.iter().copied().min().unwrap_or(0) as usize).min(hashes.len());
-        let words = replicas.div_ceil(64);
-        // Replicas whose events hold blocks past `start`, in the order they stop holding them.
-        let mut by_events: Vec<(u32, usize)> =
-            held.iter().enumerate().filter(|(_, h)| **h as usize > start).map(|(r, h)| (*h, r)).collect();
-        by_events.sort_unstable();
-        let mut event_held = vec![0u64; words];
-        for &(_, r) in &by_events {
-            event_held[r / 64] |= 1 << (r % 64);
-        }
-        let mut leaving = by_events.iter().peekable();
-        let mut out = vec![Overlap::default(); replicas];
-        let mut still: Vec<u64> = (0..words).map(|w| bits_below(replicas - w * 64)).collect();
-        let mut here = vec![0u64; words];
         let fresh = self.fresh_at(now);
-        for (depth, h) in (start..).zip(&hashes[start..]) {
-            while let Some(&(_, r)) = leaving.next_if(|(until, _)| *until as usize <= depth) {
-                event_held[r / 64] &= !(1 << (r % 64));
-            }
-            here.copy_from_slice(&event_held);
-            for &Holder { replica: r, at } in self.blocks.get(h).into_iter().flat_map(|b| &b.holders) {
-                if r.get() < replicas && fresh(at) {
-                    here[r.get() / 64] |= 1 << (r.get() % 64);
-                }
-            }
-            let mut any = false;
-            for (w, (s, held)) in still.iter_mut().zip(&here).enumerate() {
-                set_overlap(&mut out, w, *s & !held, depth as u32);
-                *s &= held;
-                any |= *s != 0;
-            }
-            if !any {
-                return out;
-            }
-        }
-        for (w, s) in still.iter().enumerate() {
-            set_overlap(&mut out, w, *s, hashes.len() as u32);
-        }
-        out
+        let mut lookups = None;
+        held.iter()
+            .enumerate()
+            .map(|(r, &h)| {
+                let from = (h as usize).min(hashes.len());
+                let replica = ReplicaIdx::new(r);
+                let device = match self.per_replica.get(r) {
+                    Some(runs) if *runs > 0 => {
+                        let lookups = lookups.get_or_insert_with(|| Lookups::new(hashes.len()));
+                        self.walk(replica, hashes, from, &fresh, lookups, |_, _, _| ())
+                    }
+                    _ => from,
+                };
+                Overlap { device: device as u32, ..Overlap::default() }
+            })
+            .collect()
     }
 
-    /// Records that the prompt's blocks were sent to `replica` at `now`.
-    pub fn record(&mut self, replica: ReplicaIdx, hashes: &[SequenceHash], now: Instant) {
-        let fresh = self.fresh_at(now);
-        let at = self.millis(now);
-        for h in hashes {
-            let block = self.blocks.entry(*h).or_default();
-            block.holders.retain(|h| h.replica != replica && fresh(h.at));
-            block.holders.push(Holder { replica, at });
-            block.last = at;
-            self.order.push_back((*h, at));
+    /// Records that the prompt's blocks from `from` on were sent to `replica` at `now`. What
+    /// is recorded there already is refreshed; the rest becomes a new run.
+    pub fn record(&mut self, replica: ReplicaIdx, hashes: &[SequenceHash], from: usize, now: Instant) {
+        let from = from.min(hashes.len());
+        let (fresh, at) = (self.fresh_at(now), self.millis(now));
+        let mut refreshed = Vec::new();
+        let end = self.walk(replica, hashes, from, &fresh, &mut Lookups::new(hashes.len()), |run, offset, len| {
+            refreshed.push((run, offset, len))
+        });
+        for (run, offset, len) in refreshed {
+            self.refresh(run, offset, len, at);
+        }
+        if end < hashes.len() {
+            self.add(replica, hashes[end..].to_vec(), at);
         }
         self.forget(now);
     }
 
-    /// Forgets the blocks whose latest record has expired at `now`, then the least recently
-    /// recorded while more than `capacity` are kept; and drops the records refreshed since, once
-    /// they outnumber the blocks kept, so `order` stays within twice the capacity.
+    /// How far the prompt is held on `replica` from `from`: the runs holding its blocks, one
+    /// after another, until none holds the next. `visit` gets each run followed, the offset
+    /// where the walk entered it and how many of its blocks it followed.
+    fn walk<'a>(
+        &'a self,
+        replica: ReplicaIdx,
+        hashes: &[SequenceHash],
+        from: usize,
+        fresh: &impl Fn(u64) -> bool,
+        lookups: &mut Lookups<'a>,
+        mut visit: impl FnMut(u64, usize, usize),
+    ) -> usize {
+        let mut d = from;
+        while d < hashes.len() {
+            let Some((id, entered)) = self.locate(replica, hashes, d, fresh, lookups) else { break };
+            let run = &self.runs[&id].hashes;
+            let followed = run[entered..].iter().zip(&hashes[d..]).take_while(|(a, b)| a == b).count();
+            visit(id, entered, followed);
+            d += followed;
+        }
+        d
+    }
+
+    /// A fresh run of `replica` holding the prompt's block at depth `d`, and where: found
+    /// through the table at one of the [`STRIDE`] depths up to `d` (the run's first block, or
+    /// one of its every-`STRIDE`th, is among them).
+    fn locate<'a>(
+        &'a self,
+        replica: ReplicaIdx,
+        hashes: &[SequenceHash],
+        d: usize,
+        fresh: &impl Fn(u64) -> bool,
+        lookups: &mut Lookups<'a>,
+    ) -> Option<(u64, usize)> {
+        (0..STRIDE.min(d + 1)).find_map(|back| {
+            let at = d - back;
+            if !lookups.done[at] {
+                lookups.found[at] = self.table.get(&hashes[at]).map(|e| e.as_slice());
+                lookups.done[at] = true;
+            }
+            let entries = lookups.found[at]?;
+            let first = entries.partition_point(|e| e.replica < replica);
+            entries[first..].iter().take_while(|e| e.replica == replica).find_map(|e| {
+                let run = &self.runs[&e.run];
+                let offset = e.offset as usize + back;
+                let holds = fresh(run.at) && run.hashes.get(offset) == Some(&hashes[d]);
+                holds.then_some((e.run, offset))
+            })
+        })
+    }
+
+    /// Marks `len` blocks of run `id` from `offset` recorded at `at`: the run is split so that
+    /// exactly those blocks take the new time. The blocks after them keep the run's id and
+    /// its place in `order`; those before, if any, are a run of their own at the old time.
+    fn refresh(&mut self, id: u64, offset: usize, len: usize, at: u64) {
+        let Some(run) = self.runs.get_mut(&id) else { return };
+        if offset == 0 && len == run.hashes.len() {
+            run.at = at;
+            self.order.push_back((id, at));
+            return;
+        }
+        let Run { replica, at: before, hashes: mut front } = self.remove(id).expect("the run was just found");
+        let back = front.split_off(offset + len);
+        let middle = front.split_off(offset);
+        front.shrink_to_fit();
+        if back.is_empty() {
+            self.insert(id, Run { replica, at: before, hashes: front });
+        } else {
+            self.insert(id, Run { replica, at: before, hashes: back });
+            if !front.is_empty() {
+                self.add(replica, front, before);
+            }
+        }
+        self.add(replica, middle, at);
+    }
+
+    /// A new run of `hashes` on `replica`, recorded at `at`.
+    fn add(&mut self, replica: ReplicaIdx, hashes: Vec<SequenceHash>, at: u64) {
+        let id = self.next;
+        self.next += 1;
+        self.insert(id, Run { replica, at, hashes });
+        self.order.push_back((id, at));
+    }
+
+    /// Puts run `id` in the table (its place in `order` is the caller's).
+    fn insert(&mut self, id: u64, run: Run) {
+        for offset in (0..run.hashes.len()).step_by(STRIDE) {
+            let entries = self.table.entry(run.hashes[offset]).or_default();
+            let after = entries.partition_point(|e| e.replica <= run.replica);
+            entries.insert(after, Entry { run: id, offset: offset as u32, replica: run.replica });
+        }
+        let r = run.replica.get();
+        if self.per_replica.len() <= r {
+            self.per_replica.resize(r + 1, 0);
+        }
+        self.per_replica[r] += 1;
+        self.blocks += run.hashes.len();
+        self.runs.insert(id, run);
+    }
+
+    /// Takes run `id` out of the table.
+    fn remove(&mut self, id: u64) -> Option<Run> {
+        let run = self.runs.remove(&id)?;
+        for offset in (0..run.hashes.len()).step_by(STRIDE) {
+            if let Some(entries) = self.table.get_mut(&run.hashes[offset]) {
+                entries.retain(|e| e.run != id);
+                if entries.is_empty() {
+                    self.table.remove(&run.hashes[offset]);
+                }
+            }
+        }
+        self.per_replica[run.replica.get()] -= 1;
+        self.blocks -= run.hashes.len();
+        Some(run)
+    }
+
+    /// Forgets the runs whose latest record has expired at `now`, then the least recently
+    /// recorded while more than `capacity` blocks are kept (whole runs: it may keep up to a
+    /// run's length fewer); and drops the records refreshed since, once they outnumber the
+    /// runs kept, so `order` stays within about twice their number.
     fn forget(&mut self, now: Instant) {
         let fresh = self.fresh_at(now);
-        while let Some(&(h, at)) = self.order.front() {
-            if fresh(at) && self.blocks.len() <= self.capacity {
+        while let Some(&(id, at)) = self.order.front() {
+            let latest = self.runs.get(&id).is_some_and(|r| r.at == at);
+            if latest && fresh(at) && self.blocks <= self.capacity {
                 break;
             }
             self.order.pop_front();
-            if self.blocks.get(&h).is_some_and(|b| b.last == at) {
-                self.blocks.remove(&h);
+            if latest {
+                self.remove(id);
             }
         }
-        if self.order.len() > 2 * self.capacity {
-            let blocks = &self.blocks;
-            self.order.retain(|(h, at)| blocks.get(h).is_some_and(|b| b.last == *at));
+        if self.order.len() > 2 * self.runs.len() + 2 {
+            let runs = &self.runs;
+            self.order.retain(|(id, at)| runs.get(id).is_some_and(|r| r.at == *at));
         }
     }
 
-    /// Whether a record made at a given [`Holder::at`] has not expired at `now`.
+    /// Whether a record made at a given [`Run::at`] has not expired at `now`.
     fn fresh_at(&self, now: Instant) -> impl Fn(u64) -> bool {
         let oldest = self.millis(now).checked_sub(self.ttl.as_millis() as u64);
         move |at| oldest.is_none_or(|oldest| at >= oldest)
     }
 
-    /// `now` in [`Holder::at`]'s terms (an instant before the epoch counts as the epoch).
+    /// `now` in [`Run::at`]'s terms (an instant before the epoch counts as the epoch).
     fn millis(&self, now: Instant) -> u64 {
         now.saturating_duration_since(self.epoch).as_millis() as u64
     }
 
     /// Forgets a replica (it left the pool).
     pub fn clear_replica(&mut self, replica: ReplicaIdx) {
-        self.blocks.retain(|_, b| {
-            b.holders.retain(|h| h.replica != replica);
-            !b.holders.is_empty()
-        });
+        let gone: Vec<u64> = self.runs.iter().filter(|(_, r)| r.replica == replica).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.remove(id);
+        }
     }
 
-    /// Distinct blocks remembered.
+    /// Blocks remembered (a block recorded on two replicas counts twice).
     pub fn len(&self) -> usize {
-        self.blocks.len()
+        self.blocks
     }
 
     /// Whether nothing is remembered.
     pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
-    }
-}
-
-/// The lowest `n` bits set (all 64 for `n` ≥ 64).
-fn bits_below(n: usize) -> u64 {
-    if n >= 64 {
-        u64::MAX
-    } else {
-        (1 << n) - 1
-    }
-}
-
-/// Sets the device overlap of the replicas whose bits are set in `word` (word `w` of a set).
-fn set_overlap(out: &mut [Overlap], w: usize, mut word: u64, depth: u32) {
-    while word != 0 {
-        out[w * 64 + word.trailing_zeros() as usize].device = depth;
-        word &= word - 1;
+        self.blocks == 0
     }
 }
 
@@ -218,8 +336,8 @@ mod tests {
     fn overlap_is_the_leading_blocks_sent_to_each_replica() {
         let mut idx = ApproxIndex::new(100, Duration::from_secs(60));
         let t = Instant::now();
-        idx.record(ReplicaIdx::new(1), &h(&[1, 2, 3, 4]), t);
-        idx.record(ReplicaIdx::new(0), &h(&[1, 2, 9]), t);
+        idx.record(ReplicaIdx::new(1), &h(&[1, 2, 3, 4]), 0, t);
+        idx.record(ReplicaIdx::new(0), &h(&[1, 2, 9]), 0, t);
         let o = idx.find_matches(&h(&[1, 2, 3, 5]), 3, t);
         assert_eq!(o.iter().map(|o| o.device).collect::<Vec<_>>(), [2, 3, 0]);
         assert_eq!(
@@ -235,9 +353,9 @@ mod tests {
     fn a_prefix_every_replica_holds_is_not_walked_but_counted() {
         let mut idx = ApproxIndex::new(100, Duration::from_secs(60));
         let t = Instant::now();
-        idx.record(ReplicaIdx::new(0), &h(&[1, 2, 3, 4]), t);
-        idx.record(ReplicaIdx::new(1), &h(&[1, 2]), t);
-        idx.record(ReplicaIdx::new(2), &h(&[1, 2, 3, 4, 5, 6]), t);
+        idx.record(ReplicaIdx::new(0), &h(&[1, 2, 3, 4]), 0, t);
+        idx.record(ReplicaIdx::new(1), &h(&[1, 2]), 0, t);
+        idx.record(ReplicaIdx::new(2), &h(&[1, 2, 3, 4, 5, 6]), 0, t);
         let prompt = h(&[1, 2, 3, 4, 5, 6]);
         let device = |o: Vec<Overlap>| o.iter().map(|o| o.device).collect::<Vec<_>>();
         assert_eq!(device(idx.find_matches(&prompt, 4, t)), [4, 2, 6, 0]);
@@ -252,8 +370,8 @@ mod tests {
         let t = Instant::now();
         let prompt = h(&[1, 2, 3, 4, 5, 6]);
         // Each target's events held the first three blocks: only the rest was recorded.
-        idx.record(ReplicaIdx::new(0), &prompt[3..], t);
-        idx.record(ReplicaIdx::new(1), &prompt[3..], t);
+        idx.record(ReplicaIdx::new(0), &prompt, 3, t);
+        idx.record(ReplicaIdx::new(1), &prompt, 3, t);
         let device = |o: Vec<Overlap>| o.iter().map(|o| o.device).collect::<Vec<_>>();
         assert_eq!(device(idx.find_matches_past(&prompt, &[3, 3, 0], t)), [6, 6, 0]);
         assert_eq!(
@@ -268,24 +386,25 @@ mod tests {
     fn entries_expire_and_the_size_is_bounded() {
         let mut idx = ApproxIndex::new(3, Duration::from_secs(10));
         let t = Instant::now();
-        idx.record(ReplicaIdx::new(0), &h(&[1, 2]), t);
+        idx.record(ReplicaIdx::new(0), &h(&[1, 2]), 0, t);
         assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(5))[0].device, 2);
         assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(11))[0].device, 0, "expired");
-        idx.record(ReplicaIdx::new(0), &h(&[1, 2]), t + Duration::from_secs(11));
+        idx.record(ReplicaIdx::new(0), &h(&[1, 2]), 0, t + Duration::from_secs(11));
         assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(12))[0].device, 2, "refreshed");
-        idx.record(ReplicaIdx::new(0), &h(&[5, 6]), t + Duration::from_secs(12));
-        assert_eq!(idx.len(), 3, "the least recently routed block went");
+        idx.record(ReplicaIdx::new(0), &h(&[5, 6]), 0, t + Duration::from_secs(12));
+        assert_eq!(idx.len(), 2, "the least recently routed run went, whole");
         assert_eq!(idx.find_matches(&h(&[1, 2]), 1, t + Duration::from_secs(12))[0].device, 0);
     }
 
     #[test]
     fn blocks_recorded_again_and_again_stay_within_the_bound() {
-        let mut idx = ApproxIndex::new(4, Duration::from_secs(60));
+        let mut idx = ApproxIndex::new(6, Duration::from_secs(60));
         let t = Instant::now();
         for i in 0..1000u64 {
-            idx.record(ReplicaIdx::new((i % 3) as usize), &h(&[1, 2]), t + Duration::from_millis(i));
+            idx.record(ReplicaIdx::new((i % 3) as usize), &h(&[1, 2]), 0, t + Duration::from_millis(i));
         }
-        assert_eq!(idx.len(), 2);
+        assert_eq!(idx.len(), 6, "two blocks on each of three replicas");
+        assert_eq!(idx.runs.len(), 3, "each replica's record refreshed, not repeated");
         assert!(idx.order.len() <= 8, "records refreshed since are dropped: {}", idx.order.len());
         let o = idx.find_matches(&h(&[1, 2]), 3, t + Duration::from_secs(1));
         assert_eq!(o.iter().map(|o| o.device).collect::<Vec<_>>(), [2, 2, 2]);
@@ -297,35 +416,67 @@ mod tests {
     fn replicas_past_the_first_word_of_the_set_are_matched() {
         let mut idx = ApproxIndex::new(100, Duration::from_secs(60));
         let t = Instant::now();
-        idx.record(ReplicaIdx::new(63), &h(&[1, 2]), t);
-        idx.record(ReplicaIdx::new(64), &h(&[1, 2, 3]), t);
-        idx.record(ReplicaIdx::new(129), &h(&[1]), t);
-        idx.record(ReplicaIdx::new(200), &h(&[1, 2, 3]), t);
+        idx.record(ReplicaIdx::new(63), &h(&[1, 2]), 0, t);
+        idx.record(ReplicaIdx::new(64), &h(&[1, 2, 3]), 0, t);
+        idx.record(ReplicaIdx::new(129), &h(&[1]), 0, t);
+        idx.record(ReplicaIdx::new(200), &h(&[1, 2, 3]), 0, t);
         let o = idx.find_matches(&h(&[1, 2, 3, 4]), 130, t);
         assert_eq!(o.len(), 130, "one per replica asked about; 200 is not one of them");
         let held: Vec<_> = o.iter().enumerate().filter(|(_, o)| o.device > 0).map(|(r, o)| (r, o.device)).collect();
         assert_eq!(held, [(63, 2), (64, 3), (129, 1)]);
     }
 
+    #[test]
+    fn a_long_record_is_one_run_found_from_any_depth() {
+        let mut idx = ApproxIndex::new(10_000, Duration::from_secs(60));
+        let t = Instant::now();
+        let prompt: Vec<u64> = (1..=1000).collect();
+        idx.record(ReplicaIdx::new(0), &h(&prompt), 0, t);
+        assert_eq!(idx.table.len(), 63, "its first block and every 16th after it");
+        let device = |o: Vec<Overlap>| o.iter().map(|o| o.device).collect::<Vec<_>>();
+        for held in [0, 1, 15, 16, 17, 500, 999, 1000] {
+            assert_eq!(device(idx.find_matches_past(&h(&prompt), &[held], t)), [1000], "events hold {held}");
+        }
+        let mut other = prompt.clone();
+        other[700] = 5000;
+        assert_eq!(device(idx.find_matches(&h(&other), 1, t)), [700], "to where the prompts part");
+    }
+
+    #[test]
+    fn a_record_refreshes_only_the_blocks_it_sent() {
+        let mut idx = ApproxIndex::new(100, Duration::from_secs(10));
+        let t = Instant::now();
+        let prompt: Vec<u64> = (1..=40).collect();
+        idx.record(ReplicaIdx::new(0), &h(&prompt), 0, t);
+        idx.record(ReplicaIdx::new(0), &h(&prompt[..20]), 5, t + Duration::from_secs(5));
+        let at = |secs| t + Duration::from_secs(secs);
+        let device = |o: Vec<Overlap>| o.iter().map(|o| o.device).collect::<Vec<_>>();
+        assert_eq!(device(idx.find_matches(&h(&prompt), 1, at(9))), [40]);
+        assert_eq!(device(idx.find_matches_past(&h(&prompt), &[5], at(12))), [20], "blocks 5..20 were sent again");
+        assert_eq!(device(idx.find_matches(&h(&prompt), 1, at(12))), [0], "block 0 was not");
+        assert_eq!(idx.len(), 40, "split, not copied");
+    }
+
     proptest! {
         /// The overlap is, by definition, the leading prompt blocks that the replica's events
-        /// hold or whose latest record on the replica is fresh: the bit-set walk agrees with that
-        /// on any records and event overlaps, over one or several words of replicas.
+        /// hold or whose latest record on the replica is fresh: the walk over runs agrees with
+        /// that on any records and event overlaps, over prompts longer than the table's stride.
         #[test]
         fn overlaps_match_their_definition(
-            records in prop::collection::vec((0u32..130, 0usize..6, 1usize..6, 0u64..20), 0..40),
-            held in prop::collection::vec(0u32..8, 130),
-            prompt_len in 0usize..6,
+            records in prop::collection::vec((0u32..130, 0usize..60, 1usize..60, 0u64..20), 0..40),
+            held in prop::collection::vec(0u32..64, 130),
+            prompt_len in 0usize..60,
         ) {
             let (ttl, start) = (Duration::from_secs(10), Instant::now());
-            let mut idx = ApproxIndex::new(1000, ttl);
+            let mut idx = ApproxIndex::new(100_000, ttl);
             let mut latest: std::collections::HashMap<(u32, u64), u64> = Default::default();
             let mut records = records;
             records.sort_by_key(|r| r.3);
             for (replica, from, to, secs) in records {
-                let hashes: Vec<u64> = (from.min(to) as u64 + 1..=to as u64).collect();
-                idx.record(ReplicaIdx::new(replica as usize), &h(&hashes), start + Duration::from_secs(secs));
-                for b in hashes {
+                let prompt: Vec<u64> = (1..=to as u64).collect();
+                let from = from.min(to);
+                idx.record(ReplicaIdx::new(replica as usize), &h(&prompt), from, start + Duration::from_secs(secs));
+                for &b in &prompt[from..] {
                     latest.insert((replica, b), secs);
                 }
             }

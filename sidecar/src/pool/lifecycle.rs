@@ -90,7 +90,7 @@ impl Pool {
             self.unchecked(from, Unchecked::Moved);
         }
         if self.records_routes() {
-            self.affinity_index().record(to, &hashes, Instant::now());
+            self.affinity_index().record(to, &hashes, 0, Instant::now());
         }
         self.publish_load(from, left);
         self.publish_load(to, arrived);

@@ -519,8 +519,7 @@ impl Pool {
     /// are now expected from the replica if its engine must store a new block.
     fn after_booking(&self, routes: Option<&mut ApproxIndex>, member: &Member, shape: &Shape<'_>, booked: &Booked) {
         if let (Some(routes), true) = (routes, booked.booked) {
-            let past = shape.hashes.get(self.held_by_events(booked)..).unwrap_or_default();
-            routes.record(booked.slot, past, Instant::now());
+            routes.record(booked.slot, shape.hashes, self.held_by_events(booked), Instant::now());
         }
         if self.config.policy != Policy::PrefixAffinity && booked.booked && booked.prefill_tokens >= shape.block_size {
             let since = &member.health.awaiting_events_since;
@@ -547,8 +546,9 @@ impl Pool {
     /// (`prefix_affinity` keeps to its own routes.)
     pub(super) fn record_peer_route(&self, slot: ReplicaIdx, hashes: &[SequenceHash], held: u32) {
         if self.inflight_credit() {
-            let rest = &hashes[(held as usize).min(hashes.len())..];
-            self.affinity_index().record(slot, &rest[..rest.len().min(PEER_ROUTE_BLOCKS)], Instant::now());
+            let held = (held as usize).min(hashes.len());
+            let end = (held + PEER_ROUTE_BLOCKS).min(hashes.len());
+            self.affinity_index().record(slot, &hashes[..end], held, Instant::now());
         }
     }
 
