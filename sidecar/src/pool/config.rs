@@ -37,7 +37,7 @@ pub struct PoolConfig {
     pub affinity_ttl_secs: u64,
     /// `prefix_affinity`, and the in-flight credit of `kv_aware` and `predicted_latency`: blocks
     /// remembered (a block sent to two replicas counts twice), the least recently routed
-    /// records dropped first, whole (default 262144, about 3 MiB). With the sync mesh the
+    /// records dropped first, whole (default 262144, about 3 MiB by its layout). With the sync mesh the
     /// in-flight credit holds every gateway's routes: size it for the fleet's traffic.
     #[serde(default = "default_affinity_blocks")]
     pub affinity_blocks: usize,
