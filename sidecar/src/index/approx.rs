@@ -72,17 +72,10 @@ struct Entry {
     replica: ReplicaIdx,
 }
 
-/// What a walk found at each depth of the prompt, looked up once for every replica walked.
-struct Lookups<'a> {
-    found: Vec<Option<&'a [Entry]>>,
-    done: Vec<bool>,
-}
-
-impl<'a> Lookups<'a> {
-    fn new(blocks: usize) -> Self {
-        Lookups { found: vec![None; blocks], done: vec![false; blocks] }
-    }
-}
+/// What the table holds at each depth of the prompt a walk looked at, looked up once for
+/// every replica walked. A walk looks at a few depths, not the prompt's length: nothing is
+/// allocated until the first.
+type Lookups<'a> = std::collections::HashMap<usize, Option<&'a [Entry]>, foldhash::fast::FixedState>;
 
 impl ApproxIndex {
     /// An empty index keeping at most `capacity` blocks, each for `ttl`.
@@ -119,17 +112,14 @@ impl ApproxIndex {
     /// the gap.
     pub fn find_matches_past(&self, hashes: &[SequenceHash], held: &[u32], now: Instant) -> Vec<Overlap> {
         let fresh = self.fresh_at(now);
-        let mut lookups = None;
+        let mut lookups = Lookups::default();
         held.iter()
             .enumerate()
             .map(|(r, &h)| {
                 let from = (h as usize).min(hashes.len());
                 let replica = ReplicaIdx::new(r);
                 let device = match self.per_replica.get(r) {
-                    Some(runs) if *runs > 0 => {
-                        let lookups = lookups.get_or_insert_with(|| Lookups::new(hashes.len()));
-                        self.walk(replica, hashes, from, &fresh, lookups, |_, _, _| ())
-                    }
+                    Some(runs) if *runs > 0 => self.walk(replica, hashes, from, &fresh, &mut lookups, |_, _, _| ()),
                     _ => from,
                 };
                 Overlap { device: device as u32, ..Overlap::default() }
@@ -143,7 +133,7 @@ impl ApproxIndex {
         let from = from.min(hashes.len());
         let (fresh, at) = (self.fresh_at(now), self.millis(now));
         let mut refreshed = Vec::new();
-        let end = self.walk(replica, hashes, from, &fresh, &mut Lookups::new(hashes.len()), |run, offset, len| {
+        let end = self.walk(replica, hashes, from, &fresh, &mut Lookups::default(), |run, offset, len| {
             refreshed.push((run, offset, len))
         });
         for (run, offset, len) in refreshed {
@@ -191,11 +181,7 @@ impl ApproxIndex {
     ) -> Option<(u64, usize)> {
         (0..STRIDE.min(d + 1)).find_map(|back| {
             let at = d - back;
-            if !lookups.done[at] {
-                lookups.found[at] = self.table.get(&hashes[at]).map(|e| e.as_slice());
-                lookups.done[at] = true;
-            }
-            let entries = lookups.found[at]?;
+            let entries = (*lookups.entry(at).or_insert_with(|| self.table.get(&hashes[at]).map(|e| e.as_slice())))?;
             let first = entries.partition_point(|e| e.replica < replica);
             entries[first..].iter().take_while(|e| e.replica == replica).find_map(|e| {
                 let run = &self.runs[&e.run];
