@@ -300,82 +300,37 @@ impl Stack {
     pub fn start(opts: &StackOptions, artifacts: &Artifacts) -> anyhow::Result<Stack> {
         artifacts.check()?;
         let dir = log_dir(&opts.name)?;
+        // The engines load their tokenizers side by side (about two seconds of CPU each),
+        // then each is waited for in turn.
+        let ids: Vec<String> = (0..opts.replicas).map(|i| ((b'a' + i as u8) as char).to_string()).collect();
+        let launched = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| Stack::launch_sim(opts, artifacts, id, i, &dir, 1))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         let mut sims = Vec::new();
-        for i in 0..opts.replicas {
-            let id = ((b'a' + i as u8) as char).to_string();
-            sims.push(Stack::spawn_sim(opts, artifacts, &id, i, &dir)?);
+        for (i, sim) in launched.into_iter().enumerate() {
+            sims.push(Stack::sim_ready(opts, artifacts, sim, i, &dir)?);
         }
         Stack::front(opts, artifacts, sims, dir)
     }
 
-    /// Starts one simulated engine on free ports and waits until it is healthy. A port found
-    /// free can be taken by someone else before the engine binds it (other processes open
-    /// connections all the time): an engine that exits while starting is started again on
-    /// other ports, up to three times.
-    fn spawn_sim(
+    /// Waits until a launched engine is healthy. A port found free can be taken by someone
+    /// else before the engine binds it (other processes open connections all the time): an
+    /// engine that exits while starting is started again on other ports, up to three times
+    /// in all.
+    fn sim_ready(
         opts: &StackOptions,
         artifacts: &Artifacts,
-        id: &str,
+        mut sim: SimHandle,
         index: usize,
         dir: &std::path::Path,
     ) -> anyhow::Result<SimHandle> {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let (port, events_port, replay_port) = match (opts.envoy_discovery, opts.data_parallel_size) {
-                (true, _) => {
-                    let p = free_port_run(3)?;
-                    (p, p + 1, p + 2)
-                }
-                (false, 1) => (free_port()?, free_port()?, free_port()?),
-                // Ranks publish on base + rank: events and replay each need a run of ports.
-                (false, n) => (free_port()?, free_port_run(n as u16)?, free_port_run(n as u16)?),
-            };
-            let mut events_config = json!({"endpoint": format!("tcp://*:{events_port}"), "replay_endpoint": format!("tcp://*:{replay_port}")});
-            if let Some(steps) = opts.replay_buffer_steps {
-                events_config["buffer_steps"] = json!(steps);
+        let id = sim.id.clone();
+        for attempt in 1..=3 {
+            if attempt > 1 {
+                sim = Stack::launch_sim(opts, artifacts, &id, index, dir, attempt)?;
             }
-            let mut cmd = Command::new(&artifacts.sim);
-            // LoRA adapters may be loaded at run time when a test passes `--enable-lora`.
-            cmd.env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True");
-            cmd.args(["--port", &port.to_string(), "--replica", id, "--model", &opts.model])
-                .arg("--tokenizer")
-                .arg(&artifacts.model_dir)
-                .args(["--block-size", &opts.block_size.to_string(), "--kv-events-config", &events_config.to_string()])
-                .args(["--data-parallel-size", &opts.data_parallel_size.to_string()])
-                .args(&opts.sim_args);
-            if opts.prompt_tokens_details {
-                cmd.arg("--enable-prompt-tokens-details");
-            }
-            if let Some(port) = opts.otlp_port {
-                cmd.args(["--otlp-traces-endpoint", &format!("http://127.0.0.1:{port}")]);
-                cmd.env("OTEL_BSP_SCHEDULE_DELAY", SPAN_DELAY_MS);
-            }
-            // Its part in a disaggregated pool, with the flags the engines take for it.
-            let role = opts.disaggregation.as_ref().map(|d| (d.mode.as_str(), d.role(index)));
-            let bootstrap_port = match role {
-                Some(("sglang", "prefill" | "both")) => Some(free_port()?),
-                _ => None,
-            };
-            match role {
-                Some(("vllm", _)) => {
-                    let config = json!({"kv_connector": "NixlConnector", "kv_role": "kv_both"});
-                    cmd.args(["--kv-transfer-config", &config.to_string()]);
-                }
-                Some(("sglang", role)) => {
-                    let mode = if role == "both" { "null" } else { role };
-                    cmd.args(["--disaggregation-mode", mode]);
-                    if let Some(port) = bootstrap_port {
-                        cmd.args(["--disaggregation-bootstrap-port", &port.to_string()]);
-                    }
-                }
-                _ => {}
-            }
-            let log = dir.join(format!("sim-{id}-{attempt}.log"));
-            let mut sim =
-                SimHandle::new(id, port, events_port, replay_port, Proc::spawn(&format!("sim {id}"), cmd, &log)?);
-            sim.bootstrap_port = bootstrap_port;
-            sim.role = role.map(|(_, r)| r.to_owned());
             let url = sim.url("/health");
             let started = wait_for(&format!("sim {id} health"), START_TIMEOUT, || {
                 if sim.proc.check_alive().is_err() {
@@ -386,10 +341,74 @@ impl Stack {
             if started {
                 return Ok(sim);
             }
-            if attempt == 3 {
-                anyhow::bail!("sim {id} exited while starting, three times; see {}", log.display());
-            }
         }
+        anyhow::bail!("sim {id} exited while starting, three times; see its logs in {}", dir.display())
+    }
+
+    /// Starts one simulated engine on free ports, without waiting for it.
+    fn launch_sim(
+        opts: &StackOptions,
+        artifacts: &Artifacts,
+        id: &str,
+        index: usize,
+        dir: &std::path::Path,
+        attempt: u32,
+    ) -> anyhow::Result<SimHandle> {
+        let (port, events_port, replay_port) = match (opts.envoy_discovery, opts.data_parallel_size) {
+            (true, _) => {
+                let p = free_port_run(3)?;
+                (p, p + 1, p + 2)
+            }
+            (false, 1) => (free_port()?, free_port()?, free_port()?),
+            // Ranks publish on base + rank: events and replay each need a run of ports.
+            (false, n) => (free_port()?, free_port_run(n as u16)?, free_port_run(n as u16)?),
+        };
+        let mut events_config =
+            json!({"endpoint": format!("tcp://*:{events_port}"), "replay_endpoint": format!("tcp://*:{replay_port}")});
+        if let Some(steps) = opts.replay_buffer_steps {
+            events_config["buffer_steps"] = json!(steps);
+        }
+        let mut cmd = Command::new(&artifacts.sim);
+        // LoRA adapters may be loaded at run time when a test passes `--enable-lora`.
+        cmd.env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True");
+        cmd.args(["--port", &port.to_string(), "--replica", id, "--model", &opts.model])
+            .arg("--tokenizer")
+            .arg(&artifacts.model_dir)
+            .args(["--block-size", &opts.block_size.to_string(), "--kv-events-config", &events_config.to_string()])
+            .args(["--data-parallel-size", &opts.data_parallel_size.to_string()])
+            .args(&opts.sim_args);
+        if opts.prompt_tokens_details {
+            cmd.arg("--enable-prompt-tokens-details");
+        }
+        if let Some(port) = opts.otlp_port {
+            cmd.args(["--otlp-traces-endpoint", &format!("http://127.0.0.1:{port}")]);
+            cmd.env("OTEL_BSP_SCHEDULE_DELAY", SPAN_DELAY_MS);
+        }
+        // Its part in a disaggregated pool, with the flags the engines take for it.
+        let role = opts.disaggregation.as_ref().map(|d| (d.mode.as_str(), d.role(index)));
+        let bootstrap_port = match role {
+            Some(("sglang", "prefill" | "both")) => Some(free_port()?),
+            _ => None,
+        };
+        match role {
+            Some(("vllm", _)) => {
+                let config = json!({"kv_connector": "NixlConnector", "kv_role": "kv_both"});
+                cmd.args(["--kv-transfer-config", &config.to_string()]);
+            }
+            Some(("sglang", role)) => {
+                let mode = if role == "both" { "null" } else { role };
+                cmd.args(["--disaggregation-mode", mode]);
+                if let Some(port) = bootstrap_port {
+                    cmd.args(["--disaggregation-bootstrap-port", &port.to_string()]);
+                }
+            }
+            _ => {}
+        }
+        let log = dir.join(format!("sim-{id}-{attempt}.log"));
+        let mut sim = SimHandle::new(id, port, events_port, replay_port, Proc::spawn(&format!("sim {id}"), cmd, &log)?);
+        sim.bootstrap_port = bootstrap_port;
+        sim.role = role.map(|(_, r)| r.to_owned());
+        Ok(sim)
     }
 
     /// Starts the sidecar and Envoy in front of engines the caller started (`opts.replicas`

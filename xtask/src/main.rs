@@ -154,8 +154,9 @@ fn test() -> anyhow::Result<()> {
         .filter(|i| !wasm_imports::ENVOY_WASI.contains(&i.as_str()))
         .collect();
     anyhow::ensure!(unprovided.is_empty(), "the filter imports WASI calls older Envoys lack: {unprovided:?}");
-    // `--workspace` keeps feature unification identical to the step above: no rebuilds.
-    cargo(&["build", "--workspace", "--bins"])?;
+    // Every binary the suites start. With `--tests`, dependencies' features are unified as
+    // in `cargo test` above (dev-dependencies included), so nothing is built twice.
+    cargo(&["build", "--workspace", "--bins", "--tests"])?;
     for suite in ["gateway", "breaker", "disaggregation", "faults", "metrics", "tracing"] {
         cargo(&["test", "--workspace", "--test", suite, "--", "--ignored", "--test-threads", "1"])?;
     }
