@@ -112,6 +112,17 @@ pub struct Config {
     /// Share bookings with the sidecars of the other gateway pods (off when absent).
     #[serde(default)]
     pub sync: Option<SyncConfig>,
+    /// A file the sidecar saves its view to (each pool's index and session bindings) and
+    /// takes over when it starts again with no sync peer up, so that a lone sidecar's
+    /// restart does not lose what the engines' replay buffers no longer hold
+    /// (`crate::sync::saved`). Off when absent; its directory must exist (checked at start).
+    #[serde(default)]
+    pub state_file: Option<std::path::PathBuf>,
+    /// Seconds between saves of `state_file` (default 10; one more on shutdown). A restart
+    /// resumes each engine's stream from the last save, so this must stay well inside the
+    /// engines' replay window.
+    #[serde(default = "default_state_save_secs")]
+    pub state_save_secs: u64,
 }
 
 /// One `[[pools]]` table: the pool's own settings and, from its `[pools.discovery]`
@@ -137,6 +148,10 @@ impl<'de> Deserialize<'de> for PoolSection {
         let pool = PoolConfig::deserialize(toml::Value::Table(table)).map_err(D::Error::custom)?;
         Ok(PoolSection { pool, discovery })
     }
+}
+
+fn default_state_save_secs() -> u64 {
+    10
 }
 
 fn default_offload_spread_threads() -> usize {
@@ -249,6 +264,9 @@ impl Config {
         }
         if self.offload_spread_threads == 0 {
             bail!("offload_spread_threads must be at least 1 (threads one offloaded prompt is tokenized on)");
+        }
+        if self.state_save_secs == 0 {
+            bail!("state_save_secs must be at least 1 (seconds between saves of state_file)");
         }
         if !self.listen.ip().is_loopback() && !self.allow_non_loopback_api {
             bail!(

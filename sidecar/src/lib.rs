@@ -13,7 +13,7 @@
 //! | [`admission`] | whether a replica is saturated, and the queue of requests waiting for capacity |
 //! | [`pool`] | one model's replicas: index + load + the routing decision |
 //! | [`events`] | driver: KV events — decoding, ingestion, the ZMQ transport, the pool's applier |
-//! | [`sync`] | driver: bookings shared with the other gateways' sidecars, and the handover |
+//! | [`sync`] | driver: bookings shared with the other gateways' sidecars, the handover, and the view saved for a restart |
 //! | [`engine_poller`] | driver: each engine's `/metrics`, polled for the load it reports |
 //! | [`discovery`] | driver: each pool's replicas at run time — file reload, DNS, the local Envoy |
 //! | [`api`] | driver: the HTTP API for the filter and operators |

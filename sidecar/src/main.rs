@@ -501,12 +501,24 @@ fn start_drivers(
     let sync = config.sync.clone().map(|s| SyncConfig { id: Some(s.id()), ..s });
     // The key read once: every socket of the mesh seals with the same.
     let sealer = sync.as_ref().map(SyncConfig::sealer).transpose()?;
+    let own_id = sync.as_ref().map_or_else(|| "local".to_owned(), SyncConfig::id);
+    if let Some(file) = &config.state_file {
+        let dir = file.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        anyhow::ensure!(dir.is_dir(), "state_file = {}: its directory does not exist", file.display());
+    }
+    let mut from_peer = None;
     if let (Some(sync), Some(sealer)) = (&sync, &sealer) {
         // The mesh first, so that peers' request ends are heard while their view is taken
         // over (an end that comes before its booking is remembered, and the booking skipped);
         // then, before any event stream starts, a peer's view, if a peer runs.
         watchers.extend(kvgate_sidecar::sync::start(sync, pools, metrics.clone(), zmq_ctx, health, sealer)?);
-        kvgate_sidecar::sync::state::recover(sync, &sync.id(), pools, zmq_ctx, sealer);
+        from_peer = kvgate_sidecar::sync::state::recover(sync, &own_id, pools, zmq_ctx, sealer);
+    }
+    // With no peer's view, the one this sidecar saved before it restarted, if any.
+    if let (None, Some(file)) = (&from_peer, &config.state_file) {
+        if let Err(e) = kvgate_sidecar::sync::saved::restore(file, &own_id, pools) {
+            tracing::warn!(error = %e, "the saved view was not taken; the index is rebuilt from the engines");
+        }
     }
     for (model, pool) in pools {
         let found = sources[model].clone();
@@ -551,6 +563,12 @@ fn start_drivers(
             sealer,
         );
         watchers.push(handover?);
+    }
+    if let Some(file) = &config.state_file {
+        let every = Duration::from_secs(config.state_save_secs);
+        let saver =
+            kvgate_sidecar::sync::saved::spawn(file.clone(), every, own_id, pools.clone(), metrics.clone(), health);
+        watchers.push(saver?);
     }
     Ok(())
 }

@@ -101,8 +101,12 @@ pub struct Metrics {
     pub handovers_refused: Family<RefusalLabels, Counter>,
     /// Bytes of the handover answers sent.
     pub handover_bytes: Counter,
-    /// Blocks restored from a peer's view at start, per replica.
+    /// Blocks restored at start from a peer's view or the saved one, per replica.
     pub handover_restored_blocks: Family<ReplicaLabels, Counter>,
+    /// Bytes of the view last saved to `state_file`.
+    pub saved_view_bytes: Gauge,
+    /// Saves of the view to `state_file` that failed.
+    pub saved_view_failures: Counter,
     /// Time to score and book one request.
     pub route_seconds: Histogram,
     /// KV events applied to the index.
@@ -257,6 +261,8 @@ impl Default for Metrics {
         let handovers_refused = Family::default();
         let handover_bytes = Counter::default();
         let handover_restored_blocks = Family::default();
+        let saved_view_bytes = Gauge::default();
+        let saved_view_failures = Counter::default();
         let decisions = Family::default();
         let chosen_overlap_blocks = Histogram::new([0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0]);
         let route_seconds = Histogram::new(exponential_buckets(5e-6, 2.0, 16));
@@ -453,8 +459,18 @@ impl Default for Metrics {
         );
         registry.register(
             "handover_restored_blocks",
-            "Blocks this sidecar restored at start from a peer's view instead of the engines' replay",
+            "Blocks this sidecar restored at start from a peer's view, or its own saved one, instead of the engines' replay",
             handover_restored_blocks.clone(),
+        );
+        registry.register(
+            "saved_view_bytes",
+            "Bytes of the view last saved to state_file, for the sidecar's next start",
+            saved_view_bytes.clone(),
+        );
+        registry.register(
+            "saved_view_failures",
+            "Saves of the view to state_file that failed (the log says why)",
+            saved_view_failures.clone(),
         );
         registry.register(
             "decisions",
@@ -517,6 +533,8 @@ impl Default for Metrics {
             handovers_refused,
             handover_bytes,
             handover_restored_blocks,
+            saved_view_bytes,
+            saved_view_failures,
             decisions,
             chosen_overlap_blocks,
             route_seconds,

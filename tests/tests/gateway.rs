@@ -1863,6 +1863,73 @@ fn a_restarted_sidecar_takes_its_peers_view_over() {
     assert_eq!(metric_sum(&metrics, "kvgate_handover_restored_blocks_total", ""), restored as f64);
 }
 
+/// A lone sidecar (no sync peer) killed and started again takes over the view it saved
+/// (`state_file`, every second here): the engines' replay buffers have rolled over, yet it
+/// starts with every block it had indexed, and follows each document to its engine.
+#[test]
+#[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
+fn a_lone_sidecar_restarted_takes_its_saved_view_over() {
+    let dir = std::env::temp_dir().join(format!("kvgate-saved-view-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("view.bin");
+    let opts = StackOptions {
+        name: "saved-view".into(),
+        replicas: 2,
+        replay_buffer_steps: Some(4),
+        sidecar_toml: format!("state_file = \"{}\"\nstate_save_secs = 1\n", file.display()),
+        ..Default::default()
+    };
+    let mut stack = Stack::start(&opts, &Artifacts::locate("debug")).expect("stack starts");
+    let url = stack.gateway("/v1/chat/completions");
+    let docs: Vec<String> = (0..6).map(|i| document(110 + i, 400)).collect();
+    let mut homes = Vec::new();
+    for doc in &docs {
+        let reply = post(&url, chat(doc, "q").to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200);
+        homes.push(reply.header("x-kvgate-replica").to_owned());
+    }
+    // More traffic, so the engines' replay buffers hold none of the documents' steps.
+    for i in 0..4 {
+        assert_eq!(post(&url, chat(&document(130 + i, 200), "q").to_string(), &[]).unwrap().status, 200);
+    }
+    let blocks = |stack: &Stack| -> Option<u64> {
+        let state = stack.sidecar_state().ok()?;
+        Some(state["pools"][0]["replicas"].as_array()?.iter().filter_map(|r| r["blocks_indexed"].as_u64()).sum())
+    };
+    // The index has settled once two reads a second apart agree; then a save after that.
+    let mut last = None;
+    let indexed = wait_for("the index settled", Duration::from_secs(20), || {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = blocks(&stack).filter(|b| *b > 0);
+        let settled = now.filter(|b| last == Some(*b));
+        last = now;
+        settled
+    })
+    .unwrap();
+    let settled_at = std::time::SystemTime::now();
+    let saved_after = || std::fs::metadata(&file).and_then(|m| m.modified()).is_ok_and(|t| t > settled_at);
+    wait_for("a save after that", Duration::from_secs(10), || saved_after().then_some(())).unwrap();
+
+    stack.restart_sidecar().unwrap();
+    assert_eq!(blocks(&stack), Some(indexed), "the restarted sidecar starts with every block it had indexed");
+    for (doc, home) in docs.iter().zip(&homes) {
+        let reply = post(&url, chat(doc, "q").to_string(), &[]).unwrap();
+        assert_eq!(reply.status, 200);
+        let overlap: u64 = reply.header("x-kvgate-overlap-blocks").parse().unwrap();
+        assert_eq!(reply.header("x-kvgate-replica"), home, "the document is followed to its engine");
+        assert!(overlap >= 400 / 16, "its cached blocks are credited: {overlap}");
+    }
+    let metrics = stack.sidecar_metrics().unwrap();
+    assert_eq!(metric_sum(&metrics, "kvgate_handover_restored_blocks_total", ""), indexed as f64);
+    wait_for("it saves again as it runs", Duration::from_secs(10), || {
+        let metrics = stack.sidecar_metrics().ok()?;
+        let bytes = metrics.lines().find_map(|l| l.strip_prefix("kvgate_saved_view_bytes "))?;
+        (bytes.parse::<f64>().ok()? > 0.0).then_some(())
+    })
+    .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// 39. `n` and a completion's list of prompts, through Envoy: the engine answers `n` choices
 ///     per prompt (the simulator runs them as vLLM 0.32 does), and the sidecar, which books
 ///     prompts × `n` sequences, releases every one of them when the answer ends and counts the

@@ -375,6 +375,7 @@ fn maximal() -> Value {
                 "offload_queue_bytes": 67108864,
                 "offload_threads": 2,
                 "offload_spread_threads": 2,
+                "state_save_secs": 5,
                 "scoring": scoring,
             }},
             "sync": {"config": {"handover_timeout_ms": 5000, "handover_burst": 4, "handover_refill_ms": 5000}},
@@ -946,6 +947,7 @@ fn the_istio_gateway_does_what_the_kustomize_manifests_do() {
     let base = common::load_config(&std::fs::read_to_string(k8s.join("base/kvgate.toml")).unwrap());
     assert_eq!(g.config.pools, base.pools);
     assert_eq!((g.config.listen, g.config.metrics_listen), (base.listen, base.metrics_listen));
+    assert_eq!(g.config.state_file, base.state_file);
     let mut sync = g.config.sync.clone().unwrap();
     sync.key_file = base.sync.as_ref().unwrap().key_file.clone();
     assert_eq!(Some(sync), base.sync);
@@ -1455,7 +1457,7 @@ fn the_schema_types_every_key_kvgate_reads() {
             "/properties/sidecar/properties/config",
             &v["sidecar"]["config"],
             format!("{:?}", g.config),
-            &["listen", "metrics_listen", "allow_non_loopback_api", "pools", "sync"],
+            &["listen", "metrics_listen", "allow_non_loopback_api", "pools", "sync", "state_file"],
         ),
         (
             "/properties/sidecar/properties/config/properties/scoring",

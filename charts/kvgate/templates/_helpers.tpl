@@ -142,6 +142,8 @@ these (strings, integers, floats, booleans, arrays). Tables are left to the call
 # metrics_listen for Prometheus and the kubelet.
 listen = "127.0.0.1:{{ .Values.sidecar.ports.api | int }}"
 metrics_listen = "0.0.0.0:{{ .Values.sidecar.ports.metrics | int }}"
+# The view saved for the sidecar's next start (an emptyDir: it outlives a container restart).
+state_file = "/var/lib/kvgate/state/view.bin"
 {{- include "kvgate.tomlKeys" (omit .Values.sidecar.config "scoring") }}
 {{- with .Values.sidecar.config.scoring }}
 
@@ -271,6 +273,7 @@ pool disaggregates and none is named, the first engine cluster as prefill_cluste
   {{- if .Values.sync.enabled }}
   - {name: kvgate-sync-key, mountPath: /etc/kvgate/sync-key, readOnly: true}
   {{- end }}
+  - {name: kvgate-state, mountPath: /var/lib/kvgate/state}
   {{- range $i, $pool := .Values.pools }}
   {{- if not $pool.tokenizer.path }}
   - name: tokenizer-{{ $i }}
@@ -340,6 +343,9 @@ capabilities: {drop: [ALL]}
 - name: kvgate-sync-key
   secret: {secretName: {{ include "kvgate.syncSecret" . }}, defaultMode: 0444}  # mounted in the sidecar alone; it runs as non-root
 {{- end }}
+# The sidecar's saved view (state_file): a restarted sidecar container takes it over.
+- name: kvgate-state
+  emptyDir: {}
 {{- range $i, $pool := .Values.pools }}
 {{- if $pool.tokenizer.volume }}
 - name: tokenizer-{{ $i }}

@@ -182,7 +182,7 @@ impl Pool {
             .expect("a restore is never refused");
         self.after_ingest(slot, Progress { last_seq: Some(seq), degraded: false }, &Outcome::default());
         self.metrics.handover_restored_blocks.get_or_create(&self.labels(slot)).inc_by(blocks as u64);
-        tracing::info!(model = %self.config.model, replica = %target, seq, blocks, "index entries restored from a peer");
+        tracing::info!(model = %self.config.model, replica = %target, seq, blocks, "index entries restored from a handed-over view");
         Some(seq)
     }
 

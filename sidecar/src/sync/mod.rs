@@ -18,6 +18,8 @@
 //! - A sidecar that starts while its peers run takes their index and bookings over before it
 //!   reads any event ([`state`], on the sync port + 1), so it routes on the fleet's whole
 //!   cache from its first request even after the engines' replay buffers rolled over.
+//!   A sidecar with no peer up takes the view it saved itself before it restarted
+//!   ([`saved`], `state_file`), if it has one: that needs no mesh.
 //! - As it happens, only bookings and their lifecycle are shared; KV events come from the
 //!   engines to every sidecar directly. Under `kv_aware`'s in-flight credit a peer's booking
 //!   also counts as cached where it went, for `inflight_credit_secs`, until the engine's
@@ -39,6 +41,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 mod config;
+pub mod saved;
 pub mod seal;
 pub mod state;
 

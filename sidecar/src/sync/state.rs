@@ -183,19 +183,26 @@ pub fn recover(
         tracing::warn!("no handover from the sync peers; the index is rebuilt from the engines");
         return None;
     };
+    let origin = view.origin.clone();
+    Some((origin, take_over(view, pools, own_id)))
+}
+
+/// Has each of `pools` take its part of `view` over (a pool of another block size hashes
+/// other blocks: not taken); returns what each took.
+pub fn take_over(view: Handover, pools: &HashMap<String, Arc<Pool>>, own_id: &str) -> Vec<(String, TakenOver)> {
     let mut taken = Vec::new();
     for pool_view in view.pools {
         let Some(pool) = pools.get(&pool_view.model) else { continue };
         if pool_view.block_size != pool.config().block_size {
-            tracing::warn!(model = %pool_view.model, "the peer's pool has another block size; not taken over");
+            tracing::warn!(model = %pool_view.model, "the view's pool has another block size; not taken over");
             continue;
         }
         let model = pool_view.model.clone();
         let t = pool.take_over(pool_view, own_id);
-        tracing::info!(%model, from = %view.origin, replicas = t.replicas, blocks = t.blocks, bookings = t.bookings, waiting = t.waiting, "took over a peer's view");
+        tracing::info!(%model, from = %view.origin, replicas = t.replicas, blocks = t.blocks, bookings = t.bookings, waiting = t.waiting, sessions = t.sessions, "took a view over");
         taken.push((model, t));
     }
-    Some((view.origin, taken))
+    taken
 }
 
 /// Whether `endpoint` (`tcp://host:port`) accepts a TCP connection now.
