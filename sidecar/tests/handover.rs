@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use common::{block, removed, request, store, wait_for, Engine, BS};
+use common::{conversation, pool_reading, publish_two_conversations, removed, request, store, wait_for, Engine, BS};
 use kvgate_e2e::process::free_port_run;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_sidecar::discovery::{DiscoveryConfig, Supervisor};
@@ -19,7 +19,6 @@ use kvgate_sidecar::health::Health;
 use kvgate_sidecar::index::Overlap;
 use kvgate_sidecar::metrics::Metrics;
 use kvgate_sidecar::pool::{Pool, TakenOver};
-use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
 use kvgate_sidecar::sync::SyncConfig;
 
@@ -48,22 +47,7 @@ impl Gateway {
         peers: &[u16],
         engines: &[(u16, u16)],
     ) -> (Gateway, Option<Vec<(String, TakenOver)>>) {
-        let replicas = engines
-            .iter()
-            .enumerate()
-            .map(|(i, (events, replay))| ReplicaConfig {
-                kv_events_topic: "topic".into(),
-                kv_replay: Some(format!("tcp://127.0.0.1:{replay}")),
-                ..ReplicaConfig::new(
-                    &format!("e{i}"),
-                    format!("127.0.0.1:{}", 9000 + i).parse().unwrap(),
-                    &format!("tcp://127.0.0.1:{events}"),
-                )
-            })
-            .collect();
-        let metrics = Arc::new(Metrics::default());
-        let pool =
-            Arc::new(Pool::new(PoolConfig::new("m", "unused", BS as u32, replicas), Vec::new(), metrics.clone()));
+        let (pool, metrics) = pool_reading(engines);
         let pools = HashMap::from([("m".to_owned(), pool.clone())]);
         let sync = SyncConfig {
             id: Some(id.into()),
@@ -109,11 +93,6 @@ impl Drop for Gateway {
     }
 }
 
-/// The first `n` blocks of conversation `conv`, as tokens.
-fn conversation(conv: u32, n: u32) -> Vec<u32> {
-    (0..n).flat_map(|b| block(conv, b)).collect()
-}
-
 #[test]
 fn a_starting_sidecar_takes_its_peers_view_over_and_resumes_the_streams() {
     let ctx = zmq::Context::new();
@@ -127,23 +106,7 @@ fn a_starting_sidecar_takes_its_peers_view_over_and_resumes_the_streams() {
     // block until A has it (ZMQ's slow joiner), then the rest, then e0 evicts block 20.
     let (a, taken) = Gateway::start(&ctx, "a", sync_a, &[sync_b], &engine_ports);
     assert!(taken.is_none(), "no peer was up");
-    wait_for("A subscribed to both engines", || {
-        for (i, e) in engines.iter().enumerate() {
-            if a.last_seqs()[i].is_none() {
-                e.restart();
-                e.send(0, &store(i as u32 + 1, 0), false);
-            }
-        }
-        std::thread::sleep(std::time::Duration::from_millis(30));
-        a.last_seqs().iter().all(Option::is_some)
-    });
-    for (i, e) in engines.iter().enumerate() {
-        for b in 1..BLOCKS {
-            e.send(u64::from(b), &store(i as u32 + 1, b), false);
-        }
-    }
-    engines[0].send(u64::from(BLOCKS), &removed(1, 20), false);
-    let through = [u64::from(BLOCKS), u64::from(BLOCKS) - 1];
+    let through = publish_two_conversations(&engines, BLOCKS, || a.last_seqs());
     wait_for("A applied every message", || a.last_seqs() == through.map(Some));
     assert_eq!(a.overlaps(&conversation(1, BLOCKS))[0].device, 20, "block 20 was evicted");
     assert_eq!(a.overlaps(&conversation(2, BLOCKS))[1].device, BLOCKS);

@@ -12,14 +12,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use common::{block, removed, store, wait_for, Engine, BS};
+use common::{conversation, pool_reading, publish_two_conversations, removed, store, wait_for, Engine, BS};
 use kvgate_e2e::process::free_port_run;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_sidecar::discovery::{DiscoveryConfig, Supervisor};
 use kvgate_sidecar::health::Health;
 use kvgate_sidecar::index::Overlap;
 use kvgate_sidecar::metrics::Metrics;
-use kvgate_sidecar::pool::{Pool, PoolConfig, ReplicaConfig, TakenOver};
+use kvgate_sidecar::pool::{Pool, TakenOver};
 use kvgate_sidecar::sync::saved::{self, SavedError};
 
 /// Messages each engine keeps for replay: far fewer than it has published.
@@ -43,22 +43,7 @@ struct Sidecar {
 impl Sidecar {
     /// Starts as `main` does: the saved view, then the event streams, then the saving thread.
     fn start(ctx: &zmq::Context, file: &Path, engines: &[(u16, u16)]) -> (Sidecar, Taken) {
-        let replicas = engines
-            .iter()
-            .enumerate()
-            .map(|(i, (events, replay))| ReplicaConfig {
-                kv_events_topic: "topic".into(),
-                kv_replay: Some(format!("tcp://127.0.0.1:{replay}")),
-                ..ReplicaConfig::new(
-                    &format!("e{i}"),
-                    format!("127.0.0.1:{}", 9000 + i).parse().unwrap(),
-                    &format!("tcp://127.0.0.1:{events}"),
-                )
-            })
-            .collect();
-        let metrics = Arc::new(Metrics::default());
-        let pool =
-            Arc::new(Pool::new(PoolConfig::new("m", "unused", BS as u32, replicas), Vec::new(), metrics.clone()));
+        let (pool, metrics) = pool_reading(engines);
         let pools = HashMap::from([("m".to_owned(), pool.clone())]);
         let taken = saved::restore(file, "local", &pools);
         let supervisor =
@@ -102,11 +87,6 @@ impl Drop for Sidecar {
     }
 }
 
-/// The first `n` blocks of conversation `conv`, as tokens.
-fn conversation(conv: u32, n: u32) -> Vec<u32> {
-    (0..n).flat_map(|b| block(conv, b)).collect()
-}
-
 /// A directory of this test's own.
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvgate-saved-view-{name}-{}", std::process::id()));
@@ -129,23 +109,7 @@ fn a_sidecar_that_restarts_alone_takes_the_view_it_saved_over() {
     // has it, then the rest, then e0 evicts block 20.
     let (a, taken) = Sidecar::start(&ctx, &file, &engine_ports);
     assert!(matches!(taken, Ok(None)), "no file yet: {taken:?}");
-    wait_for("A subscribed to both engines", || {
-        for (i, e) in engines.iter().enumerate() {
-            if a.last_seqs()[i].is_none() {
-                e.restart();
-                e.send(0, &store(i as u32 + 1, 0), false);
-            }
-        }
-        std::thread::sleep(Duration::from_millis(30));
-        a.last_seqs().iter().all(Option::is_some)
-    });
-    for (i, e) in engines.iter().enumerate() {
-        for b in 1..BLOCKS {
-            e.send(u64::from(b), &store(i as u32 + 1, b), false);
-        }
-    }
-    engines[0].send(u64::from(BLOCKS), &removed(1, 20), false);
-    let through = [u64::from(BLOCKS), u64::from(BLOCKS) - 1];
+    let through = publish_two_conversations(&engines, BLOCKS, || a.last_seqs());
     wait_for("A applied every message", || a.last_seqs() == through.map(Some));
     let prompts =
         [conversation(1, BLOCKS), conversation(2, BLOCKS), conversation(2, 5), conversation(1, 21), conversation(9, 3)];

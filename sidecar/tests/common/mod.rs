@@ -164,6 +164,60 @@ impl Drop for Engine {
     }
 }
 
+/// A pool `m` (block size [`BS`]) of one replica `e{i}` per engine `(events port, replay
+/// port)`, reading each engine's events and replaying from it, and the metrics it counts in.
+pub fn pool_reading(engines: &[(u16, u16)]) -> (Arc<Pool>, Arc<Metrics>) {
+    let replicas = engines
+        .iter()
+        .enumerate()
+        .map(|(i, (events, replay))| ReplicaConfig {
+            kv_events_topic: "topic".into(),
+            kv_replay: Some(format!("tcp://127.0.0.1:{replay}")),
+            ..ReplicaConfig::new(
+                &format!("e{i}"),
+                format!("127.0.0.1:{}", 9000 + i).parse().unwrap(),
+                &format!("tcp://127.0.0.1:{events}"),
+            )
+        })
+        .collect();
+    let metrics = Arc::new(Metrics::default());
+    let pool = Arc::new(Pool::new(PoolConfig::new("m", "unused", BS as u32, replicas), Vec::new(), metrics.clone()));
+    (pool, metrics)
+}
+
+/// Each engine `i` publishes conversation `i + 1`'s first block until `last_seqs` (a
+/// sidecar's view of the streams) shows it heard it (ZMQ's slow joiner), then the rest of
+/// its `blocks`; then engine 0 evicts block 20 of its conversation. Returns the sequence
+/// number each stream stands at.
+pub fn publish_two_conversations(
+    engines: &[Engine],
+    blocks: u32,
+    last_seqs: impl Fn() -> Vec<Option<u64>>,
+) -> [u64; 2] {
+    wait_for("the sidecar subscribed to both engines", || {
+        for (i, e) in engines.iter().enumerate() {
+            if last_seqs()[i].is_none() {
+                e.restart();
+                e.send(0, &store(i as u32 + 1, 0), false);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(30));
+        last_seqs().iter().all(Option::is_some)
+    });
+    for (i, e) in engines.iter().enumerate() {
+        for b in 1..blocks {
+            e.send(u64::from(b), &store(i as u32 + 1, b), false);
+        }
+    }
+    engines[0].send(u64::from(blocks), &removed(1, 20), false);
+    [u64::from(blocks), u64::from(blocks) - 1]
+}
+
+/// The first `n` blocks of conversation `conv` ([`block`]), as tokens.
+pub fn conversation(conv: u32, n: u32) -> Vec<u32> {
+    (0..n).flat_map(|b| block(conv, b)).collect()
+}
+
 /// A pool `m` of three replicas `r0`–`r2` (block size [`BS`]) that routes by session
 /// (`consistent_hash`): what the sync tests book on.
 pub fn session_pool() -> Arc<Pool> {
