@@ -66,6 +66,18 @@ mod tests {
     }
 
     #[test]
+    fn an_offloaded_body_is_encoded_as_its_sequence_of_u8_was() {
+        // Bytes and a sequence of `u8` are the same on the wire: filters and sidecars of the
+        // releases before and after the body became bytes read each other.
+        let body: Vec<u8> = (0..=255).chain(0..=255).collect();
+        assert_eq!(encode(&serde_bytes::Bytes::new(&body)).unwrap(), encode(&body).unwrap());
+        let request =
+            crate::wire::RouteBodyRequest::of("r1", crate::prompt::openai::Endpoint::ChatCompletions, body.clone(), 50);
+        let back: crate::wire::RouteBodyRequest<'static> = decode(&encode(&request).unwrap()).unwrap();
+        assert_eq!(back.body.as_ref(), &body[..]);
+    }
+
+    #[test]
     fn round_trips_route_messages() {
         let req = RouteRequest {
             session: Some("s".into()),

@@ -181,7 +181,10 @@ pub struct RouteBodyRequest<'a> {
     pub client_request_id: Option<String>,
     /// The endpoint the body was sent to.
     pub endpoint: crate::prompt::openai::Endpoint,
-    /// The OpenAI request body, as the client sent it.
+    /// The OpenAI request body, as the client sent it. Encoded as bytes, which bincode writes
+    /// as it writes a sequence of `u8` (its length, then the bytes), but reads and writes in
+    /// one copy instead of a call a byte.
+    #[serde(with = "owned_bytes")]
     pub body: std::borrow::Cow<'a, [u8]>,
     /// The `x-session-id` header, if any (the body's `session_id`/`user` are read by the
     /// sidecar).
@@ -203,6 +206,19 @@ pub struct RouteBodyRequest<'a> {
     pub itl_slo_ms: Option<u32>,
     /// Whether the filter can run a prefill leg for it, as in [`RouteRequest`].
     pub prefill_legs: bool,
+}
+
+/// A body encoded as bytes and always decoded owned (the sidecar keeps it past the message).
+mod owned_bytes {
+    use std::borrow::Cow;
+
+    pub fn serialize<S: serde::Serializer>(body: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(body)
+    }
+
+    pub fn deserialize<'de, 'a, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Cow<'a, [u8]>, D::Error> {
+        serde::Deserialize::deserialize(deserializer).map(|b: serde_bytes::ByteBuf| Cow::Owned(b.into_vec()))
+    }
 }
 
 impl<'a> RouteBodyRequest<'a> {

@@ -3,7 +3,7 @@
 //! a cold chat of about 32k and 128k words (a document never seen, and a question), on one
 //! thread and spread over two, so what an idle core saves is measured against the same pool
 //! without it. And where a cold offload of ~128k tokens spends its time in the sidecar, stage by stage
-//! on the same documents (`stages`): decoding the filter's call and parsing the body; render,
+//! on the same documents (`stages`): encoding the call (the filter's part); decoding it and parsing the body; render,
 //! tokenize and hash; the decision (index lookup, scoring, booking, the in-flight credit); and
 //! all of them in a row.
 //! Run: `cargo bench -p kvgate-sidecar --bench offload`.
@@ -121,6 +121,19 @@ fn stages(c: &mut Criterion) {
         route.prompt_tokens,
         route.block_hashes.len()
     );
+
+    // What the filter does before the call: encode it (here natively; in Envoy, in its VM).
+    let mut seed = 0;
+    group.bench_function(BenchmarkId::new("encode_call", n), |b| {
+        b.iter_batched(
+            || {
+                seed += 1;
+                offload(&words, seed, n).1
+            },
+            |request| codec::encode(&request).expect("encoded"),
+            criterion::BatchSize::PerIteration,
+        )
+    });
 
     let mut seed = 0;
     group.bench_function(BenchmarkId::new("decode_and_parse", n), |b| {
