@@ -224,11 +224,8 @@ fn many_replicas_share_the_ingest_workers_in_order() {
 fn more_replicas_than_a_zmq_context_holds_are_all_read() {
     const REPLICAS: usize = 400;
     let ctx = zmq::Context::new();
-    // Held until all are picked, so no port is picked twice.
-    let held: Vec<std::net::TcpListener> =
-        (0..REPLICAS).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    let ports: Vec<u16> = held.iter().map(|l| l.local_addr().unwrap().port()).collect();
-    drop(held);
+    // Below the ephemeral range, none picked twice (`free_port`).
+    let ports: Vec<u16> = (0..REPLICAS).map(|_| free_port()).collect();
     let engines: Vec<Engine> = ports.iter().map(|p| Engine::start(&ctx, *p, None)).collect();
     let replicas = (0..REPLICAS).map(|r| replica(r, &ports)).collect();
     let metrics = Arc::new(Metrics::default());

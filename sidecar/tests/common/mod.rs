@@ -19,8 +19,11 @@ use rmp::encode as mp;
 /// The block size the tests' pools and engines use.
 pub const BS: usize = 4;
 
+/// A free port below the ephemeral range: one the OS hands out (`bind` to port 0) can be taken,
+/// between this call and the bind, by an outgoing connection of another test (a ZMQ
+/// subscriber's), and then never bound.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    kvgate_e2e::process::free_port().unwrap()
 }
 
 pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
