@@ -64,12 +64,17 @@ pub struct TakenOver {
 }
 
 impl Pool {
-    /// This pool's view for a starting peer: the index entries of every active, trusted
-    /// target whose applied mark is set, every booking, and every session binding not
-    /// expired. `own_id` is this sidecar's id.
-    /// Holds no lock for long: `members` only to list the targets, the index one replica at
-    /// a time.
+    /// This pool's view for a starting peer: [`Pool::export_view`] and every booking.
+    /// `own_id` is this sidecar's id.
     pub fn export_handover(&self, own_id: &str) -> PoolHandover {
+        PoolHandover { bookings: self.export_bookings(own_id), ..self.export_view() }
+    }
+
+    /// This pool's view without its bookings (what a saved view keeps): the index entries of
+    /// every active, trusted target whose applied mark is set, and every session binding not
+    /// expired. Holds no lock for long: `members` only to list the targets, the index one
+    /// replica at a time.
+    pub fn export_view(&self) -> PoolHandover {
         let targets: Vec<(ReplicaIdx, String, String)> = self
             .members()
             .iter()
@@ -92,10 +97,20 @@ impl Pool {
                 replicas.push(ReplicaHandover { target, kv_events, snapshot });
             }
         }
+        PoolHandover {
+            model: self.config.model.clone(),
+            block_size: self.config.block_size,
+            replicas,
+            bookings: Vec::new(),
+            sessions: self.export_sessions(),
+        }
+    }
+
+    /// Every booking, named as the gateway that made it names it (`own_id` for ours).
+    fn export_bookings(&self, own_id: &str) -> Vec<BookingHandover> {
         // Lock order: members, then the load table.
         let members = self.members();
-        let bookings = self
-            .load_table()
+        self.load_table()
             .export(Instant::now())
             .into_iter()
             .map(|b| {
@@ -114,16 +129,7 @@ impl Pool {
                     age_ms: b.age.as_millis() as u64,
                 }
             })
-            .collect();
-        drop(members);
-        let sessions = self.export_sessions();
-        PoolHandover {
-            model: self.config.model.clone(),
-            block_size: self.config.block_size,
-            replicas,
-            bookings,
-            sessions,
-        }
+            .collect()
     }
 
     /// The session bindings to active targets, least recently routed first.

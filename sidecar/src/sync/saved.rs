@@ -101,15 +101,7 @@ pub fn decode(bytes: &[u8]) -> Option<(SystemTime, Result<Handover, HandoverErro
 
 /// Saves `pools`' view to `path`, through a file beside it; returns its size.
 pub fn save(path: &Path, own_id: &str, pools: &HashMap<String, Arc<Pool>>) -> std::io::Result<usize> {
-    let mut models: Vec<&String> = pools.keys().collect();
-    models.sort();
-    let mut view = Handover { origin: own_id.to_owned(), pools: Vec::new() };
-    for model in models {
-        let mut pool = pools[model].export_handover(own_id);
-        pool.bookings.clear();
-        view.pools.push(pool);
-    }
-    let bytes = encode(view, SystemTime::now());
+    let bytes = encode(super::state::export(own_id, pools, Pool::export_view), SystemTime::now());
     let mut beside = path.as_os_str().to_owned();
     beside.push(".new");
     let beside = PathBuf::from(beside);
@@ -141,7 +133,6 @@ pub fn restore(
             session.idle_ms = session.idle_ms.saturating_add(down);
         }
     }
-    view.origin = own_id.to_owned();
     let taken = super::state::take_over(view, pools, own_id);
     tracing::info!(path = %path.display(), age_s = down / 1000, "took over the view saved before the restart");
     Ok(Some(taken))

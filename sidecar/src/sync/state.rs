@@ -31,7 +31,7 @@ use super::seal::{Purpose, Sealer};
 use super::SyncConfig;
 use crate::health::Health;
 use crate::metrics::{Metrics, RefusalLabels};
-use crate::msg::handover::{Handover, HandoverError, Part, REQUEST};
+use crate::msg::handover::{Handover, HandoverError, Part, PoolHandover, REQUEST};
 use crate::pool::{Pool, TakenOver};
 
 /// The largest frame of an answer the server sends and the asker reads (a replica of a
@@ -109,12 +109,7 @@ pub fn serve(
                 continue;
             }
             let started = Instant::now();
-            let mut models: Vec<&String> = pools.keys().collect();
-            models.sort();
-            let view = Handover {
-                origin: own_id.clone(),
-                pools: models.into_iter().map(|m| pools[m].export_handover(&own_id)).collect(),
-            };
+            let view = export(&own_id, &pools, |pool| pool.export_handover(&own_id));
             let mut reply = vec![peer, Vec::new()];
             let mut bytes = 0;
             for part in view.into_parts() {
@@ -185,6 +180,13 @@ pub fn recover(
     };
     let origin = view.origin.clone();
     Some((origin, take_over(view, pools, own_id)))
+}
+
+/// `pools`' view as `export` gives each pool's, in model order, from sidecar `own_id`.
+pub fn export(own_id: &str, pools: &HashMap<String, Arc<Pool>>, export: impl Fn(&Pool) -> PoolHandover) -> Handover {
+    let mut models: Vec<&String> = pools.keys().collect();
+    models.sort();
+    Handover { origin: own_id.to_owned(), pools: models.into_iter().map(|m| export(&pools[m])).collect() }
 }
 
 /// Has each of `pools` take its part of `view` over (a pool of another block size hashes
