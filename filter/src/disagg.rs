@@ -14,9 +14,6 @@
 //! clients keep the forwarded prompt's token ids, [`FORWARDED_IDS`]): only kvgate says where
 //! an engine pulls KV from. The legs keep the forwarded ids the filter itself wrote.
 
-use std::sync::OnceLock;
-
-use aho_corasick::AhoCorasick;
 use kvgate_shared::prompt::openai::FORWARDED_IDS;
 use serde_json::{json, Map, Value};
 
@@ -53,20 +50,16 @@ fn own_params(o: &Map<String, Value>) -> Map<String, Value> {
     params
 }
 
-/// The request without what a client may not set: its `kv_transfer_params` and the
-/// `bootstrap_*` fields, which would make an engine pull KV from a host of the client's
-/// choosing, hold blocks for nobody, or run token ids in place of the `messages` — all of
-/// them, or (`keep_ids`, for trusted clients in a disaggregated deployment) all but the
-/// forwarded prompt's token ids. `None` if it has none of them (or is not a JSON object: the
-/// engine refuses it anyway).
+/// The request without what a client may not set
+/// ([`TRANSFER_FIELDS`](kvgate_shared::prompt::openai::TRANSFER_FIELDS)): its
+/// `kv_transfer_params` and the `bootstrap_*` fields, which would make an engine pull KV from
+/// a host of the client's choosing, hold blocks for nobody, or run token ids in place of the
+/// `messages` — all of them, or (`keep_ids`, for trusted clients in a disaggregated
+/// deployment) all but the forwarded prompt's token ids. `None` if it has none of them (or is
+/// not a JSON object: the engine refuses it anyway). It parses the whole body: the caller
+/// asks only about a body whose [`members`](kvgate_shared::prompt::openai::members) name one,
+/// or that those could not be read.
 pub fn without_transfer_fields(body: &[u8], keep_ids: bool) -> Option<Vec<u8>> {
-    // One pass over the body for both names: it may be 16 MiB, on an Envoy worker. (Building
-    // the searcher cannot fail for two short names; if it did, every body would be parsed.)
-    static NAMES: OnceLock<Option<AhoCorasick>> = OnceLock::new();
-    let names = NAMES.get_or_init(|| AhoCorasick::new(["kv_transfer_params", "bootstrap_"]).ok());
-    if !names.as_ref().is_none_or(|n| n.is_match(body)) {
-        return None;
-    }
     let mut o = object(body).ok()?;
     let mut changed = false;
     for key in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
@@ -154,6 +147,7 @@ pub fn sglang(body: &[u8], host: &str, port: u16, room: u64) -> Result<(Vec<u8>,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvgate_shared::prompt::openai::{members, TRANSFER_FIELDS};
 
     fn parsed(bytes: &[u8]) -> Value {
         serde_json::from_slice(bytes).unwrap()
@@ -218,6 +212,21 @@ mod tests {
         assert_eq!(parsed(&without_transfer_fields(not_an_object, false).unwrap()), json!({"prompt": "x"}));
         for untouched in [&br#"{"prompt":"x"}"#[..], br#"{"prompt":"bootstrap_ is only text"}"#, b"not json"] {
             assert_eq!(without_transfer_fields(untouched, false), None, "{}", String::from_utf8_lossy(untouched));
+        }
+        // A name spelled with JSON escapes is the same name to the engine.
+        let escaped = br#"{"prompt":"x","kv\u005ftransfer_params":{"remote_host":"evil.example"}}"#;
+        assert_eq!(parsed(&without_transfer_fields(escaped, false).unwrap()), json!({"prompt": "x"}));
+    }
+
+    #[test]
+    fn every_member_the_envelope_names_a_transfer_field_is_taken_out() {
+        for name in TRANSFER_FIELDS {
+            let body = json!({"model": "m", "prompt": "x", name: {"remote_host": "evil.example"}}).to_string();
+            assert!(members(body.as_bytes()).unwrap().transfer_fields, "{name}");
+            for keep_ids in [false, true] {
+                let clean = without_transfer_fields(body.as_bytes(), keep_ids).expect(name);
+                assert_eq!(parsed(&clean), json!({"model": "m", "prompt": "x"}), "{name}");
+            }
         }
     }
 

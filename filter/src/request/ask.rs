@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvgate_shared::codec;
 use kvgate_shared::ids::ModelName;
-use kvgate_shared::prompt::openai::{envelope, Endpoint, Envelope};
+use kvgate_shared::prompt::openai::{members, Endpoint, Envelope};
 
 use crate::disagg;
 use crate::host::Host;
@@ -28,6 +28,18 @@ use super::phase::Exchange;
 fn tokenized_by_sidecar(shared: &Shared, envelope: Option<&Envelope<'_>>) -> bool {
     let Some(model) = envelope.map(|e| e.model.as_ref()) else { return false };
     shared.listed.as_ref().is_some_and(|l| l.contains(model)) && !shared.models.contains_key(model)
+}
+
+/// A body's [`Envelope`] (`None` if it is not a JSON object with a string `model`), and
+/// whether it may name a transfer field: it does, or its members could not be read.
+fn read(body: &[u8]) -> (Option<Envelope<'static>>, bool) {
+    match members(body) {
+        Some(m) => {
+            let transfer_fields = m.transfer_fields;
+            (m.envelope().map(Envelope::into_owned), transfer_fields)
+        }
+        None => (None, true),
+    }
 }
 
 /// What became of the call to the sidecar.
@@ -49,20 +61,22 @@ impl Exchange {
     /// models and model list in `shared`, if its circuit breaker lets the request. Sets
     /// [`Exchange::booked`] if a call is in flight.
     pub(super) fn ask(&mut self, host: &impl Host, shared: &mut Shared, mut body: Vec<u8>) {
+        // One pass over the body, whatever its size: its model (all an offload reads and
+        // what its metrics are tagged with), how it streams, and whether it names a transfer
+        // field.
+        let (mut envelope, transfer_fields) = read(&body);
         // The engine runs the prompt routed on, and pulls KV only from where kvgate says: a
         // client's transfer fields go, unless the operator trusts its clients (and even then,
         // in a disaggregated deployment, all but the prompt's token ids).
         let (trusted, disaggregated) = (self.config().client_transfer_fields, self.config().prefill_cluster.is_some());
-        if !trusted || disaggregated {
+        if transfer_fields && (!trusted || disaggregated) {
             if let Some(clean) = disagg::without_transfer_fields(&body, trusted) {
                 if self.body.replace(host, &clean) {
                     body = clean;
+                    envelope = read(&body).0;
                 }
             }
         }
-        // One pass over the body, whatever its size: its model (all an offload reads and
-        // what its metrics are tagged with) and how it streams.
-        let envelope = envelope(&body);
         let listed = |m: &&str| shared.listed.as_ref().is_some_and(|l| l.contains(*m));
         self.metric_model = envelope.as_ref().map(|e| e.model.as_ref()).filter(listed).map(ModelName::from);
         let offload = body.len() > self.config().offload_bytes || tokenized_by_sidecar(shared, envelope.as_ref());

@@ -179,83 +179,155 @@ pub struct Envelope<'a> {
     pub stream_options: bool,
 }
 
-impl<'de: 'a, 'a> serde::Deserialize<'de> for Envelope<'a> {
+impl Envelope<'_> {
+    /// The same envelope, holding its own `model`.
+    pub fn into_owned(self) -> Envelope<'static> {
+        Envelope { model: std::borrow::Cow::Owned(self.model.into_owned()), ..self }
+    }
+}
+
+/// The top-level members that make an engine pull KV from a host, hold blocks for a peer or
+/// run token ids in place of the prompt: vLLM's `kv_transfer_params` and SGLang's
+/// `bootstrap_*` fields. Only kvgate may set them when it routes.
+pub const TRANSFER_FIELDS: [&str; 4] = ["kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"];
+
+/// What [`members`] reads of a JSON object in one pass: the [`Envelope`]'s members, and
+/// whether any of [`TRANSFER_FIELDS`] is among them. Names are compared as the engine reads
+/// them: after JSON's escapes (`"kv\u005ftransfer_params"` is `kv_transfer_params`).
+#[derive(Debug)]
+pub struct Members<'a> {
+    /// The `model`, if it is a string.
+    pub model: Option<std::borrow::Cow<'a, str>>,
+    /// `stream` is `true` (any other value, or none, is false).
+    pub stream: bool,
+    /// The body has a `stream_options` member (`null` included).
+    pub stream_options: bool,
+    /// The body has a member named as one of [`TRANSFER_FIELDS`].
+    pub transfer_fields: bool,
+}
+
+impl<'a> Members<'a> {
+    /// The body's [`Envelope`]: `None` if its `model` is not a string.
+    pub fn envelope(self) -> Option<Envelope<'a>> {
+        let Members { model, stream, stream_options, .. } = self;
+        Some(Envelope { model: model?, stream, stream_options })
+    }
+}
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        use serde::de::{Error, IgnoredAny, MapAccess, Visitor};
+        use serde::de::{IgnoredAny, MapAccess, Visitor};
         use std::borrow::Cow;
 
         /// A value read only for whether it is `true`.
         struct IsTrue(bool);
         impl<'de> serde::Deserialize<'de> for IsTrue {
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                struct V;
-                impl<'de> Visitor<'de> for V {
-                    type Value = IsTrue;
-                    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                        f.write_str("any JSON value")
-                    }
-                    fn visit_bool<E>(self, v: bool) -> Result<IsTrue, E> {
-                        Ok(IsTrue(v))
-                    }
-                    fn visit_i64<E>(self, _: i64) -> Result<IsTrue, E> {
-                        Ok(IsTrue(false))
-                    }
-                    fn visit_u64<E>(self, _: u64) -> Result<IsTrue, E> {
-                        Ok(IsTrue(false))
-                    }
-                    fn visit_f64<E>(self, _: f64) -> Result<IsTrue, E> {
-                        Ok(IsTrue(false))
-                    }
-                    fn visit_str<E>(self, _: &str) -> Result<IsTrue, E> {
-                        Ok(IsTrue(false))
-                    }
-                    fn visit_unit<E>(self) -> Result<IsTrue, E> {
-                        Ok(IsTrue(false))
-                    }
-                    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<IsTrue, A::Error> {
-                        IgnoredAny.visit_seq(seq).map(|_| IsTrue(false))
-                    }
-                    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<IsTrue, A::Error> {
-                        IgnoredAny.visit_map(map).map(|_| IsTrue(false))
-                    }
-                }
-                d.deserialize_any(V)
+                d.deserialize_any(Only(|v: Scalar<'_>| matches!(v, Scalar::Bool(true)))).map(IsTrue)
             }
         }
 
-        struct Members;
-        impl<'de> Visitor<'de> for Members {
-            type Value = Envelope<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object with a string `model`")
+        /// A value read only for the string it is, if it is one.
+        struct IfString<'a>(Option<Cow<'a, str>>);
+        impl<'de: 'a, 'a> serde::Deserialize<'de> for IfString<'a> {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                d.deserialize_any(Only(|v: Scalar<'de>| match v {
+                    Scalar::Str(s) => Some(s),
+                    _ => None,
+                }))
+                .map(IfString)
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Envelope<'de>, A::Error> {
-                let (mut model, mut stream, mut stream_options) = (None, false, false);
+        }
+
+        /// A JSON value as far as [`Only`] looks at it.
+        enum Scalar<'a> {
+            Bool(bool),
+            Str(Cow<'a, str>),
+            Other,
+        }
+
+        /// Visits any JSON value, skipping arrays and objects, and keeps what `f` makes of it.
+        struct Only<F>(F);
+        impl<'de, T, F: FnOnce(Scalar<'de>) -> T> Visitor<'de> for Only<F> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<T, E> {
+                Ok((self.0)(Scalar::Bool(v)))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<T, E> {
+                Ok((self.0)(Scalar::Other))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<T, E> {
+                Ok((self.0)(Scalar::Other))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<T, E> {
+                Ok((self.0)(Scalar::Other))
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<T, E> {
+                Ok((self.0)(Scalar::Str(Cow::Borrowed(v))))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<T, E> {
+                Ok((self.0)(Scalar::Str(Cow::Owned(v.to_owned()))))
+            }
+            fn visit_unit<E>(self) -> Result<T, E> {
+                Ok((self.0)(Scalar::Other))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<T, A::Error> {
+                IgnoredAny.visit_seq(seq).map(|_| (self.0)(Scalar::Other))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                IgnoredAny.visit_map(map).map(|_| (self.0)(Scalar::Other))
+            }
+        }
+
+        struct Object;
+        impl<'de> Visitor<'de> for Object {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members<'de>, A::Error> {
+                let mut members = Members { model: None, stream: false, stream_options: false, transfer_fields: false };
                 while let Some(key) = map.next_key::<Cow<'de, str>>()? {
                     match key.as_ref() {
-                        "model" => model = Some(map.next_value::<Cow<'de, str>>()?),
-                        "stream" => stream = map.next_value::<IsTrue>()?.0,
+                        "model" => members.model = map.next_value::<IfString<'de>>()?.0,
+                        "stream" => members.stream = map.next_value::<IsTrue>()?.0,
                         "stream_options" => {
                             map.next_value::<IgnoredAny>()?;
-                            stream_options = true;
+                            members.stream_options = true;
                         }
-                        _ => {
+                        name => {
+                            members.transfer_fields |= TRANSFER_FIELDS.contains(&name);
                             map.next_value::<IgnoredAny>()?;
                         }
                     }
                 }
-                let model = model.ok_or_else(|| A::Error::missing_field("model"))?;
-                Ok(Envelope { model, stream, stream_options })
+                Ok(members)
             }
         }
-        deserializer.deserialize_map(Members)
+        deserializer.deserialize_map(Object)
     }
 }
 
-/// The [`Envelope`] of a JSON body, read without building a tree of the rest: for a body too
+/// The [`Members`] of a JSON body, read without building a tree of the rest: for a body too
 /// big to parse where it is (a wasm VM never gives memory back), or one [`parse`] refuses.
-/// `None` if it is not a JSON object with a string `model`. Bytes in the skipped fields are
-/// not checked to be UTF-8.
+/// `None` if it is not a JSON object. Bytes in the skipped fields are not checked to be UTF-8.
+///
+/// ```
+/// use kvgate_shared::prompt::openai::members;
+/// let m = members(br#"{"prompt":"kv_transfer_params","kv\u005ftransfer_params":{}}"#).unwrap();
+/// assert!(m.transfer_fields && m.model.is_none(), "named after its escapes, not in a value");
+/// assert!(!members(br#"{"model":"m","messages":[{"bootstrap_host":"h"}]}"#).unwrap().transfer_fields);
+/// assert!(members(b"[1,2]").is_none());
+/// ```
+pub fn members(body: &[u8]) -> Option<Members<'_>> {
+    serde_json::from_slice(body).ok()
+}
+
+/// The [`Envelope`] of a JSON body ([`members`]). `None` if it is not a JSON object with a
+/// string `model`.
 ///
 /// ```
 /// use kvgate_shared::prompt::openai::envelope;
@@ -265,9 +337,10 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Envelope<'a> {
 /// assert!(!e.stream && e.stream_options);
 /// let e = envelope(br#"{"model":"a","stream":false,"model":"b","stream":true}"#).unwrap();
 /// assert!(e.stream && e.model == "b", "the last of each, as Python reads it");
+/// assert!(envelope(br#"{"model":1}"#).is_none());
 /// ```
 pub fn envelope(body: &[u8]) -> Option<Envelope<'_>> {
-    serde_json::from_slice(body).ok()
+    members(body)?.envelope()
 }
 
 /// The `model` of a JSON body ([`envelope`]).
