@@ -50,9 +50,10 @@ pub struct Plan {
     pub untokenizable: Option<String>,
 }
 
-/// Which requests the filter routes: `POST` to `/v1/completions`, `/v1/chat/completions` or
-/// `/v1/responses` with a JSON body (no content type, or `application/json` with any parameters). Everything
-/// else passes through untouched, with no sidecar call.
+/// Which requests the filter routes: `POST` to `/v1/completions`, `/v1/chat/completions`,
+/// `/v1/responses` or `/v1/messages` (the path as the engine reads it: [`Endpoint::from_path`])
+/// with a body the engine reads as JSON ([`read_as_json`]). Everything else passes through
+/// untouched, with no sidecar call.
 ///
 /// ```
 /// use kvgate_filter::plan::routable;
@@ -62,14 +63,37 @@ pub struct Plan {
 /// assert_eq!(routable(Some("GET"), "/v1/completions", None), None);
 /// assert_eq!(routable(Some("POST"), "/v1/embeddings", None), None);
 /// assert_eq!(routable(Some("POST"), "/v1/chat/completions", Some("text/plain")), None);
+/// assert_eq!(routable(Some("POST"), "/v1/chat/%63ompletions", Some("application/x+json")), Some(Endpoint::ChatCompletions));
 /// ```
 pub fn routable(method: Option<&str>, path: &str, content_type: Option<&str>) -> Option<Endpoint> {
-    if method != Some("POST") {
+    if method != Some("POST") || !read_as_json(content_type) {
         return None;
     }
-    let json = content_type
-        .is_none_or(|ct| ct.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/json"));
-    json.then(|| Endpoint::from_path(path)).flatten()
+    Endpoint::from_path(path)
+}
+
+/// Whether the engine's server reads a body of this content type as JSON: FastAPI (vLLM's
+/// and SGLang's) does with none (or an empty one), with `application/json` and with any
+/// `application/…+json`. Any other body is not parsed there, so it needs no routing and
+/// carries nothing to take out.
+///
+/// ```
+/// use kvgate_filter::plan::read_as_json;
+/// for ct in [None, Some(""), Some("Application/JSON"), Some("application/vnd.api+json; charset=utf-8")] {
+///     assert!(read_as_json(ct), "{ct:?}");
+/// }
+/// for ct in ["text/plain", "application/x-www-form-urlencoded", "application/jsonl", "text/json"] {
+///     assert!(!read_as_json(Some(ct)), "{ct}");
+/// }
+/// ```
+pub fn read_as_json(content_type: Option<&str>) -> bool {
+    let essence = content_type.map_or("", |ct| ct.split(';').next().unwrap_or("").trim());
+    if essence.is_empty() {
+        return true;
+    }
+    let Some((kind, subtype)) = essence.split_once('/') else { return false };
+    let subtype = subtype.to_ascii_lowercase();
+    kind.eq_ignore_ascii_case("application") && (subtype == "json" || subtype.ends_with("+json"))
 }
 
 /// A rough token count for prompts we cannot tokenize: ~4 bytes per token.

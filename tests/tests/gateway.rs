@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use kvgate_e2e::bench::stats::percentile;
-use kvgate_e2e::client::{client, post, stream};
+use kvgate_e2e::client::{client, post, stream, Reply};
 use kvgate_e2e::process::wait_for;
 use kvgate_e2e::stack::metric_sum;
 use kvgate_e2e::workload::document;
@@ -2026,8 +2026,9 @@ fn with_the_filter_vm_failed_a_client_still_cannot_pick_its_engine() {
 
 /// 41. A client's `kv_transfer_params.prompt_token_ids` would have the engine run those ids in
 ///     place of the `messages` (vLLM 0.32 does, as the simulator): kvgate takes them out, so
-///     the engine runs the messages it routed on — also when the name is spelled with JSON
-///     escapes, which the engine reads as the same name.
+///     the engine runs the messages it routed on. Also however the engine's server would read
+///     the same request: the name spelled with JSON escapes, a `+json` content type, the
+///     path percent-encoded.
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn a_clients_token_ids_do_not_replace_the_messages_the_engine_runs() {
@@ -2037,13 +2038,26 @@ fn a_clients_token_ids_do_not_replace_the_messages_the_engine_runs() {
     let plain = body.to_string();
     let escaped = plain.replace("\"kv_transfer_params\"", "\"kv\\u005ftransfer_params\"");
     assert_ne!(escaped, plain);
-    for body in [plain, escaped] {
-        let direct = post(&stack.sim("a").url("/v1/chat/completions"), body.clone(), &[]).unwrap();
-        assert_eq!(direct.json()["usage"]["prompt_tokens"], 3, "the engine itself runs a client's ids: {body}");
-        let reply = post(&stack.gateway("/v1/chat/completions"), body.clone(), &[]).unwrap();
-        assert_eq!(reply.status, 200);
+    let send = |base: &str, (path, content_type, body): (&str, &str, &str)| -> Reply {
+        let response =
+            client().post(format!("{base}{path}")).header("content-type", content_type).body(body.to_owned()).send();
+        let response = response.unwrap();
+        let (status, headers) = (response.status().as_u16(), response.headers().clone());
+        Reply { status, headers, body: response.text().unwrap() }
+    };
+    let sent = [
+        ("/v1/chat/completions", "application/json", plain.as_str()),
+        ("/v1/chat/completions", "application/json", &escaped),
+        ("/v1/chat/completions", "application/vnd.example+json", &plain),
+        ("/v1/chat/%63ompletions", "application/json", &plain),
+    ];
+    for request in sent {
+        let direct = send(&stack.sim("a").url(""), request);
+        assert_eq!(direct.json()["usage"]["prompt_tokens"], 3, "the engine itself runs a client's ids: {request:?}");
+        let reply = send(&stack.gateway(""), request);
+        assert_eq!(reply.status, 200, "{request:?}: {}", reply.body);
         let ran = reply.json()["usage"]["prompt_tokens"].as_u64().unwrap();
-        assert!(ran > 3, "through kvgate the engine ran the messages: {ran} tokens for {body}");
+        assert!(ran > 3, "through kvgate the engine ran the messages: {ran} tokens for {request:?}");
         assert_eq!(reply.header("x-kvgate-prompt-tokens"), ran.to_string(), "and kvgate routed on what it ran");
     }
 }

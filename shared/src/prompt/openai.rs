@@ -21,7 +21,10 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    /// The endpoint for a request path (query string allowed), or `None` if kvgate does not route it.
+    /// The endpoint for a request path (query string allowed), or `None` if kvgate does not
+    /// route it. The path is read as the engine's server reads it: uvicorn (vLLM's and
+    /// SGLang's) cuts the query off, then percent-decodes the rest, so `/v1/chat/%63ompletions`
+    /// is the chat endpoint there, and here.
     ///
     /// ```
     /// use kvgate_shared::prompt::openai::Endpoint;
@@ -29,9 +32,15 @@ impl Endpoint {
     /// assert_eq!(Endpoint::from_path("/v1/responses"), Some(Endpoint::Responses));
     /// assert_eq!(Endpoint::from_path("/v1/messages"), Some(Endpoint::Messages));
     /// assert_eq!(Endpoint::from_path("/v1/models"), None);
+    /// assert_eq!(Endpoint::from_path("/v1/chat/%63ompletions"), Some(Endpoint::ChatCompletions));
+    /// assert_eq!(Endpoint::from_path("/v1%2Fcompletions?a=%3F"), Some(Endpoint::Completions));
+    /// assert_eq!(Endpoint::from_path("/v1/completions%3Fx"), None, "a decoded `?` is in the path");
+    /// assert_eq!(Endpoint::from_path("/v1/completions%FF"), None);
     /// ```
     pub fn from_path(path: &str) -> Option<Endpoint> {
-        match path.split('?').next().unwrap_or("") {
+        let raw = path.split('?').next().unwrap_or("");
+        let decoded = percent_encoding::percent_decode_str(raw).decode_utf8().ok()?;
+        match decoded.as_ref() {
             "/v1/completions" => Some(Endpoint::Completions),
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
             "/v1/responses" => Some(Endpoint::Responses),

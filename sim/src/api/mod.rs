@@ -31,7 +31,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -121,6 +121,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/_chaos/events", post(chaos_events))
         .route("/_chaos/restart_publisher", post(restart_publisher))
         .route("/_chaos/slowdown", post(chaos_slowdown))
+        .fallback(percent_encoded)
         // vLLM (uvicorn) puts no limit on request bodies; neither does the simulator.
         .layer(axum::extract::DefaultBodyLimit::disable())
         .with_state(state)
@@ -154,6 +155,23 @@ async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, bod
 
 async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     serve(state, Endpoint::ChatCompletions, &headers, body).instrument(request_span(&headers)).await
+}
+
+/// A path no route matched as sent. uvicorn percent-decodes the path before vLLM's routes see
+/// it, so `POST /v1/chat/%63ompletions` is a chat there: served as one here too.
+async fn percent_encoded(
+    State(state): State<Arc<AppState>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    match Endpoint::from_path(uri.path()) {
+        Some(endpoint) if method == Method::POST => {
+            serve(state, endpoint, &headers, body).instrument(request_span(&headers)).await
+        }
+        _ => StatusCode::NOT_FOUND.into_response(),
+    }
 }
 
 async fn responses(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
