@@ -14,7 +14,7 @@
 //! clients keep the forwarded prompt's token ids, [`FORWARDED_IDS`]): only kvgate says where
 //! an engine pulls KV from. The legs keep the forwarded ids the filter itself wrote.
 
-use kvgate_shared::prompt::openai::FORWARDED_IDS;
+use kvgate_shared::prompt::openai::{Members, FORWARDED_IDS};
 use serde_json::{json, Map, Value};
 
 /// Why a leg's body could not be built, or its answer not used.
@@ -55,12 +55,12 @@ fn own_params(o: &Map<String, Value>) -> Map<String, Value> {
 /// `kv_transfer_params` and the `bootstrap_*` fields, which would make an engine pull KV from
 /// a host of the client's choosing, hold blocks for nobody, or run token ids in place of the
 /// `messages` — all of them, or (`keep_ids`, for trusted clients in a disaggregated
-/// deployment) all but the forwarded prompt's token ids. `None` if it has none of them (or is
-/// not a JSON object: the engine refuses it anyway). It parses the whole body: the caller
-/// asks only about a body whose [`members`](kvgate_shared::prompt::openai::members) name one,
-/// or that those could not be read.
-pub fn without_transfer_fields(body: &[u8], keep_ids: bool) -> Option<Vec<u8>> {
-    let mut o = object(body).ok()?;
+/// deployment) all but the forwarded prompt's token ids. `None` if it has none of them; an
+/// error if it is not a JSON object `serde_json` reads (the engine's Python may still read
+/// it: `NaN`, a lone surrogate). It parses the whole body: the caller asks only about a body
+/// that may carry one ([`may_carry_transfer_fields`]).
+pub fn without_transfer_fields(body: &[u8], keep_ids: bool) -> Result<Option<Vec<u8>>, LegError> {
+    let mut o = object(body)?;
     let mut changed = false;
     for key in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
         changed |= o.remove(key).is_some();
@@ -79,7 +79,31 @@ pub fn without_transfer_fields(body: &[u8], keep_ids: bool) -> Option<Vec<u8>> {
         }
         Some(_) => changed |= o.remove("kv_transfer_params").is_some(),
     }
-    changed.then(|| encoded(o))
+    Ok(changed.then(|| encoded(o)))
+}
+
+/// Whether a body may carry a transfer field: its [`Members`] name one, or — when they
+/// cannot be read (`members` is `None`) — its bytes could spell one for the engine's Python:
+/// the name as written, a JSON escape, or a NUL byte (UTF-16 or UTF-32, which Python's `json`
+/// detects).
+///
+/// ```
+/// use kvgate_filter::disagg::may_carry_transfer_fields;
+/// use kvgate_shared::prompt::openai::members;
+/// let unreadable = |body: &[u8]| may_carry_transfer_fields(body, members(body).as_ref());
+/// assert!(unreadable(br#"{"x":NaN,"kv\u005ftransfer_params":{}}"#));
+/// assert!(unreadable(br#"{"x":NaN,"bootstrap_host":"h"}"#));
+/// assert!(!unreadable(b"{not json"));
+/// assert!(!unreadable(br#"{"model":"m","prompt":"kv_transfer_params"}"#), "read: named only in a value");
+/// ```
+pub fn may_carry_transfer_fields(body: &[u8], members: Option<&Members<'_>>) -> bool {
+    match members {
+        Some(m) => m.transfer_fields,
+        None => {
+            let names = |name: &[u8]| body.windows(name.len()).any(|w| w == name);
+            body.contains(&b'\\') || body.contains(&0) || names(b"kv_transfer_params") || names(b"bootstrap_")
+        }
+    }
 }
 
 /// A leg that only computes the prompt: one token, whole (not streamed).
@@ -200,22 +224,32 @@ mod tests {
         let body = br#"{"model":"m","prompt":"x","bootstrap_host":"evil.example","bootstrap_room":3,
             "kv_transfer_params":{"do_remote_prefill":true,"remote_host":"evil.example","prompt_token_ids":[1]}}"#;
         // By default all of them, the prompt's token ids too: the engine runs the `prompt`.
-        assert_eq!(parsed(&without_transfer_fields(body, false).unwrap()), json!({"model": "m", "prompt": "x"}));
+        assert_eq!(
+            parsed(&without_transfer_fields(body, false).unwrap().unwrap()),
+            json!({"model": "m", "prompt": "x"})
+        );
         // Trusted clients in a disaggregated deployment keep their token ids, nothing else.
-        let clean = parsed(&without_transfer_fields(body, true).unwrap());
+        let clean = parsed(&without_transfer_fields(body, true).unwrap().unwrap());
         assert_eq!(clean, json!({"model": "m", "prompt": "x", "kv_transfer_params": {"prompt_token_ids": [1]}}));
         let only_params = br#"{"prompt":"x","kv_transfer_params":{"do_remote_decode":true}}"#;
         for keep_ids in [false, true] {
-            assert_eq!(parsed(&without_transfer_fields(only_params, keep_ids).unwrap()), json!({"prompt": "x"}));
+            assert_eq!(
+                parsed(&without_transfer_fields(only_params, keep_ids).unwrap().unwrap()),
+                json!({"prompt": "x"})
+            );
         }
         let not_an_object = br#"{"prompt":"x","kv_transfer_params":"anything"}"#;
-        assert_eq!(parsed(&without_transfer_fields(not_an_object, false).unwrap()), json!({"prompt": "x"}));
-        for untouched in [&br#"{"prompt":"x"}"#[..], br#"{"prompt":"bootstrap_ is only text"}"#, b"not json"] {
-            assert_eq!(without_transfer_fields(untouched, false), None, "{}", String::from_utf8_lossy(untouched));
+        assert_eq!(parsed(&without_transfer_fields(not_an_object, false).unwrap().unwrap()), json!({"prompt": "x"}));
+        for untouched in [&br#"{"prompt":"x"}"#[..], br#"{"prompt":"bootstrap_ is only text"}"#] {
+            assert_eq!(without_transfer_fields(untouched, false), Ok(None), "{}", String::from_utf8_lossy(untouched));
+        }
+        for unreadable in [&b"not json"[..], br#"{"x":NaN,"kv_transfer_params":{}}"#, br#"{"x":"\ud800"}"#] {
+            let got = without_transfer_fields(unreadable, false);
+            assert_eq!(got, Err(LegError::NotAnObject), "{}", String::from_utf8_lossy(unreadable));
         }
         // A name spelled with JSON escapes is the same name to the engine.
         let escaped = br#"{"prompt":"x","kv\u005ftransfer_params":{"remote_host":"evil.example"}}"#;
-        assert_eq!(parsed(&without_transfer_fields(escaped, false).unwrap()), json!({"prompt": "x"}));
+        assert_eq!(parsed(&without_transfer_fields(escaped, false).unwrap().unwrap()), json!({"prompt": "x"}));
     }
 
     #[test]
@@ -224,7 +258,7 @@ mod tests {
             let body = json!({"model": "m", "prompt": "x", name: {"remote_host": "evil.example"}}).to_string();
             assert!(members(body.as_bytes()).unwrap().transfer_fields, "{name}");
             for keep_ids in [false, true] {
-                let clean = without_transfer_fields(body.as_bytes(), keep_ids).expect(name);
+                let clean = without_transfer_fields(body.as_bytes(), keep_ids).unwrap().expect(name);
                 assert_eq!(parsed(&clean), json!({"model": "m", "prompt": "x"}), "{name}");
             }
         }

@@ -9,7 +9,7 @@
 //!
 //! | metric (Prometheus) | kind | tags | meaning |
 //! |---|---|---|---|
-//! | `kvgate_requests_total` | counter | model, outcome | how a request left the filter: `routed` (the sidecar's choice applied), `passthrough` (not routable: bad body, unknown model…; the engine answers), `fallback_timeout` / `fallback_error` (the sidecar did not answer in time / failed or answered nonsense: Envoy's balancer picked), `shed` (every replica saturated, or none predicted to meet the request's TTFT SLO: answered 429 here), `breaker_open` (not asked: the circuit breaker was open, or half-open with its probe out) |
+//! | `kvgate_requests_total` | counter | model, outcome | how a request left the filter: `routed` (the sidecar's choice applied), `passthrough` (not routable: bad body, unknown model…; the engine answers), `fallback_timeout` / `fallback_error` (the sidecar did not answer in time / failed or answered nonsense: Envoy's balancer picked), `shed` (every replica saturated, or none predicted to meet the request's TTFT SLO: answered 429 here), `breaker_open` (not asked: the circuit breaker was open, or half-open with its probe out), `refused` (a body that may carry `kv_transfer_params` or `bootstrap_*` and that kvgate cannot read to take them out: answered 400 here) |
 //! | `kvgate_requests_truncated_total` | counter | model | routed on the prompt's head (`max_tokenize_bytes`) |
 //! | `kvgate_requests_offloaded_total` | counter | model | the body was tokenized by the sidecar (above `offload_bytes`, or no tokenizer for its model in this worker) |
 //! | `kvgate_requests_tokens_forwarded_total` | counter | model | the prompt went upstream as token ids (`forward_tokens`) |
@@ -116,16 +116,20 @@ pub enum Outcome {
     Shed,
     /// The circuit breaker was open: the sidecar was not asked, fallback LB.
     BreakerOpen,
+    /// The body may carry fields only kvgate sets, and kvgate could not take them out:
+    /// answered 400 here.
+    Refused,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 6] = [
+    const ALL: [Outcome; 7] = [
         Outcome::Routed,
         Outcome::Passthrough,
         Outcome::FallbackTimeout,
         Outcome::FallbackError,
         Outcome::Shed,
         Outcome::BreakerOpen,
+        Outcome::Refused,
     ];
 
     /// The metric's `outcome` tag.
@@ -137,6 +141,7 @@ impl Outcome {
             Outcome::FallbackError => "fallback_error",
             Outcome::Shed => "shed",
             Outcome::BreakerOpen => "breaker_open",
+            Outcome::Refused => "refused",
         }
     }
 }

@@ -487,6 +487,39 @@ fn unroutable_requests_pass_through_untouched() {
 }
 
 #[test]
+fn transfer_fields_that_cannot_be_taken_out_are_refused_here() {
+    // Python's `json` (the engine's) reads NaN, lone surrogates and a leading byte-order
+    // mark; serde_json does not.
+    let with_bom = format!("\u{feff}{}", r#"{"kv_transfer_params":{}}"#);
+    let unreadable = [
+        r#"{"model":"Qwen/Qwen3-0.6B","temperature":NaN,"kv_transfer_params":{"remote_host":"evil.example"}}"#,
+        r#"{"model":"Qwen/Qwen3-0.6B","x":NaN,"kv\u005ftransfer_params":{"remote_host":"evil.example"}}"#,
+        r#"{"model":"Qwen/Qwen3-0.6B","x":"\ud800","bootstrap_host":"evil.example"}"#,
+        &with_bom,
+    ];
+    for body in unreadable {
+        let (mut ctx, fake) = request(body, &[], FilterConfig::default());
+        assert_eq!(send(&mut ctx, &fake), Action::Pause, "{body}");
+        let s = fake.0.borrow();
+        let (code, _, reply) = s.local_reply.clone().expect("answered here");
+        assert_eq!(code, 400, "{body}");
+        let error: serde_json::Value = serde_json::from_slice(&reply).unwrap();
+        assert_eq!(error["error"]["code"], "unreadable_transfer_fields");
+        assert!(s.calls.is_empty() && s.resumed == 0, "{body}: not asked about, not sent upstream");
+        assert_eq!(s.properties.get("kvgate_outcome").map(String::as_str), Some("refused"));
+    }
+    // Trusted clients keep their fields, however they are written.
+    let trusting = FilterConfig { client_transfer_fields: true, ..FilterConfig::default() };
+    let (mut ctx, fake) = request(unreadable[0], &[], trusting);
+    assert_eq!(send(&mut ctx, &fake), Action::Continue);
+    assert!(fake.0.borrow().local_reply.is_none());
+    // A body it cannot read that could not name one goes on to the engine, which answers it.
+    let (mut ctx, fake) = request(r#"{"model":"Qwen/Qwen3-0.6B","temperature":NaN}"#, &[], FilterConfig::default());
+    assert_eq!(send(&mut ctx, &fake), Action::Continue);
+    assert!(fake.0.borrow().local_reply.is_none());
+}
+
+#[test]
 fn a_big_body_is_offloaded_with_the_filters_deadline() {
     let config = FilterConfig { offload_bytes: 64, offload_timeout_ms: 750, ..FilterConfig::default() };
     let (mut ctx, fake) = request(&chat(&"many words ".repeat(20)), &[], config);

@@ -2060,6 +2060,14 @@ fn a_clients_token_ids_do_not_replace_the_messages_the_engine_runs() {
         assert!(ran > 3, "through kvgate the engine ran the messages: {ran} tokens for {request:?}");
         assert_eq!(reply.header("x-kvgate-prompt-tokens"), ran.to_string(), "and kvgate routed on what it ran");
     }
+    // A body the engine's Python reads but kvgate cannot (NaN) is refused here when it may
+    // carry them: kvgate could not take them out.
+    let nan = plain.replacen("\"max_tokens\":2", "\"max_tokens\":2,\"x\":NaN", 1);
+    assert_ne!(nan, plain);
+    let reply = send(&stack.gateway(""), ("/v1/chat/completions", "application/json", &nan));
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert_eq!(reply.json()["error"]["code"], "unreadable_transfer_fields", "{}", reply.body);
+    assert!(reply.header("x-kvgate-replica").is_empty(), "answered by kvgate, not by an engine");
 }
 
 /// 42. Sessions, named by the operator's header, bound softly and shared by the gateways: with

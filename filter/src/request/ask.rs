@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvgate_shared::codec;
 use kvgate_shared::ids::ModelName;
-use kvgate_shared::prompt::openai::{members, Endpoint, Envelope};
+use kvgate_shared::prompt::openai::{members, Endpoint, Envelope, Members};
 
 use crate::disagg;
 use crate::host::Host;
@@ -31,16 +31,15 @@ fn tokenized_by_sidecar(shared: &Shared, envelope: Option<&Envelope<'_>>) -> boo
 }
 
 /// A body's [`Envelope`] (`None` if it is not a JSON object with a string `model`), and
-/// whether it may name a transfer field: it does, or its members could not be read.
+/// whether it may carry a transfer field ([`disagg::may_carry_transfer_fields`]).
 fn read(body: &[u8]) -> (Option<Envelope<'static>>, bool) {
-    match members(body) {
-        Some(m) => {
-            let transfer_fields = m.transfer_fields;
-            (m.envelope().map(Envelope::into_owned), transfer_fields)
-        }
-        None => (None, true),
-    }
+    let members = members(body);
+    let may_carry = disagg::may_carry_transfer_fields(body, members.as_ref());
+    (members.and_then(Members::envelope).map(Envelope::into_owned), may_carry)
 }
+
+/// The client was answered here: the request goes no further.
+pub(super) struct Answered;
 
 /// What became of the call to the sidecar.
 pub(super) enum Asked {
@@ -59,28 +58,32 @@ pub(super) const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
 impl Exchange {
     /// Asks the sidecar about `body` (the whole body, as the client sent it), with the
     /// models and model list in `shared`, if its circuit breaker lets the request. Sets
-    /// [`Exchange::booked`] if a call is in flight.
-    pub(super) fn ask(&mut self, host: &impl Host, shared: &mut Shared, mut body: Vec<u8>) {
+    /// [`Exchange::booked`] if a call is in flight. An error if the client was answered here
+    /// instead: its body may carry transfer fields that could not be taken out.
+    pub(super) fn ask(&mut self, host: &impl Host, shared: &mut Shared, mut body: Vec<u8>) -> Result<(), Answered> {
         // One pass over the body, whatever its size: its model (all an offload reads and
         // what its metrics are tagged with), how it streams, and whether it names a transfer
         // field.
-        let (mut envelope, transfer_fields) = read(&body);
+        let (mut envelope, may_carry) = read(&body);
         // The engine runs the prompt routed on, and pulls KV only from where kvgate says: a
         // client's transfer fields go, unless the operator trusts its clients (and even then,
         // in a disaggregated deployment, all but the prompt's token ids).
         let (trusted, disaggregated) = (self.config().client_transfer_fields, self.config().prefill_cluster.is_some());
-        if transfer_fields && (!trusted || disaggregated) {
-            if let Some(clean) = disagg::without_transfer_fields(&body, trusted) {
-                if self.body.replace(host, &clean) {
+        if may_carry && (!trusted || disaggregated) {
+            match disagg::without_transfer_fields(&body, trusted) {
+                Ok(None) => {}
+                Ok(Some(clean)) if self.body.replace(host, &clean) => {
                     body = clean;
                     envelope = read(&body).0;
                 }
+                Ok(Some(_)) => return Err(self.refuse(host, "the body could not be replaced")),
+                Err(e) => return Err(self.refuse(host, &e.to_string())),
             }
         }
         let listed = |m: &&str| shared.listed.as_ref().is_some_and(|l| l.contains(*m));
         self.metric_model = envelope.as_ref().map(|e| e.model.as_ref()).filter(listed).map(ModelName::from);
         let offload = body.len() > self.config().offload_bytes || tokenized_by_sidecar(shared, envelope.as_ref());
-        let Some(ticket) = self.admit(host, &mut shared.breaker, body.len()) else { return };
+        let Some(ticket) = self.admit(host, &mut shared.breaker, body.len()) else { return Ok(()) };
         let asked = match offload {
             true => self.offload_to_sidecar(host, shared, &body, envelope.as_ref()),
             false => self.ask_sidecar(host, shared, &body),
@@ -90,6 +93,30 @@ impl Exchange {
         if let (Some(envelope), Some(_), true) = (&envelope, &self.booked, ask_usage) {
             self.request_usage(host, &body, envelope);
         }
+        Ok(())
+    }
+
+    /// Answers 400: the body may carry `kv_transfer_params` or `bootstrap_*` fields (which
+    /// only kvgate may set) and they could not be taken out (`why`). Without the filter's
+    /// reading of the body, the engine's would decide where it pulls KV from.
+    fn refuse(&self, host: &impl Host, why: &str) -> Answered {
+        let message = format!(
+            "the request may carry kv_transfer_params or bootstrap_* fields, which this gateway does not take \
+             from clients, and it cannot read the body to take them out ({why}): send plain JSON (no NaN, no \
+             lone surrogates, UTF-8)"
+        );
+        let error = serde_json::json!({"error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": null,
+            "code": "unreadable_transfer_fields",
+        }});
+        let headers = [("content-type", "application/json")];
+        if let Err(status) = host.send_local_reply(400, &headers, error.to_string().as_bytes()) {
+            log::warn!("kvgate: cannot refuse a request: {status:?}");
+        }
+        self.count(host, Outcome::Refused);
+        Answered
     }
 
     /// How long the sidecar may take to decide about a `body_len`-byte body: a big one it

@@ -166,7 +166,11 @@ impl<H: Host> Request<H> {
         let asked_at = Instant::now();
         let body = self.host.request_body(buffered);
         let mut x = Box::new(Exchange::new(route, asked_at, body.len()));
-        x.ask(&self.host, &mut self.shared.borrow_mut(), body);
+        if x.ask(&self.host, &mut self.shared.borrow_mut(), body).is_err() {
+            // Answered here: the request stays paused, and its local reply goes out.
+            self.phase = Phase::Responding(x);
+            return Action::Pause;
+        }
         if x.booked.is_some() {
             self.phase = Phase::Asking(x);
             Action::Pause
