@@ -14,15 +14,18 @@
 //! clients keep the forwarded prompt's token ids, [`FORWARDED_IDS`]): only kvgate says where
 //! an engine pulls KV from. The legs keep the forwarded ids the filter itself wrote.
 
-use kvgate_shared::prompt::openai::{Members, FORWARDED_IDS};
+use kvgate_shared::prompt::openai::{Members, EXTRA_ARGS, FORWARDED_IDS};
 use serde_json::{json, Map, Value};
 
 /// Why a leg's body could not be built, or its answer not used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LegError {
-    /// The request body is not a JSON object.
+    /// The request body is JSON, but not an object.
     #[error("the request body is not a JSON object")]
     NotAnObject,
+    /// The request body is not JSON that kvgate reads (`serde_json`'s error: what and where).
+    #[error("the request body cannot be read as JSON: {0}")]
+    Unreadable(String),
     /// The prefill worker's response carries no `kv_transfer_params` object.
     #[error("the prefill response carries no kv_transfer_params")]
     NoTransferParams,
@@ -32,7 +35,8 @@ pub enum LegError {
 fn object(body: &[u8]) -> Result<Map<String, Value>, LegError> {
     match serde_json::from_slice(body) {
         Ok(Value::Object(o)) => Ok(o),
-        _ => Err(LegError::NotAnObject),
+        Ok(_) => Err(LegError::NotAnObject),
+        Err(e) => Err(LegError::Unreadable(e.to_string())),
     }
 }
 
@@ -65,6 +69,10 @@ pub fn without_transfer_fields(body: &[u8], keep_ids: bool) -> Result<Option<Vec
     for key in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
         changed |= o.remove(key).is_some();
     }
+    // vLLM takes `vllm_xargs.kv_transfer_params` where the top-level one is absent or empty.
+    if let Some(Value::Object(extra)) = o.get_mut(EXTRA_ARGS) {
+        changed |= extra.remove("kv_transfer_params").is_some();
+    }
     match o.get("kv_transfer_params") {
         None => {}
         Some(Value::Object(params)) if keep_ids => {
@@ -84,8 +92,8 @@ pub fn without_transfer_fields(body: &[u8], keep_ids: bool) -> Result<Option<Vec
 
 /// Whether a body may carry a transfer field: its [`Members`] name one, or — when they
 /// cannot be read (`members` is `None`) — its bytes could spell one for the engine's Python:
-/// the name as written, a JSON escape, or a NUL byte (UTF-16 or UTF-32, which Python's `json`
-/// detects).
+/// the name as written, a `\u` escape (JSON's other escapes make no letter or `_`), or a NUL
+/// byte (UTF-16 or UTF-32, which Python's `json` detects).
 ///
 /// ```
 /// use kvgate_filter::disagg::may_carry_transfer_fields;
@@ -94,6 +102,7 @@ pub fn without_transfer_fields(body: &[u8], keep_ids: bool) -> Result<Option<Vec
 /// assert!(unreadable(br#"{"x":NaN,"kv\u005ftransfer_params":{}}"#));
 /// assert!(unreadable(br#"{"x":NaN,"bootstrap_host":"h"}"#));
 /// assert!(!unreadable(b"{not json"));
+/// assert!(!unreadable(br#"{"messages":[{"content":"a\nb"}],"temperature":NaN}"#), "no name in it");
 /// assert!(!unreadable(br#"{"model":"m","prompt":"kv_transfer_params"}"#), "read: named only in a value");
 /// ```
 pub fn may_carry_transfer_fields(body: &[u8], members: Option<&Members<'_>>) -> bool {
@@ -101,7 +110,7 @@ pub fn may_carry_transfer_fields(body: &[u8], members: Option<&Members<'_>>) -> 
         Some(m) => m.transfer_fields,
         None => {
             let names = |name: &[u8]| body.windows(name.len()).any(|w| w == name);
-            body.contains(&b'\\') || body.contains(&0) || names(b"kv_transfer_params") || names(b"bootstrap_")
+            names(b"\\u") || body.contains(&0) || names(b"kv_transfer_params") || names(b"bootstrap_")
         }
     }
 }
@@ -245,7 +254,13 @@ mod tests {
         }
         for unreadable in [&b"not json"[..], br#"{"x":NaN,"kv_transfer_params":{}}"#, br#"{"x":"\ud800"}"#] {
             let got = without_transfer_fields(unreadable, false);
-            assert_eq!(got, Err(LegError::NotAnObject), "{}", String::from_utf8_lossy(unreadable));
+            assert!(matches!(got, Err(LegError::Unreadable(_))), "{}: {got:?}", String::from_utf8_lossy(unreadable));
+        }
+        // vLLM's extra arguments carry them too.
+        let extra = br#"{"prompt":"x","vllm_xargs":{"seed":1,"kv_transfer_params":{"remote_host":"evil.example"}}}"#;
+        for keep_ids in [false, true] {
+            let clean = parsed(&without_transfer_fields(extra, keep_ids).unwrap().unwrap());
+            assert_eq!(clean, json!({"prompt": "x", "vllm_xargs": {"seed": 1}}));
         }
         // A name spelled with JSON escapes is the same name to the engine.
         let escaped = br#"{"prompt":"x","kv\u005ftransfer_params":{"remote_host":"evil.example"}}"#;

@@ -228,12 +228,21 @@ impl SidecarCalls for Envoy {
     }
 
     fn call_header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, name).ok().flatten()
+        header(MapType::HttpCallResponseHeaders, name)
     }
 
     fn call_body(&self, size: usize) -> Option<Vec<u8>> {
         hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten()
     }
+}
+
+/// A header's value as text: UTF-8 if it is, else each byte a Latin-1 character, as the
+/// engines' server (Starlette) reads headers. A client may send any byte of 0x80–0xFF in a
+/// header (HTTP's obs-text); `hostcalls::get_map_value` would panic on it, and a panic kills
+/// the worker's VM, so every later request there would pass unfiltered.
+fn header(map: MapType, name: &str) -> Option<String> {
+    let value = hostcalls::get_map_value_bytes(map, name).ok().flatten()?;
+    Some(String::from_utf8(value).unwrap_or_else(|e| e.into_bytes().iter().map(|&b| char::from(b)).collect()))
 }
 
 impl Host for Envoy {
@@ -242,7 +251,7 @@ impl Host for Envoy {
     }
 
     fn request_header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+        header(MapType::HttpRequestHeaders, name)
     }
 
     fn set_request_header(&self, name: &str, value: &str) -> Result<(), HostStatus> {
@@ -258,7 +267,7 @@ impl Host for Envoy {
     }
 
     fn response_header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
+        header(MapType::HttpResponseHeaders, name)
     }
 
     fn remove_response_header(&self, name: &str) -> Result<(), HostStatus> {

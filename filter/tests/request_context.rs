@@ -514,9 +514,37 @@ fn transfer_fields_that_cannot_be_taken_out_are_refused_here() {
     assert_eq!(send(&mut ctx, &fake), Action::Continue);
     assert!(fake.0.borrow().local_reply.is_none());
     // A body it cannot read that could not name one goes on to the engine, which answers it.
-    let (mut ctx, fake) = request(r#"{"model":"Qwen/Qwen3-0.6B","temperature":NaN}"#, &[], FilterConfig::default());
+    let nan = r#"{"model":"Qwen/Qwen3-0.6B","messages":[{"role":"user","content":"a\nb"}],"temperature":NaN}"#;
+    let (mut ctx, fake) = request(nan, &[], FilterConfig::default());
     assert_eq!(send(&mut ctx, &fake), Action::Continue);
     assert!(fake.0.borrow().local_reply.is_none());
+}
+
+#[test]
+fn another_json_post_is_cleaned_but_not_routed() {
+    // vLLM's `/invocations` and SGLang's `/generate` read the same fields as the routed paths.
+    let body = r#"{"model":"Qwen/Qwen3-0.6B","text":"hi","bootstrap_host":"evil.example","kv_transfer_params":{}}"#;
+    for path in ["/invocations", "/generate"] {
+        let (mut ctx, fake) = request(body, &[(":path", path)], FilterConfig::default());
+        assert_eq!(send(&mut ctx, &fake), Action::Continue, "{path}");
+        let s = fake.0.borrow();
+        let sent: serde_json::Value = serde_json::from_slice(&s.request_body).unwrap();
+        assert_eq!(sent, serde_json::json!({"model": "Qwen/Qwen3-0.6B", "text": "hi"}), "{path}");
+        assert!(s.calls.is_empty() && s.local_reply.is_none(), "{path}: not routed, not refused");
+    }
+    // One it cannot clean is refused; one with nothing to take out goes on as it came.
+    let (mut ctx, fake) =
+        request(r#"{"x":NaN,"kv_transfer_params":{}}"#, &[(":path", "/invocations")], FilterConfig::default());
+    assert_eq!(send(&mut ctx, &fake), Action::Pause);
+    assert_eq!(fake.0.borrow().local_reply.as_ref().map(|r| r.0), Some(400));
+    let (mut ctx, fake) =
+        request(r#"{"input":"kv_transfer_params"}"#, &[(":path", "/v1/embeddings")], FilterConfig::default());
+    assert_eq!(send(&mut ctx, &fake), Action::Continue);
+    assert_eq!(fake.0.borrow().request_body, br#"{"input":"kv_transfer_params"}"#);
+    // Trusted clients' bodies are not even buffered.
+    let trusting = FilterConfig { client_transfer_fields: true, ..FilterConfig::default() };
+    let (mut ctx, _) = request(body, &[(":path", "/invocations")], trusting);
+    assert_eq!(ctx.on_request_headers(false), Action::Continue);
 }
 
 #[test]

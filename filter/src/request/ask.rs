@@ -11,15 +11,15 @@ use std::time::{Duration, Instant};
 
 use kvgate_shared::codec;
 use kvgate_shared::ids::ModelName;
-use kvgate_shared::prompt::openai::{members, Endpoint, Envelope, Members};
+use kvgate_shared::prompt::openai::{Endpoint, Envelope};
 
-use crate::disagg;
 use crate::host::Host;
 use crate::metrics::{Flag, Outcome};
 use crate::plan::{offload, plan, with_token_prompt, Skip};
 use crate::shared::Shared;
 use crate::usage::{with_usage_requested, UsageStripper};
 
+use super::body::{read, refusal, Uncleanable};
 use super::phase::Exchange;
 
 /// Whether the sidecar tokenizes this request because this VM has no tokenizer for its
@@ -28,14 +28,6 @@ use super::phase::Exchange;
 fn tokenized_by_sidecar(shared: &Shared, envelope: Option<&Envelope<'_>>) -> bool {
     let Some(model) = envelope.map(|e| e.model.as_ref()) else { return false };
     shared.listed.as_ref().is_some_and(|l| l.contains(model)) && !shared.models.contains_key(model)
-}
-
-/// A body's [`Envelope`] (`None` if it is not a JSON object with a string `model`), and
-/// whether it may carry a transfer field ([`disagg::may_carry_transfer_fields`]).
-fn read(body: &[u8]) -> (Option<Envelope<'static>>, bool) {
-    let members = members(body);
-    let may_carry = disagg::may_carry_transfer_fields(body, members.as_ref());
-    (members.and_then(Members::envelope).map(Envelope::into_owned), may_carry)
 }
 
 /// The client was answered here: the request goes no further.
@@ -65,23 +57,22 @@ impl Exchange {
         // what its metrics are tagged with), how it streams, and whether it names a transfer
         // field.
         let (mut envelope, may_carry) = read(&body);
+        let listed = |m: &&str| shared.listed.as_ref().is_some_and(|l| l.contains(*m));
+        self.metric_model = envelope.as_ref().map(|e| e.model.as_ref()).filter(listed).map(ModelName::from);
         // The engine runs the prompt routed on, and pulls KV only from where kvgate says: a
         // client's transfer fields go, unless the operator trusts its clients (and even then,
         // in a disaggregated deployment, all but the prompt's token ids).
         let (trusted, disaggregated) = (self.config().client_transfer_fields, self.config().prefill_cluster.is_some());
-        if may_carry && (!trusted || disaggregated) {
-            match disagg::without_transfer_fields(&body, trusted) {
+        if !trusted || disaggregated {
+            match self.body.clean(host, &body, may_carry, trusted) {
                 Ok(None) => {}
-                Ok(Some(clean)) if self.body.replace(host, &clean) => {
+                Ok(Some(clean)) => {
                     body = clean;
                     envelope = read(&body).0;
                 }
-                Ok(Some(_)) => return Err(self.refuse(host, "the body could not be replaced")),
-                Err(e) => return Err(self.refuse(host, &e.to_string())),
+                Err(why) => return Err(self.refuse(host, &why)),
             }
         }
-        let listed = |m: &&str| shared.listed.as_ref().is_some_and(|l| l.contains(*m));
-        self.metric_model = envelope.as_ref().map(|e| e.model.as_ref()).filter(listed).map(ModelName::from);
         let offload = body.len() > self.config().offload_bytes || tokenized_by_sidecar(shared, envelope.as_ref());
         let Some(ticket) = self.admit(host, &mut shared.breaker, body.len()) else { return Ok(()) };
         let asked = match offload {
@@ -96,23 +87,12 @@ impl Exchange {
         Ok(())
     }
 
-    /// Answers 400: the body may carry `kv_transfer_params` or `bootstrap_*` fields (which
-    /// only kvgate may set) and they could not be taken out (`why`). Without the filter's
-    /// reading of the body, the engine's would decide where it pulls KV from.
-    fn refuse(&self, host: &impl Host, why: &str) -> Answered {
-        let message = format!(
-            "the request may carry kv_transfer_params or bootstrap_* fields, which this gateway does not take \
-             from clients, and it cannot read the body to take them out ({why}): send plain JSON (no NaN, no \
-             lone surrogates, UTF-8)"
-        );
-        let error = serde_json::json!({"error": {
-            "message": message,
-            "type": "invalid_request_error",
-            "param": null,
-            "code": "unreadable_transfer_fields",
-        }});
+    /// Answers 400: the body may carry transfer fields (which only kvgate may set) and they
+    /// could not be taken out. Without the filter's reading of the body, the engine's would
+    /// decide where it pulls KV from.
+    fn refuse(&self, host: &impl Host, why: &Uncleanable) -> Answered {
         let headers = [("content-type", "application/json")];
-        if let Err(status) = host.send_local_reply(400, &headers, error.to_string().as_bytes()) {
+        if let Err(status) = host.send_local_reply(400, &headers, &refusal(why)) {
             log::warn!("kvgate: cannot refuse a request: {status:?}");
         }
         self.count(host, Outcome::Refused);

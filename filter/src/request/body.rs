@@ -3,7 +3,41 @@
 //! disaggregated request's decode body. Each rewrite keeps `content-length`, if the request
 //! has one, equal to the body's new size.
 
+use kvgate_shared::prompt::openai::{members, Envelope, Members};
+
+use crate::disagg::{self, LegError};
 use crate::host::{Host, HostStatus};
+
+/// A body's [`Envelope`] (`None` if it is not a JSON object with a string `model`), and
+/// whether it may carry a transfer field ([`disagg::may_carry_transfer_fields`]), in one pass.
+pub(super) fn read(body: &[u8]) -> (Option<Envelope<'static>>, bool) {
+    let members = members(body);
+    let may_carry = disagg::may_carry_transfer_fields(body, members.as_ref());
+    (members.and_then(Members::envelope).map(Envelope::into_owned), may_carry)
+}
+
+/// Why a client's transfer fields could not be taken out of its body: the request must not
+/// go upstream.
+#[derive(Debug)]
+pub(super) struct Uncleanable(pub(super) String);
+
+/// The OpenAI-style 400 a client gets for a body whose transfer fields could not be taken
+/// out: its body, for `host.send_local_reply`.
+pub(super) fn refusal(why: &Uncleanable) -> Vec<u8> {
+    let message = format!(
+        "the request may carry kv_transfer_params (or vllm_xargs.kv_transfer_params) or bootstrap_host/port/room \
+         fields, which this gateway does not take from clients, and it cannot read the body to take them out \
+         ({}): send plain JSON (no NaN, no lone surrogates, UTF-8)",
+        why.0
+    );
+    let error = serde_json::json!({"error": {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": null,
+        "code": "unreadable_transfer_fields",
+    }});
+    error.to_string().into_bytes()
+}
 
 /// The request body upstream: its size (each rewrite changes it).
 #[derive(Debug)]
@@ -30,6 +64,29 @@ impl UpstreamBody {
                 log::warn!("kvgate: cannot rewrite the request body: {status:?}");
                 false
             }
+        }
+    }
+
+    /// Takes a client's transfer fields out of `body` (this body as it is now), which
+    /// [`read`] said `may_carry` them; `keep_ids` keeps a trusted client's forwarded prompt.
+    /// `Some` with the body as it goes upstream if it changed.
+    pub(super) fn clean(
+        &mut self,
+        host: &impl Host,
+        body: &[u8],
+        may_carry: bool,
+        keep_ids: bool,
+    ) -> Result<Option<Vec<u8>>, Uncleanable> {
+        if !may_carry {
+            return Ok(None);
+        }
+        match disagg::without_transfer_fields(body, keep_ids) {
+            Ok(None) => Ok(None),
+            Ok(Some(clean)) if self.replace(host, &clean) => Ok(Some(clean)),
+            Ok(Some(_)) => Err(Uncleanable("the body could not be replaced".into())),
+            // JSON, but no object: no member to take out, and no request to the engine.
+            Err(LegError::NotAnObject) => Ok(None),
+            Err(e) => Err(Uncleanable(e.to_string())),
         }
     }
 

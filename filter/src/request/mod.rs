@@ -17,9 +17,10 @@ use kvgate_shared::wire::{DESTINATION_HEADER, DP_RANK_HEADER, OVERRIDES_HEADER};
 
 use crate::host::Host;
 use crate::metrics::Outcome;
-use crate::plan::{booking_id, parse_overrides, routable};
+use crate::plan::{booking_id, parse_overrides, read_as_json, routable};
 use crate::shared::Shared;
 
+use body::{read, refusal, UpstreamBody};
 use phase::{Decision, Exchange, Phase, Route, Settings};
 
 /// What the host is to do with the request (or response) after a callback.
@@ -61,13 +62,20 @@ impl<H: Host> Request<H> {
         let path = self.host.request_header(":path").unwrap_or_default();
         let content_type = self.host.request_header("content-type");
         let endpoint = routable(method.as_deref(), &path, content_type.as_deref());
-        let Some(endpoint) = endpoint.filter(|_| !end_of_stream) else {
-            self.phase = Phase::Bypass;
-            return Action::Continue;
-        };
         let (settings, vm_tag) = {
             let shared = self.shared.borrow();
             (Settings::of(&shared), shared.vm_tag)
+        };
+        let Some(endpoint) = endpoint.filter(|_| !end_of_stream) else {
+            // Another JSON `POST` still has its body cleaned: the engine may read it as a
+            // request too.
+            let json_post = method.as_deref() == Some("POST") && read_as_json(content_type.as_deref());
+            if json_post && !end_of_stream && settings.cleans() {
+                self.phase = Phase::Cleaning { settings: Box::new(settings), buffered: 0 };
+                return Action::Pause;
+            }
+            self.phase = Phase::Bypass;
+            return Action::Continue;
         };
         let config = &settings.config;
         let keys = RequestKeys {
@@ -88,7 +96,9 @@ impl<H: Host> Request<H> {
 
     /// `body_size` bytes of the request body are buffered (`end_of_stream`: all of it).
     pub fn on_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Phase::Buffering { buffered, .. } = &mut self.phase else { return Action::Continue };
+        let (Phase::Buffering { buffered, .. } | Phase::Cleaning { buffered, .. }) = &mut self.phase else {
+            return Action::Continue;
+        };
         *buffered = body_size;
         if !end_of_stream {
             return Action::Pause;
@@ -99,7 +109,7 @@ impl<H: Host> Request<H> {
     /// The request trailers came: the body, if still buffering, is complete.
     pub fn on_request_trailers(&mut self) -> Action {
         match self.phase {
-            Phase::Buffering { .. } => self.body_complete(),
+            Phase::Buffering { .. } | Phase::Cleaning { .. } => self.body_complete(),
             _ => Action::Continue,
         }
     }
@@ -135,7 +145,7 @@ impl<H: Host> Request<H> {
     /// The response headers came.
     pub fn on_response_headers(&mut self) -> Action {
         match &mut self.phase {
-            Phase::Headers | Phase::Bypass => {}
+            Phase::Headers | Phase::Bypass | Phase::Cleaning { .. } => {}
             Phase::Buffering { route, .. } => response::debug_headers(&self.host, route, &Decision::default(), None),
             Phase::Asking(x) | Phase::Prefilling(x) | Phase::Responding(x) => x.on_response_headers(&self.host),
         }
@@ -160,8 +170,10 @@ impl<H: Host> Request<H> {
     /// The whole body is buffered (its last chunk, or the trailers after it, came): ask the
     /// sidecar, keeping the request paused while it answers.
     fn body_complete(&mut self) -> Action {
-        let Phase::Buffering { route, buffered } = std::mem::replace(&mut self.phase, Phase::Bypass) else {
-            return Action::Continue;
+        let (route, buffered) = match std::mem::replace(&mut self.phase, Phase::Bypass) {
+            Phase::Buffering { route, buffered } => (route, buffered),
+            Phase::Cleaning { settings, buffered } => return self.cleaned(&settings, buffered),
+            _ => return Action::Continue,
         };
         let asked_at = Instant::now();
         let body = self.host.request_body(buffered);
@@ -178,6 +190,25 @@ impl<H: Host> Request<H> {
             self.phase = Phase::Responding(x);
             Action::Continue
         }
+    }
+
+    /// A body buffered only to be cleaned is complete: the request goes on without a client's
+    /// transfer fields, or is answered 400 if they cannot be taken out. Nothing is reported.
+    fn cleaned(&mut self, settings: &Settings, buffered: usize) -> Action {
+        let body = self.host.request_body(buffered);
+        let (_, may_carry) = read(&body);
+        let keep_ids = settings.config.client_transfer_fields;
+        let Err(why) = UpstreamBody::new(body.len()).clean(&self.host, &body, may_carry, keep_ids) else {
+            return Action::Continue;
+        };
+        let headers = [("content-type", "application/json")];
+        if let Err(status) = self.host.send_local_reply(400, &headers, &refusal(&why)) {
+            log::warn!("kvgate: cannot refuse a request: {status:?}");
+        }
+        if let Some(m) = &settings.metrics {
+            m.outcome(&self.host, None, Outcome::Refused);
+        }
+        Action::Pause
     }
 
     /// Moves the exchange on to the phase `next` makes of it.

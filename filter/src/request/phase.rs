@@ -27,6 +27,15 @@ pub(super) enum Phase {
     /// Not a request kvgate routes, or one without a body: it passes untouched and nothing
     /// is reported.
     Bypass,
+    /// A JSON `POST` kvgate does not route (another path of the engine's, such as vLLM's
+    /// `/invocations` or SGLang's `/generate`), whose body is buffered only to take a client's
+    /// transfer fields out (the request is paused).
+    Cleaning {
+        /// The settings it runs under.
+        settings: Box<Settings>,
+        /// The body's size buffered so far.
+        buffered: usize,
+    },
     /// A routable request whose body is being buffered (the request is paused).
     Buffering {
         /// What its headers said.
@@ -51,7 +60,7 @@ impl Phase {
     pub(super) fn exchange_mut(&mut self) -> Option<&mut Exchange> {
         match self {
             Phase::Asking(x) | Phase::Prefilling(x) | Phase::Responding(x) => Some(x),
-            Phase::Headers | Phase::Bypass | Phase::Buffering { .. } => None,
+            Phase::Headers | Phase::Bypass | Phase::Cleaning { .. } | Phase::Buffering { .. } => None,
         }
     }
 }
@@ -71,6 +80,13 @@ impl Settings {
     /// The settings in `shared` now.
     pub(super) fn of(shared: &Shared) -> Settings {
         Settings { config: shared.config.clone(), metrics: shared.metrics.clone(), queue: shared.queue }
+    }
+
+    /// Whether a client's transfer fields are taken out of its bodies: unless the operator
+    /// trusts its clients (and even then in a disaggregated deployment, all but the
+    /// forwarded prompt's token ids).
+    pub(super) fn cleans(&self) -> bool {
+        !self.config.client_transfer_fields || self.config.prefill_cluster.is_some()
     }
 }
 

@@ -200,9 +200,14 @@ impl Envelope<'_> {
 /// `bootstrap_*` fields. Only kvgate may set them when it routes.
 pub const TRANSFER_FIELDS: [&str; 4] = ["kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"];
 
+/// The member whose `kv_transfer_params` vLLM also takes (as the request's extra arguments,
+/// when the top-level one is absent or empty).
+pub const EXTRA_ARGS: &str = "vllm_xargs";
+
 /// What [`members`] reads of a JSON object in one pass: the [`Envelope`]'s members, and
-/// whether any of [`TRANSFER_FIELDS`] is among them. Names are compared as the engine reads
-/// them: after JSON's escapes (`"kv\u005ftransfer_params"` is `kv_transfer_params`).
+/// whether any of [`TRANSFER_FIELDS`] is among them (or `kv_transfer_params` in
+/// [`EXTRA_ARGS`]). Names are compared as the engine reads them: after JSON's escapes
+/// (`"kv\u005ftransfer_params"` is `kv_transfer_params`).
 #[derive(Debug)]
 pub struct Members<'a> {
     /// The `model`, if it is a string.
@@ -211,7 +216,8 @@ pub struct Members<'a> {
     pub stream: bool,
     /// The body has a `stream_options` member (`null` included).
     pub stream_options: bool,
-    /// The body has a member named as one of [`TRANSFER_FIELDS`].
+    /// The body has a member named as one of [`TRANSFER_FIELDS`], or an [`EXTRA_ARGS`] object
+    /// with a `kv_transfer_params`.
     pub transfer_fields: bool,
 }
 
@@ -291,6 +297,50 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
             }
         }
 
+        /// A value read only for whether it is an object with a `kv_transfer_params` member.
+        struct NamesParams(bool);
+        impl<'de> serde::Deserialize<'de> for NamesParams {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct V;
+                impl<'de> Visitor<'de> for V {
+                    type Value = NamesParams;
+                    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                        f.write_str("any JSON value")
+                    }
+                    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NamesParams, A::Error> {
+                        let mut named = false;
+                        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                            named |= key == TRANSFER_FIELDS[0];
+                            map.next_value::<IgnoredAny>()?;
+                        }
+                        Ok(NamesParams(named))
+                    }
+                    fn visit_bool<E>(self, _: bool) -> Result<NamesParams, E> {
+                        Ok(NamesParams(false))
+                    }
+                    fn visit_i64<E>(self, _: i64) -> Result<NamesParams, E> {
+                        Ok(NamesParams(false))
+                    }
+                    fn visit_u64<E>(self, _: u64) -> Result<NamesParams, E> {
+                        Ok(NamesParams(false))
+                    }
+                    fn visit_f64<E>(self, _: f64) -> Result<NamesParams, E> {
+                        Ok(NamesParams(false))
+                    }
+                    fn visit_str<E>(self, _: &str) -> Result<NamesParams, E> {
+                        Ok(NamesParams(false))
+                    }
+                    fn visit_unit<E>(self) -> Result<NamesParams, E> {
+                        Ok(NamesParams(false))
+                    }
+                    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<NamesParams, A::Error> {
+                        IgnoredAny.visit_seq(seq).map(|_| NamesParams(false))
+                    }
+                }
+                d.deserialize_any(V)
+            }
+        }
+
         struct Object;
         impl<'de> Visitor<'de> for Object {
             type Value = Members<'de>;
@@ -307,6 +357,7 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
                             map.next_value::<IgnoredAny>()?;
                             members.stream_options = true;
                         }
+                        EXTRA_ARGS => members.transfer_fields |= map.next_value::<NamesParams>()?.0,
                         name => {
                             members.transfer_fields |= TRANSFER_FIELDS.contains(&name);
                             map.next_value::<IgnoredAny>()?;
@@ -329,6 +380,8 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
 /// let m = members(br#"{"prompt":"kv_transfer_params","kv\u005ftransfer_params":{}}"#).unwrap();
 /// assert!(m.transfer_fields && m.model.is_none(), "named after its escapes, not in a value");
 /// assert!(!members(br#"{"model":"m","messages":[{"bootstrap_host":"h"}]}"#).unwrap().transfer_fields);
+/// assert!(members(br#"{"vllm_xargs":{"a":1,"kv_transfer_params":{}}}"#).unwrap().transfer_fields);
+/// assert!(!members(br#"{"vllm_xargs":{"a":"kv_transfer_params"}}"#).unwrap().transfer_fields);
 /// assert!(members(b"[1,2]").is_none());
 /// ```
 pub fn members(body: &[u8]) -> Option<Members<'_>> {

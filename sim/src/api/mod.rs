@@ -111,6 +111,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(responses))
         .route("/v1/messages", post(messages))
+        .route("/invocations", post(invocations))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/tokenize", post(tokenize))
@@ -155,6 +156,14 @@ async fn completions(State(state): State<Arc<AppState>>, headers: HeaderMap, bod
 
 async fn chat_completions(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     serve(state, Endpoint::ChatCompletions, &headers, body).instrument(request_span(&headers)).await
+}
+
+/// vLLM's `/invocations` (SageMaker's path): a body with `messages` is a chat, any other a
+/// completion.
+async fn invocations(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let chat = serde_json::from_slice::<Map<String, Value>>(&body).is_ok_and(|o| o.contains_key("messages"));
+    let endpoint = if chat { Endpoint::ChatCompletions } else { Endpoint::Completions };
+    serve(state, endpoint, &headers, body).instrument(request_span(&headers)).await
 }
 
 /// A path no route matched as sent. uvicorn percent-decodes the path before vLLM's routes see
