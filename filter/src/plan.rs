@@ -72,10 +72,12 @@ pub fn routable(method: Option<&str>, path: &str, content_type: Option<&str>) ->
     Endpoint::from_path(path)
 }
 
-/// Whether the engine's server reads a body of this content type as JSON: FastAPI (vLLM's
-/// and SGLang's) does with none (or an empty one), with `application/json` and with any
-/// `application/…+json`. Any other body is not parsed there, so it needs no routing and
-/// carries nothing to take out.
+/// Whether the engine's server may read a body of this content type as JSON: FastAPI
+/// (vLLM's and SGLang's) does with none (or an empty one), with `application/json` and with
+/// any `application/…+json`. Some of their routes also insist on `application/json` itself
+/// (vLLM's OpenAI ones), so this takes in more than any one route reads, which costs only a
+/// buffered body. Any other body is not parsed there, so it needs no routing and carries
+/// nothing to take out.
 ///
 /// ```
 /// use kvgate_filter::plan::read_as_json;
