@@ -14,7 +14,7 @@
 //! clients keep the forwarded prompt's token ids, [`FORWARDED_IDS`]): only kvgate says where
 //! an engine pulls KV from. The legs keep the forwarded ids the filter itself wrote.
 
-use kvgate_shared::prompt::openai::{Members, EXTRA_ARGS, FORWARDED_IDS};
+use kvgate_shared::prompt::openai::{Members, EXTRA_ARGS, FORWARDED_IDS, TRANSFER_FIELDS};
 use serde_json::{json, Map, Value};
 
 /// Why a leg's body could not be built, or its answer not used.
@@ -54,11 +54,10 @@ fn own_params(o: &Map<String, Value>) -> Map<String, Value> {
     params
 }
 
-/// The request without what a client may not set
-/// ([`TRANSFER_FIELDS`](kvgate_shared::prompt::openai::TRANSFER_FIELDS)): its
-/// `kv_transfer_params` and the `bootstrap_*` fields, which would make an engine pull KV from
-/// a host of the client's choosing, hold blocks for nobody, or run token ids in place of the
-/// `messages` — all of them, or (`keep_ids`, for trusted clients in a disaggregated
+/// The request without what a client may not set ([`TRANSFER_FIELDS`], and
+/// `kv_transfer_params` in vLLM's extra arguments): fields which would make an engine pull KV
+/// from a host of the client's choosing, hold blocks for nobody, or run token ids in place of
+/// the `messages` — all of them, or (`keep_ids`, for trusted clients in a disaggregated
 /// deployment) all but the forwarded prompt's token ids. `None` if it has none of them; an
 /// error if it is not a JSON object `serde_json` reads (the engine's Python may still read
 /// it: `NaN`, a lone surrogate). It parses the whole body: the caller asks only about a body
@@ -66,8 +65,8 @@ fn own_params(o: &Map<String, Value>) -> Map<String, Value> {
 pub fn without_transfer_fields(body: &[u8], keep_ids: bool) -> Result<Option<Vec<u8>>, LegError> {
     let mut o = object(body)?;
     let mut changed = false;
-    for key in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
-        changed |= o.remove(key).is_some();
+    for key in TRANSFER_FIELDS.iter().filter(|k| **k != "kv_transfer_params") {
+        changed |= o.remove(*key).is_some();
     }
     // vLLM takes `vllm_xargs.kv_transfer_params` where the top-level one is absent or empty.
     if let Some(Value::Object(extra)) = o.get_mut(EXTRA_ARGS) {
@@ -110,7 +109,7 @@ pub fn may_carry_transfer_fields(body: &[u8], members: Option<&Members<'_>>) -> 
         Some(m) => m.transfer_fields,
         None => {
             let names = |name: &[u8]| body.windows(name.len()).any(|w| w == name);
-            names(b"\\u") || body.contains(&0) || names(b"kv_transfer_params") || names(b"bootstrap_")
+            names(b"\\u") || body.contains(&0) || TRANSFER_FIELDS.iter().any(|n| names(n.as_bytes()))
         }
     }
 }
@@ -180,7 +179,7 @@ pub fn sglang(body: &[u8], host: &str, port: u16, room: u64) -> Result<(Vec<u8>,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvgate_shared::prompt::openai::{members, TRANSFER_FIELDS};
+    use kvgate_shared::prompt::openai::members;
 
     fn parsed(bytes: &[u8]) -> Value {
         serde_json::from_slice(bytes).unwrap()

@@ -197,8 +197,17 @@ impl Envelope<'_> {
 
 /// The top-level members that make an engine pull KV from a host, hold blocks for a peer or
 /// run token ids in place of the prompt: vLLM's `kv_transfer_params` and SGLang's
-/// `bootstrap_*` fields. Only kvgate may set them when it routes.
-pub const TRANSFER_FIELDS: [&str; 4] = ["kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"];
+/// disaggregation fields (`bootstrap_*`, the decode side's TP size, the prefill side's DP
+/// rank). Only kvgate may set them when it routes.
+pub const TRANSFER_FIELDS: [&str; 7] = [
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "decode_tp_size",
+    "disagg_prefill_dp_rank",
+];
 
 /// The member whose `kv_transfer_params` vLLM also takes (as the request's extra arguments,
 /// when the top-level one is absent or empty).
