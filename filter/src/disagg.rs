@@ -17,6 +17,8 @@
 use kvgate_shared::prompt::openai::{Members, EXTRA_ARGS, FORWARDED_IDS, TRANSFER_FIELDS};
 use serde_json::{json, Map, Value};
 
+use crate::usage::find;
+
 /// Why a leg's body could not be built, or its answer not used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LegError {
@@ -108,7 +110,7 @@ pub fn may_carry_transfer_fields(body: &[u8], members: Option<&Members<'_>>) -> 
     match members {
         Some(m) => m.transfer_fields,
         None => {
-            let names = |name: &[u8]| body.windows(name.len()).any(|w| w == name);
+            let names = |name: &[u8]| find(body, name).is_some();
             names(b"\\u") || body.contains(&0) || TRANSFER_FIELDS.iter().any(|n| names(n.as_bytes()))
         }
     }

@@ -19,7 +19,7 @@ use crate::plan::{offload, plan, with_token_prompt, Skip};
 use crate::shared::Shared;
 use crate::usage::{with_usage_requested, UsageStripper};
 
-use super::body::{read, refusal, Uncleanable};
+use super::body::{read, refuse, Uncleanable};
 use super::phase::Exchange;
 
 /// Whether the sidecar tokenizes this request because this VM has no tokenizer for its
@@ -91,10 +91,7 @@ impl Exchange {
     /// could not be taken out. Without the filter's reading of the body, the engine's would
     /// decide where it pulls KV from.
     fn refuse(&self, host: &impl Host, why: &Uncleanable) -> Answered {
-        let headers = [("content-type", "application/json")];
-        if let Err(status) = host.send_local_reply(400, &headers, &refusal(why)) {
-            log::warn!("kvgate: cannot refuse a request: {status:?}");
-        }
+        refuse(host, why);
         self.count(host, Outcome::Refused);
         Answered
     }

@@ -21,9 +21,9 @@ pub(super) fn read(body: &[u8]) -> (Option<Envelope<'static>>, bool) {
 #[derive(Debug)]
 pub(super) struct Uncleanable(pub(super) String);
 
-/// The OpenAI-style 400 a client gets for a body whose transfer fields could not be taken
-/// out: its body, for `host.send_local_reply`.
-pub(super) fn refusal(why: &Uncleanable) -> Vec<u8> {
+/// Answers the client 400, OpenAI-style: its body's transfer fields could not be taken out
+/// (`why`), so the request must not go upstream.
+pub(super) fn refuse(host: &impl Host, why: &Uncleanable) {
     let message = format!(
         "the request may carry kv_transfer_params (or vllm_xargs.kv_transfer_params) or bootstrap_host/port/room \
          fields, which this gateway does not take from clients, and it cannot read the body to take them out \
@@ -36,7 +36,10 @@ pub(super) fn refusal(why: &Uncleanable) -> Vec<u8> {
         "param": null,
         "code": "unreadable_transfer_fields",
     }});
-    error.to_string().into_bytes()
+    let headers = [("content-type", "application/json")];
+    if let Err(status) = host.send_local_reply(400, &headers, error.to_string().as_bytes()) {
+        log::warn!("kvgate: cannot refuse a request: {status:?}");
+    }
 }
 
 /// The request body upstream: its size (each rewrite changes it).

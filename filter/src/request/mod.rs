@@ -20,7 +20,7 @@ use crate::metrics::Outcome;
 use crate::plan::{booking_id, parse_overrides, read_as_json, routable};
 use crate::shared::Shared;
 
-use body::{read, refusal, UpstreamBody};
+use body::{read, refuse, UpstreamBody};
 use phase::{Decision, Exchange, Phase, Route, Settings};
 
 /// What the host is to do with the request (or response) after a callback.
@@ -201,10 +201,7 @@ impl<H: Host> Request<H> {
         let Err(why) = UpstreamBody::new(body.len()).clean(&self.host, &body, may_carry, keep_ids) else {
             return Action::Continue;
         };
-        let headers = [("content-type", "application/json")];
-        if let Err(status) = self.host.send_local_reply(400, &headers, &refusal(&why)) {
-            log::warn!("kvgate: cannot refuse a request: {status:?}");
-        }
+        refuse(&self.host, &why);
         if let Some(m) = &settings.metrics {
             m.outcome(&self.host, None, Outcome::Refused);
         }
