@@ -9,12 +9,13 @@
 //! - **SGLang**: both legs carry the prefill worker's bootstrap address and a room
 //!   ([`sglang`]) and are sent at once; the prefill leg is not streamed.
 //!
-//! Whatever a client put in `kv_transfer_params` or the `bootstrap_*` fields is taken out
-//! before the request is routed ([`without_transfer_fields`]; an operator may let trusted
-//! clients keep the forwarded prompt's token ids, [`FORWARDED_IDS`]): only kvgate says where
-//! an engine pulls KV from. The legs keep the forwarded ids the filter itself wrote.
+//! Whatever a client put in `kv_transfer_params`, the `bootstrap_*` fields or the others
+//! only kvgate sets ([`TRANSFER_FIELDS`]) is taken out before the request is routed
+//! ([`without_transfer_fields`]; an operator may let trusted clients keep the forwarded
+//! prompt's token ids, [`FORWARDED_IDS`]): only kvgate says where an engine pulls KV from
+//! and which of its workers runs the request. The legs keep the forwarded ids the filter itself wrote.
 
-use kvgate_shared::prompt::openai::{Members, EXTRA_ARGS, FORWARDED_IDS, TRANSFER_FIELDS};
+use kvgate_shared::prompt::openai::{Members, EXTRA_ARGS, EXTRA_ARGS_FIELDS, FORWARDED_IDS, TRANSFER_FIELDS};
 use serde_json::{json, Map, Value};
 
 use crate::usage::find;
@@ -57,9 +58,9 @@ fn own_params(o: &Map<String, Value>) -> Map<String, Value> {
 }
 
 /// The request without what a client may not set ([`TRANSFER_FIELDS`], and
-/// `kv_transfer_params` in vLLM's extra arguments): fields which would make an engine pull KV
-/// from a host of the client's choosing, hold blocks for nobody, or run token ids in place of
-/// the `messages` — all of them, or (`keep_ids`, for trusted clients in a disaggregated
+/// [`EXTRA_ARGS_FIELDS`] in vLLM's extra arguments): fields which would make an engine pull KV
+/// or encoder outputs from a host of the client's choosing, hold blocks for nobody, run token
+/// ids in place of the `messages` or run on a worker kvgate did not pick — all of them, or (`keep_ids`, for trusted clients in a disaggregated
 /// deployment) all but the forwarded prompt's token ids. `None` if it has none of them; an
 /// error if it is not a JSON object `serde_json` reads (the engine's Python may still read
 /// it: `NaN`, a lone surrogate). It parses the whole body: the caller asks only about a body
@@ -70,9 +71,11 @@ pub fn without_transfer_fields(body: &[u8], keep_ids: bool) -> Result<Option<Vec
     for key in TRANSFER_FIELDS.iter().filter(|k| **k != "kv_transfer_params") {
         changed |= o.remove(*key).is_some();
     }
-    // vLLM takes `vllm_xargs.kv_transfer_params` where the top-level one is absent or empty.
+    // vLLM takes `vllm_xargs`' transfer parameters where the top-level ones are absent or empty.
     if let Some(Value::Object(extra)) = o.get_mut(EXTRA_ARGS) {
-        changed |= extra.remove("kv_transfer_params").is_some();
+        for key in EXTRA_ARGS_FIELDS {
+            changed |= extra.remove(key).is_some();
+        }
     }
     match o.get("kv_transfer_params") {
         None => {}
@@ -258,7 +261,8 @@ mod tests {
             assert!(matches!(got, Err(LegError::Unreadable(_))), "{}: {got:?}", String::from_utf8_lossy(unreadable));
         }
         // vLLM's extra arguments carry them too.
-        let extra = br#"{"prompt":"x","vllm_xargs":{"seed":1,"kv_transfer_params":{"remote_host":"evil.example"}}}"#;
+        let extra = br#"{"prompt":"x","vllm_xargs":{"seed":1,"kv_transfer_params":{"remote_host":"evil.example"},
+            "ec_transfer_params":{"image-hash":{"peer_host":"evil.example"}}}}"#;
         for keep_ids in [false, true] {
             let clean = parsed(&without_transfer_fields(extra, keep_ids).unwrap().unwrap());
             assert_eq!(clean, json!({"prompt": "x", "vllm_xargs": {"seed": 1}}));

@@ -25,8 +25,8 @@ pub(super) struct Uncleanable(pub(super) String);
 /// (`why`), so the request must not go upstream.
 pub(super) fn refuse(host: &impl Host, why: &Uncleanable) {
     let message = format!(
-        "the request may carry kv_transfer_params (or vllm_xargs.kv_transfer_params) or bootstrap_host/port/room \
-         fields, which this gateway does not take from clients, and it cannot read the body to take them out \
+        "the request may carry kv_transfer_params, ec_transfer_params (or either in vllm_xargs), bootstrap_* \
+         or data-parallel rank fields, which this gateway does not take from clients, and it cannot read the body to take them out \
          ({}): send plain JSON (no NaN, no lone surrogates, UTF-8)",
         why.0
     );

@@ -195,11 +195,14 @@ impl Envelope<'_> {
     }
 }
 
-/// The top-level members that make an engine pull KV from a host, hold blocks for a peer or
-/// run token ids in place of the prompt: vLLM's `kv_transfer_params` and SGLang's
-/// disaggregation fields (`bootstrap_*`, the decode side's TP size, the prefill side's DP
-/// rank). Only kvgate may set them when it routes.
-pub const TRANSFER_FIELDS: [&str; 7] = [
+/// The top-level members only kvgate may set when it routes: those that make an engine pull
+/// KV from a host, hold blocks for a peer or run token ids in place of the prompt (vLLM's
+/// `kv_transfer_params`; SGLang's disaggregation fields: `bootstrap_*`, the decode side's TP
+/// size, the prefill side's DP rank), pull encoder outputs from a host (vLLM's
+/// `ec_transfer_params`), or pick the data-parallel worker that runs the request, which holds
+/// its own cache (SGLang's `routed_dp_rank` and `data_parallel_rank`; vLLM's is a header,
+/// [`crate::wire::DP_RANK_HEADER`], taken out by Envoy).
+pub const TRANSFER_FIELDS: [&str; 10] = [
     "kv_transfer_params",
     "bootstrap_host",
     "bootstrap_port",
@@ -207,14 +210,20 @@ pub const TRANSFER_FIELDS: [&str; 7] = [
     "bootstrap_pair_key",
     "decode_tp_size",
     "disagg_prefill_dp_rank",
+    "ec_transfer_params",
+    "routed_dp_rank",
+    "data_parallel_rank",
 ];
 
-/// The member whose `kv_transfer_params` vLLM also takes (as the request's extra arguments,
-/// when the top-level one is absent or empty).
+/// The member whose transfer parameters vLLM also takes (as the request's extra arguments,
+/// where the top-level ones are absent or empty).
 pub const EXTRA_ARGS: &str = "vllm_xargs";
 
+/// The members of [`EXTRA_ARGS`] vLLM reads as transfer parameters.
+pub const EXTRA_ARGS_FIELDS: [&str; 2] = ["kv_transfer_params", "ec_transfer_params"];
+
 /// What [`members`] reads of a JSON object in one pass: the [`Envelope`]'s members, and
-/// whether any of [`TRANSFER_FIELDS`] is among them (or `kv_transfer_params` in
+/// whether any of [`TRANSFER_FIELDS`] is among them (or one of [`EXTRA_ARGS_FIELDS`] in
 /// [`EXTRA_ARGS`]). Names are compared as the engine reads them: after JSON's escapes
 /// (`"kv\u005ftransfer_params"` is `kv_transfer_params`).
 #[derive(Debug)]
@@ -226,7 +235,7 @@ pub struct Members<'a> {
     /// The body has a `stream_options` member (`null` included).
     pub stream_options: bool,
     /// The body has a member named as one of [`TRANSFER_FIELDS`], or an [`EXTRA_ARGS`] object
-    /// with a `kv_transfer_params`.
+    /// with one of [`EXTRA_ARGS_FIELDS`].
     pub transfer_fields: bool,
 }
 
@@ -306,7 +315,7 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
             }
         }
 
-        /// A value read only for whether it is an object with a `kv_transfer_params` member.
+        /// A value read only for whether it is an object with one of [`EXTRA_ARGS_FIELDS`].
         struct NamesParams(bool);
         impl<'de> serde::Deserialize<'de> for NamesParams {
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -319,7 +328,7 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
                     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NamesParams, A::Error> {
                         let mut named = false;
                         while let Some(key) = map.next_key::<Cow<'de, str>>()? {
-                            named |= key == TRANSFER_FIELDS[0];
+                            named |= EXTRA_ARGS_FIELDS.contains(&key.as_ref());
                             map.next_value::<IgnoredAny>()?;
                         }
                         Ok(NamesParams(named))
@@ -390,6 +399,8 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Members<'a> {
 /// assert!(m.transfer_fields && m.model.is_none(), "named after its escapes, not in a value");
 /// assert!(!members(br#"{"model":"m","messages":[{"bootstrap_host":"h"}]}"#).unwrap().transfer_fields);
 /// assert!(members(br#"{"vllm_xargs":{"a":1,"kv_transfer_params":{}}}"#).unwrap().transfer_fields);
+/// assert!(members(br#"{"vllm_xargs":{"ec_transfer_params":{}}}"#).unwrap().transfer_fields);
+/// assert!(members(br#"{"model":"m","routed_dp_rank":3}"#).unwrap().transfer_fields);
 /// assert!(!members(br#"{"vllm_xargs":{"a":"kv_transfer_params"}}"#).unwrap().transfer_fields);
 /// assert!(members(b"[1,2]").is_none());
 /// ```
