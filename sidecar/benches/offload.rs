@@ -5,7 +5,8 @@
 //! without it. And where a cold offload of ~128k tokens spends its time in the sidecar, stage by stage
 //! on the same documents (`stages`): encoding the call (the filter's part); decoding it and parsing the body; render,
 //! tokenize and hash; the decision (index lookup, scoring, booking, the in-flight credit); and
-//! all of them in a row.
+//! all of them in a row; and the same for a warm turn, the document again with a new
+//! question (`warm_stages`).
 //! Run: `cargo bench -p kvgate-sidecar --bench offload`.
 
 use std::path::Path;
@@ -50,6 +51,12 @@ fn pool_with(change: impl FnOnce(&mut PoolConfig)) -> Pool {
 
 /// The offload of a chat: a document of `n` words no other seed shares, and a question.
 fn offload(words: &[&str], seed: usize, n: usize) -> (ParsedRequest, RouteBodyRequest<'static>) {
+    turn(words, seed, n, seed)
+}
+
+/// The offload of one turn on a document: the document of `n` words of `seed` (as
+/// [`offload`]'s), and question number `turn`, under its own request id.
+fn turn(words: &[&str], seed: usize, n: usize, turn: usize) -> (ParsedRequest, RouteBodyRequest<'static>) {
     let document: Vec<String> = (0..n)
         .map(|i| match i % 13 {
             0 => format!("id{i}x{seed}"),
@@ -58,11 +65,11 @@ fn offload(words: &[&str], seed: usize, n: usize) -> (ParsedRequest, RouteBodyRe
         .collect();
     let body = serde_json::json!({"model": "qwen3", "max_tokens": 1, "messages": [
         {"role": "system", "content": document.join(" ")},
-        {"role": "user", "content": "question"},
+        {"role": "user", "content": format!("question {turn}")},
     ]})
     .to_string();
     let parsed = parse(Endpoint::ChatCompletions, body.as_bytes()).expect("body");
-    let request = RouteBodyRequest::of(&format!("r{seed}"), Endpoint::ChatCompletions, body.into_bytes(), 60_000);
+    let request = RouteBodyRequest::of(&format!("r{turn}"), Endpoint::ChatCompletions, body.into_bytes(), 60_000);
     (parsed, request)
 }
 
@@ -201,5 +208,75 @@ fn stages(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, stages);
+/// A warm turn's stages: the same ~128k-token document as [`stages`], every turn with a new
+/// question (an agent's next turn), after the previous turn has ended. Parsing is a cold
+/// turn's; rendering and tokenizing meet the document in the segment cache, and the decision
+/// finds it in the in-flight credit of the replica the previous turn went to.
+fn warm_stages(c: &mut Criterion) {
+    let readme = std::fs::read_to_string(repo().join("README.md")).expect("README");
+    let words: Vec<&str> = readme.split_whitespace().collect();
+    let scoring = ScoringConfig::default();
+    let n = 55_000;
+    let mut group = c.benchmark_group("warm_stages");
+    group.sample_size(20);
+    let deadline = || Instant::now() + Duration::from_secs(60);
+    let call = |turn_no| codec::encode(&turn(&words, 0, n, turn_no).1).expect("encoded");
+    let decode_and_parse = |call: &[u8]| {
+        let request: RouteBodyRequest<'static> = codec::decode(call).expect("decoded");
+        let parsed = parse(request.endpoint, &request.body).expect("parsed");
+        (parsed, request)
+    };
+
+    let pool_for_tokenize = pool();
+    pool_for_tokenize
+        .request_for_body(&turn(&words, 0, n, 0).0, &turn(&words, 0, n, 0).1, deadline(), 1)
+        .expect("routed");
+    let mut turn_no = 0;
+    group.bench_function(BenchmarkId::new("tokenize_and_hash", n), |b| {
+        b.iter_batched(
+            || {
+                turn_no += 1;
+                turn(&words, 0, n, turn_no)
+            },
+            |(parsed, request)| pool_for_tokenize.request_for_body(&parsed, &request, deadline(), 1).expect("routed"),
+            criterion::BatchSize::PerIteration,
+        )
+    });
+
+    let pool_for_decide = pool();
+    let mut turn_no = 0;
+    group.bench_function(BenchmarkId::new("decide", n), |b| {
+        b.iter_batched(
+            || {
+                pool_for_decide.lifecycle(&format!("r{turn_no}").into(), false);
+                turn_no += 1;
+                let (parsed, request) = turn(&words, 0, n, turn_no);
+                pool_for_decide.request_for_body(&parsed, &request, deadline(), 1).expect("routed")
+            },
+            |route| pool_for_decide.route(&route, &scoring),
+            criterion::BatchSize::PerIteration,
+        )
+    });
+
+    let pool_for_all = pool();
+    let mut turn_no = 0;
+    group.bench_function(BenchmarkId::new("all", n), |b| {
+        b.iter_batched(
+            || {
+                pool_for_all.lifecycle(&format!("r{turn_no}").into(), false);
+                turn_no += 1;
+                call(turn_no)
+            },
+            |call| {
+                let (parsed, request) = decode_and_parse(&call);
+                let route = pool_for_all.request_for_body(&parsed, &request, deadline(), 1).expect("routed");
+                pool_for_all.route(&route, &scoring)
+            },
+            criterion::BatchSize::PerIteration,
+        )
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench, stages, warm_stages);
 criterion_main!(benches);

@@ -6,7 +6,8 @@
 //! request whose end is never reported expires after [`LoadTable::expire`]'s age.
 //!
 //! Decode load is counted in blocks, deduplicated across requests sharing a prompt prefix on
-//! the same replica (Dynamo's `active_decode_blocks`).
+//! the same replica (Dynamo's `active_decode_blocks`), in a radix tree of the bookings'
+//! prompts ([`booked`]: a long prompt is a run of blocks, not an entry per block).
 //!
 //! A non-streamed response's first byte is its last, so its first token is never reported in
 //! time: its prefill is taken to end `prefill_tokens / rate` after it was booked, where `rate`
@@ -22,11 +23,11 @@
 //! are charged the pool's mean prefill tokens per booked request too, since a request queued
 //! behind them waits for their prefill.
 
+pub mod booked;
 pub mod engine_metrics;
 pub mod flows;
 
 use std::cmp::Reverse;
-use std::collections::hash_map::Entry;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -36,6 +37,7 @@ use kvgate_shared::ids::RequestId;
 use crate::accuracy::Prediction;
 use crate::index::ReplicaIdx;
 use crate::latency::{Inputs, Latency, PerLatency, Predictor, ReplicaLatency, Watched};
+use booked::BookedBlocks;
 use flows::{Flow, Flows};
 
 /// What one engine (a data-parallel rank: vLLM's `engine` label, SGLang's `dp_rank`) reports
@@ -139,10 +141,10 @@ struct Replica {
     /// discount (see [`LoadTable::progress`]).
     output_blocks: u64,
     discounted: u64,
-    /// Sequence hash → how many active requests on this replica include it. Every decision
-    /// looks up and every booking writes each of the prompt's blocks here, so the hasher is
-    /// a fast one (seeded per process: the keys derive from what clients send).
-    shared_blocks: HashMap<SequenceHash, u32, foldhash::fast::RandomState>,
+    /// The prompt blocks of the active requests here, each counted once, and how many
+    /// requests hold each: every decision looks up the prompt's booked prefix on each
+    /// candidate, every booking adds its prompt.
+    shared_blocks: BookedBlocks,
     /// Prefill tokens per second, learned from streamed requests (`None` until one is).
     prefill_rate: Option<f64>,
     /// Its time to first token and inter-token latency, learned from the filter's
@@ -436,7 +438,7 @@ impl LoadTable {
         r.output_blocks += output_blocks.saturating_sub(b.output_blocks);
         b.output_blocks = b.output_blocks.max(output_blocks);
         let weight = b.max_tokens.map_or(1.0, |m| (1.0 - output_tokens as f64 / m.max(1) as f64).max(0.0));
-        let shared_only_here = b.hashes.iter().filter(|h| r.shared_blocks.get(h) == Some(&1)).count() as u64;
+        let shared_only_here = r.shared_blocks.held_only_by_one(&b.hashes);
         let unique = shared_only_here + b.private_blocks + b.output_blocks;
         let discounted = unique - (weight * unique as f64).round() as u64;
         r.discounted = r.discounted - b.discounted + discounted;
@@ -449,7 +451,7 @@ impl LoadTable {
         let r = &self.replicas[replica.get()];
         let external_blocks = if r.external == 0 { 0 } else { r.external * self.mean_blocks_per_request() };
         let external_prefill = r.external_waiting * self.mean_prefill_per_request();
-        let blocks = r.shared_blocks.len() as u64 + r.private_blocks + r.output_blocks;
+        let blocks = r.shared_blocks.blocks() + r.private_blocks + r.output_blocks;
         ReplicaLoad {
             prefill_tokens: r.prefill_tokens + external_prefill,
             active_blocks: blocks.saturating_sub(r.discounted) + external_blocks,
@@ -486,16 +488,7 @@ impl LoadTable {
     /// How many of the prompt's blocks would be new on this replica's active set: Dynamo's
     /// `additional_active_blocks` (the prompt's total minus its leading blocks already active).
     pub fn additional_blocks(&self, replica: ReplicaIdx, hashes: &[SequenceHash], total_blocks: u64) -> u64 {
-        let shared = &self.replicas[replica.get()].shared_blocks;
-        // Every booking holds its prompt's hashes from the first block, and a block's sequence
-        // hash names its whole prefix: if the replica has block i of this prompt booked, it has
-        // every block before it. So the booked blocks are a prefix of `hashes`, found by
-        // bisection (a walk costs a lookup per block, on every candidate of every decision),
-        // after one lookup of the first block, which most candidates of a large pool miss.
-        if !hashes.first().is_some_and(|h| shared.contains_key(h)) {
-            return total_blocks;
-        }
-        let overlap = hashes.partition_point(|h| shared.contains_key(h)) as u64;
+        let overlap = self.replicas[replica.get()].shared_blocks.overlap(hashes) as u64;
         total_blocks.saturating_sub(overlap)
     }
 
@@ -521,9 +514,7 @@ impl LoadTable {
         r.prefill_tokens += booking.prefill_tokens;
         r.prefilling += booking.sequences.max(1);
         r.requests += booking.sequences.max(1);
-        for h in booking.hashes {
-            *r.shared_blocks.entry(*h).or_default() += 1;
-        }
+        r.shared_blocks.insert(booking.hashes);
         let private_blocks = booking.total_blocks.saturating_sub(booking.hashes.len() as u64);
         r.private_blocks += private_blocks;
         self.blocks_booked += booking.hashes.len() as u64 + private_blocks;
@@ -691,9 +682,7 @@ impl LoadTable {
         r.private_blocks += b.private_blocks;
         r.output_blocks += b.output_blocks;
         r.discounted += b.discounted;
-        for h in &b.hashes {
-            *r.shared_blocks.entry(*h).or_default() += 1;
-        }
+        r.shared_blocks.insert(&b.hashes);
         let hashes = b.hashes.clone();
         self.bookings.insert(id.clone(), b);
         Some((from, hashes, dropped))
@@ -744,14 +733,7 @@ impl LoadTable {
         r.private_blocks -= b.private_blocks;
         r.output_blocks -= b.output_blocks;
         r.discounted -= b.discounted;
-        for h in &b.hashes {
-            if let Entry::Occupied(mut n) = r.shared_blocks.entry(*h) {
-                *n.get_mut() -= 1;
-                if *n.get() == 0 {
-                    n.remove();
-                }
-            }
-        }
+        r.shared_blocks.remove(&b.hashes);
     }
 
     /// Every booking as of `now`, for a peer that starts ([`BookingExport`]).
