@@ -9,7 +9,7 @@
 use minijinja::value::Kwargs;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Serialize;
-use serde_json::{Map, Value as Json};
+use serde_json::Value as Json;
 
 use std::sync::OnceLock;
 
@@ -133,26 +133,24 @@ impl ChatTemplate {
                 _ => return Err(PromptError::Template("continue_final_message: the final message has no text".into())),
             }
         }
-        let mut ctx: Map<String, Json> = Map::new();
-        for (k, v) in &chat.kwargs {
-            ctx.insert(k.clone(), v.clone());
-        }
-        ctx.insert("messages".into(), Json::Array(messages.clone()));
-        if let Some(tools) = &chat.tools {
-            ctx.insert("tools".into(), Json::Array(tools.clone()));
-        }
-        ctx.insert(NOW_VAR.into(), Json::from(unix_secs));
-        ctx.insert("add_generation_prompt".into(), Json::Bool(chat.add_generation_prompt));
-        ctx.insert("continue_final_message".into(), Json::Bool(chat.continue_final_message));
-        for (key, token) in [("bos_token", &self.bos_token), ("eos_token", &self.eos_token)] {
-            if let Some(t) = token {
-                ctx.insert(key.into(), Json::String(t.clone()));
-            }
-        }
+        // What the render sets, over the request's `chat_template_kwargs`; each converted to
+        // the template's values from where it is (a copy of a long history or of many tools
+        // costs as much as a render).
+        let own = Context {
+            messages: &messages,
+            tools: chat.tools.as_deref(),
+            now: unix_secs,
+            add_generation_prompt: chat.add_generation_prompt,
+            continue_final_message: chat.continue_final_message,
+            bos_token: self.bos_token.as_deref(),
+            eos_token: self.eos_token.as_deref(),
+        };
+        let ctx = minijinja::value::merge_maps([
+            Value::from(minijinja::value::Serde(&own)),
+            Value::from(minijinja::value::Serde(&chat.kwargs)),
+        ]);
         let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| PromptError::Template(e.to_string()))?;
-        let rendered = template
-            .render(Value::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| PromptError::Template(format!("{e:#}")))?;
+        let rendered = template.render(ctx).map_err(|e| PromptError::Template(format!("{e:#}")))?;
         if chat.continue_final_message {
             continue_final(rendered)
         } else {
@@ -196,8 +194,25 @@ fn continue_final(rendered: String) -> Result<String, PromptError> {
     }
 }
 
-/// Where `strftime_now` finds the render's instant (seconds since the epoch).
+/// Where `strftime_now` finds the render's instant (seconds since the epoch): [`Context::now`].
 const NOW_VAR: &str = "__kvgate_now__";
+
+/// The variables a render sets; a request's `chat_template_kwargs` of the same names give way.
+#[derive(Serialize)]
+struct Context<'a> {
+    messages: &'a [Json],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<&'a [Json]>,
+    /// [`NOW_VAR`].
+    #[serde(rename = "__kvgate_now__")]
+    now: i64,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bos_token: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    eos_token: Option<&'a str>,
+}
 
 fn strftime_now(state: &minijinja::State, format: String) -> Result<Value, Error> {
     let now = state.lookup(NOW_VAR).and_then(|v| v.as_i64()).unwrap_or(0);
