@@ -164,6 +164,7 @@ fn shape_content(mut message: Value, format: ContentFormat) -> Value {
         (ContentFormat::Openai, false, Value::Array(texts)) => {
             Value::Array(texts.into_iter().map(|t| json!({"type": "text", "text": t})).collect())
         }
+        (_, _, Value::String(s)) => Value::String(s),
         (_, _, neutral) => Value::String(joined_text(Some(&neutral))),
     };
     message

@@ -105,8 +105,10 @@ impl SegmentCache {
         let missed: Vec<&str> = pieces.iter().zip(&cached).filter(|(_, c)| c.is_none()).map(|(p, _)| *p).collect();
         let new = encode(&missed)?;
         assert_eq!(new.len(), missed.len(), "one encoding per piece");
+        // Sized once: a long prompt's ids grown by doubling were copied about once more.
+        let len = cached.iter().flatten().map(|c| c.len()).sum::<usize>() + new.iter().map(Vec::len).sum::<usize>();
         let mut new = new.into_iter();
-        let mut ids = Vec::new();
+        let mut ids = Vec::with_capacity(len);
         let mut kept = Vec::new();
         for (piece, cached) in pieces.iter().zip(cached) {
             match cached {
