@@ -13,7 +13,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion};
 use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::{parse, Endpoint, ParsedRequest};
 use kvgate_shared::wire::{ModelBundle, RouteBodyRequest};
@@ -101,23 +102,86 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
+/// The filter's call decoded and its body parsed, as the sidecar does first.
+fn decode_and_parse(call: &[u8]) -> (ParsedRequest, RouteBodyRequest<'static>) {
+    let request: RouteBodyRequest<'static> = codec::decode(call).expect("decoded");
+    let parsed = parse(request.endpoint, &request.body).expect("parsed");
+    (parsed, request)
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(60)
+}
+
+/// The sidecar's stages for the offloads `make` makes (the `i`-th for each iteration, from 1;
+/// the 0th once, first), each on its own pool: render, tokenize and hash; the decision, on
+/// each of `decide_on`, the previous request ended before each one (untimed: an end is not on
+/// the decision's path, and the load stays steady); and all of them from the encoded call.
+fn sidecar_stages(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    n: usize,
+    make: impl Fn(usize) -> (ParsedRequest, RouteBodyRequest<'static>),
+    decide_on: &[(&str, Pool)],
+) {
+    let scoring = ScoringConfig::default();
+    let pool_for_tokenize = pool();
+    let (parsed, request) = make(0);
+    pool_for_tokenize.request_for_body(&parsed, &request, deadline(), 1).expect("routed");
+    let mut i = 0;
+    group.bench_function(BenchmarkId::new("tokenize_and_hash", n), |b| {
+        b.iter_batched(
+            || {
+                i += 1;
+                make(i)
+            },
+            |(parsed, request)| pool_for_tokenize.request_for_body(&parsed, &request, deadline(), 1).expect("routed"),
+            criterion::BatchSize::PerIteration,
+        )
+    });
+
+    for (name, pool) in decide_on {
+        let mut i = 0;
+        group.bench_function(BenchmarkId::new(*name, n), |b| {
+            b.iter_batched(
+                || {
+                    pool.lifecycle(&format!("r{i}").into(), false);
+                    i += 1;
+                    let (parsed, request) = make(i);
+                    pool.request_for_body(&parsed, &request, deadline(), 1).expect("routed")
+                },
+                |route| pool.route(&route, &scoring),
+                criterion::BatchSize::PerIteration,
+            )
+        });
+    }
+
+    let pool_for_all = pool();
+    let mut i = 0;
+    group.bench_function(BenchmarkId::new("all", n), |b| {
+        b.iter_batched(
+            || {
+                pool_for_all.lifecycle(&format!("r{i}").into(), false);
+                i += 1;
+                codec::encode(&make(i).1).expect("encoded")
+            },
+            |call| {
+                let (parsed, request) = decode_and_parse(&call);
+                let route = pool_for_all.request_for_body(&parsed, &request, deadline(), 1).expect("routed");
+                pool_for_all.route(&route, &scoring)
+            },
+            criterion::BatchSize::PerIteration,
+        )
+    });
+}
+
 /// A cold offload's stages, each timed on its own over the same documents, and all in a row.
 fn stages(c: &mut Criterion) {
     let readme = std::fs::read_to_string(repo().join("README.md")).expect("README");
     let words: Vec<&str> = readme.split_whitespace().collect();
-    let scoring = ScoringConfig::default();
     // About 128k prompt tokens (the words of the README, with ids, run ~2.3 tokens each).
     let n = 55_000;
     let mut group = c.benchmark_group("offload_stages");
     group.sample_size(20);
-    let deadline = || Instant::now() + Duration::from_secs(60);
-    // What the filter sends: its call's body, encoded.
-    let call = |seed| codec::encode(&offload(&words, seed, n).1).expect("encoded");
-    let decode_and_parse = |call: &[u8]| {
-        let request: RouteBodyRequest<'static> = codec::decode(call).expect("decoded");
-        let parsed = parse(request.endpoint, &request.body).expect("parsed");
-        (parsed, request)
-    };
 
     // The size of what every stage handles (each seed's document is about as long).
     let (parsed, request) = offload(&words, 0, n);
@@ -147,64 +211,18 @@ fn stages(c: &mut Criterion) {
         b.iter_batched(
             || {
                 seed += 1;
-                call(seed)
+                codec::encode(&offload(&words, seed, n).1).expect("encoded")
             },
             |call| decode_and_parse(&call),
             criterion::BatchSize::PerIteration,
         )
     });
 
-    let pool_for_tokenize = pool();
-    let mut seed = 0;
-    group.bench_function(BenchmarkId::new("tokenize_and_hash", n), |b| {
-        b.iter_batched(
-            || {
-                seed += 1;
-                offload(&words, seed, n)
-            },
-            |(parsed, request)| pool_for_tokenize.request_for_body(&parsed, &request, deadline(), 1).expect("routed"),
-            criterion::BatchSize::PerIteration,
-        )
-    });
-
-    // Each its own pool: the documents are cold in its index and its in-flight credit too.
-    // The previous request ends before each decision (untimed): an end is not on the
-    // decision's path, and the load stays steady. Without the in-flight credit
-    // (`inflight_credit_secs = 0`): what remembering where the prompt went costs.
+    // The documents are cold in each pool's index and in-flight credit too. Without the
+    // in-flight credit (`inflight_credit_secs = 0`): what remembering where the prompt went
+    // costs.
     let pools = [("decide", pool()), ("decide_without_inflight_credit", pool_with(|c| c.inflight_credit_secs = 0))];
-    for (name, pool) in &pools {
-        let mut seed = 0;
-        group.bench_function(BenchmarkId::new(*name, n), |b| {
-            b.iter_batched(
-                || {
-                    pool.lifecycle(&format!("r{seed}").into(), false);
-                    seed += 1;
-                    let (parsed, request) = offload(&words, seed, n);
-                    pool.request_for_body(&parsed, &request, deadline(), 1).expect("routed")
-                },
-                |route| pool.route(&route, &scoring),
-                criterion::BatchSize::PerIteration,
-            )
-        });
-    }
-
-    let pool_for_all = pool();
-    let mut seed = 0;
-    group.bench_function(BenchmarkId::new("all", n), |b| {
-        b.iter_batched(
-            || {
-                pool_for_all.lifecycle(&format!("r{seed}").into(), false);
-                seed += 1;
-                call(seed)
-            },
-            |call| {
-                let (parsed, request) = decode_and_parse(&call);
-                let route = pool_for_all.request_for_body(&parsed, &request, deadline(), 1).expect("routed");
-                pool_for_all.route(&route, &scoring)
-            },
-            criterion::BatchSize::PerIteration,
-        )
-    });
+    sidecar_stages(&mut group, n, |seed| offload(&words, seed, n), &pools);
     group.finish();
 }
 
@@ -215,66 +233,10 @@ fn stages(c: &mut Criterion) {
 fn warm_stages(c: &mut Criterion) {
     let readme = std::fs::read_to_string(repo().join("README.md")).expect("README");
     let words: Vec<&str> = readme.split_whitespace().collect();
-    let scoring = ScoringConfig::default();
     let n = 55_000;
     let mut group = c.benchmark_group("warm_stages");
     group.sample_size(20);
-    let deadline = || Instant::now() + Duration::from_secs(60);
-    let call = |turn_no| codec::encode(&turn(&words, 0, n, turn_no).1).expect("encoded");
-    let decode_and_parse = |call: &[u8]| {
-        let request: RouteBodyRequest<'static> = codec::decode(call).expect("decoded");
-        let parsed = parse(request.endpoint, &request.body).expect("parsed");
-        (parsed, request)
-    };
-
-    let pool_for_tokenize = pool();
-    pool_for_tokenize
-        .request_for_body(&turn(&words, 0, n, 0).0, &turn(&words, 0, n, 0).1, deadline(), 1)
-        .expect("routed");
-    let mut turn_no = 0;
-    group.bench_function(BenchmarkId::new("tokenize_and_hash", n), |b| {
-        b.iter_batched(
-            || {
-                turn_no += 1;
-                turn(&words, 0, n, turn_no)
-            },
-            |(parsed, request)| pool_for_tokenize.request_for_body(&parsed, &request, deadline(), 1).expect("routed"),
-            criterion::BatchSize::PerIteration,
-        )
-    });
-
-    let pool_for_decide = pool();
-    let mut turn_no = 0;
-    group.bench_function(BenchmarkId::new("decide", n), |b| {
-        b.iter_batched(
-            || {
-                pool_for_decide.lifecycle(&format!("r{turn_no}").into(), false);
-                turn_no += 1;
-                let (parsed, request) = turn(&words, 0, n, turn_no);
-                pool_for_decide.request_for_body(&parsed, &request, deadline(), 1).expect("routed")
-            },
-            |route| pool_for_decide.route(&route, &scoring),
-            criterion::BatchSize::PerIteration,
-        )
-    });
-
-    let pool_for_all = pool();
-    let mut turn_no = 0;
-    group.bench_function(BenchmarkId::new("all", n), |b| {
-        b.iter_batched(
-            || {
-                pool_for_all.lifecycle(&format!("r{turn_no}").into(), false);
-                turn_no += 1;
-                call(turn_no)
-            },
-            |call| {
-                let (parsed, request) = decode_and_parse(&call);
-                let route = pool_for_all.request_for_body(&parsed, &request, deadline(), 1).expect("routed");
-                pool_for_all.route(&route, &scoring)
-            },
-            criterion::BatchSize::PerIteration,
-        )
-    });
+    sidecar_stages(&mut group, n, |i| turn(&words, 0, n, i), &[("decide", pool())]);
     group.finish();
 }
 
