@@ -10,7 +10,8 @@
 //!    a `/v1/messages` body into one that waits on two answers of the model's template
 //!    ([`messages`]).
 //! 2. [`chat`] normalises chat messages and tools as vLLM's renderer does.
-//! 3. [`template::ChatTemplate`] renders them with the model's Jinja template, with message
+//! 3. [`template::ChatTemplate`] renders them with the model's Jinja template (its printed
+//!    concatenations printed piece by piece, the same text copied once: [`chains`]), with message
 //!    content shaped as the template expects ([`content_format`]) — or, for gpt-oss,
 //!    [`harmony`] renders them as vLLM does, into pieces of text and special tokens.
 //! 4. [`tokenizer::ModelTokenizer`] encodes the text (or passes token ids through), through an
@@ -18,6 +19,7 @@
 //!    a caller with threads to spare spreads a long prompt's new text over them, cut where the
 //!    ids stay exact ([`spread`]).
 
+pub mod chains;
 pub mod chat;
 pub mod content_format;
 pub mod harmony;

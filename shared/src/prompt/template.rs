@@ -51,7 +51,8 @@ impl ChatTemplate {
         let mut env = bare_environment()?;
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned(TEMPLATE_NAME, source.to_owned()).map_err(|e| PromptError::Template(e.to_string()))?;
+        env.add_template_owned(TEMPLATE_NAME, super::chains::split(source))
+            .map_err(|e| PromptError::Template(e.to_string()))?;
         let knows_developer_role = source.contains("\"developer\"") || source.contains("'developer'");
         let content_format = content_format.resolve(source);
         Ok(ChatTemplate {
@@ -171,6 +172,7 @@ fn bare_environment() -> Result<Environment<'static>, PromptError> {
     env.set_syntax(syntax);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_filter("tojson", tojson);
+    env.add_filter(super::chains::STRING_FILTER, super::chains::string_only);
     Ok(env)
 }
 
