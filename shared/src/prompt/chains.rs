@@ -32,8 +32,13 @@ pub fn string_only(value: minijinja::Value) -> Result<minijinja::Value, minijinj
     }
 }
 
-/// `source` with every chain it can split split (see the module's docs).
+/// `source` with every chain it can split split (see the module's docs). A template that
+/// switches auto-escaping on (`{% autoescape %}`: JSON escaping quotes each piece) is left as
+/// written.
 pub fn split(source: &str) -> String {
+    if source.contains("autoescape") {
+        return source.to_owned();
+    }
     let mut out = String::with_capacity(source.len() + source.len() / 8);
     let mut rest = source;
     while let Some(at) = rest.find('{') {
@@ -52,7 +57,9 @@ pub fn split(source: &str) -> String {
             out.push_str(&rest[..len]);
             len
         } else if rest.starts_with("{#") {
-            let len = rest.find("#}").map_or(rest.len(), |end| end + 2);
+            // As minijinja reads it: the end is looked for past the opening and its mark.
+            let skip = if matches!(rest.as_bytes().get(2), Some(b'-' | b'+')) { 3 } else { 2 };
+            let len = rest[skip..].find("#}").map_or(rest.len(), |end| skip + end + 2);
             out.push_str(&rest[..len]);
             len
         } else {
@@ -65,17 +72,23 @@ pub fn split(source: &str) -> String {
     out
 }
 
-/// The length of the tag `rest` starts with, through its `end` outside string literals (or
-/// the whole of `rest` if it has none).
+/// The length of the tag `rest` starts with, through its `end` outside string literals and
+/// brackets, as minijinja's lexer finds it (or the whole of `rest` if it has none).
 fn tag_len(rest: &str, end: &str) -> usize {
     let bytes = rest.as_bytes();
-    let mut i = 2;
+    let (mut i, mut depth) = (2, 0usize);
     while i < bytes.len() {
         match bytes[i] {
-            quote @ (b'\'' | b'"') => i = string_end(bytes, i, quote),
-            _ if rest[i..].starts_with(end) => return i + end.len(),
-            _ => i += 1,
+            quote @ (b'\'' | b'"') => {
+                i = string_end(bytes, i, quote);
+                continue;
+            }
+            _ if depth == 0 && bytes[i..].starts_with(end.as_bytes()) => return i + end.len(),
+            b'(' | b'[' | b'{' => depth += 1,
+            b')' | b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
         }
+        i += 1;
     }
     rest.len()
 }
@@ -132,15 +145,15 @@ fn split_tag(tag: &str) -> Option<String> {
         None => (body, ""),
     };
     let pieces = top_level_pieces(body)?;
-    let first = pieces.first()?.trim();
-    if pieces.len() < 2 || !is_string_literal(first) || !pieces.iter().all(|p| is_operand(p.trim())) {
+    let first = pieces.first()?.trim_ascii();
+    if pieces.len() < 2 || !is_string_literal(first) || !pieces.iter().all(|p| is_operand(p.trim_ascii())) {
         return None;
     }
     let mut out = String::with_capacity(tag.len() + 6 * pieces.len());
     for (i, piece) in pieces.iter().enumerate() {
         let open = if i == 0 { left } else { "" };
         let close = if i == pieces.len() - 1 { right } else { "" };
-        let piece = piece.trim();
+        let piece = piece.trim_ascii();
         match is_string_literal(piece) {
             true => out.push_str(&format!("{{{{{open} {piece} {close}}}}}")),
             false => out.push_str(&format!("{{{{{open} {piece} | {STRING_FILTER} {close}}}}}")),
@@ -309,6 +322,11 @@ mod tests {
             "{% raw %}{{ 'a' + b }}{% endraw %}",
             "{{ '}}' + b ~ c }}",
             "{{ 'a' + b.0 }}",
+            "{{ 'a' +\x0Bb }}",
+            "{{ {'k': {'j': 'x'}}['k']['j'] ~ '{{ \"a\" + b }}' }}",
+            "{#} {{ ' #}{{ 'x }} {{ \"a\" + b }}' }}",
+            "{% raw %}{% if x ≥ 1 %}{{ 'a' + b }}{% endraw %}",
+            "{% autoescape 'json' %}{{ 'a' + b }}{% endautoescape %}",
         ] {
             assert_eq!(split(tag), tag, "{tag}");
         }

@@ -51,6 +51,8 @@ impl ChatTemplate {
         let mut env = bare_environment()?;
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        // The template as written must compile; its chains split, it renders the same text.
+        env.add_template_owned(TEMPLATE_NAME, source.to_owned()).map_err(|e| PromptError::Template(e.to_string()))?;
         env.add_template_owned(TEMPLATE_NAME, super::chains::split(source))
             .map_err(|e| PromptError::Template(e.to_string()))?;
         let knows_developer_role = source.contains("\"developer\"") || source.contains("'developer'");

@@ -19,8 +19,9 @@
 //!   prompt's booked prefix. Within a run it is found by bisection: if the run holds the
 //!   prompt's block at some depth, it holds every block before it (the hashes chain).
 //!
-//! The tree is exact for any hashes, chained or not: a node is shared only by prompts equal up
-//! to it, block by block (only the look-up's bisection relies on the chaining).
+//! The tree counts a block once per position in it: for chained hashes, as the engines' are,
+//! that is once per block. Hashes that are not chained (a peer's bug, a 64-bit collision) can
+//! only make it count a block twice or miss part of an overlap; it never fails on them.
 
 use std::collections::HashMap;
 
@@ -87,8 +88,13 @@ impl BookedBlocks {
     }
 
     /// A booking of a prompt of `hashes` ([`insert`](Self::insert)ed before) releases them.
+    /// A prompt whose blocks do not end at the end of a node was not inserted, and is ignored.
     pub fn remove(&mut self, hashes: &[SequenceHash]) {
         let path = self.path(hashes);
+        let covered: usize = path.iter().map(|&(node, _)| self.nodes[node].run.len()).sum();
+        if covered != hashes.len() {
+            return;
+        }
         // The deepest node that stays, and the key it is known by in its parent.
         let mut deepest_kept = None;
         for (i, &(node, key)) in path.iter().enumerate().rev() {
@@ -274,6 +280,17 @@ mod tests {
         assert_eq!(booked.nodes.len() - booked.free.len(), 1, "a's runs are joined again");
         booked.remove(&a);
         assert_eq!((booked.blocks(), booked.roots.len()), (0, 0));
+    }
+
+    #[test]
+    fn a_prompt_never_booked_releases_nothing() {
+        let mut booked = BookedBlocks::default();
+        let a = chain(&[1, 2, 3]);
+        booked.insert(&a);
+        for never in [chain(&[1, 2]), chain(&[1, 2, 3, 4]), chain(&[7])] {
+            booked.remove(&never);
+            assert_eq!((booked.blocks(), booked.held_only_by_one(&a)), (3, 3));
+        }
     }
 
     proptest! {
