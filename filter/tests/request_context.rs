@@ -554,7 +554,7 @@ fn a_big_body_is_offloaded_with_the_filters_deadline() {
     assert_eq!(send(&mut ctx, &fake), Action::Pause);
     let (path, body) = fake.0.borrow().calls[0].clone();
     assert_eq!(path, "/v1/route_body");
-    let sent: RouteBodyRequest<'static> = codec::decode(&body).unwrap();
+    let sent: RouteBodyRequest<'_> = codec::decode(&body).unwrap();
     assert_eq!(
         (sent.budget_ms, sent.endpoint, sent.body.len()),
         (750, Endpoint::ChatCompletions, fake.0.borrow().request_body.len())
@@ -576,7 +576,7 @@ fn a_model_without_a_tokenizer_here_is_tokenized_by_the_sidecar() {
     assert_eq!(send(&mut ctx, &fake), Action::Pause);
     let (path, body) = fake.0.borrow().calls[0].clone();
     assert_eq!(path, "/v1/route_body");
-    let sent: RouteBodyRequest<'static> = codec::decode(&body).unwrap();
+    let sent: RouteBodyRequest<'_> = codec::decode(&body).unwrap();
     assert_eq!(sent.body.as_ref(), chat("hi").as_bytes());
     assert_eq!(sent.budget_ms, 30, "a small body's deadline: the route's, not a big body's");
     let size = answer(&fake, "200", &routed_to("127.0.0.1:8001"));
@@ -721,7 +721,8 @@ fn an_offloaded_stream_asks_for_usage_too() {
     let config = FilterConfig { offload_bytes: 64, ..FilterConfig::default() };
     let (mut ctx, fake) = request(&body, &[], config);
     assert_eq!(send(&mut ctx, &fake), Action::Pause);
-    let sent: RouteBodyRequest<'static> = codec::decode(&fake.0.borrow().calls[0].1).unwrap();
+    let call = fake.0.borrow().calls[0].1.clone();
+    let sent: RouteBodyRequest<'_> = codec::decode(&call).unwrap();
     assert_eq!(sent.body.as_ref(), body.as_bytes(), "the sidecar tokenizes the client's body");
     let upstream: serde_json::Value = serde_json::from_slice(&fake.0.borrow().request_body).unwrap();
     assert_eq!(upstream["stream_options"]["include_usage"], true);

@@ -7,7 +7,7 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let _ = decode::<RouteRequest>(data);
-    let _ = decode::<RouteBodyRequest<'static>>(data);
+    let _ = decode::<RouteBodyRequest<'_>>(data);
     let _ = decode::<RouteResponse>(data);
     let _ = decode::<LifecycleBatch>(data);
     let _ = decode::<ModelList>(data);

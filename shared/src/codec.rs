@@ -9,7 +9,7 @@
 //! assert_eq!(back, LifecycleBatch::default());
 //! ```
 
-use serde::{de::DeserializeOwned, Serialize};
+use serde::{Deserialize, Serialize};
 
 /// The largest body [`decode`] accepts (a tokenizer bundle is ~12 MB).
 pub const MAX_BODY_BYTES: usize = 64 << 20;
@@ -44,9 +44,10 @@ pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
     Ok(bytes)
 }
 
-/// Decodes a wire value; the whole input must be consumed.
-pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
-    let (value, used) = bincode::serde::decode_from_slice(bytes, config())?;
+/// Decodes a wire value; the whole input must be consumed. A value that borrows (an offloaded
+/// body) borrows from `bytes` instead of copying.
+pub fn decode<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> Result<T, CodecError> {
+    let (value, used) = bincode::serde::borrow_decode_from_slice(bytes, config())?;
     if used != bytes.len() {
         return Err(CodecError::Trailing(bytes.len() - used));
     }
@@ -73,8 +74,10 @@ mod tests {
         assert_eq!(encode(&serde_bytes::Bytes::new(&body)).unwrap(), encode(&body).unwrap());
         let request =
             crate::wire::RouteBodyRequest::of("r1", crate::prompt::openai::Endpoint::ChatCompletions, body.clone(), 50);
-        let back: crate::wire::RouteBodyRequest<'static> = decode(&encode(&request).unwrap()).unwrap();
+        let call = encode(&request).unwrap();
+        let back: crate::wire::RouteBodyRequest<'_> = decode(&call).unwrap();
         assert_eq!(back.body.as_ref(), &body[..]);
+        assert!(matches!(back.body, std::borrow::Cow::Borrowed(_)), "the body is read in place, not copied");
     }
 
     #[test]

@@ -170,9 +170,8 @@ pub enum PromptCount {
 /// tokenize on an Envoy worker thread (the filter's `offload_bytes`) is tokenized on the
 /// sidecar's own threads instead, with the same code.
 ///
-/// The body is borrowed where the filter builds the message (a 16 MiB body is not copied
-/// once more before it is encoded) and owned where the sidecar decodes it; the encoding is
-/// the same.
+/// The body is borrowed both where the filter builds the message and where the sidecar
+/// decodes it: a 16 MiB body is not copied once more on either side.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RouteBodyRequest<'a> {
     /// The booking key, as in [`RouteRequest`].
@@ -182,9 +181,9 @@ pub struct RouteBodyRequest<'a> {
     /// The endpoint the body was sent to.
     pub endpoint: crate::prompt::openai::Endpoint,
     /// The OpenAI request body, as the client sent it. Encoded as bytes, which bincode writes
-    /// as it writes a sequence of `u8` (its length, then the bytes), but reads and writes in
-    /// one copy instead of a call a byte.
-    #[serde(with = "owned_bytes")]
+    /// as it writes a sequence of `u8` (its length, then the bytes), but writes in one copy
+    /// instead of a call a byte, and reads in place.
+    #[serde(borrow, with = "serde_bytes")]
     pub body: std::borrow::Cow<'a, [u8]>,
     /// The `x-session-id` header, if any (the body's `session_id`/`user` are read by the
     /// sidecar).
@@ -206,19 +205,6 @@ pub struct RouteBodyRequest<'a> {
     pub itl_slo_ms: Option<u32>,
     /// Whether the filter can run a prefill leg for it, as in [`RouteRequest`].
     pub prefill_legs: bool,
-}
-
-/// A body encoded as bytes and always decoded owned (the sidecar keeps it past the message).
-mod owned_bytes {
-    use std::borrow::Cow;
-
-    pub fn serialize<S: serde::Serializer>(body: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_bytes(body)
-    }
-
-    pub fn deserialize<'de, 'a, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Cow<'a, [u8]>, D::Error> {
-        serde::Deserialize::deserialize(deserializer).map(|b: serde_bytes::ByteBuf| Cow::Owned(b.into_vec()))
-    }
 }
 
 impl<'a> RouteBodyRequest<'a> {

@@ -19,7 +19,7 @@ use kvgate_shared::codec;
 use kvgate_shared::prompt::openai::{parse, Endpoint, ParsedRequest};
 use kvgate_shared::wire::{ModelBundle, RouteBodyRequest};
 use kvgate_sidecar::metrics::Metrics;
-use kvgate_sidecar::pool::{Pool, PoolConfig, ReplicaConfig};
+use kvgate_sidecar::pool::{Offloaded, Pool, PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
 
 const BLOCK: u32 = 16;
@@ -92,7 +92,7 @@ fn bench(c: &mut Criterion) {
                     },
                     |(parsed, request)| {
                         let deadline = Instant::now() + Duration::from_secs(60);
-                        pool.request_for_body(&parsed, &request, deadline, threads).expect("routed")
+                        pool.request_for_body(&parsed, &Offloaded::of(&request), deadline, threads).expect("routed")
                     },
                     criterion::BatchSize::PerIteration,
                 )
@@ -102,11 +102,11 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-/// The filter's call decoded and its body parsed, as the sidecar does first.
-fn decode_and_parse(call: &[u8]) -> (ParsedRequest, RouteBodyRequest<'static>) {
-    let request: RouteBodyRequest<'static> = codec::decode(call).expect("decoded");
+/// The filter's call decoded and its body parsed in place, as the sidecar does first.
+fn decode_and_parse(call: &[u8]) -> (ParsedRequest, Offloaded) {
+    let request: RouteBodyRequest<'_> = codec::decode(call).expect("decoded");
     let parsed = parse(request.endpoint, &request.body).expect("parsed");
-    (parsed, request)
+    (parsed, Offloaded::of(&request))
 }
 
 fn deadline() -> Instant {
@@ -126,7 +126,7 @@ fn sidecar_stages(
     let scoring = ScoringConfig::default();
     let pool_for_tokenize = pool();
     let (parsed, request) = make(0);
-    pool_for_tokenize.request_for_body(&parsed, &request, deadline(), 1).expect("routed");
+    pool_for_tokenize.request_for_body(&parsed, &Offloaded::of(&request), deadline(), 1).expect("routed");
     let mut i = 0;
     group.bench_function(BenchmarkId::new("tokenize_and_hash", n), |b| {
         b.iter_batched(
@@ -134,7 +134,9 @@ fn sidecar_stages(
                 i += 1;
                 make(i)
             },
-            |(parsed, request)| pool_for_tokenize.request_for_body(&parsed, &request, deadline(), 1).expect("routed"),
+            |(parsed, request)| {
+                pool_for_tokenize.request_for_body(&parsed, &Offloaded::of(&request), deadline(), 1).expect("routed")
+            },
             criterion::BatchSize::PerIteration,
         )
     });
@@ -147,7 +149,7 @@ fn sidecar_stages(
                     pool.lifecycle(&format!("r{i}").into(), false);
                     i += 1;
                     let (parsed, request) = make(i);
-                    pool.request_for_body(&parsed, &request, deadline(), 1).expect("routed")
+                    pool.request_for_body(&parsed, &Offloaded::of(&request), deadline(), 1).expect("routed")
                 },
                 |route| pool.route(&route, &scoring),
                 criterion::BatchSize::PerIteration,
@@ -165,8 +167,8 @@ fn sidecar_stages(
                 codec::encode(&make(i).1).expect("encoded")
             },
             |call| {
-                let (parsed, request) = decode_and_parse(&call);
-                let route = pool_for_all.request_for_body(&parsed, &request, deadline(), 1).expect("routed");
+                let (parsed, offloaded) = decode_and_parse(&call);
+                let route = pool_for_all.request_for_body(&parsed, &offloaded, deadline(), 1).expect("routed");
                 pool_for_all.route(&route, &scoring)
             },
             criterion::BatchSize::PerIteration,
@@ -185,7 +187,7 @@ fn stages(c: &mut Criterion) {
 
     // The size of what every stage handles (each seed's document is about as long).
     let (parsed, request) = offload(&words, 0, n);
-    let route = pool().request_for_body(&parsed, &request, deadline(), 1).expect("routed");
+    let route = pool().request_for_body(&parsed, &Offloaded::of(&request), deadline(), 1).expect("routed");
     eprintln!(
         "offload_stages: a {} KB body, {} prompt tokens, {} full blocks of {BLOCK}",
         request.body.len() / 1000,

@@ -18,7 +18,7 @@ use kvgate_shared::wire::{ModelBundle, RouteBodyRequest, RouteResponse};
 use kvgate_sidecar::api::{router, AppState};
 use kvgate_sidecar::index::{ReplicaIdx, Store, Tier};
 use kvgate_sidecar::metrics::{FallbackLabels, Metrics};
-use kvgate_sidecar::pool::{OffloadError, Pool};
+use kvgate_sidecar::pool::{OffloadError, Offloaded, Pool};
 use kvgate_sidecar::pool::{PoolConfig, ReplicaConfig};
 use kvgate_sidecar::score::ScoringConfig;
 use tower::ServiceExt;
@@ -177,9 +177,10 @@ async fn bad_input_gets_a_clear_4xx() {
 async fn work_past_the_filters_deadline_is_skipped_and_not_booked() {
     let (state, pool) = state();
     let body = r#"{"model":"qwen3","messages":[{"role":"user","content":"hello"}]}"#;
-    let request: RouteBodyRequest<'static> = codec::decode(&offload(body)).unwrap();
+    let call = offload(body);
+    let request: RouteBodyRequest<'_> = codec::decode(&call).unwrap();
     let parsed = parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
-    let late = pool.request_for_body(&parsed, &request, std::time::Instant::now(), 1);
+    let late = pool.request_for_body(&parsed, &Offloaded::of(&request), std::time::Instant::now(), 1);
     assert!(matches!(late, Err(OffloadError::Late)), "{late:?}");
     assert_eq!(pool.state().bookings, 0, "the filter has gone on without us: nothing booked");
     // Within its budget the same prompt is routed and booked.

@@ -36,7 +36,7 @@ use kvgate_shared::wire::{
 use crate::admission::{Place, ShedReason};
 use crate::health::Health;
 use crate::metrics::{AdmissionLabels, FallbackLabels, LifecycleLabels, Metrics, PoolLabels};
-use crate::pool::{Admit, NotAdmitted, OffloadError, Pool};
+use crate::pool::{Admit, NotAdmitted, OffloadError, Offloaded, Pool};
 use crate::score::ScoringConfig;
 use kvgate_telemetry as telemetry;
 use tracing::Instrument;
@@ -419,7 +419,8 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
         Ok(b) => b,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
-    let req: RouteBodyRequest<'static> = match codec::decode(&body) {
+    // Read in place: the body is parsed from the call's own bytes.
+    let req: RouteBodyRequest<'_> = match codec::decode(&body) {
         Ok(r) => r,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
@@ -440,7 +441,8 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
             let model = std::str::from_utf8(&req.body).ok().and(model_of(&req.body));
             if let Some((model, pool)) = model.as_deref().and_then(|m| Some((m, state.pool_for(m)?))) {
                 tracing::debug!(request_id = %req.request_id, %model, error = %e, "prompt unreadable; booked on an estimate");
-                return admitted(&state, pool, &pool.estimated(model, &req, "unparsable"), &scoring, started).await.0;
+                let estimated = pool.estimated(model, &Offloaded::of(&req), "unparsable");
+                return admitted(&state, pool, &estimated, &scoring, started).await.0;
             }
             tracing::debug!(request_id = %req.request_id, error = %e, "offloaded body unreadable");
             return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
@@ -453,11 +455,12 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, message);
     };
     let request_id = req.request_id.clone();
-    let tokenize = tracing::info_span!("kvgate.tokenize", body_bytes = req.body.len(), threads = 1);
+    let offloaded = Offloaded::of(&req);
+    let tokenize = tracing::info_span!("kvgate.tokenize", body_bytes = offloaded.body_bytes(), threads = 1);
     let prepared = if small && pool.tokenizer_ready() {
         // As quick as a decision: tokenized on this task, never behind a big body.
         let _span = tokenize.enter();
-        Ok(pool.request_for_body(&parsed, &req, deadline, 1))
+        Ok(pool.request_for_body(&parsed, &offloaded, deadline, 1))
     } else {
         let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
         let Ok(Ok(slot)) = slot else {
@@ -466,7 +469,7 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
         };
         // A long prompt may also take slots no other prompt is using, and spread over them.
         let mut slots = vec![slot];
-        while slots.len() < state.offload_spread.min(req.body.len() / MIN_PART_BYTES) {
+        while slots.len() < state.offload_spread.min(offloaded.body_bytes() / MIN_PART_BYTES) {
             let Ok(spare) = state.offload_slots.clone().try_acquire_owned() else { break };
             slots.push(spare);
         }
@@ -475,7 +478,7 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
         let tokenizing = pool.clone();
         tokio::task::spawn_blocking(move || {
             let _span = tokenize.enter();
-            tokenizing.request_for_body(&parsed, &req, deadline, slots.len())
+            tokenizing.request_for_body(&parsed, &offloaded, deadline, slots.len())
         })
         .await
     };

@@ -49,7 +49,7 @@ pub use config::{
 pub use explain::{CandidateTerms, Checked, Explanation};
 pub use handover::TakenOver;
 pub use members::{targets, Member, ReplicaHealth, Target};
-pub use offload::OffloadError;
+pub use offload::{OffloadError, Offloaded};
 pub use route::{Admit, NotAdmitted};
 pub use sessions::SessionConfig;
 pub use state::{LatencyState, PoolState, ReplicaState};

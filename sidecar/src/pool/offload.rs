@@ -21,13 +21,33 @@ pub enum OffloadError {
     Late,
 }
 
+/// What routing an offloaded request needs besides its parsed body: the filter's keys and the
+/// body's size. The body itself stays in the call it arrived in, read there and not copied.
+#[derive(Debug, Clone)]
+pub struct Offloaded {
+    keys: RequestKeys,
+    body_bytes: usize,
+}
+
+impl Offloaded {
+    /// The keys and size of `req`.
+    pub fn of(req: &RouteBodyRequest<'_>) -> Offloaded {
+        Offloaded { keys: keys(req), body_bytes: req.body.len() }
+    }
+
+    /// The body's size in bytes.
+    pub fn body_bytes(&self) -> usize {
+        self.body_bytes
+    }
+}
+
 impl Pool {
     /// The route request of an offloaded request for `model` whose prompt could not be read
     /// (`reason`): booked on an estimate of its size, routed on load alone.
-    pub fn estimated(&self, model: &str, req: &RouteBodyRequest<'_>, reason: &str) -> RouteRequest {
-        let tokens = u32::try_from(req.body.len() / 4).unwrap_or(u32::MAX);
+    pub fn estimated(&self, model: &str, offloaded: &Offloaded, reason: &str) -> RouteRequest {
+        let tokens = u32::try_from(offloaded.body_bytes / 4).unwrap_or(u32::MAX);
         self.metrics.estimated_requests.get_or_create(&FallbackLabels { reason: reason.to_owned() }).inc();
-        estimated_request(model, &keys(req), tokens, self.config.block_size)
+        estimated_request(model, &offloaded.keys, tokens, self.config.block_size)
     }
 
     /// The encoded bundle, for a filter that fetches it (counted for `/debug/state`).
@@ -65,7 +85,7 @@ impl Pool {
     pub fn request_for_body(
         &self,
         parsed: &ParsedRequest,
-        req: &RouteBodyRequest<'_>,
+        offloaded: &Offloaded,
         deadline: Instant,
         threads: usize,
     ) -> Result<RouteRequest, OffloadError> {
@@ -74,12 +94,12 @@ impl Pool {
         }
         let tokenizer = match self.tokenizer() {
             Ok(tokenizer) => tokenizer,
-            Err(_) => return Ok(self.estimated(parsed.model.as_str(), req, "no_tokenizer")),
+            Err(_) => return Ok(self.estimated(parsed.model.as_str(), offloaded, "no_tokenizer")),
         };
         let tokens = match tokenizer.prompt_tokens_on(parsed, threads) {
             Ok(tokens) => tokens,
             // Content parts it does not render, a template that fails: still real load.
-            Err(_) => return Ok(self.estimated(parsed.model.as_str(), req, "untokenizable")),
+            Err(_) => return Ok(self.estimated(parsed.model.as_str(), offloaded, "untokenizable")),
         };
         if Instant::now() >= deadline {
             return Err(OffloadError::Late);
@@ -89,7 +109,7 @@ impl Pool {
             if parsed.model == self.config.model { Salt::NONE } else { Salt::for_lora(Some(parsed.model.as_str())) };
         let prompt =
             PromptTokens::Tokenized { tokens: &tokens, total: tokens.len(), block_size: self.config.block_size, salt };
-        Ok(route_request(parsed, &keys(req), prompt))
+        Ok(route_request(parsed, &offloaded.keys, prompt))
     }
 }
 
