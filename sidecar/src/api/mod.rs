@@ -383,13 +383,13 @@ async fn admitted(
 /// The deadline of an offload whose request names no budget.
 const DEFAULT_OFFLOAD_BUDGET: Duration = Duration::from_secs(1);
 
-/// A prompt the filter offloaded: parsed and tokenized here, on a blocking thread, so that
-/// neither an Envoy worker nor this runtime's threads stall on it — except a small one
-/// ([`SMALL_OFFLOAD`]), tokenized on its own task like a decision. At most one big prompt per
-/// core is tokenized at once; a prompt that cannot be routed within the filter's budget is
-/// skipped (`late`, 503) and not booked: the filter has given up on it. Bodies held at once
-/// (read, waiting, tokenizing) are bounded in bytes: one past the bound is answered at once
-/// (`offload_full`, 503) before it is read, and Envoy routes it.
+/// A prompt the filter offloaded: parsed here (on this task), then tokenized on a blocking
+/// thread, so that neither an Envoy worker nor this runtime's threads stall on that — except a
+/// small one ([`SMALL_OFFLOAD`]), tokenized on its own task like a decision. At most one big
+/// prompt per core is tokenized at once; a prompt that cannot be routed within the filter's
+/// budget is skipped (`late`, 503) and not booked: the filter has given up on it. Bodies held
+/// at once (read, waiting, tokenizing) are bounded in bytes: one past the bound is answered at
+/// once (`offload_full`, 503) before it is read, and Envoy routes it.
 async fn route_body(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     let span = request_span(&headers);
     route_body_in(state, headers, body).instrument(span).await
