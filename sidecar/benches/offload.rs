@@ -176,12 +176,15 @@ fn sidecar_stages(
     });
 }
 
+/// The words of a ~128k-token document (the words of the README, with ids, run ~2.3 tokens
+/// each): the one [`stages`] and [`warm_stages`] share.
+const WORDS_128K: usize = 55_000;
+
 /// A cold offload's stages, each timed on its own over the same documents, and all in a row.
 fn stages(c: &mut Criterion) {
     let readme = std::fs::read_to_string(repo().join("README.md")).expect("README");
     let words: Vec<&str> = readme.split_whitespace().collect();
-    // About 128k prompt tokens (the words of the README, with ids, run ~2.3 tokens each).
-    let n = 55_000;
+    let n = WORDS_128K;
     let mut group = c.benchmark_group("offload_stages");
     group.sample_size(20);
 
@@ -235,7 +238,7 @@ fn stages(c: &mut Criterion) {
 fn warm_stages(c: &mut Criterion) {
     let readme = std::fs::read_to_string(repo().join("README.md")).expect("README");
     let words: Vec<&str> = readme.split_whitespace().collect();
-    let n = 55_000;
+    let n = WORDS_128K;
     let mut group = c.benchmark_group("warm_stages");
     group.sample_size(20);
     sidecar_stages(&mut group, n, |i| turn(&words, 0, n, i), &[("decide", pool())]);

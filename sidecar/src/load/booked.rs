@@ -167,7 +167,11 @@ impl BookedBlocks {
     /// A new node holding `run` for one booking.
     fn alloc(&mut self, run: &[SequenceHash]) -> usize {
         self.blocks += run.len() as u64;
-        let node = Node { run: run.to_vec(), refs: 1, children: Map::default() };
+        self.place(Node { run: run.to_vec(), refs: 1, children: Map::default() })
+    }
+
+    /// Stores `node` in a freed slot, or a new one; its index.
+    fn place(&mut self, node: Node) -> usize {
         match self.free.pop() {
             Some(i) => {
                 self.nodes[i] = node;
@@ -180,9 +184,10 @@ impl BookedBlocks {
         }
     }
 
-    fn release(&mut self, node: usize) {
-        self.nodes[node] = Node::default();
+    /// Frees `node`'s slot; what it held.
+    fn release(&mut self, node: usize) -> Node {
         self.free.push(node);
+        std::mem::take(&mut self.nodes[node])
     }
 
     /// Splits `node`'s run after `at` blocks (`0 < at < len`): the rest, with its children,
@@ -191,16 +196,7 @@ impl BookedBlocks {
         let n = &mut self.nodes[node];
         let tail = Node { run: n.run.split_off(at), refs: n.refs, children: std::mem::take(&mut n.children) };
         let key = tail.run[0];
-        let child = match self.free.pop() {
-            Some(i) => {
-                self.nodes[i] = tail;
-                i
-            }
-            None => {
-                self.nodes.push(tail);
-                self.nodes.len() - 1
-            }
-        };
+        let child = self.place(tail);
         self.nodes[node].children.insert(key, child);
     }
 
@@ -214,8 +210,7 @@ impl BookedBlocks {
         if self.nodes[child].refs != n.refs {
             return;
         }
-        let c = std::mem::take(&mut self.nodes[child]);
-        self.free.push(child);
+        let c = self.release(child);
         let n = &mut self.nodes[node];
         n.run.extend_from_slice(&c.run);
         n.children = c.children;
