@@ -8,12 +8,16 @@
 //! the cache overlap, plus what is left of the prefill booked there before it (the load table
 //! drains that backlog at the speed the TTFT model learned, `b` — at the replica's prefill
 //! rate while the model does not predict — and never counts more than the prefill whose first
-//! token has not come) — and the sequences it is decoding meanwhile, which share each engine
+//! token has not come); the prefill booked there that the replica's KV events do not show
+//! computed beyond that (a chunk whose step has not ended, prefill the engine keeps waiting:
+//! what a speed cannot see; 0 without trusted events) — and the sequences it is decoding
+//! meanwhile, which share each engine
 //! step with the prefill. For its ITL: what will share the steps that decode it — the
 //! sequences on the replica, this one included, and the prefill booked there before it (an
-//! engine that chunks prefill computes it in the same steps).
+//! engine that chunks prefill computes it in the same steps), drained and not stored alike.
 //!
-//! **Model.** `latency = a + b · prefill + c · sequences` with `b, c ≥ 0`, fitted per replica
+//! **Model.** `latency = a + b · prefill + c · sequences + d · not_stored` with
+//! `b, c, d ≥ 0`, fitted per replica
 //! by least squares over its last [`WINDOW`] timed requests — streamed, their prompt counted
 //! and computed there, answered 2xx — as the filter measured them: the TTFT from the moment
 //! the request left the filter for the engine to the first byte of its response; the ITL as
@@ -98,10 +102,18 @@ pub struct Inputs {
     /// Sequences: for the TTFT, those the replica is decoding; for the ITL, all it holds,
     /// this one's included.
     pub decoding: u64,
+    /// Prefill tokens booked ahead that the replica's KV events do not show computed, beyond
+    /// those counted in `prefill_ahead` (which drains them at the speed learned): prefill the
+    /// engine keeps waiting, or a chunk whose step has not ended. 0 without trusted events.
+    pub prefill_not_stored: u64,
 }
 
+/// How many inputs the model weighs.
+const FEATURES: usize = 3;
+/// The model's inputs, scaled ([`features`]).
+type Features = [f64; FEATURES];
 /// A timed request as the model keeps it: its scaled inputs and its measured latency (ms).
-type Sample = ([f64; 2], f64);
+type Sample = (Features, f64);
 
 /// One replica's model: its latest requests and the line fitted to them.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -110,7 +122,7 @@ pub struct Model {
     window: VecDeque<Sample>,
     /// Milliseconds at rest (all inputs 0), and per unit of each scaled input.
     intercept: f64,
-    slopes: [f64; 2],
+    slopes: Features,
     /// Requests learned from since the replica joined.
     samples: u64,
     /// When it last learned.
@@ -119,8 +131,8 @@ pub struct Model {
 
 /// The model's inputs, scaled so their slopes are of like size: thousands of prefill tokens,
 /// tens of decoding sequences.
-fn features(inputs: Inputs) -> [f64; 2] {
-    [inputs.prefill_ahead as f64 / 1_000.0, inputs.decoding as f64 / 10.0]
+fn features(inputs: Inputs) -> Features {
+    [inputs.prefill_ahead as f64 / 1_000.0, inputs.decoding as f64 / 10.0, inputs.prefill_not_stored as f64 / 1_000.0]
 }
 
 impl Model {
@@ -131,7 +143,7 @@ impl Model {
     /// use kvgate_sidecar::latency::{Inputs, Model};
     /// use std::time::{Duration, Instant};
     /// let (mut m, now) = (Model::default(), Instant::now());
-    /// let inputs = |tokens| Inputs { prefill_ahead: tokens, decoding: 0 };
+    /// let inputs = |tokens| Inputs { prefill_ahead: tokens, decoding: 0, prefill_not_stored: 0 };
     /// assert_eq!(m.predict(inputs(1000), now), None, "nothing learned yet");
     /// // 5 ms at rest and 20 ms per thousand tokens.
     /// for tokens in (0..40).map(|i| 100 + (i % 8) * 500) {
@@ -145,7 +157,7 @@ impl Model {
             return None;
         }
         let x = features(inputs);
-        Some(millis(self.intercept + self.slopes[0] * x[0] + self.slopes[1] * x[1]))
+        Some(millis(self.intercept + x.iter().zip(self.slopes).map(|(x, b)| x * b).sum::<f64>()))
     }
 
     /// Learns at `now` from one request that met `inputs` and measured `measured`.
@@ -178,15 +190,15 @@ impl Model {
     }
 }
 
-/// The least-squares line through `samples` with non-negative slopes, each sample
-/// weighted by `1 / latency²` (no more than at a quarter of the window's median) so that the fit
+/// The least-squares fit through `samples` with non-negative slopes, each sample weighted by
+/// `1 / latency²` (no more than at a quarter of the window's median) so that the fit
 /// minimises the *relative* error (the check's measure): unweighted,
 /// the few slow requests of a busy window pull the line up and a quick one on an idle replica
 /// is predicted at twice its TTFT. Returns the intercept and the slopes. The inputs are centred
 /// on their (weighted) means and each slope's normal equation ridged by [`RIDGE`]; of the fits
-/// with both slopes free, one held at 0, or both, the best whose free slopes come out
-/// non-negative. `None` if there are none, or the figures are not finite.
-fn fit(samples: &VecDeque<Sample>) -> Option<(f64, [f64; 2])> {
+/// with each subset of the slopes free (the others held at 0), the best whose free slopes come
+/// out non-negative. `None` if there are none, or the figures are not finite.
+fn fit(samples: &VecDeque<Sample>) -> Option<(f64, Features)> {
     let n = samples.len() as f64;
     // Weights summing to `n`, so the ridge keeps its scale.
     let mut measured: Vec<f64> = samples.iter().map(|s| s.1).collect();
@@ -196,29 +208,64 @@ fn fit(samples: &VecDeque<Sample>) -> Option<(f64, [f64; 2])> {
     let total: f64 = samples.iter().map(raw).sum();
     let weight = |s: &Sample| n * raw(s) / total;
     let mean = |f: &dyn Fn(&Sample) -> f64| samples.iter().map(|s| weight(s) * f(s)).sum::<f64>() / n;
-    let (m0, m1, my) = (mean(&|s| s.0[0]), mean(&|s| s.0[1]), mean(&|s| s.1));
+    let mx: Features = std::array::from_fn(|i| mean(&|s| s.0[i]));
+    let my = mean(&|s| s.1);
     // Weighted, centred sums of squares and products.
-    let (mut s00, mut s01, mut s11, mut s0y, mut s1y, mut syy) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    let (mut sxx, mut sxy, mut syy) = ([[0.0; FEATURES]; FEATURES], [0.0; FEATURES], 0.0);
     for sample in samples {
-        let (w, ([x0, x1], y)) = (weight(sample), sample);
-        let (x0, x1, y) = (x0 - m0, x1 - m1, y - my);
-        (s00, s01, s11) = (s00 + w * x0 * x0, s01 + w * x0 * x1, s11 + w * x1 * x1);
-        (s0y, s1y, syy) = (s0y + w * x0 * y, s1y + w * x1 * y, syy + w * y * y);
+        let (w, (x, y)) = (weight(sample), sample);
+        let (x, y): (Features, f64) = (std::array::from_fn(|i| x[i] - mx[i]), y - my);
+        for i in 0..FEATURES {
+            for j in 0..FEATURES {
+                sxx[i][j] += w * x[i] * x[j];
+            }
+            sxy[i] += w * x[i] * y;
+        }
+        syy += w * y * y;
     }
-    let (s00, s11) = (s00 + RIDGE, s11 + RIDGE);
-    let both = {
-        let det = s00 * s11 - s01 * s01;
-        [(s0y * s11 - s1y * s01) / det, (s1y * s00 - s0y * s01) / det]
+    for (i, row) in sxx.iter_mut().enumerate() {
+        row[i] += RIDGE;
+    }
+    let residual = |b: &Features| {
+        let pairs = (0..FEATURES).flat_map(|i| (0..FEATURES).map(move |j| (i, j)));
+        let quadratic: f64 = pairs.map(|(i, j)| b[i] * b[j] * sxx[i][j]).sum();
+        syy - 2.0 * (0..FEATURES).map(|i| b[i] * sxy[i]).sum::<f64>() + quadratic
     };
-    let residual = |b: [f64; 2]| {
-        syy - 2.0 * (b[0] * s0y + b[1] * s1y) + b[0] * b[0] * s00 + 2.0 * b[0] * b[1] * s01 + b[1] * b[1] * s11
-    };
-    let slopes = [both, [s0y / s00, 0.0], [0.0, s1y / s11], [0.0, 0.0]]
-        .into_iter()
+    let slopes = (0..1u32 << FEATURES)
+        .filter_map(|free| solve(&sxx, &sxy, free))
         .filter(|b| b.iter().all(|v| *v >= 0.0))
-        .min_by(|a, b| residual(*a).total_cmp(&residual(*b)))?;
-    let intercept = my - slopes[0] * m0 - slopes[1] * m1;
+        .min_by(|a, b| residual(a).total_cmp(&residual(b)))?;
+    let intercept = my - (0..FEATURES).map(|i| slopes[i] * mx[i]).sum::<f64>();
     (intercept.is_finite() && slopes.iter().all(|v| v.is_finite())).then_some((intercept, slopes))
+}
+
+/// The normal equations `a · b = y` solved for the slopes in `free` (a bit each), the others
+/// held at 0; `None` if they have no single solution.
+fn solve(a: &[Features; FEATURES], y: &Features, free: u32) -> Option<Features> {
+    let index: Vec<usize> = (0..FEATURES).filter(|i| free >> i & 1 == 1).collect();
+    let n = index.len();
+    // The free rows and columns, with `y` beside them, reduced by Gauss–Jordan elimination.
+    let mut m: Vec<Vec<f64>> =
+        index.iter().map(|&i| index.iter().map(|&j| a[i][j]).chain(std::iter::once(y[i])).collect()).collect();
+    for c in 0..n {
+        let pivot = (c..n).max_by(|&p, &q| m[p][c].abs().total_cmp(&m[q][c].abs()))?;
+        m.swap(c, pivot);
+        if m[c][c].abs() < f64::EPSILON {
+            return None;
+        }
+        let pivot_row = m[c].clone();
+        for (_, row) in m.iter_mut().enumerate().filter(|(r, _)| *r != c) {
+            let f = row[c] / pivot_row[c];
+            for (v, p) in row.iter_mut().zip(&pivot_row).skip(c) {
+                *v -= f * p;
+            }
+        }
+    }
+    let mut slopes = [0.0; FEATURES];
+    for (row, &i) in index.iter().enumerate() {
+        slopes[i] = m[row][n] / m[row][row];
+    }
+    Some(slopes)
 }
 
 /// One prediction against what the filter measured.
@@ -390,7 +437,7 @@ mod tests {
     }
 
     fn traffic(n: u64) -> impl Iterator<Item = Inputs> {
-        (0..n).map(|i| Inputs { prefill_ahead: 200 + (i * 733) % 6000, decoding: (i * 7) % 24 })
+        (0..n).map(|i| Inputs { prefill_ahead: 200 + (i * 733) % 6000, decoding: (i * 7) % 24, prefill_not_stored: 0 })
     }
 
     fn ms(d: Duration) -> f64 {
@@ -409,9 +456,30 @@ mod tests {
         let (truth, now) = (replica(12.0, 30.0, 1.5), Instant::now());
         let mut m = Model::default();
         taught(&mut m, traffic(60), &truth, now);
-        let unseen = Inputs { prefill_ahead: 9_000, decoding: 40 };
+        let unseen = Inputs { prefill_ahead: 9_000, decoding: 40, prefill_not_stored: 0 };
         let (predicted, actual) = (ms(m.predict(unseen, now).unwrap()), ms(truth(unseen)));
         assert!((predicted - actual).abs() < 0.01 * actual, "{predicted} vs {actual}");
+    }
+
+    /// Prefill the engine has not stored costs more than prefill the speed learned counts: a
+    /// replica whose queue is behind what it drained on paper. Each is learned apart.
+    #[test]
+    fn prefill_not_stored_is_learned_apart_from_prefill_ahead() {
+        let now = Instant::now();
+        let truth =
+            |i: Inputs| millis(5.0 + 10.0 * i.prefill_ahead as f64 / 1e3 + 40.0 * i.prefill_not_stored as f64 / 1e3);
+        let mut m = Model::default();
+        let traffic = (0..60u64).map(|i| Inputs {
+            prefill_ahead: 100 + (i * 733) % 4000,
+            decoding: 0,
+            prefill_not_stored: (i * 389) % 3000,
+        });
+        taught(&mut m, traffic, truth, now);
+        for (ahead, not_stored) in [(2_000, 0), (0, 2_000), (5_000, 5_000)] {
+            let unseen = Inputs { prefill_ahead: ahead, decoding: 0, prefill_not_stored: not_stored };
+            let (predicted, actual) = (ms(m.predict(unseen, now).unwrap()), ms(truth(unseen)));
+            assert!((predicted - actual).abs() < 0.01 * actual, "{unseen:?}: {predicted} vs {actual}");
+        }
     }
 
     #[test]
@@ -420,7 +488,7 @@ mod tests {
         let mut m = Model::default();
         taught(&mut m, traffic(200), replica(10.0, 20.0, 1.0), now);
         let slow = replica(30.0, 80.0, 4.0);
-        let probe = Inputs { prefill_ahead: 3_000, decoding: 10 };
+        let probe = Inputs { prefill_ahead: 3_000, decoding: 10, prefill_not_stored: 0 };
         let before = ms(m.predict(probe, now).unwrap());
         assert!(before < 0.5 * ms(slow(probe)), "{before}: still the fast replica");
         taught(&mut m, traffic(WINDOW as u64), &slow, now);
@@ -436,7 +504,7 @@ mod tests {
         let mut m = Model::default();
         taught(&mut m, traffic(100).map(|i| Inputs { decoding: 8, ..i }), &truth, now);
         for decoding in [0, 8, 40] {
-            let probe = Inputs { prefill_ahead: 1_000, decoding };
+            let probe = Inputs { prefill_ahead: 1_000, decoding, prefill_not_stored: 0 };
             assert!((ms(m.predict(probe, now).unwrap()) - 30.0).abs() < 0.1, "{decoding}: {m:?}");
         }
     }
@@ -449,7 +517,8 @@ mod tests {
         let mut m = Model::default();
         let falling = |i: Inputs| millis(20.0 + 0.01 * i.prefill_ahead as f64 - 0.5 * i.decoding as f64);
         taught(&mut m, traffic(40), falling, now);
-        let probe = |decoding| ms(m.predict(Inputs { prefill_ahead: 2_000, decoding }, now).unwrap());
+        let probe =
+            |decoding| ms(m.predict(Inputs { prefill_ahead: 2_000, decoding, prefill_not_stored: 0 }, now).unwrap());
         assert!(probe(40) >= probe(0), "{} < {}", probe(40), probe(0));
         assert!(m.slopes.iter().all(|b| *b >= 0.0) && m.slopes[1] == 0.0, "{m:?}");
     }
@@ -463,8 +532,8 @@ mod tests {
         let (truth, now) = (replica(5.0, 100.0, 0.0), Instant::now());
         let mut m = Model::default();
         for i in 0..WINDOW as u64 {
-            let inputs = Inputs { prefill_ahead: 100 + (i * 37) % 200, decoding: 0 };
-            let slow = Inputs { prefill_ahead: 1_000 + (i * 53) % 1_000, decoding: 0 };
+            let inputs = Inputs { prefill_ahead: 100 + (i * 37) % 200, decoding: 0, prefill_not_stored: 0 };
+            let slow = Inputs { prefill_ahead: 1_000 + (i * 53) % 1_000, decoding: 0, prefill_not_stored: 0 };
             let scatter = [1.4, 0.6, 1.4, 1.4][(i / 4) as usize % 4];
             let (inputs, measured) = match i % 4 {
                 0 => (slow, truth(slow).mul_f64(scatter)),
@@ -472,7 +541,7 @@ mod tests {
             };
             m.learn(inputs, measured, now);
         }
-        let quick = Inputs { prefill_ahead: 150, decoding: 0 };
+        let quick = Inputs { prefill_ahead: 150, decoding: 0, prefill_not_stored: 0 };
         let (predicted, actual) = (ms(m.predict(quick, now).unwrap()), ms(truth(quick)));
         assert!((predicted - actual).abs() < 0.02 * actual, "{predicted} vs {actual}: {m:?}");
     }
@@ -481,7 +550,7 @@ mod tests {
     fn it_predicts_nothing_until_its_window_holds_enough_nor_once_it_is_forgotten() {
         let t0 = Instant::now();
         let mut m = Model::default();
-        let inputs = |i: u64| Inputs { prefill_ahead: 1_000 + 100 * i, decoding: 0 };
+        let inputs = |i: u64| Inputs { prefill_ahead: 1_000 + 100 * i, decoding: 0, prefill_not_stored: 0 };
         for i in 1..MIN_SAMPLES as u64 {
             m.learn(inputs(i), Duration::from_millis(10 + i), t0);
             assert_eq!(m.predict(inputs(0), t0), None);
@@ -498,7 +567,12 @@ mod tests {
         // A line that dips below zero far from what it learned predicts zero there, not less.
         let mut m = Model::default();
         let steep = |i: Inputs| millis(0.1 * i.prefill_ahead as f64 - 50.0);
-        taught(&mut m, (0..9).map(|k| Inputs { prefill_ahead: 1_000 + 100 * k, decoding: 0 }), steep, t0);
+        taught(
+            &mut m,
+            (0..9).map(|k| Inputs { prefill_ahead: 1_000 + 100 * k, decoding: 0, prefill_not_stored: 0 }),
+            steep,
+            t0,
+        );
         assert_eq!(m.predict(Inputs::default(), t0), Some(Duration::ZERO));
     }
 

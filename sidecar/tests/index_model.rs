@@ -158,6 +158,10 @@ proptest! {
                 let hashes = prompt_block_hashes(&tokens, BS, Salt::NONE);
                 let found = copy.find_matches(&hashes);
                 prop_assert_eq!(IDS.map(|r| found[r]).to_vec(), model.matches(&hashes), "query {:?}", q);
+                // One replica's walk alone holds what the walk of them all found for it.
+                for id in IDS {
+                    prop_assert_eq!(copy.device_held(ReplicaIdx::new(id), &hashes), found[id].device as usize);
+                }
             }
             for (r, id) in IDS.iter().enumerate() {
                 prop_assert_eq!(copy.replica_blocks(ReplicaIdx::new(*id)), model.entries.keys().filter(|(rr, _, _)| *rr == r).count());

@@ -369,8 +369,9 @@ fn latency_predictions_come_close_and_alarm_when_a_replica_is_slowed() {
 /// Four clients at once on one replica, each pausing a random while (100 ms on average)
 /// between streamed chats of 60–760 words: requests share engine steps and queue behind each
 /// other's prefill. The predictions stay close — the prefill ahead drains at the speed the
-/// model learned, and the fit is for the relative error. (Before either, the same traffic gave
-/// p50 12 % and p90 48 %.)
+/// model learned (what the engine's events do not show stored beyond that is an input of its
+/// own), and the fit is for the relative error. (Before the speed and the fit, the same
+/// traffic gave p50 12 % and p90 48 %.)
 #[test]
 #[ignore = "needs Envoy and the built filter: run `cargo xtask test`"]
 fn ttft_predictions_stay_close_with_concurrent_clients() {

@@ -466,6 +466,18 @@ impl KvIndex {
         dense.into_iter().enumerate().filter(|(_, o)| *o != Overlap::default()).map(|(r, o)| (r as u32, o)).collect()
     }
 
+    /// How many of the prompt's leading blocks one replica holds on its device tier: its
+    /// device overlap in [`KvIndex::find_overlaps`], walked for that replica alone.
+    pub fn device_held(&self, replica: ReplicaIdx, hashes: &[SequenceHash]) -> usize {
+        let r = replica.0;
+        let hashes = &hashes[..hashes.iter().position(|h| *h == DEAD).unwrap_or(hashes.len())];
+        let Some(first) = hashes.first().filter(|_| replica.get() < self.replicas.len()) else { return 0 };
+        let mut memo = HeadsAt { pos: usize::MAX, heads: Vec::new() };
+        let starts: Vec<u32> =
+            self.heads[0].shard(*first).of(*first).filter(|h| h.replica == r).map(|h| h.slot).collect();
+        starts.into_iter().map(|slot| self.chain_end(0, r, slot, 0, hashes, &mut memo)).max().unwrap_or(0)
+    }
+
     /// Where replica `r`'s device chain from the prompt's first block at `slot` can resume
     /// its walk: at the prompt's block `reached - 1`, if the slot that many after `slot` holds
     /// it and no slot in between heads a chain. Each of those slots then continues the one

@@ -28,7 +28,7 @@ pub mod engine_metrics;
 pub mod flows;
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvgate_shared::hash::SequenceHash;
@@ -124,11 +124,45 @@ struct Booking {
     timed: PerLatency<Option<(Inputs, Option<Duration>)>>,
 }
 
+impl Booking {
+    /// Its prefill the replica has not computed yet, as the engine's events tell: its own
+    /// blocks — past the prefix it was booked as holding, cached or credited in flight — that
+    /// the replica holds now are computed. To within a block: the blocks before its own are
+    /// taken to be all but the ones its prefill tokens fill.
+    fn uncomputed(&self, computed: Computed<'_>) -> u64 {
+        let blocks = self.hashes.len() as u64 + self.private_blocks;
+        let own_from = blocks.saturating_sub(self.prefill_tokens.div_ceil(computed.block_size));
+        let done = ((computed.held)(&self.hashes) as u64).saturating_sub(own_from);
+        self.prefill_tokens.saturating_sub(done * computed.block_size)
+    }
+}
+
+/// What a replica's engine has computed, as its own KV events say: how many of a prompt's
+/// leading blocks its cache holds (the pool's index, read by the caller, for a replica whose
+/// events are trusted). vLLM publishes the blocks a step computed once the step has run, so
+/// a chunk in progress counts as not computed until its step ends, and a request the engine
+/// keeps waiting (for KV space, for a batch slot) computes nothing.
+#[derive(Clone, Copy)]
+pub struct Computed<'a> {
+    /// Tokens per block.
+    pub block_size: u64,
+    /// The prompt's leading blocks the replica holds.
+    pub held: &'a dyn Fn(&[SequenceHash]) -> usize,
+}
+
+impl std::fmt::Debug for Computed<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Computed").field("block_size", &self.block_size).finish_non_exhaustive()
+    }
+}
+
 #[derive(Debug, Default)]
 struct Replica {
     prefill_tokens: u64,
     /// Sequences of the bookings whose prefill is not over (the engine counts each one).
     prefilling: u64,
+    /// Those bookings.
+    in_prefill: HashSet<BookingId>,
     private_blocks: u64,
     requests: u64,
     /// Requests the engine last reported beyond those booked here.
@@ -179,19 +213,6 @@ impl Replica {
     /// Adds `tokens` of prefill to compute to the backlog at `now`.
     fn add_backlog(&mut self, tokens: u64, now: Instant, default_rate: f64) {
         (self.backlog, self.backlog_at) = (self.backlog(now, default_rate) + tokens as f64, Some(now));
-    }
-
-    /// What a request of `own` faces here at `now`, for `latency`: for its TTFT, the prefill
-    /// ahead with its own and the sequences decoding meanwhile; for its ITL, the prefill
-    /// booked before it and every sequence, its own included.
-    fn inputs(&self, latency: Latency, own: Own, now: Instant, default_rate: f64) -> Inputs {
-        let ahead = self.backlog(now, default_rate).round() as u64;
-        match latency {
-            Latency::Ttft => {
-                Inputs { prefill_ahead: ahead + own.prefill_tokens, decoding: self.requests - self.prefilling }
-            }
-            Latency::Itl => Inputs { prefill_ahead: ahead, decoding: self.requests + own.sequences.max(1) },
-        }
     }
 }
 
@@ -334,6 +355,9 @@ pub struct NewBooking<'a> {
     /// streamed request that computes its prompt there (not one whose KV a prefill worker
     /// sends). They are then predicted, checked and learned from.
     pub timed: bool,
+    /// What the replica's events say it has computed, for a timed request's inputs (`None`:
+    /// none is known beyond the speed learned).
+    pub computed: Option<Computed<'a>>,
 }
 
 /// What a request brings to a replica, as its latencies are predicted.
@@ -500,19 +524,20 @@ impl LoadTable {
         }
         self.release(booking.id);
         let default_rate = self.default_prefill_rate;
-        let r = &mut self.replicas[replica.get()];
         let own = Own { prefill_tokens: booking.prefill_tokens, sequences: booking.sequences };
         let timed = PerLatency::from_fn(|latency| {
             // Several sequences' tokens interleave in one stream: its mean gap is not an ITL.
             let timed = booking.timed && (latency == Latency::Ttft || booking.sequences <= 1);
             timed.then(|| {
-                let inputs = r.inputs(latency, own, now, default_rate);
-                (inputs, r.latency[latency].predict(inputs, now))
+                let inputs = self.inputs(replica, latency, own, now, booking.computed);
+                (inputs, self.replicas[replica.get()].latency[latency].predict(inputs, now))
             })
         });
+        let r = &mut self.replicas[replica.get()];
         r.add_backlog(booking.prefill_tokens, now, default_rate);
         r.prefill_tokens += booking.prefill_tokens;
         r.prefilling += booking.sequences.max(1);
+        r.in_prefill.insert(booking.id.to_owned());
         r.requests += booking.sequences.max(1);
         r.shared_blocks.insert(booking.hashes);
         let private_blocks = booking.total_blocks.saturating_sub(booking.hashes.len() as u64);
@@ -570,10 +595,54 @@ impl LoadTable {
     }
 
     /// The `latency` a request of `own` would have if booked on `replica` at `now`, if the
-    /// replica's model predicts.
-    pub fn predict(&self, latency: Latency, replica: ReplicaIdx, own: Own, now: Instant) -> Option<Duration> {
+    /// replica's model predicts; `computed`: what its events say it has computed.
+    pub fn predict(
+        &self,
+        latency: Latency,
+        replica: ReplicaIdx,
+        own: Own,
+        now: Instant,
+        computed: Option<Computed<'_>>,
+    ) -> Option<Duration> {
+        let inputs = self.inputs(replica, latency, own, now, computed);
+        self.replicas[replica.get()].latency[latency].predict(inputs, now)
+    }
+
+    /// What a request of `own` faces on `replica` at `now`, for `latency`: for its TTFT, the
+    /// prefill ahead with its own and the sequences decoding meanwhile; for its ITL, the
+    /// prefill booked before it and every sequence, its own included. Either way, the prefill
+    /// booked there that the replica's events (`computed`) do not show computed, beyond what
+    /// the speed learned has drained.
+    fn inputs(
+        &self,
+        replica: ReplicaIdx,
+        latency: Latency,
+        own: Own,
+        now: Instant,
+        computed: Option<Computed<'_>>,
+    ) -> Inputs {
         let r = &self.replicas[replica.get()];
-        r.latency[latency].predict(r.inputs(latency, own, now, self.default_prefill_rate), now)
+        let drained = r.backlog(now, self.default_prefill_rate).round() as u64;
+        let not_stored = computed.map_or(0, |c| self.not_stored(replica, c)).saturating_sub(drained);
+        match latency {
+            Latency::Ttft => Inputs {
+                prefill_ahead: drained + own.prefill_tokens,
+                decoding: r.requests - r.prefilling,
+                prefill_not_stored: not_stored,
+            },
+            Latency::Itl => Inputs {
+                prefill_ahead: drained,
+                decoding: r.requests + own.sequences.max(1),
+                prefill_not_stored: not_stored,
+            },
+        }
+    }
+
+    /// The prefill of the bookings in prefill on `replica` that its events do not show
+    /// computed.
+    fn not_stored(&self, replica: ReplicaIdx, computed: Computed<'_>) -> u64 {
+        let r = &self.replicas[replica.get()];
+        r.in_prefill.iter().filter_map(|id| self.bookings.get(id)).map(|b| b.uncomputed(computed)).sum()
     }
 
     /// The `latency` predicted for a request when it was booked, if its replica's model had
@@ -629,6 +698,7 @@ impl LoadTable {
             let r = &mut self.replicas[b.replica.get()];
             r.prefill_tokens -= b.prefill_tokens;
             r.prefilling -= b.sequences;
+            r.in_prefill.remove(id);
             let secs = now.saturating_duration_since(b.booked_at).as_secs_f64();
             if b.prefill_ends_at.is_none() && b.prefill_tokens >= RATE_MIN_TOKENS && secs > 0.0 {
                 let sample = b.prefill_tokens as f64 / secs;
@@ -666,7 +736,7 @@ impl LoadTable {
             self.bookings.insert(id.clone(), b);
             return None;
         }
-        self.detach(&b);
+        self.detach(id, &b);
         b.replica = to;
         // What was predicted and measured is about the replica it was booked on.
         b.timed = PerLatency::default();
@@ -677,6 +747,7 @@ impl LoadTable {
             r.add_backlog(b.prefill_tokens, now, default_rate);
             r.prefill_tokens += b.prefill_tokens;
             r.prefilling += b.sequences;
+            r.in_prefill.insert(id.clone());
         }
         r.requests += b.sequences;
         r.private_blocks += b.private_blocks;
@@ -715,7 +786,7 @@ impl LoadTable {
         let Some(b) = self.bookings.remove(id) else { return false };
         self.blocks_booked -= b.hashes.len() as u64 + b.private_blocks;
         self.prefill_booked -= b.prefill_tokens;
-        self.detach(&b);
+        self.detach(id, &b);
         if let Some(flow) = b.flow {
             self.flows.remove(flow);
         }
@@ -723,11 +794,12 @@ impl LoadTable {
     }
 
     /// Takes a booking's load off its replica.
-    fn detach(&mut self, b: &Booking) {
+    fn detach(&mut self, id: &BookingId, b: &Booking) {
         let r = &mut self.replicas[b.replica.get()];
         if !b.prefill_done {
             r.prefill_tokens -= b.prefill_tokens;
             r.prefilling -= b.sequences;
+            r.in_prefill.remove(id);
         }
         r.requests -= b.sequences;
         r.private_blocks -= b.private_blocks;

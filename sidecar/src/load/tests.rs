@@ -24,6 +24,7 @@ fn booking(key: &str, prefill: u64, hashes: &[u64], total: u64) -> NewBooking<'s
         flow: None,
         from_peer: false,
         timed: false,
+        computed: None,
     }
 }
 
@@ -400,4 +401,58 @@ fn the_prefill_ahead_drains_at_the_speed_learned() {
     }
     assert!(t.book(r0, timed("after", 100), t1));
     assert_eq!(ahead(&t, "after"), 100);
+}
+
+/// With the replica's events, a request also faces the prefill booked there that the engine
+/// has not stored — its bookings' own blocks not yet in its cache — beyond what the speed
+/// learned drained: a chunk in progress, or a request the engine keeps waiting, however long
+/// ago it was booked.
+#[test]
+fn prefill_the_engine_has_not_stored_is_faced_beyond_what_was_drained() {
+    let mut t = LoadTable::new(2, 1_000.0);
+    let (r0, r1, t0) = (ReplicaIdx::new(0), ReplicaIdx::new(1), Instant::now());
+    // The engine's cache: the blocks it has stored, in prompt order.
+    let stored = std::cell::RefCell::new(HashSet::new());
+    let held = |hashes: &[SequenceHash]| hashes.iter().take_while(|h| stored.borrow().contains(&h.0)).count();
+    let computed = Some(Computed { block_size: 16, held: &held });
+    // What a probe of 100 tokens booked at `at` faces: (drained, not stored).
+    let faces = |t: &mut LoadTable, key: &str, at: Instant| {
+        let probe = NewBooking { timed: true, computed, ..booking(key, 100, &[900], 7) };
+        assert!(t.book(r0, probe, at));
+        let inputs = t.bookings[&id(key)].timed[Latency::Ttft].unwrap().0;
+        assert!(t.finish(&id(key)));
+        (inputs.prefill_ahead - 100, inputs.prefill_not_stored)
+    };
+    // A 64-block prompt, nothing cached; then one that shares it and adds 8 blocks, credited
+    // with the first's blocks in flight: its own prefill is its last 8 blocks.
+    let long: Vec<u64> = (0..64).collect();
+    let longer: Vec<u64> = (0..72).collect();
+    // (Not streamed: its first byte teaches no prefill rate, so the speed stays the default.)
+    assert!(t.book(r0, NewBooking { streamed: false, ..booking("long", 1_024, &long, 64) }, t0));
+    assert!(t.book(r0, booking("longer", 128, &longer, 72), t0));
+    // At once, all of both is ahead, drained or not.
+    assert_eq!(faces(&mut t, "p0", t0), (1_152, 0));
+    // A minute later the speed learned (the default, 1 000 tokens a second) has drained it
+    // all; nothing is stored, so all of it is still not computed.
+    let later = |secs: u64| t0 + Duration::from_secs(60 + secs);
+    assert_eq!(faces(&mut t, "p1", later(0)), (0, 1_152));
+    // Half of the first prompt stored: half of it left.
+    stored.borrow_mut().extend(0..32);
+    assert_eq!(faces(&mut t, "p2", later(1)), (0, 512 + 128));
+    // All of it: the second's own blocks are still to compute; the first's are not its own.
+    stored.borrow_mut().extend(32..64);
+    assert_eq!(faces(&mut t, "p3", later(2)), (0, 128));
+    stored.borrow_mut().extend(64..68);
+    assert_eq!(faces(&mut t, "p4", later(3)), (0, 64));
+    // Its first token: nothing of the first is ahead whatever was stored; the second moved
+    // elsewhere takes its prefill along.
+    stored.borrow_mut().clear();
+    assert!(t.prefill_done(&id("long"), later(4)));
+    assert_eq!(faces(&mut t, "p5", later(5)), (0, 128));
+    assert!(t.move_booking(&id("longer"), r1, later(6)).is_some());
+    assert_eq!(faces(&mut t, "p6", later(7)), (0, 0));
+    // Without the events, nothing is known beyond the speed learned.
+    let probe = NewBooking { timed: true, ..booking("p7", 100, &[900], 7) };
+    assert!(t.book(r1, probe, later(8)));
+    assert_eq!(t.bookings[&id("p7")].timed[Latency::Ttft].unwrap().0.prefill_not_stored, 0);
 }

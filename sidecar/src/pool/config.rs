@@ -105,7 +105,7 @@ pub struct PoolConfig {
     pub sessions: Option<SessionConfig>,
     /// `/debug/explain`: how many of the last decisions are kept, each with every candidate's
     /// cost terms (default 4096, at most 1 048 576 — [`MAX_EXPLAIN_KEEP`]). Memory is bounded
-    /// by this count: about 330 bytes a decision plus 80 per candidate replica.
+    /// by this count: about 350 bytes a decision plus 80 per candidate replica.
     #[serde(default = "default_explain_keep")]
     pub explain_keep: usize,
     /// `/debug/explain`: how long a decision is kept, in seconds (default 300, at least 1).

@@ -545,11 +545,11 @@ mod tests {
         assert_eq!(e.by_id.len(), 4);
     }
 
-    /// The memory the `explain_keep` documentation states: a kept decision in about 330 bytes
+    /// The memory the `explain_keep` documentation states: a kept decision in about 350 bytes
     /// (its ids on the heap included) plus 80 per candidate.
     #[test]
     fn a_kept_decision_is_as_small_as_documented() {
-        assert!(std::mem::size_of::<Entry>() + 2 * 24 <= 330, "{}", std::mem::size_of::<Entry>());
+        assert!(std::mem::size_of::<Entry>() + 2 * 24 <= 350, "{}", std::mem::size_of::<Entry>());
         assert!(std::mem::size_of::<Scored>() <= 80, "{}", std::mem::size_of::<Scored>());
     }
 }

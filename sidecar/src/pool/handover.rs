@@ -230,6 +230,7 @@ impl Pool {
                 from_peer,
                 // Its inputs were another sidecar's.
                 timed: false,
+                computed: None,
             };
             // It keeps its age: expiry comes when it would have at its origin.
             let booked_at = now.checked_sub(Duration::from_millis(b.age_ms)).unwrap_or(now);

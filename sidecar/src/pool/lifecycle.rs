@@ -182,6 +182,7 @@ impl Pool {
                     flow: None,
                     from_peer: true,
                     timed: false,
+                    computed: None,
                 };
                 load.book(slot, booking, Instant::now());
                 Some(slot)

@@ -17,10 +17,10 @@ use super::{Member, Pool};
 use super::{Policy, TransferProtocol};
 use crate::accuracy::{Prediction, Unchecked};
 use crate::index::approx::ApproxIndex;
-use crate::index::{Overlap, ReplicaIdx};
+use crate::index::{KvIndex, Overlap, ReplicaIdx};
 use crate::latency::{Latency, PerLatency};
 use crate::load::flows::Flow;
-use crate::load::{BookingId, LoadTable, NewBooking, Own};
+use crate::load::{BookingId, Computed, LoadTable, NewBooking, Own};
 use crate::metrics::OutcomeLabels;
 use crate::msg::sync::{SessionKey, SyncEvent};
 use crate::score::{self, Candidate, RequestShape, ScoringConfig};
@@ -186,17 +186,24 @@ impl Pool {
         // and has headroom (`[pools.sessions]`, `kv_aware`).
         let session = self.session_of(req, policy);
         let weighed = session.map(|key| self.weigh_session(key, &load, &eligible, &mut scored, req, &scoring));
+        // Where latencies are predicted (for the policy, an SLO, or a streamed request's
+        // check), what each replica's events say it has computed of the prefill booked there:
+        // the index read again, under `load` (a read never waits for its writer, README),
+        // unless the pool indexes no events.
+        let predicts = policy == Policy::PredictedLatency || slo.is_some();
+        let computes = self.config.policy != Policy::PrefixAffinity && (predicts || shape.stream);
+        let live = computes.then(|| self.index.read());
+        let index = live.as_deref();
         // Each candidate's predicted TTFT and ITL, where the policy or the SLO needs them;
         // whether every candidate's TTFT model predicts.
-        let predicted = (policy == Policy::PredictedLatency || slo.is_some())
-            && predict_all(&load, &eligible, &mut scored, &shape, &scoring);
+        let predicted = predicts && predict_all(&load, index, &eligible, &mut scored, &shape, &scoring);
         // Under SLOs, the candidates the choice keeps to: those predicted within them (what is
         // left of the TTFT SLO), a model that does not predict yet counting as within (being
         // chosen is how it learns). None — every candidate predicted to miss — and a sheddable
         // class's request is shed.
         let within = slo.map(|slo| within(&scored, slo));
         if slo.is_some_and(|s| s.sheddable) && within.as_ref().is_some_and(Vec::is_empty) {
-            drop(load);
+            drop((load, live));
             self.count_slo("shed");
             return Err(NotAdmitted::OverSlo);
         }
@@ -235,20 +242,20 @@ impl Pool {
         };
         let id = BookingId::new(&req.request_id);
         let decode = BookAs { id: &id, flow, remote };
-        let booked = book(&mut load, &shape, &scoring, eligible[choice], decode);
+        let booked = book(&mut load, index, &shape, &scoring, eligible[choice], decode);
         // And the leg's prefill on its worker, under the leg's own id — unless the request
         // has ended already (its filter stopped waiting): nobody would end the leg.
         let leg_id = BookingId::leg(&req.request_id);
         let leg = match &split {
             Split::Remote { at, .. } if booked.booked => {
                 let prefill = BookAs { id: &leg_id, flow: None, remote: None };
-                Some(book(&mut load, &shape.leg(), &scoring, *at, prefill))
+                Some(book(&mut load, index, &shape.leg(), &scoring, *at, prefill))
             }
             _ => None,
         };
         let figures: Vec<_> = std::iter::once(&booked).chain(&leg).map(|b| (b.slot, load.load(b.slot))).collect();
         let timed = PerLatency::from_fn(|latency| load.timed(&id, latency));
-        drop(load);
+        drop((load, live));
         // The session is bound where it went, afresh.
         let session_outcome = session.zip(weighed).filter(|_| booked.booked).map(|(key, w)| {
             self.bind_session(key, booked.slot);
@@ -614,6 +621,7 @@ fn score_all(load: &LoadTable, eligible: &[Eligible], shape: &Shape<'_>, scoring
 /// `/debug/explain`). Whether every candidate's TTFT model predicts.
 fn predict_all(
     load: &LoadTable,
+    index: Option<&KvIndex>,
     eligible: &[Eligible],
     scored: &mut [Scored],
     shape: &Shape<'_>,
@@ -623,7 +631,9 @@ fn predict_all(
     for (e, s) in eligible.iter().zip(scored.iter_mut()) {
         let prefill_tokens = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
         let own = Own { prefill_tokens, sequences: shape.sequences };
-        let predict = |latency| load.predict(latency, e.slot, own, now).map(|d| d.as_secs_f32());
+        let held = |hashes: &[SequenceHash]| index.map_or(0, |i| i.device_held(e.slot, hashes));
+        let computed = computed(index, e, shape.block_size, &held);
+        let predict = |latency| load.predict(latency, e.slot, own, now, computed).map(|d| d.as_secs_f32());
         (s.predicted_ttft, s.predicted_itl) = (predict(Latency::Ttft), predict(Latency::Itl));
     }
     scored.iter().all(|s| s.predicted_ttft.is_some())
@@ -658,7 +668,14 @@ fn within(scored: &[Scored], slo: Slo) -> Vec<usize> {
 
 /// Books the request (or its prefill leg) on the chosen replica: its prefill left after the
 /// overlap — none if the prompt is computed elsewhere — and its blocks.
-fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: Eligible, to: BookAs<'_>) -> Booked {
+fn book(
+    load: &mut LoadTable,
+    index: Option<&KvIndex>,
+    shape: &Shape<'_>,
+    scoring: &ScoringConfig,
+    at: Eligible,
+    to: BookAs<'_>,
+) -> Booked {
     let prefill_tokens = match to.remote {
         Some(_) => 0,
         None => scoring.prefill_tokens(shape.booked_tokens, shape.block_size, at.overlap),
@@ -672,6 +689,7 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         None if shape.sequences > 1 => Some(Unchecked::SeveralSequences),
         None => Some(Unchecked::Estimated),
     };
+    let held = |hashes: &[SequenceHash]| index.map_or(0, |i| i.device_held(at.slot, hashes));
     let booking = NewBooking {
         id: to.id,
         prefill_tokens,
@@ -685,9 +703,21 @@ fn book(load: &mut LoadTable, shape: &Shape<'_>, scoring: &ScoringConfig, at: El
         from_peer: false,
         // Its TTFT is its replica's own, of a prompt whose size is known.
         timed: shape.stream && to.remote.is_none() && shape.prompt_count != PromptCount::Estimated,
+        computed: computed(index, &at, shape.block_size, &held),
     };
     let booked = load.book(at.slot, booking, Instant::now());
     Booked { slot: at.slot, overlap: at.overlap, indexed: at.indexed, prefill_tokens, booked, unpredicted }
+}
+
+/// What `at`'s events say it has computed (`held`: its blocks of a prompt), where the pool
+/// indexes events and `at`'s are trusted.
+fn computed<'a>(
+    index: Option<&KvIndex>,
+    at: &Eligible,
+    block_size: u64,
+    held: &'a dyn Fn(&[SequenceHash]) -> usize,
+) -> Option<Computed<'a>> {
+    (index.is_some() && at.trusted).then_some(Computed { block_size, held })
 }
 
 /// What the engine should report for one sequence's prompt booked `at` (`remote`: its KV comes

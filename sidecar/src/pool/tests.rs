@@ -119,6 +119,7 @@ fn least_load_ignores_the_cache_and_kv_aware_weighs_it() {
                 flow: None,
                 from_peer: false,
                 timed: false,
+                computed: None,
             },
             Instant::now(),
         );
@@ -959,8 +960,8 @@ fn predicted_latency_sends_requests_where_they_start_soonest() {
     // And what each model was given there: on the idle replica, its own prompt and nothing
     // decoding for its TTFT; nothing booked before it and its own sequence for its ITL.
     let own = prompt(500).len() as u64;
-    assert_eq!(explained.ttft_inputs, Some(Inputs { prefill_ahead: own, decoding: 0 }));
-    assert_eq!(explained.itl_inputs, Some(Inputs { prefill_ahead: 0, decoding: 1 }));
+    assert_eq!(explained.ttft_inputs, Some(Inputs { prefill_ahead: own, decoding: 0, prefill_not_stored: 0 }));
+    assert_eq!(explained.itl_inputs, Some(Inputs { prefill_ahead: 0, decoding: 1, prefill_not_stored: 0 }));
     // A request that is not streamed is not timed: no inputs.
     let quiet = RouteRequest { stream: false, ..request("quiet", &prompt(501)) };
     assert!(p.route(&quiet, &scoring).replica.is_some());
