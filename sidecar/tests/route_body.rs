@@ -173,6 +173,52 @@ async fn bad_input_gets_a_clear_4xx() {
     assert!(String::from_utf8_lossy(&message).contains("other"));
 }
 
+/// A body that says its length is read by size: a small one (up to 20 KiB) is parsed on the
+/// request's task, a big one decoded, parsed and looked up on a blocking thread. Their answers
+/// are the same — a 4xx for what cannot be routed, an estimate for a prompt it cannot read, a
+/// route where the prefix is cached for one it can.
+#[tokio::test]
+async fn small_and_big_bodies_get_the_same_answers() {
+    for pad in [String::new(), "x".repeat(40 << 10)] {
+        let (state, pool) = state();
+        let send = |body: String| {
+            let (state, call) = (state.clone(), offload(&body));
+            let small = call.len() <= 20 << 10;
+            assert_eq!(small, pad.is_empty(), "{} bytes", call.len());
+            async move {
+                let response = router(state).oneshot(sized(Body::from(call.clone()), call.len())).await.unwrap();
+                let status = response.status();
+                (status, to_bytes(response.into_body(), 1 << 20).await.unwrap().to_vec())
+            }
+        };
+        let (status, _) = send(format!("{{not json {pad}")).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+        let (status, message) =
+            send(format!(r#"{{"model":"other","pad":"{pad}","messages":[{{"role":"user","content":"hi"}}]}}"#)).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert!(String::from_utf8_lossy(&message).contains("other"));
+        assert_eq!(pool.state().bookings, 0);
+        let image = r#"[{"type":"image_url","image_url":{"url":"data:x"}}]"#;
+        let (status, answer) =
+            send(format!(r#"{{"model":"qwen3","pad":"{pad}","messages":[{{"role":"user","content":{image}}}]}}"#))
+                .await;
+        assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&answer));
+        assert_eq!(pool.state().bookings, 1, "booked on an estimate");
+        assert!(state.metrics.render().contains(r#"kvgate_estimated_requests_total{reason="unparsable"} 1"#));
+        pool.tokenizer().unwrap();
+        let chat = format!(
+            r#"{{"model":"qwen3","pad":"{pad}","messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "word ".repeat(500)
+        );
+        let cached = cache_prompt(&pool, 2, Endpoint::ChatCompletions, &chat);
+        let (status, answer) = send(chat).await;
+        assert_eq!(status, StatusCode::OK);
+        let route: RouteResponse = codec::decode(&answer).unwrap();
+        assert_eq!(route.endpoint.as_deref(), Some("127.0.0.1:9002"), "where its prefix is cached");
+        assert_eq!(route.overlap_blocks as usize, cached);
+    }
+}
+
 #[tokio::test]
 async fn work_past_the_filters_deadline_is_skipped_and_not_booked() {
     let (state, pool) = state();
@@ -246,7 +292,7 @@ async fn a_filter_of_another_wire_version_is_refused_by_name() {
 }
 
 /// The call the filter makes: its length declared.
-fn call(body: Body, len: usize) -> Request<Body> {
+fn sized(body: Body, len: usize) -> Request<Body> {
     Request::post("/v1/route_body").header("content-length", len).body(body).unwrap()
 }
 
@@ -262,7 +308,7 @@ async fn offloaded_bodies_held_at_once_are_bounded_in_bytes() {
     // A first call whose headers came and whose body has not: its room is held meanwhile.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
     let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
-    let first = tokio::spawn(router(state.clone()).oneshot(call(Body::from_stream(stream), len)));
+    let first = tokio::spawn(router(state.clone()).oneshot(sized(Body::from_stream(stream), len)));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while held() != len as i64 {
         assert!(tokio::time::Instant::now() < deadline, "the first body's room is never held: {}", held());
@@ -270,7 +316,7 @@ async fn offloaded_bodies_held_at_once_are_bounded_in_bytes() {
     }
 
     // A second would pass the bound: answered at once, unread, and counted.
-    let second = router(state.clone()).oneshot(call(Body::from(body.clone()), len)).await.unwrap();
+    let second = router(state.clone()).oneshot(sized(Body::from(body.clone()), len)).await.unwrap();
     assert_eq!(second.status(), StatusCode::SERVICE_UNAVAILABLE);
     let message = String::from_utf8(to_bytes(second.into_body(), 1 << 20).await.unwrap().to_vec()).unwrap();
     assert!(message.contains("offload_queue_bytes"), "{message}");
@@ -287,7 +333,7 @@ async fn offloaded_bodies_held_at_once_are_bounded_in_bytes() {
     assert_eq!(held(), 0);
 
     // With room again, the same body is routed.
-    let again = router(state.clone()).oneshot(call(Body::from(body), len)).await.unwrap();
+    let again = router(state.clone()).oneshot(sized(Body::from(body), len)).await.unwrap();
     assert_eq!(again.status(), StatusCode::OK);
     assert_eq!(held(), 0);
 }
@@ -303,14 +349,14 @@ async fn a_small_offload_is_routed_while_big_bodies_fill_the_room() {
     // A big body holds all the room while its bytes have not come.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
     let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
-    let first = tokio::spawn(router(state.clone()).oneshot(call(Body::from_stream(stream), big.len())));
+    let first = tokio::spawn(router(state.clone()).oneshot(sized(Body::from_stream(stream), big.len())));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while state.metrics.offload_bytes_held.get() != big.len() as i64 {
         assert!(tokio::time::Instant::now() < deadline, "the big body's room is never held");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let small = offload(r#"{"model":"qwen3","messages":[{"role":"user","content":"hello"}]}"#);
-    let answered = router(state.clone()).oneshot(call(Body::from(small.clone()), small.len())).await.unwrap();
+    let answered = router(state.clone()).oneshot(sized(Body::from(small.clone()), small.len())).await.unwrap();
     assert_eq!(answered.status(), StatusCode::OK);
     let route: RouteResponse = codec::decode(&to_bytes(answered.into_body(), 1 << 20).await.unwrap()).unwrap();
     assert!(route.endpoint.is_some(), "routed: {route:?}");

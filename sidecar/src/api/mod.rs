@@ -26,7 +26,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvgate_shared::codec;
-use kvgate_shared::prompt::openai::{model_of, parse};
+use kvgate_shared::prompt::openai::{model_of, parse, ParsedRequest};
 use kvgate_shared::prompt::spread::MIN_PART_BYTES;
 use kvgate_shared::wire::{
     Adapter, LifecycleBatch, LifecycleKind, ModelList, RouteBodyRequest, RouteRequest, CONTENT_TYPE, MAX_BODY_BYTES,
@@ -270,8 +270,7 @@ async fn route(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Byt
 }
 
 /// Names the request on its span, once its body is read.
-fn name_request(request_id: &impl std::fmt::Display, model: &impl std::fmt::Display) {
-    let span = tracing::Span::current();
+fn name_request(span: &tracing::Span, request_id: &impl std::fmt::Display, model: &impl std::fmt::Display) {
     span.record("request_id", tracing::field::display(request_id));
     span.record("model", tracing::field::display(model));
 }
@@ -282,7 +281,7 @@ async fn route_in(state: Arc<AppState>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
-    name_request(&req.request_id, &req.model);
+    name_request(&tracing::Span::current(), &req.request_id, &req.model);
     let Some(pool) = state.pool_for(req.model.as_str()) else {
         tracing::debug!(request_id = %req.request_id, model = %req.model, "no pool for the request's model");
         return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, format!("no pool for model {:?}", req.model));
@@ -383,9 +382,10 @@ async fn admitted(
 /// The deadline of an offload whose request names no budget.
 const DEFAULT_OFFLOAD_BUDGET: Duration = Duration::from_secs(1);
 
-/// A prompt the filter offloaded: parsed here (on this task), then tokenized on a blocking
-/// thread, so that neither an Envoy worker nor this runtime's threads stall on that — except a
-/// small one ([`SMALL_OFFLOAD`]), tokenized on its own task like a decision. At most one big
+/// A prompt the filter offloaded: parsed and tokenized on a blocking thread, so that neither
+/// an Envoy worker nor this runtime's threads stall on that — except a small one
+/// ([`SMALL_OFFLOAD`]), parsed and (once its pool's tokenizer has loaded) tokenized on its own
+/// task like a decision. At most one big
 /// prompt per core is tokenized at once; a prompt that cannot be routed within the filter's
 /// budget is skipped (`late`, 503) and not booked: the filter has given up on it. Bodies held
 /// at once (read, waiting, tokenizing) are bounded in bytes: one past the bound is answered at
@@ -419,7 +419,7 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
         Ok(b) => b,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
     };
-    // Read in place: the body is parsed from the call's own bytes.
+    // The envelope, read in place: the body stays in the call's bytes.
     let req: RouteBodyRequest<'_> = match codec::decode(&body) {
         Ok(r) => r,
         Err(e) => return fallback(&state, "bad_request", StatusCode::BAD_REQUEST, e.to_string()),
@@ -433,68 +433,137 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
         (Some(o), true) => state.scoring.with_overrides(o),
         _ => state.scoring.clone(),
     };
-    let parsed = match parse(req.endpoint, &req.body) {
-        Ok(p) => p,
-        Err(e) => {
-            // Still a request for a model routed here (content parts kvgate does not read, …):
-            // its load is real, so it is booked on an estimate.
-            let model = std::str::from_utf8(&req.body).ok().and(model_of(&req.body));
-            if let Some((model, pool)) = model.as_deref().and_then(|m| Some((m, state.pool_for(m)?))) {
-                tracing::debug!(request_id = %req.request_id, %model, error = %e, "prompt unreadable; booked on an estimate");
-                let estimated = pool.estimated(model, &Offloaded::of(&req), "unparsable");
-                return admitted(&state, pool, &estimated, &scoring, started).await.0;
-            }
-            tracing::debug!(request_id = %req.request_id, error = %e, "offloaded body unreadable");
-            return fallback(&state, "unparsable_body", StatusCode::UNPROCESSABLE_ENTITY, e.to_string());
-        }
-    };
-    name_request(&req.request_id, &parsed.model);
-    let Some(pool) = state.pool_for(parsed.model.as_str()).cloned() else {
-        tracing::debug!(request_id = %req.request_id, model = %parsed.model, "no pool for the request's model");
-        let message = format!("no pool for model {:?}", parsed.model);
-        return fallback(&state, "unknown_model", StatusCode::NOT_FOUND, message);
-    };
     let request_id = req.request_id.clone();
     let offloaded = Offloaded::of(&req);
     let tokenize = tracing::info_span!("kvgate.tokenize", body_bytes = offloaded.body_bytes(), threads = 1);
-    let prepared = if small && pool.tokenizer_ready() {
-        // As quick as a decision: tokenized on this task, never behind a big body.
-        let _span = tokenize.enter();
-        Ok(pool.request_for_body(&parsed, &offloaded, deadline, 1))
-    } else {
-        let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
-        let Ok(Ok(slot)) = slot else {
-            tracing::debug!(%request_id, "no tokenizer free within the filter's budget");
-            return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
-        };
-        // A long prompt may also take slots no other prompt is using, and spread over them.
-        let mut slots = vec![slot];
-        while slots.len() < state.offload_spread.min(offloaded.body_bytes() / MIN_PART_BYTES) {
-            let Ok(spare) = state.offload_slots.clone().try_acquire_owned() else { break };
-            slots.push(spare);
-        }
-        tokenize.record("threads", slots.len());
-        state.metrics.offload_spare_threads.inc_by(slots.len() as u64 - 1);
-        let tokenizing = pool.clone();
-        tokio::task::spawn_blocking(move || {
+    // A small body is parsed on this task, and tokenized here too once its pool's tokenizer
+    // has loaded: as quick as a decision, never behind a big body.
+    let parsed = small.then(|| parse_offloaded(&state, &req, &tracing::Span::current()));
+    drop(req);
+    let outcome = match parsed {
+        Some(Read::Decided(outcome)) => outcome,
+        Some(Read::Parsed(pool, parsed)) if pool.tokenizer_ready() => {
             let _span = tokenize.enter();
-            tokenizing.request_for_body(&parsed, &offloaded, deadline, slots.len())
-        })
-        .await
+            tokenized(pool, &parsed, &offloaded, deadline, 1)
+        }
+        parsed => {
+            let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
+            let Ok(Ok(slot)) = slot else {
+                tracing::debug!(%request_id, "no tokenizer free within the filter's budget");
+                return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
+            };
+            // A long prompt may also take slots no other prompt is using, and spread over them.
+            let mut slots = vec![slot];
+            while slots.len() < state.offload_spread.min(offloaded.body_bytes() / MIN_PART_BYTES) {
+                let Ok(spare) = state.offload_slots.clone().try_acquire_owned() else { break };
+                slots.push(spare);
+            }
+            tokenize.record("threads", slots.len());
+            state.metrics.offload_spare_threads.inc_by(slots.len() as u64 - 1);
+            let (reading, request) = (state.clone(), tracing::Span::current());
+            // A big body is parsed on the blocking thread too: parsing megabytes of JSON must
+            // not hold one of this runtime's threads.
+            let job = move || {
+                let _span = tokenize.enter();
+                let read = match parsed {
+                    Some(read) => read,
+                    // Decoded again, in place (the task read only its envelope).
+                    None => match codec::decode::<RouteBodyRequest<'_>>(&body) {
+                        Ok(req) => parse_offloaded(&reading, &req, &request),
+                        Err(e) => return Err(bad_request(e)),
+                    },
+                };
+                match read {
+                    Read::Parsed(pool, parsed) => tokenized(pool, &parsed, &offloaded, deadline, slots.len()),
+                    Read::Decided(outcome) => outcome,
+                }
+            };
+            match tokio::task::spawn_blocking(job).await {
+                Ok(outcome) => outcome,
+                Err(e) => {
+                    tracing::warn!(%request_id, error = %e, "tokenizing an offloaded prompt failed");
+                    Err(Refusal {
+                        reason: "internal",
+                        status: StatusCode::INTERNAL_SERVER_ERROR,
+                        message: e.to_string(),
+                    })
+                }
+            }
+        }
     };
-    let (answer, waited) = match prepared {
-        Ok(Ok(route)) => admitted(&state, &pool, &route, &scoring, started).await,
-        Ok(Err(e @ OffloadError::Late)) => {
-            tracing::debug!(%request_id, error = %e, "offloaded prompt not routed in time");
-            (fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, e.to_string()), Duration::ZERO)
-        }
-        Err(e) => {
-            tracing::warn!(%request_id, error = %e, "tokenizing an offloaded prompt failed");
-            (fallback(&state, "internal", StatusCode::INTERNAL_SERVER_ERROR, e.to_string()), Duration::ZERO)
-        }
+    let (answer, waited) = match outcome {
+        Ok((pool, route)) => admitted(&state, &pool, &route, &scoring, started).await,
+        Err(r) => (fallback(&state, r.reason, r.status, r.message), Duration::ZERO),
     };
     state.metrics.route_seconds.observe(started.elapsed().saturating_sub(waited).as_secs_f64());
     answer
+}
+
+/// What an offloaded body came to: the request to route and its pool, or the fallback to
+/// answer with.
+type Outcome = Result<(Arc<Pool>, RouteRequest), Refusal>;
+
+/// A fallback answer: its reason (the metric's label), status and message.
+struct Refusal {
+    reason: &'static str,
+    status: StatusCode,
+    message: String,
+}
+
+fn bad_request(e: impl std::fmt::Display) -> Refusal {
+    Refusal { reason: "bad_request", status: StatusCode::BAD_REQUEST, message: e.to_string() }
+}
+
+/// An offloaded body read.
+enum Read {
+    /// Parsed, with its pool: to tokenize.
+    Parsed(Arc<Pool>, ParsedRequest),
+    /// Decided already: a prompt that cannot be read, for a model routed here, booked on an
+    /// estimate (its load is real), or a refusal.
+    Decided(Outcome),
+}
+
+/// An offloaded body parsed and its pool found (`request`: the span its request is named in).
+fn parse_offloaded(state: &AppState, req: &RouteBodyRequest<'_>, request: &tracing::Span) -> Read {
+    let parsed = match parse(req.endpoint, &req.body) {
+        Ok(p) => p,
+        Err(e) => {
+            // Still a request for a model routed here (content parts kvgate does not read, …).
+            let model = std::str::from_utf8(&req.body).ok().and(model_of(&req.body));
+            if let Some((model, pool)) = model.as_deref().and_then(|m| Some((m, state.pool_for(m)?))) {
+                tracing::debug!(request_id = %req.request_id, %model, error = %e, "prompt unreadable; booked on an estimate");
+                return Read::Decided(Ok((pool.clone(), pool.estimated(model, &Offloaded::of(req), "unparsable"))));
+            }
+            tracing::debug!(request_id = %req.request_id, error = %e, "offloaded body unreadable");
+            let status = StatusCode::UNPROCESSABLE_ENTITY;
+            return Read::Decided(Err(Refusal { reason: "unparsable_body", status, message: e.to_string() }));
+        }
+    };
+    name_request(request, &req.request_id, &parsed.model);
+    let Some(pool) = state.pool_for(parsed.model.as_str()) else {
+        tracing::debug!(request_id = %req.request_id, model = %parsed.model, "no pool for the request's model");
+        let message = format!("no pool for model {:?}", parsed.model);
+        return Read::Decided(Err(Refusal { reason: "unknown_model", status: StatusCode::NOT_FOUND, message }));
+    };
+    Read::Parsed(pool.clone(), parsed)
+}
+
+/// A parsed offloaded body tokenized on its pool, on up to `threads` threads (blocking) —
+/// unless the filter's `deadline` passes first.
+fn tokenized(
+    pool: Arc<Pool>,
+    parsed: &ParsedRequest,
+    offloaded: &Offloaded,
+    deadline: Instant,
+    threads: usize,
+) -> Outcome {
+    match pool.request_for_body(parsed, offloaded, deadline, threads) {
+        Ok(route) => Ok((pool, route)),
+        Err(e @ OffloadError::Late) => {
+            tracing::debug!(error = %e, "offloaded prompt not routed in time");
+            Err(Refusal { reason: "late", status: StatusCode::SERVICE_UNAVAILABLE, message: e.to_string() })
+        }
+    }
 }
 
 async fn lifecycle(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
