@@ -125,15 +125,18 @@ struct Booking {
 }
 
 impl Booking {
-    /// Its prefill the replica has not computed yet, as the engine's events tell: its own
-    /// blocks — past the prefix it was booked as holding, cached or credited in flight — that
-    /// the replica holds now are computed. To within a block: the blocks before its own are
-    /// taken to be all but the ones its prefill tokens fill.
+    /// Its prefill the replica's events do not show computed: its own hashed blocks — past
+    /// the prefix it was booked as holding, cached or credited in flight — that the replica
+    /// does not hold yet, in tokens (at most its prefill). To within a block: the blocks
+    /// before its own are taken to be all but the ones its prefill tokens fill. What has no
+    /// hash (a partial last block, a prompt hashed with another block size or not tokenized,
+    /// the prompts of a list past the first) is never counted: the events cannot tell of it.
     fn uncomputed(&self, computed: Computed<'_>) -> u64 {
-        let blocks = self.hashes.len() as u64 + self.private_blocks;
-        let own_from = blocks.saturating_sub(self.prefill_tokens.div_ceil(computed.block_size));
-        let done = ((computed.held)(&self.hashes) as u64).saturating_sub(own_from);
-        self.prefill_tokens.saturating_sub(done * computed.block_size)
+        let hashed = self.hashes.len() as u64;
+        let blocks = hashed + self.private_blocks;
+        let own_from = blocks.saturating_sub(self.prefill_tokens.div_ceil(computed.block_size)).min(hashed);
+        let held = ((computed.held)(&self.hashes) as u64).clamp(own_from, hashed);
+        ((hashed - held) * computed.block_size).min(self.prefill_tokens)
     }
 }
 
@@ -525,11 +528,12 @@ impl LoadTable {
         self.release(booking.id);
         let default_rate = self.default_prefill_rate;
         let own = Own { prefill_tokens: booking.prefill_tokens, sequences: booking.sequences };
+        let faced = booking.timed.then(|| self.faced(replica, own, now, booking.computed));
         let timed = PerLatency::from_fn(|latency| {
             // Several sequences' tokens interleave in one stream: its mean gap is not an ITL.
-            let timed = booking.timed && (latency == Latency::Ttft || booking.sequences <= 1);
-            timed.then(|| {
-                let inputs = self.inputs(replica, latency, own, now, booking.computed);
+            let timed = latency == Latency::Ttft || booking.sequences <= 1;
+            faced.filter(|_| timed).map(|faced| {
+                let inputs = faced[latency];
                 (inputs, self.replicas[replica.get()].latency[latency].predict(inputs, now))
             })
         });
@@ -594,48 +598,40 @@ impl LoadTable {
         self.bookings.get_mut(id).and_then(|b| Some((b.replica, b.prediction.take()?)))
     }
 
-    /// The `latency` a request of `own` would have if booked on `replica` at `now`, if the
-    /// replica's model predicts; `computed`: what its events say it has computed.
+    /// The latencies a request of `own` would have if booked on `replica` at `now`, each if
+    /// the replica's model of it predicts; `computed`: what its events say it has computed.
     pub fn predict(
         &self,
-        latency: Latency,
         replica: ReplicaIdx,
         own: Own,
         now: Instant,
         computed: Option<Computed<'_>>,
-    ) -> Option<Duration> {
-        let inputs = self.inputs(replica, latency, own, now, computed);
-        self.replicas[replica.get()].latency[latency].predict(inputs, now)
+    ) -> PerLatency<Option<Duration>> {
+        let faced = self.faced(replica, own, now, computed);
+        PerLatency::from_fn(|latency| self.replicas[replica.get()].latency[latency].predict(faced[latency], now))
     }
 
-    /// What a request of `own` faces on `replica` at `now`, for `latency`: for its TTFT, the
-    /// prefill ahead with its own and the sequences decoding meanwhile; for its ITL, the
-    /// prefill booked before it and every sequence, its own included. Either way, the prefill
-    /// booked there that the replica's events (`computed`) do not show computed, beyond what
-    /// the speed learned has drained.
-    fn inputs(
-        &self,
-        replica: ReplicaIdx,
-        latency: Latency,
-        own: Own,
-        now: Instant,
-        computed: Option<Computed<'_>>,
-    ) -> Inputs {
+    /// What a request of `own` faces on `replica` at `now`, for each latency: for its TTFT,
+    /// the prefill ahead with its own and the sequences decoding meanwhile; for its ITL, the
+    /// prefill booked before it and every sequence, its own included. For both, the prefill
+    /// booked there that the replica's events (`computed`) do not show computed, beyond the
+    /// backlog the speed learned has left.
+    fn faced(&self, replica: ReplicaIdx, own: Own, now: Instant, computed: Option<Computed<'_>>) -> PerLatency<Inputs> {
         let r = &self.replicas[replica.get()];
-        let drained = r.backlog(now, self.default_prefill_rate).round() as u64;
-        let not_stored = computed.map_or(0, |c| self.not_stored(replica, c)).saturating_sub(drained);
-        match latency {
+        let left = r.backlog(now, self.default_prefill_rate).round() as u64;
+        let not_stored = computed.map_or(0, |c| self.not_stored(replica, c)).saturating_sub(left);
+        PerLatency::from_fn(|latency| match latency {
             Latency::Ttft => Inputs {
-                prefill_ahead: drained + own.prefill_tokens,
+                prefill_ahead: left + own.prefill_tokens,
                 decoding: r.requests - r.prefilling,
                 prefill_not_stored: not_stored,
             },
             Latency::Itl => Inputs {
-                prefill_ahead: drained,
+                prefill_ahead: left,
                 decoding: r.requests + own.sequences.max(1),
                 prefill_not_stored: not_stored,
             },
-        }
+        })
     }
 
     /// The prefill of the bookings in prefill on `replica` that its events do not show

@@ -404,9 +404,9 @@ fn the_prefill_ahead_drains_at_the_speed_learned() {
 }
 
 /// With the replica's events, a request also faces the prefill booked there that the engine
-/// has not stored — its bookings' own blocks not yet in its cache — beyond what the speed
-/// learned drained: a chunk in progress, or a request the engine keeps waiting, however long
-/// ago it was booked.
+/// has not stored — its bookings' own blocks not yet in its cache — beyond the backlog the
+/// speed learned has left: a chunk in progress, or a request the engine keeps waiting, however
+/// long ago it was booked.
 #[test]
 fn prefill_the_engine_has_not_stored_is_faced_beyond_what_was_drained() {
     let mut t = LoadTable::new(2, 1_000.0);
@@ -415,7 +415,8 @@ fn prefill_the_engine_has_not_stored_is_faced_beyond_what_was_drained() {
     let stored = std::cell::RefCell::new(HashSet::new());
     let held = |hashes: &[SequenceHash]| hashes.iter().take_while(|h| stored.borrow().contains(&h.0)).count();
     let computed = Some(Computed { block_size: 16, held: &held });
-    // What a probe of 100 tokens booked at `at` faces: (drained, not stored).
+    // What a probe of 100 tokens booked at `at` faces: (the backlog the speed has left, the
+    // prefill not stored beyond it).
     let faces = |t: &mut LoadTable, key: &str, at: Instant| {
         let probe = NewBooking { timed: true, computed, ..booking(key, 100, &[900], 7) };
         assert!(t.book(r0, probe, at));
@@ -451,6 +452,10 @@ fn prefill_the_engine_has_not_stored_is_faced_beyond_what_was_drained() {
     assert_eq!(faces(&mut t, "p5", later(5)), (0, 128));
     assert!(t.move_booking(&id("longer"), r1, later(6)).is_some());
     assert_eq!(faces(&mut t, "p6", later(7)), (0, 0));
+    // A prompt without hashes (hashed with another block size, or not tokenized): its events
+    // cannot tell, so none of it counts.
+    assert!(t.book(r0, booking("blind", 500, &[], 32), later(9)));
+    assert_eq!(faces(&mut t, "p8", later(10)), (0, 0));
     // Without the events, nothing is known beyond the speed learned.
     let probe = NewBooking { timed: true, ..booking("p7", 100, &[900], 7) };
     assert!(t.book(r1, probe, later(8)));

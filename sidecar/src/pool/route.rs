@@ -632,9 +632,9 @@ fn predict_all(
         let prefill_tokens = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
         let own = Own { prefill_tokens, sequences: shape.sequences };
         let held = |hashes: &[SequenceHash]| index.map_or(0, |i| i.device_held(e.slot, hashes));
-        let computed = computed(index, e, shape.block_size, &held);
-        let predict = |latency| load.predict(latency, e.slot, own, now, computed).map(|d| d.as_secs_f32());
-        (s.predicted_ttft, s.predicted_itl) = (predict(Latency::Ttft), predict(Latency::Itl));
+        let predicted = load.predict(e.slot, own, now, computed(index, e, shape.block_size, &held));
+        let secs = |latency: Latency| predicted[latency].map(|d| d.as_secs_f32());
+        (s.predicted_ttft, s.predicted_itl) = (secs(Latency::Ttft), secs(Latency::Itl));
     }
     scored.iter().all(|s| s.predicted_ttft.is_some())
 }
