@@ -181,7 +181,7 @@ async fn bad_input_gets_a_clear_4xx() {
 async fn small_and_big_bodies_get_the_same_answers() {
     for pad in [String::new(), "x".repeat(40 << 10)] {
         let (state, pool) = state();
-        let send = |body: String| {
+        let send = |state: &Arc<AppState>, body: String| {
             let (state, call) = (state.clone(), offload(&body));
             let small = call.len() <= 20 << 10;
             assert_eq!(small, pad.is_empty(), "{} bytes", call.len());
@@ -191,30 +191,40 @@ async fn small_and_big_bodies_get_the_same_answers() {
                 (status, to_bytes(response.into_body(), 1 << 20).await.unwrap().to_vec())
             }
         };
-        let (status, _) = send(format!("{{not json {pad}")).await;
+        let (status, _) = send(&state, format!("{{not json {pad}")).await;
         assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
         let (status, message) =
-            send(format!(r#"{{"model":"other","pad":"{pad}","messages":[{{"role":"user","content":"hi"}}]}}"#)).await;
+            send(&state, format!(r#"{{"model":"other","pad":"{pad}","messages":[{{"role":"user","content":"hi"}}]}}"#))
+                .await;
         assert_eq!(status, StatusCode::NOT_FOUND);
         assert!(String::from_utf8_lossy(&message).contains("other"));
         assert_eq!(pool.state().bookings, 0);
         let image = r#"[{"type":"image_url","image_url":{"url":"data:x"}}]"#;
-        let (status, answer) =
-            send(format!(r#"{{"model":"qwen3","pad":"{pad}","messages":[{{"role":"user","content":{image}}}]}}"#))
-                .await;
+        let (status, answer) = send(
+            &state,
+            format!(r#"{{"model":"qwen3","pad":"{pad}","messages":[{{"role":"user","content":{image}}}]}}"#),
+        )
+        .await;
         assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&answer));
         assert_eq!(pool.state().bookings, 1, "booked on an estimate");
         assert!(state.metrics.render().contains(r#"kvgate_estimated_requests_total{reason="unparsable"} 1"#));
+        // On a pool with nothing booked (the estimate above weighs on its replica).
+        let (state, pool) = self::state();
         pool.tokenizer().unwrap();
         let chat = format!(
             r#"{{"model":"qwen3","pad":"{pad}","messages":[{{"role":"user","content":"{}"}}]}}"#,
             "word ".repeat(500)
         );
         let cached = cache_prompt(&pool, 2, Endpoint::ChatCompletions, &chat);
-        let (status, answer) = send(chat).await;
+        let (status, answer) = send(&state, chat).await;
         assert_eq!(status, StatusCode::OK);
         let route: RouteResponse = codec::decode(&answer).unwrap();
-        assert_eq!(route.endpoint.as_deref(), Some("127.0.0.1:9002"), "where its prefix is cached");
+        assert_eq!(
+            route.endpoint.as_deref(),
+            Some("127.0.0.1:9002"),
+            "where its prefix is cached ({} padded)",
+            pad.len()
+        );
         assert_eq!(route.overlap_blocks as usize, cached);
     }
 }

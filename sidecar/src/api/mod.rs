@@ -435,60 +435,60 @@ async fn route_body_in(state: Arc<AppState>, headers: HeaderMap, body: Body) -> 
     };
     let request_id = req.request_id.clone();
     let offloaded = Offloaded::of(&req);
-    let tokenize = tracing::info_span!("kvgate.tokenize", body_bytes = offloaded.body_bytes(), threads = 1);
-    // A small body is parsed on this task, and tokenized here too once its pool's tokenizer
-    // has loaded: as quick as a decision, never behind a big body.
-    let parsed = small.then(|| parse_offloaded(&state, &req, &tracing::Span::current()));
-    drop(req);
-    let outcome = match parsed {
-        Some(Read::Decided(outcome)) => outcome,
-        Some(Read::Parsed(pool, parsed)) if pool.tokenizer_ready() => {
-            let _span = tokenize.enter();
-            tokenized(pool, &parsed, &offloaded, deadline, 1)
+    let request = tracing::Span::current();
+    // Read: a small body on this task, as quick as a decision; a big one on a blocking thread,
+    // since parsing megabytes of JSON must not hold one of this runtime's threads. Neither
+    // waits for a tokenizer: what cannot be routed is answered at once.
+    let read = if small {
+        parse_offloaded(&state, &req, &offloaded, &request)
+    } else {
+        drop(req);
+        let (reading, offloaded) = (state.clone(), offloaded.clone());
+        // Decoded again, in place, where it is parsed (the task read only its envelope).
+        let parse = move || match codec::decode::<RouteBodyRequest<'_>>(&body) {
+            Ok(req) => parse_offloaded(&reading, &req, &offloaded, &request),
+            Err(e) => Read::Decided(Err(bad_request(e))),
+        };
+        match tokio::task::spawn_blocking(parse).await {
+            Ok(read) => read,
+            Err(e) => Read::Decided(Err(internal(&request_id, "reading", e))),
         }
-        parsed => {
-            let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
-            let Ok(Ok(slot)) = slot else {
-                tracing::debug!(%request_id, "no tokenizer free within the filter's budget");
-                return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
-            };
-            // A long prompt may also take slots no other prompt is using, and spread over them.
-            let mut slots = vec![slot];
-            while slots.len() < state.offload_spread.min(offloaded.body_bytes() / MIN_PART_BYTES) {
-                let Ok(spare) = state.offload_slots.clone().try_acquire_owned() else { break };
-                slots.push(spare);
-            }
-            tokenize.record("threads", slots.len());
-            state.metrics.offload_spare_threads.inc_by(slots.len() as u64 - 1);
-            let (reading, request) = (state.clone(), tracing::Span::current());
-            // A big body is parsed on the blocking thread too: parsing megabytes of JSON must
-            // not hold one of this runtime's threads.
-            let job = move || {
-                let _span = tokenize.enter();
-                let read = match parsed {
-                    Some(read) => read,
-                    // Decoded again, in place (the task read only its envelope).
-                    None => match codec::decode::<RouteBodyRequest<'_>>(&body) {
-                        Ok(req) => parse_offloaded(&reading, &req, &request),
-                        Err(e) => return Err(bad_request(e)),
-                    },
-                };
-                match read {
-                    Read::Parsed(pool, parsed) => tokenized(pool, &parsed, &offloaded, deadline, slots.len()),
-                    Read::Decided(outcome) => outcome,
-                }
-            };
-            match tokio::task::spawn_blocking(job).await {
-                Ok(outcome) => outcome,
-                Err(e) => {
-                    tracing::warn!(%request_id, error = %e, "tokenizing an offloaded prompt failed");
-                    Err(Refusal {
-                        reason: "internal",
-                        status: StatusCode::INTERNAL_SERVER_ERROR,
-                        message: e.to_string(),
-                    })
-                }
-            }
+    };
+    let (pool, parsed) = match read {
+        Read::Parsed(pool, parsed) => (pool, parsed),
+        Read::Decided(Err(r)) => return fallback(&state, r.reason, r.status, r.message),
+        Read::Decided(Ok((pool, estimated))) => {
+            let (answer, waited) = admitted(&state, &pool, &estimated, &scoring, started).await;
+            state.metrics.route_seconds.observe(started.elapsed().saturating_sub(waited).as_secs_f64());
+            return answer;
+        }
+    };
+    let tokenize = tracing::info_span!("kvgate.tokenize", body_bytes = offloaded.body_bytes(), threads = 1);
+    let outcome = if small && pool.tokenizer_ready() {
+        // Tokenized here too once its pool's tokenizer has loaded, never behind a big body.
+        let _span = tokenize.enter();
+        tokenized(pool, &parsed, &offloaded, deadline, 1)
+    } else {
+        let slot = tokio::time::timeout_at(deadline.into(), state.offload_slots.clone().acquire_owned()).await;
+        let Ok(Ok(slot)) = slot else {
+            tracing::debug!(%request_id, "no tokenizer free within the filter's budget");
+            return fallback(&state, "late", StatusCode::SERVICE_UNAVAILABLE, "no tokenizer free in time".into());
+        };
+        // A long prompt may also take slots no other prompt is using, and spread over them.
+        let mut slots = vec![slot];
+        while slots.len() < state.offload_spread.min(offloaded.body_bytes() / MIN_PART_BYTES) {
+            let Ok(spare) = state.offload_slots.clone().try_acquire_owned() else { break };
+            slots.push(spare);
+        }
+        tokenize.record("threads", slots.len());
+        state.metrics.offload_spare_threads.inc_by(slots.len() as u64 - 1);
+        let job = move || {
+            let _span = tokenize.enter();
+            tokenized(pool, &parsed, &offloaded, deadline, slots.len())
+        };
+        match tokio::task::spawn_blocking(job).await {
+            Ok(outcome) => outcome,
+            Err(e) => Err(internal(&request_id, "tokenizing", e)),
         }
     };
     let (answer, waited) = match outcome {
@@ -510,6 +510,12 @@ struct Refusal {
     message: String,
 }
 
+/// A blocking thread that failed while `doing` a request's body (a panic): 500.
+fn internal(request_id: &impl std::fmt::Display, doing: &str, e: impl std::fmt::Display) -> Refusal {
+    tracing::warn!(%request_id, error = %e, "{doing} an offloaded prompt failed");
+    Refusal { reason: "internal", status: StatusCode::INTERNAL_SERVER_ERROR, message: e.to_string() }
+}
+
 fn bad_request(e: impl std::fmt::Display) -> Refusal {
     Refusal { reason: "bad_request", status: StatusCode::BAD_REQUEST, message: e.to_string() }
 }
@@ -518,13 +524,18 @@ fn bad_request(e: impl std::fmt::Display) -> Refusal {
 enum Read {
     /// Parsed, with its pool: to tokenize.
     Parsed(Arc<Pool>, ParsedRequest),
-    /// Decided already: a prompt that cannot be read, for a model routed here, booked on an
-    /// estimate (its load is real), or a refusal.
+    /// Decided already: a prompt that cannot be read, for a model routed here, to be booked
+    /// on an estimate (its load is real), or a refusal.
     Decided(Outcome),
 }
 
 /// An offloaded body parsed and its pool found (`request`: the span its request is named in).
-fn parse_offloaded(state: &AppState, req: &RouteBodyRequest<'_>, request: &tracing::Span) -> Read {
+fn parse_offloaded(
+    state: &AppState,
+    req: &RouteBodyRequest<'_>,
+    offloaded: &Offloaded,
+    request: &tracing::Span,
+) -> Read {
     let parsed = match parse(req.endpoint, &req.body) {
         Ok(p) => p,
         Err(e) => {
@@ -532,7 +543,7 @@ fn parse_offloaded(state: &AppState, req: &RouteBodyRequest<'_>, request: &traci
             let model = std::str::from_utf8(&req.body).ok().and(model_of(&req.body));
             if let Some((model, pool)) = model.as_deref().and_then(|m| Some((m, state.pool_for(m)?))) {
                 tracing::debug!(request_id = %req.request_id, %model, error = %e, "prompt unreadable; booked on an estimate");
-                return Read::Decided(Ok((pool.clone(), pool.estimated(model, &Offloaded::of(req), "unparsable"))));
+                return Read::Decided(Ok((pool.clone(), pool.estimated(model, offloaded, "unparsable"))));
             }
             tracing::debug!(request_id = %req.request_id, error = %e, "offloaded body unreadable");
             let status = StatusCode::UNPROCESSABLE_ENTITY;
