@@ -215,7 +215,25 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
 /// CPU time a process has used so far, user and system, in seconds (from `/proc/<pid>/stat`,
 /// whose times are in USER_HZ = 100 ticks per second on Linux).
 pub fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat_cpu_seconds(&format!("/proc/{pid}/stat"))
+}
+
+/// CPU time, as [`cpu_seconds`], of the threads of `pid` named one of `names` (their `comm`).
+pub fn threads_cpu_seconds(pid: u32, names: &[&str]) -> Option<f64> {
+    let mut total = 0.0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let dir = task.ok()?.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if names.contains(&comm.trim_end()) {
+            total += stat_cpu_seconds(&dir.join("stat").to_string_lossy())?;
+        }
+    }
+    Some(total)
+}
+
+/// User and system time in a `/proc/…/stat` file, in seconds.
+fn stat_cpu_seconds(path: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(path).ok()?;
     // The command name may hold spaces: the fields after it start past its closing ')'.
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
     // utime and stime are fields 14 and 15 of the line: 12 and 13 after the pid and the name.
@@ -246,5 +264,29 @@ mod tests {
         let _ = child.wait();
         result.expect("lowering a child's priority needs no privilege");
         assert_eq!(after, Some(lower));
+    }
+
+    #[test]
+    fn thread_cpu_is_counted_for_the_named_threads_only() {
+        let pid = std::process::id();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let spinner = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("cpu-probe-spin".into())
+                .spawn(move || {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+                .expect("a thread")
+        };
+        let spun = wait_for("the spinning thread's CPU time", Duration::from_secs(20), || {
+            threads_cpu_seconds(pid, &["cpu-probe-spin"]).filter(|s| *s >= 0.05)
+        });
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        spinner.join().expect("the spinner ends");
+        assert!(spun.is_ok(), "{spun:?}");
+        assert_eq!(threads_cpu_seconds(pid, &["no-such-thread"]), Some(0.0));
     }
 }

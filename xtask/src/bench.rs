@@ -175,9 +175,10 @@ pub fn agentic_trace(raw: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `cargo xtask bench scale [--engines 64,256,1000] [--rate-scale 1,1,0.25] [--warmup S]
-/// [--window S] [--decisions N] [--publisher-threads N] [--out DIR]`: one sidecar as the fleet
-/// grows (`tests/src/bench/scale.rs`); writes `scale.md` and `scale.json`.
+/// `cargo xtask bench scale [--engines 64,256,1000] [--rate-scale 1,1,0.25] [--gateways 1,16]
+/// [--warmup S] [--window S] [--decisions N] [--publisher-threads N] [--out DIR]`: one sidecar
+/// as the fleet grows, with its peers' bookings when there are several gateways
+/// (`tests/src/bench/scale.rs`); writes `scale.md` and `scale.json`.
 pub fn scale(raw: &[String]) -> anyhow::Result<()> {
     let mut params = ScaleParams::default();
     let mut out = None;
@@ -192,6 +193,7 @@ pub fn scale(raw: &[String]) -> anyhow::Result<()> {
             "--window" => params.window_s = value(&mut it)?.parse()?,
             "--decisions" => params.decisions_per_s = value(&mut it)?.parse()?,
             "--publisher-threads" => params.publisher_threads = value(&mut it)?.parse()?,
+            "--gateways" => params.gateways = parsed_list(it.next(), flag)?,
             "--out" => out = Some(PathBuf::from(value(&mut it)?)),
             other => bail!("unknown flag {other}"),
         }
@@ -205,7 +207,12 @@ pub fn scale(raw: &[String]) -> anyhow::Result<()> {
         "--rate-scale: positive shares of the recorded rate"
     );
     anyhow::ensure!(params.window_s > 0.0 && params.decisions_per_s > 0.0, "--window and --decisions must be positive");
+    anyhow::ensure!(
+        !params.gateways.is_empty() && params.gateways.iter().all(|g| *g > 0),
+        "--gateways: at least one gateway count, each positive"
+    );
     cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
+    cargo(&["build", "--release", "-p", "kvgate-sidecar", "--example", kvgate_e2e::bench::scale::PEERS])?;
     let artifacts = Artifacts::locate("release");
     let facts = facts(format!("cargo xtask bench scale {}", raw.join(" ")).trim().to_owned());
     let dir = out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));

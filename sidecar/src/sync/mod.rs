@@ -58,7 +58,7 @@ const TOPIC_PREFIX: &[u8] = b"kvgate-sync";
 /// The topic of this release's sync messages. The version moves whenever [`SyncBatch`]'s
 /// encoding does (2: bookings carry their sequence count; 3: and their session; 4: and the
 /// blocks their target held by its events).
-const TOPIC: &[u8] = b"kvgate-sync/4";
+pub const TOPIC: &[u8] = b"kvgate-sync/4";
 /// Foreign topics remembered, each logged once; a peer cannot grow the set past this.
 const FOREIGN_TOPICS: usize = 16;
 /// The bytes of a foreign topic that are remembered and logged.

@@ -12,6 +12,11 @@
 //! The sidecar is pinned to core 0, the publishers and the decisions to core 1: the figures
 //! are one core's, which is what the extrapolation to larger fleets divides by.
 //!
+//! With `gateways` above one, the other gateways are peers (`sidecar/examples/peer_gateways.rs`,
+//! pinned beside the publishers) that each decide as many requests a second as the harness
+//! asks here and publish their bookings, sealed, over the sync mesh the sidecar dials; the
+//! sidecar's sync threads' CPU, what the peers sent and the requests in flight are reported.
+//!
 //! Measured after a warm-up, over the window: decisions (the sidecar's own
 //! `kvgate_route_seconds`, and the round trip seen here), event lag
 //! (`kvgate_kv_event_lag_seconds`: the engine's batch time to visible in the index), events
@@ -33,7 +38,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::stats::percentile;
-use crate::process::{cpu_seconds, free_port, free_port_run, pin, wait_for, Proc};
+use crate::process::{cpu_seconds, free_port, free_port_run, pin, threads_cpu_seconds, wait_for, Proc};
 use crate::stack::metric_sum;
 use crate::Artifacts;
 
@@ -50,6 +55,11 @@ const NEW_TOKENS: usize = 1024;
 const REQUEST_SECS: f64 = 2.0;
 /// How often ends are reported, in one batch, as the filter batches them.
 const REPORT_EVERY: Duration = Duration::from_millis(100);
+/// The peers' requests' first token, after their booking.
+const PEER_FIRST_TOKEN_SECS: f64 = 0.25;
+/// The program that plays the other gateways (`sidecar/examples/peer_gateways.rs`): beside
+/// the sidecar's binary, under `examples/`.
+pub const PEERS: &str = "peer_gateways";
 
 /// One run's settings.
 #[derive(Debug, Clone, Serialize)]
@@ -67,6 +77,10 @@ pub struct ScaleParams {
     pub decisions_per_s: f64,
     /// Publishing threads in the simulator.
     pub publisher_threads: usize,
+    /// Gateways in the mesh, the one under test included: one run per engine count and
+    /// gateway count. Beyond one, the others are peers publishing their bookings to it
+    /// ([`PEERS`]).
+    pub gateways: Vec<usize>,
 }
 
 impl Default for ScaleParams {
@@ -78,6 +92,7 @@ impl Default for ScaleParams {
             window_s: 20.0,
             decisions_per_s: 200.0,
             publisher_threads: 1,
+            gateways: vec![1],
         }
     }
 }
@@ -87,6 +102,8 @@ impl Default for ScaleParams {
 pub struct ScaleRow {
     /// Engines subscribed to.
     pub engines: usize,
+    /// Gateways in the mesh, this one included.
+    pub gateways: usize,
     /// Their event rate, a share of the recorded engine's.
     pub rate_scale: f64,
     /// Blocks stored and removed per second that the fleet published in the window.
@@ -122,6 +139,32 @@ pub struct ScaleRow {
     /// The publishers' CPU over the window, in cores: near 1, they (not the sidecar) were
     /// short of CPU.
     pub publisher_cores: f64,
+    /// The peers' traffic to this sidecar, and what it cost; `None` with one gateway.
+    pub sync: Option<SyncRow>,
+}
+
+/// What the peers sent the sidecar under test over the window, and its CPU for the mesh.
+#[derive(Debug, Clone, Serialize)]
+pub struct SyncRow {
+    /// Requests the peers booked per second, all of them.
+    pub peer_requests_per_s: f64,
+    /// Sync messages (sealed batches) and events received per second.
+    pub messages_per_s: f64,
+    /// See `messages_per_s`.
+    pub events_per_s: f64,
+    /// Sealed bytes received per second.
+    pub bytes_per_s: f64,
+    /// The sidecar's sync threads (`sync-sub`: open, decode, apply; `sync-pub`: seal and
+    /// publish its own bookings), in cores.
+    pub sync_cores: f64,
+    /// The peers' process, in cores.
+    pub peer_cores: f64,
+    /// Sync messages the sidecar refused or could not read (another version, not sealed with
+    /// the key, stale): 0 if the measurement is what it says.
+    pub refused: u64,
+    /// Requests in flight on the pool at the end (`kvgate_pool_active_requests`): its own and
+    /// the peers' bookings.
+    pub active_requests: f64,
 }
 
 /// One bucketed histogram or counter set as scraped: `(le, cumulative count)`, sum, count.
@@ -235,7 +278,7 @@ fn start_fleet(
     Ok(Fleet { proc, recorded: first["recorded"].clone(), prefixes })
 }
 
-fn sidecar_config(port: u16, model_dir: &Path, engines: usize, base_port: u16) -> String {
+fn sidecar_config(port: u16, model_dir: &Path, engines: usize, base_port: u16, mesh: Option<&Mesh>) -> String {
     let mut toml = format!(
         "listen = \"127.0.0.1:{port}\"\n\n[[pools]]\nmodel = \"m\"\ntokenizer = {:?}\nblock_size = {BLOCK_SIZE}\npolicy = \"kv_aware\"\n",
         model_dir.display().to_string()
@@ -249,7 +292,105 @@ fn sidecar_config(port: u16, model_dir: &Path, engines: usize, base_port: u16) -
             usize::from(base_port) + i
         );
     }
+    if let Some(mesh) = mesh {
+        let peers: Vec<String> = (0..mesh.peers).map(|i| format!("tcp://127.0.0.1:{}", mesh.peer_port(i))).collect();
+        toml += &format!(
+            "\n[sync]\nid = \"under-test\"\nlisten = \"tcp://127.0.0.1:{}\"\npeers = {peers:?}\nkey_file = {:?}\n",
+            mesh.listen_port,
+            mesh.key_file.display().to_string()
+        );
+    }
     toml
+}
+
+/// The mesh of a run with more than one gateway: the peers' ports and the key.
+struct Mesh {
+    peers: usize,
+    /// Peer `i` publishes on `base_port + 2 i` (the port after is its handover port, left
+    /// closed: the sidecar under test finds no view to take over there, at once).
+    base_port: u16,
+    /// The sidecar's own sync port (and its handover port after it).
+    listen_port: u16,
+    key_file: std::path::PathBuf,
+}
+
+impl Mesh {
+    fn peer_port(&self, i: usize) -> usize {
+        usize::from(self.base_port) + 2 * i
+    }
+}
+
+/// The peers' totals so far, from the last line they printed.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+struct PeersSent {
+    seconds: f64,
+    messages: f64,
+    events: f64,
+    bytes: f64,
+    requests: f64,
+}
+
+impl PeersSent {
+    fn last(log: &Path) -> Option<PeersSent> {
+        let text = std::fs::read_to_string(log).ok()?;
+        text.lines().rev().find_map(|l| serde_json::from_str::<PeersSent>(l).ok())
+    }
+}
+
+/// Starts the peers: `gateways - 1` of them, each deciding `rate` requests a second over the
+/// fleet's shared prompts, sealed with a key written here.
+fn start_peers(
+    artifacts: &Artifacts,
+    dir: &Path,
+    fleet: &Fleet,
+    engines: usize,
+    gateways: usize,
+    rate: f64,
+    seconds: f64,
+) -> anyhow::Result<(Proc, Mesh, std::path::PathBuf)> {
+    let peers = gateways - 1;
+    let program = artifacts.sidecar.parent().context("the sidecar's directory")?.join("examples").join(PEERS);
+    anyhow::ensure!(
+        program.exists(),
+        "{} is missing: cargo build --release -p kvgate-sidecar --example {PEERS}",
+        program.display()
+    );
+    let key_file = dir.join("sync.key");
+    let key: String = (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect();
+    std::fs::write(&key_file, key)?;
+    let prefixes_file = dir.join("prefixes.json");
+    std::fs::write(&prefixes_file, serde_json::to_vec(&fleet.prefixes)?)?;
+    let mesh = Mesh {
+        peers,
+        base_port: free_port_run(u16::try_from(2 * peers).context("too many gateways")?)?,
+        listen_port: free_port_run(2)?,
+        key_file,
+    };
+    let config = serde_json::json!({
+        "peers": peers,
+        "base_port": mesh.base_port,
+        "decisions_per_s": rate,
+        "key_file": mesh.key_file,
+        "prefixes_file": prefixes_file,
+        "model": "m",
+        "engines": engines,
+        "new_tokens": NEW_TOKENS,
+        "block_size": BLOCK_SIZE,
+        "first_token_secs": PEER_FIRST_TOKEN_SECS,
+        "request_secs": REQUEST_SECS,
+        "seconds": seconds,
+        "seed": engines as u64 * 1000 + gateways as u64,
+    });
+    let mut cmd = Command::new(&program);
+    cmd.arg(config.to_string());
+    let log = dir.join(format!("peers-{engines}x{gateways}.log"));
+    let mut proc = Proc::spawn("peers", cmd, &log)?;
+    wait_for("the peers' sockets", Duration::from_secs(30), || {
+        let text = std::fs::read_to_string(&log).ok()?;
+        text.lines().any(|l| l.contains("\"bound\"")).then_some(())
+    })?;
+    proc.check_alive()?;
+    Ok((proc, mesh, log))
 }
 
 fn post(client: &reqwest::blocking::Client, url: &str, body: Vec<u8>) -> anyhow::Result<()> {
@@ -321,6 +462,7 @@ fn run_one(
     params: &ScaleParams,
     engines: usize,
     rate_scale: f64,
+    gateways: usize,
 ) -> anyhow::Result<ScaleRow> {
     let base_port = free_port_run(u16::try_from(engines).context("too many engines")?)?;
     let seconds = params.warmup_s + params.window_s + 30.0;
@@ -328,12 +470,22 @@ fn run_one(
     if let Some(pid) = fleet.proc.pid() {
         pin(pid, 1)?;
     }
+    // The other gateways, on the publishers' core; they publish until well past the window.
+    let mut peers = match gateways > 1 {
+        true => Some(start_peers(artifacts, dir, &fleet, engines, gateways, params.decisions_per_s, seconds + 120.0)?),
+        false => None,
+    };
+    if let Some(pid) = peers.as_ref().and_then(|(p, _, _)| p.pid()) {
+        pin(pid, 1)?;
+    }
     let port = free_port()?;
-    let config_path = dir.join(format!("sidecar-{engines}.toml"));
-    std::fs::write(&config_path, sidecar_config(port, &artifacts.model_dir, engines, base_port))?;
+    let name = format!("{engines}x{gateways}");
+    let config_path = dir.join(format!("sidecar-{name}.toml"));
+    let mesh = peers.as_ref().map(|(_, mesh, _)| mesh);
+    std::fs::write(&config_path, sidecar_config(port, &artifacts.model_dir, engines, base_port, mesh))?;
     let mut cmd = Command::new(&artifacts.sidecar);
     cmd.arg("--config").arg(&config_path);
-    let mut sidecar = Proc::spawn("sidecar", cmd, &dir.join(format!("sidecar-{engines}.log")))?;
+    let mut sidecar = Proc::spawn("sidecar", cmd, &dir.join(format!("sidecar-{name}.log")))?;
     let pid = sidecar.pid().context("the sidecar's pid")?;
     pin(pid, 0)?;
     let base = format!("http://127.0.0.1:{port}");
@@ -348,6 +500,7 @@ fn run_one(
     let fleet_pid = fleet.proc.pid().context("the fleet's pid")?;
     let cpu_before = cpu_seconds(pid).context("the sidecar's CPU time")?;
     let fleet_before = cpu_seconds(fleet_pid).context("the fleet's CPU time")?;
+    let sync_probe = SyncProbe::start(pid, peers.as_ref())?;
     let started = Instant::now();
     let window = Duration::from_secs_f64(params.window_s);
     let rtts = decide(&base, &fleet.prefixes, params.decisions_per_s, window, engines as u64)?;
@@ -356,9 +509,14 @@ fn run_one(
     let fleet_cpu = cpu_seconds(fleet_pid).context("the fleet's CPU time")? - fleet_before;
     fleet.proc.check_alive()?;
     let after = scrape(&metrics_url)?;
+    let sync = sync_probe.map(|p| p.end(pid, wall, &before, &after)).transpose()?;
     let rss = crate::process::rss_bytes(pid).unwrap_or(0) as f64 / (1 << 20) as f64;
     sidecar.kill();
     fleet.proc.kill();
+    if let Some((proc, _, _)) = peers.as_mut() {
+        proc.check_alive()?;
+        proc.kill();
+    }
     let hist = |name: &str| Histogram::scrape(&after, name).since(&Histogram::scrape(&before, name));
     let delta = |name: &str| metric_sum(&after, name, "") - metric_sum(&before, name, "");
     let (lag, route) = (hist("kvgate_kv_event_lag_seconds"), hist("kvgate_route_seconds"));
@@ -368,6 +526,7 @@ fn run_one(
         .sum::<f64>();
     Ok(ScaleRow {
         engines,
+        gateways,
         rate_scale,
         published_blocks_per_s: recorded_blocks * rate_scale * engines as f64,
         events_applied_per_s: delta("kvgate_kv_events_applied_total") / wall,
@@ -392,7 +551,61 @@ fn run_one(
         index_blocks: metric_sum(&after, "kvgate_index_blocks", "") as u64,
         recorded: fleet.recorded,
         publisher_cores: fleet_cpu / wall,
+        sync,
     })
+}
+
+/// The mesh's figures at the window's start, to be taken again at its end.
+struct SyncProbe {
+    log: std::path::PathBuf,
+    peers_pid: u32,
+    sent: PeersSent,
+    sync_cpu: f64,
+    peers_cpu: f64,
+}
+
+/// The sidecar's threads that carry the mesh.
+const SYNC_THREADS: [&str; 2] = ["sync-sub", "sync-pub"];
+
+impl SyncProbe {
+    fn start(pid: u32, peers: Option<&(Proc, Mesh, std::path::PathBuf)>) -> anyhow::Result<Option<SyncProbe>> {
+        let Some((proc, _, log)) = peers else { return Ok(None) };
+        let peers_pid = proc.pid().context("the peers' pid")?;
+        Ok(Some(SyncProbe {
+            log: log.clone(),
+            peers_pid,
+            sent: PeersSent::last(log).context("the peers' totals")?,
+            sync_cpu: threads_cpu_seconds(pid, &SYNC_THREADS).context("the sync threads' CPU time")?,
+            peers_cpu: cpu_seconds(peers_pid).context("the peers' CPU time")?,
+        }))
+    }
+
+    /// What the peers sent and the sidecar spent between the start and now (`wall` seconds):
+    /// the traffic per second of the peers' own clock (their totals are printed every second),
+    /// CPU per second of the wall.
+    fn end(self, pid: u32, wall: f64, before: &str, after: &str) -> anyhow::Result<SyncRow> {
+        let sync_cpu = threads_cpu_seconds(pid, &SYNC_THREADS).context("the sync threads' CPU time")? - self.sync_cpu;
+        anyhow::ensure!(sync_cpu > 0.0, "no CPU time on the sidecar's threads {SYNC_THREADS:?}: were they renamed?");
+        let peers_cpu = cpu_seconds(self.peers_pid).context("the peers' CPU time")? - self.peers_cpu;
+        let sent = PeersSent::last(&self.log).context("the peers' totals")?;
+        let secs = sent.seconds - self.sent.seconds;
+        anyhow::ensure!(secs > 0.0, "the peers reported nothing over the window");
+        let per_s = |a: f64, b: f64| (a - b) / secs;
+        let refused = ["kvgate_sync_rejected_total", "kvgate_sync_mismatches_total"]
+            .iter()
+            .map(|name| metric_sum(after, name, "") - metric_sum(before, name, ""))
+            .sum::<f64>();
+        Ok(SyncRow {
+            peer_requests_per_s: per_s(sent.requests, self.sent.requests),
+            messages_per_s: per_s(sent.messages, self.sent.messages),
+            events_per_s: per_s(sent.events, self.sent.events),
+            bytes_per_s: per_s(sent.bytes, self.sent.bytes),
+            sync_cores: sync_cpu / wall,
+            peer_cores: peers_cpu / wall,
+            refused: refused as u64,
+            active_requests: metric_sum(after, "kvgate_pool_active_requests", ""),
+        })
+    }
 }
 
 /// Every engine count in turn.
@@ -401,25 +614,28 @@ pub fn run(artifacts: &Artifacts, dir: &Path, params: &ScaleParams) -> anyhow::R
     let mut rows = Vec::new();
     for (i, &engines) in params.engines.iter().enumerate() {
         let rate_scale = params.rate_scale.get(i).or(params.rate_scale.last()).copied().unwrap_or(1.0);
-        eprintln!("scale: {engines} engines at {rate_scale}× the recorded rate");
-        let row = run_one(artifacts, dir, params, engines, rate_scale)?;
-        eprintln!("{}", serde_json::to_string(&row)?);
-        rows.push(row);
+        for &gateways in &params.gateways {
+            eprintln!("scale: {engines} engines at {rate_scale}× the recorded rate, {gateways} gateways");
+            let row = run_one(artifacts, dir, params, engines, rate_scale, gateways)?;
+            eprintln!("{}", serde_json::to_string(&row)?);
+            rows.push(row);
+        }
     }
     Ok(rows)
 }
 
-/// The rows as a Markdown table.
+/// The rows as Markdown tables: the sidecar's figures, then (for runs with peers) the mesh's.
 pub fn table(rows: &[ScaleRow]) -> String {
     let mut md = String::from(
-        "| engines | rate | blocks/s published | events applied/s | dropped | gaps lost | lag p50 / p99 ms | decide p50 / p99 µs | round trip p50 / p99 µs | sidecar cores | RSS MiB | index blocks |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| engines | gateways | rate | blocks/s published | events applied/s | dropped | gaps lost | lag p50 / p99 ms | decide p50 / p99 µs | round trip p50 / p99 µs | sidecar cores | RSS MiB | index blocks |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let dropped: Vec<String> = r.events_dropped.iter().map(|(reason, n)| format!("{n} {reason}")).collect();
         let dropped = if dropped.is_empty() { "0".to_owned() } else { dropped.join(", ") };
         md += &format!(
-            "| {} | {}× | {:.0} | {:.0} | {} | {} | {:.1} / {:.1} | {:.0} / {:.0} | {:.0} / {:.0} | {:.2} | {:.0} | {} |\n",
+            "| {} | {} | {}× | {:.0} | {:.0} | {} | {} | {:.1} / {:.1} | {:.0} / {:.0} | {:.0} / {:.0} | {:.2} | {:.0} | {} |\n",
             r.engines,
+            r.gateways,
             r.rate_scale,
             r.published_blocks_per_s,
             r.events_applied_per_s,
@@ -435,6 +651,25 @@ pub fn table(rows: &[ScaleRow]) -> String {
             r.sidecar_rss_mib,
             r.index_blocks
         );
+    }
+    let meshed: Vec<(&ScaleRow, &SyncRow)> = rows.iter().filter_map(|r| Some((r, r.sync.as_ref()?))).collect();
+    if !meshed.is_empty() {
+        md += "\nThe peers' bookings as the sidecar under test received them:\n\n| engines | gateways | peer requests/s | messages/s | events/s | KiB/s in | sync threads, cores | peers' process, cores | refused | requests in flight at the end |\n|---|---|---|---|---|---|---|---|---|---|\n";
+        for (r, m) in meshed {
+            md += &format!(
+                "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} | {:.2} | {} | {:.0} |\n",
+                r.engines,
+                r.gateways,
+                m.peer_requests_per_s,
+                m.messages_per_s,
+                m.events_per_s,
+                m.bytes_per_s / 1024.0,
+                m.sync_cores,
+                m.peer_cores,
+                m.refused,
+                m.active_requests
+            );
+        }
     }
     md
 }

@@ -1,0 +1,182 @@
+//! Peer gateways for the scale benchmark (`cargo xtask bench scale --gateways N`): what N − 1
+//! other gateways' sidecars would publish on the booking mesh (`[sync]`), from one process,
+//! so that the sidecar under test applies their bookings over its real sync transport.
+//!
+//! Each peer binds a ZMQ PUB socket on loopback (`base_port + i`) and publishes, sealed with
+//! the mesh's key as a sidecar does, the lifecycle of `decisions_per_s` requests a second:
+//! `Booked` (one of the fleet's shared system prompts and `new_tokens` tokens of its own, on
+//! an engine drawn at random, whose events are taken to hold the shared prompt), `FirstToken`
+//! `first_token_secs` later and `Done` `request_secs` later. Events due in the same
+//! millisecond go out as one batch, as a sidecar's publisher flushes every millisecond.
+//!
+//! Run: `peer_gateways '<json>'` with the fields of [`Config`]. Prints one JSON line when
+//! every socket is bound (`{"bound": peers}`), then every second what was sent so far
+//! (`seconds`, `messages`, `events`, `bytes` sealed, `requests`).
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Context;
+use kvgate_shared::hash::{prompt_block_hashes, Salt};
+use kvgate_sidecar::msg::sync::{SyncBatch, SyncEvent};
+use kvgate_sidecar::sync::seal::{Purpose, Sealer, SyncKey};
+use kvgate_sidecar::sync::TOPIC;
+use rand::{Rng, SeedableRng};
+use serde::Deserialize;
+
+/// What to publish.
+#[derive(Debug, Deserialize)]
+struct Config {
+    /// Peer gateways, one PUB socket each.
+    peers: usize,
+    /// Peer `i` binds `tcp://127.0.0.1:{base_port + 2 i}`: the port after each is left free,
+    /// where a sidecar asks its peers for a handover, so that it finds none there at once.
+    base_port: u16,
+    /// Requests each peer decides per second.
+    decisions_per_s: f64,
+    /// The mesh's key file (64 hex digits).
+    key_file: PathBuf,
+    /// A JSON file: the shared system prompts' token ids.
+    prefixes_file: PathBuf,
+    /// The pool's model and engine ids (`e0` … `e{engines - 1}`).
+    model: String,
+    engines: usize,
+    /// Tokens after the shared prompt, each request's own.
+    new_tokens: usize,
+    block_size: usize,
+    first_token_secs: f64,
+    request_secs: f64,
+    /// How long to publish.
+    seconds: f64,
+    seed: u64,
+}
+
+/// An event and when it is due, from the start.
+type Due = (Duration, SyncEvent);
+
+/// One peer: its socket, its origin id, its requests' first tokens and ends not yet due
+/// (each queue in the order it falls due: every request waits as long).
+struct Peer {
+    socket: zmq::Socket,
+    origin: String,
+    first_tokens: VecDeque<Due>,
+    ends: VecDeque<Due>,
+    decided: u64,
+}
+
+/// How often the totals so far are printed.
+const REPORT_EVERY: Duration = Duration::from_secs(1);
+
+/// Totals since the start.
+#[derive(Default)]
+struct Sent {
+    messages: u64,
+    events: u64,
+    bytes: u64,
+}
+
+impl Sent {
+    /// One JSON line: the totals at `at` from the start.
+    fn report(&self, at: Duration, peers: &[Peer]) {
+        let line = serde_json::json!({
+            "seconds": at.as_secs_f64(),
+            "messages": self.messages,
+            "events": self.events,
+            "bytes": self.bytes,
+            "requests": peers.iter().map(|p| p.decided).sum::<u64>(),
+        });
+        println!("{line}");
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let json = std::env::args().nth(1).context("usage: peer_gateways '<json config>'")?;
+    let config: Config = serde_json::from_str(&json).context("the config")?;
+    let prefixes: Vec<Vec<u32>> = serde_json::from_slice(&std::fs::read(&config.prefixes_file)?)?;
+    anyhow::ensure!(!prefixes.is_empty() && config.engines > 0, "no shared prompts or no engines");
+    let sealer = Sealer::new(Some(&SyncKey::read(&config.key_file)?));
+    let ctx = zmq::Context::new();
+    let mut peers = Vec::with_capacity(config.peers);
+    for i in 0..config.peers {
+        let socket = ctx.socket(zmq::PUB)?;
+        socket.set_linger(0)?;
+        socket.set_sndhwm(100_000)?;
+        socket.bind(&format!("tcp://127.0.0.1:{}", usize::from(config.base_port) + 2 * i))?;
+        let origin = format!("peer-{i}");
+        peers.push(Peer { socket, origin, first_tokens: VecDeque::new(), ends: VecDeque::new(), decided: 0 });
+    }
+    println!("{}", serde_json::json!({ "bound": config.peers }));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(config.seed);
+    let (start, end) = (Instant::now(), Duration::from_secs_f64(config.seconds));
+    let gap = Duration::from_secs_f64(1.0 / config.decisions_per_s);
+    let mut sent = Sent::default();
+    let (mut tick, mut reported) = (Duration::ZERO, Duration::ZERO);
+    while tick < end {
+        tick += Duration::from_millis(1);
+        if tick >= reported + REPORT_EVERY {
+            reported = tick;
+            sent.report(tick, &peers);
+        }
+        if let Some(wait) = tick.checked_sub(start.elapsed()) {
+            std::thread::sleep(wait);
+        }
+        for (i, peer) in peers.iter_mut().enumerate() {
+            // Each peer's decisions are spread over the gap, not all on the same tick.
+            let phase = gap.mul_f64(i as f64 / config.peers as f64);
+            let mut events = Vec::new();
+            while phase + gap.mul_f64(peer.decided as f64) <= tick {
+                let due = phase + gap.mul_f64(peer.decided as f64);
+                let (booked, first, done) = request(&config, &prefixes, peer, &mut rng);
+                peer.decided += 1;
+                events.push(booked);
+                peer.first_tokens.push_back((due + Duration::from_secs_f64(config.first_token_secs), first));
+                peer.ends.push_back((due + Duration::from_secs_f64(config.request_secs), done));
+            }
+            for queue in [&mut peer.first_tokens, &mut peer.ends] {
+                while queue.front().is_some_and(|(at, _)| *at <= tick) {
+                    events.push(queue.pop_front().context("checked")?.1);
+                }
+            }
+            if events.is_empty() {
+                continue;
+            }
+            sent.events += events.len() as u64;
+            let batch = SyncBatch { origin: peer.origin.clone(), events };
+            let frame = sealer.seal(Purpose::Sync, kvgate_shared::codec::encode(&batch)?, SystemTime::now());
+            sent.bytes += frame.len() as u64;
+            sent.messages += 1;
+            peer.socket.send_multipart([TOPIC, frame.as_slice()], 0)?;
+        }
+    }
+    sent.report(tick, &peers);
+    Ok(())
+}
+
+/// A peer's next request: its booking, first token and end.
+fn request(
+    config: &Config,
+    prefixes: &[Vec<u32>],
+    peer: &Peer,
+    rng: &mut rand::rngs::StdRng,
+) -> (SyncEvent, SyncEvent, SyncEvent) {
+    let prefix = &prefixes[rng.random_range(0..prefixes.len())];
+    let mut tokens = prefix.clone();
+    tokens.extend((0..config.new_tokens).map(|_| rng.random_range(50_000..150_000u32)));
+    let hashes = prompt_block_hashes(&tokens, config.block_size, Salt::NONE);
+    let request_id: kvgate_shared::ids::RequestId = format!("{}-{}", peer.origin, peer.decided).as_str().into();
+    let model = config.model.clone();
+    let booked = SyncEvent::Booked {
+        model: model.clone(),
+        target: format!("e{}", rng.random_range(0..config.engines)),
+        request_id: request_id.clone(),
+        prefill_tokens: config.new_tokens as u64,
+        held_blocks: (prefix.len() / config.block_size) as u32,
+        total_blocks: tokens.len().div_ceil(config.block_size) as u64,
+        hashes,
+        sequences: 1,
+        session: None,
+    };
+    let first = SyncEvent::FirstToken { model: model.clone(), request_id: request_id.clone() };
+    (booked, first, SyncEvent::Done { model, request_id })
+}
