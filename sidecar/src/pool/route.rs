@@ -631,8 +631,7 @@ fn predict_all(
     for (e, s) in eligible.iter().zip(scored.iter_mut()) {
         let prefill_tokens = scoring.prefill_tokens(shape.booked_tokens, shape.block_size, e.overlap);
         let own = Own { prefill_tokens, sequences: shape.sequences };
-        let held = |hashes: &[SequenceHash]| index.map_or(0, |i| i.device_held(e.slot, hashes));
-        let predicted = load.predict(e.slot, own, now, computed(index, e, shape.block_size, &held));
+        let predicted = with_computed(index, e, shape.block_size, |computed| load.predict(e.slot, own, now, computed));
         let secs = |latency: Latency| predicted[latency].map(|d| d.as_secs_f32());
         (s.predicted_ttft, s.predicted_itl) = (secs(Latency::Ttft), secs(Latency::Itl));
     }
@@ -689,35 +688,38 @@ fn book(
         None if shape.sequences > 1 => Some(Unchecked::SeveralSequences),
         None => Some(Unchecked::Estimated),
     };
-    let held = |hashes: &[SequenceHash]| index.map_or(0, |i| i.device_held(at.slot, hashes));
-    let booking = NewBooking {
-        id: to.id,
-        prefill_tokens,
-        hashes: shape.hashes,
-        total_blocks: shape.total_blocks,
-        max_tokens: shape.max_tokens,
-        sequences: shape.sequences,
-        prediction,
-        streamed: shape.stream,
-        flow: to.flow,
-        from_peer: false,
-        // Its TTFT is its replica's own, of a prompt whose size is known.
-        timed: shape.stream && to.remote.is_none() && shape.prompt_count != PromptCount::Estimated,
-        computed: computed(index, &at, shape.block_size, &held),
-    };
-    let booked = load.book(at.slot, booking, Instant::now());
+    let booked = with_computed(index, &at, shape.block_size, |computed| {
+        let booking = NewBooking {
+            id: to.id,
+            prefill_tokens,
+            hashes: shape.hashes,
+            total_blocks: shape.total_blocks,
+            max_tokens: shape.max_tokens,
+            sequences: shape.sequences,
+            prediction,
+            streamed: shape.stream,
+            flow: to.flow,
+            from_peer: false,
+            // Its TTFT is its replica's own, of a prompt whose size is known.
+            timed: shape.stream && to.remote.is_none() && shape.prompt_count != PromptCount::Estimated,
+            computed,
+        };
+        load.book(at.slot, booking, Instant::now())
+    });
     Booked { slot: at.slot, overlap: at.overlap, indexed: at.indexed, prefill_tokens, booked, unpredicted }
 }
 
-/// What `at`'s events say it has computed (`held`: its blocks of a prompt), where the pool
-/// indexes events and `at`'s are trusted.
-fn computed<'a>(
+/// `f` given what `at`'s events say it has computed, where the pool indexes events and
+/// `at`'s are trusted.
+fn with_computed<R>(
     index: Option<&KvIndex>,
     at: &Eligible,
     block_size: u64,
-    held: &'a dyn Fn(&[SequenceHash]) -> usize,
-) -> Option<Computed<'a>> {
-    (index.is_some() && at.trusted).then_some(Computed { block_size, held })
+    f: impl FnOnce(Option<Computed<'_>>) -> R,
+) -> R {
+    let Some(index) = index.filter(|_| at.trusted) else { return f(None) };
+    let held = |hashes: &[SequenceHash]| index.device_held(at.slot, hashes);
+    f(Some(Computed { block_size, held: &held }))
 }
 
 /// What the engine should report for one sequence's prompt booked `at` (`remote`: its KV comes
