@@ -40,6 +40,9 @@ pub struct Artifacts {
     pub sidecar: PathBuf,
     /// `kvgate-sim`.
     pub sim: PathBuf,
+    /// The scale benchmark's other gateways (`sidecar/examples/peer_gateways.rs`), built only
+    /// for it.
+    pub peer_gateways: PathBuf,
     /// Envoy.
     pub envoy: PathBuf,
     /// The tokenizer directory of the default model.
@@ -57,6 +60,8 @@ impl Artifacts {
             wasm: from_env("KVGATE_WASM").unwrap_or_else(|| target.join("wasm32-wasip1/release/kvgate_filter.wasm")),
             sidecar: from_env("KVGATE_SIDECAR_BIN").unwrap_or_else(|| target.join(profile).join("kvgate-sidecar")),
             sim: from_env("KVGATE_SIM_BIN").unwrap_or_else(|| target.join(profile).join("kvgate-sim")),
+            peer_gateways: from_env("KVGATE_PEERS_BIN")
+                .unwrap_or_else(|| target.join(profile).join("examples").join(bench::scale::PEERS)),
             envoy: envoy::locate(&target),
             model_dir: root.join("models/qwen3-0.6b"),
         }

@@ -57,8 +57,7 @@ const REQUEST_SECS: f64 = 2.0;
 const REPORT_EVERY: Duration = Duration::from_millis(100);
 /// The peers' requests' first token, after their booking.
 const PEER_FIRST_TOKEN_SECS: f64 = 0.25;
-/// The program that plays the other gateways (`sidecar/examples/peer_gateways.rs`): beside
-/// the sidecar's binary, under `examples/`.
+/// The program that plays the other gateways (`sidecar/examples/peer_gateways.rs`).
 pub const PEERS: &str = "peer_gateways";
 
 /// One run's settings.
@@ -349,7 +348,7 @@ fn start_peers(
     seconds: f64,
 ) -> anyhow::Result<(Proc, Mesh, std::path::PathBuf)> {
     let peers = gateways - 1;
-    let program = artifacts.sidecar.parent().context("the sidecar's directory")?.join("examples").join(PEERS);
+    let program = &artifacts.peer_gateways;
     anyhow::ensure!(
         program.exists(),
         "{} is missing: cargo build --release -p kvgate-sidecar --example {PEERS}",
@@ -381,7 +380,7 @@ fn start_peers(
         "seconds": seconds,
         "seed": engines as u64 * 1000 + gateways as u64,
     });
-    let mut cmd = Command::new(&program);
+    let mut cmd = Command::new(program);
     cmd.arg(config.to_string());
     let log = dir.join(format!("peers-{engines}x{gateways}.log"));
     let mut proc = Proc::spawn("peers", cmd, &log)?;
