@@ -17,7 +17,9 @@
 //!   has no more nodes than the bookings made branch.
 //! - **Look up** ([`BookedBlocks::overlap`], on every candidate of every decision): the
 //!   prompt's booked prefix. Within a run it is found by bisection: if the run holds the
-//!   prompt's block at some depth, it holds every block before it (the hashes chain).
+//!   prompt's block at some depth, it holds every block before it (the hashes chain). The
+//!   run's last block the prompt reaches is compared first, so a prompt through a whole
+//!   shared prefix costs one read of it, not one per halving.
 //!
 //! The tree counts a block once per position in it: for chained hashes, as the engines' are,
 //! that is once per block. Hashes that are not chained (a peer's bug, a 64-bit collision) can
@@ -123,8 +125,13 @@ impl BookedBlocks {
         while let Some(&node) = next {
             let run = &self.nodes[node].run;
             let rest = &hashes[at..];
-            // The run's first block is the prompt's (it was found by it); the rest by bisection.
+            // The run's first block is the prompt's (it was found by it); the rest by bisection,
+            // after one comparison at the end: a prompt mostly goes through a whole shared
+            // prefix, and each comparison reads another part of the run from memory.
             let (mut matched, mut most) = (1, run.len().min(rest.len()));
+            if run[most - 1] == rest[most - 1] {
+                matched = most;
+            }
             while matched < most {
                 let mid = (matched + most).div_ceil(2);
                 match run[mid - 1] == rest[mid - 1] {
