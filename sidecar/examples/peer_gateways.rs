@@ -2,18 +2,22 @@
 //! other gateways' sidecars would publish on the booking mesh (`[sync]`), from one process,
 //! so that the sidecar under test applies their bookings over its real sync transport.
 //!
-//! Each peer binds a ZMQ PUB socket on loopback (`base_port + i`) and publishes, sealed with
+//! Each peer binds a ZMQ PUB socket on loopback (`base_port + 2 i`) and publishes, sealed with
 //! the mesh's key as a sidecar does, the lifecycle of `decisions_per_s` requests a second:
 //! `Booked` (one of the fleet's shared system prompts and `new_tokens` tokens of its own, on
 //! an engine drawn at random, whose events are taken to hold the shared prompt), `FirstToken`
-//! `first_token_secs` later and `Done` `request_secs` later. Events due in the same
-//! millisecond go out as one batch, as a sidecar's publisher flushes every millisecond.
+//! and `Done` after delays drawn uniformly from ½× to 1½× `first_token_secs` and
+//! `request_secs`, so that a request's three events go out at unrelated times, as a real
+//! gateway's do. The events due in one millisecond go out as one batch: a sidecar's publisher
+//! sends a batch 1 ms after its first event.
 //!
 //! Run: `peer_gateways '<json>'` with the fields of [`Config`]. Prints one JSON line when
 //! every socket is bound (`{"bound": peers}`), then every second what was sent so far
-//! (`seconds`, `messages`, `events`, `bytes` sealed, `requests`).
+//! (`seconds` since the start by the clock, `behind`: how far the schedule has slipped,
+//! `messages`, `events`, `bytes` sealed, `requests`).
 
-use std::collections::VecDeque;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -45,6 +49,7 @@ struct Config {
     /// Tokens after the shared prompt, each request's own.
     new_tokens: usize,
     block_size: usize,
+    /// Mean delays of a request's first token and end after its booking.
     first_token_secs: f64,
     request_secs: f64,
     /// How long to publish.
@@ -52,17 +57,39 @@ struct Config {
     seed: u64,
 }
 
-/// An event and when it is due, from the start.
-type Due = (Duration, SyncEvent);
-
-/// One peer: its socket, its origin id, its requests' first tokens and ends not yet due
-/// (each queue in the order it falls due: every request waits as long).
+/// One peer: its socket, its origin id, its requests' first tokens and ends not yet due.
 struct Peer {
     socket: zmq::Socket,
     origin: String,
-    first_tokens: VecDeque<Due>,
-    ends: VecDeque<Due>,
+    later: BinaryHeap<Reverse<Later>>,
     decided: u64,
+}
+
+/// An event due at a time from the start, ordered by it (then by the order it was made in).
+struct Later {
+    at: Duration,
+    order: u64,
+    event: SyncEvent,
+}
+
+impl PartialEq for Later {
+    fn eq(&self, other: &Later) -> bool {
+        (self.at, self.order) == (other.at, other.order)
+    }
+}
+
+impl Eq for Later {}
+
+impl PartialOrd for Later {
+    fn partial_cmp(&self, other: &Later) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Later {
+    fn cmp(&self, other: &Later) -> std::cmp::Ordering {
+        (self.at, self.order).cmp(&(other.at, other.order))
+    }
 }
 
 /// How often the totals so far are printed.
@@ -77,10 +104,11 @@ struct Sent {
 }
 
 impl Sent {
-    /// One JSON line: the totals at `at` from the start.
-    fn report(&self, at: Duration, peers: &[Peer]) {
+    /// One JSON line: the totals `at` since the start, on the schedule's `tick`.
+    fn report(&self, at: Duration, tick: Duration, peers: &[Peer]) {
         let line = serde_json::json!({
             "seconds": at.as_secs_f64(),
+            "behind": at.saturating_sub(tick).as_secs_f64(),
             "messages": self.messages,
             "events": self.events,
             "bytes": self.bytes,
@@ -93,6 +121,10 @@ impl Sent {
 fn main() -> anyhow::Result<()> {
     let json = std::env::args().nth(1).context("usage: peer_gateways '<json config>'")?;
     let config: Config = serde_json::from_str(&json).context("the config")?;
+    anyhow::ensure!(
+        config.decisions_per_s > 0.0 && config.first_token_secs > 0.0 && config.request_secs > 0.0,
+        "decisions_per_s, first_token_secs and request_secs must be positive"
+    );
     let prefixes: Vec<Vec<u32>> = serde_json::from_slice(&std::fs::read(&config.prefixes_file)?)?;
     anyhow::ensure!(!prefixes.is_empty() && config.engines > 0, "no shared prompts or no engines");
     let sealer = Sealer::new(Some(&SyncKey::read(&config.key_file)?));
@@ -104,7 +136,7 @@ fn main() -> anyhow::Result<()> {
         socket.set_sndhwm(100_000)?;
         socket.bind(&format!("tcp://127.0.0.1:{}", usize::from(config.base_port) + 2 * i))?;
         let origin = format!("peer-{i}");
-        peers.push(Peer { socket, origin, first_tokens: VecDeque::new(), ends: VecDeque::new(), decided: 0 });
+        peers.push(Peer { socket, origin, later: BinaryHeap::new(), decided: 0 });
     }
     println!("{}", serde_json::json!({ "bound": config.peers }));
     let mut rng = rand::rngs::StdRng::seed_from_u64(config.seed);
@@ -116,7 +148,7 @@ fn main() -> anyhow::Result<()> {
         tick += Duration::from_millis(1);
         if tick >= reported + REPORT_EVERY {
             reported = tick;
-            sent.report(tick, &peers);
+            sent.report(start.elapsed(), tick, &peers);
         }
         if let Some(wait) = tick.checked_sub(start.elapsed()) {
             std::thread::sleep(wait);
@@ -128,15 +160,21 @@ fn main() -> anyhow::Result<()> {
             while phase + gap.mul_f64(peer.decided as f64) <= tick {
                 let due = phase + gap.mul_f64(peer.decided as f64);
                 let (booked, first, done) = request(&config, &prefixes, peer, &mut rng);
-                peer.decided += 1;
                 events.push(booked);
-                peer.first_tokens.push_back((due + Duration::from_secs_f64(config.first_token_secs), first));
-                peer.ends.push_back((due + Duration::from_secs_f64(config.request_secs), done));
+                let (first_at, end_at) = (
+                    config.first_token_secs * rng.random_range(0.5..1.5),
+                    config.request_secs * rng.random_range(0.5..1.5),
+                );
+                let order = 2 * peer.decided;
+                peer.decided += 1;
+                // The first token always comes before the end.
+                let first_at = due + Duration::from_secs_f64(first_at.min(end_at));
+                peer.later.push(Reverse(Later { at: first_at, order, event: first }));
+                let end_at = due + Duration::from_secs_f64(end_at);
+                peer.later.push(Reverse(Later { at: end_at, order: order + 1, event: done }));
             }
-            for queue in [&mut peer.first_tokens, &mut peer.ends] {
-                while queue.front().is_some_and(|(at, _)| *at <= tick) {
-                    events.push(queue.pop_front().context("checked")?.1);
-                }
+            while peer.later.peek().is_some_and(|l| l.0.at <= tick) {
+                events.push(peer.later.pop().context("checked")?.0.event);
             }
             if events.is_empty() {
                 continue;
@@ -149,7 +187,7 @@ fn main() -> anyhow::Result<()> {
             peer.socket.send_multipart([TOPIC, frame.as_slice()], 0)?;
         }
     }
-    sent.report(tick, &peers);
+    sent.report(start.elapsed(), tick, &peers);
     Ok(())
 }
 

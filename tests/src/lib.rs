@@ -41,7 +41,8 @@ pub struct Artifacts {
     /// `kvgate-sim`.
     pub sim: PathBuf,
     /// The scale benchmark's other gateways (`sidecar/examples/peer_gateways.rs`), built only
-    /// for it.
+    /// for it (`KVGATE_PEERS_BIN` names another build, as `KVGATE_SIDECAR_BIN` and
+    /// `KVGATE_SIM_BIN` do for theirs).
     pub peer_gateways: PathBuf,
     /// Envoy.
     pub envoy: PathBuf,

@@ -254,9 +254,11 @@ impl SimHandle {
 /// The sum of metric `name`'s samples in a Prometheus text exposition, over the label sets
 /// whose labels contain `labels` (`""`: all of them).
 pub fn metric_sum(text: &str, name: &str, labels: &str) -> f64 {
-    let prefix = format!("{name}{{");
+    let (labelled, bare) = (format!("{name}{{"), format!("{name} "));
     text.lines()
-        .filter(|line| line.starts_with(&prefix) && line.contains(labels))
+        .filter(|line| {
+            (line.starts_with(&labelled) && line.contains(labels)) || (labels.is_empty() && line.starts_with(&bare))
+        })
         .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }

@@ -212,7 +212,9 @@ pub fn scale(raw: &[String]) -> anyhow::Result<()> {
         "--gateways: at least one gateway count, each positive"
     );
     cargo(&["build", "--release", "-p", "kvgate-sim", "-p", "kvgate-sidecar"])?;
-    cargo(&["build", "--release", "-p", "kvgate-sidecar", "--example", kvgate_e2e::bench::scale::PEERS])?;
+    if params.gateways.iter().any(|g| *g > 1) {
+        cargo(&["build", "--release", "-p", "kvgate-sidecar", "--example", kvgate_e2e::bench::scale::PEERS])?;
+    }
     let artifacts = Artifacts::locate("release");
     let facts = facts(format!("cargo xtask bench scale {}", raw.join(" ")).trim().to_owned());
     let dir = out.unwrap_or_else(|| repo_root().join("target/bench").join(sh("date", &["-u", "+%Y%m%dT%H%M%SZ"])));

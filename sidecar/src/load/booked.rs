@@ -23,7 +23,8 @@
 //!
 //! The tree counts a block once per position in it: for chained hashes, as the engines' are,
 //! that is once per block. Hashes that are not chained (a peer's bug, a 64-bit collision) can
-//! only make it count a block twice or miss part of an overlap; it never fails on them.
+//! only make it count a block twice or misjudge an overlap (either way); it never fails on
+//! them.
 
 use std::collections::HashMap;
 

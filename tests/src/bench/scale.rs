@@ -142,24 +142,29 @@ pub struct ScaleRow {
     pub sync: Option<SyncRow>,
 }
 
-/// What the peers sent the sidecar under test over the window, and its CPU for the mesh.
+/// What the peers sent the sidecar under test over the window (by their clock), and its CPU
+/// for the mesh.
 #[derive(Debug, Clone, Serialize)]
 pub struct SyncRow {
     /// Requests the peers booked per second, all of them.
     pub peer_requests_per_s: f64,
-    /// Sync messages (sealed batches) and events received per second.
+    /// Sync messages (sealed batches) and events sent per second.
     pub messages_per_s: f64,
     /// See `messages_per_s`.
     pub events_per_s: f64,
-    /// Sealed bytes received per second.
+    /// Sealed bytes sent per second.
     pub bytes_per_s: f64,
+    /// How far the peers' schedule had slipped at the end, s: above a few ms, they were short
+    /// of CPU and sent less than asked.
+    pub peers_behind_s: f64,
     /// The sidecar's sync threads (`sync-sub`: open, decode, apply; `sync-pub`: seal and
-    /// publish its own bookings), in cores.
+    /// publish its own bookings), in cores. Reading the peers' sockets is the ZMQ I/O
+    /// thread's work, shared with the engines' sockets, and not counted here.
     pub sync_cores: f64,
     /// The peers' process, in cores.
     pub peer_cores: f64,
-    /// Sync messages the sidecar refused or could not read (another version, not sealed with
-    /// the key, stale): 0 if the measurement is what it says.
+    /// Sync messages the sidecar refused (another version, not sealed with the key, stale):
+    /// 0 if the measurement is what it says.
     pub refused: u64,
     /// Requests in flight on the pool at the end (`kvgate_pool_active_requests`): its own and
     /// the peers' bookings.
@@ -247,7 +252,7 @@ struct Fleet {
 
 fn start_fleet(
     artifacts: &Artifacts,
-    dir: &Path,
+    log: &Path,
     engines: usize,
     base_port: u16,
     rate_scale: f64,
@@ -266,10 +271,9 @@ fn start_fleet(
     cmd.args(["--preset", "llama8b-h100", "--block-size", &BLOCK_SIZE.to_string()])
         .args(["--num-gpu-blocks-override", &ENGINE_BLOCKS.to_string()])
         .args(["--fleet-config", &config.to_string()]);
-    let log = dir.join(format!("fleet-{engines}.log"));
-    let mut proc = Proc::spawn("fleet", cmd, &log)?;
+    let mut proc = Proc::spawn("fleet", cmd, log)?;
     let first: Value = wait_for("the fleet's recording", Duration::from_secs(120), || {
-        let text = std::fs::read_to_string(&log).ok()?;
+        let text = std::fs::read_to_string(log).ok()?;
         text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).find(|v| v.get("recorded").is_some())
     })?;
     proc.check_alive()?;
@@ -323,6 +327,7 @@ impl Mesh {
 #[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
 struct PeersSent {
     seconds: f64,
+    behind: f64,
     messages: f64,
     events: f64,
     bytes: f64,
@@ -454,7 +459,7 @@ fn scrape(url: &str) -> anyhow::Result<String> {
     Ok(reqwest::blocking::get(url)?.error_for_status()?.text()?)
 }
 
-/// One engine count.
+/// One engine count with one gateway count.
 fn run_one(
     artifacts: &Artifacts,
     dir: &Path,
@@ -465,7 +470,10 @@ fn run_one(
 ) -> anyhow::Result<ScaleRow> {
     let base_port = free_port_run(u16::try_from(engines).context("too many engines")?)?;
     let seconds = params.warmup_s + params.window_s + 30.0;
-    let mut fleet = start_fleet(artifacts, dir, engines, base_port, rate_scale, seconds, params.publisher_threads)?;
+    let name = format!("{engines}x{gateways}");
+    let fleet_log = dir.join(format!("fleet-{name}.log"));
+    let mut fleet =
+        start_fleet(artifacts, &fleet_log, engines, base_port, rate_scale, seconds, params.publisher_threads)?;
     if let Some(pid) = fleet.proc.pid() {
         pin(pid, 1)?;
     }
@@ -478,7 +486,6 @@ fn run_one(
         pin(pid, 1)?;
     }
     let port = free_port()?;
-    let name = format!("{engines}x{gateways}");
     let config_path = dir.join(format!("sidecar-{name}.toml"));
     let mesh = peers.as_ref().map(|(_, mesh, _)| mesh);
     std::fs::write(&config_path, sidecar_config(port, &artifacts.model_dir, engines, base_port, mesh))?;
@@ -506,9 +513,10 @@ fn run_one(
     let wall = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds(pid).context("the sidecar's CPU time")? - cpu_before;
     let fleet_cpu = cpu_seconds(fleet_pid).context("the fleet's CPU time")? - fleet_before;
+    let sync_spent = sync_probe.map(|p| p.stop(pid)).transpose()?;
     fleet.proc.check_alive()?;
     let after = scrape(&metrics_url)?;
-    let sync = sync_probe.map(|p| p.end(pid, wall, &before, &after)).transpose()?;
+    let sync = sync_spent.map(|s| s.row(wall, &before, &after)).transpose()?;
     let rss = crate::process::rss_bytes(pid).unwrap_or(0) as f64 / (1 << 20) as f64;
     sidecar.kill();
     fleet.proc.kill();
@@ -579,15 +587,32 @@ impl SyncProbe {
         }))
     }
 
-    /// What the peers sent and the sidecar spent between the start and now (`wall` seconds):
-    /// the traffic per second of the peers' own clock (their totals are printed every second),
-    /// CPU per second of the wall.
-    fn end(self, pid: u32, wall: f64, before: &str, after: &str) -> anyhow::Result<SyncRow> {
+    /// What the peers sent and the sidecar's sync threads and the peers spent since the
+    /// start.
+    fn stop(self, pid: u32) -> anyhow::Result<SyncSpent> {
         let sync_cpu = threads_cpu_seconds(pid, &SYNC_THREADS).context("the sync threads' CPU time")? - self.sync_cpu;
         anyhow::ensure!(sync_cpu > 0.0, "no CPU time on the sidecar's threads {SYNC_THREADS:?}: were they renamed?");
         let peers_cpu = cpu_seconds(self.peers_pid).context("the peers' CPU time")? - self.peers_cpu;
         let sent = PeersSent::last(&self.log).context("the peers' totals")?;
-        let secs = sent.seconds - self.sent.seconds;
+        Ok(SyncSpent { start: self.sent, end: sent, sync_cpu, peers_cpu })
+    }
+}
+
+/// [`SyncProbe`]'s figures over the window.
+struct SyncSpent {
+    start: PeersSent,
+    end: PeersSent,
+    sync_cpu: f64,
+    peers_cpu: f64,
+}
+
+impl SyncSpent {
+    /// The row: traffic per second of the peers' own clock (their totals are printed every
+    /// second), CPU per second of the window (`wall`), refusals and requests in flight from
+    /// the sidecar's metrics `before` and `after` it.
+    fn row(self, wall: f64, before: &str, after: &str) -> anyhow::Result<SyncRow> {
+        let (start, end) = (self.start, self.end);
+        let secs = end.seconds - start.seconds;
         anyhow::ensure!(secs > 0.0, "the peers reported nothing over the window");
         let per_s = |a: f64, b: f64| (a - b) / secs;
         let refused = ["kvgate_sync_rejected_total", "kvgate_sync_mismatches_total"]
@@ -595,19 +620,20 @@ impl SyncProbe {
             .map(|name| metric_sum(after, name, "") - metric_sum(before, name, ""))
             .sum::<f64>();
         Ok(SyncRow {
-            peer_requests_per_s: per_s(sent.requests, self.sent.requests),
-            messages_per_s: per_s(sent.messages, self.sent.messages),
-            events_per_s: per_s(sent.events, self.sent.events),
-            bytes_per_s: per_s(sent.bytes, self.sent.bytes),
-            sync_cores: sync_cpu / wall,
-            peer_cores: peers_cpu / wall,
+            peer_requests_per_s: per_s(end.requests, start.requests),
+            messages_per_s: per_s(end.messages, start.messages),
+            events_per_s: per_s(end.events, start.events),
+            bytes_per_s: per_s(end.bytes, start.bytes),
+            peers_behind_s: end.behind,
+            sync_cores: self.sync_cpu / wall,
+            peer_cores: self.peers_cpu / wall,
             refused: refused as u64,
             active_requests: metric_sum(after, "kvgate_pool_active_requests", ""),
         })
     }
 }
 
-/// Every engine count in turn.
+/// Every engine count, each with every gateway count, in turn.
 pub fn run(artifacts: &Artifacts, dir: &Path, params: &ScaleParams) -> anyhow::Result<Vec<ScaleRow>> {
     std::fs::create_dir_all(dir)?;
     let mut rows = Vec::new();
@@ -653,16 +679,17 @@ pub fn table(rows: &[ScaleRow]) -> String {
     }
     let meshed: Vec<(&ScaleRow, &SyncRow)> = rows.iter().filter_map(|r| Some((r, r.sync.as_ref()?))).collect();
     if !meshed.is_empty() {
-        md += "\nThe peers' bookings as the sidecar under test received them:\n\n| engines | gateways | peer requests/s | messages/s | events/s | KiB/s in | sync threads, cores | peers' process, cores | refused | requests in flight at the end |\n|---|---|---|---|---|---|---|---|---|---|\n";
+        md += "\nWhat the peers sent the sidecar under test, and what it cost:\n\n| engines | gateways | peer requests/s | messages/s | events/s | sealed KiB/s | peers behind, ms | sync threads, cores | peers' process, cores | refused | requests in flight at the end |\n|---|---|---|---|---|---|---|---|---|---|---|\n";
         for (r, m) in meshed {
             md += &format!(
-                "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} | {:.2} | {} | {:.0} |\n",
+                "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {:.3} | {:.2} | {} | {:.0} |\n",
                 r.engines,
                 r.gateways,
                 m.peer_requests_per_s,
                 m.messages_per_s,
                 m.events_per_s,
                 m.bytes_per_s / 1024.0,
+                m.peers_behind_s * 1e3,
                 m.sync_cores,
                 m.peer_cores,
                 m.refused,
@@ -690,6 +717,7 @@ kvgate_kv_events_applied_total{model=\"m\",replica=\"e1\"} 0
 kvgate_kv_events_applied_total_created 3
 kvgate_kv_events_dropped_total{model=\"m\",replica=\"e0\",reason=\"inbox_full\"} 2
 kvgate_kv_events_dropped_total{model=\"m\",replica=\"e1\",reason=\"inbox_full\"} 3
+kvgate_sync_mismatches_total 4
 ";
 
     #[test]
@@ -706,6 +734,7 @@ kvgate_kv_events_dropped_total{model=\"m\",replica=\"e1\",reason=\"inbox_full\"}
     #[test]
     fn counters_are_summed_and_live_series_counted() {
         assert_eq!(metric_sum(PAGE, "kvgate_kv_events_applied_total", ""), 5.0);
+        assert_eq!(metric_sum(PAGE, "kvgate_sync_mismatches_total", ""), 4.0, "a counter without labels");
         assert_eq!(positive_series(PAGE, "kvgate_kv_events_applied_total"), 1);
         assert_eq!(by_reason(PAGE, "kvgate_kv_events_dropped_total"), BTreeMap::from([("inbox_full".to_owned(), 5.0)]));
     }
