@@ -341,6 +341,13 @@ impl PeersSent {
     }
 }
 
+/// The peers' process, their mesh, and the log they print their totals to.
+struct Peers {
+    proc: Proc,
+    mesh: Mesh,
+    log: std::path::PathBuf,
+}
+
 /// Starts the peers: `gateways - 1` of them, each deciding `rate` requests a second over the
 /// fleet's shared prompts, sealed with a key written here.
 fn start_peers(
@@ -351,7 +358,7 @@ fn start_peers(
     gateways: usize,
     rate: f64,
     seconds: f64,
-) -> anyhow::Result<(Proc, Mesh, std::path::PathBuf)> {
+) -> anyhow::Result<Peers> {
     let peers = gateways - 1;
     let program = &artifacts.peer_gateways;
     anyhow::ensure!(
@@ -394,7 +401,7 @@ fn start_peers(
         text.lines().any(|l| l.contains("\"bound\"")).then_some(())
     })?;
     proc.check_alive()?;
-    Ok((proc, mesh, log))
+    Ok(Peers { proc, mesh, log })
 }
 
 fn post(client: &reqwest::blocking::Client, url: &str, body: Vec<u8>) -> anyhow::Result<()> {
@@ -482,12 +489,12 @@ fn run_one(
         true => Some(start_peers(artifacts, dir, &fleet, engines, gateways, params.decisions_per_s, seconds + 120.0)?),
         false => None,
     };
-    if let Some(pid) = peers.as_ref().and_then(|(p, _, _)| p.pid()) {
+    if let Some(pid) = peers.as_ref().and_then(|p| p.proc.pid()) {
         pin(pid, 1)?;
     }
     let port = free_port()?;
     let config_path = dir.join(format!("sidecar-{name}.toml"));
-    let mesh = peers.as_ref().map(|(_, mesh, _)| mesh);
+    let mesh = peers.as_ref().map(|p| &p.mesh);
     std::fs::write(&config_path, sidecar_config(port, &artifacts.model_dir, engines, base_port, mesh))?;
     let mut cmd = Command::new(&artifacts.sidecar);
     cmd.arg("--config").arg(&config_path);
@@ -520,9 +527,9 @@ fn run_one(
     let rss = crate::process::rss_bytes(pid).unwrap_or(0) as f64 / (1 << 20) as f64;
     sidecar.kill();
     fleet.proc.kill();
-    if let Some((proc, _, _)) = peers.as_mut() {
-        proc.check_alive()?;
-        proc.kill();
+    if let Some(p) = peers.as_mut() {
+        p.proc.check_alive()?;
+        p.proc.kill();
     }
     let hist = |name: &str| Histogram::scrape(&after, name).since(&Histogram::scrape(&before, name));
     let delta = |name: &str| metric_sum(&after, name, "") - metric_sum(&before, name, "");
@@ -575,8 +582,8 @@ struct SyncProbe {
 const SYNC_THREADS: [&str; 2] = ["sync-sub", "sync-pub"];
 
 impl SyncProbe {
-    fn start(pid: u32, peers: Option<&(Proc, Mesh, std::path::PathBuf)>) -> anyhow::Result<Option<SyncProbe>> {
-        let Some((proc, _, log)) = peers else { return Ok(None) };
+    fn start(pid: u32, peers: Option<&Peers>) -> anyhow::Result<Option<SyncProbe>> {
+        let Some(Peers { proc, log, .. }) = peers else { return Ok(None) };
         let peers_pid = proc.pid().context("the peers' pid")?;
         Ok(Some(SyncProbe {
             log: log.clone(),
