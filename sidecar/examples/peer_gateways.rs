@@ -8,8 +8,9 @@
 //! an engine drawn at random, whose events are taken to hold the shared prompt), `FirstToken`
 //! and `Done` after delays drawn uniformly from ½× to 1½× `first_token_secs` and
 //! `request_secs`, so that a request's three events go out at unrelated times, as a real
-//! gateway's do. The events due in one millisecond go out as one batch: a sidecar's publisher
-//! sends a batch 1 ms after its first event.
+//! gateway's do. They go out in batches as a sidecar's publisher sends them
+//! (`kvgate_sidecar::sync::batch`: a booking within 1 ms, a first token or an end within
+//! 10 ms, with the next booking), on a clock of 1 ms ticks.
 //!
 //! Run: `peer_gateways '<json>'` with the fields of [`Config`]. Prints one JSON line when
 //! every socket is bound (`{"bound": peers}`), then every second what was sent so far
@@ -24,6 +25,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
 use kvgate_sidecar::msg::sync::{SyncBatch, SyncEvent};
+use kvgate_sidecar::sync::batch::Batcher;
 use kvgate_sidecar::sync::seal::{Purpose, Sealer, SyncKey};
 use kvgate_sidecar::sync::TOPIC;
 use rand::{Rng, SeedableRng};
@@ -57,12 +59,14 @@ struct Config {
     seed: u64,
 }
 
-/// One peer: its socket, its origin id, its requests' first tokens and ends not yet due.
+/// One peer: its socket, its origin id, its requests' first tokens and ends not yet due, the
+/// events waiting to go out.
 struct Peer {
     socket: zmq::Socket,
     origin: String,
     later: BinaryHeap<Reverse<Later>>,
     decided: u64,
+    batcher: Batcher,
 }
 
 /// An event due at a time from the start, ordered by it (then by the order it was made in).
@@ -136,7 +140,7 @@ fn main() -> anyhow::Result<()> {
         socket.set_sndhwm(100_000)?;
         socket.bind(&format!("tcp://127.0.0.1:{}", usize::from(config.base_port) + 2 * i))?;
         let origin = format!("peer-{i}");
-        peers.push(Peer { socket, origin, later: BinaryHeap::new(), decided: 0 });
+        peers.push(Peer { socket, origin, later: BinaryHeap::new(), decided: 0, batcher: Batcher::default() });
     }
     println!("{}", serde_json::json!({ "bound": config.peers }));
     let mut rng = rand::rngs::StdRng::seed_from_u64(config.seed);
@@ -156,11 +160,11 @@ fn main() -> anyhow::Result<()> {
         for (i, peer) in peers.iter_mut().enumerate() {
             // Each peer's decisions are spread over the gap, not all on the same tick.
             let phase = gap.mul_f64(i as f64 / config.peers as f64);
-            let mut events = Vec::new();
+            let now = start + tick;
             while phase + gap.mul_f64(peer.decided as f64) <= tick {
                 let due = phase + gap.mul_f64(peer.decided as f64);
                 let (booked, first, done) = request(&config, &prefixes, peer, &mut rng);
-                events.push(booked);
+                peer.batcher.push(booked, now);
                 let (first_at, end_at) = (
                     config.first_token_secs * rng.random_range(0.5..1.5),
                     config.request_secs * rng.random_range(0.5..1.5),
@@ -174,11 +178,9 @@ fn main() -> anyhow::Result<()> {
                 peer.later.push(Reverse(Later { at: end_at, order: order + 1, event: done }));
             }
             while peer.later.peek().is_some_and(|l| l.0.at <= tick) {
-                events.push(peer.later.pop().context("checked")?.0.event);
+                peer.batcher.push(peer.later.pop().context("checked")?.0.event, now);
             }
-            if events.is_empty() {
-                continue;
-            }
+            let Some(events) = peer.batcher.take_due(now) else { continue };
             sent.events += events.len() as u64;
             let batch = SyncBatch { origin: peer.origin.clone(), events };
             let frame = sealer.seal(Purpose::Sync, kvgate_shared::codec::encode(&batch)?, SystemTime::now());

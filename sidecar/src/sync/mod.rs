@@ -9,7 +9,8 @@
 //! - Peers come from the config (`peers`) or from a DNS name (`peers_dns`, re-resolved; every
 //!   address is dialled on the `listen` port, the sidecar's own address included and skipped
 //!   by origin).
-//! - Traffic is batched: a batch goes out after 1 ms or 256 events, whichever comes first.
+//! - Traffic is batched ([`batch`]): a booking goes out within 1 ms, a first token or an end
+//!   within 10 ms, riding with the next booking; a batch of 256 events at once.
 //! - The view is eventually consistent: a lost message leaves a booking to the TTL sweep
 //!   (`request_expiry_secs`); a peer's restart loses nothing of ours.
 //! - Messages carry the sync version in their topic (`kvgate-sync/<version>`): a peer of
@@ -40,11 +41,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
+pub mod batch;
 mod config;
 pub mod saved;
 pub mod seal;
 pub mod state;
 
+use batch::Batcher;
 pub use config::SyncConfig;
 use seal::{Purpose, Sealer};
 
@@ -63,10 +66,6 @@ pub const TOPIC: &[u8] = b"kvgate-sync/4";
 const FOREIGN_TOPICS: usize = 16;
 /// The bytes of a foreign topic that are remembered and logged.
 const FOREIGN_TOPIC_BYTES: usize = 64;
-/// A batch goes out after this long…
-const FLUSH_AFTER: Duration = Duration::from_millis(1);
-/// …or with this many events.
-const BATCH_EVENTS: usize = 256;
 /// Events waiting to be published; more are dropped (the TTL sweep covers them).
 const OUTBOX: usize = 65_536;
 /// How often blocked calls wake up to check for shutdown, and `peers_dns` is re-resolved.
@@ -115,25 +114,16 @@ pub fn start(
 }
 
 fn publish_loop(socket: &zmq::Socket, origin: &str, sealer: &Sealer, rx: &Receiver<SyncEvent>, worker: &Worker) {
-    let mut batch = Vec::new();
-    let mut first_at = Instant::now();
+    let mut batcher = Batcher::default();
     while !worker.stopping() {
-        let wait = if batch.is_empty() { POLL } else { FLUSH_AFTER.saturating_sub(first_at.elapsed()) };
+        let wait = batcher.deadline().map_or(POLL, |d| d.saturating_duration_since(Instant::now()));
         match rx.recv_timeout(wait) {
-            Ok(event) => {
-                if batch.is_empty() {
-                    first_at = Instant::now();
-                }
-                batch.push(event);
-                if batch.len() < BATCH_EVENTS && first_at.elapsed() < FLUSH_AFTER {
-                    continue;
-                }
-            }
-            Err(RecvTimeoutError::Timeout) if batch.is_empty() => continue,
+            Ok(event) => batcher.push(event, Instant::now()),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
-        let message = SyncBatch { origin: origin.to_owned(), events: std::mem::take(&mut batch) };
+        let Some(events) = batcher.take_due(Instant::now()) else { continue };
+        let message = SyncBatch { origin: origin.to_owned(), events };
         match kvgate_shared::codec::encode(&message) {
             Ok(bytes) => {
                 let bytes = sealer.seal(Purpose::Sync, bytes, SystemTime::now());
