@@ -205,12 +205,11 @@ impl Pool {
         };
         // Lock order: members, then the load table.
         let members = self.members();
-        let slot_of = |target: &str| members.iter().position(|m| m.active && m.replica.id == target);
         let (mut booked, mut waiting, mut touched) = (0, Vec::new(), Vec::new());
         let mut load = self.load_table();
         let now = Instant::now();
         for b in bookings {
-            let Some(slot) = slot_of(&b.target).map(ReplicaIdx::new) else {
+            let Some(slot) = members.active_slot(&b.target) else {
                 waiting.push(b);
                 continue;
             };
@@ -273,8 +272,7 @@ impl Pool {
         }
         let slots: Vec<Option<ReplicaIdx>> = {
             let members = self.members();
-            let slot_of = |target: &str| members.iter().position(|m| m.active && m.replica.id == target);
-            handed.iter().map(|s| slot_of(&s.target).map(ReplicaIdx::new)).collect()
+            handed.iter().map(|s| members.active_slot(&s.target)).collect()
         };
         let Some(ttl) = self.config.sessions.as_ref().map(|c| Duration::from_secs(c.ttl_secs)) else { return 0 };
         let (mut bound, mut waiting) = (0, Vec::new());

@@ -150,9 +150,7 @@ impl Pool {
         // the slot cannot be retired and given to a newcomer in between.
         let members = self.members();
         let target_slot = match event {
-            SyncEvent::Booked { target, .. } => {
-                members.iter().position(|m| m.active && m.replica.id == *target).map(ReplicaIdx::new)
-            }
+            SyncEvent::Booked { target, .. } => members.active_slot(target),
             _ => None,
         };
         if let (Some(slot), SyncEvent::Booked { hashes, held_blocks, session, .. }) = (target_slot, event) {

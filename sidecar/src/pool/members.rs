@@ -1,8 +1,10 @@
 //! Who is in the pool: each slot's replica, rank, health flags, stop flag and learned LoRA
-//! adapters. Owns the `members` lock; writes come from discovery ([`Pool::set_members`]) and
-//! the adapter poller ([`Pool::set_adapters`]).
+//! adapters, and the active slots by id ([`Slots`]). Owns the `members` lock; writes come
+//! from discovery ([`Pool::set_members`], [`Pool::retire_departed`]) and the adapter poller
+//! ([`Pool::set_adapters`]).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -120,6 +122,42 @@ impl Member {
     }
 }
 
+/// The pool's slots by replica index, and the active ones by id: a peer's booking names its
+/// target by id, and thousands a second must not each compare it with every member's. Read
+/// as a list (`Deref`); changed only in this file, which indexes the ids again after.
+#[derive(Debug)]
+pub struct Slots {
+    list: Vec<Member>,
+    active: HashMap<String, ReplicaIdx, foldhash::fast::RandomState>,
+}
+
+impl Slots {
+    pub(super) fn new(list: Vec<Member>) -> Slots {
+        let mut slots = Slots { list, active: HashMap::default() };
+        slots.index_ids();
+        slots
+    }
+
+    /// The slot of the active target `id`.
+    pub(super) fn active_slot(&self, id: &str) -> Option<ReplicaIdx> {
+        self.active.get(id).copied()
+    }
+
+    /// Indexes the active slots' ids again: after every change of the list.
+    fn index_ids(&mut self) {
+        let active = self.list.iter().enumerate().filter(|(_, m)| m.active);
+        self.active = active.map(|(i, m)| (m.replica.id.clone(), ReplicaIdx::new(i))).collect();
+    }
+}
+
+impl Deref for Slots {
+    type Target = [Member];
+
+    fn deref(&self) -> &[Member] {
+        &self.list
+    }
+}
+
 /// The routing targets of replicas: each replica itself, or — with `data_parallel_size` N > 1
 /// — one target per rank: id `replica#r`, events and replay at vLLM's per-rank endpoints
 /// (port + r), the replica's HTTP endpoint, and `X-data-parallel-rank: r` on the request.
@@ -154,7 +192,7 @@ pub(super) fn member(target: (ReplicaConfig, Option<u32>)) -> Member {
 impl Pool {
     /// The replicas' slots, locked (see `README.md`, "Lock order"): for this module's files
     /// only; callers outside take one of the snapshots below.
-    pub(super) fn members(&self) -> std::sync::RwLockReadGuard<'_, Vec<Member>> {
+    pub(super) fn members(&self) -> std::sync::RwLockReadGuard<'_, Slots> {
         read(&self.members)
     }
 
@@ -198,7 +236,8 @@ impl Pool {
         // The index's changes go in one batch, opened before `members` is locked: opening it
         // waits for the applier's batch in progress, and decisions must not wait behind that.
         let mut index = self.index_mut();
-        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        let mut slots = self.members.write().unwrap_or_else(|e| e.into_inner());
+        let members = &mut slots.list;
         let mut start = Vec::new();
         let mut returned = false;
         for (i, m) in members.iter_mut().enumerate() {
@@ -255,9 +294,10 @@ impl Pool {
             };
             self.join(slot, &mut members[slot.get()], &target, &mut start);
         }
+        slots.index_ids();
         // The index's new slots go live before the members that name them.
         drop(index);
-        drop(members);
+        drop(slots);
         // Bookings and session bindings a peer handed over that were waiting for these targets.
         self.book_handed_over();
         self.bind_handed_over();
@@ -290,12 +330,13 @@ impl Pool {
         }
         // As in `set_members`: the index batch first, then `members`.
         let mut index = self.index_mut();
-        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
-        for (i, m) in members.iter_mut().enumerate() {
+        let mut slots = self.members.write().unwrap_or_else(|e| e.into_inner());
+        for (i, m) in slots.list.iter_mut().enumerate() {
             if due(m) {
                 self.retire(ReplicaIdx::new(i), m, &mut index);
             }
         }
+        slots.index_ids();
     }
 
     /// Takes a replica out: stops reading its events, then (in `index`, a batch opened after
@@ -327,9 +368,9 @@ impl Pool {
     /// Records the LoRA adapters the engine at `endpoint` lists (every DP rank of it). Returns
     /// whether anything changed.
     pub fn set_adapters(&self, endpoint: &str, adapters: &BTreeSet<String>) -> bool {
-        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        let mut slots = self.members.write().unwrap_or_else(|e| e.into_inner());
         let mut changed = false;
-        for m in members.iter_mut().filter(|m| m.active && m.replica.endpoint.to_string() == endpoint) {
+        for m in slots.list.iter_mut().filter(|m| m.active && m.replica.endpoint.to_string() == endpoint) {
             if m.adapters != *adapters {
                 tracing::info!(model = %self.config.model, replica = %m.replica.id, ?adapters, "LoRA adapters changed");
                 m.adapters.clone_from(adapters);

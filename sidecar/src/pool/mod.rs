@@ -55,7 +55,7 @@ pub use sessions::SessionConfig;
 pub use state::{LatencyState, PoolState, ReplicaState};
 
 use explain::Explanations;
-use members::member;
+use members::{member, Slots};
 
 /// Segment-cache budget of the tokenizer used for offloaded prompts.
 const OFFLOAD_SEGMENT_CACHE_BYTES: usize = 64 << 20;
@@ -69,7 +69,7 @@ pub struct Pool {
     /// What each replica is busy with.
     load: Mutex<LoadTable>,
     /// The replicas' slots, by replica index (the config's replicas first).
-    members: RwLock<Vec<Member>>,
+    members: RwLock<Slots>,
     /// The encoded [`kvgate_shared::wire::ModelBundle`] served to filters.
     bundle: Vec<u8>,
     /// How often filters fetched it (a model no filter ever fetched routes on load alone).
@@ -123,7 +123,7 @@ impl Pool {
             admission,
             index: Mirrored::new(KvIndex::new(config.block_size as usize, n)),
             load: Mutex::new(LoadTable::new(n, config.prefill_tokens_per_sec)),
-            members: RwLock::new(initial.into_iter().map(member).collect()),
+            members: RwLock::new(Slots::new(initial.into_iter().map(member).collect())),
             config,
             bundle,
             bundles_served: AtomicU64::new(0),

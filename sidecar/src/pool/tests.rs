@@ -422,6 +422,34 @@ fn peer_booking(target: &str, request_id: &str, tokens: &[u32]) -> SyncEvent {
 }
 
 #[test]
+fn a_peers_booking_lands_on_the_replica_its_target_names_now() {
+    let p = pool(3);
+    let replicas = p.config.replicas.clone();
+    // Requests on each replica by id, from `/debug/state`.
+    let active = |p: &Pool| -> Vec<(String, u64)> {
+        p.state().replicas.into_iter().map(|r| (r.id, r.active_requests)).collect()
+    };
+    p.apply_remote("peer", &peer_booking("r2", "a", &[1; 8]));
+    assert_eq!(active(&p), [("r0".into(), 0), ("r1".into(), 0), ("r2".into(), 1)]);
+    // r1 leaves and is in its grace period: not a target a peer can book on.
+    p.set_members(&[replicas[0].clone(), replicas[2].clone()]);
+    p.apply_remote("peer", &peer_booking("r1", "b", &[1; 8]));
+    assert_eq!(p.state().bookings, 1, "a booking on a replica that left is ignored");
+    // Back, it is one again.
+    p.set_members(&replicas);
+    p.apply_remote("peer", &peer_booking("r1", "c", &[1; 8]));
+    assert_eq!(active(&p), [("r0".into(), 0), ("r1".into(), 1), ("r2".into(), 1)]);
+
+    // Without a grace period r1's slot is emptied, and a newcomer takes it.
+    let p = with_grace(pool(3), 0);
+    let newcomer = ReplicaConfig { id: "r3".into(), ..replicas[1].clone() };
+    p.set_members(&[replicas[0].clone(), newcomer, replicas[2].clone()]);
+    p.apply_remote("peer", &peer_booking("r1", "d", &[1; 8]));
+    p.apply_remote("peer", &peer_booking("r3", "e", &[1; 8]));
+    assert_eq!(active(&p), [("r0".into(), 0), ("r3".into(), 1), ("r2".into(), 0)], "r3 in r1's slot, r1 nowhere");
+}
+
+#[test]
 fn kv_aware_credits_prefixes_a_peer_routed_moments_ago() {
     let cfg = ScoringConfig::default();
     let (prompt, longer) = prompt_and_next_turn();
