@@ -12,6 +12,7 @@ use kvgate_e2e::process::{free_port, free_port_run, wait_for};
 use kvgate_shared::wire::RouteRequest;
 use kvgate_sidecar::health::Health;
 use kvgate_sidecar::metrics::Metrics;
+use kvgate_sidecar::pool::Pool;
 use kvgate_sidecar::score::ScoringConfig;
 use kvgate_sidecar::sync::SyncConfig;
 
@@ -22,8 +23,17 @@ fn request(id: &str, seed: u32, session: Option<&str>) -> RouteRequest {
     RouteRequest { session: session.map(str::to_owned), ..common::request(id, &tokens) }
 }
 
-#[test]
-fn bookings_reach_the_other_gateway_and_leave_with_their_lifecycle() {
+/// Two gateways' pools, each with its side of the mesh started (stopped by its own health),
+/// and the number of probes booked on A until B saw one (booked, not ended).
+struct Pair {
+    a: Arc<Pool>,
+    b: Arc<Pool>,
+    threads_a: Vec<std::thread::JoinHandle<()>>,
+    threads_b: Vec<std::thread::JoinHandle<()>>,
+    probes: u32,
+}
+
+fn linked_pair(stop_a: &Arc<Health>, stop_b: &Arc<Health>, ctx: &zmq::Context) -> Pair {
     // Each sync port and the next (the handover).
     let first = free_port_run(4).unwrap();
     let (port_a, port_b) = (first, first + 2);
@@ -34,21 +44,25 @@ fn bookings_reach_the_other_gateway_and_leave_with_their_lifecycle() {
         ..SyncConfig::new("", Vec::new())
     };
     let (a, b) = (common::session_pool(), common::session_pool());
-    let stop = Health::new();
-    let ctx = zmq::Context::new();
-    let mut threads = common::start_mesh(&sync("a", port_a, port_b), &a, Arc::new(Metrics::default()), &ctx, &stop);
-    threads.extend(common::start_mesh(&sync("b", port_b, port_a), &b, Arc::new(Metrics::default()), &ctx, &stop));
-    let cfg = ScoringConfig::default();
-
-    // ZMQ subscriptions take a moment: book probes on A until B sees one, then end them.
+    let threads_a = common::start_mesh(&sync("a", port_a, port_b), &a, Arc::new(Metrics::default()), ctx, stop_a);
+    let threads_b = common::start_mesh(&sync("b", port_b, port_a), &b, Arc::new(Metrics::default()), ctx, stop_b);
+    // ZMQ subscriptions take a moment: book probes on A until B sees one.
     let mut probes = 0;
     wait_for("the sync link", WAIT, || {
-        a.route(&request(&format!("probe{probes}"), 900 + probes, Some("s")), &cfg);
+        a.route(&request(&format!("probe{probes}"), 900 + probes, Some("s")), &ScoringConfig::default());
         probes += 1;
         std::thread::sleep(Duration::from_millis(20));
         (common::active(&b).iter().sum::<u64>() > 0).then_some(())
     })
     .unwrap();
+    Pair { a, b, threads_a, threads_b, probes }
+}
+
+#[test]
+fn bookings_reach_the_other_gateway_and_leave_with_their_lifecycle() {
+    let (stop, ctx) = (Health::new(), zmq::Context::new());
+    let Pair { a, b, threads_a, threads_b, probes } = linked_pair(&stop, &stop, &ctx);
+    let cfg = ScoringConfig::default();
     for i in 0..probes {
         a.lifecycle(&format!("probe{i}").into(), false);
     }
@@ -84,7 +98,30 @@ fn bookings_reach_the_other_gateway_and_leave_with_their_lifecycle() {
     wait_for("and releases them", WAIT, || (common::active(&b)[slot] == 0).then_some(())).unwrap();
 
     stop.stop();
-    for t in threads {
+    for t in threads_a.into_iter().chain(threads_b) {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn a_gateway_that_stops_still_tells_its_peers_what_ended() {
+    // Each gateway stops on its own.
+    let (stop_a, stop_b, ctx) = (Health::new(), Health::new(), zmq::Context::new());
+    let Pair { a, b, threads_a, threads_b, probes } = linked_pair(&stop_a, &stop_b, &ctx);
+    wait_for("every probe on B", WAIT, || (common::active(&b).iter().sum::<u64>() == u64::from(probes)).then_some(()))
+        .unwrap();
+
+    // A's last requests end, and A stops at once: their ends have no booking to ride with.
+    for i in 0..probes {
+        assert!(a.lifecycle(&format!("probe{i}").into(), false));
+    }
+    stop_a.stop();
+    for t in threads_a {
+        t.join().unwrap();
+    }
+    wait_for("A's last ends on B", WAIT, || (common::active(&b).iter().sum::<u64>() == 0).then_some(())).unwrap();
+    stop_b.stop();
+    for t in threads_b {
         t.join().unwrap();
     }
 }

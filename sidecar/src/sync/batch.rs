@@ -2,17 +2,19 @@
 //! it is given (the publisher thread drives it; the scale benchmark's peers use it too).
 //!
 //! Every message costs each of the other gateways a wake-up, a decryption and a decode,
-//! whatever it holds: at 16 gateways that per-message cost was most of the booking sync's
-//! CPU when every event went out within 1 ms, on its own. So the deadline depends on what
-//! waits:
+//! whatever it holds: at 16 gateways, when every event went out within 1 ms (2.3 messages a
+//! request), sending one message a request instead took 14 % off the receivers' sync
+//! threads (`docs/scale.md`). So the deadline depends on what waits:
 //! - a **booking** goes out within [`BOOKED_WITHIN`]: peers deciding meanwhile do not see it,
 //!   and a burst of one new prefix over several gateways would herd onto one replica;
 //! - a **first token** or an **end** waits up to [`LIFECYCLE_WITHIN`] and leaves with the next
 //!   booking: until then peers count the request's prefill (or decode) on its replica a few
 //!   milliseconds longer, against prefills that take tens to hundreds.
 //!
-//! A batch also goes out as soon as it holds [`BATCH_EVENTS`] events. Order is kept: a
-//! request's end never leaves before its booking.
+//! A batch also goes out as soon as it holds [`BATCH_EVENTS`] events, and everything goes
+//! when the publisher stops ([`Batcher::take_all`]). Order is kept: a request's end never
+//! leaves before its booking. The windows run from when the publisher takes the event from
+//! the pools' outbox.
 
 use std::time::{Duration, Instant};
 
@@ -55,8 +57,13 @@ impl Batcher {
         if !due {
             return None;
         }
+        Some(self.take_all())
+    }
+
+    /// Every waiting event, due or not (the publisher is stopping).
+    pub fn take_all(&mut self) -> Vec<SyncEvent> {
         self.deadline = None;
-        Some(std::mem::take(&mut self.events))
+        std::mem::take(&mut self.events)
     }
 }
 

@@ -10,7 +10,8 @@
 //!   address is dialled on the `listen` port, the sidecar's own address included and skipped
 //!   by origin).
 //! - Traffic is batched ([`batch`]): a booking goes out within 1 ms, a first token or an end
-//!   within 10 ms, riding with the next booking; a batch of 256 events at once.
+//!   within 10 ms, riding with the next booking; a batch of 256 events at once. A stopping
+//!   sidecar sends what waits (its last requests' ends) before it closes the socket.
 //! - The view is eventually consistent: a lost message leaves a booking to the TTL sweep
 //!   (`request_expiry_secs`); a peer's restart loses nothing of ours.
 //! - Messages carry the sync version in their topic (`kvgate-sync/<version>`): a peer of
@@ -68,6 +69,8 @@ const FOREIGN_TOPICS: usize = 16;
 const FOREIGN_TOPIC_BYTES: usize = 64;
 /// Events waiting to be published; more are dropped (the TTL sweep covers them).
 const OUTBOX: usize = 65_536;
+/// How long the publisher's last messages may take to leave when it stops.
+const LINGER_ON_STOP: Duration = Duration::from_millis(200);
 /// How often blocked calls wake up to check for shutdown, and `peers_dns` is re-resolved.
 const POLL: Duration = Duration::from_millis(100);
 const RESOLVE_EVERY: Duration = Duration::from_secs(5);
@@ -120,19 +123,41 @@ fn publish_loop(socket: &zmq::Socket, origin: &str, sealer: &Sealer, rx: &Receiv
         match rx.recv_timeout(wait) {
             Ok(event) => batcher.push(event, Instant::now()),
             Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return,
+            Err(RecvTimeoutError::Disconnected) => break,
         }
-        let Some(events) = batcher.take_due(Instant::now()) else { continue };
-        let message = SyncBatch { origin: origin.to_owned(), events };
-        match kvgate_shared::codec::encode(&message) {
-            Ok(bytes) => {
-                let bytes = sealer.seal(Purpose::Sync, bytes, SystemTime::now());
-                if let Err(e) = socket.send_multipart([TOPIC, bytes.as_slice()], 0) {
-                    tracing::warn!(error = %e, "sync publish failed");
-                }
+        if let Some(events) = batcher.take_due(Instant::now()) {
+            publish(socket, origin, sealer, events);
+        }
+    }
+    // Stopping: what waits goes out now. The last requests' ends have no booking after them
+    // to ride with, and a peer would count them until its expiry sweep.
+    while let Ok(event) = rx.try_recv() {
+        batcher.push(event, Instant::now());
+        if let Some(events) = batcher.take_due(Instant::now()) {
+            publish(socket, origin, sealer, events);
+        }
+    }
+    let events = batcher.take_all();
+    if !events.is_empty() {
+        publish(socket, origin, sealer, events);
+    }
+    // Closing the socket waits this long for them to leave.
+    if let Err(e) = socket.set_linger(LINGER_ON_STOP.as_millis() as i32) {
+        tracing::debug!(error = %e, "sync linger not set");
+    }
+}
+
+/// Seals `events` as one message and publishes it.
+fn publish(socket: &zmq::Socket, origin: &str, sealer: &Sealer, events: Vec<SyncEvent>) {
+    let message = SyncBatch { origin: origin.to_owned(), events };
+    match kvgate_shared::codec::encode(&message) {
+        Ok(bytes) => {
+            let bytes = sealer.seal(Purpose::Sync, bytes, SystemTime::now());
+            if let Err(e) = socket.send_multipart([TOPIC, bytes.as_slice()], 0) {
+                tracing::warn!(error = %e, "sync publish failed");
             }
-            Err(e) => tracing::warn!(error = %e, "sync batch not encodable"),
         }
+        Err(e) => tracing::warn!(error = %e, "sync batch not encodable"),
     }
 }
 
