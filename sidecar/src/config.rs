@@ -374,6 +374,13 @@ impl Config {
                 if !ids.insert(r.id.as_str()) {
                     bail!("pool {:?}: replica id {:?} is used twice", pool.model, r.id);
                 }
+                if r.id.contains('#') {
+                    bail!(
+                        "pool {:?}: replica id {:?} holds '#', which names data-parallel ranks (`id#rank`)",
+                        pool.model,
+                        r.id
+                    );
+                }
                 if !endpoints.insert(r.endpoint) {
                     bail!("pool {:?}: endpoint {} is used twice", pool.model, r.endpoint);
                 }

@@ -426,3 +426,15 @@ fn offload_threads_default_to_the_cores_and_no_spreading_and_refuse_zero() {
         assert!(err.contains(&format!("{key} must be at least 1")), "{err}");
     }
 }
+
+#[test]
+fn a_replica_id_cannot_name_another_replicas_rank() {
+    // `a` with two ranks is targets `a#0` and `a#1`: a replica named `a#0` would be a second.
+    let ranked = BASE.replace("id = \"a\"", "id = \"a\"\n    data_parallel_size = 2");
+    let text = format!(
+        "{ranked}    [[pools.replicas]]\n    id = \"a#0\"\n    endpoint = \"127.0.0.1:8009\"\n    kv_events = \"tcp://127.0.0.1:5567\"\n"
+    );
+    let err = load(&text, &[]).unwrap_err().to_string();
+    assert!(err.contains("\"a#0\" holds '#'"), "{err}");
+    assert!(load(&ranked, &[]).is_ok(), "the ranked replica alone is fine");
+}

@@ -124,7 +124,8 @@ impl Member {
 
 /// The pool's slots by replica index, and the active ones by id: a peer's booking names its
 /// target by id, and thousands a second must not each compare it with every member's. Read
-/// as a list (`Deref`); changed only in this file, which indexes the ids again after.
+/// as a list (`Deref`); changed only in this file, which indexes the ids again after any
+/// change of an id or of who is active.
 #[derive(Debug)]
 pub struct Slots {
     list: Vec<Member>,
@@ -143,10 +144,11 @@ impl Slots {
         self.active.get(id).copied()
     }
 
-    /// Indexes the active slots' ids again: after every change of the list.
+    /// Indexes the active slots' ids again: after any change of an id or of who is active.
     fn index_ids(&mut self) {
         let active = self.list.iter().enumerate().filter(|(_, m)| m.active);
         self.active = active.map(|(i, m)| (m.replica.id.clone(), ReplicaIdx::new(i))).collect();
+        debug_assert_eq!(self.active.len(), self.list.iter().filter(|m| m.active).count(), "active ids are unique");
     }
 }
 
@@ -239,7 +241,7 @@ impl Pool {
         let mut slots = self.members.write().unwrap_or_else(|e| e.into_inner());
         let members = &mut slots.list;
         let mut start = Vec::new();
-        let mut returned = false;
+        let (mut returned, mut left) = (false, false);
         for (i, m) in members.iter_mut().enumerate() {
             let i = ReplicaIdx::new(i);
             let wanted = wanted_targets.iter().find(|(r, _)| r.id == m.replica.id);
@@ -262,8 +264,12 @@ impl Pool {
                     tracing::info!(model = %self.config.model, replica = %m.replica.id, grace_secs = grace.as_secs(), "replica left; not routed to, its index kept for the grace period");
                     m.active = false;
                     m.leaving_since = Some(Instant::now());
+                    left = true;
                 }
-                None if kept => self.retire(i, m, &mut index),
+                None if kept => {
+                    self.retire(i, m, &mut index);
+                    left = true;
+                }
                 None => {}
             }
         }
@@ -294,7 +300,9 @@ impl Pool {
             };
             self.join(slot, &mut members[slot.get()], &target, &mut start);
         }
-        slots.index_ids();
+        if returned || left || !start.is_empty() {
+            slots.index_ids();
+        }
         // The index's new slots go live before the members that name them.
         drop(index);
         drop(slots);
