@@ -3,7 +3,8 @@
 //! so that the sidecar under test applies their bookings over its real sync transport.
 //!
 //! Each peer binds a ZMQ PUB socket on loopback (`base_port + 2 i`) and publishes, sealed with
-//! the mesh's key as a sidecar does, the lifecycle of `decisions_per_s` requests a second:
+//! the mesh's key as a sidecar does, the lifecycle of `decisions_per_s` requests a second,
+//! arriving at random (exponential gaps, as independent clients' requests do):
 //! `Booked` (one of the fleet's shared system prompts and `new_tokens` tokens of its own, on
 //! an engine drawn at random, whose events are taken to hold the shared prompt), `FirstToken`
 //! and `Done` after delays drawn uniformly from ½× to 1½× `first_token_secs` and
@@ -66,6 +67,8 @@ struct Peer {
     origin: String,
     later: BinaryHeap<Reverse<Later>>,
     decided: u64,
+    /// When its next decision is due, from the start.
+    next: Duration,
     batcher: Batcher,
 }
 
@@ -140,12 +143,19 @@ fn main() -> anyhow::Result<()> {
         socket.set_sndhwm(100_000)?;
         socket.bind(&format!("tcp://127.0.0.1:{}", usize::from(config.base_port) + 2 * i))?;
         let origin = format!("peer-{i}");
-        peers.push(Peer { socket, origin, later: BinaryHeap::new(), decided: 0, batcher: Batcher::default() });
+        let (later, batcher) = (BinaryHeap::new(), Batcher::default());
+        peers.push(Peer { socket, origin, later, decided: 0, next: Duration::ZERO, batcher });
     }
     println!("{}", serde_json::json!({ "bound": config.peers }));
     let mut rng = rand::rngs::StdRng::seed_from_u64(config.seed);
     let (start, end) = (Instant::now(), Duration::from_secs_f64(config.seconds));
-    let gap = Duration::from_secs_f64(1.0 / config.decisions_per_s);
+    // The time to a peer's next decision: exponential, with the rate asked for.
+    let gap = |rng: &mut rand::rngs::StdRng| {
+        Duration::from_secs_f64(-rng.random_range(f64::EPSILON..1.0).ln() / config.decisions_per_s)
+    };
+    for peer in &mut peers {
+        peer.next = gap(&mut rng);
+    }
     let mut sent = Sent::default();
     let (mut tick, mut reported) = (Duration::ZERO, Duration::ZERO);
     while tick < end {
@@ -157,12 +167,11 @@ fn main() -> anyhow::Result<()> {
         if let Some(wait) = tick.checked_sub(start.elapsed()) {
             std::thread::sleep(wait);
         }
-        for (i, peer) in peers.iter_mut().enumerate() {
-            // Each peer's decisions are spread over the gap, not all on the same tick.
-            let phase = gap.mul_f64(i as f64 / config.peers as f64);
+        for peer in &mut peers {
             let now = start + tick;
-            while phase + gap.mul_f64(peer.decided as f64) <= tick {
-                let due = phase + gap.mul_f64(peer.decided as f64);
+            while peer.next <= tick {
+                let due = peer.next;
+                peer.next += gap(&mut rng);
                 let (booked, first, done) = request(&config, &prefixes, peer, &mut rng);
                 peer.batcher.push(booked, now);
                 let (first_at, end_at) = (
