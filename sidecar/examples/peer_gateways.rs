@@ -21,14 +21,14 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use kvgate_shared::hash::{prompt_block_hashes, Salt};
-use kvgate_sidecar::msg::sync::{SyncBatch, SyncEvent};
+use kvgate_sidecar::msg::sync::SyncEvent;
 use kvgate_sidecar::sync::batch::Batcher;
-use kvgate_sidecar::sync::seal::{Purpose, Sealer, SyncKey};
-use kvgate_sidecar::sync::TOPIC;
+use kvgate_sidecar::sync::seal::{Sealer, SyncKey};
+use kvgate_sidecar::sync::{sealed_batch, TOPIC};
 use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 
@@ -167,8 +167,8 @@ fn main() -> anyhow::Result<()> {
         if let Some(wait) = tick.checked_sub(start.elapsed()) {
             std::thread::sleep(wait);
         }
+        let now = start + tick;
         for peer in &mut peers {
-            let now = start + tick;
             while peer.next <= tick {
                 let due = peer.next;
                 peer.next += gap(&mut rng);
@@ -191,8 +191,7 @@ fn main() -> anyhow::Result<()> {
             }
             let Some(events) = peer.batcher.take_due(now) else { continue };
             sent.events += events.len() as u64;
-            let batch = SyncBatch { origin: peer.origin.clone(), events };
-            let frame = sealer.seal(Purpose::Sync, kvgate_shared::codec::encode(&batch)?, SystemTime::now());
+            let frame = sealed_batch(&sealer, &peer.origin, events)?;
             sent.bytes += frame.len() as u64;
             sent.messages += 1;
             peer.socket.send_multipart([TOPIC, frame.as_slice()], 0)?;

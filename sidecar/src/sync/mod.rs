@@ -149,16 +149,25 @@ fn publish_loop(socket: &zmq::Socket, origin: &str, sealer: &Sealer, rx: &Receiv
 
 /// Seals `events` as one message and publishes it.
 fn publish(socket: &zmq::Socket, origin: &str, sealer: &Sealer, events: Vec<SyncEvent>) {
-    let message = SyncBatch { origin: origin.to_owned(), events };
-    match kvgate_shared::codec::encode(&message) {
-        Ok(bytes) => {
-            let bytes = sealer.seal(Purpose::Sync, bytes, SystemTime::now());
-            if let Err(e) = socket.send_multipart([TOPIC, bytes.as_slice()], 0) {
+    match sealed_batch(sealer, origin, events) {
+        Ok(frame) => {
+            if let Err(e) = socket.send_multipart([TOPIC, frame.as_slice()], 0) {
                 tracing::warn!(error = %e, "sync publish failed");
             }
         }
         Err(e) => tracing::warn!(error = %e, "sync batch not encodable"),
     }
+}
+
+/// `origin`'s `events` as the payload of one sync message (after its [`TOPIC`] frame):
+/// encoded as a [`SyncBatch`] and sealed.
+pub fn sealed_batch(
+    sealer: &Sealer,
+    origin: &str,
+    events: Vec<SyncEvent>,
+) -> Result<Vec<u8>, kvgate_shared::codec::CodecError> {
+    let bytes = kvgate_shared::codec::encode(&SyncBatch { origin: origin.to_owned(), events })?;
+    Ok(sealer.seal(Purpose::Sync, bytes, SystemTime::now()))
 }
 
 /// What the subscriber applies peers' messages with.
